@@ -1,0 +1,340 @@
+"""The chain in a store: object keys, the header, commit records and their validation.
+
+Everything read here is treated as hostile: sizes and sha256 are checked against
+the referring object before parsing, and every cross-reference (chain id,
+version, attempt, rank, parent hash) is checked before anything is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from dcr_format.errors import (
+    ChainBrokenError,
+    ChecksumMismatchError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    SchemaError,
+    StoreNotInitializedError,
+    VersionNotFoundError,
+)
+from dcr_format.schema import (
+    CommitRecord,
+    Manifest,
+    ManifestRef,
+    ShardRef,
+    StoreHeader,
+    parse,
+)
+from dcr_format.store import Store
+
+HEADER_KEY = "dcr.json"
+HEAD_KEY = "HEAD"
+COMMITS_PREFIX = "commits/"
+OBJECTS_PREFIX = "objects/"
+_COMMIT_KEY = re.compile(r"^commits/(\d{20})\.json$")
+MAX_MANIFEST_BYTES = 256 << 20
+MAX_RECORD_BYTES = 64 << 20
+
+
+def commit_key(version: int) -> str:
+    """Key of version ``version``'s commit record."""
+    return f"{COMMITS_PREFIX}{version:020d}.json"
+
+
+def attempt_prefix(version: int, attempt: str) -> str:
+    """Prefix under which one publish attempt of a version writes its objects."""
+    return f"{OBJECTS_PREFIX}{version:020d}/{attempt}/"
+
+
+def manifest_key(version: int, attempt: str, rank: int) -> str:
+    """Key of one writer rank's manifest."""
+    return f"{attempt_prefix(version, attempt)}manifest-{rank:05d}.json"
+
+
+def shard_key(version: int, attempt: str, rank: int, index: int) -> str:
+    """Key of one writer rank's ``index``-th shard."""
+    return f"{attempt_prefix(version, attempt)}shard-{rank:05d}-{index:05d}.dcrs"
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    """Hex sha256 of stored bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def utc_now() -> datetime:
+    """The default clock."""
+    return datetime.now(timezone.utc)
+
+
+def timestamp(moment: datetime) -> str:
+    """ISO 8601 UTC with microseconds and a ``Z``, as every ``created`` field."""
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def new_id() -> str:
+    """A fresh 32-hex-digit id (chain ids, attempt ids)."""
+    return uuid.uuid4().hex
+
+
+def get_verified(store: Store, key: str, *, size: int, sha256: str) -> bytes:
+    """Fetch an object and check it against the size and sha256 recorded for it."""
+    data = store.get(key, max_size=size)
+    if len(data) != size:
+        raise ChecksumMismatchError(
+            f"{key} is {len(data)} bytes, expected {size}: the object is corrupt; "
+            "run `dcr verify` and restore it"
+        )
+    if sha256_hex(data) != sha256:
+        raise ChecksumMismatchError(
+            f"{key} does not match its recorded sha256: the object is corrupt; "
+            "run `dcr verify` and restore it"
+        )
+    return data
+
+
+@dataclass(frozen=True)
+class LoadedRecord:
+    """A commit record with the sha256 of its stored bytes (the next version links to it)."""
+
+    record: CommitRecord
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class TensorState:
+    """One row of a version's state table."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    fingerprint: str
+    rank: int
+
+
+class Chain:
+    """Read access to the chain held by one store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._header: StoreHeader | None = None
+
+    # --- header ------------------------------------------------------------------
+
+    @property
+    def header(self) -> StoreHeader:
+        """The store header (``dcr.json``); raises if the store holds no chain."""
+        if self._header is None:
+            try:
+                data = self.store.get(HEADER_KEY, max_size=1 << 20)
+            except ObjectNotFoundError:
+                raise StoreNotInitializedError(
+                    f"{self.store.url} holds no dcr chain (no dcr.json); publish to it first "
+                    "or check the store URL"
+                ) from None
+            self._header = parse(StoreHeader, data, what=f"{self.store.url}/{HEADER_KEY}")
+        return self._header
+
+    def exists(self) -> bool:
+        """Whether the store holds a chain header."""
+        return self.store.exists(HEADER_KEY)
+
+    def create(
+        self, *, clock: Callable[[], datetime] = utc_now, chain_id: str | None = None
+    ) -> StoreHeader:
+        """Create the header if absent (racing creators agree on whichever landed first)."""
+        header = StoreHeader(chain_id=chain_id or new_id(), created=timestamp(clock()))
+        try:
+            self.store.put_if_absent(HEADER_KEY, header.to_json())
+        except ObjectExistsError:
+            pass
+        self._header = None
+        return self.header
+
+    # --- commits -----------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Committed versions, ascending (from listing ``commits/``)."""
+        found = []
+        for key in self.store.list(COMMITS_PREFIX):
+            match = _COMMIT_KEY.match(key)
+            if match:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest(self) -> int | None:
+        """The newest committed version, or None for an empty chain."""
+        versions = self.versions()
+        return versions[-1] if versions else None
+
+    def record(self, version: int) -> LoadedRecord:
+        """Load and validate version ``version``'s commit record."""
+        key = commit_key(version)
+        try:
+            data = self.store.get(key, max_size=MAX_RECORD_BYTES)
+        except ObjectNotFoundError:
+            raise VersionNotFoundError(
+                f"version {version} is not committed in {self.store.url}; "
+                "run `dcr log` to see the committed versions"
+            ) from None
+        record = parse(CommitRecord, data, what=key)
+        self.check_record(record, version)
+        return LoadedRecord(record, sha256_hex(data), len(data))
+
+    def check_record(self, record: CommitRecord, version: int) -> None:
+        """Semantic checks of a commit record beyond its schema."""
+        key = commit_key(version)
+        if record.chain_id != self.header.chain_id:
+            raise ChainBrokenError(
+                f"{key} belongs to chain {record.chain_id}, not this store's "
+                f"{self.header.chain_id}: the store mixes chains; restore it"
+            )
+        if record.version != version:
+            raise ChainBrokenError(f"{key} claims version {record.version}; the store is corrupt")
+        if version == 0 and (record.kind != "base" or record.parent is not None):
+            raise ChainBrokenError(f"{key}: version 0 must be a base with no parent")
+        if version > 0 and (record.parent != version - 1 or record.parent_sha256 is None):
+            raise ChainBrokenError(f"{key}: version {version} must link to version {version - 1}")
+        ranks = sorted(ref.rank for ref in record.manifests)
+        if ranks != list(range(record.world_size)):
+            raise SchemaError(
+                f"{key} lists manifest ranks {ranks} for world size {record.world_size}"
+            )
+        for ref in record.manifests:
+            if ref.path != manifest_key(version, record.attempt, ref.rank):
+                raise SchemaError(f"{key} points at {ref.path}, outside its own attempt")
+
+    def check_link(self, parent: LoadedRecord, child: LoadedRecord) -> None:
+        """The child's parent hash must be the sha256 of the parent's stored record."""
+        if (
+            child.record.parent != parent.record.version
+            or child.record.parent_sha256 != parent.sha256
+        ):
+            raise ChainBrokenError(
+                f"version {child.record.version} does not link to version "
+                f"{parent.record.version} (parent hash differs): the chain is broken; "
+                "run `dcr verify`"
+            )
+
+    # --- manifests ---------------------------------------------------------------
+
+    def manifest(self, loaded: LoadedRecord, ref: ManifestRef) -> Manifest:
+        """Load one manifest of a committed version and check it belongs there."""
+        record = loaded.record
+        data = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
+        manifest = parse(Manifest, data, what=ref.path)
+        check_manifest(
+            manifest,
+            record.chain_id,
+            record.version,
+            record.kind,
+            record.attempt,
+            ref.rank,
+            record.world_size,
+            ref.path,
+        )
+        return manifest
+
+    def manifests(self, loaded: LoadedRecord) -> list[Manifest]:
+        """All manifests of a committed version, rank order."""
+        return [
+            self.manifest(loaded, ref)
+            for ref in sorted(loaded.record.manifests, key=lambda r: r.rank)
+        ]
+
+    def state_table(self, manifests: list[Manifest]) -> dict[str, TensorState]:
+        """The full tensor table of a version from its manifests."""
+        return state_table(manifests)
+
+
+def check_manifest(
+    manifest: Manifest,
+    chain_id: str,
+    version: int,
+    kind: str,
+    attempt: str,
+    rank: int,
+    world_size: int,
+    where: str,
+) -> None:
+    """A manifest must agree with the commit (or publish) it belongs to, and be self-consistent."""
+    expected = (chain_id, version, kind, attempt, rank, world_size)
+    found = (
+        manifest.chain_id,
+        manifest.version,
+        manifest.kind,
+        manifest.attempt,
+        manifest.rank,
+        manifest.world_size,
+    )
+    if found != expected:
+        raise SchemaError(
+            f"{where} does not belong to this version (chain/version/attempt/rank differ)"
+        )
+    prefix = attempt_prefix(version, attempt)
+    for shard in manifest.shards:
+        if not shard.path.startswith(prefix):
+            raise SchemaError(f"{where} names shard {shard.path} outside its own attempt")
+    names = set()
+    for entry in manifest.entries:
+        if entry.name in names:
+            raise SchemaError(f"{where} lists tensor {entry.name!r} twice")
+        names.add(entry.name)
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+        if numel > (1 << 62):
+            raise SchemaError(f"{where}: tensor {entry.name!r} has an impossible shape")
+        if entry.changed > numel or (entry.op == "full" and entry.changed != numel):
+            raise SchemaError(f"{where}: tensor {entry.name!r} declares {entry.changed} changes")
+        if kind == "base" and entry.op != "full":
+            raise SchemaError(f"{where}: base versions carry only full entries ({entry.name!r})")
+        needs_values = entry.changed > 0
+        needs_positions = needs_values and entry.op != "full"
+        if (entry.values is not None) != needs_values or (
+            entry.positions is not None
+        ) != needs_positions:
+            raise SchemaError(f"{where}: tensor {entry.name!r} has streams that do not fit its op")
+        if entry.op in ("xor", "overwrite") and entry.parent_fingerprint is None:
+            raise SchemaError(f"{where}: tensor {entry.name!r} needs a parent_fingerprint")
+        for ref in (entry.positions, entry.values):
+            if ref is not None and ref.shard >= len(manifest.shards):
+                raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
+
+
+def state_table(manifests: list[Manifest]) -> dict[str, TensorState]:
+    """Union of the manifests' entries; a name listed by two ranks is an error."""
+    table: dict[str, TensorState] = {}
+    for manifest in manifests:
+        for entry in manifest.entries:
+            if entry.name in table:
+                raise SchemaError(f"tensor {entry.name!r} is listed by more than one rank")
+            table[entry.name] = TensorState(
+                entry.name, entry.dtype, tuple(entry.shape), entry.fingerprint, manifest.rank
+            )
+    return table
+
+
+def table_fingerprint(table: dict[str, TensorState]) -> str:
+    """State fingerprint of a table (see :func:`dcr_format.fingerprint.state_fingerprint`)."""
+    from dcr_format.fingerprint import state_fingerprint
+
+    return state_fingerprint((t.name, t.dtype, t.shape, t.fingerprint) for t in table.values())
+
+
+__all__ = [
+    "Chain",
+    "LoadedRecord",
+    "ShardRef",
+    "TensorState",
+    "attempt_prefix",
+    "commit_key",
+    "manifest_key",
+    "shard_key",
+]

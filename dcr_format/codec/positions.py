@@ -1,0 +1,229 @@
+"""Position streams: sorted, unique flat element indices of one tensor.
+
+Two codings (spec/FORMAT.md, "Position codings"); the encoder keeps the smaller:
+
+- ``rice``: gaps between successive positions, Rice-coded (unary quotients in one
+  bit stream, fixed-width remainders in another). Near the entropy bound for the
+  scattered changes of an optimizer step.
+- ``ranges``: maximal runs of consecutive positions as (gap, length - 1) pairs in
+  the narrowest unsigned little-endian width. Wins on long contiguous runs.
+
+Decoders treat their input as hostile: every count, width and offset is checked
+before anything is allocated from it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from dcr_format.errors import PositionsError
+
+RICE = "rice"
+RANGES = "ranges"
+POSITION_CODINGS = (RICE, RANGES)
+
+_RICE_HEADER = struct.Struct("<BQQ")  # k, count, unary byte length
+_RANGES_HEADER = struct.Struct("<BBQ")  # gap width, length width, number of runs
+_WIDTHS = (1, 2, 4, 8)
+MAX_RICE_K = 62
+
+
+def _narrowest_width(max_value: int) -> int:
+    for width in _WIDTHS:
+        if max_value < (1 << (8 * width)):
+            return width
+    raise AssertionError("value does not fit in 64 bits")
+
+
+def _gaps(positions: np.ndarray) -> np.ndarray:
+    """Zero-based gaps: ``g[0] = p[0]``, ``g[i] = p[i] - p[i-1] - 1``."""
+    gaps = np.empty(positions.shape, dtype=np.uint64)
+    if positions.size:
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
+        gaps[1:] -= np.uint64(1)
+    return gaps
+
+
+def _best_rice_k(gaps: np.ndarray) -> int:
+    """The k in [0, 62] that minimises the exact Rice-coded bit count of ``gaps``."""
+    if gaps.size == 0:
+        return 0
+    mean = float(gaps.mean())
+    guess = max(0, int(np.floor(np.log2(max(mean * 0.6931, 1.0)))))
+    best_k, best_bits = 0, None
+    for k in range(max(0, guess - 2), min(MAX_RICE_K, guess + 3) + 1):
+        bits = int((gaps >> np.uint64(k)).sum()) + gaps.size * (1 + k)
+        if best_bits is None or bits < best_bits:
+            best_k, best_bits = k, bits
+    return best_k
+
+
+def encode_rice(positions: np.ndarray) -> bytes:
+    """Rice-code sorted unique int64 positions."""
+    gaps = _gaps(positions)
+    count = int(gaps.size)
+    k = _best_rice_k(gaps)
+    quotients = gaps >> np.uint64(k)
+    ends = np.cumsum(quotients + np.uint64(1), dtype=np.uint64) - np.uint64(1)
+    unary_bits = np.zeros(int(ends[-1]) + 1 if count else 0, dtype=np.uint8)
+    unary_bits[ends.astype(np.int64)] = 1
+    unary = np.packbits(unary_bits).tobytes()
+    if k and count:
+        shifts = np.arange(k - 1, -1, -1, dtype=np.uint64)
+        rem_bits = ((gaps[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
+        remainders = np.packbits(rem_bits.reshape(-1)).tobytes()
+    else:
+        remainders = b""
+    return _RICE_HEADER.pack(k, count, len(unary)) + unary + remainders
+
+
+def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Decode a ``rice`` stream; see :func:`decode_positions` for the checks."""
+    buf = memoryview(data)
+    if len(buf) < _RICE_HEADER.size:
+        raise PositionsError("rice positions stream is truncated (no header); the shard is corrupt")
+    k, declared, unary_len = _RICE_HEADER.unpack_from(buf)
+    if declared != count:
+        raise PositionsError(
+            f"rice positions stream holds {declared} positions but the entry declares {count}"
+        )
+    if k > MAX_RICE_K:
+        raise PositionsError(f"rice parameter k={k} exceeds {MAX_RICE_K}; the shard is corrupt")
+    body = buf[_RICE_HEADER.size :]
+    rem_len = (count * k + 7) // 8
+    if unary_len > len(body) or len(body) - unary_len != rem_len:
+        raise PositionsError(
+            "rice positions stream sizes do not add up (truncated or padded); the shard is corrupt"
+        )
+    if count == 0:
+        if unary_len:
+            raise PositionsError("rice positions stream has bits but declares no positions")
+        return np.empty(0, dtype=np.int64)
+    # a valid stream needs at least one unary bit per position, so this bounds memory
+    if unary_len * 8 < count:
+        raise PositionsError("rice unary stream is too short for the declared count")
+    unary_bits = np.unpackbits(np.frombuffer(body[:unary_len], dtype=np.uint8))
+    ones = np.flatnonzero(unary_bits)
+    if ones.size != count:
+        raise PositionsError(
+            f"rice unary stream holds {ones.size} terminators, expected {count}; shard is corrupt"
+        )
+    if unary_len != int(ones[-1]) // 8 + 1:
+        raise PositionsError("rice unary stream has trailing bytes after the last position")
+    quotients = np.diff(ones, prepend=-1).astype(np.uint64) - np.uint64(1)
+    if k:
+        if int(quotients.max()) > (numel >> k):
+            raise PositionsError("rice positions gap exceeds the tensor size; the shard is corrupt")
+        rem_bits = np.unpackbits(np.frombuffer(body[unary_len:], dtype=np.uint8))[: count * k]
+        weights = np.uint64(1) << np.arange(k - 1, -1, -1, dtype=np.uint64)
+        remainders = (rem_bits.reshape(count, k).astype(np.uint64) * weights).sum(
+            axis=1, dtype=np.uint64
+        )
+        gaps = (quotients << np.uint64(k)) | remainders
+    else:
+        gaps = quotients
+    return _finish(np.cumsum(gaps + np.uint64(1), dtype=np.uint64), numel)
+
+
+def _finish(ends: np.ndarray, numel: int) -> np.ndarray:
+    """Positions from exclusive running ends; checks order (and so wrap-around) and range."""
+    # compare the unsigned ends: a running sum that wrapped past 2**64 goes down here
+    if ends.size and (int(ends[0]) == 0 or not bool(np.all(ends[1:] > ends[:-1]))):
+        raise PositionsError("positions are not strictly increasing; the shard is corrupt")
+    if ends.size and int(ends[-1]) > numel:
+        raise PositionsError(
+            f"position {int(ends[-1]) - 1} is out of range for a tensor of {numel} elements"
+        )
+    return ends.view(np.int64) - 1
+
+
+def encode_ranges(positions: np.ndarray) -> bytes:
+    """Code sorted unique int64 positions as runs of consecutive indices."""
+    if positions.size == 0:
+        return _RANGES_HEADER.pack(1, 1, 0)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    run_starts = np.concatenate(([0], breaks))
+    run_ends = np.concatenate((breaks, [positions.size]))
+    starts = positions[run_starts].astype(np.uint64)
+    lengths = (run_ends - run_starts).astype(np.uint64)
+    previous_end = np.concatenate(([0], starts[:-1] + lengths[:-1])).astype(np.uint64)
+    gaps = starts - previous_end
+    lengths_m1 = lengths - np.uint64(1)
+    gap_w = _narrowest_width(int(gaps.max()))
+    len_w = _narrowest_width(int(lengths_m1.max()))
+    return (
+        _RANGES_HEADER.pack(gap_w, len_w, int(starts.size))
+        + gaps.astype(f"<u{gap_w}").tobytes()
+        + lengths_m1.astype(f"<u{len_w}").tobytes()
+    )
+
+
+def decode_ranges(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Decode a ``ranges`` stream; see :func:`decode_positions` for the checks."""
+    buf = memoryview(data)
+    if len(buf) < _RANGES_HEADER.size:
+        raise PositionsError("ranges positions stream is truncated (no header); shard is corrupt")
+    gap_w, len_w, runs = _RANGES_HEADER.unpack_from(buf)
+    if gap_w not in _WIDTHS or len_w not in _WIDTHS:
+        raise PositionsError(f"ranges stream declares widths {gap_w}/{len_w}; expected 1, 2, 4, 8")
+    body = buf[_RANGES_HEADER.size :]
+    if runs > count or len(body) != runs * (gap_w + len_w):
+        raise PositionsError("ranges positions stream size does not match its run count")
+    gaps = np.frombuffer(body[: runs * gap_w], dtype=f"<u{gap_w}").astype(np.uint64)
+    lengths = np.frombuffer(body[runs * gap_w :], dtype=f"<u{len_w}").astype(np.uint64)
+    lengths += np.uint64(1)
+    if runs and int(lengths.min()) == 0:  # an 8-byte length of 2**64 - 1 wrapped to 0
+        raise PositionsError("ranges stream has a run length that overflows; shard is corrupt")
+    if runs and (int(gaps.max()) > numel or int(lengths.max()) > numel):
+        raise PositionsError("ranges stream has a run beyond the tensor size; shard is corrupt")
+    if runs > 1 and not bool(np.all(gaps[1:] > 0)):
+        raise PositionsError("ranges stream has adjacent or overlapping runs; shard is corrupt")
+    if int(lengths.sum(dtype=np.uint64)) != count:  # lengths <= numel, runs <= count: no wrap
+        raise PositionsError(f"ranges stream covers a different number of positions than {count}")
+    if runs == 0:
+        return np.empty(0, dtype=np.int64)
+    ends = np.cumsum(gaps + lengths, dtype=np.uint64)
+    if runs > 1 and not bool(np.all(ends[1:] > ends[:-1])):  # unsigned: catches wrap-around
+        raise PositionsError("ranges stream overflows; the shard is corrupt")
+    if int(ends[-1]) > numel:
+        raise PositionsError(f"ranges stream reaches past the tensor's {numel} elements")
+    starts = (ends - lengths).view(np.int64)
+    offsets = np.cumsum(lengths.view(np.int64)) - lengths.view(np.int64)
+    return np.repeat(starts - offsets, lengths.view(np.int64)) + np.arange(count, dtype=np.int64)
+
+
+_ENCODERS = {RICE: encode_rice, RANGES: encode_ranges}
+_DECODERS = {RICE: decode_rice, RANGES: decode_ranges}
+
+
+def encode_positions(positions: np.ndarray, *, coding: str | None = None) -> tuple[str, bytes]:
+    """Encode sorted unique int64 positions; with ``coding=None`` keep the smaller coding."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    if coding is not None:
+        return coding, _ENCODERS[coding](positions)
+    candidates = [
+        (len(data), name, data)
+        for name, data in ((c, _ENCODERS[c](positions)) for c in POSITION_CODINGS)
+    ]
+    _, name, data = min(candidates)
+    return name, data
+
+
+def decode_positions(
+    coding: str, data: bytes | memoryview, *, count: int, numel: int
+) -> np.ndarray:
+    """Decode a position stream into a strictly increasing int64 array in ``[0, numel)``.
+
+    Raises :class:`PositionsError` for an unknown coding, a count other than
+    ``count``, truncation, trailing bytes, unsorted or duplicate positions,
+    positions out of range and arithmetic overflow.
+    """
+    decoder = _DECODERS.get(coding)
+    if decoder is None:
+        raise PositionsError(f"unknown position coding {coding!r}; upgrade dcr-format")
+    if count < 0 or count > numel or numel >= 1 << 63:  # positions are int64
+        raise PositionsError(f"entry declares {count} changed positions for {numel} elements")
+    return decoder(data, count=count, numel=numel)

@@ -1,0 +1,171 @@
+"""One error hierarchy for dcr-format.
+
+Every error derives from :class:`DcrError`; specific errors also derive from the
+matching built-in so ``except FileNotFoundError`` and friends keep working.
+Messages are one line and say what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ApplyError",
+    "BaselineMismatchError",
+    "CapabilityError",
+    "ChainBrokenError",
+    "ChecksumMismatchError",
+    "CommitConflict",
+    "CommitError",
+    "CommitStateUnknown",
+    "DcrError",
+    "FingerprintMismatchError",
+    "FormatError",
+    "IncompleteVersionError",
+    "IntegrityError",
+    "InvalidKeyError",
+    "MissingTensorError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "ObjectTooLargeError",
+    "PositionsError",
+    "SchemaError",
+    "ShardError",
+    "StoreError",
+    "StoreNotInitializedError",
+    "TargetError",
+    "UnsupportedDtypeError",
+    "UnsupportedFeatureError",
+    "UnsupportedVersionError",
+    "ValuesError",
+    "VersionNotFoundError",
+]
+
+
+class DcrError(Exception):
+    """Base class of every error raised by dcr-format."""
+
+
+# --- store -------------------------------------------------------------------
+
+
+class StoreError(DcrError, OSError):
+    """The object store failed to carry out a request."""
+
+
+class ObjectNotFoundError(StoreError, FileNotFoundError):
+    """An object the caller asked for does not exist in the store."""
+
+
+class ObjectExistsError(StoreError, FileExistsError):
+    """A create-if-absent found the object already there."""
+
+
+class StoreNotInitializedError(StoreError, FileNotFoundError):
+    """The store root holds no ``dcr.json`` header (no chain was ever created there)."""
+
+
+class InvalidKeyError(DcrError, ValueError):
+    """A key would leave the store root or is not a well-formed relative key."""
+
+
+class CapabilityError(DcrError, RuntimeError):
+    """The store lacks a capability the operation needs (for example atomic create)."""
+
+
+# --- format / hostile bytes ----------------------------------------------------
+
+
+class FormatError(DcrError, ValueError):
+    """Bytes read from a store do not form a valid object of this format."""
+
+
+class SchemaError(FormatError):
+    """A JSON object (header, commit record, manifest) does not validate."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The object declares a ``format_version`` this reader does not know."""
+
+
+class UnsupportedFeatureError(FormatError):
+    """The object lists a ``required_features`` entry this reader does not implement."""
+
+
+class ShardError(FormatError):
+    """A shard container is truncated, oversized, or its layout is inconsistent."""
+
+
+class PositionsError(FormatError):
+    """A positions stream does not decode to sorted, unique, in-range indices."""
+
+
+class ValuesError(FormatError):
+    """A values stream does not decode to the declared number of elements."""
+
+
+class ObjectTooLargeError(FormatError):
+    """A stored object is larger than the caller allows it to be."""
+
+
+class UnsupportedDtypeError(DcrError, TypeError):
+    """A tensor has a dtype the format cannot carry bit-exactly."""
+
+
+# --- integrity -----------------------------------------------------------------
+
+
+class IntegrityError(DcrError, ValueError):
+    """Stored bytes or tensor contents do not match what the chain records."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """An object's size or sha256 differs from the value recorded for it."""
+
+
+class ChainBrokenError(IntegrityError):
+    """A commit record does not link to its parent (hash chain or version numbers)."""
+
+
+class FingerprintMismatchError(IntegrityError):
+    """A decoded tensor's fingerprint differs from the one the chain records."""
+
+
+class BaselineMismatchError(IntegrityError):
+    """The target does not hold the exact bits of the version a delta applies to."""
+
+
+# --- commits / chain -----------------------------------------------------------
+
+
+class CommitError(DcrError):
+    """A version could not be committed."""
+
+
+class CommitConflict(CommitError, FileExistsError):
+    """Another writer committed this version first; this attempt is safe to discard."""
+
+
+class CommitStateUnknown(CommitError, TimeoutError):
+    """The commit request's outcome is unknown; never delete this attempt's objects."""
+
+
+class IncompleteVersionError(CommitError, TimeoutError):
+    """Not every writer rank delivered a valid manifest in time; nothing was committed."""
+
+
+class MissingTensorError(DcrError, ValueError):
+    """A publish lacks a tensor the previous version has (only a base may drop tensors)."""
+
+
+class VersionNotFoundError(DcrError, LookupError):
+    """The requested version is not committed in this chain."""
+
+
+# --- targets ---------------------------------------------------------------------
+
+
+class TargetError(DcrError, ValueError):
+    """The target cannot take this version (missing tensor, wrong shape or dtype)."""
+
+
+class ApplyError(DcrError, RuntimeError):
+    """Applying a version failed; the target was rolled back to its previous version."""

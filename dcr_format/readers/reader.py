@@ -1,0 +1,342 @@
+"""The rollout side: plan, fetch, verify, stage, and only then apply."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from dcr_format.chain import (
+    Chain,
+    LoadedRecord,
+    TensorState,
+    get_verified,
+    state_table,
+    table_fingerprint,
+)
+from dcr_format.codec.delta import FULL, DecodedDelta, apply_delta, decode_delta, undo_delta
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import decode_shard
+from dcr_format.errors import (
+    ApplyError,
+    BaselineMismatchError,
+    ChainBrokenError,
+    FingerprintMismatchError,
+    IntegrityError,
+    ShardError,
+    TargetError,
+    VersionNotFoundError,
+)
+from dcr_format.fingerprint import tensor_fingerprint
+from dcr_format.readers.targets import Resident, Target, Transaction
+from dcr_format.schema import Entry, Manifest
+from dcr_format.store import Store, open_store
+
+MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
+
+
+class SyncResult(BaseModel):
+    """What one :meth:`DeltaReader.sync` did."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int
+    previous: int | None
+    applied_versions: tuple[int, ...]
+    payload_bytes: int
+    fetch_seconds: float
+    apply_seconds: float
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One version of a plan, fetched and decoded."""
+
+    loaded: LoadedRecord
+    table: dict[str, TensorState]
+    changes: list[tuple[Entry, DecodedDelta]]
+
+
+class DeltaReader:
+    """Keeps a target at a version of the chain in ``store``, bit-exact.
+
+    ``select`` limits the reader to the canonical names it returns True for (a
+    partial target, such as one writer rank's baseline). ``verify`` is
+    ``"touched"`` (check fingerprints of tensors a sync changes, before and after)
+    or ``"all"`` (every selected tensor).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        target: Target,
+        *,
+        select: Callable[[str], bool] | None = None,
+        verify: Literal["touched", "all"] = "touched",
+        max_workers: int = 8,
+        max_shard_bytes: int = MAX_SHARD_DECODED_BYTES,
+    ) -> None:
+        if verify not in ("touched", "all"):
+            raise ValueError("verify must be 'touched' or 'all'")
+        self.store = open_store(store)
+        self.chain = Chain(self.store)
+        self.target = target
+        self.select = select or (lambda name: True)
+        self.verify = verify
+        self.max_workers = max_workers
+        self.max_shard_bytes = max_shard_bytes
+
+    def versions(self) -> list[int]:
+        """Committed versions of the chain, ascending."""
+        return self.chain.versions()
+
+    # --- planning --------------------------------------------------------------------------
+
+    def _plan(self, resident: Resident | None, goal: int, committed: list[int]) -> list[int]:
+        have = set(committed)
+        if resident is not None and all(v in have for v in range(resident.version + 1, goal + 1)):
+            return list(range(resident.version + 1, goal + 1))
+        for version in range(goal, -1, -1):
+            if version in have and self.chain.record(version).record.kind == "base":
+                return list(range(version, goal + 1))
+        raise VersionNotFoundError(
+            f"no base at or before version {goal} is left in {self.store.url}; "
+            "compact the chain or pick a newer version"
+        )
+
+    def sync(self, to: int | None = None) -> SyncResult:
+        """Bring the target to version ``to`` (default: the newest committed version).
+
+        Everything is fetched and verified before the target is touched; a failure
+        during the apply rolls every change back.
+        """
+        header = self.chain.header
+        resident = self.target.resident()
+        if resident is not None and resident.chain_id != header.chain_id:
+            raise TargetError(
+                f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
+                "use a fresh target for this store"
+            )
+        committed = self.chain.versions()
+        if not committed:
+            raise VersionNotFoundError(f"{self.store.url} has no committed version yet")
+        goal = committed[-1] if to is None else to
+        if goal not in committed:
+            raise VersionNotFoundError(f"version {goal} is not committed in {self.store.url}")
+        previous = resident.version if resident is not None else None
+        if previous == goal:
+            return SyncResult(
+                version=goal,
+                previous=previous,
+                applied_versions=(),
+                payload_bytes=0,
+                fetch_seconds=0.0,
+                apply_seconds=0.0,
+            )
+        if previous is not None and previous > goal:
+            raise TargetError(
+                f"the target is at version {previous}, newer than {goal}; "
+                "replay older versions into a fresh target"
+            )
+        plan = self._plan(resident, goal, committed)
+        started = time.perf_counter()
+        steps, payload = self._fetch(plan, resident)
+        fetched = time.perf_counter()
+        self._apply(steps, resident, plan[0] == (previous or 0) + 1 and resident is not None)
+        done = time.perf_counter()
+        return SyncResult(
+            version=goal,
+            previous=previous,
+            applied_versions=tuple(plan),
+            payload_bytes=payload,
+            fetch_seconds=fetched - started,
+            apply_seconds=done - fetched,
+        )
+
+    # --- fetch and stage ---------------------------------------------------------------------
+
+    def _fetch(self, plan: list[int], resident: Resident | None) -> tuple[list[_Step], int]:
+        parent: LoadedRecord | None = None
+        if resident is not None and plan[0] == resident.version + 1:
+            parent = self.chain.record(resident.version)
+        steps: list[_Step] = []
+        payload = 0
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            for version in plan:
+                loaded = self.chain.record(version)
+                if parent is not None:
+                    self.chain.check_link(parent, loaded)
+                manifests = list(
+                    pool.map(
+                        lambda ref, ld=loaded: self.chain.manifest(ld, ref),
+                        sorted(loaded.record.manifests, key=lambda r: r.rank),
+                    )
+                )
+                table = state_table(manifests)
+                if table_fingerprint(table) != loaded.record.state_fingerprint:
+                    raise ChainBrokenError(
+                        f"the manifests of version {version} do not add up to its state "
+                        "fingerprint; "
+                        "the store is corrupt: run `dcr verify`"
+                    )
+                payload += sum(ref.size for ref in loaded.record.manifests)
+                changes, nbytes = self._decode_version(manifests, pool)
+                payload += nbytes
+                steps.append(_Step(loaded, table, changes))
+                parent = loaded
+        return steps, payload
+
+    def _decode_version(
+        self, manifests: list[Manifest], pool: ThreadPoolExecutor
+    ) -> tuple[list[tuple[Entry, DecodedDelta]], int]:
+        jobs = []
+        for manifest in manifests:
+            wanted = [e for e in manifest.entries if self.select(e.name) and e.changed > 0]
+            needed = sorted(
+                {ref.shard for e in wanted for ref in (e.positions, e.values) if ref is not None}
+            )
+            for index in needed:
+                jobs.append((manifest, index))
+
+        def load(job: tuple[Manifest, int]) -> tuple[tuple[int, int], dict[str, memoryview], int]:
+            manifest, index = job
+            ref = manifest.shards[index]
+            if ref.decoded_size > self.max_shard_bytes:
+                raise ShardError(
+                    f"{ref.path} declares {ref.decoded_size} decoded bytes, over the "
+                    f"{self.max_shard_bytes} limit; the manifest is hostile or raise the limit"
+                )
+            stored = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
+            return (
+                (manifest.rank, index),
+                decode_shard(stored, decoded_size=ref.decoded_size),
+                ref.size,
+            )
+
+        streams: dict[tuple[int, int], dict[str, memoryview]] = {}
+        nbytes = 0
+        for key, decoded, size in pool.map(load, jobs):
+            streams[key] = decoded
+            nbytes += size
+        changes = []
+        for manifest in manifests:
+            for entry in manifest.entries:
+                if not self.select(entry.name):
+                    continue
+                changes.append((entry, _decode_entry(entry, manifest, streams)))
+        return changes, nbytes
+
+    # --- verify and apply ---------------------------------------------------------------------
+
+    def _apply(self, steps: list[_Step], resident: Resident | None, incremental: bool) -> None:
+        txn = self.target.begin()
+        undo: list[tuple[torch.Tensor, DecodedDelta, torch.Tensor | None]] = []
+        try:
+            touched = self._check_baseline(steps, txn, incremental)
+            for step in steps:
+                if step.loaded.record.kind == "base" or not incremental:
+                    for name in txn.names():
+                        if self.select(name) and name not in step.table:
+                            txn.drop(name)
+                for entry, delta in step.changes:
+                    info = info_for(entry.dtype)
+                    if entry.op == FULL:
+                        tensor = txn.full_tensor(entry.name, info.torch_dtype, tuple(entry.shape))
+                    else:
+                        tensor = txn.tensor(entry.name)
+                        assert tensor is not None  # checked by _check_baseline
+                    if entry.changed == 0:
+                        continue
+                    saved = apply_delta(tensor, delta)
+                    undo.append((tensor, delta, saved))
+                    touched.add(entry.name)
+            final = steps[-1].table
+            check = {n for n in final if self.select(n)} if self.verify == "all" else touched
+            for name in sorted(check):
+                tensor = txn.tensor(name)
+                if tensor is None or tensor_fingerprint(tensor) != final[name].fingerprint:
+                    raise FingerprintMismatchError(
+                        f"tensor {name!r} does not match version {steps[-1].loaded.record.version} "
+                        "after applying; the target was rolled back: run `dcr verify` on the store"
+                    )
+            txn.commit(Resident(steps[-1].loaded.record.chain_id, steps[-1].loaded.record.version))
+        except BaseException as exc:
+            for tensor, delta, saved in reversed(undo):
+                undo_delta(tensor, delta, saved)
+            txn.abort()
+            if isinstance(exc, (IntegrityError, TargetError)):
+                raise
+            if isinstance(exc, Exception):
+                raise ApplyError(f"applying failed and was rolled back: {exc}") from exc
+            raise
+
+    def _check_baseline(self, steps: list[_Step], txn: Transaction, incremental: bool) -> set[str]:
+        """Before mutating: every delta lands on exactly the bits it was made against."""
+        first_seen: dict[str, Entry] = {}
+        for step in steps:
+            for entry, _ in step.changes:
+                first_seen.setdefault(entry.name, entry)
+        checked: set[str] = set()
+        for name, entry in first_seen.items():
+            if entry.op == FULL:
+                continue
+            tensor = txn.tensor(name)
+            info = info_for(entry.dtype)
+            if (
+                tensor is None
+                or tensor.dtype != info.torch_dtype
+                or tuple(tensor.shape) != tuple(entry.shape)
+            ):
+                raise BaselineMismatchError(
+                    f"the target lacks tensor {name!r} as {entry.dtype}{list(entry.shape)}; "
+                    "pull into a fresh target"
+                )
+            if not tensor.is_contiguous():
+                raise TargetError(
+                    f"target tensor {name!r} is not contiguous; pass contiguous tensors"
+                )
+            if (entry.changed > 0 or self.verify == "all") and tensor_fingerprint(
+                tensor
+            ) != entry.parent_fingerprint:
+                raise BaselineMismatchError(
+                    f"tensor {name!r} in the target is not the bits of version "
+                    f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
+                    "pull into a fresh target"
+                )
+            if entry.changed > 0:
+                checked.add(name)
+        return checked
+
+
+def _decode_entry(
+    entry: Entry, manifest: Manifest, streams: dict[tuple[int, int], dict[str, memoryview]]
+) -> DecodedDelta:
+    info = info_for(entry.dtype)
+    numel = 1
+    for dim in entry.shape:
+        numel *= dim
+
+    def stream(ref) -> tuple[str, memoryview] | None:  # type: ignore[no-untyped-def]
+        if ref is None:
+            return None
+        shard = streams.get((manifest.rank, ref.shard))
+        if shard is None or ref.key not in shard:
+            raise ShardError(
+                f"stream {ref.key!r} of tensor {entry.name!r} is missing from its shard"
+            )
+        return ref.coding, shard[ref.key]
+
+    return decode_delta(
+        entry.op,
+        info,
+        numel,
+        entry.changed,
+        positions=stream(entry.positions),
+        values=stream(entry.values),
+    )

@@ -1,0 +1,229 @@
+"""Pydantic models of every JSON object in a store (spec/FORMAT.md is normative).
+
+Models are frozen and strict; unknown optional fields are ignored. Objects read
+from a store go through :func:`parse`, which refuses a newer ``format_version``
+or an unknown ``required_features`` entry before validating the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
+
+from dcr_format.codec.delta import OPS
+from dcr_format.codec.dtypes import DTYPE_NAMES
+from dcr_format.codec.positions import POSITION_CODINGS
+from dcr_format.codec.values import VALUE_CODINGS
+from dcr_format.errors import SchemaError, UnsupportedFeatureError, UnsupportedVersionError
+
+FORMAT_NAME = "dcr"
+FORMAT_VERSION = 1
+KNOWN_FEATURES: frozenset[str] = frozenset()
+MAX_JSON_BYTES = 256 << 20  # no header, commit record or manifest is ever this large
+
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+TensorFingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+Hex32 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
+Timestamp = Annotated[
+    # [0-9], not \d: the Rust regex engine's \d also matches non-ASCII digits
+    str,
+    StringConstraints(
+        pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,6})?Z$"
+    ),
+]
+
+
+def _no_dot_segments(key: str) -> str:
+    if any(part in (".", "..") for part in key.split("/")):
+        raise ValueError("key has a '.' or '..' segment")
+    return key
+
+
+RelKey = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", max_length=1024),
+    AfterValidator(_no_dot_segments),  # '..' would climb out of the store root
+]
+TensorName = Annotated[
+    str, StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+Count = Annotated[int, Field(ge=0, le=(1 << 62))]
+Version = Annotated[int, Field(ge=0, le=(1 << 62))]
+DType = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
+Op = Literal[OPS]  # type: ignore[valid-type]
+PositionCoding = Literal[POSITION_CODINGS]  # type: ignore[valid-type]
+ValueCoding = Literal[VALUE_CODINGS]  # type: ignore[valid-type]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+
+    def to_json(self) -> bytes:
+        """Canonical serialisation: compact JSON, fields in declaration order."""
+        return self.model_dump_json().encode()
+
+
+class StoreHeader(_Model):
+    """``dcr.json``: identifies the chain a store root holds."""
+
+    format: Literal["dcr"] = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    required_features: tuple[str, ...] = ()
+    chain_id: Hex32
+    created: Timestamp
+
+
+class ShardRef(_Model):
+    """One shard object of a manifest."""
+
+    path: RelKey
+    sha256: Sha256
+    size: Count
+    decoded_size: Count
+
+
+class StreamRef(_Model):
+    """Where one entry's stream sits: a shard index and a stream key inside it."""
+
+    shard: Count
+    key: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    coding: str
+
+
+class PositionsRef(StreamRef):
+    """A positions stream and its coding."""
+
+    coding: PositionCoding  # type: ignore[valid-type]
+
+
+class ValuesRef(StreamRef):
+    """A values stream and its coding."""
+
+    coding: ValueCoding  # type: ignore[valid-type]
+
+
+class Entry(_Model):
+    """One canonical tensor of a manifest: its state after the version and how to get there."""
+
+    name: TensorName
+    dtype: DType  # type: ignore[valid-type]
+    shape: tuple[Count, ...] = Field(max_length=64)
+    op: Op  # type: ignore[valid-type]
+    changed: Count
+    positions: PositionsRef | None = None
+    values: ValuesRef | None = None
+    encoded_bytes: Count = 0
+    fingerprint: TensorFingerprint
+    parent_fingerprint: TensorFingerprint | None = None
+
+
+class Manifest(_Model):
+    """``objects/<N>/<attempt>/manifest-<rank>.json``: one writer rank's part of a version."""
+
+    format_version: int = FORMAT_VERSION
+    required_features: tuple[str, ...] = ()
+    chain_id: Hex32
+    version: Version
+    kind: Literal["base", "delta"]
+    attempt: Hex32
+    rank: Count
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    shards: tuple[ShardRef, ...]
+    entries: tuple[Entry, ...]
+
+
+class ManifestRef(_Model):
+    """A commit record's pointer to one rank's manifest."""
+
+    rank: Count
+    path: RelKey
+    sha256: Sha256
+    size: Count
+
+
+class Stats(_Model):
+    """Sizes of a version, for tooling; readers do not rely on them."""
+
+    tensors: Count
+    total_elements: Count
+    changed_elements: Count
+    payload_bytes: Count
+    dense_bytes: Count
+
+
+class CommitRecord(_Model):
+    """``commits/<N>.json``: version N is committed iff this object exists."""
+
+    format_version: int = FORMAT_VERSION
+    required_features: tuple[str, ...] = ()
+    chain_id: Hex32
+    version: Version
+    kind: Literal["base", "delta"]
+    parent: Version | None
+    parent_sha256: Sha256 | None
+    step: Annotated[int, Field(ge=-(1 << 62), le=1 << 62)] | None = None
+    created: Timestamp
+    attempt: Hex32
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    manifests: tuple[ManifestRef, ...]
+    state_fingerprint: Sha256
+    stats: Stats
+
+
+class ReaderRecord(_Model):
+    """``readers/<reader-id>.json``: what one reader asks of writers (outside the chain)."""
+
+    format_version: int = FORMAT_VERSION
+    reader_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
+    updated: Timestamp
+    overwrite: tuple[TensorName, ...] = ()
+
+
+M = TypeVar("M", bound=_Model)
+
+
+def parse(model: type[M], data: bytes | str, *, what: str) -> M:
+    """Validate an object read from a store; ``what`` names it in errors (its key)."""
+    if len(data) > MAX_JSON_BYTES:
+        raise SchemaError(f"{what} is {len(data)} bytes, over the {MAX_JSON_BYTES} byte limit")
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # deep nesting
+        raise SchemaError(f"{what} is not valid JSON ({exc}); the object is corrupt") from None
+    if not isinstance(raw, dict):
+        raise SchemaError(f"{what} is not a JSON object; the object is corrupt")
+    version = raw.get("format_version")
+    if type(version) is not int:
+        raise SchemaError(f"{what} has no integer format_version; the object is corrupt")
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"{what} has format_version {version}; this dcr-format reads up to "
+            f"{FORMAT_VERSION}: upgrade dcr-format"
+        )
+    if version < 1:
+        raise SchemaError(f"{what} has format_version {version}; versions start at 1")
+    features = raw.get("required_features", [])
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise SchemaError(f"{what} has a malformed required_features list")
+    unknown = sorted(set(features) - KNOWN_FEATURES)
+    if unknown:
+        raise UnsupportedFeatureError(
+            f"{what} requires features {unknown} that this dcr-format lacks: upgrade dcr-format"
+        )
+    try:
+        return model.model_validate_json(data, strict=True)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise SchemaError(
+            f"{what} is not a valid {model.__name__}: {where}: {first['msg']}"
+        ) from None

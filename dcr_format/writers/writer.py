@@ -1,0 +1,602 @@
+"""The trainer side: diff against the baseline, publish shards and a manifest, commit jointly."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from dcr_format.chain import (
+    HEAD_KEY,
+    Chain,
+    LoadedRecord,
+    TensorState,
+    attempt_prefix,
+    check_manifest,
+    commit_key,
+    manifest_key,
+    new_id,
+    sha256_hex,
+    shard_key,
+    state_table,
+    table_fingerprint,
+    timestamp,
+    utc_now,
+)
+from dcr_format.codec.delta import (
+    FULL,
+    OPS,
+    DecodedDelta,
+    EncodedTensor,
+    apply_delta,
+    encode_tensor,
+)
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
+from dcr_format.errors import (
+    CommitConflict,
+    CommitStateUnknown,
+    IncompleteVersionError,
+    IntegrityError,
+    MissingTensorError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from dcr_format.fingerprint import tensor_fingerprint
+from dcr_format.schema import (
+    CommitRecord,
+    Entry,
+    Manifest,
+    ManifestRef,
+    PositionsRef,
+    ShardRef,
+    Stats,
+    ValuesRef,
+    parse,
+)
+from dcr_format.store import Store, open_store
+from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
+
+ABORT_MARKER = "ABORTED"
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+def owner(name: str, world_size: int) -> int:
+    """The writer rank that publishes canonical tensor ``name``: crc32(UTF-8 name) mod W."""
+    return zlib.crc32(name.encode()) % world_size
+
+
+class CommitInfo(BaseModel):
+    """What one publish committed (the whole version, across every writer rank)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: int
+    kind: str
+    step: int | None
+    attempt: str
+    created: str
+    tensors: int
+    changed_elements: int
+    total_elements: int
+    payload_bytes: int
+    dense_bytes: int
+    state_fingerprint: str
+
+    @property
+    def change_rate(self) -> float:
+        """Changed elements over total elements."""
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Payload bytes over dense bytes."""
+        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
+
+    @classmethod
+    def from_record(cls, record: CommitRecord) -> CommitInfo:
+        """Summarise a commit record."""
+        s = record.stats
+        return cls(
+            version=record.version,
+            kind=record.kind,
+            step=record.step,
+            attempt=record.attempt,
+            created=record.created,
+            tensors=s.tensors,
+            changed_elements=s.changed_elements,
+            total_elements=s.total_elements,
+            payload_bytes=s.payload_bytes,
+            dense_bytes=s.dense_bytes,
+            state_fingerprint=record.state_fingerprint,
+        )
+
+
+def _pairs(
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tensors, Mapping):
+        yield from tensors.items()
+    else:
+        yield from tensors
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """One tensor's change, held until the commit is known to exist."""
+
+    delta: DecodedDelta | None  # None: no bits changed
+    fingerprint: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _ShardWriter:
+    """Collects entry streams into shards of bounded size and uploads each as it fills."""
+
+    def __init__(
+        self, store: Store, version: int, attempt: str, rank: int, limit: int, level: int
+    ) -> None:
+        self.store, self.version, self.attempt, self.rank = store, version, attempt, rank
+        self.limit, self.level = limit, level
+        self.shards: list[ShardRef] = []
+        self._streams: dict[str, bytes] = {}
+        self._bytes = 0
+
+    def add(self, key: str, data: bytes) -> int:
+        """Queue a stream; returns the index of the shard it lands in."""
+        self._streams[key] = data
+        self._bytes += len(data)
+        return len(self.shards)
+
+    def maybe_flush(self) -> None:
+        """Upload the current shard once it reached the size limit."""
+        if self._bytes >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload the current shard, if it holds any stream."""
+        if not self._streams:
+            return
+        stored, decoded = encode_shard(self._streams, level=self.level)
+        key = shard_key(self.version, self.attempt, self.rank, len(self.shards))
+        self.store.put(key, stored)
+        self.shards.append(
+            ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
+        )
+        self._streams, self._bytes = {}, 0
+
+
+class DeltaWriter:
+    """Publishes every training step of one writer rank as a version of the chain.
+
+    ``tensors`` given to :meth:`publish` are canonical (Hugging Face) tensors; this
+    rank encodes those it owns (see :func:`owner`) and ignores the rest, so a rank
+    may be handed everything or only its own. The baseline (exact bits of the last
+    committed version of the owned tensors) lives on ``baseline_device`` and
+    advances only once the commit record is known to exist.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        base_every: int | None = None,
+        coordinator: Coordinator | None = None,
+        ops: Mapping[str, str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        baseline_device: str | torch.device = "cpu",
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        zstd_level: int = ZSTD_LEVEL,
+        commit_timeout: float = 600.0,
+        clock: Callable[[], datetime] = utc_now,
+        ids: Callable[[], str] = new_id,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if base_every is not None and base_every < 1:
+            raise ValueError("base_every must be a positive number of versions")
+        if world_size > 1 and coordinator is None:
+            raise ValueError(
+                "world_size > 1 needs a coordinator "
+                "(ThreadCoordinator, TorchDistributedCoordinator)"
+            )
+        for name, op in (ops or {}).items():
+            if op not in OPS:
+                raise ValueError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
+        self.store = open_store(store)
+        self.chain = Chain(self.store)
+        self.rank, self.world_size = rank, world_size
+        self.base_every = base_every
+        self.coordinator = coordinator or SoloCoordinator()
+        self.ops = dict(ops or {})
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.baseline_device = torch.device(baseline_device)
+        self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
+        self.commit_timeout = commit_timeout
+        self.clock, self.ids = clock, ids
+        self._opened = False
+        self._version: int | None = None
+        self._record: LoadedRecord | None = None
+        self._baseline: dict[str, torch.Tensor] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
+
+    # --- state ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The committed version the baseline holds (None before the first publish)."""
+        self._open()
+        return self._version
+
+    @property
+    def baseline(self) -> Mapping[str, torch.Tensor]:
+        """The owned tensors' exact bits at :attr:`version` (read-only by convention)."""
+        self._open()
+        return self._baseline
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank publishes ``name``."""
+        return owner(name, self.world_size) == self.rank
+
+    def _open(self) -> None:
+        if self._opened:
+            return
+        if not self.chain.exists():
+            self.chain.create(clock=self.clock)
+        latest = self.chain.latest()
+        if latest is not None:
+            self._restore(latest)
+        self._opened = True
+
+    def _restore(self, latest: int) -> None:
+        """Continue an existing chain: baseline from the local cache if valid, else the store."""
+        from dcr_format.readers.reader import DeltaReader
+        from dcr_format.readers.targets import StateDictTarget
+
+        target = self._load_cache()
+        if target is not None:
+            try:
+                DeltaReader(self.store, target, select=self.owns, verify="all").sync(to=latest)
+            except IntegrityError:
+                target = None  # a stale or damaged cache: replay from the store instead
+        if target is None:
+            target = StateDictTarget({})
+            DeltaReader(self.store, target, select=self.owns).sync(to=latest)
+        self._baseline = {n: t.to(self.baseline_device) for n, t in target.tensors.items()}
+        self._record = self.chain.record(latest)
+        manifests = self.chain.manifests(self._record)
+        table = state_table(manifests)
+        self._table = table
+        self._fingerprints = {n: s.fingerprint for n, s in table.items() if self.owns(n)}
+        self._version = latest
+
+    # --- publish ----------------------------------------------------------------------
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        step: int | None = None,
+    ) -> CommitInfo:
+        """Publish the next version from canonical ``tensors`` and commit it with every rank.
+
+        Raises :class:`CommitConflict` if another writer committed this version first
+        (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
+        deliver, and :class:`CommitStateUnknown` if the commit's outcome is unknown.
+        """
+        self._open()
+        version = 0 if self._version is None else self._version + 1
+        base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
+        kind = "base" if base else "delta"
+        attempt = self.coordinator.broadcast(self.ids() if self.rank == 0 else None, rank=self.rank)
+        shards = _ShardWriter(
+            self.store, version, attempt, self.rank, self.shard_bytes, self.zstd_level
+        )
+        entries: list[Entry] = []
+        pending: dict[str, _Pending] = {}
+        for name, tensor in _pairs(tensors):
+            if not self.owns(name):
+                continue
+            if name in pending:
+                raise ValueError(f"tensor {name!r} was given twice in one publish")
+            tensor = tensor.detach()
+            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            old = self._baseline.get(name)
+            op = FULL if base else self.ops.get(name)
+            encoded = encode_tensor(tensor, old, op=op)
+            fingerprint = tensor_fingerprint(tensor)
+            entries.append(self._entry(name, tensor, encoded, fingerprint, len(entries), shards))
+            shards.maybe_flush()
+            pending[name] = _Pending(
+                encoded.advance, fingerprint, tensor.dtype, tuple(tensor.shape)
+            )
+        missing = sorted(set(self._baseline) - set(pending))
+        if missing and not base:
+            raise MissingTensorError(
+                f"{len(missing)} tensors of version {self._version} were not given "
+                f"(first: {missing[0]!r}); pass every tensor each step"
+            )
+        shards.flush()
+        manifest = Manifest(
+            chain_id=self.chain.header.chain_id,
+            version=version,
+            kind=kind,
+            attempt=attempt,
+            rank=self.rank,
+            world_size=self.world_size,
+            shards=tuple(shards.shards),
+            entries=tuple(entries),
+        )
+        self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
+        if self.rank == 0:
+            loaded, table = self._commit(version, kind, attempt, step)
+        else:
+            loaded, table = self._await_commit(version, attempt), {}
+        self._advance(pending, loaded, table, base)
+        return CommitInfo.from_record(loaded.record)
+
+    def _entry(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        encoded: EncodedTensor,
+        fingerprint: str,
+        index: int,
+        shards: _ShardWriter,
+    ) -> Entry:
+        positions = values = None
+        if encoded.positions is not None:
+            key = f"{index}.p"
+            positions = PositionsRef(
+                shard=shards.add(key, encoded.positions), key=key, coding=encoded.positions_coding
+            )
+        if encoded.values is not None:
+            key = f"{index}.v"
+            values = ValuesRef(
+                shard=shards.add(key, encoded.values), key=key, coding=encoded.values_coding
+            )
+        return Entry(
+            name=name,
+            dtype=info_for(tensor.dtype).name,
+            shape=tuple(tensor.shape),
+            op=encoded.op,
+            changed=encoded.changed,
+            positions=positions,
+            values=values,
+            encoded_bytes=encoded.nbytes,
+            fingerprint=fingerprint,
+            parent_fingerprint=self._fingerprints.get(name) if encoded.op != FULL else None,
+        )
+
+    # --- commit -------------------------------------------------------------------------
+
+    def _wait(self, ready: Callable[[], object | None], what: str) -> object:
+        deadline = time.monotonic() + self.commit_timeout
+        delay = 0.002
+        while True:
+            result = ready()
+            if result is not None:
+                return result
+            if time.monotonic() >= deadline:
+                raise IncompleteVersionError(
+                    f"timed out after {self.commit_timeout:.0f} s waiting for {what}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _commit(
+        self, version: int, kind: str, attempt: str, step: int | None
+    ) -> tuple[LoadedRecord, dict[str, TensorState]]:
+        header = self.chain.header
+        found: dict[int, tuple[Manifest, ManifestRef]] = {}
+
+        def all_manifests() -> bool | None:
+            for rank in range(self.world_size):
+                if rank in found:
+                    continue
+                key = manifest_key(version, attempt, rank)
+                try:
+                    data = self.store.get(key)
+                except ObjectNotFoundError:
+                    return None
+                manifest = parse(Manifest, data, what=key)
+                check_manifest(
+                    manifest, header.chain_id, version, kind, attempt, rank, self.world_size, key
+                )
+                for entry in manifest.entries:
+                    if owner(entry.name, self.world_size) != rank:
+                        raise IncompleteVersionError(
+                            f"{key} lists {entry.name!r}, owned by another rank"
+                        )
+                ref = ManifestRef(rank=rank, path=key, sha256=sha256_hex(data), size=len(data))
+                found[rank] = (manifest, ref)
+            return True
+
+        try:
+            self._wait(all_manifests, f"all {self.world_size} manifests of version {version}")
+        except Exception:
+            self._abort(version, attempt)
+            raise
+        manifests = [found[r][0] for r in range(self.world_size)]
+        table = state_table(manifests)
+        if kind == "delta":
+            dropped = sorted(set(self._table) - set(table))
+            if dropped:
+                self._abort(version, attempt)
+                raise MissingTensorError(
+                    f"version {version} lacks {len(dropped)} tensors of version {version - 1} "
+                    f"(first: {dropped[0]!r}); publish every tensor or write a base"
+                )
+        entries = [e for m in manifests for e in m.entries]
+        stats = Stats(
+            tensors=len(entries),
+            total_elements=sum(_numel(e.shape) for e in entries),
+            changed_elements=sum(e.changed for e in entries),
+            payload_bytes=sum(s.size for m in manifests for s in m.shards)
+            + sum(found[r][1].size for r in found),
+            dense_bytes=sum(_numel(e.shape) * info_for(e.dtype).width for e in entries),
+        )
+        record = CommitRecord(
+            chain_id=header.chain_id,
+            version=version,
+            kind=kind,
+            parent=None if version == 0 else version - 1,
+            parent_sha256=None if self._record is None else self._record.sha256,
+            step=step,
+            created=timestamp(self.clock()),
+            attempt=attempt,
+            world_size=self.world_size,
+            manifests=tuple(found[r][1] for r in range(self.world_size)),
+            state_fingerprint=table_fingerprint(table),
+            stats=stats,
+        )
+        data = record.to_json()
+        self._create_commit(version, data)
+        try:
+            self.store.put(HEAD_KEY, str(version).encode())
+        except StoreError:
+            pass  # HEAD is only a hint
+        return LoadedRecord(record, sha256_hex(data), len(data)), table
+
+    def _create_commit(self, version: int, data: bytes) -> None:
+        key = commit_key(version)
+        for _ in range(2):
+            try:
+                self.store.put_if_absent(key, data)
+                return
+            except ObjectExistsError:
+                break
+            except StoreError:
+                continue  # outcome unknown: re-read below
+        try:
+            landed = self.store.get(key)
+        except ObjectNotFoundError:
+            raise CommitStateUnknown(
+                f"could not create {key} and cannot tell whether it landed; keep this attempt's "
+                "objects and retry the publish later"
+            ) from None
+        except StoreError as exc:
+            raise CommitStateUnknown(
+                f"could not create or re-read {key} ({exc}); keep this attempt's objects"
+            ) from None
+        if landed != data:
+            raise CommitConflict(
+                f"version {version} was committed by another writer; reopen the writer to "
+                "continue from the chain's newest version"
+            )
+
+    def _abort(self, version: int, attempt: str) -> None:
+        try:
+            self.store.put(attempt_prefix(version, attempt) + ABORT_MARKER, b"")
+        except StoreError:
+            pass
+
+    def _await_commit(self, version: int, attempt: str) -> LoadedRecord:
+        marker = attempt_prefix(version, attempt) + ABORT_MARKER
+
+        def outcome() -> LoadedRecord | None:
+            if self.store.exists(commit_key(version)):
+                return self.chain.record(version)
+            if self.store.exists(marker):
+                raise IncompleteVersionError(
+                    f"the committer abandoned version {version}; see rank 0's error"
+                )
+            return None
+
+        loaded = self._wait(outcome, f"the commit record of version {version}")
+        assert isinstance(loaded, LoadedRecord)
+        if loaded.record.attempt != attempt:
+            raise CommitConflict(
+                f"version {version} was committed by another writer; reopen the writer"
+            )
+        return loaded
+
+    def _advance(
+        self,
+        pending: dict[str, _Pending],
+        loaded: LoadedRecord,
+        table: dict[str, TensorState],
+        base: bool,
+    ) -> None:
+        """The commit exists: bring the baseline to the committed bits."""
+        for name in set(self._baseline) - set(pending):
+            del self._baseline[name]  # only a base may drop tensors (checked before)
+        for name, change in pending.items():
+            delta = change.delta
+            if delta is not None:
+                if delta.op == FULL:
+                    self._baseline[name] = (
+                        delta.values.to(self.baseline_device, copy=True)
+                        .view(change.dtype)
+                        .reshape(change.shape)
+                    )
+                else:
+                    apply_delta(self._baseline[name], delta)
+        self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
+        self._record = loaded
+        self._version = loaded.record.version
+        if self.rank == 0:
+            self._table = table
+        self._save_cache()
+
+    # --- local cache ---------------------------------------------------------------------
+
+    def _cache_paths(self) -> tuple[Path, Path] | None:
+        if self.cache_dir is None:
+            return None
+        chain_id = self.chain.header.chain_id
+        folder = self.cache_dir / chain_id / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
+        return folder / "baseline.safetensors", folder / "baseline.json"
+
+    def _save_cache(self) -> None:
+        paths = self._cache_paths()
+        if paths is None or self._version is None:
+            return
+        from safetensors.torch import save_file
+
+        tensor_path, meta_path = paths
+        tensor_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tensor_path.with_suffix(".tmp")
+        save_file({n: t.detach().cpu().contiguous() for n, t in self._baseline.items()}, str(tmp))
+        os.replace(tmp, tensor_path)
+        meta = {"version": self._version, "fingerprints": self._fingerprints}
+        tmp_meta = meta_path.with_suffix(".tmp")
+        tmp_meta.write_text(json.dumps(meta))
+        os.replace(tmp_meta, meta_path)
+
+    def _load_cache(self):  # type: ignore[no-untyped-def]
+        """A StateDictTarget at the cached version, or None when the cache is absent or stale."""
+        from dcr_format.readers.targets import StateDictTarget
+
+        paths = self._cache_paths()
+        if paths is None or not paths[0].exists() or not paths[1].exists():
+            return None
+        try:
+            from safetensors.torch import load_file
+
+            meta = json.loads(paths[1].read_text())
+            tensors = load_file(str(paths[0]))
+            version = int(meta["version"])
+        except Exception:
+            return None  # an unreadable cache is just a miss
+        return StateDictTarget(tensors, version=version, chain_id=self.chain.header.chain_id)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
