@@ -2,21 +2,29 @@
 
 A tensor fingerprint is computed with integer torch operations on whatever device
 holds the tensor; only a few scalars reach the host, and the result is the same
-on every device because every operation is exact 64-bit integer arithmetic.
+on every device because every operation is exact 64-bit integer arithmetic with
+no overflow.
 
-For element ``i`` with bits ``v`` (unsigned), and each lane ``l`` with prime ``p``:
+For element ``i`` (row-major flat index) with bits ``v`` read as an unsigned
+integer, and each lane ``l`` with prime ``p_l`` (two lanes for dtypes of up to 4
+bytes, three for 8-byte dtypes):
 
-    s = v mod p                       (8-byte elements: (hi mod p)*(2^32 mod p) + lo)
-    g = (s + c_l)^5 mod p             (x -> x^5 permutes Z_p since gcd(5, p-1) = 1)
-    r = 1 + ((a*(i mod (p-1)) + b_l) mod (p-1))    (never 0, injective for i < p-1)
-    lane_l = sum_i g*r mod p
+    s = v mod p_l             (8-byte elements: ((hi mod p_l)*(2^32 mod p_l) + lo) mod p_l)
+    g = (s + c_l)^5 mod p_l   (x -> x^5 permutes Z_p since gcd(5, p-1) = 1)
+    r = (i mod 2^30) + 1      (never 0 mod p_l, distinct for i, j less than 2^30 apart)
+    lane_l = sum_i g*r mod p_l
 
-A single changed bit changes exactly one ``g`` (a permutation) times a non-zero
-``r`` modulo a prime, so it always changes the lane. A swap of two elements with
-bits ``x != y`` changes a lane by ``(g(x)-g(y))(r(i)-r(j))``, non-zero unless
-``x == y mod p``; the lanes' primes multiply past 2^62 (two lanes) or 2^93 (three
-lanes, 8-byte dtypes), so by the Chinese remainder theorem some lane changes.
-The fingerprint is the first 16 bytes of sha256 over the dtype, shape and lanes.
+A single changed bit changes exactly one ``g`` (a permutation of residues, and
+``v < 2^32`` is its own residue pair across two primes) times a non-zero ``r``
+modulo a prime, so some lane changes. A swap of elements with bits ``x != y``
+changes lane ``l`` by ``(g(x)-g(y))(r(i)-r(j))``, non-zero unless
+``x == y mod p_l``; the primes multiply past 2^62 (two lanes) or 2^93 (three),
+so by the Chinese remainder theorem some lane changes. The fingerprint is the
+first 16 bytes of sha256 over the dtype, shape and lanes.
+
+Evaluation: elements go in rows of 2^16; per row the device sums ``g`` and
+``g*col`` (both exact in int64), and ``sum g*r`` is recombined from them modulo
+``p``. For 1- and 2-byte dtypes ``g`` comes from a 65536-entry table per lane.
 """
 
 from __future__ import annotations
@@ -32,51 +40,89 @@ from dcr_format.codec.dtypes import bits_view, info_for
 __all__ = ["state_fingerprint", "tensor_fingerprint"]
 
 _PRIMES = (2147483647, 2147483629, 2147483587)
-_A = 1664525
-_B = (12345, 67890, 13579)
 _C = (1013904223, 22695477, 134775813)
-_CHUNK_CPU = 1 << 16  # small enough that every temporary stays in cache
-_CHUNK_DEVICE = 1 << 24  # large enough to amortise kernel launches
+_R_PERIOD = 1 << 30
+_ROW = 1 << 16  # row length: keeps sum(g * col) below 2^62
+_ROWS_CPU = 16  # rows per chunk on the CPU: temporaries stay in cache
+_ROWS_DEVICE = 256  # rows per chunk on accelerators: amortises kernel launches
 _MASKS = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
-_R_BASE: dict[tuple[torch.device, int], torch.Tensor] = {}
+_CACHE: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
 
-def _r_base(device: torch.device, lane: int, chunk: int) -> torch.Tensor:
-    """``(a*k + b_l) mod (p-1)`` for ``k`` in ``[0, chunk)``, cached per device."""
-    key = (device, lane)
-    cached = _R_BASE.get(key)
-    if cached is None or cached.numel() < chunk:
-        m = _PRIMES[lane] - 1
-        cached = (torch.arange(chunk, dtype=torch.int64, device=device) * _A + _B[lane]) % m
-        _R_BASE[key] = cached
-    return cached
+def _pow5(s: torch.Tensor, lane: int) -> torch.Tensor:
+    p = _PRIMES[lane]
+    x = (s + _C[lane]) % p
+    x2 = x * x % p
+    return x2 * x2 % p * x % p
+
+
+def _cached(kind: str, device: torch.device, lane: int) -> torch.Tensor:
+    key = (kind, device, lane)
+    value = _CACHE.get(key)
+    if value is None:
+        if kind == "col":
+            value = torch.arange(_ROW, dtype=torch.int64, device=device)
+        elif kind == "weights":  # [1, col] per column: one integer matmul gives both sums
+            col = torch.arange(_ROW, dtype=torch.int64, device=device)
+            value = torch.stack([torch.ones_like(col), col], dim=1)
+        else:  # g for every 16-bit symbol
+            value = _pow5(torch.arange(1 << 16, dtype=torch.int64, device=device), lane)
+        _CACHE[key] = value
+    return value
+
+
+def _lane_sums(symbols: torch.Tensor, width: int, lanes: int, first: int) -> list[torch.Tensor]:
+    """Per lane, sum of g*r mod p over a (rows, cols) block whose first flat index is ``first``."""
+    rows, cols = symbols.shape
+    device = symbols.device
+    col = _cached("col", device, 0)[:cols]
+    # r = (first mod 2^30) + row*_ROW + col + 1; chunks never straddle a multiple of 2^30
+    row_base = (first % _R_PERIOD) + 1 + torch.arange(rows, dtype=torch.int64, device=device) * _ROW
+    out = []
+    hi = lo = None
+    if width == 8:
+        hi = (symbols >> 32) & 0xFFFFFFFF
+        lo = symbols & 0xFFFFFFFF
+    for lane in range(lanes):
+        p = _PRIMES[lane]
+        if width <= 2:
+            g = _cached("g", device, lane).index_select(0, symbols.reshape(-1)).view(rows, cols)
+        elif width == 4:
+            g = _pow5(symbols % p, lane)
+        else:
+            assert hi is not None and lo is not None
+            g = _pow5(((hi % p) * ((1 << 32) % p) + lo) % p, lane)
+        if device.type == "cpu":  # exact int64 matmul, far faster than multiply-then-sum
+            sums = g @ _cached("weights", device, 0)[:cols]
+            s0, s1 = sums[:, 0] % p, sums[:, 1] % p
+        else:  # accelerators lack int64 matmul
+            s0 = g.sum(dim=1) % p  # sum_col g      < 2^47 before the mod
+            s1 = (g * col).sum(dim=1) % p  # sum_col g*col  < 2^61 before the mod
+        out.append(((s1 + (row_base % p) * s0 % p) % p).sum() % p)
+    return out
 
 
 def _lanes(tensor: torch.Tensor) -> list[int]:
     info = info_for(tensor.dtype)
     flat = bits_view(tensor.detach()).reshape(-1)
-    primes = _PRIMES if info.width == 8 else _PRIMES[:2]
+    lanes = 3 if info.width == 8 else 2
     device = flat.device
-    step = _CHUNK_CPU if device.type == "cpu" else _CHUNK_DEVICE
-    acc = torch.zeros(len(primes), dtype=torch.int64, device=device)
-    for start in range(0, flat.numel(), step):
+    step = _ROW * (_ROWS_CPU if device.type == "cpu" else _ROWS_DEVICE)
+    acc = torch.zeros(lanes, dtype=torch.int64, device=device)
+    primes = torch.tensor(_PRIMES[:lanes], dtype=torch.int64, device=device)
+    n = flat.numel()
+    for start in range(0, n, step):
         chunk = flat[start : start + step].to(torch.int64)
-        count = chunk.numel()
         if info.width < 8:
             chunk = chunk & _MASKS[info.width]
-            hi = lo = None
-        else:
-            hi = (chunk >> 32) & 0xFFFFFFFF
-            lo = chunk & 0xFFFFFFFF
-        for lane, p in enumerate(primes):
-            m = p - 1
-            s = chunk % p if hi is None else ((hi % p) * ((1 << 32) % p) + lo) % p
-            x = (s + _C[lane]) % p
-            x2 = x * x % p
-            g = x2 * x2 % p * x % p
-            # r(i) for i = start + k: (a*(start mod m) + a*k + b) mod m, shifted into [1, m]
-            r = (_r_base(device, lane, step)[:count] + (_A * (start % m)) % m) % m + 1
-            acc[lane] = (acc[lane] + (g * r % p).sum()) % p
+        full = chunk.numel() // _ROW * _ROW
+        parts = []
+        if full:
+            parts.append((chunk[:full].view(-1, _ROW), start))
+        if full < chunk.numel():
+            parts.append((chunk[full:].view(1, -1), start + full))
+        for block, first in parts:
+            acc = (acc + torch.stack(_lane_sums(block, info.width, lanes, first))) % primes
     return [int(v) for v in acc.tolist()]
 
 

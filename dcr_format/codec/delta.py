@@ -109,8 +109,10 @@ def encode_tensor(
 
 def _encode_full(new: torch.Tensor) -> EncodedTensor:
     bits = bits_view(new).reshape(-1)
-    coding, data = encode_values(bits_to_numpy(bits))
     advance = DecodedDelta(FULL, None, bits.clone())
+    if new.numel() == 0:  # a full entry of no elements carries no streams
+        return EncodedTensor(FULL, 0, None, None, None, None, advance)
+    coding, data = encode_values(bits_to_numpy(bits))
     return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
 
 

@@ -149,7 +149,8 @@ def encode_ranges(positions: np.ndarray) -> bytes:
     run_ends = np.concatenate((breaks, [positions.size]))
     starts = positions[run_starts].astype(np.uint64)
     lengths = (run_ends - run_starts).astype(np.uint64)
-    previous_end = np.concatenate(([0], starts[:-1] + lengths[:-1])).astype(np.uint64)
+    # a uint64 zero: ([0], uint64) would promote to float64 and round positions past 2**53
+    previous_end = np.concatenate((np.zeros(1, np.uint64), starts[:-1] + lengths[:-1]))
     gaps = starts - previous_end
     lengths_m1 = lengths - np.uint64(1)
     gap_w = _narrowest_width(int(gaps.max()))
