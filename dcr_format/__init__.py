@@ -1,8 +1,37 @@
-"""dcr-format: bit-exact delta refit of model weights through object storage."""
+"""dcr-format: bit-exact delta refit of model weights through object storage.
+
+Trainers publish each optimizer step with :class:`DeltaWriter`; rollout nodes
+keep a target at the newest version with :class:`DeltaReader`.
+"""
 
 from dcr_format.errors import *  # noqa: F403
 from dcr_format.errors import __all__ as _error_names
+from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
+from dcr_format.readers.reader import DeltaReader, SyncResult
+from dcr_format.readers.replay import replay
+from dcr_format.readers.targets import SafetensorsDirTarget, StateDictTarget, Target
+from dcr_format.store import Store, open_store
+from dcr_format.writers.coordinate import ThreadCoordinator, TorchDistributedCoordinator
+from dcr_format.writers.writer import CommitInfo, DeltaWriter, owner
 
 __version__ = "0.1.0"
 
-__all__ = [*_error_names, "__version__"]
+__all__ = [
+    *_error_names,
+    "CommitInfo",
+    "DeltaReader",
+    "DeltaWriter",
+    "SafetensorsDirTarget",
+    "StateDictTarget",
+    "Store",
+    "SyncResult",
+    "Target",
+    "ThreadCoordinator",
+    "TorchDistributedCoordinator",
+    "__version__",
+    "open_store",
+    "owner",
+    "replay",
+    "state_fingerprint",
+    "tensor_fingerprint",
+]

@@ -1,0 +1,381 @@
+"""The ``dcr`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from pydantic import BaseModel
+
+from dcr_format.errors import DcrError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FORMAT_OPTION = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["human", "json"]),
+    default="human",
+    show_default=True,
+    help="Output for people or for programs.",
+)
+STORE_OPTION = click.option(
+    "--store",
+    envvar="DCR_STORE",
+    required=True,
+    help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., s3://...",
+)
+
+
+def _default_cache() -> Path:
+    base = os.environ.get("DCR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dcr"
+    )
+    return Path(base)
+
+
+def _progress(iterable: Iterable[Any], *, total: int | None, desc: str) -> Iterable[Any]:
+    """A progress bar on a terminal, nothing otherwise."""
+    from tqdm import tqdm
+
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit="tensor",
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
+
+
+def _emit(
+    fmt: str, data: BaseModel | list[BaseModel] | dict[str, Any], human: Callable[[], None]
+) -> None:
+    if fmt == "json":
+        if isinstance(data, list):
+            click.echo(json.dumps([d.model_dump(mode="json") for d in data], indent=2))
+        elif isinstance(data, BaseModel):
+            click.echo(data.model_dump_json(indent=2))
+        else:
+            click.echo(json.dumps(data, indent=2))
+    else:
+        human()
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        click.echo(
+            "  ".join(
+                c.rjust(w) if i else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+        )
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+class _Group(click.Group):
+    """Every DcrError becomes one line on stderr and exit status 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DcrError as exc:
+            click.echo(f"dcr: error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("dcr: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="dcr-format")
+def cli() -> None:
+    """Bit-exact delta refit of model weights through object storage."""
+
+
+@cli.command()
+@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
+@STORE_OPTION
+@click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
+@click.option("--base-every", type=int, default=None, help="Write a full base every K versions.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
+)
+@FORMAT_OPTION
+def publish(
+    ckpt_dir: str,
+    store: str,
+    step: int | None,
+    base_every: int | None,
+    cache_dir: str | None,
+    fmt: str,
+) -> None:
+    """Publish a Hugging Face checkpoint directory as the chain's next version."""
+    from dcr_format.checkpoint import count_tensors, iter_checkpoint
+    from dcr_format.writers.writer import DeltaWriter
+
+    writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or _default_cache())
+    tensors = _progress(iter_checkpoint(ckpt_dir), total=count_tensors(ckpt_dir), desc="publish")
+    info = writer.publish(tensors, step=step)
+
+    def human() -> None:
+        click.echo(
+            f"committed version {info.version} ({info.kind}): {info.changed_elements} of "
+            f"{info.total_elements} elements changed ({info.change_rate:.3%}), "
+            f"{_bytes(info.payload_bytes)} of {_bytes(info.dense_bytes)} dense "
+            f"({info.ratio:.2%})"
+        )
+
+    _emit(fmt, info, human)
+
+
+@cli.command()
+@STORE_OPTION
+@click.option(
+    "--into", "into", required=True, type=click.Path(), help="Checkpoint directory to keep."
+)
+@click.option(
+    "--version", "version", type=int, default=None, help="Target version (default newest)."
+)
+@FORMAT_OPTION
+def pull(store: str, into: str, version: int | None, fmt: str) -> None:
+    """Bring a Hugging Face checkpoint directory to a version of the chain."""
+    from dcr_format.readers.reader import DeltaReader
+    from dcr_format.readers.targets import SafetensorsDirTarget
+
+    result = DeltaReader(store, SafetensorsDirTarget(into)).sync(to=version)
+
+    def human() -> None:
+        if not result.applied_versions:
+            click.echo(f"{into} is already at version {result.version}")
+        else:
+            click.echo(
+                f"{into} is at version {result.version} (applied "
+                f"{len(result.applied_versions)} versions, {_bytes(result.payload_bytes)} fetched)"
+            )
+
+    _emit(fmt, result, human)
+
+
+@cli.command(name="log")
+@STORE_OPTION
+@click.option("--limit", type=int, default=None, help="Show only the newest N versions.")
+@click.option("--since", type=int, default=None, help="Show versions from N on.")
+@FORMAT_OPTION
+def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
+    """One row per committed version."""
+    from dcr_format.tools import log
+
+    rows = log(store, limit=limit, since=since)
+
+    def human() -> None:
+        _table(
+            [
+                "version",
+                "kind",
+                "parent",
+                "step",
+                "created",
+                "change",
+                "payload",
+                "dense",
+                "ratio",
+                "ranks",
+            ],
+            [
+                [
+                    r.version,
+                    r.kind,
+                    "-" if r.parent is None else r.parent,
+                    "-" if r.step is None else r.step,
+                    r.created[:19],
+                    f"{r.change_rate:.3%}",
+                    _bytes(r.payload_bytes),
+                    _bytes(r.dense_bytes),
+                    f"{r.ratio:.2%}",
+                    r.writer_ranks,
+                ]
+                for r in rows
+            ],
+        )
+
+    _emit(fmt, list(rows), human)
+
+
+@cli.command()
+@click.argument("version", type=int)
+@STORE_OPTION
+@click.option("--top", type=int, default=None, help="Show only the N largest tensors.")
+@click.option(
+    "--sort",
+    "sort_key",
+    type=click.Choice(["bytes", "changed", "name"]),
+    default="bytes",
+    show_default=True,
+)
+@FORMAT_OPTION
+def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> None:
+    """The commit record of VERSION and its tensors."""
+    from dcr_format.tools import show as show_version
+
+    detail = show_version(store, version)
+    keys = {
+        "bytes": lambda r: (-r.encoded_bytes, r.name),
+        "changed": lambda r: (-r.changed, r.name),
+        "name": lambda r: r.name,
+    }
+    rows = sorted(detail.tensors, key=keys[sort_key])[: top if top is not None else None]
+    detail = detail.model_copy(update={"tensors": rows})
+
+    def human() -> None:
+        v = detail.version
+        click.echo(
+            f"version {v.version} ({v.kind}), parent {v.parent}, step {v.step}, created {v.created}"
+        )
+        click.echo(
+            f"state {detail.state_fingerprint}  attempt {detail.attempt}  ranks {v.writer_ranks}"
+        )
+        click.echo(
+            f"changed {v.changed_elements} of {v.total_elements} ({v.change_rate:.3%}); "
+            f"payload {_bytes(v.payload_bytes)} of {_bytes(v.dense_bytes)} ({v.ratio:.2%})"
+        )
+        _table(
+            ["tensor", "dtype", "shape", "op", "changed", "bytes", "share"],
+            [
+                [
+                    r.name,
+                    r.dtype,
+                    "x".join(map(str, r.shape)) or "()",
+                    r.op,
+                    r.changed,
+                    _bytes(r.encoded_bytes),
+                    f"{r.share:.1%}",
+                ]
+                for r in rows
+            ],
+        )
+
+    _emit(fmt, detail, human)
+
+
+@cli.command()
+@click.argument("version", type=int)
+@STORE_OPTION
+@click.option("--out", required=True, type=click.Path(), help="Directory to write.")
+@FORMAT_OPTION
+def replay(version: int, store: str, out: str, fmt: str) -> None:
+    """Materialise VERSION as a Hugging Face checkpoint directory, every tensor verified."""
+    from dcr_format.readers.replay import replay as replay_version
+
+    result = replay_version(store, version, out)
+    _emit(fmt, result, lambda: click.echo(f"{out} holds version {result.version}, verified"))
+
+
+@cli.command()
+@STORE_OPTION
+@click.option("--from", "start", type=int, default=None, help="First version to check.")
+@click.option("--to", "end", type=int, default=None, help="Last version to check.")
+@FORMAT_OPTION
+def verify(store: str, start: int | None, end: int | None, fmt: str) -> None:
+    """Check every object of the chain (exit status 1 if anything is broken)."""
+    from dcr_format.tools import verify as verify_chain
+
+    report = verify_chain(store, start=start, end=end)
+
+    def human() -> None:
+        for p in report.problems:
+            click.echo(f"version {p.version}: {p.key}: {p.error}: {p.message}")
+        if report.ok:
+            click.echo(f"ok: {report.versions_checked} versions, {report.objects_checked} objects")
+        else:
+            click.echo(
+                f"broken: {len(report.problems)} problems, first at version "
+                f"{report.first_broken_version}"
+            )
+
+    _emit(fmt, report, human)
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@click.option(
+    "--store",
+    envvar="DCR_STORE",
+    default=None,
+    help="Store to publish into (default: a new temporary directory).",
+)
+@click.option("--steps", type=int, default=10, show_default=True, help="Training steps.")
+@click.option(
+    "--size",
+    type=click.Choice(["tiny", "small", "medium"]),
+    default="small",
+    show_default=True,
+    help="Model size.",
+)
+@click.option("--lr", type=float, default=None, help="AdamW learning rate (default: RL-like).")
+@FORMAT_OPTION
+def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -> None:
+    """Train a small transformer, publish every step, pull each into a reader, check bits."""
+    from dcr_format.demo import run_demo
+
+    if store is None:
+        store = str(Path(tempfile.mkdtemp(prefix="dcr-demo-")) / "store")
+    rows = run_demo(store, steps=steps, size=size, lr=lr)
+
+    def human() -> None:
+        click.echo(f"store: {store}")
+        _table(
+            [
+                "version",
+                "change",
+                "delta",
+                "dense",
+                "ratio",
+                "publish",
+                "pull",
+                "apply",
+                "verified",
+            ],
+            [
+                [
+                    r.version,
+                    f"{r.change_rate:.3%}",
+                    _bytes(r.delta_bytes),
+                    _bytes(r.dense_bytes),
+                    f"{r.ratio:.2%}",
+                    f"{r.publish_s:.2f}s",
+                    f"{r.pull_s:.2f}s",
+                    f"{r.apply_s:.2f}s",
+                    "yes" if r.verified else "NO",
+                ]
+                for r in rows
+            ],
+        )
+
+    _emit(fmt, list(rows), human)
+    if not all(r.verified for r in rows):
+        sys.exit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point."""
+    cli.main(args=list(argv) if argv is not None else None, prog_name="dcr")
