@@ -37,7 +37,7 @@ HEADER_KEY = "dcr.json"
 HEAD_KEY = "HEAD"
 COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
-_COMMIT_KEY = re.compile(r"^commits/(\d{20})\.json$")
+_COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_RECORD_BYTES = 64 << 20
 
@@ -197,7 +197,9 @@ class Chain:
             )
         if record.version != version:
             raise ChainBrokenError(f"{key} claims version {record.version}; the store is corrupt")
-        if version == 0 and (record.kind != "base" or record.parent is not None):
+        if version == 0 and (
+            record.kind != "base" or record.parent is not None or record.parent_sha256 is not None
+        ):
             raise ChainBrokenError(f"{key}: version 0 must be a base with no parent")
         if version > 0 and (record.parent != version - 1 or record.parent_sha256 is None):
             raise ChainBrokenError(f"{key}: version {version} must link to version {version - 1}")
@@ -227,6 +229,11 @@ class Chain:
     def manifest(self, loaded: LoadedRecord, ref: ManifestRef) -> Manifest:
         """Load one manifest of a committed version and check it belongs there."""
         record = loaded.record
+        if ref.size > MAX_MANIFEST_BYTES:
+            raise SchemaError(
+                f"{ref.path} is declared as {ref.size} bytes, over the {MAX_MANIFEST_BYTES} byte "
+                "manifest limit; the commit record is corrupt or hostile"
+            )
         data = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
         manifest = parse(Manifest, data, what=ref.path)
         check_manifest(
@@ -277,10 +284,11 @@ def check_manifest(
         raise SchemaError(
             f"{where} does not belong to this version (chain/version/attempt/rank differ)"
         )
-    prefix = attempt_prefix(version, attempt)
-    for shard in manifest.shards:
-        if not shard.path.startswith(prefix):
-            raise SchemaError(f"{where} names shard {shard.path} outside its own attempt")
+    for index, shard in enumerate(manifest.shards):
+        if shard.path != shard_key(version, attempt, rank, index):
+            raise SchemaError(
+                f"{where} names shard {shard.path}, not {shard_key(version, attempt, rank, index)}"
+            )
     names = set()
     for entry in manifest.entries:
         if entry.name in names:
@@ -303,6 +311,14 @@ def check_manifest(
             raise SchemaError(f"{where}: tensor {entry.name!r} has streams that do not fit its op")
         if entry.op in ("xor", "overwrite") and entry.parent_fingerprint is None:
             raise SchemaError(f"{where}: tensor {entry.name!r} needs a parent_fingerprint")
+        if (
+            entry.op != "full"
+            and entry.changed == 0
+            and entry.fingerprint != entry.parent_fingerprint
+        ):
+            raise SchemaError(
+                f"{where}: tensor {entry.name!r} changes no element but its fingerprint differs"
+            )
         for ref in (entry.positions, entry.values):
             if ref is not None and ref.shard >= len(manifest.shards):
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")

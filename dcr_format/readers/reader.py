@@ -91,6 +91,7 @@ class DeltaReader:
         self.verify = verify
         self.max_workers = max_workers
         self.max_shard_bytes = max_shard_bytes
+        self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
 
     def versions(self) -> list[int]:
         """Committed versions of the chain, ascending."""
@@ -100,7 +101,7 @@ class DeltaReader:
 
     def _plan(self, resident: Resident | None, goal: int, committed: list[int]) -> list[int]:
         have = set(committed)
-        if resident is not None and all(v in have for v in range(resident.version + 1, goal + 1)):
+        if resident is not None and all(v in have for v in range(resident.version, goal + 1)):
             return list(range(resident.version + 1, goal + 1))
         for version in range(goal, -1, -1):
             if version in have and self.chain.record(version).record.kind == "base":
@@ -163,8 +164,13 @@ class DeltaReader:
 
     def _fetch(self, plan: list[int], resident: Resident | None) -> tuple[list[_Step], int]:
         parent: LoadedRecord | None = None
+        parent_table: dict[str, TensorState] | None = None
         if resident is not None and plan[0] == resident.version + 1:
             parent = self.chain.record(resident.version)
+            if self._last_table is not None and self._last_table[0] == parent.sha256:
+                parent_table = self._last_table[1]
+            else:
+                parent_table = state_table(self.chain.manifests(parent))
         steps: list[_Step] = []
         payload = 0
         with ThreadPoolExecutor(self.max_workers) as pool:
@@ -185,11 +191,13 @@ class DeltaReader:
                         "fingerprint; "
                         "the store is corrupt: run `dcr verify`"
                     )
+                if loaded.record.kind == "delta" and parent_table is not None:
+                    _check_continuity(parent_table, manifests, version)
                 payload += sum(ref.size for ref in loaded.record.manifests)
                 changes, nbytes = self._decode_version(manifests, pool)
                 payload += nbytes
                 steps.append(_Step(loaded, table, changes))
-                parent = loaded
+                parent, parent_table = loaded, table
         return steps, payload
 
     def _decode_version(
@@ -257,7 +265,9 @@ class DeltaReader:
                     undo.append((tensor, delta, saved))
                     touched.add(entry.name)
             final = steps[-1].table
-            check = {n for n in final if self.select(n)} if self.verify == "all" else touched
+            # tensors a later base removed are gone, not checked
+            selected = {n for n in final if self.select(n)}
+            check = selected if self.verify == "all" else touched & selected
             for name in sorted(check):
                 tensor = txn.tensor(name)
                 if tensor is None or tensor_fingerprint(tensor) != final[name].fingerprint:
@@ -265,7 +275,16 @@ class DeltaReader:
                         f"tensor {name!r} does not match version {steps[-1].loaded.record.version} "
                         "after applying; the target was rolled back: run `dcr verify` on the store"
                     )
-            txn.commit(Resident(steps[-1].loaded.record.chain_id, steps[-1].loaded.record.version))
+            extra = sorted(n for n in txn.names() if self.select(n) and n not in final)
+            if extra:  # FORMAT.md 11.4.3: the target holds exactly the goal's selected names
+                raise TargetError(
+                    f"the target holds {len(extra)} tensors that version "
+                    f"{steps[-1].loaded.record.version} lacks (first: {extra[0]!r}); remove "
+                    "them, pass select= to leave them alone, or pull into a fresh target"
+                )
+            last = steps[-1].loaded
+            txn.commit(Resident(last.record.chain_id, last.record.version))
+            self._last_table = (last.sha256, final)
         except BaseException as exc:
             for tensor, delta, saved in reversed(undo):
                 undo_delta(tensor, delta, saved)
@@ -279,9 +298,17 @@ class DeltaReader:
     def _check_baseline(self, steps: list[_Step], txn: Transaction, incremental: bool) -> set[str]:
         """Before mutating: every delta lands on exactly the bits it was made against."""
         first_seen: dict[str, Entry] = {}
+        # deltas land on the resident bits if any step changes them before a full write,
+        # not only when the first step that lists the tensor does
+        changing: set[str] = set()
+        rewritten: set[str] = set()
         for step in steps:
             for entry, _ in step.changes:
                 first_seen.setdefault(entry.name, entry)
+                if entry.op == FULL:
+                    rewritten.add(entry.name)
+                elif entry.changed > 0 and entry.name not in rewritten:
+                    changing.add(entry.name)
         checked: set[str] = set()
         for name, entry in first_seen.items():
             if entry.op == FULL:
@@ -301,7 +328,7 @@ class DeltaReader:
                 raise TargetError(
                     f"target tensor {name!r} is not contiguous; pass contiguous tensors"
                 )
-            if (entry.changed > 0 or self.verify == "all") and tensor_fingerprint(
+            if (name in changing or self.verify == "all") and tensor_fingerprint(
                 tensor
             ) != entry.parent_fingerprint:
                 raise BaselineMismatchError(
@@ -309,9 +336,36 @@ class DeltaReader:
                     f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
                     "pull into a fresh target"
                 )
-            if entry.changed > 0:
+            if name in changing:
                 checked.add(name)
         return checked
+
+
+def _check_continuity(
+    parent: dict[str, TensorState], manifests: list[Manifest], version: int
+) -> None:
+    """A delta keeps every tensor of its parent and starts each change from the parent's bits."""
+    listed = {e.name: e for m in manifests for e in m.entries}
+    missing = sorted(set(parent) - set(listed))
+    if missing:
+        raise ChainBrokenError(
+            f"delta version {version} drops tensor {missing[0]!r} of its parent; "
+            "the store is corrupt: run `dcr verify`"
+        )
+    for name, entry in listed.items():
+        if entry.op == FULL:
+            continue
+        row = parent.get(name)
+        if (
+            row is None
+            or row.dtype != entry.dtype
+            or row.shape != tuple(entry.shape)
+            or row.fingerprint != entry.parent_fingerprint
+        ):
+            raise ChainBrokenError(
+                f"version {version} changes tensor {name!r} from bits its parent does not "
+                "hold; the store is corrupt: run `dcr verify`"
+            )
 
 
 def _decode_entry(

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict
 
 from dcr_format.chain import (
     HEAD_KEY,
+    MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
     Chain,
     LoadedRecord,
     TensorState,
@@ -50,6 +52,8 @@ from dcr_format.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
+    TargetError,
+    UnsupportedDtypeError,
 )
 from dcr_format.fingerprint import tensor_fingerprint
 from dcr_format.schema import (
@@ -255,7 +259,7 @@ class DeltaWriter:
         if self._opened:
             return
         if not self.chain.exists():
-            self.chain.create(clock=self.clock)
+            self.chain.create(clock=self.clock, chain_id=self.ids())
         latest = self.chain.latest()
         if latest is not None:
             self._restore(latest)
@@ -266,19 +270,32 @@ class DeltaWriter:
         from dcr_format.readers.reader import DeltaReader
         from dcr_format.readers.targets import StateDictTarget
 
+        self._record = self.chain.record(latest)
+        manifests = self.chain.manifests(self._record)
+        table = state_table(manifests)
+        owned = {n: s for n, s in table.items() if self.owns(n)}
         target = self._load_cache()
         if target is not None:
             try:
-                DeltaReader(self.store, target, select=self.owns, verify="all").sync(to=latest)
-            except IntegrityError:
+                synced = DeltaReader(self.store, target, select=self.owns, verify="all").sync(
+                    to=latest
+                )
+            except (IntegrityError, TargetError):
                 target = None  # a stale or damaged cache: replay from the store instead
+            else:
+                # a cache already at `latest` was not checked by the sync (nothing to apply)
+                if set(target.tensors) != set(owned) or (
+                    not synced.applied_versions
+                    and any(
+                        _cached_fingerprint(t) != owned[n].fingerprint
+                        for n, t in target.tensors.items()
+                    )
+                ):
+                    target = None
         if target is None:
             target = StateDictTarget({})
             DeltaReader(self.store, target, select=self.owns).sync(to=latest)
         self._baseline = {n: t.to(self.baseline_device) for n, t in target.tensors.items()}
-        self._record = self.chain.record(latest)
-        manifests = self.chain.manifests(self._record)
-        table = state_table(manifests)
         self._table = table
         self._fingerprints = {n: s.fingerprint for n, s in table.items() if self.owns(n)}
         self._version = latest
@@ -302,6 +319,27 @@ class DeltaWriter:
         base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
         kind = "base" if base else "delta"
         attempt = self.coordinator.broadcast(self.ids() if self.rank == 0 else None, rank=self.rank)
+        try:
+            pending = self._write_part(tensors, version, kind, attempt)
+        except BaseException:
+            self._abort(version, attempt)  # no manifest of ours exists: the attempt cannot commit
+            raise
+        if self.rank == 0:
+            loaded, table = self._commit(version, kind, attempt, step)
+        else:
+            loaded, table = self._await_commit(version, attempt), {}
+        self._advance(pending, loaded, table, base)
+        return CommitInfo.from_record(loaded.record)
+
+    def _write_part(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        kind: str,
+        attempt: str,
+    ) -> dict[str, _Pending]:
+        """Encode this rank's tensors, upload its shards, then its manifest."""
+        base = kind == "base"
         shards = _ShardWriter(
             self.store, version, attempt, self.rank, self.shard_bytes, self.zstd_level
         )
@@ -341,12 +379,7 @@ class DeltaWriter:
             entries=tuple(entries),
         )
         self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
-        if self.rank == 0:
-            loaded, table = self._commit(version, kind, attempt, step)
-        else:
-            loaded, table = self._await_commit(version, attempt), {}
-        self._advance(pending, loaded, table, base)
-        return CommitInfo.from_record(loaded.record)
+        return pending
 
     def _entry(
         self,
@@ -403,14 +436,21 @@ class DeltaWriter:
         header = self.chain.header
         found: dict[int, tuple[Manifest, ManifestRef]] = {}
 
+        marker = attempt_prefix(version, attempt) + ABORT_MARKER
+
         def all_manifests() -> bool | None:
             for rank in range(self.world_size):
                 if rank in found:
                     continue
                 key = manifest_key(version, attempt, rank)
                 try:
-                    data = self.store.get(key)
+                    data = self.store.get(key, max_size=MAX_MANIFEST_BYTES)
                 except ObjectNotFoundError:
+                    if self.store.exists(marker):
+                        raise IncompleteVersionError(
+                            f"a writer rank abandoned version {version} before its manifest; "
+                            "see that rank's error, then publish again"
+                        ) from None
                     return None
                 manifest = parse(Manifest, data, what=key)
                 check_manifest(
@@ -482,7 +522,7 @@ class DeltaWriter:
             except StoreError:
                 continue  # outcome unknown: re-read below
         try:
-            landed = self.store.get(key)
+            landed = self.store.get(key, max_size=MAX_RECORD_BYTES)
         except ObjectNotFoundError:
             raise CommitStateUnknown(
                 f"could not create {key} and cannot tell whether it landed; keep this attempt's "
@@ -593,6 +633,14 @@ class DeltaWriter:
         except Exception:
             return None  # an unreadable cache is just a miss
         return StateDictTarget(tensors, version=version, chain_id=self.chain.header.chain_id)
+
+
+def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
+    """Fingerprint of a tensor loaded from the cache (None for a dtype the format lacks)."""
+    try:
+        return tensor_fingerprint(tensor)
+    except UnsupportedDtypeError:
+        return None
 
 
 def _numel(shape: tuple[int, ...]) -> int:
