@@ -37,7 +37,13 @@ import torch
 
 from dcr_format.codec.dtypes import bits_view, info_for
 
-__all__ = ["state_fingerprint", "tensor_fingerprint"]
+__all__ = [
+    "fingerprint_from_lanes",
+    "lanes_after_change",
+    "state_fingerprint",
+    "tensor_fingerprint",
+    "tensor_lanes",
+]
 
 _PRIMES = (2147483647, 2147483629, 2147483587)
 _C = (1013904223, 22695477, 134775813)
@@ -71,6 +77,27 @@ def _cached(kind: str, device: torch.device, lane: int) -> torch.Tensor:
     return value
 
 
+def _split(symbols: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """High and low 32-bit halves of 8-byte symbols (computed once for every lane)."""
+    if width != 8:
+        return None
+    return (symbols >> 32) & 0xFFFFFFFF, symbols & 0xFFFFFFFF
+
+
+def _g(
+    symbols: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor] | None, width: int, lane: int
+) -> torch.Tensor:
+    """g = (s + c)^5 mod p of unsigned symbols (masked to their width), same shape."""
+    p = _PRIMES[lane]
+    if width <= 2:
+        table = _cached("g", symbols.device, lane)
+        return table.index_select(0, symbols.reshape(-1)).view(symbols.shape)
+    if split is None:
+        return _pow5(symbols % p, lane)
+    hi, lo = split
+    return _pow5(((hi % p) * ((1 << 32) % p) + lo) % p, lane)
+
+
 def _lane_sums(symbols: torch.Tensor, width: int, lanes: int, first: int) -> list[torch.Tensor]:
     """Per lane, sum of g*r mod p over a (rows, cols) block whose first flat index is ``first``."""
     rows, cols = symbols.shape
@@ -79,19 +106,10 @@ def _lane_sums(symbols: torch.Tensor, width: int, lanes: int, first: int) -> lis
     # r = (first mod 2^30) + row*_ROW + col + 1; chunks never straddle a multiple of 2^30
     row_base = (first % _R_PERIOD) + 1 + torch.arange(rows, dtype=torch.int64, device=device) * _ROW
     out = []
-    hi = lo = None
-    if width == 8:
-        hi = (symbols >> 32) & 0xFFFFFFFF
-        lo = symbols & 0xFFFFFFFF
+    split = _split(symbols, width)
     for lane in range(lanes):
         p = _PRIMES[lane]
-        if width <= 2:
-            g = _cached("g", device, lane).index_select(0, symbols.reshape(-1)).view(rows, cols)
-        elif width == 4:
-            g = _pow5(symbols % p, lane)
-        else:
-            assert hi is not None and lo is not None
-            g = _pow5(((hi % p) * ((1 << 32) % p) + lo) % p, lane)
+        g = _g(symbols, split, width, lane)
         if device.type == "cpu":  # exact int64 matmul, far faster than multiply-then-sum
             sums = g @ _cached("weights", device, 0)[:cols]
             s0, s1 = sums[:, 0] % p, sums[:, 1] % p
@@ -100,6 +118,53 @@ def _lane_sums(symbols: torch.Tensor, width: int, lanes: int, first: int) -> lis
             s1 = (g * col).sum(dim=1) % p  # sum_col g*col  < 2^61 before the mod
         out.append(((s1 + (row_base % p) * s0 % p) % p).sum() % p)
     return out
+
+
+def _symbols(bits: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned int64 symbols of integer bit views (8-byte ones stay as their bits)."""
+    symbols = bits.to(torch.int64)
+    return symbols & _MASKS[width] if width < 8 else symbols
+
+
+def tensor_lanes(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The fingerprint's lane values of a tensor (one full pass on its device)."""
+    return tuple(_lanes(tensor))
+
+
+def lanes_after_change(
+    lanes: tuple[int, ...], positions: torch.Tensor, old_bits: torch.Tensor, new_bits: torch.Tensor
+) -> tuple[int, ...]:
+    """Lanes after the elements at ``positions`` change from ``old_bits`` to ``new_bits``.
+
+    The lanes are sums of ``g(v_i) * r(i)`` modulo primes, so a change updates them by
+    ``(g(new) - g(old)) * r(i)`` over the changed elements only: O(changed) work.
+    """
+    width = old_bits.element_size()
+    device = old_bits.device
+    out = list(lanes)
+    step = 1 << 20  # sum of step values below 2^31 stays far below 2^63
+    for start in range(0, positions.numel(), step):
+        pos = positions[start : start + step].to(device=device, dtype=torch.int64)
+        old = _symbols(old_bits[start : start + step], width)
+        new = _symbols(new_bits[start : start + step], width)
+        r = pos % _R_PERIOD + 1
+        old_split, new_split = _split(old, width), _split(new, width)
+        for lane in range(len(out)):
+            p = _PRIMES[lane]
+            diff = (_g(new, new_split, width, lane) - _g(old, old_split, width, lane)) % p
+            out[lane] = (out[lane] + int((diff * r % p).sum()) % p) % p
+    return tuple(out)
+
+
+def fingerprint_from_lanes(dtype: torch.dtype, shape: Iterable[int], lanes: Iterable[int]) -> str:
+    """The fingerprint string of a tensor of ``dtype`` and ``shape`` with these lanes."""
+    info = info_for(dtype)
+    dims = ",".join(str(d) for d in shape)
+    values = list(lanes)
+    digest = hashlib.sha256()
+    digest.update(f"dcr-fp-1\0{info.name}\0{dims}\0".encode())
+    digest.update(struct.pack(f"<{len(values)}Q", *values))
+    return digest.hexdigest()[:32]
 
 
 def _lanes(tensor: torch.Tensor) -> list[int]:
@@ -112,9 +177,7 @@ def _lanes(tensor: torch.Tensor) -> list[int]:
     primes = torch.tensor(_PRIMES[:lanes], dtype=torch.int64, device=device)
     n = flat.numel()
     for start in range(0, n, step):
-        chunk = flat[start : start + step].to(torch.int64)
-        if info.width < 8:
-            chunk = chunk & _MASKS[info.width]
+        chunk = _symbols(flat[start : start + step], info.width)
         full = chunk.numel() // _ROW * _ROW
         parts = []
         if full:
@@ -128,13 +191,7 @@ def _lanes(tensor: torch.Tensor) -> list[int]:
 
 def tensor_fingerprint(tensor: torch.Tensor) -> str:
     """Fingerprint (32 hex digits) of a tensor's dtype, shape and exact bits, on its device."""
-    info = info_for(tensor.dtype)
-    shape = ",".join(str(d) for d in tensor.shape)
-    lanes = _lanes(tensor)
-    digest = hashlib.sha256()
-    digest.update(f"dcr-fp-1\0{info.name}\0{shape}\0".encode())
-    digest.update(struct.pack(f"<{len(lanes)}Q", *lanes))
-    return digest.hexdigest()[:32]
+    return fingerprint_from_lanes(tensor.dtype, tensor.shape, _lanes(tensor))
 
 
 def state_fingerprint(table: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:

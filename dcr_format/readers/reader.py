@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -21,7 +21,7 @@ from dcr_format.chain import (
     table_fingerprint,
 )
 from dcr_format.codec.delta import FULL, DecodedDelta, apply_delta, decode_delta, undo_delta
-from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import (
     ApplyError,
@@ -33,7 +33,12 @@ from dcr_format.errors import (
     TargetError,
     VersionNotFoundError,
 )
-from dcr_format.fingerprint import tensor_fingerprint
+from dcr_format.fingerprint import (
+    fingerprint_from_lanes,
+    lanes_after_change,
+    tensor_fingerprint,
+    tensor_lanes,
+)
 from dcr_format.readers.targets import Resident, Target, Transaction
 from dcr_format.schema import Entry, Manifest
 from dcr_format.store import Store, open_store
@@ -246,7 +251,8 @@ class DeltaReader:
         txn = self.target.begin()
         undo: list[tuple[torch.Tensor, DecodedDelta, torch.Tensor | None]] = []
         try:
-            touched = self._check_baseline(steps, txn, incremental)
+            lanes = self._check_baseline(steps, txn, incremental)
+            touched = set(lanes)
             for step in steps:
                 if step.loaded.record.kind == "base" or not incremental:
                     for name in txn.names():
@@ -261,8 +267,26 @@ class DeltaReader:
                         assert tensor is not None  # checked by _check_baseline
                     if entry.changed == 0:
                         continue
-                    saved = apply_delta(tensor, delta)
-                    undo.append((tensor, delta, saved))
+                    if entry.op == FULL:
+                        saved = apply_delta(tensor, delta)
+                        undo.append((tensor, delta, saved))
+                        lanes[entry.name] = tensor_lanes(tensor)
+                    else:
+                        # the fingerprint follows the change: O(changed), read back from the target
+                        flat = bits_view(tensor).reshape(-1)
+                        assert delta.positions is not None
+                        delta = replace(
+                            delta,
+                            positions=delta.positions.to(flat.device),
+                            values=delta.values.to(flat.device),
+                        )
+                        assert delta.positions is not None
+                        before = flat[delta.positions]
+                        saved = apply_delta(tensor, delta)
+                        undo.append((tensor, delta, saved))
+                        lanes[entry.name] = lanes_after_change(
+                            lanes[entry.name], delta.positions, before, flat[delta.positions]
+                        )
                     touched.add(entry.name)
             final = steps[-1].table
             # tensors a later base removed are gone, not checked
@@ -270,7 +294,13 @@ class DeltaReader:
             check = selected if self.verify == "all" else touched & selected
             for name in sorted(check):
                 tensor = txn.tensor(name)
-                if tensor is None or tensor_fingerprint(tensor) != final[name].fingerprint:
+                if tensor is None:
+                    found = None
+                elif self.verify == "all":
+                    found = tensor_fingerprint(tensor)
+                else:
+                    found = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes[name])
+                if found != final[name].fingerprint:
                     raise FingerprintMismatchError(
                         f"tensor {name!r} does not match version {steps[-1].loaded.record.version} "
                         "after applying; the target was rolled back: run `dcr verify` on the store"
@@ -295,8 +325,13 @@ class DeltaReader:
                 raise ApplyError(f"applying failed and was rolled back: {exc}") from exc
             raise
 
-    def _check_baseline(self, steps: list[_Step], txn: Transaction, incremental: bool) -> set[str]:
-        """Before mutating: every delta lands on exactly the bits it was made against."""
+    def _check_baseline(
+        self, steps: list[_Step], txn: Transaction, incremental: bool
+    ) -> dict[str, tuple[int, ...]]:
+        """Before mutating: every delta lands on exactly the bits it was made against.
+
+        Returns the fingerprint lanes of every resident tensor a delta changes.
+        """
         first_seen: dict[str, Entry] = {}
         # deltas land on the resident bits if any step changes them before a full write,
         # not only when the first step that lists the tensor does
@@ -309,7 +344,7 @@ class DeltaReader:
                     rewritten.add(entry.name)
                 elif entry.changed > 0 and entry.name not in rewritten:
                     changing.add(entry.name)
-        checked: set[str] = set()
+        checked: dict[str, tuple[int, ...]] = {}
         for name, entry in first_seen.items():
             if entry.op == FULL:
                 continue
@@ -328,16 +363,19 @@ class DeltaReader:
                 raise TargetError(
                     f"target tensor {name!r} is not contiguous; pass contiguous tensors"
                 )
-            if (name in changing or self.verify == "all") and tensor_fingerprint(
-                tensor
-            ) != entry.parent_fingerprint:
+            if name not in changing and self.verify != "all":
+                continue
+            resident = tensor_lanes(tensor)
+            if fingerprint_from_lanes(tensor.dtype, tensor.shape, resident) != (
+                entry.parent_fingerprint
+            ):
                 raise BaselineMismatchError(
                     f"tensor {name!r} in the target is not the bits of version "
                     f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
                     "pull into a fresh target"
                 )
             if name in changing:
-                checked.add(name)
+                checked[name] = resident
         return checked
 
 

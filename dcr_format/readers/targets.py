@@ -191,7 +191,15 @@ class SafetensorsDirTarget(Target):
         return self.path.parent / f".{self.path.name}.dcr"
 
     def _check_managed(self) -> None:
-        if self.path.is_symlink() or not self.path.exists():
+        if self.path.is_symlink():
+            # only a link into our own versioned dirs is ours: a sync deletes what it pointed at
+            if os.path.realpath(self.path).startswith(os.path.realpath(self._store_dir) + os.sep):
+                return
+            raise TargetError(
+                f"{self.path} is a link to {os.readlink(self.path)}, not to a directory "
+                f"dcr manages under {self._store_dir}; pull into a new or empty path"
+            )
+        if not self.path.exists():
             return
         if self.path.is_dir() and not any(self.path.iterdir()):
             return

