@@ -146,10 +146,18 @@ class Chain:
         return self.store.exists(HEADER_KEY)
 
     def create(
-        self, *, clock: Callable[[], datetime] = utc_now, chain_id: str | None = None
+        self,
+        *,
+        clock: Callable[[], datetime] = utc_now,
+        chain_id: str | None = None,
+        conditional_writes: bool | None = None,
     ) -> StoreHeader:
         """Create the header if absent (racing creators agree on whichever landed first)."""
-        header = StoreHeader(chain_id=chain_id or new_id(), created=timestamp(clock()))
+        header = StoreHeader(
+            chain_id=chain_id or new_id(),
+            created=timestamp(clock()),
+            conditional_writes=conditional_writes,
+        )
         try:
             self.store.put_if_absent(HEADER_KEY, header.to_json())
         except ObjectExistsError:
@@ -161,6 +169,7 @@ class Chain:
 
     def versions(self) -> list[int]:
         """Committed versions, ascending (from listing ``commits/``)."""
+        self.header  # noqa: B018 (a store without a chain is an error, not an empty chain)
         found = []
         for key in self.store.list(COMMITS_PREFIX):
             match = _COMMIT_KEY.match(key)
