@@ -151,10 +151,16 @@ class DeltaReader:
                 "replay older versions into a fresh target"
             )
         plan = self._plan(resident, goal, committed)
+        # incremental: the plan continues from the resident version (else it starts at a base)
+        incremental = (
+            resident is not None
+            and plan[0] == resident.version + 1
+            and resident.version in set(committed)
+        )
         started = time.perf_counter()
-        steps, payload = self._fetch(plan, resident)
+        steps, payload = self._fetch(plan, resident if incremental else None)
         fetched = time.perf_counter()
-        self._apply(steps, resident, plan[0] == (previous or 0) + 1 and resident is not None)
+        self._apply(steps, resident, incremental)
         done = time.perf_counter()
         return SyncResult(
             version=goal,
