@@ -1,0 +1,652 @@
+"""Build the golden test vectors of spec/FORMAT.md §13.3 (see spec/vectors/README.md).
+
+Run from the repository root::
+
+    .venv/bin/python spec/vectors/generate.py [--out DIR]
+
+Each vector is written to ``DIR/<name>/store/`` (a complete store) and
+``DIR/<name>/expected.json`` (what a conforming reader must reproduce, and the
+writer inputs a conforming writer needs to reproduce the store byte for byte).
+``DIR`` defaults to this script's directory. An existing ``store/`` and
+``expected.json`` of a vector are replaced; nothing else under ``DIR`` is touched.
+
+Everything is deterministic: tensor bits come from explicit patterns and from
+the raw output of numpy's PCG64 bit generator with fixed seeds (bit generator
+streams are stable across numpy versions; no distribution method and no torch
+RNG is used), the writer's clock returns fixed instants one second apart, and
+its id source returns a fixed list (the chain id first, then one attempt id per
+publish). Bits are built with integer operations only, so NaN payloads, -0.0 and
+subnormals survive exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from dcr_format import DeltaWriter
+from dcr_format.chain import Chain
+from dcr_format.codec.dtypes import BY_NAME
+from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
+from dcr_format.store import open_store
+
+HERE = Path(__file__).resolve().parent
+CLOCK_START = datetime(2025, 1, 2, 3, 4, 5, 123456, tzinfo=timezone.utc)
+_UNSIGNED = {1: "<u1", 2: "<u2", 4: "<u4", 8: "<u8"}
+_SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+# ------------------------------------------------------------------------------------------
+# bit patterns
+# ------------------------------------------------------------------------------------------
+
+
+def raw(seed: int, n: int) -> np.ndarray:
+    """``n`` raw 64-bit outputs of PCG64 seeded with ``seed`` (a stable stream)."""
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    return np.random.PCG64(seed).random_raw(n).astype(np.uint64)
+
+
+def weights(seed: int, dtype: str, n: int) -> np.ndarray:
+    """Bits of ``n`` plausible weights (random sign, small exponent range, random mantissa)."""
+    r = raw(seed, n)
+    sign = r >> np.uint64(63)
+    exp_pick = (r >> np.uint64(56)) & np.uint64(7)
+    mant = r & np.uint64((1 << 52) - 1)
+    if dtype == "bfloat16":  # 1 + 8 + 7 bits, exponents 0x76..0x7d (about 2^-9 .. 2^-2)
+        bits = (sign << np.uint64(15)) | ((exp_pick + np.uint64(0x76)) << np.uint64(7))
+        bits |= mant & np.uint64(0x7F)
+    elif dtype == "float16":  # 1 + 5 + 5 + 10 bits
+        bits = (sign << np.uint64(15)) | ((exp_pick + np.uint64(0x06)) << np.uint64(10))
+        bits |= mant & np.uint64(0x3FF)
+    elif dtype == "float32":  # 1 + 8 + 23 bits
+        bits = (sign << np.uint64(31)) | ((exp_pick + np.uint64(0x76)) << np.uint64(23))
+        bits |= mant & np.uint64((1 << 23) - 1)
+    elif dtype == "float64":  # 1 + 11 + 52 bits
+        bits = (sign << np.uint64(63)) | ((exp_pick + np.uint64(0x3F6)) << np.uint64(52)) | mant
+    else:
+        raise ValueError(dtype)
+    return bits.astype(_UNSIGNED[BY_NAME[dtype].width])
+
+
+def uniform_bits(seed: int, dtype: str, n: int) -> np.ndarray:
+    """Bits of ``n`` elements drawn uniformly from every pattern of the dtype (bool: 0/1)."""
+    width = BY_NAME[dtype].width
+    r = raw(seed, n)
+    if dtype == "bool":
+        r = r & np.uint64(1)
+    return r.astype(_UNSIGNED[width]) if width < 8 else r.astype("<u8")
+
+
+def scattered(seed: int, n: int, count: int, *, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """``count`` distinct positions in ``[lo, hi)`` (sorted), picked from a fixed stream."""
+    hi = n if hi is None else hi
+    r = (raw(seed, count * 8) % np.uint64(hi - lo)).astype(np.int64) + lo
+    _, first = np.unique(r, return_index=True)
+    picked = r[np.sort(first)][:count]
+    assert picked.size == count, "not enough distinct positions"
+    return np.sort(picked)
+
+
+def run(start: int, length: int) -> np.ndarray:
+    """The contiguous positions ``[start, start + length)``."""
+    return np.arange(start, start + length, dtype=np.int64)
+
+
+def flip(bits: np.ndarray, positions: np.ndarray, seed: int, mask: int) -> np.ndarray:
+    """A copy of ``bits`` with every listed element XOR-ed by a non-zero value in ``[1, mask]``."""
+    out = bits.copy()
+    m = (raw(seed, positions.size) % np.uint64(mask)) + np.uint64(1)
+    out[positions] ^= m.astype(out.dtype)
+    return out
+
+
+def put(bits: np.ndarray, positions: np.ndarray | list[int], values: list[int]) -> np.ndarray:
+    """A copy of ``bits`` with explicit bit patterns at ``positions``."""
+    out = bits.copy()
+    out[np.asarray(positions, dtype=np.int64)] = np.array(values, dtype=np.uint64).astype(out.dtype)
+    return out
+
+
+def bits_of(dtype: str, values: list[int]) -> np.ndarray:
+    """An array of explicit bit patterns."""
+    return np.array(values, dtype=np.uint64).astype(_UNSIGNED[BY_NAME[dtype].width])
+
+
+# ------------------------------------------------------------------------------------------
+# tensors
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One tensor of one version: format dtype, shape and flat element bits."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    bits: np.ndarray
+
+    def __post_init__(self) -> None:
+        numel = int(np.prod(self.shape, dtype=np.int64))
+        width = BY_NAME[self.dtype].width
+        assert self.bits.shape == (numel,), (self.dtype, self.shape, self.bits.shape)
+        assert self.bits.dtype == np.dtype(_UNSIGNED[width]), (self.dtype, self.bits.dtype)
+        if self.dtype == "bool":
+            assert int(self.bits.max(initial=0)) <= 1
+
+    def tensor(self) -> torch.Tensor:
+        """A fresh torch tensor holding exactly these bits."""
+        info = BY_NAME[self.dtype]
+        array = np.ascontiguousarray(self.bits).view(_SIGNED[info.width]).copy()
+        return torch.from_numpy(array).view(info.torch_dtype).reshape(self.shape)
+
+    def raw_bytes(self) -> bytes:
+        """The elements' little-endian bytes, row-major."""
+        return self.bits.astype(_UNSIGNED[BY_NAME[self.dtype].width]).tobytes()
+
+
+State = dict[str, Spec]
+
+
+@dataclass
+class Vector:
+    """A vector: writer configuration and the state published as each version."""
+
+    name: str
+    description: str
+    number: int
+    versions: list[tuple[int, State]]  # (step, state) per version, in publish order
+    base_every: int | None = None
+    ops: dict[str, str] = field(default_factory=dict)
+    shard_bytes: int | None = None
+
+    def ids(self) -> list[str]:
+        """The id source's outputs: the chain id, then one attempt id per publish."""
+        chain = f"{self.number:x}" * 32
+        return [chain] + [f"a{self.number:x}{v:030x}" for v in range(len(self.versions))]
+
+
+# ------------------------------------------------------------------------------------------
+# the vectors
+# ------------------------------------------------------------------------------------------
+
+
+def base_only() -> Vector:
+    state = {
+        "model.embed_tokens.weight": Spec("bfloat16", (32, 16), weights(101, "bfloat16", 512)),
+        "model.layers.0.mlp.down_proj.weight": Spec(
+            "bfloat16", (16, 32), weights(102, "bfloat16", 512)
+        ),
+        "model.norm.weight": Spec(
+            "float32", (16,), put(weights(103, "float32", 16), [0, 1], [0x3F800000, 0x80000000])
+        ),
+        "lm_head.bias": Spec("float32", (4, 8), weights(104, "float32", 32)),
+    }
+    return Vector(
+        "base-only",
+        "one base version (version 0) of bfloat16 and float32 tensors",
+        1,
+        [(0, state)],
+    )
+
+
+def xor_deltas() -> Vector:
+    a0 = weights(201, "bfloat16", 64 * 64)
+    b0 = weights(202, "bfloat16", 2048)
+    c0 = weights(203, "bfloat16", 8 * 16)
+
+    def state(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> State:
+        return {
+            "model.layers.0.self_attn.q_proj.weight": Spec("bfloat16", (64, 64), a),
+            "model.layers.0.mlp.up_proj.weight": Spec("bfloat16", (2048,), b),
+            "model.layers.0.input_layernorm.weight": Spec("bfloat16", (8, 16), c),
+        }
+
+    # v1: scattered changes in a (rice), one contiguous block in b (ranges), c unchanged
+    a1 = flip(a0, scattered(211, 4096, 40), 212, 0x7F)
+    b1 = flip(b0, run(300, 200), 213, 0x7F)
+    c1 = c0
+    # v2: nothing changes
+    a2, b2, c2 = a1, b1, c1
+    # v3: a gets three runs plus scattered elements, c one element, b unchanged
+    pos = np.unique(
+        np.concatenate([run(0, 16), run(1000, 64), run(4080, 16), scattered(221, 4096, 12)])
+    )
+    a3 = flip(a2, pos, 222, 0x7F)
+    b3 = b2
+    c3 = flip(c2, np.array([77]), 223, 0x7F)
+    # v4: sparse scattered changes in b (rice), whole rows 10..12 of a (one run of 192)
+    a4 = flip(a3, run(10 * 64, 3 * 64), 231, 0xFF)
+    b4 = flip(b3, scattered(232, 2048, 25), 233, 0x3)
+    c4 = c3
+    # v5: the first and last element of every tensor, sign flips included
+    a5 = flip(a4, np.array([0, 4095]), 241, 0x7F)
+    b5 = put(b4, [0, 2047], [int(b4[0]) ^ 0x8000, int(b4[2047]) ^ 0x8001])
+    c5 = flip(c4, np.array([0, 127]), 243, 0x7F)
+    return Vector(
+        "xor-deltas",
+        "a base and five xor deltas of bfloat16 tensors: scattered (rice) and contiguous "
+        "(ranges) changes, a version that changes nothing, first/last elements",
+        2,
+        [
+            (0, state(a0, b0, c0)),
+            (1, state(a1, b1, c1)),
+            (2, state(a2, b2, c2)),
+            (3, state(a3, b3, c3)),
+            (4, state(a4, b4, c4)),
+            (5, state(a5, b5, c5)),
+        ],
+    )
+
+
+# special bit patterns
+F64_SPECIAL = [
+    0x7FF8000000000000,  # quiet NaN
+    0x7FF8000000000001,  # quiet NaN, payload 1
+    0xFFF8DEADBEEF0001,  # negative quiet NaN with a payload
+    0x7FF0000000000001,  # signalling NaN
+    0x8000000000000000,  # -0.0
+    0x0000000000000000,  # +0.0
+    0x7FF0000000000000,  # inf
+    0xFFF0000000000000,  # -inf
+    0x0000000000000001,  # smallest subnormal
+    0x800FFFFFFFFFFFFF,  # largest negative subnormal
+    0x3FF0000000000000,  # 1.0
+    0xBFF8000000000000,  # -1.5
+]
+F32_SPECIAL = [
+    0x7FC00000,  # quiet NaN
+    0x7FC00001,  # quiet NaN, payload 1
+    0xFFBFFFFF,  # negative signalling NaN, all payload bits
+    0x7F800001,  # signalling NaN
+    0x80000000,  # -0.0
+    0x7F800000,  # inf
+    0xFF800000,  # -inf
+    0x00000001,  # smallest subnormal
+    0x807FFFFF,  # largest negative subnormal
+    0x3F800000,  # 1.0
+]
+F16_SPECIAL = [
+    0x7E00,  # quiet NaN
+    0x7C01,  # signalling NaN
+    0xFE01,  # negative quiet NaN, payload 1
+    0x7DFF,  # signalling NaN, all payload bits
+    0x8000,  # -0.0
+    0x0000,  # +0.0
+    0x7C00,  # inf
+    0xFC00,  # -inf
+    0x0001,  # smallest subnormal
+    0x83FF,  # largest negative subnormal
+]
+
+
+def mixed() -> Vector:
+    ow = "model.layers.0.self_attn.o_proj.weight"  # always sent as overwrite
+    f32 = "mixed.float32"
+    f64 = "mixed.float64"
+    f16 = "mixed.float16"
+    e4 = "mixed.float8_e4m3fn"
+    e5 = "mixed.float8_e5m2"
+    flag = "mixed.bool"
+    i8 = "mixed.int8"
+    i64 = "mixed.int64"
+    retype = "mixed.retype"
+    empty = "mixed.empty"
+    scalar = "mixed.scalar"
+    added = "mixed.added"
+    step = "mixed.step"
+    i16 = "mixed.int16"
+    u8 = "mixed.uint8"
+
+    every_byte = np.arange(256, dtype=np.uint64).astype("<u1")  # every float8 bit pattern
+    v0: State = {
+        ow: Spec("bfloat16", (16, 16), weights(301, "bfloat16", 256)),
+        f32: Spec(
+            "float32",
+            (8, 8),
+            np.concatenate([bits_of("float32", F32_SPECIAL), weights(302, "float32", 54)]),
+        ),
+        f64: Spec(
+            "float64",
+            (16,),
+            np.concatenate([bits_of("float64", F64_SPECIAL), weights(303, "float64", 4)]),
+        ),
+        f16: Spec(
+            "float16",
+            (32,),
+            np.concatenate([bits_of("float16", F16_SPECIAL), weights(304, "float16", 22)]),
+        ),
+        e4: Spec("float8_e4m3fn", (256,), every_byte.copy()),
+        e5: Spec("float8_e5m2", (16, 16), every_byte.copy()),
+        flag: Spec("bool", (48,), uniform_bits(305, "bool", 48)),
+        i8: Spec(
+            "int8",
+            (32,),
+            put(uniform_bits(306, "int8", 32), [0, 1, 2, 3], [0x80, 0x7F, 0xFF, 0x00]),
+        ),
+        i64: Spec(
+            "int64",
+            (4, 4),
+            put(
+                uniform_bits(307, "int64", 16),
+                [0, 1, 2, 3],
+                [0x8000000000000000, 0x7FFFFFFFFFFFFFFF, 0xFFFFFFFFFFFFFFFF, 0],
+            ),
+        ),
+        i16: Spec("int16", (2, 5), uniform_bits(308, "int16", 10)),
+        u8: Spec("uint8", (12,), uniform_bits(309, "uint8", 12)),
+        retype: Spec(
+            "int32", (6,), bits_of("int32", [0, 1, 0xFFFFFFFF, 0x80000000, 0x7FFFFFFF, 42])
+        ),
+        empty: Spec("float32", (0, 4), np.zeros(0, dtype="<u4")),
+        scalar: Spec("float64", (), bits_of("float64", [0x7FF8000000000BAD])),
+    }
+
+    # v1: overwrite with a run and scattered changes; every float8_e4m3fn element changes
+    # (full); a new tensor (full); NaN payload and -0.0 -> +0.0 changes; a few bools and int8s
+    v1 = dict(v0)
+    v1[ow] = Spec(
+        "bfloat16",
+        (16, 16),
+        flip(
+            v0[ow].bits, np.unique(np.concatenate([run(32, 20), scattered(311, 256, 8)])), 312, 0x7F
+        ),
+    )
+    v1[e4] = Spec("float8_e4m3fn", (256,), flip(v0[e4].bits, run(0, 256), 313, 0xFF))
+    v1[added] = Spec("float32", (20,), weights(314, "float32", 20))
+    v1[f64] = Spec(
+        "float64", (16,), put(v0[f64].bits, [1, 4], [0x7FF8000000000002, 0x0000000000000000])
+    )
+    v1[flag] = Spec("bool", (48,), v0[flag].bits ^ put(np.zeros(48, "<u1"), [3, 17, 40], [1, 1, 1]))
+    v1[i8] = Spec("int8", (32,), put(v0[i8].bits, [0, 31], [0x7F, 0x80]))
+
+    # v2: the overwrite tensor does not change; every int64 changes (full); a dtype change
+    # (int32 -> float32) and a shape change ([20] -> [4, 5]), both full; float16 NaN
+    # payloads and signed zeros change (xor); a contiguous run in float32
+    v2 = dict(v1)
+    v2[i64] = Spec("int64", (4, 4), v1[i64].bits ^ (uniform_bits(321, "int64", 16) | np.uint64(1)))
+    v2[retype] = Spec(
+        "float32", (6,), bits_of("float32", [0x3F800000, 0x7FC00000, 0x80000000, 0, 1, 0x7F800000])
+    )
+    v2[added] = Spec("float32", (4, 5), v1[added].bits.copy())
+    v2[f16] = Spec(
+        "float16",
+        (32,),
+        put(v1[f16].bits, [0, 1, 4, 5, 8], [0x7E01, 0x7C02, 0x0000, 0x8000, 0x0002]),
+    )
+    v2[f32] = Spec("float32", (8, 8), flip(v1[f32].bits, run(20, 30), 322, 0xFF))
+
+    # v3: a base (base_every=3) that drops mixed.retype and changes a few elements
+    v3 = {k: s for k, s in v2.items() if k != retype}
+    v3[f16] = Spec("float16", (32,), flip(v2[f16].bits, np.array([12, 13]), 331, 0x3))
+
+    # v4: float32 changes incl. NaN payloads; scattered float8_e5m2 changes
+    # (into NaN/inf patterns); an overwrite of a contiguous run; a new 0-d tensor (full)
+    v4 = dict(v3)
+    v4[f32] = Spec(
+        "float32",
+        (8, 8),
+        put(
+            v3[f32].bits,
+            [1, 2, 4, 40, 63],
+            [0x7FC00002, 0xFFBFFFFE, 0x00000000, 0x7F800000, 0x00000002],
+        ),
+    )
+    v4[e5] = Spec(
+        "float8_e5m2",
+        (16, 16),
+        put(v3[e5].bits, [5, 60, 61, 130, 200, 255], [0x7D, 0x7C, 0xFE, 0x80, 0x01, 0x00]),
+    )
+    v4[ow] = Spec("bfloat16", (16, 16), flip(v3[ow].bits, run(128, 64), 341, 0x7F))
+    v4[step] = Spec("int64", (), bits_of("int64", [4]))
+    v4[i16] = Spec("int16", (2, 5), put(v3[i16].bits, [9], [0x8000]))
+
+    # v5: 0-d tensors change (a NaN payload, an int64: full); bools and two uint8s flip
+    v5 = dict(v4)
+    v5[scalar] = Spec("float64", (), bits_of("float64", [0xFFF8000000000BAD]))
+    v5[step] = Spec("int64", (), bits_of("int64", [5]))
+    v5[u8] = Spec("uint8", (12,), flip(v4[u8].bits, run(4, 2), 351, 0xFF))
+    v5[flag] = Spec("bool", (48,), v4[flag].bits ^ put(np.zeros(48, "<u1"), [0, 47], [1, 1]))
+
+    return Vector(
+        "mixed",
+        "overwrite (configured), full (a tensor changing >50%, new tensors, a dtype change, "
+        "a shape change), a second base (base_every=3) that drops a tensor, every dtype "
+        "including float8 (every bit pattern), bool, int8, int64, float64, float16, NaN "
+        "payloads, -0.0, infinities, subnormals, 0-d and empty tensors, several shards per "
+        "manifest",
+        3,
+        [(100, v0), (101, v1), (102, v2), (103, v3), (104, v4), (105, v5)],
+        base_every=3,
+        ops={ow: "overwrite"},
+        shard_bytes=512,
+    )
+
+
+VECTORS: tuple[Callable[[], Vector], ...] = (base_only, xor_deltas, mixed)
+
+# ------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Fixed instants, one second apart, recorded as they are read."""
+
+    def __init__(self) -> None:
+        self.readings: list[datetime] = []
+
+    def __call__(self) -> datetime:
+        moment = CLOCK_START + timedelta(seconds=len(self.readings))
+        self.readings.append(moment)
+        return moment
+
+
+class _Ids:
+    """A fixed id sequence; running out is an error (the writer asked for more than planned)."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self._next: Iterator[str] = iter(ids)
+        self.used = 0
+
+    def __call__(self) -> str:
+        try:
+            value = next(self._next)
+        except StopIteration:
+            raise RuntimeError("the vector's id list is exhausted") from None
+        self.used += 1
+        return value
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _objects(store_dir: Path) -> list[dict[str, object]]:
+    found = []
+    for path in sorted(p for p in store_dir.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        key = path.relative_to(store_dir).as_posix()
+        found.append({"key": key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    return sorted(found, key=lambda o: str(o["key"]))
+
+
+def _entries(store_dir: Path, version: int) -> dict[str, dict[str, object]]:
+    """What the store's manifests say about each tensor of a version (informative)."""
+    chain = Chain(open_store(store_dir))
+    loaded = chain.record(version)
+    out: dict[str, dict[str, object]] = {}
+    for manifest in chain.manifests(loaded):
+        for entry in manifest.entries:
+            out[entry.name] = {
+                "op": entry.op,
+                "changed": entry.changed,
+                "positions": entry.positions.coding if entry.positions else None,
+                "values": entry.values.coding if entry.values else None,
+                "shard": None
+                if entry.values is None
+                else manifest.shards[entry.values.shard].path.rsplit("/", 1)[1],
+            }
+    return out
+
+
+def write_vector(vector: Vector, out: Path) -> dict[str, object]:
+    """Write one vector's store and expected.json under ``out/<name>/``; returns expected."""
+    folder = out / vector.name
+    store_dir = folder / "store"
+    if store_dir.exists():
+        shutil.rmtree(store_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    clock, ids = _Clock(), _Ids(vector.ids())
+    options: dict[str, object] = {}
+    if vector.shard_bytes is not None:
+        options["shard_bytes"] = vector.shard_bytes
+    writer = DeltaWriter(
+        store_dir, base_every=vector.base_every, ops=vector.ops, clock=clock, ids=ids, **options
+    )
+    versions = []
+    for number, (step, state) in enumerate(vector.versions):
+        info = writer.publish([(name, spec.tensor()) for name, spec in state.items()], step=step)
+        assert info.version == number
+        tensors = {}
+        for name, spec in state.items():
+            tensors[name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "fingerprint": tensor_fingerprint(spec.tensor()),
+                "sha256": hashlib.sha256(spec.raw_bytes()).hexdigest(),
+            }
+        expected_state = state_fingerprint(
+            (n, t["dtype"], tuple(t["shape"]), t["fingerprint"]) for n, t in tensors.items()
+        )
+        if expected_state != info.state_fingerprint:
+            raise AssertionError(f"{vector.name} v{number}: the writer's state fingerprint differs")
+        versions.append(
+            {
+                "version": number,
+                "kind": info.kind,
+                "step": step,
+                "state_fingerprint": expected_state,
+                "tensors": tensors,
+            }
+        )
+    for version in versions:
+        entries = _entries(store_dir, int(version["version"]))  # type: ignore[arg-type]
+        tensors = version["tensors"]
+        assert isinstance(tensors, dict) and set(entries) == set(tensors)
+        version["entries"] = {name: entries[name] for name in tensors}
+    assert ids.used == len(ids.ids), "the writer used fewer ids than planned"
+    expected = {
+        "vector": vector.name,
+        "description": vector.description,
+        "format_version": 1,
+        "zstd": {
+            "library": ".".join(str(v) for v in zstandard.ZSTD_VERSION),
+            "python-zstandard": zstandard.__version__,
+        },
+        "writer": {
+            "world_size": 1,
+            "base_every": vector.base_every,
+            "ops": vector.ops,
+            "shard_bytes": writer.shard_bytes,
+            "zstd_level": writer.zstd_level,
+            "ids": ids.ids,
+            "clock": [_stamp(m) for m in clock.readings],
+        },
+        "versions": versions,
+        "objects": _objects(store_dir),
+    }
+    text = json.dumps(expected, indent=1) + "\n"
+    (folder / "expected.json").write_text(text, encoding="utf-8")
+    return expected
+
+
+def check_coverage(expected: list[dict[str, object]]) -> None:
+    """The vectors must keep covering what spec/vectors/README.md promises."""
+    ops, codings, dtypes, kinds = set(), set(), set(), set()
+    facts = set()
+    for vector in expected:
+        bases = 0
+        for version in vector["versions"]:  # type: ignore[union-attr]
+            kinds.add(version["kind"])
+            bases += version["kind"] == "base"
+            if version["kind"] == "delta" and all(
+                e["changed"] == 0 for e in version["entries"].values()
+            ):
+                facts.add("version without changes")
+            for name, entry in version["entries"].items():
+                tensor = version["tensors"][name]
+                dtypes.add(tensor["dtype"])
+                ops.add(entry["op"])
+                if entry["positions"]:
+                    codings.add(entry["positions"])
+                if version["kind"] == "delta" and entry["op"] == "full":
+                    facts.add("full in a delta")
+                if entry["op"] == "overwrite" and entry["changed"] == 0:
+                    facts.add("unchanged overwrite")
+                if entry["shard"] not in (None, "shard-00000-00000.dcrs"):
+                    facts.add("second shard")
+                if tensor["shape"] == []:
+                    facts.add("0-d tensor")
+                if 0 in tensor["shape"]:
+                    facts.add("empty tensor")
+        if bases >= 2:
+            facts.add("second base")
+    missing = []
+    missing += sorted({"xor", "overwrite", "full"} - ops)
+    missing += sorted({"rice", "ranges"} - codings)
+    missing += sorted(set(BY_NAME) - dtypes)
+    missing += sorted({"base", "delta"} - kinds)
+    missing += sorted(
+        {
+            "version without changes",
+            "full in a delta",
+            "unchanged overwrite",
+            "second shard",
+            "0-d tensor",
+            "empty tensor",
+            "second base",
+        }
+        - facts
+    )
+    if missing:
+        raise AssertionError(f"the vectors no longer cover: {', '.join(missing)}")
+
+
+def generate(out: Path) -> list[dict[str, object]]:
+    """Write every vector under ``out`` and check their coverage; returns the expectations."""
+    out.mkdir(parents=True, exist_ok=True)
+    expected = [write_vector(make(), out) for make in VECTORS]
+    check_coverage(expected)
+    return expected
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--out", type=Path, default=HERE, help="output folder (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+    for vector in generate(args.out):
+        total = sum(int(o["size"]) for o in vector["objects"])  # type: ignore[union-attr]
+        print(
+            f"{vector['vector']}: {len(vector['versions'])} versions, "  # type: ignore[arg-type]
+            f"{len(vector['objects'])} objects, {total} bytes"  # type: ignore[arg-type]
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
