@@ -80,6 +80,15 @@ class StoreHeader(_Model):
     required_features: tuple[str, ...] = ()
     chain_id: Hex32
     created: Timestamp
+    conditional_writes: bool | None = None
+    """Whether the server honoured ``If-None-Match: *`` when the chain was created (S3);
+    absent (None) where the store sends no conditional request (local disk, memory).
+    Informational: a writer asks the store itself, once per process."""
+
+    def to_json(self) -> bytes:
+        """As every model, but ``conditional_writes`` is left out when unknown."""
+        exclude = {"conditional_writes"} if self.conditional_writes is None else None
+        return self.model_dump_json(exclude=exclude).encode()
 
 
 class ShardRef(_Model):

@@ -12,6 +12,15 @@ A :class:`Store` is a root URL holding objects named by relative keys
 - ``memory://name``: fsspec's process-local memory filesystem; a process-wide
   lock makes check-and-write atomic, so it supports atomic create too (among
   Store users; code that writes memory:// directly through fsspec bypasses it).
+- ``s3://bucket/prefix`` (and ``s3a://``): AWS S3 or an S3-compatible server
+  through s3fs (the ``s3`` extra), in the private module ``dcr_format._s3``.
+  Endpoint, region and credentials come from the standard AWS environment and
+  config files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``,
+  ...); ``storage_options`` (s3fs's ``endpoint_url``, ``key``, ``secret``,
+  ``client_kwargs``, ``config_kwargs``, ...) override them. ``put_if_absent``
+  is a ``PUT`` with ``If-None-Match: *``; whether the server honours that
+  header is probed once per process (:meth:`Store.probe_conditional_writes`),
+  and a server that ignores it is treated like a backend without atomic create.
 - any other fsspec URL: goes through fsspec with no local-disk assumptions.
   Such a backend is not known to create atomically, so ``put_if_absent``
   refuses with :class:`~dcr_format.errors.CapabilityError` unless the store
@@ -33,7 +42,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -49,6 +58,9 @@ from dcr_format.errors import (
     ObjectTooLargeError,
     StoreError,
 )
+
+if TYPE_CHECKING:
+    from dcr_format._s3 import S3Backend
 
 __all__ = ["Capabilities", "Store", "check_key", "open_store"]
 
@@ -121,6 +133,10 @@ class Capabilities:
     """``list`` is supported."""
     delete: bool
     """``delete`` and ``delete_many`` are supported."""
+    conditional_writes: bool | None = None
+    """S3: whether the server honours ``If-None-Match: *`` (probed once per process).
+    None where the backend sends no conditional request (local and ``memory://`` stores
+    create atomically by other means; other fsspec backends cannot)."""
 
 
 class _ObjectExists(Exception):
@@ -141,6 +157,10 @@ class _OutsideRoot(Exception):
 
 class _NoAtomicCreate(Exception):
     """Backend signal: atomic create is not available and single_writer is off."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class _NoHardLinks(Exception):
@@ -207,6 +227,9 @@ class _LocalBackend:
         if not _is_within(real, self._real_root()):
             raise _OutsideRoot
         return real
+
+    def probe_conditional_writes(self) -> bool:
+        return True  # link(2) creates atomically; nothing to ask
 
     def get(self, key: str, max_size: int | None) -> bytes:
         path = self._resolve(key)
@@ -382,6 +405,9 @@ class _FsspecBackend:
     def _path(self, key: str) -> str:
         return self.prefix + key
 
+    def probe_conditional_writes(self) -> bool:
+        return self.capabilities.atomic_create  # fsspec has no conditional write to try
+
     def _locked(self) -> contextlib.AbstractContextManager[Any]:
         return self.lock if self.lock is not None else contextlib.nullcontext()
 
@@ -497,15 +523,17 @@ class Store:
 
     Keys are relative '/'-separated names checked by :func:`check_key`.
     ``storage_options`` are passed to the fsspec filesystem (ignored for local
-    paths). ``single_writer=True`` lets ``put_if_absent`` fall back to an unsafe
-    check-then-write on backends without atomic create; set it only when a
-    single process ever writes the store.
+    paths; for ``s3://`` they are s3fs options and override the AWS environment).
+    ``single_writer=True`` lets ``put_if_absent`` fall back to an unsafe
+    check-then-write on backends without atomic create (including S3-compatible
+    servers that ignore ``If-None-Match``); set it only when a single process
+    ever writes the store.
+
+    A Store is safe to use from several threads at once.
     """
 
     url: str
-    """The normalised root URL (``file:///abs/path``, ``memory://name``, ...)."""
-    capabilities: Capabilities
-    """What the backend can do."""
+    """The normalised root URL (``file:///abs/path``, ``memory://name``, ``s3://b/p``, ...)."""
     single_writer: bool
     """Whether the caller promised that only one process writes this store."""
 
@@ -522,9 +550,11 @@ class Store:
             raise StoreError("empty store URL; pass a path like './refit-store' or an fsspec URL")
         self.single_writer = single_writer
         root = _local_root(url)
-        backend: _LocalBackend | _FsspecBackend
+        backend: _LocalBackend | _FsspecBackend | S3Backend
         if root is not None:
             backend = _LocalBackend(root)
+        elif isinstance(url, str) and url.startswith(_S3_SCHEMES):
+            backend = _open_s3(url, storage_options, single_writer=single_writer)
         else:
             assert isinstance(url, str)
             try:
@@ -544,7 +574,30 @@ class Store:
             )
         self._backend = backend
         self.url = backend.url
-        self.capabilities = backend.capabilities
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the backend can do.
+
+        For ``s3://`` the first use in a process probes the server (two small
+        conditional writes to a reserved temporary key, then a delete); see
+        :meth:`probe_conditional_writes`.
+        """
+        with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
+            return self._backend.capabilities
+
+    def probe_conditional_writes(self) -> bool:
+        """Whether a create-if-absent is refused when the object exists (asks the server).
+
+        On ``s3://`` this writes a reserved temporary key (``.dcr-tmp-probe-<id>``,
+        never listed) twice with ``If-None-Match: *``, deletes it, and returns
+        whether the second write was refused; the answer also updates what
+        :attr:`capabilities` reports in this process. Local and ``memory://``
+        stores return True without any request (they create atomically); other
+        fsspec backends return False (they have no conditional write).
+        """
+        with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
+            return self._backend.probe_conditional_writes()
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -559,10 +612,16 @@ class Store:
 
     @contextlib.contextmanager
     def _translated(
-        self, key: str, action: str, *, reading: bool = False, max_size: int | None = None
+        self,
+        key: str,
+        action: str,
+        *,
+        reading: bool = False,
+        max_size: int | None = None,
+        where: str | None = None,
     ) -> Iterator[None]:
         """Turn backend errors into dcr-format errors; the one place that does so."""
-        where = f"{key!r} in store {self.url}"
+        where = where or f"{key!r} in store {self.url}"
         try:
             yield
         except DcrError:
@@ -582,7 +641,12 @@ class Store:
                 f"object {where} is {size} than the {max_size}-byte limit; "
                 "the object is corrupt or not from this format"
             ) from None
-        except _NoAtomicCreate:
+        except _NoAtomicCreate as exc:
+            if exc.reason is not None:
+                raise CapabilityError(
+                    f"store {self.url} cannot create {key!r} atomically: {exc.reason}; pass "
+                    "single_writer=True (one writer only): Store(url, single_writer=True)"
+                ) from None
             raise CapabilityError(
                 f"store {self.url} cannot create {key!r} atomically; use a local path or "
                 "memory://, or open it with single_writer=True if one process alone writes"
@@ -639,9 +703,13 @@ class Store:
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Create ``key`` with ``data``; raise ``ObjectExistsError`` if it already exists.
 
-        Atomic on local disk and ``memory://``. Elsewhere it raises
+        Atomic on local disk, ``memory://`` and S3 servers that honour
+        ``If-None-Match: *`` (probed once per process). Elsewhere it raises
         ``CapabilityError`` unless the store was opened with ``single_writer=True``,
         in which case it checks then writes (unsafe with several writers).
+        On S3 an outcome that cannot be known (a timeout, a 5xx, an answer to a
+        re-sent request) raises ``StoreError``, never ``ObjectExistsError``:
+        re-read the object to learn whether this write landed.
         """
         self._key(key)
         with self._translated(key, "create"):
@@ -691,9 +759,37 @@ class Store:
         """Delete every object in ``keys`` (all keys are checked before any is deleted)."""
         checked = [self._key(key) for key in keys]
         self._require("delete", "delete")
+        delete_many = getattr(self._backend, "delete_many", None)
+        if delete_many is not None:  # one request per batch of keys
+            if checked:
+                with self._translated(
+                    checked[0], "delete", where=f"{len(checked)} objects in store {self.url}"
+                ):
+                    delete_many(checked)
+            return
         for key in checked:
             with self._translated(key, "delete"):
                 self._backend.delete(key)
+
+
+_S3_SCHEMES = ("s3://", "s3a://")
+
+
+def _open_s3(url: str, storage_options: dict[str, Any] | None, *, single_writer: bool) -> S3Backend:
+    try:
+        from dcr_format._s3 import S3Backend
+    except ImportError as exc:
+        raise CapabilityError(
+            f"cannot open store {url}: {_describe(exc)}; install the S3 extra: "
+            "pip install 'dcr-format[s3]'"
+        ) from exc
+    try:
+        return S3Backend(url, storage_options, single_writer=single_writer)
+    except (TypeError, ValueError) as exc:
+        raise StoreError(
+            f"cannot open store {url}: {_describe(exc)}; use s3://bucket/prefix and valid "
+            "storage_options"
+        ) from exc
 
 
 def open_store(store: Store | str | os.PathLike[str]) -> Store:
