@@ -16,7 +16,6 @@ import pytest
 import torch
 from conftest import assert_same_bits, make_state, snapshot, step_state
 from fsspec.asyn import sync
-from s3servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 from test_store import StoreConformance
 
 from dcr_format import (
@@ -31,6 +30,7 @@ from dcr_format import (
     Store,
     StoreError,
 )
+from dcr_format._servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 from dcr_format.chain import Chain, commit_key
 
 s3 = pytest.importorskip("dcr_format._s3")

@@ -1,4 +1,4 @@
-"""Real S3 servers on 127.0.0.1 for the tests: moto (in-process) and the JuiceFS S3 gateway.
+"""Real S3 servers on 127.0.0.1 for tests and benchmarks: moto (in-process) and the JuiceFS gateway.
 
 Each server is started once per test session (see the fixtures in conftest.py)
 and gives every test a fresh place to write: moto is reset and gets a new
