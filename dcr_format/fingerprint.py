@@ -38,18 +38,23 @@ import torch
 from dcr_format.codec.dtypes import bits_view, info_for
 
 __all__ = [
+    "LANE_PRIMES",
+    "add_lanes",
     "fingerprint_from_lanes",
     "lanes_after_change",
+    "lanes_at",
     "state_fingerprint",
     "tensor_fingerprint",
     "tensor_lanes",
 ]
 
 _PRIMES = (2147483647, 2147483629, 2147483587)
+LANE_PRIMES = _PRIMES  # lane l of a fingerprint is a residue modulo LANE_PRIMES[l]
 _C = (1013904223, 22695477, 134775813)
 _R_PERIOD = 1 << 30
-_ROW = 1 << 16  # row length: keeps sum(g * col) below 2^62
-_ROWS_CPU = 16  # rows per chunk on the CPU: temporaries stay in cache
+_ROW = 1 << 16  # row length on accelerators: keeps sum(g * col) below 2^62 in int64
+_ROW_CPU = 1 << 10  # row length on the CPU: sums stay below 2^51, exact in a float64 matmul
+_ROWS_CPU = 1024  # rows per chunk on the CPU: temporaries of a few MB
 _ROWS_DEVICE = 256  # rows per chunk on accelerators: amortises kernel launches
 _MASKS = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
 _CACHE: dict[tuple[str, torch.device, int], torch.Tensor] = {}
@@ -62,17 +67,20 @@ def _pow5(s: torch.Tensor, lane: int) -> torch.Tensor:
     return x2 * x2 % p * x % p
 
 
-def _cached(kind: str, device: torch.device, lane: int) -> torch.Tensor:
-    key = (kind, device, lane)
+def _cached(kind: str, device: torch.device, arg: int) -> torch.Tensor:
+    """Per-device constants: ``col``/``weights`` of a row length, ``g``/``gf`` tables of a lane."""
+    key = (kind, device, arg)
     value = _CACHE.get(key)
     if value is None:
         if kind == "col":
-            value = torch.arange(_ROW, dtype=torch.int64, device=device)
-        elif kind == "weights":  # [1, col] per column: one integer matmul gives both sums
-            col = torch.arange(_ROW, dtype=torch.int64, device=device)
+            value = torch.arange(arg, dtype=torch.int64, device=device)
+        elif kind == "weights":  # [1, col] per column: one float64 matmul gives both sums
+            col = torch.arange(arg, dtype=torch.float64, device=device)
             value = torch.stack([torch.ones_like(col), col], dim=1)
-        else:  # g for every 16-bit symbol
-            value = _pow5(torch.arange(1 << 16, dtype=torch.int64, device=device), lane)
+        elif kind == "g":  # g for every 16-bit symbol
+            value = _pow5(torch.arange(1 << 16, dtype=torch.int64, device=device), arg)
+        else:  # "gf": the same table as float64 (exact: every value is below 2^31)
+            value = _cached("g", device, arg).to(torch.float64)
         _CACHE[key] = value
     return value
 
@@ -98,31 +106,47 @@ def _g(
     return _pow5(((hi % p) * ((1 << 32) % p) + lo) % p, lane)
 
 
-def _lane_sums(symbols: torch.Tensor, width: int, lanes: int, first: int) -> list[torch.Tensor]:
+def _float_sums(device: torch.device) -> bool:
+    """Row sums by float64 matmul (CPU BLAS) or by int64 reductions (accelerators)."""
+    return device.type == "cpu"
+
+
+def _lane_sums(
+    symbols: torch.Tensor, width: int, lanes: int, first: int, row: int
+) -> list[torch.Tensor]:
     """Per lane, sum of g*r mod p over a (rows, cols) block whose first flat index is ``first``."""
     rows, cols = symbols.shape
     device = symbols.device
-    col = _cached("col", device, 0)[:cols]
-    # r = (first mod 2^30) + row*_ROW + col + 1; chunks never straddle a multiple of 2^30
-    row_base = (first % _R_PERIOD) + 1 + torch.arange(rows, dtype=torch.int64, device=device) * _ROW
+    # r = (first mod 2^30) + row_index*row + col + 1; chunks never straddle a multiple of 2^30
+    row_base = (first % _R_PERIOD) + 1 + torch.arange(rows, dtype=torch.int64, device=device) * row
     out = []
     split = _split(symbols, width)
     for lane in range(lanes):
         p = _PRIMES[lane]
-        g = _g(symbols, split, width, lane)
-        if device.type == "cpu":  # exact int64 matmul, far faster than multiply-then-sum
-            sums = g @ _cached("weights", device, 0)[:cols]
+        if _float_sums(device):
+            # every partial sum is an integer below 2^53, so a float64 matmul (BLAS) is exact
+            if width <= 2:
+                table = _cached("gf", device, lane)
+                gf = table.index_select(0, symbols.reshape(-1)).view(symbols.shape)
+            else:
+                gf = _g(symbols, split, width, lane).to(torch.float64)
+            sums = (gf @ _cached("weights", device, row)[:cols]).to(torch.int64)
             s0, s1 = sums[:, 0] % p, sums[:, 1] % p
-        else:  # accelerators lack int64 matmul
+        else:  # accelerators: int64 sums (no integer matmul there)
+            g = _g(symbols, split, width, lane)
+            col = _cached("col", device, row)[:cols]
             s0 = g.sum(dim=1) % p  # sum_col g      < 2^47 before the mod
             s1 = (g * col).sum(dim=1) % p  # sum_col g*col  < 2^61 before the mod
         out.append(((s1 + (row_base % p) * s0 % p) % p).sum() % p)
     return out
 
 
-def _symbols(bits: torch.Tensor, width: int) -> torch.Tensor:
-    """Unsigned int64 symbols of integer bit views (8-byte ones stay as their bits)."""
-    symbols = bits.to(torch.int64)
+def _symbols(bits: torch.Tensor, width: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Unsigned symbols of integer bit views (8-byte ones stay as their bits).
+
+    ``dtype`` int32 is enough (and cheaper) for 1- and 2-byte widths.
+    """
+    symbols = bits.to(dtype)
     return symbols & _MASKS[width] if width < 8 else symbols
 
 
@@ -156,6 +180,40 @@ def lanes_after_change(
     return tuple(out)
 
 
+def lanes_at(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, ...]:
+    """Lanes of the elements at flat ``positions`` with ``bits`` alone (every other element
+    counted as absent): the part of a tensor's lanes that those elements contribute.
+
+    The lanes are sums over elements, so the lanes of disjoint parts of a tensor add up
+    (:func:`add_lanes`) to the lanes of the whole: this is how a region held by one writer
+    rank, or by one tensor-parallel reader rank, carries its share of a fingerprint.
+    """
+    width = bits.element_size()
+    lanes = 3 if width == 8 else 2
+    out = [0] * lanes
+    step = 1 << 20  # sum of step values below 2^31 stays far below 2^63
+    for start in range(0, positions.numel(), step):
+        pos = positions[start : start + step].to(device=bits.device, dtype=torch.int64)
+        symbols = _symbols(bits[start : start + step], width)
+        r = pos % _R_PERIOD + 1
+        split = _split(symbols, width)
+        for lane in range(lanes):
+            p = _PRIMES[lane]
+            out[lane] = (out[lane] + int((_g(symbols, split, width, lane) * r % p).sum()) % p) % p
+    return tuple(out)
+
+
+def add_lanes(*parts: Iterable[int]) -> tuple[int, ...]:
+    """Lanes of the union of disjoint parts of one tensor: their lanes summed mod each prime."""
+    rows = [tuple(part) for part in parts]
+    if not rows:
+        raise ValueError("add_lanes needs at least one part")
+    count = len(rows[0])
+    if any(len(row) != count for row in rows) or count not in (2, 3):
+        raise ValueError("every part must carry the same number of lanes (2 or 3)")
+    return tuple(sum(row[lane] for row in rows) % _PRIMES[lane] for lane in range(count))
+
+
 def fingerprint_from_lanes(dtype: torch.dtype, shape: Iterable[int], lanes: Iterable[int]) -> str:
     """The fingerprint string of a tensor of ``dtype`` and ``shape`` with these lanes."""
     info = info_for(dtype)
@@ -172,20 +230,23 @@ def _lanes(tensor: torch.Tensor) -> list[int]:
     flat = bits_view(tensor.detach()).reshape(-1)
     lanes = 3 if info.width == 8 else 2
     device = flat.device
-    step = _ROW * (_ROWS_CPU if device.type == "cpu" else _ROWS_DEVICE)
+    cpu = _float_sums(device)
+    row = _ROW_CPU if cpu else _ROW
+    step = row * (_ROWS_CPU if cpu else _ROWS_DEVICE)
+    symbol_dtype = torch.int32 if cpu and info.width <= 2 else torch.int64
     acc = torch.zeros(lanes, dtype=torch.int64, device=device)
     primes = torch.tensor(_PRIMES[:lanes], dtype=torch.int64, device=device)
     n = flat.numel()
     for start in range(0, n, step):
-        chunk = _symbols(flat[start : start + step], info.width)
-        full = chunk.numel() // _ROW * _ROW
+        chunk = _symbols(flat[start : start + step], info.width, symbol_dtype)
+        full = chunk.numel() // row * row
         parts = []
         if full:
-            parts.append((chunk[:full].view(-1, _ROW), start))
+            parts.append((chunk[:full].view(-1, row), start))
         if full < chunk.numel():
             parts.append((chunk[full:].view(1, -1), start + full))
         for block, first in parts:
-            acc = (acc + torch.stack(_lane_sums(block, info.width, lanes, first))) % primes
+            acc = (acc + torch.stack(_lane_sums(block, info.width, lanes, first, row))) % primes
     return [int(v) for v in acc.tolist()]
 
 

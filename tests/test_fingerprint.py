@@ -77,7 +77,7 @@ def with_bits(tensor: torch.Tensor, index: int, xor: int) -> torch.Tensor:
 
 def set_chunking(monkeypatch, row: int, rows: int) -> None:
     """Rows of ``row`` elements, ``rows`` rows per CPU chunk, with fresh caches."""
-    monkeypatch.setattr(fp, "_ROW", row)
+    monkeypatch.setattr(fp, "_ROW_CPU", row)
     monkeypatch.setattr(fp, "_ROWS_CPU", rows)
     monkeypatch.setattr(fp, "_CACHE", {})
 
@@ -118,7 +118,7 @@ def test_chunk_size_does_not_change_the_fingerprint(monkeypatch):
 
 
 def test_matches_reference_past_the_default_cpu_chunk():
-    n = fp._ROW * fp._ROWS_CPU + fp._ROW + 5
+    n = fp._ROW_CPU * fp._ROWS_CPU + fp._ROW_CPU + 5
     tensor = random_tensor("uint8", (n,), seed=3)
     assert tensor_fingerprint(tensor) == reference_fingerprint(tensor)
 
@@ -336,3 +336,15 @@ def test_device_fingerprint_equals_host(name, monkeypatch):
         for n in (0, 1, 7, 15, 1000):
             tensor = random_tensor(name, (n,), seed=n)
             assert tensor_fingerprint(tensor.cuda()) == tensor_fingerprint(tensor)
+
+
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+def test_accelerator_evaluation_matches_reference_on_cpu(name, monkeypatch):
+    """The int64 row sums used on accelerators, run on the CPU, give the same lanes."""
+    monkeypatch.setattr(fp, "_float_sums", lambda device: False)
+    monkeypatch.setattr(fp, "_ROW", 7)
+    monkeypatch.setattr(fp, "_ROWS_DEVICE", 2)
+    monkeypatch.setattr(fp, "_CACHE", {})
+    for n in SIZES:
+        tensor = random_tensor(name, (n,), seed=200 + n)
+        assert tensor_fingerprint(tensor) == reference_fingerprint(tensor)
