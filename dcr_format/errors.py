@@ -19,6 +19,7 @@ __all__ = [
     "DcrError",
     "FingerprintMismatchError",
     "FormatError",
+    "GroupAbortError",
     "IncompleteVersionError",
     "IntegrityError",
     "InvalidKeyError",
@@ -26,6 +27,7 @@ __all__ = [
     "ObjectExistsError",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
+    "OverwriteRequiredError",
     "PositionsError",
     "SchemaError",
     "ShardError",
@@ -156,6 +158,10 @@ class MissingTensorError(DcrError, ValueError):
     """A publish lacks a tensor the previous version has (only a base may drop tensors)."""
 
 
+class GroupAbortError(DcrError, RuntimeError):
+    """Another rank of a reader group failed, so no rank applied the version."""
+
+
 class VersionNotFoundError(DcrError, LookupError):
     """The requested version is not committed in this chain."""
 
@@ -165,6 +171,11 @@ class VersionNotFoundError(DcrError, LookupError):
 
 class TargetError(DcrError, ValueError):
     """The target cannot take this version (missing tensor, wrong shape or dtype)."""
+
+
+class OverwriteRequiredError(TargetError):
+    """A target's load path transforms a tensor (cast, scaling, overlap), so it cannot take
+    that tensor as ``xor``; writers must send it as ``overwrite`` (FORMAT.md §8.4)."""
 
 
 class ApplyError(DcrError, RuntimeError):

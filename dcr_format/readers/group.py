@@ -1,0 +1,78 @@
+"""Agreement among the reader ranks that share one target (a tensor-parallel group).
+
+Every rank of the group runs the same stages of a sync; at the end of each stage
+the ranks exchange whether it succeeded (a gloo all-reduce), and if any rank
+failed every rank stops: before the apply nothing has been touched, after it
+every rank rolls its part back. So either all ranks apply a version or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from dcr_format.errors import GroupAbortError
+
+
+class ReaderGroup:
+    """The ranks of a ``torch.distributed`` process group (``None``: a reader on its own).
+
+    The group must carry CPU tensors (gloo); pass a gloo group when the default
+    group is NCCL (``torch.distributed.new_group(backend="gloo")``).
+    """
+
+    def __init__(self, group: Any = None, *, solo: bool = False) -> None:
+        self._group = group
+        self._solo = solo
+
+    @classmethod
+    def solo(cls) -> ReaderGroup:
+        """A reader that agrees with nobody."""
+        return cls(None, solo=True)
+
+    def _dist(self) -> Any:
+        import torch.distributed as dist
+
+        return dist
+
+    def min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks."""
+        if self._solo:
+            return value
+        dist = self._dist()
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
+        return int(box.item())
+
+    def failed_ranks(self, ok: bool) -> list[int]:
+        """Group ranks that reported failure (every rank calls this once per stage)."""
+        if self._solo:
+            return [] if ok else [0]
+        dist = self._dist()
+        size = dist.get_world_size(self._group)
+        me = dist.get_rank(self._group)
+        flags = torch.zeros(size, dtype=torch.int32)
+        flags[me] = 0 if ok else 1
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+    @contextmanager
+    def stage(self, what: str) -> Iterator[None]:
+        """Run a stage; raise :class:`GroupAbortError` if another rank's stage failed.
+
+        A local failure is reported to the group and re-raised unchanged.
+        """
+        try:
+            yield
+        except Exception:
+            self.failed_ranks(False)
+            raise
+        failed = self.failed_ranks(True)
+        if failed:
+            raise GroupAbortError(
+                f"reader rank(s) {failed} failed while {what}; no rank applies this version: "
+                "see their errors, then sync again"
+            )
