@@ -7,8 +7,11 @@ Ops (spec/FORMAT.md, "Ops"):
 - ``overwrite``: the same positions and the new bits. Safe to re-apply.
 - ``full``: every element's bits, no positions.
 
-Diffing and applying run in torch on the tensors' own device; stream coding runs
-on the host over the compacted payload only.
+Diffing and applying run on the tensors' own device, through the kernel
+dispatcher of :mod:`dcr_format.cuda.dispatch` (Triton kernels for CUDA tensors,
+their torch reference elsewhere: the results are bit-identical); stream coding
+runs on the host over the compacted payload only, which leaves a GPU through
+pinned memory.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import zstandard
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import decode_positions, encode_positions
 from dcr_format.codec.values import decode_values, encode_values
+from dcr_format.cuda import dispatch
+from dcr_format.cuda.reference import Diff
 from dcr_format.errors import TargetError
 
 XOR = "xor"
@@ -62,7 +67,7 @@ class EncodedTensor:
 
 def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Flat int64 indices (sorted) where the bits of ``old`` and ``new`` differ."""
-    return torch.nonzero(bits_view(old).reshape(-1) != bits_view(new).reshape(-1)).reshape(-1)
+    return dispatch.changed_positions(bits_view(old).reshape(-1), bits_view(new).reshape(-1))
 
 
 def _estimate(values: bytes) -> int:
@@ -79,24 +84,49 @@ def encode_tensor(
     is high and ``full`` encodes smaller. ``xor`` and ``overwrite`` need ``old``.
     """
     info_for(new.dtype)  # refuses dtypes the format cannot carry
-    comparable = old is not None and old.dtype == new.dtype and old.shape == new.shape
+    is_comparable = comparable(new, old)
     if op is not None and op not in OPS:
         raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
-    if op in (XOR, OVERWRITE) and not comparable:
+    if op in (XOR, OVERWRITE) and not is_comparable:
         raise ValueError(f"op {op!r} needs a baseline of the same dtype and shape")
-    if not comparable or op == FULL:
+    if not is_comparable or op == FULL:
         return _encode_full(new)
     assert old is not None
-    new_bits = bits_view(new).reshape(-1)
-    old_bits = bits_view(old).reshape(-1)
-    positions = torch.nonzero(old_bits != new_bits).reshape(-1)
+    found = dispatch.diff(
+        bits_view(old).reshape(-1), bits_view(new).reshape(-1), want_xor=op != OVERWRITE
+    )
+    return encode_diff(new, found, op=op)
+
+
+def comparable(new: torch.Tensor, old: torch.Tensor | None) -> bool:
+    """Whether ``old`` can be the baseline of a positional delta of ``new``."""
+    return old is not None and old.dtype == new.dtype and old.shape == new.shape
+
+
+def encode_diff(
+    new: torch.Tensor,
+    found: Diff,
+    *,
+    op: str | None = None,
+    host: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> EncodedTensor:
+    """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
+
+    ``found`` holds the positions and new bits, and the XOR bits unless ``op`` is
+    ``overwrite``, on the tensors' device. ``host`` optionally carries CPU copies of
+    the positions and of the values to encode (already fetched, e.g. by a pipeline).
+    """
+    positions, new_values = found.positions, found.new_values
+    assert new_values is not None
     changed = int(positions.numel())
     if changed == 0:
         return EncodedTensor(op or XOR, 0, None, None, None, None)
-    new_values = new_bits[positions]
-    picked = new_values if op == OVERWRITE else new_values ^ old_bits[positions]
-    pos_coding, pos_bytes = encode_positions(positions.cpu().numpy())
-    val_coding, val_bytes = encode_values(bits_to_numpy(picked))
+    if host is None:
+        picked = new_values if op == OVERWRITE else found.xor_values
+        assert picked is not None
+        host = (dispatch.to_host(positions), dispatch.to_host(picked))
+    pos_coding, pos_bytes = encode_positions(host[0].numpy())
+    val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
     advance = DecodedDelta(OVERWRITE, positions, new_values)
     delta = EncodedTensor(op or XOR, changed, pos_coding, pos_bytes, val_coding, val_bytes, advance)
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
@@ -143,7 +173,7 @@ def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | Non
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
-    values = delta.values.to(flat.device, non_blocking=True)
+    values = dispatch.to_device(delta.values, flat.device)
     if delta.op == FULL:
         if values.numel() != flat.numel():
             raise TargetError(f"full value count {values.numel()} != tensor size {flat.numel()}")
@@ -151,13 +181,11 @@ def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | Non
         flat.copy_(values)
         return old
     assert delta.positions is not None
-    positions = delta.positions.to(flat.device, non_blocking=True)
+    positions = dispatch.to_device(delta.positions, flat.device)
     if delta.op == XOR:
-        flat[positions] ^= values
+        dispatch.scatter(flat, positions, values, op=XOR)
         return None
-    old = flat[positions]
-    flat[positions] = values
-    return old
+    return dispatch.scatter(flat, positions, values, op=OVERWRITE, save=True)
 
 
 def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | None) -> None:
@@ -166,12 +194,14 @@ def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | 
     if delta.op == FULL:
         assert saved is not None
         flat.copy_(saved)
-    elif delta.op == XOR:
-        assert delta.positions is not None
-        flat[delta.positions.to(flat.device)] ^= delta.values.to(flat.device)
+        return
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    if delta.op == XOR:
+        dispatch.scatter(flat, positions, dispatch.to_device(delta.values, flat.device), op=XOR)
     else:
-        assert delta.positions is not None and saved is not None
-        flat[delta.positions.to(flat.device)] = saved
+        assert saved is not None
+        dispatch.scatter(flat, positions, saved.to(flat.device), op=OVERWRITE)
 
 
 __all__ = [
@@ -183,7 +213,9 @@ __all__ = [
     "EncodedTensor",
     "apply_delta",
     "changed_positions",
+    "comparable",
     "decode_delta",
+    "encode_diff",
     "encode_tensor",
     "undo_delta",
 ]

@@ -1,0 +1,185 @@
+"""Writer-side overlap: scan tensor i+1 on the device while tensor i leaves it and is coded.
+
+:class:`DeviceDiffPipeline` takes ``(key, new, old)`` (or ``(key, new, old, op)``)
+items and yields, in order, each item's compacted change with CPU copies of its
+payload. On CUDA, per item, on one of two side streams:
+
+1. *scan*: the counting kernel, the prefix sum of the per-block counts and the
+   copy of the changed-element total into pinned memory are queued; nothing waits;
+2. *compact*: once that total is on the host (the only wait before compaction),
+   the compaction kernel and the device-to-host copies of positions and values
+   into pinned buffers are queued;
+3. the item is yielded once its copies landed.
+
+Item i+1's scan is queued (on the other stream) right after item i's compaction
+and copy-out, before the pipeline waits for those copies, so the scan of i+1
+runs on the GPU while i is copied out and then coded on the host (rice/ranges,
+byte planes, zstd) by the consumer. What does not overlap: the compaction of
+i+1 waits for its own total (one short host wait per tensor), and host coding of
+different tensors is sequential. On CPU (and for the torch kernels) the same
+steps run one after another. Results equal :func:`dcr_format.cuda.dispatch.diff`
+bit for bit.
+
+:func:`encode_stream` feeds the pipeline into the host coder and yields exactly
+what :func:`dcr_format.codec.delta.encode_tensor` returns for each item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dcr_format.codec.dtypes import bits_view
+from dcr_format.cuda.dispatch import PendingDiff
+from dcr_format.cuda.reference import OVERWRITE, Diff
+
+if TYPE_CHECKING:
+    from dcr_format.codec.delta import EncodedTensor
+
+FULL = "full"  # dcr_format.codec.delta.FULL (not imported: the pipeline needs only torch)
+
+
+@dataclass
+class Compacted:
+    """One item's result: its change on the device and CPU copies of the payload.
+
+    ``diff`` is None when the item had no comparable baseline or asked for ``full``
+    (nothing to diff); ``host`` then is None too.
+    """
+
+    key: Any
+    diff: Diff | None
+    host: tuple[torch.Tensor, torch.Tensor] | None  # positions, values to encode (xor or new)
+
+
+@dataclass
+class _State:
+    key: Any
+    op: str | None
+    pending: PendingDiff | None = None
+    stream: Any = None  # torch.cuda.Stream when on CUDA
+    diff: Diff | None = None
+    host: tuple[torch.Tensor, torch.Tensor] | None = None
+    copied: Any = None  # torch.cuda.Event when on CUDA
+
+
+class DeviceDiffPipeline:
+    """Iterate ``(key, new, old[, op])`` into :class:`Compacted` with one tensor of lookahead.
+
+    ``op`` ``overwrite`` sends new bits, anything else (``None``, ``xor``) XOR bits;
+    ``full`` and incomparable baselines pass through with ``diff=None``.
+    """
+
+    def __init__(self, items: Iterable[tuple[Any, ...]]) -> None:
+        self.items = items
+        self._streams: list[Any] = []
+        self._turn = 0
+
+    def _stream_for(self, device: torch.device) -> Any:
+        if device.type != "cuda":
+            return None
+        if not self._streams:
+            self._streams = [torch.cuda.Stream(device=device) for _ in range(2)]
+        self._turn ^= 1
+        return self._streams[self._turn]
+
+    def _start(self, item: tuple[Any, ...] | None) -> _State | None:
+        """Queue the scan of one item (on a side stream on CUDA)."""
+        if item is None:
+            return None
+        key, new, old, op = item if len(item) == 4 else (*item, None)
+        state = _State(key, op)
+        if op == FULL or old is None or old.dtype != new.dtype or old.shape != new.shape:
+            return state
+        new_bits, old_bits = bits_view(new).reshape(-1), bits_view(old).reshape(-1)
+        want_xor = op != OVERWRITE
+        state.stream = self._stream_for(new_bits.device)
+        if state.stream is None:
+            state.pending = PendingDiff(old_bits, new_bits, want_xor=want_xor)
+            return state
+        # the inputs come from the consumer's stream; the allocator must not recycle them
+        # while the side stream still reads them
+        state.stream.wait_stream(torch.cuda.current_stream(new_bits.device))
+        for tensor in (new_bits, old_bits):
+            tensor.record_stream(state.stream)
+        with torch.cuda.stream(state.stream):
+            state.pending = PendingDiff(old_bits, new_bits, want_xor=want_xor)
+        return state
+
+    def _compact(self, state: _State) -> None:
+        """Queue compaction and the copy-out of the payload (waits for the total only)."""
+        if state.pending is None:
+            return
+        state.diff = found = self._in_stream(state, state.pending.finish)
+        state.pending = None
+        picked = found.new_values if state.op == OVERWRITE else found.xor_values
+        assert picked is not None
+        if state.stream is None:
+            state.host = (found.positions.cpu(), picked.cpu())
+            return
+        with torch.cuda.stream(state.stream):
+            host = []
+            for tensor in (found.positions, picked):
+                pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                pinned.copy_(tensor, non_blocking=True)
+                host.append(pinned)
+            state.host = (host[0], host[1])
+            state.copied = torch.cuda.Event()
+            state.copied.record(state.stream)
+
+    @staticmethod
+    def _in_stream(state: _State, fn: Any) -> Any:
+        if state.stream is None:
+            return fn()
+        with torch.cuda.stream(state.stream):
+            return fn()
+
+    def _finish(self, state: _State) -> Compacted:
+        """Wait for the copy-out; hand the device tensors over to the consumer's stream."""
+        if state.copied is not None:
+            state.copied.synchronize()
+            consumer = torch.cuda.current_stream(state.stream.device)
+            consumer.wait_event(state.copied)
+            assert state.diff is not None
+            for tensor in (state.diff.positions, state.diff.new_values, state.diff.xor_values):
+                if tensor is not None:
+                    tensor.record_stream(consumer)
+        return Compacted(state.key, state.diff, state.host)
+
+    def __iter__(self) -> Iterator[Compacted]:
+        items = iter(self.items)
+        current = self._start(next(items, None))
+        while current is not None:
+            self._compact(current)
+            upcoming = self._start(next(items, None))  # scans while `current` is copied/coded
+            yield self._finish(current)
+            current = upcoming
+
+
+def encode_stream(
+    items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
+) -> Iterator[tuple[Any, EncodedTensor]]:
+    """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined."""
+    from dcr_format.codec.delta import OPS, encode_diff, encode_tensor
+
+    held: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, str | None]] = {}
+
+    def feed() -> Iterator[tuple[Any, ...]]:
+        for index, (key, new, old, op) in enumerate(items):
+            if op is not None and op not in OPS:
+                raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+            held[index] = (key, new, old, op)
+            yield index, new, old, op
+
+    for result in DeviceDiffPipeline(feed()):
+        key, new, old, op = held.pop(result.key)
+        if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
+            yield key, encode_tensor(new, old, op=op)
+        else:
+            yield key, encode_diff(new, result.diff, op=op, host=result.host)
+
+
+__all__ = ["Compacted", "DeviceDiffPipeline", "encode_stream"]

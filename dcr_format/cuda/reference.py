@@ -1,0 +1,109 @@
+"""Torch implementations of every device kernel: the CPU path and the reference for Triton.
+
+Every function works on flat integer bit views (``uint8``, ``int16``, ``int32``,
+``int64``: see :func:`dcr_format.codec.dtypes.bits_view`) on any device, and is
+what the Triton kernels in :mod:`dcr_format.cuda.triton_kernels` must reproduce
+bit for bit. ``base`` is the flat index of element 0 of the views: positions are
+written and read as ``base + local index`` in int64, so a slice of a huge tensor
+(or a test of positions past 2^31) needs no 2^31-element allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Elements per program of the compare/compact kernels (and of the reference's block counts).
+BLOCK = 2048
+XOR = "xor"
+OVERWRITE = "overwrite"
+
+
+@dataclass(frozen=True)
+class Diff:
+    """The compacted change between two bit views, on their device."""
+
+    positions: torch.Tensor  # int64, strictly increasing, ``base`` added
+    new_values: torch.Tensor | None  # the new bits at ``positions`` (None if not asked for)
+    xor_values: torch.Tensor | None  # old ^ new at ``positions`` (None if not asked for)
+
+    @property
+    def changed(self) -> int:
+        """Number of changed elements."""
+        return int(self.positions.numel())
+
+
+def block_counts(old: torch.Tensor, new: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """int32 number of differing elements in each block of ``block`` elements."""
+    n = old.numel()
+    blocks = -(-n // block)
+    mask = old != new
+    padded = torch.zeros(blocks * block, dtype=torch.int32, device=old.device)
+    padded[:n] = mask.to(torch.int32)
+    return padded.view(blocks, block).sum(dim=1, dtype=torch.int32)
+
+
+def diff(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    want_new: bool = True,
+    want_xor: bool = True,
+    base: int = 0,
+) -> Diff:
+    """Positions where the bits of ``old`` and ``new`` differ, and the new / XOR bits there."""
+    positions = torch.nonzero(old != new).reshape(-1)
+    new_values = new[positions] if want_new or want_xor else None
+    xor_values = new_values ^ old[positions] if want_xor and new_values is not None else None
+    if base:
+        positions = positions + base
+    return Diff(positions, new_values if want_new else None, xor_values)
+
+
+def scatter(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    op: str,
+    save: bool,
+    base: int = 0,
+) -> torch.Tensor | None:
+    """In place: ``flat[p - base] ^= v`` (xor) or ``= v`` (overwrite); the old bits if ``save``."""
+    index = positions - base if base else positions
+    old = flat[index] if save else None
+    if op == XOR:
+        flat[index] ^= values
+    elif op == OVERWRITE:
+        flat[index] = values
+    else:
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    return old
+
+
+def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of runs ``[starts[r], starts[r] + lengths[r])`` (int64, ``count`` in all)."""
+    if count == 0:
+        return torch.empty(0, dtype=torch.int64, device=starts.device)
+    firsts = torch.cumsum(lengths, 0) - lengths
+    shifts = torch.repeat_interleave(starts - firsts, lengths, output_size=count)
+    return shifts + torch.arange(count, dtype=torch.int64, device=starts.device)
+
+
+def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
+    """Positions from zero-based gaps: ``p[i] = sum(g[:i+1] + 1) - 1`` (int64 cumulative sum)."""
+    return torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
+
+
+__all__ = [
+    "BLOCK",
+    "OVERWRITE",
+    "XOR",
+    "Diff",
+    "block_counts",
+    "diff",
+    "expand_ranges",
+    "prefix_positions",
+    "scatter",
+]

@@ -1,0 +1,248 @@
+"""Triton kernels of the device path (imported only through :mod:`dcr_format.cuda.dispatch`).
+
+Importing this module imports Triton and defines the kernels; whether they are
+compiled for the GPU or run by Triton's interpreter (CPU tensors) is fixed at
+that moment by ``TRITON_INTERPRET``, which therefore has to be set before
+Triton is first imported (the dispatcher does that for ``DCR_KERNELS=triton``
+on a machine without CUDA).
+
+Kernels (each has a torch reference in :mod:`dcr_format.cuda.reference`):
+
+- ``_count_kernel``: per block of :data:`BLOCK` elements, how many differ.
+- ``_compact_kernel``: with the exclusive prefix sum of those counts (a torch
+  cumsum over one int32 per block), writes int64 positions and the new and/or
+  XOR bits of the differing elements densely, in order.
+- ``_scatter_kernel``: ``target[p] ^= v`` or ``target[p] = v`` at unique
+  positions, optionally saving the old bits first (for rollback).
+- ``_expand_kernel``: positions of runs (range coding): every output element
+  binary-searches its run among the run's first output indices.
+
+All index arithmetic is int64 (the program id is widened before it is
+multiplied), and every kernel takes a ``base``: the flat index of element 0 of
+the views it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from dcr_format.cuda.reference import BLOCK, OVERWRITE, XOR, Diff
+
+SCATTER_BLOCK = 1024
+EXPAND_BLOCK = 1024
+_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["n"])
+def _count_kernel(old_ptr, new_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = offs < n
+    a = tl.load(old_ptr + offs, mask=inside, other=0)
+    b = tl.load(new_ptr + offs, mask=inside, other=0)
+    count = tl.sum((a != b).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid, count)
+
+
+@triton.jit(do_not_specialize=["n", "base"])
+def _compact_kernel(
+    old_ptr,
+    new_ptr,
+    starts_ptr,
+    pos_ptr,
+    newv_ptr,
+    xorv_ptr,
+    n,
+    base,
+    BLOCK: tl.constexpr,
+    WRITE_NEW: tl.constexpr,
+    WRITE_XOR: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = offs < n
+    a = tl.load(old_ptr + offs, mask=inside, other=0)
+    b = tl.load(new_ptr + offs, mask=inside, other=0)
+    changed = a != b
+    flags = changed.to(tl.int32)
+    dest = tl.load(starts_ptr + pid) + (tl.cumsum(flags, axis=0) - flags).to(tl.int64)
+    tl.store(pos_ptr + dest, offs + base, mask=changed)
+    if WRITE_NEW:
+        tl.store(newv_ptr + dest, b, mask=changed)
+    if WRITE_XOR:
+        tl.store(xorv_ptr + dest, a ^ b, mask=changed)
+
+
+@triton.jit(do_not_specialize=["m", "base"])
+def _scatter_kernel(
+    target_ptr,
+    pos_ptr,
+    val_ptr,
+    saved_ptr,
+    m,
+    base,
+    BLOCK: tl.constexpr,
+    IS_XOR: tl.constexpr,
+    SAVE: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = offs < m
+    index = tl.load(pos_ptr + offs, mask=inside, other=0) - base
+    values = tl.load(val_ptr + offs, mask=inside, other=0)
+    if IS_XOR or SAVE:
+        old = tl.load(target_ptr + index, mask=inside, other=0)
+        if SAVE:
+            tl.store(saved_ptr + offs, old, mask=inside)
+        if IS_XOR:
+            values = old ^ values
+    tl.store(target_ptr + index, values, mask=inside)
+
+
+@triton.jit(do_not_specialize=["count", "runs", "steps"])
+def _expand_kernel(starts_ptr, firsts_ptr, out_ptr, count, runs, steps, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    inside = i < count
+    # the run of output i: the last r with firsts[r] <= i (firsts[0] == 0), by binary search
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + runs
+    for _ in range(steps):
+        active = inside & (lo < hi)
+        mid = (lo + hi) >> 1
+        first = tl.load(firsts_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (first <= i), mid + 1, lo)
+        hi = tl.where(active & (first > i), mid, hi)
+    run = lo - 1
+    start = tl.load(starts_ptr + run, mask=inside, other=0)
+    first = tl.load(firsts_ptr + run, mask=inside, other=0)
+    tl.store(out_ptr + i, start + (i - first), mask=inside)
+
+
+# whether Triton was imported with TRITON_INTERPRET=1 (kernels then run on CPU tensors)
+INTERPRETED = "Interpreted" in type(_count_kernel).__name__
+# the interpreter patches triton.language while a kernel runs: one kernel at a time
+_LAUNCH = threading.Lock() if INTERPRETED else contextlib.nullcontext()
+
+
+def _launch(kernel: Any, n: int, block: int, *args: Any, **meta: Any) -> None:
+    with _LAUNCH:
+        kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=_WARPS, **meta)
+
+
+def block_counts(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """int32 changed-element count per block of :data:`BLOCK` (``old``/``new`` contiguous)."""
+    n = old.numel()
+    counts = torch.empty(triton.cdiv(n, BLOCK), dtype=torch.int32, device=old.device)
+    if n:
+        _launch(_count_kernel, n, BLOCK, old, new, counts, n)
+    return counts
+
+
+@dataclass
+class Scan:
+    """The first pass of a diff: per-block counts and their inclusive prefix sum (launched)."""
+
+    old: torch.Tensor
+    new: torch.Tensor
+    counts: torch.Tensor  # int32 per block
+    ends: torch.Tensor  # int64 inclusive prefix sum of counts
+    total: torch.Tensor  # ends[-1:] (or a zero), possibly already on its way to the host
+
+
+def scan(old: torch.Tensor, new: torch.Tensor) -> Scan:
+    """Launch the counting pass and the prefix sum; nothing waits for the device."""
+    counts = block_counts(old, new)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    total = ends[-1:] if ends.numel() else torch.zeros(1, dtype=torch.int64, device=old.device)
+    return Scan(old, new, counts, ends, total)
+
+
+def compact(scanned: Scan, total: int, *, want_new: bool, want_xor: bool, base: int = 0) -> Diff:
+    """Second pass: write positions (+ ``base``) and the new / XOR bits of ``total`` changes."""
+    old, new = scanned.old, scanned.new
+    device = old.device
+    positions = torch.empty(total, dtype=torch.int64, device=device)
+    new_values = torch.empty(total, dtype=new.dtype, device=device) if want_new else None
+    xor_values = torch.empty(total, dtype=new.dtype, device=device) if want_xor else None
+    if total:
+        starts = scanned.ends - scanned.counts
+        _launch(
+            _compact_kernel,
+            old.numel(),
+            BLOCK,
+            old,
+            new,
+            starts,
+            positions,
+            new_values if want_new else positions,  # an unused pointer still needs a tensor
+            xor_values if want_xor else positions,
+            old.numel(),
+            base,
+            WRITE_NEW=want_new,
+            WRITE_XOR=want_xor,
+        )
+    return Diff(positions, new_values, xor_values)
+
+
+def scatter(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    op: str,
+    save: bool,
+    base: int = 0,
+) -> torch.Tensor | None:
+    """In place ``flat[p - base] ^= v`` or ``= v`` at unique positions; old bits if ``save``."""
+    if op not in (XOR, OVERWRITE):
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    m = positions.numel()
+    saved = torch.empty(m, dtype=flat.dtype, device=flat.device) if save else None
+    if m:
+        _launch(
+            _scatter_kernel,
+            m,
+            SCATTER_BLOCK,
+            flat,
+            positions,
+            values,
+            saved if saved is not None else values,
+            m,
+            base,
+            IS_XOR=op == XOR,
+            SAVE=save,
+        )
+    return saved
+
+
+def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
+    """Positions of runs ``[starts[r], starts[r] + lengths[r])``; ``count`` is their total."""
+    out = torch.empty(count, dtype=torch.int64, device=starts.device)
+    runs = starts.numel()
+    if count:
+        firsts = torch.cumsum(lengths, 0) - lengths
+        steps = runs.bit_length() + 1
+        _launch(_expand_kernel, count, EXPAND_BLOCK, starts, firsts, out, count, runs, steps)
+    return out
+
+
+__all__ = [
+    "BLOCK",
+    "EXPAND_BLOCK",
+    "INTERPRETED",
+    "SCATTER_BLOCK",
+    "Scan",
+    "block_counts",
+    "compact",
+    "expand_ranges",
+    "scan",
+    "scatter",
+]
