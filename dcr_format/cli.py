@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -175,13 +176,35 @@ def pull(store: str, into: str, version: int | None, fmt: str) -> None:
     _emit(fmt, result, human)
 
 
+def _duration(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
+    from dcr_format.tools import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _version_range(first: int | None, last: int | None) -> str:
+    return "-" if first is None else f"{first}..{last}"
+
+
+def _gc_item(item: Any) -> str:
+    return {
+        "version": f"the commit record of version {item.version}",
+        "attempt": f"attempt {item.attempt} of version {item.version}",
+        "base": f"the alternative base record of version {item.version}",
+        "base-attempt": f"compaction {item.attempt} of version {item.version}",
+    }[item.kind]
+
+
 @cli.command(name="log")
 @STORE_OPTION
 @click.option("--limit", type=int, default=None, help="Show only the newest N versions.")
 @click.option("--since", type=int, default=None, help="Show versions from N on.")
 @FORMAT_OPTION
 def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
-    """One row per committed version."""
+    """One row per committed version (kind "delta+base": compacted, it has an alternative base)."""
     from dcr_format.tools import log
 
     rows = log(store, limit=limit, since=since)
@@ -203,7 +226,7 @@ def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
             [
                 [
                     r.version,
-                    r.kind,
+                    r.kind + ("+base" if r.compacted else ""),
                     "-" if r.parent is None else r.parent,
                     "-" if r.step is None else r.step,
                     r.created[:19],
@@ -223,32 +246,27 @@ def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
 @cli.command()
 @click.argument("version", type=int)
 @STORE_OPTION
-@click.option("--top", type=int, default=None, help="Show only the N largest tensors.")
+@click.option("--top", type=click.IntRange(min=0), default=None, help="Only the N first rows.")
 @click.option(
     "--sort",
     "sort_key",
     type=click.Choice(["bytes", "changed", "name"]),
     default="bytes",
     show_default=True,
+    help="Order of the tensor rows.",
 )
 @FORMAT_OPTION
 def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> None:
     """The commit record of VERSION and its tensors."""
     from dcr_format.tools import show as show_version
 
-    detail = show_version(store, version)
-    keys = {
-        "bytes": lambda r: (-r.encoded_bytes, r.name),
-        "changed": lambda r: (-r.changed, r.name),
-        "name": lambda r: r.name,
-    }
-    rows = sorted(detail.tensors, key=keys[sort_key])[: top if top is not None else None]
-    detail = detail.model_copy(update={"tensors": rows})
+    detail = show_version(store, version, sort=sort_key, top=top)  # type: ignore[arg-type]
 
     def human() -> None:
         v = detail.version
         click.echo(
-            f"version {v.version} ({v.kind}), parent {v.parent}, step {v.step}, created {v.created}"
+            f"version {v.version} ({v.kind}{'+base' if v.compacted else ''}), parent {v.parent}, "
+            f"step {v.step}, created {v.created}"
         )
         click.echo(
             f"state {detail.state_fingerprint}  attempt {detail.attempt}  ranks {v.writer_ranks}"
@@ -269,7 +287,7 @@ def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> 
                     _bytes(r.encoded_bytes),
                     f"{r.share:.1%}",
                 ]
-                for r in rows
+                for r in detail.tensors
             ],
         )
 
@@ -277,43 +295,264 @@ def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> 
 
 
 @cli.command()
+@click.argument("a", type=int)
+@click.argument("b", type=int)
+@STORE_OPTION
+@click.option(
+    "--exact",
+    is_flag=True,
+    help="Resolve upper bounds (overwrite or full entries in between) by replaying those tensors.",
+)
+@click.option("--all", "include_unchanged", is_flag=True, help="List unchanged tensors too.")
+@click.option("--top", type=click.IntRange(min=0), default=None, help="Only the N first rows.")
+@FORMAT_OPTION
+def diff(
+    a: int, b: int, store: str, exact: bool, include_unchanged: bool, top: int | None, fmt: str
+) -> None:
+    """Which tensors, and how many elements, differ between versions A and B."""
+    from dcr_format.tools import diff as diff_versions
+
+    report = diff_versions(store, a, b, exact=exact, include_unchanged=include_unchanged)
+    if top is not None:
+        report = report.model_copy(update={"tensors": report.tensors[:top]})
+
+    def human() -> None:
+        bound = "" if report.exact else " (at most: rows marked <= are upper bounds)"
+        click.echo(
+            f"versions {a} -> {b}: {report.tensors_differing} of {report.tensors_compared} "
+            f"tensors differ, {report.elements_differing} elements{bound}"
+        )
+        _table(
+            ["tensor", "status", "dtype", "shape", "elements", "of", "share", "versions"],
+            [
+                [
+                    r.name,
+                    r.status,
+                    r.dtype,
+                    "x".join(map(str, r.shape)) or "()",
+                    ("" if r.exact else "<=") + str(r.elements),
+                    r.total,
+                    f"{r.elements / r.total:.3%}" if r.total else "-",
+                    r.versions,
+                ]
+                for r in report.tensors
+            ],
+        )
+
+    _emit(fmt, report, human)
+
+
+@cli.command()
 @click.argument("version", type=int)
 @STORE_OPTION
 @click.option("--out", required=True, type=click.Path(), help="Directory to write.")
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Replay cache (default: $DCR_CACHE_DIR or ~/.cache/dcr); it keeps the newest version "
+    "replayed, so a later version starts from it.",
+)
+@click.option("--no-cache", is_flag=True, help="Replay from a base; leave the cache alone.")
 @FORMAT_OPTION
-def replay(version: int, store: str, out: str, fmt: str) -> None:
+def replay(
+    version: int, store: str, out: str, cache_dir: str | None, no_cache: bool, fmt: str
+) -> None:
     """Materialise VERSION as a Hugging Face checkpoint directory, every tensor verified."""
-    from dcr_format.readers.replay import replay as replay_version
+    from dcr_format.tools import replay as replay_version
 
-    result = replay_version(store, version, out)
-    _emit(fmt, result, lambda: click.echo(f"{out} holds version {result.version}, verified"))
+    cache = None if no_cache else (cache_dir or _default_cache())
+    result = replay_version(store, version, out, cache_dir=cache, progress=True)
+
+    def human() -> None:
+        if not result.applied_versions:
+            how = f"already there (from the {result.source})"
+        else:
+            how = (
+                f"{len(result.applied_versions)} versions applied from the {result.source} at "
+                f"version {result.start_version}, {_bytes(result.payload_bytes)} fetched"
+            )
+        click.echo(f"{out} holds version {result.version}, verified: {how}")
+
+    _emit(fmt, result, human)
 
 
 @cli.command()
 @STORE_OPTION
 @click.option("--from", "start", type=int, default=None, help="First version to check.")
 @click.option("--to", "end", type=int, default=None, help="Last version to check.")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also replay every version from the newest base at or before --from and check "
+    "every tensor's fingerprint.",
+)
 @FORMAT_OPTION
-def verify(store: str, start: int | None, end: int | None, fmt: str) -> None:
+def verify(store: str, start: int | None, end: int | None, deep: bool, fmt: str) -> None:
     """Check every object of the chain (exit status 1 if anything is broken)."""
     from dcr_format.tools import verify as verify_chain
 
-    report = verify_chain(store, start=start, end=end)
+    report = verify_chain(store, start=start, end=end, deep=deep, progress=True)
 
     def human() -> None:
         for p in report.problems:
             click.echo(f"version {p.version}: {p.key}: {p.error}: {p.message}")
+        span = _version_range(report.first_version, report.last_version)
+        checked = (
+            f"{report.versions_checked} versions ({span}), "
+            f"{report.objects_checked} objects, {report.bases_checked} alternative bases"
+        )
+        if deep:
+            checked += f", {report.replayed_versions} versions replayed"
         if report.ok:
-            click.echo(f"ok: {report.versions_checked} versions, {report.objects_checked} objects")
+            click.echo(f"ok: {checked}")
         else:
             click.echo(
                 f"broken: {len(report.problems)} problems, first at version "
-                f"{report.first_broken_version}"
+                f"{report.first_broken_version}; checked {checked}"
             )
 
     _emit(fmt, report, human)
     if not report.ok:
         sys.exit(1)
+
+
+@cli.command()
+@STORE_OPTION
+@click.option("--at", "at", type=int, required=True, help="The version to write a base of.")
+@click.option(
+    "--shard-mb",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Shard size limit before compression.",
+)
+@FORMAT_OPTION
+def compact(store: str, at: int, shard_mb: int, fmt: str) -> None:
+    """Write an alternative base of a version: late joiners start there (spec §14)."""
+    from dcr_format.tools import compact as compact_version
+
+    result = compact_version(store, at, shard_bytes=shard_mb << 20)
+
+    def human() -> None:
+        if result.created:
+            click.echo(
+                f"wrote {result.key}: {result.tensors} tensors, {_bytes(result.payload_bytes)} "
+                f"({_bytes(result.dense_bytes)} dense), from {len(result.replayed_versions)} "
+                "versions replayed"
+            )
+        else:
+            click.echo(f"nothing to do: {result.reason} ({result.key})")
+
+    _emit(fmt, result, human)
+
+
+@cli.command()
+@STORE_OPTION
+@click.option(
+    "--keep-last",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Keep the newest K versions (and the base they start from).",
+)
+@click.option(
+    "--keep-bases",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Also keep B older bases (and the versions after them) for late replays.",
+)
+@click.option(
+    "--grace",
+    default="1h",
+    show_default=True,
+    callback=_duration,
+    help="Delete uncommitted attempts only when their newest object is older (30s, 15m, 2h, "
+    "7d); keep it well above the writers' commit timeout.",
+)
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@FORMAT_OPTION
+def gc(
+    store: str, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
+) -> None:
+    """Delete uncommitted attempts and the versions before the kept range."""
+    from dcr_format.tools import gc as collect
+
+    report = collect(
+        store, keep_last=keep_last, keep_bases=keep_bases, grace=grace, dry_run=dry_run
+    )
+
+    def human() -> None:
+        verb = "would delete" if dry_run else "deleted"
+        shown = 50
+        for item in report.deleted[:shown]:
+            click.echo(
+                f"{verb} {_gc_item(item)}: {item.objects} objects, {_bytes(item.bytes)} "
+                f"({item.reason})"
+            )
+        if len(report.deleted) > shown:
+            click.echo(f"... and {len(report.deleted) - shown} more (--format json lists all)")
+        for item in report.kept:
+            age = "unknown age" if item.age_seconds is None else f"{item.age_seconds:.0f} s old"
+            click.echo(f"kept {_gc_item(item)}: {age} ({item.reason})")
+        click.echo(
+            f"{verb} {report.deleted_objects} objects, {_bytes(report.deleted_bytes)}; the chain "
+            f"keeps versions {_version_range(report.oldest_kept, report.latest)}"
+        )
+
+    _emit(fmt, report, human)
+
+
+@cli.command()
+@STORE_OPTION
+@click.option(
+    "--large-mb",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Size of the large-put probe (default: 129 MiB on S3, past multipart; 8 MiB "
+    "elsewhere; 0 skips it).",
+)
+@FORMAT_OPTION
+def doctor(store: str, large_mb: int | None, fmt: str) -> None:
+    """Probe the store's capabilities and say which uses are safe (exit 1 if a probe failed)."""
+    from dcr_format.tools import doctor as probe
+
+    report = probe(store, large_bytes=None if large_mb is None else large_mb << 20)
+
+    def human() -> None:
+        click.echo(
+            f"store {report.store}" + (f", chain {report.chain_id}" if report.chain_id else "")
+        )
+        marks = {True: "ok", False: "NO", None: "--"}
+        for check in report.checks:
+            click.echo(f"  {marks[check.ok]:>2}  {check.name}: {check.detail}")
+        for verdict in report.verdicts:
+            click.echo(f"{verdict.use}: {'safe' if verdict.safe else 'unsafe'} ({verdict.reason})")
+
+    _emit(fmt, report, human)
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command()
+@STORE_OPTION
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option("--since", type=int, default=None, help="Plot versions from N on.")
+@click.option("--limit", type=int, default=None, help="Plot only the newest N versions.")
+@click.option("--dpi", type=click.IntRange(min=10), default=100, show_default=True)
+@FORMAT_OPTION
+def plot(store: str, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
+    """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""
+    from dcr_format.tools import plot as draw
+
+    data = draw(store, out, since=since, limit=limit, dpi=dpi)
+    _emit(
+        fmt,
+        data,
+        lambda: click.echo(
+            f"wrote {out}: {len(data.versions)} versions, {len(data.rows)} heat map rows"
+        ),
+    )
 
 
 @cli.command()

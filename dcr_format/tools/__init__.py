@@ -1,0 +1,58 @@
+"""Chain tooling shared by Python callers and the ``dcr`` command.
+
+Every function takes a store (a :class:`~dcr_format.Store`, a path or a URL) and
+returns a frozen pydantic model; ``dcr ... --format json`` prints its
+serialisation.
+
+- :func:`log`, :func:`show`: what the chain holds;
+- :func:`diff`: which tensors and elements differ between two versions;
+- :func:`verify`: are all objects intact (``deep=True``: does every version replay);
+- :func:`replay`: materialise a version as a checkpoint directory (with a cache);
+- :func:`compact`: write an alternative base of a version (FORMAT.md §14);
+- :func:`gc`: delete uncommitted attempts and versions older than the kept range;
+- :func:`doctor`: probe a store's capabilities;
+- :func:`plot`: bytes and change rate per version, by layer.
+"""
+
+from dcr_format.tools._common import ObjectInfo, Problem, object_infos, parse_duration
+from dcr_format.tools._compact import CompactResult, compact
+from dcr_format.tools._diff import DiffReport, DiffRow, diff
+from dcr_format.tools._doctor import Check, DoctorReport, Verdict, doctor
+from dcr_format.tools._gc import DEFAULT_GRACE, GcItem, GcReport, gc
+from dcr_format.tools._inspect import LogRow, TensorRow, VersionDetail, log, show
+from dcr_format.tools._plot import PlotData, PlotVersion, plot, plot_data
+from dcr_format.tools._replay import ReplayResult, replay
+from dcr_format.tools._verify import VerifyReport, verify
+
+__all__ = [
+    "DEFAULT_GRACE",
+    "Check",
+    "CompactResult",
+    "DiffReport",
+    "DiffRow",
+    "DoctorReport",
+    "GcItem",
+    "GcReport",
+    "LogRow",
+    "ObjectInfo",
+    "PlotData",
+    "PlotVersion",
+    "Problem",
+    "ReplayResult",
+    "TensorRow",
+    "Verdict",
+    "VerifyReport",
+    "VersionDetail",
+    "compact",
+    "diff",
+    "doctor",
+    "gc",
+    "log",
+    "object_infos",
+    "parse_duration",
+    "plot",
+    "plot_data",
+    "replay",
+    "show",
+    "verify",
+]

@@ -1,0 +1,252 @@
+"""``dcr compact --at V``: write an alternative base of version V (FORMAT.md §14).
+
+Late joiners then start at V instead of replaying every delta since the last
+base. The version is materialised through a reader (every tensor checked),
+written as ``full`` entries under ``bases/<V>/<attempt>/``, and published by
+creating ``bases/<V>.json`` last, with create-if-absent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import datetime
+
+import torch
+
+from dcr_format.bases import (
+    BaseRecord,
+    alternative_bases,
+    base_attempt_prefix,
+    base_manifest_key,
+    base_record_key,
+    base_shard_key,
+    load_base,
+)
+from dcr_format.chain import (
+    MAX_RECORD_BYTES,
+    Chain,
+    commit_key,
+    new_id,
+    sha256_hex,
+    state_table,
+    table_fingerprint,
+    timestamp,
+    utc_now,
+)
+from dcr_format.codec.delta import FULL, encode_tensor
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
+from dcr_format.errors import (
+    CapabilityError,
+    ChainBrokenError,
+    CommitStateUnknown,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from dcr_format.readers.reader import DeltaReader
+from dcr_format.readers.targets import StateDictTarget
+from dcr_format.schema import Entry, Manifest, ManifestRef, ShardRef, Stats, ValuesRef
+from dcr_format.store import Store, open_store
+from dcr_format.tools._common import Row, numel
+
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+class CompactResult(Row):
+    """What :func:`compact` did."""
+
+    version: int
+    created: bool
+    """False when the version already was a base or had an alternative base."""
+    reason: str
+    key: str
+    """The base record (or, for a base version, its commit record)."""
+    attempt: str | None
+    tensors: int
+    payload_bytes: int
+    dense_bytes: int
+    replayed_versions: tuple[int, ...]
+    """The versions applied to materialise the version."""
+
+
+def compact(
+    store: Store | str | os.PathLike[str],
+    at: int,
+    *,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    zstd_level: int = ZSTD_LEVEL,
+    clock: Callable[[], datetime] = utc_now,
+    ids: Callable[[], str] = new_id,
+) -> CompactResult:
+    """Write an alternative base of committed version ``at`` that readers may start from.
+
+    Does nothing if ``at`` is a base version or already has a valid alternative
+    base (and raises if it has a broken one). Needs the whole version in memory.
+    Racing compactions of one version agree on whichever record was created
+    first; the loser deletes its own objects.
+    """
+    store = open_store(store)
+    chain = Chain(store)
+    chain.header  # noqa: B018  # refuse a store without a chain
+    commit = chain.record(at)
+    key = base_record_key(at)
+    if commit.record.kind == "base":
+        return _unchanged(at, commit.record.stats, "the version is a base", commit_key(at))
+    if at in alternative_bases(store):
+        existing = load_base(chain, commit)
+        return _unchanged(at, existing.record.stats, "the version already has a base", key)
+    capabilities = store.capabilities
+    if not capabilities.atomic_create and not store.single_writer:
+        raise CapabilityError(
+            f"cannot compact in {store.url}: it cannot create {key} atomically; open the "
+            "store with single_writer=True if no other process writes it"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    synced = DeltaReader(store, StateDictTarget(tensors), verify="all").sync(to=at)
+    table = state_table(chain.manifests(commit))
+    attempt = ids()
+    manifest_ref, manifest = _write_snapshot(
+        store, at, attempt, tensors, table, commit.record.chain_id, shard_bytes, zstd_level
+    )
+    if table_fingerprint(state_table([manifest])) != commit.record.state_fingerprint:
+        raise ChainBrokenError(  # the reader checked every tensor: this is a bug, not the store
+            f"the snapshot of version {at} does not add up to its state fingerprint"
+        )
+    entries = manifest.entries
+    stats = Stats(
+        tensors=len(entries),
+        total_elements=sum(numel(e.shape) for e in entries),
+        changed_elements=sum(e.changed for e in entries),
+        payload_bytes=sum(s.size for s in manifest.shards) + manifest_ref.size,
+        dense_bytes=sum(numel(e.shape) * info_for(e.dtype).width for e in entries),
+    )
+    record = BaseRecord(
+        chain_id=commit.record.chain_id,
+        version=at,
+        commit_sha256=commit.sha256,
+        created=timestamp(clock()),
+        attempt=attempt,
+        world_size=1,
+        manifests=(manifest_ref,),
+        state_fingerprint=commit.record.state_fingerprint,
+        stats=stats,
+    )
+    if not _create(store, key, record.to_json()):
+        # another compaction won: our objects can never be referenced (FORMAT.md §14.4)
+        store.delete_many(store.list(base_attempt_prefix(at, attempt)))
+        existing = load_base(chain, commit)
+        return _unchanged(at, existing.record.stats, "another compaction created it", key)
+    return CompactResult(
+        version=at,
+        created=True,
+        reason="created",
+        key=key,
+        attempt=attempt,
+        tensors=stats.tensors,
+        payload_bytes=stats.payload_bytes,
+        dense_bytes=stats.dense_bytes,
+        replayed_versions=synced.applied_versions,
+    )
+
+
+def _unchanged(version: int, stats: Stats, reason: str, key: str) -> CompactResult:
+    return CompactResult(
+        version=version,
+        created=False,
+        reason=reason,
+        key=key,
+        attempt=None,
+        tensors=stats.tensors,
+        payload_bytes=stats.payload_bytes,
+        dense_bytes=stats.dense_bytes,
+        replayed_versions=(),
+    )
+
+
+def _write_snapshot(
+    store: Store,
+    version: int,
+    attempt: str,
+    tensors: dict[str, torch.Tensor],
+    table: dict,  # type: ignore[type-arg]
+    chain_id: str,
+    shard_bytes: int,
+    zstd_level: int,
+) -> tuple[ManifestRef, Manifest]:
+    """Upload every tensor as a ``full`` entry (shards first, the manifest last)."""
+    shards: list[ShardRef] = []
+    streams: dict[str, bytes] = {}
+    pending = 0
+
+    def flush() -> None:
+        nonlocal streams, pending
+        if not streams:
+            return
+        stored, decoded = encode_shard(streams, level=zstd_level)
+        key = base_shard_key(version, attempt, 0, len(shards))
+        store.put(key, stored)
+        shards.append(
+            ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
+        )
+        streams, pending = {}, 0
+
+    entries = []
+    for index, name in enumerate(sorted(tensors)):
+        tensor = tensors[name]
+        encoded = encode_tensor(tensor, None, op=FULL)
+        values = None
+        if encoded.values is not None:
+            stream = f"{index}.v"
+            streams[stream] = encoded.values
+            pending += len(encoded.values)
+            values = ValuesRef(shard=len(shards), key=stream, coding=encoded.values_coding)
+        entries.append(
+            Entry(
+                name=name,
+                dtype=info_for(tensor.dtype).name,
+                shape=tuple(tensor.shape),
+                op=FULL,
+                changed=encoded.changed,
+                values=values,
+                encoded_bytes=encoded.nbytes,
+                fingerprint=table[name].fingerprint,
+            )
+        )
+        if pending >= shard_bytes:
+            flush()
+    flush()
+    manifest = Manifest(
+        chain_id=chain_id,
+        version=version,
+        kind="base",
+        attempt=attempt,
+        rank=0,
+        world_size=1,
+        shards=tuple(shards),
+        entries=tuple(entries),
+    )
+    data = manifest.to_json()
+    key = base_manifest_key(version, attempt, 0)
+    store.put(key, data)
+    return ManifestRef(rank=0, path=key, sha256=sha256_hex(data), size=len(data)), manifest
+
+
+def _create(store: Store, key: str, data: bytes) -> bool:
+    """Create-if-absent; False when another record is there. Unknown outcomes re-read."""
+    for _ in range(2):
+        try:
+            store.put_if_absent(key, data)
+            return True
+        except ObjectExistsError:
+            break
+        except StoreError:
+            continue
+    try:
+        landed = store.get(key, max_size=MAX_RECORD_BYTES)
+    except ObjectNotFoundError:
+        raise CommitStateUnknown(
+            f"could not create {key} and cannot tell whether it landed; run `dcr compact` again"
+        ) from None
+    return landed == data
