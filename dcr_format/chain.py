@@ -24,7 +24,9 @@ from dcr_format.errors import (
     VersionNotFoundError,
 )
 from dcr_format.schema import (
+    PIECES_FEATURE,
     CommitRecord,
+    Entry,
     Manifest,
     ManifestRef,
     ShardRef,
@@ -308,12 +310,15 @@ def check_manifest(
             numel *= dim
         if numel > (1 << 62):
             raise SchemaError(f"{where}: tensor {entry.name!r} has an impossible shape")
-        if entry.changed > numel or (entry.op == "full" and entry.changed != numel):
+        whole_full = entry.op == "full" and entry.piece is None  # a full piece covers its region
+        if entry.changed > numel or (whole_full and entry.changed != numel):
             raise SchemaError(f"{where}: tensor {entry.name!r} declares {entry.changed} changes")
         if kind == "base" and entry.op != "full":
             raise SchemaError(f"{where}: base versions carry only full entries ({entry.name!r})")
+        if entry.piece is not None:
+            _check_piece(manifest, entry, where)
         needs_values = entry.changed > 0
-        needs_positions = needs_values and entry.op != "full"
+        needs_positions = needs_values and not whole_full
         if (entry.values is not None) != needs_values or (
             entry.positions is not None
         ) != needs_positions:
@@ -333,17 +338,161 @@ def check_manifest(
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
 
 
-def state_table(manifests: list[Manifest]) -> dict[str, TensorState]:
-    """Union of the manifests' entries; a name listed by two ranks is an error."""
-    table: dict[str, TensorState] = {}
+def _check_piece(manifest: Manifest, entry: Entry, where: str) -> None:
+    """A piece entry (FORMAT.md §4.8) on its own: feature listed, lanes well formed and
+    consistent with the entry's (partial) fingerprints."""
+    from dcr_format.codec.dtypes import info_for
+    from dcr_format.fingerprint import LANE_PRIMES, fingerprint_from_lanes
+
+    piece = entry.piece
+    assert piece is not None
+    name = entry.name
+    if PIECES_FEATURE not in manifest.required_features:
+        raise SchemaError(
+            f"{where}: tensor {name!r} is a piece but the manifest does not "
+            f"require the {PIECES_FEATURE!r} feature"
+        )
+    if piece.index >= piece.count:
+        raise SchemaError(f"{where}: tensor {name!r} is piece {piece.index} of {piece.count}")
+    info = info_for(entry.dtype)
+    lanes = 3 if info.width == 8 else 2
+    full = entry.op == "full"
+    if (piece.lanes_before is None) != full:
+        raise SchemaError(f"{where}: piece of {name!r} needs lanes_before iff its op is not full")
+    for values in (piece.lanes_after, piece.lanes_before):
+        if values is None:
+            continue
+        if len(values) != lanes or any(v >= LANE_PRIMES[i] for i, v in enumerate(values)):
+            raise SchemaError(f"{where}: piece of {name!r} has malformed fingerprint lanes")
+    shape = tuple(entry.shape)
+    if entry.fingerprint != fingerprint_from_lanes(info.torch_dtype, shape, piece.lanes_after):
+        raise SchemaError(f"{where}: piece of {name!r}: fingerprint does not match lanes_after")
+    if not full and entry.parent_fingerprint != fingerprint_from_lanes(
+        info.torch_dtype, shape, piece.lanes_before or ()
+    ):
+        raise SchemaError(
+            f"{where}: piece of {name!r}: parent_fingerprint does not match lanes_before"
+        )
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """One tensor of a version as its manifests give it: a whole entry, or its pieces combined.
+
+    ``fingerprint`` is the whole tensor's (for pieces: from the summed lanes),
+    ``parent_fingerprint`` likewise (None when the tensor is written ``full``).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    full: bool
+    fingerprint: str
+    parent_fingerprint: str | None
+    rank: int
+    pieces: tuple[tuple[int, Entry], ...]  # (rank, entry) in piece order; () for a whole entry
+
+    @property
+    def changed(self) -> int:
+        """Elements the version writes (summed over pieces)."""
+        return sum(e.changed for _, e in self.pieces)
+
+
+def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
+    """Every tensor of a version, pieces combined (FORMAT.md §4.8); inconsistencies refused.
+
+    A name listed by two ranks as a whole entry, or both whole and in pieces, is an error;
+    pieces must agree on dtype, shape, count and fullness, and every index must be present
+    exactly once.
+    """
+    from dcr_format.codec.dtypes import info_for
+    from dcr_format.fingerprint import add_lanes, fingerprint_from_lanes
+
+    whole: dict[str, TensorChange] = {}
+    parts: dict[str, list[tuple[int, Entry]]] = {}
     for manifest in manifests:
         for entry in manifest.entries:
-            if entry.name in table:
+            if entry.name in whole:
                 raise SchemaError(f"tensor {entry.name!r} is listed by more than one rank")
-            table[entry.name] = TensorState(
-                entry.name, entry.dtype, tuple(entry.shape), entry.fingerprint, manifest.rank
+            if entry.piece is None:
+                if entry.name in parts:
+                    raise SchemaError(f"tensor {entry.name!r} is listed whole and in pieces")
+                whole[entry.name] = TensorChange(
+                    entry.name,
+                    entry.dtype,
+                    tuple(entry.shape),
+                    entry.op == "full",
+                    entry.fingerprint,
+                    entry.parent_fingerprint if entry.op != "full" else None,
+                    manifest.rank,
+                    (),
+                )
+            else:
+                parts.setdefault(entry.name, []).append((manifest.rank, entry))
+    for name, listed in parts.items():
+        first = listed[0][1]
+        assert first.piece is not None
+        count = first.piece.count
+        full = first.op == "full"
+        by_index: dict[int, tuple[int, Entry]] = {}
+        for rank, entry in listed:
+            assert entry.piece is not None
+            if (
+                entry.dtype != first.dtype
+                or tuple(entry.shape) != tuple(first.shape)
+                or entry.piece.count != count
+                or (entry.op == "full") != full
+            ):
+                raise SchemaError(
+                    f"the pieces of tensor {name!r} disagree on dtype, shape, count or op"
+                )
+            if entry.piece.index in by_index:
+                raise SchemaError(f"piece {entry.piece.index} of tensor {name!r} is listed twice")
+            by_index[entry.piece.index] = (rank, entry)
+        if len(by_index) != count:
+            missing = sorted(set(range(count)) - set(by_index))
+            raise SchemaError(
+                f"tensor {name!r} lacks pieces {missing[:8]} of {count}; a writer rank's "
+                "manifest is missing or its layout disagrees with the others'"
             )
-    return table
+        ordered = tuple(by_index[i] for i in range(count))
+        torch_dtype = info_for(first.dtype).torch_dtype
+        shape = tuple(first.shape)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        if full and sum(e.changed for _, e in ordered) != numel:
+            raise SchemaError(
+                f"the full pieces of tensor {name!r} hold {sum(e.changed for _, e in ordered)} "
+                f"elements, not its {numel}: the writers' regions overlap or leave a gap"
+            )
+        after = add_lanes(*(e.piece.lanes_after for _, e in ordered if e.piece is not None))
+        before = None
+        if not full:
+            before = fingerprint_from_lanes(
+                torch_dtype,
+                shape,
+                add_lanes(*(e.piece.lanes_before or () for _, e in ordered if e.piece is not None)),
+            )
+        whole[name] = TensorChange(
+            name,
+            first.dtype,
+            shape,
+            full,
+            fingerprint_from_lanes(torch_dtype, shape, after),
+            before,
+            ordered[0][0],
+            ordered,
+        )
+    return whole
+
+
+def state_table(manifests: list[Manifest]) -> dict[str, TensorState]:
+    """Union of the manifests' entries, pieces combined; a name listed by two ranks is an error."""
+    return {
+        name: TensorState(name, change.dtype, change.shape, change.fingerprint, change.rank)
+        for name, change in tensor_changes(manifests).items()
+    }
 
 
 def table_fingerprint(table: dict[str, TensorState]) -> str:
@@ -357,9 +506,12 @@ __all__ = [
     "Chain",
     "LoadedRecord",
     "ShardRef",
+    "TensorChange",
     "TensorState",
     "attempt_prefix",
     "commit_key",
     "manifest_key",
     "shard_key",
+    "state_table",
+    "tensor_changes",
 ]

@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    model_serializer,
 )
 
 from dcr_format.codec.delta import OPS
@@ -27,7 +28,8 @@ from dcr_format.errors import SchemaError, UnsupportedFeatureError, UnsupportedV
 
 FORMAT_NAME = "dcr"
 FORMAT_VERSION = 1
-KNOWN_FEATURES: frozenset[str] = frozenset()
+PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
+KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE})
 MAX_JSON_BYTES = 256 << 20  # no header, commit record or manifest is ever this large
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -120,6 +122,23 @@ class ValuesRef(StreamRef):
     coding: ValueCoding  # type: ignore[valid-type]
 
 
+Lane = Annotated[int, Field(ge=0, lt=1 << 31)]
+
+
+class Piece(_Model):
+    """An entry's place among the disjoint pieces that together make one canonical tensor.
+
+    ``lanes_before``/``lanes_after`` are the fingerprint lanes (FORMAT.md §9.1) summed
+    over the piece's region only, in the parent version and after this one (null before
+    for ``full`` pieces); the tensor's lanes are the sums over its ``count`` pieces.
+    """
+
+    index: Count
+    count: Annotated[int, Field(ge=1, le=1 << 20)]
+    lanes_before: tuple[Lane, ...] | None = Field(default=None, min_length=2, max_length=3)
+    lanes_after: tuple[Lane, ...] = Field(min_length=2, max_length=3)
+
+
 class Entry(_Model):
     """One canonical tensor of a manifest: its state after the version and how to get there."""
 
@@ -133,6 +152,16 @@ class Entry(_Model):
     encoded_bytes: Count = 0
     fingerprint: TensorFingerprint
     parent_fingerprint: TensorFingerprint | None = None
+    piece: Piece | None = None
+    """Set on a piece of a tensor published by several ranks; absent (not null) otherwise,
+    so whole-tensor entries serialise exactly as before the feature existed."""
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_piece(self, handler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if isinstance(data, dict) and data.get("piece") is None:
+            data.pop("piece", None)
+        return data
 
 
 class Manifest(_Model):

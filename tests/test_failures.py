@@ -22,6 +22,7 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 
 import dcr_format.readers.reader as reader_module
+import dcr_format.readers.targets as targets_module
 from dcr_format import (
     ApplyError,
     BaselineMismatchError,
@@ -124,13 +125,13 @@ def _finish(setup: _Setup) -> None:
 
 def _count_applies(monkeypatch) -> list[int]:
     calls = [0]
-    original = reader_module.apply_delta
+    original = targets_module.apply_delta
 
     def counting(tensor, delta):
         calls[0] += 1
         return original(tensor, delta)
 
-    monkeypatch.setattr(reader_module, "apply_delta", counting)
+    monkeypatch.setattr(targets_module, "apply_delta", counting)
     return calls
 
 
@@ -276,7 +277,7 @@ def test_missing_objects_are_file_not_found(store_url, tmp_path):
 def test_failure_halfway_through_apply_rolls_back(store_url, tmp_path, kind, monkeypatch, nth):
     setup = _setup(store_url, tmp_path, kind, versions=7, base_every=4)
     before = setup.capture()
-    original = reader_module.apply_delta
+    original = targets_module.apply_delta
     calls = 0
 
     def failing(tensor, delta):
@@ -286,7 +287,7 @@ def test_failure_halfway_through_apply_rolls_back(store_url, tmp_path, kind, mon
             raise RuntimeError("injected failure")
         return original(tensor, delta)
 
-    monkeypatch.setattr(reader_module, "apply_delta", failing)
+    monkeypatch.setattr(targets_module, "apply_delta", failing)
     with pytest.raises(ApplyError):
         setup.reader().sync()  # versions 3..6, with a base at 4
     assert calls == nth
@@ -308,7 +309,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
     del state["model.step"]
     state["model.new.weight"] = torch.ones(3)
     writer.publish(state)
-    original = reader_module.apply_delta
+    original = targets_module.apply_delta
     calls = 0
 
     def failing_last(tensor, delta):
@@ -318,7 +319,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
             raise RuntimeError("injected failure")
         return original(tensor, delta)
 
-    monkeypatch.setattr(reader_module, "apply_delta", failing_last)
+    monkeypatch.setattr(targets_module, "apply_delta", failing_last)
     with pytest.raises(ApplyError):
         DeltaReader(store_url, target).sync()
     assert target.resident().version == 0
@@ -333,7 +334,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
 def test_interrupt_during_apply_rolls_back_and_propagates(store_url, tmp_path, monkeypatch):
     setup = _setup(store_url, tmp_path, "dict")
     before = setup.capture()
-    original = reader_module.apply_delta
+    original = targets_module.apply_delta
     calls = 0
 
     def interrupted(tensor, delta):
@@ -343,7 +344,7 @@ def test_interrupt_during_apply_rolls_back_and_propagates(store_url, tmp_path, m
             raise KeyboardInterrupt
         return original(tensor, delta)
 
-    monkeypatch.setattr(reader_module, "apply_delta", interrupted)
+    monkeypatch.setattr(targets_module, "apply_delta", interrupted)
     with pytest.raises(KeyboardInterrupt):
         setup.reader().sync()
     setup.assert_unchanged(before)
@@ -358,8 +359,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     setup = _setup(store_url, tmp_path, kind)
     before = setup.capture()
     applied = False
-    apply_delta = reader_module.apply_delta
-    fingerprint = reader_module.tensor_fingerprint
+    apply_delta = targets_module.apply_delta
     from_lanes = reader_module.fingerprint_from_lanes
 
     def apply_and_note(tensor, delta):
@@ -367,15 +367,12 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
         applied = True
         return apply_delta(tensor, delta)
 
-    def wrong_after_apply(tensor):
-        return "0" * 32 if applied else fingerprint(tensor)
-
     def wrong_lanes_after_apply(dtype, shape, lanes):
         return "0" * 32 if applied else from_lanes(dtype, shape, lanes)
 
-    # "touched" follows the fingerprint through the change, "all" recomputes it
-    monkeypatch.setattr(reader_module, "apply_delta", apply_and_note)
-    monkeypatch.setattr(reader_module, "tensor_fingerprint", wrong_after_apply)
+    # "touched" follows the lanes through the change, "all" reads them again: both end in
+    # fingerprint_from_lanes
+    monkeypatch.setattr(targets_module, "apply_delta", apply_and_note)
     monkeypatch.setattr(reader_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
     with pytest.raises(FingerprintMismatchError):
         setup.reader(verify=verify).sync()

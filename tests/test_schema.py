@@ -21,6 +21,7 @@ from dcr_format.schema import (
     Entry,
     Manifest,
     ManifestRef,
+    Piece,
     PositionsRef,
     ReaderRecord,
     ShardRef,
@@ -112,6 +113,8 @@ PARTS = {
     "positions_ref": lambda: PositionsRef(shard=0, key="p", coding="ranges"),
     "values_ref": lambda: ValuesRef(shard=0, key="v", coding="planes"),
     "entry": entry,
+    "piece": lambda: Piece(index=1, count=2, lanes_before=(1, 2), lanes_after=(3, 4)),
+    "piece_entry": lambda: entry(piece=Piece(index=0, count=3, lanes_after=(5, 6, 7))),
     "manifest_ref": lambda: ManifestRef(rank=3, path="a/b", sha256=SHA, size=0),
     "stats": lambda: Stats(
         tensors=0, total_elements=0, changed_elements=0, payload_bytes=0, dense_bytes=0

@@ -131,7 +131,13 @@ class DeltaReader:
         self.max_workers = max_workers
         self.max_shard_bytes = max_shard_bytes
         # ranks sharing the target stage, verify and apply together (all or none)
-        self.group = ReaderGroup.solo() if group is None else ReaderGroup(group)
+        # a RelayStore (readers/relay.py) closes its epoch wherever the ranks agree
+        epoch = getattr(self.store, "end_epoch", None)
+        self.group = (
+            ReaderGroup.solo(before_agreeing=epoch)
+            if group is None
+            else ReaderGroup(group, before_agreeing=epoch)
+        )
         self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
         self.reader_id = reader_id
         self._recorded: tuple[str, frozenset[str]] | None = None  # last reader record written

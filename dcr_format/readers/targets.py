@@ -13,13 +13,16 @@ import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import MutableMapping
-from dataclasses import dataclass
+from collections.abc import Callable, MutableMapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from dcr_format.codec.delta import FULL, DecodedDelta, apply_delta, undo_delta
+from dcr_format.codec.dtypes import bits_view
 from dcr_format.errors import TargetError
+from dcr_format.fingerprint import tensor_lanes
 
 DIR_STATE_FILE = "dcr-state.json"
 DIR_STATE_FORMAT = "dcr-dir-1"
@@ -36,8 +39,42 @@ class Resident:
     version: int
 
 
+@dataclass(frozen=True)
+class Change:
+    """One tensor's change as a transaction applies it (canonical name, dtype and shape)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    delta: DecodedDelta
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What :meth:`Transaction.apply` did: how to undo it, and what the reader needs to
+    follow the tensor's fingerprint lanes (FORMAT.md §9.1) without a full pass.
+
+    For ``xor``/``overwrite``: the canonical flat ``positions`` the target could read back
+    (all of the delta's positions, or those this target holds) with their bits ``before``
+    and ``after``; None when the target cannot read canonical bits back (the tensor is then
+    left unverified). For ``full``: the ``lanes`` of what the target holds afterwards.
+    """
+
+    undo: Callable[[], None]
+    positions: torch.Tensor | None = None
+    before: torch.Tensor | None = None
+    after: torch.Tensor | None = None
+    lanes: tuple[int, ...] | None = None
+
+
 class Transaction(ABC):
-    """Mutable access to a target's tensors for one sync."""
+    """Mutable access to a target's tensors for one sync.
+
+    The reader goes through :meth:`spec`, :meth:`prepare`, :meth:`lanes`,
+    :meth:`complete_lanes` and :meth:`apply`; their defaults work on the live canonical
+    tensors of :meth:`tensor` and :meth:`full_tensor`. A target without canonical tensors
+    (a module behind its own loader) overrides them instead.
+    """
 
     @abstractmethod
     def names(self) -> set[str]:
@@ -63,6 +100,62 @@ class Transaction(ABC):
     def abort(self) -> None:
         """Forget created, replaced and dropped tensors (in-place changes were undone)."""
 
+    # --- what the reader calls (defaults: live canonical tensors) ------------------------
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """Dtype and shape of the canonical tensor ``name`` the target holds, or None."""
+        tensor = self.tensor(name)
+        return None if tensor is None else (tensor.dtype, tuple(tensor.shape))
+
+    def prepare(self, changes: Sequence[Change]) -> None:
+        """Refuse, before anything is mutated, changes the target cannot apply."""
+        for change in changes:
+            if change.delta.op == FULL:
+                continue
+            tensor = self.tensor(change.name)
+            if tensor is not None and not tensor.is_contiguous():
+                raise TargetError(
+                    f"target tensor {change.name!r} is not contiguous; pass contiguous tensors"
+                )
+
+    def lanes(self, name: str) -> tuple[int, ...] | None:
+        """Fingerprint lanes of the bits the target holds for ``name`` (one full pass), or
+        None when it cannot read them back in canonical coordinates."""
+        tensor = self.tensor(name)
+        return None if tensor is None else tensor_lanes(tensor)
+
+    def complete_lanes(
+        self, lanes: dict[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...] | None]:
+        """Whole-tensor lanes from what :meth:`lanes` and :meth:`apply` gave (a target that
+        holds part of a tensor sums its part with its peers', or answers None)."""
+        return dict(lanes)
+
+    def apply(self, change: Change) -> Applied:
+        """Apply one change in place (FORMAT.md §8.1)."""
+        delta = change.delta
+        if delta.op == FULL:
+            tensor = self.full_tensor(change.name, change.dtype, change.shape)
+            saved = apply_delta(tensor, delta)
+            return Applied(lambda: undo_delta(tensor, delta, saved), lanes=tensor_lanes(tensor))
+        tensor = self.tensor(change.name)
+        if tensor is None:
+            raise TargetError(f"the target lacks tensor {change.name!r}")
+        flat = bits_view(tensor).reshape(-1)
+        assert delta.positions is not None
+        delta = replace(
+            delta, positions=delta.positions.to(flat.device), values=delta.values.to(flat.device)
+        )
+        assert delta.positions is not None
+        before = flat[delta.positions]
+        saved = apply_delta(tensor, delta)
+        return Applied(
+            lambda: undo_delta(tensor, delta, saved),
+            delta.positions,
+            before,
+            flat[delta.positions],
+        )
+
 
 class Target(ABC):
     """Something a :class:`~dcr_format.DeltaReader` keeps at a version of the chain."""
@@ -74,6 +167,16 @@ class Target(ABC):
     @abstractmethod
     def begin(self) -> Transaction:
         """Open a transaction for one sync."""
+
+    def accepts(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+        """Whether this canonical tensor lands in the target at all (False: it belongs to
+        another rank's shard or expert). The reader neither fetches nor checks the rest."""
+        return True
+
+    def overwrite_names(self) -> frozenset[str]:
+        """Canonical names this target can take only as ``overwrite`` or ``full`` (its load
+        path transforms them); the reader records them for writers (FORMAT.md §3.6)."""
+        return frozenset()
 
 
 class _DictTransaction(Transaction):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -20,6 +21,7 @@ from dcr_format.chain import (
     MAX_RECORD_BYTES,
     Chain,
     LoadedRecord,
+    TensorChange,
     TensorState,
     attempt_prefix,
     check_manifest,
@@ -30,12 +32,14 @@ from dcr_format.chain import (
     shard_key,
     state_table,
     table_fingerprint,
+    tensor_changes,
     timestamp,
     utc_now,
 )
 from dcr_format.codec.delta import (
     FULL,
     OPS,
+    OVERWRITE,
     DecodedDelta,
     EncodedTensor,
     apply_delta,
@@ -45,8 +49,10 @@ from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
 from dcr_format.errors import (
     CapabilityError,
+    ChainBrokenError,
     CommitConflict,
     CommitStateUnknown,
+    FormatError,
     IncompleteVersionError,
     IntegrityError,
     MissingTensorError,
@@ -68,6 +74,7 @@ from dcr_format.schema import (
     Manifest,
     ManifestRef,
     PositionsRef,
+    ReaderRecord,
     ShardRef,
     Stats,
     ValuesRef,
@@ -77,6 +84,9 @@ from dcr_format.store import Store, open_store
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
 ABORT_MARKER = "ABORTED"
+READERS_PREFIX = "readers/"
+_READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
+MAX_READER_RECORD_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 256 << 20
 
 
@@ -213,6 +223,7 @@ class DeltaWriter:
         commit_timeout: float = 600.0,
         clock: Callable[[], datetime] = utc_now,
         ids: Callable[[], str] = new_id,
+        reader_records: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -237,6 +248,8 @@ class DeltaWriter:
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
         self.commit_timeout = commit_timeout
         self.clock, self.ids = clock, ids
+        self.reader_records = reader_records
+        self._reader_overwrite: frozenset[str] = frozenset()  # from readers/*.json (§3.6)
         self._opened = False
         self._version: int | None = None
         self._record: LoadedRecord | None = None
@@ -338,12 +351,22 @@ class DeltaWriter:
         version = 0 if self._version is None else self._version + 1
         base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
         kind = "base" if base else "delta"
-        attempt = self.coordinator.broadcast(self.ids() if self.rank == 0 else None, rank=self.rank)
+        # rank 0 reads the reader records once and every rank uses its answer (FORMAT.md §8.4)
+        attempt, overwrite = self.coordinator.broadcast(
+            (self.ids(), self._read_reader_records() if not base else frozenset())
+            if self.rank == 0
+            else None,
+            rank=self.rank,
+        )
+        self._reader_overwrite = frozenset(overwrite)
         try:
-            pending = self._write_part(tensors, version, kind, attempt)
+            pending, manifest = self._write_part(tensors, version, kind, attempt)
         except BaseException:
             self._abort(version, attempt)  # no manifest of ours exists: the attempt cannot commit
             raise
+        # not inside the try: a manifest upload that fails may still have landed, so it must
+        # not mark the attempt abandoned (the committer may commit it)
+        self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
         if self.rank == 0:
             loaded, table = self._commit(version, kind, attempt, step)
         else:
@@ -357,8 +380,8 @@ class DeltaWriter:
         version: int,
         kind: str,
         attempt: str,
-    ) -> dict[str, _Pending]:
-        """Encode this rank's tensors, upload its shards, then its manifest."""
+    ) -> tuple[dict[str, _Pending], Manifest]:
+        """Encode this rank's tensors and upload its shards; returns its manifest to upload."""
         base = kind == "base"
         shards = _ShardWriter(
             self.store, version, attempt, self.rank, self.shard_bytes, self.zstd_level
@@ -373,7 +396,7 @@ class DeltaWriter:
             tensor = tensor.detach()
             info_for(tensor.dtype)  # refuses dtypes the format cannot carry
             old = self._baseline.get(name)
-            op = FULL if base else self.ops.get(name)
+            op = FULL if base else self._op_for(name, tensor, old)
             encoded = encode_tensor(tensor, old, op=op)
             lanes = self._lanes_after(name, tensor, old, encoded)
             fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
@@ -399,8 +422,7 @@ class DeltaWriter:
             shards=tuple(shards.shards),
             entries=tuple(entries),
         )
-        self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
-        return pending
+        return pending, manifest
 
     def _lanes_after(
         self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, encoded: EncodedTensor
@@ -493,11 +515,7 @@ class DeltaWriter:
                 check_manifest(
                     manifest, header.chain_id, version, kind, attempt, rank, self.world_size, key
                 )
-                for entry in manifest.entries:
-                    if owner(entry.name, self.world_size) != rank:
-                        raise IncompleteVersionError(
-                            f"{key} lists {entry.name!r}, owned by another rank"
-                        )
+                self._check_owners(manifest, rank, key)
                 ref = ManifestRef(rank=rank, path=key, sha256=sha256_hex(data), size=len(data))
                 found[rank] = (manifest, ref)
             return True
@@ -508,7 +526,14 @@ class DeltaWriter:
             self._abort(version, attempt)
             raise
         manifests = [found[r][0] for r in range(self.world_size)]
-        table = state_table(manifests)
+        try:
+            changes = tensor_changes(manifests)  # pieces combined (FORMAT.md §4.8)
+            table = state_table(manifests)
+            if kind == "delta":
+                self._check_parent(changes, version)
+        except Exception:
+            self._abort(version, attempt)
+            raise
         if kind == "delta":
             dropped = sorted(set(self._table) - set(table))
             if dropped:
@@ -519,14 +544,16 @@ class DeltaWriter:
                 )
         entries = [e for m in manifests for e in m.entries]
         stats = Stats(
-            tensors=len(entries),
-            total_elements=sum(_numel(e.shape) for e in entries),
+            tensors=len(table),
+            total_elements=sum(_numel(t.shape) for t in table.values()),
             changed_elements=sum(e.changed for e in entries),
             payload_bytes=sum(s.size for m in manifests for s in m.shards)
             + sum(found[r][1].size for r in found),
-            dense_bytes=sum(_numel(e.shape) * info_for(e.dtype).width for e in entries),
+            dense_bytes=sum(_numel(t.shape) * info_for(t.dtype).width for t in table.values()),
         )
+        features = sorted({f for m in manifests for f in m.required_features})
         record = CommitRecord(
+            required_features=tuple(features),
             chain_id=header.chain_id,
             version=version,
             kind=kind,
@@ -547,6 +574,62 @@ class DeltaWriter:
         except StoreError:
             pass  # HEAD is only a hint
         return LoadedRecord(record, sha256_hex(data), len(data)), table
+
+    def _check_owners(self, manifest: Manifest, rank: int, key: str) -> None:
+        """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
+        writers' layout and are checked when combined (§4.8)."""
+        for entry in manifest.entries:
+            if entry.piece is None and owner(entry.name, self.world_size) != rank:
+                raise IncompleteVersionError(f"{key} lists {entry.name!r}, owned by another rank")
+
+    def _check_parent(self, changes: dict[str, TensorChange], version: int) -> None:
+        """Pieces of a tensor must add up to the parent's fingerprint (their lanes sum over
+        regions: a gap or an overlap between the ranks' regions shows here)."""
+        for name, change in changes.items():
+            if not change.pieces or change.full:
+                continue
+            row = self._table.get(name)
+            if row is None or row.fingerprint != change.parent_fingerprint:
+                raise ChainBrokenError(
+                    f"the pieces of {name!r} do not add up to version {version - 1}'s tensor: "
+                    "the writer ranks' layouts overlap or leave a gap"
+                )
+
+    def _op_for(self, name: str, tensor: torch.Tensor, old: torch.Tensor | None) -> str | None:
+        """The op of a delta entry: configured, else overwrite where a reader asked for it
+        (and a comparable baseline exists), else chosen by size."""
+        op = self.ops.get(name)
+        if op is None and name in self._reader_overwrite:
+            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
+                return OVERWRITE
+        return op
+
+    def _read_reader_records(self) -> frozenset[str]:
+        """Union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6).
+
+        Read by rank 0 at every delta publish (one listing plus one small get per record),
+        so a reader's record is honoured from the next version on. A record that cannot be
+        read or does not validate is skipped: records are requests, never requirements.
+        """
+        if not self.reader_records:
+            return frozenset()
+        try:
+            keys = self.store.list(READERS_PREFIX)
+        except StoreError:
+            return frozenset()
+        names: set[str] = set()
+        for key in keys:
+            match = _READER_KEY.match(key)
+            if match is None:
+                continue
+            try:
+                data = self.store.get(key, max_size=MAX_READER_RECORD_BYTES)
+                record = parse(ReaderRecord, data, what=key)
+            except (StoreError, FormatError):
+                continue
+            if record.reader_id == match.group(1):
+                names.update(record.overwrite)
+        return frozenset(names)
 
     def _create_commit(self, version: int, data: bytes) -> None:
         key = commit_key(version)
