@@ -8,7 +8,7 @@ every rank rolls its part back. So either all ranks apply a version or none.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,14 +24,22 @@ class ReaderGroup:
     group is NCCL (``torch.distributed.new_group(backend="gloo")``).
     """
 
-    def __init__(self, group: Any = None, *, solo: bool = False) -> None:
+    def __init__(
+        self,
+        group: Any = None,
+        *,
+        solo: bool = False,
+        before_agreeing: Callable[[], None] | None = None,
+    ) -> None:
         self._group = group
         self._solo = solo
+        # called before every agreement (a relay store closes its epoch there)
+        self._before_agreeing = before_agreeing
 
     @classmethod
-    def solo(cls) -> ReaderGroup:
+    def solo(cls, *, before_agreeing: Callable[[], None] | None = None) -> ReaderGroup:
         """A reader that agrees with nobody."""
-        return cls(None, solo=True)
+        return cls(None, solo=True, before_agreeing=before_agreeing)
 
     def _dist(self) -> Any:
         import torch.distributed as dist
@@ -40,6 +48,8 @@ class ReaderGroup:
 
     def min(self, value: int) -> int:
         """The smallest ``value`` over the ranks."""
+        if self._before_agreeing is not None:
+            self._before_agreeing()
         if self._solo:
             return value
         dist = self._dist()
@@ -49,6 +59,8 @@ class ReaderGroup:
 
     def failed_ranks(self, ok: bool) -> list[int]:
         """Group ranks that reported failure (every rank calls this once per stage)."""
+        if self._before_agreeing is not None:
+            self._before_agreeing()
         if self._solo:
             return [] if ok else [0]
         dist = self._dist()
