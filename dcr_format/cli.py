@@ -15,6 +15,7 @@ import click
 from pydantic import BaseModel
 
 from dcr_format.errors import DcrError
+from dcr_format.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -26,12 +27,53 @@ FORMAT_OPTION = click.option(
     show_default=True,
     help="Output for people or for programs.",
 )
-STORE_OPTION = click.option(
-    "--store",
-    envvar="DCR_STORE",
-    required=True,
-    help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., s3://...",
-)
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    ctx.meta[f"dcr.{param.name}"] = value
+
+
+def _open_store(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """The --store URL as a Store, with the (eagerly parsed) S3 endpoint and writer mode."""
+    if value is None:
+        return None
+    endpoint = ctx.meta.get("dcr.endpoint_url")
+    options = None
+    if endpoint:
+        if not value.startswith(("s3://", "s3a://")):
+            raise click.BadParameter("--endpoint-url applies to s3:// stores", param=param)
+        options = {"endpoint_url": endpoint}
+    return Store(
+        value, storage_options=options, single_writer=bool(ctx.meta.get("dcr.single_writer"))
+    )
+
+
+def STORE_OPTION(command: F) -> F:
+    """``--store`` (env DCR_STORE) plus ``--endpoint-url`` and ``--single-writer``."""
+    command = click.option(
+        "--store",
+        envvar="DCR_STORE",
+        required=True,
+        callback=_open_store,
+        help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., "
+        "s3://bucket/prefix",
+    )(command)
+    command = click.option(
+        "--endpoint-url",
+        envvar="AWS_ENDPOINT_URL",
+        is_eager=True,
+        expose_value=False,
+        callback=_remember,
+        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL).",
+    )(command)
+    return click.option(
+        "--single-writer",
+        is_flag=True,
+        is_eager=True,
+        expose_value=False,
+        callback=_remember,
+        help="Write to a server that ignores conditional writes: only one writer may run.",
+    )(command)
 
 
 def _default_cache() -> Path:
@@ -123,7 +165,7 @@ def cli() -> None:
 @FORMAT_OPTION
 def publish(
     ckpt_dir: str,
-    store: str,
+    store: Store,
     step: int | None,
     base_every: int | None,
     cache_dir: str | None,
@@ -157,7 +199,7 @@ def publish(
     "--version", "version", type=int, default=None, help="Target version (default newest)."
 )
 @FORMAT_OPTION
-def pull(store: str, into: str, version: int | None, fmt: str) -> None:
+def pull(store: Store, into: str, version: int | None, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
     from dcr_format.readers.reader import DeltaReader
     from dcr_format.readers.targets import SafetensorsDirTarget
@@ -203,7 +245,7 @@ def _gc_item(item: Any) -> str:
 @click.option("--limit", type=int, default=None, help="Show only the newest N versions.")
 @click.option("--since", type=int, default=None, help="Show versions from N on.")
 @FORMAT_OPTION
-def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
+def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> None:
     """One row per committed version (kind "delta+base": compacted, it has an alternative base)."""
     from dcr_format.tools import log
 
@@ -256,7 +298,7 @@ def log_cmd(store: str, limit: int | None, since: int | None, fmt: str) -> None:
     help="Order of the tensor rows.",
 )
 @FORMAT_OPTION
-def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> None:
+def show(version: int, store: Store, top: int | None, sort_key: str, fmt: str) -> None:
     """The commit record of VERSION and its tensors."""
     from dcr_format.tools import show as show_version
 
@@ -307,7 +349,7 @@ def show(version: int, store: str, top: int | None, sort_key: str, fmt: str) -> 
 @click.option("--top", type=click.IntRange(min=0), default=None, help="Only the N first rows.")
 @FORMAT_OPTION
 def diff(
-    a: int, b: int, store: str, exact: bool, include_unchanged: bool, top: int | None, fmt: str
+    a: int, b: int, store: Store, exact: bool, include_unchanged: bool, top: int | None, fmt: str
 ) -> None:
     """Which tensors, and how many elements, differ between versions A and B."""
     from dcr_format.tools import diff as diff_versions
@@ -356,7 +398,7 @@ def diff(
 @click.option("--no-cache", is_flag=True, help="Replay from a base; leave the cache alone.")
 @FORMAT_OPTION
 def replay(
-    version: int, store: str, out: str, cache_dir: str | None, no_cache: bool, fmt: str
+    version: int, store: Store, out: str, cache_dir: str | None, no_cache: bool, fmt: str
 ) -> None:
     """Materialise VERSION as a Hugging Face checkpoint directory, every tensor verified."""
     from dcr_format.tools import replay as replay_version
@@ -388,7 +430,7 @@ def replay(
     "every tensor's fingerprint.",
 )
 @FORMAT_OPTION
-def verify(store: str, start: int | None, end: int | None, deep: bool, fmt: str) -> None:
+def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: str) -> None:
     """Check every object of the chain (exit status 1 if anything is broken)."""
     from dcr_format.tools import verify as verify_chain
 
@@ -428,7 +470,7 @@ def verify(store: str, start: int | None, end: int | None, deep: bool, fmt: str)
     help="Shard size limit before compression.",
 )
 @FORMAT_OPTION
-def compact(store: str, at: int, shard_mb: int, fmt: str) -> None:
+def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     """Write an alternative base of a version: late joiners start there (spec §14)."""
     from dcr_format.tools import compact as compact_version
 
@@ -473,7 +515,7 @@ def compact(store: str, at: int, shard_mb: int, fmt: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @FORMAT_OPTION
 def gc(
-    store: str, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
+    store: Store, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
 ) -> None:
     """Delete uncommitted attempts and the versions before the kept range."""
     from dcr_format.tools import gc as collect
@@ -513,7 +555,7 @@ def gc(
     "elsewhere; 0 skips it).",
 )
 @FORMAT_OPTION
-def doctor(store: str, large_mb: int | None, fmt: str) -> None:
+def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
     """Probe the store's capabilities and say which uses are safe (exit 1 if a probe failed)."""
     from dcr_format.tools import doctor as probe
 
@@ -541,7 +583,7 @@ def doctor(store: str, large_mb: int | None, fmt: str) -> None:
 @click.option("--limit", type=int, default=None, help="Plot only the newest N versions.")
 @click.option("--dpi", type=click.IntRange(min=10), default=100, show_default=True)
 @FORMAT_OPTION
-def plot(store: str, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
+def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""
     from dcr_format.tools import plot as draw
 

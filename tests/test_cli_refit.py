@@ -158,3 +158,46 @@ def test_demo_publishes_and_verifies_every_version(tmp_path: Path) -> None:
     assert [r["version"] for r in rows] == [0, 1, 2]
     assert all(r["verified"] for r in rows)
     assert rows[0]["kind"] == "base" and 0 < rows[2]["change_rate"] < 0.5
+
+
+def test_s3_store_with_endpoint_url(tmp_path: Path, moto_server, moto_root) -> None:
+    from dcr_format._servers import ACCESS_KEY, SECRET_KEY
+
+    env = {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "DCR_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    ckpt = tmp_path / "ckpt"
+    weights = _model(3)
+    _checkpoint(ckpt, weights)
+    endpoint = ("--endpoint-url", moto_server.endpoint)
+    _run("publish", str(ckpt), "--store", moto_root, *endpoint, env=env)
+    rows = json.loads(_run("log", "--store", moto_root, *endpoint, "--format", "json", env=env))
+    assert [r["version"] for r in rows] == [0]
+    into = tmp_path / "pulled"
+    _run("pull", "--store", moto_root, *endpoint, "--into", str(into), env=env)
+    assert _bits_equal(load_file(str(into / "model.safetensors")), weights)
+    out = _run("log", "--store", str(tmp_path / "local"), *endpoint, code=2)
+    assert "--endpoint-url applies to s3:// stores" in out
+
+
+def test_single_writer_flag_allows_a_store_without_atomic_create(
+    tmp_path: Path, juicefs_gateway, juicefs_root
+) -> None:
+    from dcr_format._servers import ACCESS_KEY, SECRET_KEY
+
+    env = {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": juicefs_gateway.endpoint,
+        "DCR_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    ckpt = tmp_path / "ckpt"
+    _checkpoint(ckpt, _model(4))
+    out = _run("publish", str(ckpt), "--store", juicefs_root, env=env, code=1)
+    assert "conditional writes are not honoured" in out
+    out = _run("publish", str(ckpt), "--store", juicefs_root, "--single-writer", env=env)
+    assert "committed version 0" in out
