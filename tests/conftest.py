@@ -200,3 +200,17 @@ def juicefs_root(juicefs_gateway):
     """A fresh ``s3://volume/prefix`` on the JuiceFS gateway (deleted afterwards)."""
     with juicefs_gateway.fresh_root() as root:
         yield root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Commands' default caches (publish baseline, replay) stay out of the user's home."""
+    import os
+
+    saved = os.environ.get("DCR_CACHE_DIR")
+    os.environ["DCR_CACHE_DIR"] = str(tmp_path_factory.mktemp("dcr-cache"))
+    yield
+    if saved is None:
+        os.environ.pop("DCR_CACHE_DIR", None)
+    else:
+        os.environ["DCR_CACHE_DIR"] = saved
