@@ -80,8 +80,12 @@ def encode_rice(positions: np.ndarray) -> bytes:
     return _RICE_HEADER.pack(k, count, len(unary)) + unary + remainders
 
 
-def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
-    """Decode a ``rice`` stream; see :func:`decode_positions` for the checks."""
+def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Parse and check a ``rice`` stream into its zero-based gaps (uint64).
+
+    The host half of decoding: :func:`decode_rice` sums the gaps here, a device
+    decoder (:mod:`dcr_format.cuda.positions`) sums them on the device.
+    """
     buf = memoryview(data)
     if len(buf) < _RICE_HEADER.size:
         raise PositionsError("rice positions stream is truncated (no header); the shard is corrupt")
@@ -101,7 +105,7 @@ def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarr
     if count == 0:
         if unary_len:
             raise PositionsError("rice positions stream has bits but declares no positions")
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.uint64)
     # a valid stream needs at least one unary bit per position, so this bounds memory
     if unary_len * 8 < count:
         raise PositionsError("rice unary stream is too short for the declared count")
@@ -114,17 +118,23 @@ def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarr
     if unary_len != int(ones[-1]) // 8 + 1:
         raise PositionsError("rice unary stream has trailing bytes after the last position")
     quotients = np.diff(ones, prepend=-1).astype(np.uint64) - np.uint64(1)
-    if k:
-        if int(quotients.max()) > (numel >> k):
-            raise PositionsError("rice positions gap exceeds the tensor size; the shard is corrupt")
-        rem_bits = np.unpackbits(np.frombuffer(body[unary_len:], dtype=np.uint8))[: count * k]
-        weights = np.uint64(1) << np.arange(k - 1, -1, -1, dtype=np.uint64)
-        remainders = (rem_bits.reshape(count, k).astype(np.uint64) * weights).sum(
-            axis=1, dtype=np.uint64
-        )
-        gaps = (quotients << np.uint64(k)) | remainders
-    else:
-        gaps = quotients
+    if not k:
+        return quotients
+    if int(quotients.max()) > (numel >> k):
+        raise PositionsError("rice positions gap exceeds the tensor size; the shard is corrupt")
+    rem_bits = np.unpackbits(np.frombuffer(body[unary_len:], dtype=np.uint8))[: count * k]
+    weights = np.uint64(1) << np.arange(k - 1, -1, -1, dtype=np.uint64)
+    remainders = (rem_bits.reshape(count, k).astype(np.uint64) * weights).sum(
+        axis=1, dtype=np.uint64
+    )
+    return (quotients << np.uint64(k)) | remainders
+
+
+def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Decode a ``rice`` stream; see :func:`decode_positions` for the checks."""
+    gaps = rice_gaps(data, count=count, numel=numel)
+    if gaps.size == 0:
+        return np.empty(0, dtype=np.int64)
     return _finish(np.cumsum(gaps + np.uint64(1), dtype=np.uint64), numel)
 
 
@@ -162,8 +172,14 @@ def encode_ranges(positions: np.ndarray) -> bytes:
     )
 
 
-def decode_ranges(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
-    """Decode a ``ranges`` stream; see :func:`decode_positions` for the checks."""
+def ranges_runs(
+    data: bytes | memoryview, *, count: int, numel: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Parse and check a ``ranges`` stream into run starts and lengths (int64).
+
+    The host half of decoding: :func:`decode_ranges` expands the runs here, a
+    device decoder expands them on the device.
+    """
     buf = memoryview(data)
     if len(buf) < _RANGES_HEADER.size:
         raise PositionsError("ranges positions stream is truncated (no header); shard is corrupt")
@@ -185,15 +201,22 @@ def decode_ranges(data: bytes | memoryview, *, count: int, numel: int) -> np.nda
     if int(lengths.sum(dtype=np.uint64)) != count:  # lengths <= numel, runs <= count: no wrap
         raise PositionsError(f"ranges stream covers a different number of positions than {count}")
     if runs == 0:
-        return np.empty(0, dtype=np.int64)
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
     ends = np.cumsum(gaps + lengths, dtype=np.uint64)
     if runs > 1 and not bool(np.all(ends[1:] > ends[:-1])):  # unsigned: catches wrap-around
         raise PositionsError("ranges stream overflows; the shard is corrupt")
     if int(ends[-1]) > numel:
         raise PositionsError(f"ranges stream reaches past the tensor's {numel} elements")
-    starts = (ends - lengths).view(np.int64)
-    offsets = np.cumsum(lengths.view(np.int64)) - lengths.view(np.int64)
-    return np.repeat(starts - offsets, lengths.view(np.int64)) + np.arange(count, dtype=np.int64)
+    return (ends - lengths).view(np.int64), lengths.view(np.int64)
+
+
+def decode_ranges(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Decode a ``ranges`` stream; see :func:`decode_positions` for the checks."""
+    starts, lengths = ranges_runs(data, count=count, numel=numel)
+    if starts.size == 0:
+        return np.empty(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(count, dtype=np.int64)
 
 
 _ENCODERS = {RICE: encode_rice, RANGES: encode_ranges}

@@ -4,10 +4,11 @@
 gaps, which travel in the narrowest integer width that holds them; the device
 turns them into positions with a cumulative sum. ``ranges``: the host parses and
 checks the runs (O(runs)), the device expands them into positions with the
-range-expansion kernel. Every check of :mod:`dcr_format.codec.positions` is
-kept (the stream is hostile input): O(runs) and O(count) checks on the host,
-the ones that need the running sum of gaps on the device, before the positions
-are returned. The result equals ``decode_positions`` bit for bit, and both
+range-expansion kernel. The parsing and its checks are the host codec's own
+(:func:`~dcr_format.codec.positions.rice_gaps`,
+:func:`~dcr_format.codec.positions.ranges_runs`; the stream is hostile input);
+the checks that need the running sum of gaps run on the device before the
+positions are returned. The result equals ``decode_positions`` bit for bit, and both
 refuse the same streams with :class:`~dcr_format.errors.PositionsError`.
 
 :func:`decode_delta_to` is :func:`dcr_format.codec.delta.decode_delta` with the
@@ -22,96 +23,15 @@ import torch
 from dcr_format.codec.delta import FULL, DecodedDelta
 from dcr_format.codec.dtypes import DtypeInfo, numpy_to_bits
 from dcr_format.codec.positions import (
-    _RANGES_HEADER,
-    _RICE_HEADER,
-    _WIDTHS,
-    MAX_RICE_K,
     RANGES,
     RICE,
     decode_positions,
+    ranges_runs,
+    rice_gaps,
 )
 from dcr_format.codec.values import decode_values
 from dcr_format.cuda import dispatch
 from dcr_format.errors import PositionsError
-
-
-def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
-    """The zero-based gaps of a ``rice`` stream (uint64), checked as ``decode_rice`` does."""
-    buf = memoryview(data)
-    if len(buf) < _RICE_HEADER.size:
-        raise PositionsError("rice positions stream is truncated (no header); the shard is corrupt")
-    k, declared, unary_len = _RICE_HEADER.unpack_from(buf)
-    if declared != count:
-        raise PositionsError(
-            f"rice positions stream holds {declared} positions but the entry declares {count}"
-        )
-    if k > MAX_RICE_K:
-        raise PositionsError(f"rice parameter k={k} exceeds {MAX_RICE_K}; the shard is corrupt")
-    body = buf[_RICE_HEADER.size :]
-    rem_len = (count * k + 7) // 8
-    if unary_len > len(body) or len(body) - unary_len != rem_len:
-        raise PositionsError(
-            "rice positions stream sizes do not add up (truncated or padded); the shard is corrupt"
-        )
-    if count == 0:
-        if unary_len:
-            raise PositionsError("rice positions stream has bits but declares no positions")
-        return np.empty(0, dtype=np.uint64)
-    if unary_len * 8 < count:
-        raise PositionsError("rice unary stream is too short for the declared count")
-    unary_bits = np.unpackbits(np.frombuffer(body[:unary_len], dtype=np.uint8))
-    ones = np.flatnonzero(unary_bits)
-    if ones.size != count:
-        raise PositionsError(
-            f"rice unary stream holds {ones.size} terminators, expected {count}; shard is corrupt"
-        )
-    if unary_len != int(ones[-1]) // 8 + 1:
-        raise PositionsError("rice unary stream has trailing bytes after the last position")
-    quotients = np.diff(ones, prepend=-1).astype(np.uint64) - np.uint64(1)
-    if not k:
-        return quotients
-    if int(quotients.max()) > (numel >> k):
-        raise PositionsError("rice positions gap exceeds the tensor size; the shard is corrupt")
-    rem_bits = np.unpackbits(np.frombuffer(body[unary_len:], dtype=np.uint8))[: count * k]
-    weights = np.uint64(1) << np.arange(k - 1, -1, -1, dtype=np.uint64)
-    remainders = (rem_bits.reshape(count, k).astype(np.uint64) * weights).sum(
-        axis=1, dtype=np.uint64
-    )
-    return (quotients << np.uint64(k)) | remainders
-
-
-def ranges_runs(
-    data: bytes | memoryview, *, count: int, numel: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Run starts and lengths (int64) of a ``ranges`` stream, checked as ``decode_ranges`` does."""
-    buf = memoryview(data)
-    if len(buf) < _RANGES_HEADER.size:
-        raise PositionsError("ranges positions stream is truncated (no header); shard is corrupt")
-    gap_w, len_w, runs = _RANGES_HEADER.unpack_from(buf)
-    if gap_w not in _WIDTHS or len_w not in _WIDTHS:
-        raise PositionsError(f"ranges stream declares widths {gap_w}/{len_w}; expected 1, 2, 4, 8")
-    body = buf[_RANGES_HEADER.size :]
-    if runs > count or len(body) != runs * (gap_w + len_w):
-        raise PositionsError("ranges positions stream size does not match its run count")
-    gaps = np.frombuffer(body[: runs * gap_w], dtype=f"<u{gap_w}").astype(np.uint64)
-    lengths = np.frombuffer(body[runs * gap_w :], dtype=f"<u{len_w}").astype(np.uint64)
-    lengths += np.uint64(1)
-    if runs and int(lengths.min()) == 0:
-        raise PositionsError("ranges stream has a run length that overflows; shard is corrupt")
-    if runs and (int(gaps.max()) > numel or int(lengths.max()) > numel):
-        raise PositionsError("ranges stream has a run beyond the tensor size; shard is corrupt")
-    if runs > 1 and not bool(np.all(gaps[1:] > 0)):
-        raise PositionsError("ranges stream has adjacent or overlapping runs; shard is corrupt")
-    if int(lengths.sum(dtype=np.uint64)) != count:
-        raise PositionsError(f"ranges stream covers a different number of positions than {count}")
-    if runs == 0:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
-    ends = np.cumsum(gaps + lengths, dtype=np.uint64)
-    if runs > 1 and not bool(np.all(ends[1:] > ends[:-1])):
-        raise PositionsError("ranges stream overflows; the shard is corrupt")
-    if int(ends[-1]) > numel:
-        raise PositionsError(f"ranges stream reaches past the tensor's {numel} elements")
-    return (ends - lengths).view(np.int64), lengths.view(np.int64)
 
 
 def _narrow(gaps: np.ndarray) -> np.ndarray:
@@ -203,6 +123,4 @@ __all__ = [
     "decode_delta_to",
     "decode_positions_split",
     "decode_positions_to",
-    "ranges_runs",
-    "rice_gaps",
 ]
