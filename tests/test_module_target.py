@@ -526,3 +526,60 @@ def test_writer_skips_unreadable_reader_records(tmp_path):
     ops = manifest_ops(store, 1)
     assert ops["k_proj.weight"] == "overwrite"
     assert ops["q_proj.weight"] == "xor"  # a record under another reader's name is ignored
+
+
+class Movers(nn.Module):
+    """Loaders that copy, permute and scale through temporaries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.c = nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16), requires_grad=False)
+        self.d = nn.Parameter(torch.zeros(2, 4, 3, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, w in weights:
+            if name == "a":
+                self.a.data.copy_(w.t().contiguous())  # a bit-preserving copy: still xor
+            elif name == "b":
+                scaled = w.clone()
+                scaled.mul_(2)  # in place on a temporary: a pointwise transform
+                self.b.data.copy_(scaled)
+            elif name == "c":
+                self.c.data.copy_(torch.cat([w[2:], w[:2]]))  # not followed: full only
+            elif name == "d":
+                self.d.data.copy_(w.unsqueeze(0).expand(2, 4, 3))  # one element, two places
+
+
+def test_copies_through_temporaries_are_followed(tmp_path):
+    module = Movers()
+    target = ModuleTarget(module, load_weights=module.load_weights)
+    plans = target.prewarm({n: (torch.bfloat16, (4, 3)) for n in "abcd"})
+    assert {n: p.kind for n, p in plans.items()} == {
+        "a": "xor",
+        "b": "overwrite",
+        "c": "opaque",
+        "d": "xor",
+    }
+    assert plans["d"].duplicated and plans["d"].whole
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    gen = torch.Generator().manual_seed(7)
+    state = {n: torch.randn(4, 3, generator=gen).bfloat16() for n in "abd"}
+    writer.publish(state)
+    reader = DeltaReader(store, ModuleTarget(module, load_weights=module.load_weights))
+    reader.sync()
+    for k in range(3):
+        state = {n: t.clone() for n, t in state.items()}
+        for t in state.values():
+            t.view(-1)[k::5] += 1
+        writer.publish(state)
+        result = reader.sync()
+        expected = Movers()
+        expected.load_weights(state.items())
+        for name in "abd":
+            assert torch.equal(
+                getattr(module, name).view(torch.int16), getattr(expected, name).view(torch.int16)
+            )
+        assert set(result.unverified) == {"b"}

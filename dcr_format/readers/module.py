@@ -247,16 +247,16 @@ class _Interceptor(TorchDispatchMode):
                 self.scratch_touched = True
             if key in self.prov:
                 prov, keep = self.prov[key]
-                same = func in (aten.copy_.default,) and len(in_keys) == 1 and key in in_keys
-                if not same:
-                    changed = _Prov(
-                        prov.kind if pointwise else "opaque",
-                        prov.element_size,
-                        True,
-                        prov.out,
-                        prov.parent,
-                    )
-                    self.prov[key] = (changed, keep)
+                # pointwise in place, reading only the element it writes: still one canonical
+                # element per element, but transformed; anything else loses track
+                alone = all(_key(i) == key and _view_of(i) == _view_of(t) for i in inputs)
+                if func is aten.copy_.default and alone:
+                    continue  # a copy onto itself
+                kind = prov.kind if pointwise and alone else "opaque"
+                self.prov[key] = (
+                    _Prov(kind, prov.element_size, True, prov.out, prov.parent),
+                    keep,
+                )
             elif func is aten.copy_.default and _key(args[1]) in self.prov:
                 self._register(t, args[1], func, kwargs, full_storage=True)
             else:

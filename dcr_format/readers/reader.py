@@ -104,7 +104,10 @@ class DeltaReader:
     ``select`` limits the reader to the canonical names it returns True for (a
     partial target, such as one writer rank's baseline). ``verify`` is
     ``"touched"`` (check fingerprints of tensors a sync changes, before and after)
-    or ``"all"`` (every selected tensor).
+    or ``"all"`` (every selected tensor). ``reader_id`` names the reader record
+    (``readers/<reader_id>.json``) in which the reader tells writers the tensors its
+    target can take only as ``overwrite`` (a module whose loader casts or scales
+    them); without it such a record is named after its content.
     """
 
     def __init__(

@@ -205,6 +205,10 @@ class DeltaWriter:
     may be handed everything or only its own. The baseline (exact bits of the last
     committed version of the owned tensors) lives on ``baseline_device`` and
     advances only once the commit record is known to exist.
+
+    With ``reader_records`` (default), rank 0 reads the reader records
+    (``readers/*.json``) at every delta publish and every rank sends the tensors
+    they name as ``overwrite`` (readers whose load path casts or scales them).
     """
 
     def __init__(
