@@ -12,6 +12,7 @@ from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
 from dcr_format.layout import Layout
 from dcr_format.readers.module import ModuleTarget
 from dcr_format.readers.reader import DeltaReader, SyncResult
+from dcr_format.readers.relay import RelayStore
 from dcr_format.readers.replay import replay
 from dcr_format.readers.targets import SafetensorsDirTarget, StateDictTarget, Target
 from dcr_format.store import Store, open_store
@@ -30,6 +31,7 @@ __all__ = [
     "Layout",
     "ModuleTarget",
     "ProjectionWriter",
+    "RelayStore",
     "SafetensorsDirTarget",
     "StateDictTarget",
     "Store",

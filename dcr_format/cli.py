@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import click
 from pydantic import BaseModel
 
+from dcr_format.cli_bench import bench, project
 from dcr_format.errors import DcrError
 from dcr_format.store import Store
 
@@ -149,6 +150,10 @@ class _Group(click.Group):
 @click.version_option(package_name="dcr-format")
 def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
+
+
+cli.add_command(bench)
+cli.add_command(project)
 
 
 @cli.command()
@@ -537,6 +542,8 @@ def gc(
         for item in report.kept:
             age = "unknown age" if item.age_seconds is None else f"{item.age_seconds:.0f} s old"
             click.echo(f"kept {_gc_item(item)}: {age} ({item.reason})")
+        if report.temp_files:
+            click.echo(f"{verb} {len(report.temp_files)} temporary files of crashed writes")
         click.echo(
             f"{verb} {report.deleted_objects} objects, {_bytes(report.deleted_bytes)}; the chain "
             f"keeps versions {_version_range(report.oldest_kept, report.latest)}"

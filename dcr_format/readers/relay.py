@@ -37,16 +37,18 @@ How members stay in step without a request channel:
   ``get`` of it is answered from memory on every member.
 
 Every member must therefore reach the same agreement points in the same order
-(as the reader group already requires), and read through the relay only what
-every member reads or nothing outside a reader's sync (``DeltaReader.versions``
-and ``prewarm`` on all members or on none). Members that read different
-objects (ranks selecting different tensors) still work: what only they need
-they read from the store themselves, which costs store requests, not
-correctness.
+(as the reader group already requires) and call a reader's methods outside
+``sync`` (``versions``, ``prewarm``) on all members or on none: a member that
+calls one alone waits for the leader's next sync to answer it. Members that
+read different objects (ranks selecting different tensors) still work: what
+only they need they read from the store themselves, which costs store
+requests, not correctness (``RelayStore.stats.fallbacks`` counts them).
 
 A relay is read-only: writes raise :class:`~dcr_format.errors.StoreError`
-(writers write to the store itself). The group carries CPU tensors with gloo;
-with an NCCL group the chunks are staged on the current CUDA device.
+(writers write to the store itself; a reader then logs that it could not
+record the names it needs as ``overwrite``). The group carries CPU tensors
+with gloo; with an NCCL group the chunks are staged on the current CUDA device
+(the tests here run gloo only).
 """
 
 from __future__ import annotations
@@ -280,9 +282,7 @@ class RelayStore(Store):
 
     def size(self, key: str) -> int:
         self._key(key)
-        return self._call(
-            "size", key, lambda: self.inner.size(key), lambda n: str(n).encode(), int
-        )
+        return self._call("size", key, lambda: self.inner.size(key), lambda n: str(n).encode(), int)
 
     def _refuse(self, action: str) -> StoreError:
         return StoreError(
@@ -382,17 +382,11 @@ class RelayStore(Store):
                     self._pending_bytes -= dropped.size
 
     def _send_locked(self, answer: _Round) -> None:
-        payload = self._staged(answer.payload)
         with self._lock:
-            self._send(answer, payload)
+            self._send(answer)
 
-    def _staged(self, data: bytes) -> torch.Tensor | None:
-        if not data or not self._links.children:
-            return None
-        tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return tensor.to(self._links.device)
-
-    def _header(self, answer: _Round, chunk: int) -> torch.Tensor:
+    def _header(self, answer: _Round, chunk: int) -> tuple[torch.Tensor, bool]:
+        """The round's header; a payload that fits travels inside it (one message a round)."""
         fields = {
             "op": answer.op,
             "key": answer.key,
@@ -407,12 +401,16 @@ class RelayStore(Store):
             cut = len(raw) - room + 16
             fields["message"] = answer.message[: max(len(answer.message) - cut, 0)] + " [...]"
             raw = json.dumps(fields).encode()
+        inline = len(raw) + answer.size <= room
         head = bytearray(_HEADER_BYTES)
         head[:_LENGTH_BYTES] = len(raw).to_bytes(_LENGTH_BYTES, "little")
-        head[_LENGTH_BYTES : _LENGTH_BYTES + len(raw)] = raw
-        return torch.frombuffer(head, dtype=torch.uint8).to(self._links.device)
+        end = _LENGTH_BYTES + len(raw)
+        head[_LENGTH_BYTES:end] = raw
+        if inline:
+            head[end : end + answer.size] = answer.payload
+        return torch.frombuffer(head, dtype=torch.uint8).to(self._links.device), inline
 
-    def _send(self, answer: _Round, payload: torch.Tensor | None = None) -> None:
+    def _send(self, answer: _Round) -> None:
         """The leader: one round to every child (header, then the payload in chunks)."""
         links = self._links
         self.stats.rounds += 1
@@ -420,10 +418,11 @@ class RelayStore(Store):
         if not links.children:
             return
         chunk = self.chunk_bytes
-        works = [links.send(self._header(answer, chunk), child) for child in links.children]
-        if payload is None and answer.size:
-            payload = self._staged(answer.payload)
-        if payload is not None:
+        head, inline = self._header(answer, chunk)
+        works = [links.send(head, child) for child in links.children]
+        if answer.size and not inline:
+            payload = torch.frombuffer(bytearray(answer.payload), dtype=torch.uint8)
+            payload = payload.to(links.device)
             for start in range(0, answer.size, chunk):
                 piece = payload[start : start + chunk]
                 works += [links.send(piece, child) for child in links.children]
@@ -440,8 +439,11 @@ class RelayStore(Store):
         length = int.from_bytes(raw[:_LENGTH_BYTES], "little")
         fields = json.loads(raw[_LENGTH_BYTES : _LENGTH_BYTES + length])
         size, chunk = int(fields["length"]), int(fields["chunk"])
+        end = _LENGTH_BYTES + length
         payload = b""
-        if size:
+        if size and end + size <= _HEADER_BYTES:  # it came inside the header
+            payload = raw[end : end + size]
+        elif size:
             buffer = torch.empty(size, dtype=torch.uint8, device=links.device)
             pieces = [buffer[start : start + chunk] for start in range(0, size, chunk)]
             posted: deque[Any] = deque()

@@ -1,0 +1,251 @@
+"""``dcr bench`` and ``dcr project``: the refit benchmark suite and the projection to scale.
+
+Both are plain click commands; ``dcr_format.cli`` adds them to the ``dcr`` group.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+_FORMAT = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["human", "json"]),
+    default="human",
+    show_default=True,
+    help="Output for people or for programs.",
+)
+
+
+def _progress() -> Callable[[str], None]:
+    started = time.perf_counter()
+
+    def say(message: str) -> None:
+        click.echo(f"[{time.perf_counter() - started:6.1f} s] {message}", err=True)
+
+    return say
+
+
+def _sizes(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    sizes = []
+    for item in value.split(","):
+        text = item.strip().upper().removesuffix("B")
+        scale = 1000.0 if text.endswith("G") else 1.0
+        try:
+            size = float(text.rstrip("MG")) * scale
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not a size like 100, 300MB or 1GB") from None
+        if size <= 0:
+            raise click.BadParameter(f"{item!r}: sizes must be positive")
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def _rates(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[float, ...] | None:
+    from dcr_format.bench.projection import parse_rate
+
+    if value is None:
+        return None
+    try:
+        return tuple(parse_rate(item) for item in value.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command()
+@click.option(
+    "--sizes",
+    callback=_sizes,
+    default=None,
+    help="Model sizes in MB of bf16, comma-separated (default 100,300,1000; 1GB works too). "
+    "Sizes that do not fit in free memory are skipped.",
+)
+@click.option(
+    "--rates", callback=_rates, default=None, help="Change rates (default 0.5%,1%,3%,5%)."
+)
+@click.option("--members", type=click.IntRange(min=2), default=None, help="Relay members (8).")
+@click.option(
+    "--fanout-mb", type=click.FloatRange(min=0.1), default=None, help="Fan-out model MB (100)."
+)
+@click.option("--reps", type=click.IntRange(min=1), default=None, help="Timing repetitions (3).")
+@click.option("--quick", is_flag=True, help="CI smoke run: an 8 MB model, about a minute.")
+@click.option("--no-s3", is_flag=True, help="Skip the JuiceFS S3 gateway (local store only).")
+@click.option(
+    "--png",
+    type=click.Path(dir_okay=False),
+    default="dcr-bench.png",
+    show_default=True,
+    help="Where to write the plot.",
+)
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also write the full result as JSON to this file.",
+)
+@click.option(
+    "--save-costs",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the measured costs for `dcr project --costs`.",
+)
+@_FORMAT
+def bench(
+    sizes: tuple[float, ...] | None,
+    rates: tuple[float, ...] | None,
+    members: int | None,
+    fanout_mb: float | None,
+    reps: int | None,
+    quick: bool,
+    no_s3: bool,
+    png: str,
+    json_out: str | None,
+    save_costs: str | None,
+    fmt: str,
+) -> None:
+    """Refit benchmark: dense vs dcr over a local store and the JuiceFS S3 gateway, delta bytes
+    vs the entropy bound, encode/apply vs torch.clone, relay fan-out vs independent readers.
+
+    Prints one table and writes one PNG; every ratio is measured in this run.
+    """
+    from dataclasses import replace
+
+    from dcr_format.bench.suite import QUICK, SuiteOptions, format_table, plot, run_suite
+
+    options = QUICK if quick else SuiteOptions()
+    overrides = {
+        "sizes_mb": sizes,
+        "rates": rates,
+        "members": members,
+        "fanout_mb": fanout_mb,
+        "reps": reps,
+    }
+    options = replace(options, s3=not no_s3, **{k: v for k, v in overrides.items() if v})
+    result = run_suite(options, progress=_progress())
+    plot(result, png)
+    if save_costs is not None and result.costs is not None:
+        Path(save_costs).write_text(result.costs.to_json())
+    data = json.dumps({**result.to_dict(), "png": png}, indent=2)
+    if json_out is not None:
+        Path(json_out).write_text(data)
+    if fmt == "json":
+        click.echo(data)
+    else:
+        click.echo(format_table(result, png=png))
+        if save_costs is not None:
+            click.echo(f"costs: {save_costs}")
+    if not all(r["bit_exact"] for r in result.refit) or not result.fanout.get("bit_exact", True):
+        sys.exit(1)
+
+
+@click.command()
+@click.option("--params", required=True, help="Model parameters: 1T, 120B, 7e9, ...")
+@click.option("--change", default="3%", show_default=True, help="Change rate per step.")
+@click.option("--rollout-nodes", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option(
+    "--link-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=5.0,
+    show_default=True,
+    help="Network limit of every node, each direction.",
+)
+@click.option(
+    "--trainer-nodes",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Nodes that publish, each its share.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Processes per node encoding or applying a share each (one per GPU).",
+)
+@click.option(
+    "--store-gbps",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Aggregate object store bandwidth (0: no limit).",
+)
+@click.option("--group-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--fanout", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option(
+    "--bytes-per-param", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True
+)
+@click.option(
+    "--costs",
+    "costs_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Costs from `dcr bench --save-costs` (default: a short measurement now).",
+)
+@_FORMAT
+def project(
+    params: str,
+    change: str,
+    rollout_nodes: int,
+    link_gbps: float,
+    trainer_nodes: int,
+    workers: int,
+    store_gbps: float,
+    group_size: int,
+    fanout: int,
+    bytes_per_param: float,
+    costs_file: str | None,
+    fmt: str,
+) -> None:
+    """Project refit time (dense, dcr over S3, dcr relay tree) to a model and cluster size from
+    measured costs, next to published reference points."""
+    from dcr_format.bench.costs import Costs, quick_costs
+    from dcr_format.bench.projection import (
+        Scenario,
+        format_projection,
+        parse_count,
+        parse_rate,
+        projection_report,
+    )
+
+    try:
+        scenario = Scenario(
+            params=parse_count(params),
+            change=parse_rate(change),
+            rollout_nodes=rollout_nodes,
+            link_gbps=link_gbps,
+            trainer_nodes=trainer_nodes,
+            workers=workers,
+            store_gbps=store_gbps,
+            group_size=group_size,
+            fanout=fanout,
+            bytes_per_param=bytes_per_param,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if costs_file is None:
+        say = _progress()
+        say("no --costs file: measuring costs on this machine (about half a minute)")
+        costs = quick_costs(progress=say)
+    else:
+        try:
+            costs = Costs.load(costs_file)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--costs") from None
+    report = projection_report(scenario, costs)
+    if fmt == "json":
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_projection(report))

@@ -1,0 +1,199 @@
+"""``dcr bench --quick`` (the suite end to end, as CI runs it) and ``dcr project``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import struct
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dcr_format.bench import costs as costs_module
+from dcr_format.bench.costs import Costs, RateCosts
+from dcr_format.bench.projection import (
+    REFERENCES,
+    Scenario,
+    parse_count,
+    parse_rate,
+    project,
+    projection_report,
+)
+from dcr_format.cli_bench import bench
+from dcr_format.cli_bench import project as project_cmd
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, request) -> dict:
+    """One quick run: the table it prints, its JSON, its PNG and its costs file."""
+    request.getfixturevalue("isolated_aws_env")  # a session fixture: no AWS setting leaks in
+    out = tmp_path_factory.mktemp("bench")
+    png, data, costs = out / "bench.png", out / "bench.json", out / "costs.json"
+    result = CliRunner().invoke(
+        bench,
+        ["--quick", "--png", str(png), "--json-out", str(data), "--save-costs", str(costs)],
+    )
+    assert result.exit_code == 0, result.output
+    return {
+        "table": result.stdout,
+        "json": json.loads(data.read_text()),
+        "png": png,
+        "costs": costs,
+    }
+
+
+def test_quick_table_lists_every_measurement(quick):
+    table = quick["table"]
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("measure"))
+    for column in ("store", "model", "change", "baseline", "dcr", "ratio", "note"):
+        assert column in header
+    for measure in (
+        "refit time",
+        "delta bytes",
+        "encode speed",
+        "apply speed",
+        "fan-out store bytes",
+        "fan-out wall time",
+    ):
+        assert any(line.startswith(measure) for line in lines), measure
+    assert "load average" in lines[0]
+    assert f"plot: {quick['png']}" in table
+
+
+def test_quick_json_structure(quick):
+    data = quick["json"]
+    assert data["format"] == "dcr-bench-1" and data["skipped"] == []
+    refit = data["refit"]
+    rates = data["options"]["rates"]
+    assert {(r["store"], r["target_rate"]) for r in refit} == {
+        (store, rate) for store in ("local", "s3") for rate in rates
+    }
+    for r in refit:
+        assert r["bit_exact"] and r["dense_s"] > 0 and r["dcr_s"] > 0
+        assert 0 < r["delta_bytes"] < 0.1 * r["dense_bytes"]
+        assert abs(r["change_rate"] - r["target_rate"]) < 0.3 * r["target_rate"]
+        if r["store"] == "local":
+            assert 1.0 < r["delta_vs_bound"] < 2.0  # stored bytes near the entropy bound
+    assert len(data["codec"]) == len(rates)
+    for row in data["codec"]:
+        assert row["encode_vs_clone"] > 0 and row["decode_apply_vs_clone"] > 0
+    fan = data["fanout"]
+    assert fan["members"] == 8 and fan["bit_exact"] and fan["store"] == "s3"
+    assert fan["relay_fallbacks"] == 0
+    for phase in ("base", "delta"):
+        alone, relay = fan["phases"][f"independent_{phase}"], fan["phases"][f"relay_{phase}"]
+        # one member reads each object once for all (an independent reader may read a commit
+        # record twice: the relay answers the second read from memory)
+        assert 8 * relay["bytes"] <= alone["bytes"] < 8.1 * relay["bytes"]
+        assert 8 * relay["requests"] <= alone["requests"]
+    assert len(data["table"]) >= 2 * len(refit) + 4
+
+
+def test_quick_png_is_a_sane_image(quick):
+    raw = quick["png"].read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", raw[16:24])
+    assert 800 <= width <= 3000 and 600 <= height <= 2500
+    assert 30_000 < len(raw) < 3_000_000
+
+
+def test_project_from_saved_costs(quick):
+    runner = CliRunner()
+    args = ["--params", "1T", "--change", "3%", "--rollout-nodes", "64", "--link-gbps", "5"]
+    result = runner.invoke(project_cmd, [*args, "--costs", str(quick["costs"])])
+    assert result.exit_code == 0, result.output
+    text = result.stdout
+    for method in ("dense", "dcr over S3", "dcr relay tree"):
+        assert any(line.startswith(method) for line in text.splitlines()), method
+    for ref in REFERENCES:
+        assert ref.name in text
+    assert "why it differs" in text
+    result = runner.invoke(project_cmd, [*args, "--costs", str(quick["costs"]), "--format", "json"])
+    report = json.loads(result.stdout)
+    totals = {e["method"]: e for e in report["estimates"]}
+    assert totals["dcr over S3"]["network_s"] < totals["dense"]["network_s"] / 10
+    assert totals["dcr relay tree"]["store_egress_bytes"] * 8 == pytest.approx(
+        totals["dcr over S3"]["store_egress_bytes"]
+    )
+    assert len(report["references"]) == len(REFERENCES)
+
+
+def test_project_measures_costs_without_a_file(monkeypatch):
+    # the short measurement, made shorter still: a 3 MB model, a 4 MiB object across the hop
+    shorter = functools.partial(costs_module.quick_costs, mb=3.0, hop_bytes=4 << 20)
+    monkeypatch.setattr(costs_module, "quick_costs", shorter)
+    result = CliRunner().invoke(project_cmd, ["--params", "120B", "--change", "5%"])
+    assert result.exit_code == 0, result.output
+    assert "short measurement" in result.stdout and "120B delta at 5%" in result.stdout
+
+
+def test_bad_options_are_refused():
+    runner = CliRunner()
+    assert runner.invoke(project_cmd, ["--params", "lots"]).exit_code == 2
+    assert runner.invoke(project_cmd, ["--params", "1T", "--change", "300%"]).exit_code == 2
+    assert runner.invoke(bench, ["--sizes", "big"]).exit_code == 2
+    assert parse_count("1T") == 1e12 and parse_count("120B") == 120e9 and parse_count("7e9") == 7e9
+    assert parse_rate("3%") == pytest.approx(0.03) and parse_rate("0.05") == 0.05
+
+
+def _costs(**overrides) -> Costs:
+    fields = {
+        "source": "test",
+        "created": "2026-01-01T00:00:00.000000Z",
+        "machine": {"cpus": 2, "load_average": [1.0]},
+        "model_bytes": 100_000_000,
+        "rates": (
+            RateCosts(
+                rate=0.01, bytes_per_changed=1.5, publish_s_per_byte=2e-9, sync_s_per_byte=3e-9
+            ),
+            RateCosts(
+                rate=0.04, bytes_per_changed=1.2, publish_s_per_byte=4e-9, sync_s_per_byte=5e-9
+            ),
+        ),
+        "dense_serialise_s_per_byte": 1e-9,
+        "dense_load_s_per_byte": 1e-9,
+        "request_s": 0.01,
+        "request_store": "s3",
+        "get_bytes_per_s": 1e9,
+        "put_bytes_per_s": 1e9,
+        "sha256_bytes_per_s": 1e9,
+        "relay_hop_bytes_per_s": 2e9,
+        "relay_round_s": 0.001,
+        "shard_bytes": 256 << 20,
+        "chunk_bytes": 4 << 20,
+    }
+    return Costs(**{**fields, **overrides})
+
+
+def test_projection_model():
+    costs = _costs()
+    at = {e.method: e for e in project(Scenario(params=1e12, change=0.02), costs)}
+    # delta bytes interpolate between measured rates (log-linear): between 1.2 and 1.5 B/change
+    delta = at["dcr over S3"].moved_bytes
+    assert 1e12 * 0.02 * 1.2 < delta < 1e12 * 0.02 * 1.5
+    assert at["dense"].moved_bytes == 2e12
+    link = 5e9 / 8
+    assert at["dense"].terms["download"] == pytest.approx(2e12 / link)
+    assert at["dcr over S3"].terms["download"] == pytest.approx(delta / link)
+    # no store limit: the binary tree sends each byte twice per inner node, so it is slower
+    assert at["dcr relay tree"].total > at["dcr over S3"].total
+    assert at["dcr relay tree"].store_egress_bytes == 8 * delta
+    # a store that gives each of 64 nodes 1 Gbps: the tree wins
+    limited = {e.method: e for e in project(Scenario(1e12, 0.02, store_gbps=64), costs)}
+    assert limited["dcr relay tree"].total < limited["dcr over S3"].total
+    # a chain (fan-out 1) sends each byte once
+    chain = {e.method: e for e in project(Scenario(1e12, 0.02, fanout=1), costs)}
+    assert chain["dcr relay tree"].terms["relay"] < at["dcr relay tree"].terms["relay"]
+    report = projection_report(Scenario(1e12, 0.2), costs)
+    assert report["rate_outside_measured"] is True
+    assert all(math.isfinite(e["total_s"]) for e in report["estimates"])
+
+
+def test_codec_and_refit_scripts_are_thin_entry_points():
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    for name in ("codec_bench.py", "refit_bench.py", "bench_suite.py"):
+        text = (root / name).read_text()
+        assert "from dcr_format." in text and len(text.splitlines()) < 40, name
