@@ -14,6 +14,11 @@ answer means:
   ``ConditionalRequestConflict`` is a definite refusal (AWS: another
   conditional write to the key was in flight), so it is retried a few times.
   It is never retried after a timeout or a 5xx: those outcomes are unknown.
+  Each conditional PUT carries a fresh nonce in its user metadata
+  (``x-amz-meta-dcr-nonce``): aiohttp re-sends a PUT once, below botocore and
+  invisibly to ``RetryAttempts``, when the connection drops, so a 412 is taken
+  as "exists" only after a HEAD shows another writer's nonce (ours: the create
+  landed; no HEAD answer: unknown).
 - whether the server honours ``If-None-Match`` at all is found by a probe
   (:meth:`S3Backend.probe`): some S3-compatible servers ignore the header and
   overwrite. The answer is cached per process for each endpoint and bucket.
@@ -64,6 +69,7 @@ CONFLICT_ATTEMPTS = 4
 """Tries of a conditional write answered 409 ConditionalRequestConflict."""
 _DELETE_BATCH = 1000  # the DeleteObjects limit
 _PROBE_PREFIX = _TEMP_PREFIX + "probe-"  # reserved: never listed, refused by check_key
+_NONCE = "dcr-nonce"  # user metadata of conditional PUTs: whose create landed
 
 _RETRYABLE_CODES = frozenset(
     {
@@ -89,6 +95,7 @@ _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     botocore.exceptions.ResponseStreamingError,
     botocore.exceptions.IncompleteReadError,
     botocore.parsers.ResponseParserError,  # throttled servers have sent invalid XML
+    botocore.exceptions.FlexibleChecksumError,  # a body altered in transit (CRC32 differs)
     ConnectionError,
     TimeoutError,
     asyncio.TimeoutError,
@@ -132,9 +139,24 @@ def _causes(exc: BaseException) -> Iterable[BaseException]:
             current = current.__context__
 
 
+def _malformed_response(exc: BaseException) -> bool:
+    """A plain ValueError raised inside botocore's response parser: a field of an answer
+    that does not convert (a garbled timestamp or number in a listing) escapes it unwrapped."""
+    if not isinstance(exc, ValueError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).endswith("botocore.parsers"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def retryable(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is a transient failure worth another try."""
     for cause in _causes(exc):
+        if _malformed_response(cause):
+            return True
         if isinstance(cause, botocore.exceptions.ClientError):
             status = _status(cause)
             return status >= 500 or status == 429 or _code(cause) in _RETRYABLE_CODES
@@ -163,6 +185,8 @@ def translate(exc: BaseException) -> BaseException:
         return OSError(errno.EIO, text)
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return TimeoutError(errno.ETIMEDOUT, f"timed out: {exc}")
+    if _malformed_response(exc):
+        return OSError(errno.EIO, f"malformed response: {exc}")
     if isinstance(exc, (botocore.exceptions.BotoCoreError, *_TRANSIENT_ERRORS)):
         return OSError(errno.EIO, f"{type(exc).__name__}: {exc}")
     return exc
@@ -285,13 +309,20 @@ class S3Backend:
         async def put(body: bytes) -> str:
             """'ok', 'exists' or 'unsupported'."""
             client = await self._client()
+            nonce = uuid.uuid4().hex
             for attempt in range(CONFLICT_ATTEMPTS):
                 try:
-                    await client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+                    await client.put_object(
+                        Bucket=self.bucket,
+                        Key=key,
+                        Body=body,
+                        IfNoneMatch="*",
+                        Metadata={_NONCE: nonce},
+                    )
                     return "ok"
                 except botocore.exceptions.ClientError as exc:
                     if _status(exc) == 412:
-                        return "exists"
+                        return "ok" if await self._nonce_of(client, key) == nonce else "exists"
                     if _status(exc) == 501 or _code(exc) == "NotImplemented":
                         return "unsupported"
                     if _status(exc) != 409 or attempt + 1 == CONFLICT_ATTEMPTS:
@@ -366,9 +397,16 @@ class S3Backend:
 
     async def _put_if_absent(self, key: str, data: bytes) -> None:
         client = await self._client()
+        nonce = uuid.uuid4().hex
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
-                await client.put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+                await client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    IfNoneMatch="*",
+                    Metadata={_NONCE: nonce},
+                )
                 return
             except botocore.exceptions.ClientError as exc:
                 if _resent(exc):
@@ -378,10 +416,31 @@ class S3Backend:
                         "an earlier try may have created the object, so the outcome is unknown",
                     ) from exc
                 if _status(exc) == 412:
+                    # aiohttp may have re-sent the PUT unseen: the object can be our own
+                    try:
+                        landed = await self._nonce_of(client, key)
+                    except Exception as head_exc:
+                        raise OSError(
+                            errno.EIO,
+                            f"{_describe_client_error(exc)}, and the object's writer could not "
+                            f"be read back ({type(head_exc).__name__}); the outcome is unknown",
+                        ) from head_exc
+                    if landed == nonce:
+                        return
                     raise _ObjectExists from None
                 if _status(exc) != 409 or attempt + 1 == CONFLICT_ATTEMPTS:
                     raise
             await asyncio.sleep(_backoff(attempt))
+
+    async def _nonce_of(self, client: Any, key: str) -> str | None:
+        """The nonce a conditional PUT stored with ``key`` (None: none, or no such object)."""
+        try:
+            response = await client.head_object(Bucket=self.bucket, Key=key)
+        except botocore.exceptions.ClientError as exc:
+            if _status(exc) == 404:
+                return None
+            raise
+        return (response.get("Metadata") or {}).get(_NONCE)
 
     def exists(self, key: str) -> bool:
         return self._run(self._head, self._key(key)) is not None

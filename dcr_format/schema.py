@@ -235,7 +235,8 @@ def parse(model: type[M], data: bytes | str, *, what: str) -> M:
         raise SchemaError(f"{what} is {len(data)} bytes, over the {MAX_JSON_BYTES} byte limit")
     try:
         raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # deep nesting
+    # ValueError: also an integer literal past Python's 4300-digit limit; RecursionError: nesting
+    except (ValueError, RecursionError) as exc:
         raise SchemaError(f"{what} is not valid JSON ({exc}); the object is corrupt") from None
     if not isinstance(raw, dict):
         raise SchemaError(f"{what} is not a JSON object; the object is corrupt")

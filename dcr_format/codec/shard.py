@@ -89,7 +89,7 @@ def unpack_streams(blob: bytes | memoryview) -> dict[str, memoryview]:
         raise ShardError(f"shard header length {header_len} is out of bounds or unaligned")
     try:
         header = json.loads(bytes(buf[_LEN.size : _LEN.size + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, JSON, or a huge integer
         raise ShardError(f"shard header is not JSON ({exc!r})") from None
     if not isinstance(header, dict):
         raise ShardError("shard header is not a JSON object")

@@ -9,6 +9,9 @@ Two kinds of garbage:
   only when its newest object is older than the grace period (object ages come
   from the store's listing: file modification times, S3 ``LastModified``; an
   object without a time is never deleted).
+- **temporary files of crashed writes** in a local store (``.dcr-tmp-*``, FORMAT.md
+  §2.5; a process killed while writing an object leaves one behind), when older
+  than the grace period.
 - **the oldest versions**: gc keeps the newest ``keep_last`` versions, the
   newest base (a base version or an alternative base) at or before the oldest
   of them, ``keep_bases`` older bases, and every version after the oldest base
@@ -22,8 +25,10 @@ from __future__ import annotations
 import os
 import re
 from collections import defaultdict
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Literal
+
+from pydantic import Field
 
 from dcr_format.bases import (
     alternative_bases,
@@ -33,7 +38,7 @@ from dcr_format.bases import (
 )
 from dcr_format.chain import Chain, commit_key, utc_now
 from dcr_format.errors import CapabilityError, ChainBrokenError, DcrError
-from dcr_format.store import Store, open_store
+from dcr_format.store import _TEMP_PREFIX, Store, open_store
 from dcr_format.tools._common import ObjectInfo, Row, object_infos
 
 DEFAULT_GRACE = timedelta(hours=1)
@@ -74,6 +79,9 @@ class GcReport(Row):
     """Uncommitted attempts left alone because they may still be in flight."""
     deleted_objects: int
     deleted_bytes: int
+    temp_files: list[str] = Field(default_factory=list)
+    """Local stores: temporary files of crashed writes deleted (paths relative to the root;
+    with ``dry_run``: that would be), older than the grace period."""
 
 
 def gc(
@@ -251,6 +259,7 @@ def gc(
             store.delete(key)
         if object_keys:
             store.delete_many(object_keys)
+    temp_files = _stale_temp_files(store, moment, grace, delete=not dry_run)
     return GcReport(
         dry_run=dry_run,
         latest=committed[-1] if committed else None,
@@ -260,7 +269,34 @@ def gc(
         kept=kept,
         deleted_objects=sum(i.objects for i in deleted),
         deleted_bytes=sum(i.bytes for i in deleted),
+        temp_files=temp_files,
     )
+
+
+def _stale_temp_files(
+    store: Store, moment: datetime, grace: timedelta, *, delete: bool
+) -> list[str]:
+    """Temporary files (FORMAT.md §2.5) of a local store older than ``grace``: left by writes
+    that were killed, since a live write renames or removes its own within moments."""
+    if not store.url.startswith("file://"):
+        return []
+    root = store.url[len("file://") :]
+    found = []
+    for directory, _, names in os.walk(root):  # symlinked directories are not followed
+        for name in names:
+            if not name.startswith(_TEMP_PREFIX):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                modified = datetime.fromtimestamp(os.lstat(path).st_mtime, timezone.utc)
+                if (moment - modified) < grace:
+                    continue
+                if delete:
+                    os.unlink(path)
+            except FileNotFoundError:
+                continue  # renamed or removed by its writer meanwhile
+            found.append(os.path.relpath(path, root).replace(os.sep, "/"))
+    return sorted(found)
 
 
 def _kept_range(
