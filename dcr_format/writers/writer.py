@@ -43,10 +43,10 @@ from dcr_format.codec.delta import (
     DecodedDelta,
     EncodedTensor,
     apply_delta,
-    encode_tensor,
 )
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
+from dcr_format.cuda.pipeline import encode_stream
 from dcr_format.errors import (
     CapabilityError,
     ChainBrokenError,
@@ -148,6 +148,9 @@ def _pairs(
         yield from tensors.items()
     else:
         yield from tensors
+
+
+_Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
 
 
 @dataclass(frozen=True)
@@ -370,9 +373,10 @@ class DeltaWriter:
             raise
         # not inside the try: a manifest upload that fails may still have landed, so it must
         # not mark the attempt abandoned (the committer may commit it)
-        self.store.put(manifest_key(version, attempt, self.rank), manifest.to_json())
+        own = manifest.to_json()
+        self.store.put(manifest_key(version, attempt, self.rank), own)
         if self.rank == 0:
-            loaded, table = self._commit(version, kind, attempt, step)
+            loaded, table = self._commit(version, kind, attempt, step, own)
         else:
             loaded, table = self._await_commit(version, attempt), {}
         self._advance(pending, loaded, table, base)
@@ -392,16 +396,23 @@ class DeltaWriter:
         )
         entries: list[Entry] = []
         pending: dict[str, _Pending] = {}
-        for name, tensor in _pairs(tensors):
-            if not self.owns(name):
-                continue
-            if name in pending:
-                raise ValueError(f"tensor {name!r} was given twice in one publish")
-            tensor = tensor.detach()
-            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
-            old = self._baseline.get(name)
-            op = FULL if base else self._op_for(name, tensor, old)
-            encoded = encode_tensor(tensor, old, op=op)
+        seen: set[str] = set()
+
+        def owned() -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
+            for name, tensor in _pairs(tensors):
+                if not self.owns(name):
+                    continue
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} was given twice in one publish")
+                seen.add(name)
+                tensor = tensor.detach()
+                info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+                old = self._baseline.get(name)
+                op = FULL if base else self._op_for(name, tensor, old)
+                yield (name, tensor, old), tensor, old, op
+
+        # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one
+        for (name, tensor, old), encoded in encode_stream(owned()):
             lanes = self._lanes_after(name, tensor, old, encoded)
             fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
             entries.append(self._entry(name, tensor, encoded, fingerprint, len(entries), shards))
@@ -494,8 +505,15 @@ class DeltaWriter:
             delay = min(delay * 2, 0.2)
 
     def _commit(
-        self, version: int, kind: str, attempt: str, step: int | None
+        self, version: int, kind: str, attempt: str, step: int | None, own: bytes
     ) -> tuple[LoadedRecord, dict[str, TensorState]]:
+        """Wait for every rank's manifest, check them, and create the commit record.
+
+        ``own``: the bytes of this rank's manifest as uploaded. A manifest read back is
+        what the record's sha256 will name, so bytes altered in transit (an S3 ranged GET
+        carries no checksum) must not be taken: ours must equal ``own``, another rank's
+        must read the same twice; otherwise it is read again.
+        """
         header = self.chain.header
         found: dict[int, tuple[Manifest, ManifestRef]] = {}
 
@@ -508,6 +526,12 @@ class DeltaWriter:
                 key = manifest_key(version, attempt, rank)
                 try:
                     data = self.store.get(key, max_size=MAX_MANIFEST_BYTES)
+                    if data != (
+                        own
+                        if rank == self.rank
+                        else self.store.get(key, max_size=MAX_MANIFEST_BYTES)
+                    ):
+                        return None  # altered in transit: read it again
                 except ObjectNotFoundError:
                     if self.store.exists(marker):
                         raise IncompleteVersionError(
