@@ -214,3 +214,12 @@ def _private_cache_dir(tmp_path_factory):
         os.environ.pop("DCR_CACHE_DIR", None)
     else:
         os.environ["DCR_CACHE_DIR"] = saved
+
+
+# --- reliability report (tests/_report.py): case counts of the fault and hostile-input tests ------
+
+from _report import (  # noqa: E402
+    pytest_runtest_makereport,  # noqa: F401
+    pytest_sessionfinish,  # noqa: F401
+    reliability,  # noqa: F401
+)

@@ -1,0 +1,42 @@
+"""The soak's short form (dcr_format/_soak.py): a writer and four readers in their own
+processes, for about half a minute, through random S3 faults and SIGKILLs of any of them;
+at the end every reader holds exactly the writer's last version.
+
+The full soak is one command (docs/reliability.md):
+``.venv/bin/python -m dcr_format._soak --minutes 5``. ``$DCR_SOAK_SECONDS`` lengthens this one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dcr_format._soak import run
+
+SECONDS = float(os.environ.get("DCR_SOAK_SECONDS", "30"))
+
+
+def test_soak_short_form(moto_server, moto_root, tmp_path, reliability):
+    report = run(
+        SECONDS,
+        root=moto_root,
+        storage_options=moto_server.storage_options(),
+        upstream=moto_server.endpoint,
+        workdir=tmp_path / "soak",
+        readers=4,
+        fault_rate=0.1,
+        kill_every=6.0,
+        seed=11,
+        deep=False,
+    )
+    assert report.ok, report.problems
+    assert report.versions >= 5, report
+    assert report.syncs >= 20, report
+    assert sum(report.faults.values()) >= 10, report
+    assert sum(report.kills.values()) >= 3, report
+    reliability.record(
+        "soak (short form in CI)",
+        f"{report.seconds:.0f} s: writer + 4 readers, {report.versions} versions, "
+        f"{report.syncs} syncs, {sum(report.kills.values())} SIGKILLs",
+        "every reader bit-equal to the writer; no wrong bits after any sync or kill",
+        cases=sum(report.faults.values()),
+    )
