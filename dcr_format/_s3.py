@@ -22,6 +22,8 @@ answer means:
 - whether the server honours ``If-None-Match`` at all is found by a probe
   (:meth:`S3Backend.probe`): some S3-compatible servers ignore the header and
   overwrite. The answer is cached per process for each endpoint and bucket.
+- listings report each object's ``Size`` and ``LastModified`` (the server's
+  clock, whatever the writer's says: gc measures ages with it).
 - reads, plain writes, listings and deletes retry transient failures (5xx,
   throttling, connection resets, timeouts) with capped exponential backoff,
   on top of botocore's own retries.
@@ -48,10 +50,13 @@ from fsspec.asyn import sync
 from dcr_format.store import (
     _TEMP_PREFIX,
     Capabilities,
+    ObjectInfo,
     _key_problem,
+    _listed_size,
     _NoAtomicCreate,
     _ObjectExists,
     _ObjectTooLarge,
+    _utc,
 )
 
 __all__ = ["S3Backend"]
@@ -462,14 +467,17 @@ class S3Backend:
         return int(response["ContentLength"])
 
     def list(self, prefix: str) -> list[str]:
+        return [info.key for info in self._run(self._list, prefix)]
+
+    def list_info(self, prefix: str) -> list[ObjectInfo]:
         return self._run(self._list, prefix)
 
-    async def _list(self, prefix: str) -> list[str]:
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
         # Straight from the server: no client-side listing cache can hide new objects.
         client = await self._client()
         under = self.root + prefix
         request: dict[str, Any] = {"Bucket": self.bucket, "Prefix": under}
-        keys: list[str] = []
+        infos: list[ObjectInfo] = []
         while True:
             response = await client.list_objects_v2(**request)
             for item in response.get("Contents", ()):
@@ -478,13 +486,15 @@ class S3Backend:
                     continue  # directory markers are not objects
                 key = name[len(self.root) :]
                 if _key_problem(key) is None:
-                    keys.append(key)
+                    # The server's own clock: LastModified is set by S3, not by the writer.
+                    modified = _utc(item.get("LastModified"))
+                    infos.append(ObjectInfo(key, _listed_size(item.get("Size")), modified))
             token = response.get("NextContinuationToken")
             if not response.get("IsTruncated") or not token:
                 break
             request["ContinuationToken"] = token
-        keys.sort()
-        return keys
+        infos.sort()
+        return infos
 
     def delete(self, key: str) -> None:
         self._run(self._delete, self._key(key))

@@ -544,6 +544,18 @@ def gc(
             click.echo(f"kept {_gc_item(item)}: {age} ({item.reason})")
         if report.temp_files:
             click.echo(f"{verb} {len(report.temp_files)} temporary files of crashed writes")
+        skew = report.clock_skew_seconds
+        if skew is not None and abs(skew) >= 60:
+            side = "ahead of" if skew > 0 else "behind"
+            click.echo(
+                f"note: this machine's clock is {abs(skew):.0f} s {side} the store's; "
+                "ages were measured on the store's clock"
+            )
+        elif report.clock == "newest-object":
+            click.echo(
+                "note: could not write the clock probe: ages were measured against the newest "
+                "object in the store, so younger orphans wait for a later gc"
+            )
         click.echo(
             f"{verb} {report.deleted_objects} objects, {_bytes(report.deleted_bytes)}; the chain "
             f"keeps versions {_version_range(report.oldest_kept, report.latest)}"

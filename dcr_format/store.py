@@ -39,10 +39,11 @@ import re
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -62,10 +63,12 @@ from dcr_format.errors import (
 if TYPE_CHECKING:
     from dcr_format._s3 import S3Backend
 
-__all__ = ["Capabilities", "Store", "check_key", "open_store"]
+__all__ = ["Capabilities", "ObjectInfo", "Store", "check_key", "open_store"]
 
 MAX_KEY_BYTES = 1024
 """Longest key accepted, in bytes of UTF-8 (the S3 limit)."""
+
+T = TypeVar("T")
 
 _TEMP_PREFIX = ".dcr-tmp-"
 _WINDOWS_DRIVE = re.compile(r"[A-Za-z]:")
@@ -137,6 +140,45 @@ class Capabilities:
     """S3: whether the server honours ``If-None-Match: *`` (probed once per process).
     None where the backend sends no conditional request (local and ``memory://`` stores
     create atomically by other means; other fsspec backends cannot)."""
+
+
+class ObjectInfo(NamedTuple):
+    """One object of :meth:`Store.list_info`: its key, stored size and modification time.
+
+    Immutable; a tuple too, so ``key, size, modified = info`` works.
+    """
+
+    key: str
+    size: int
+    """Stored bytes."""
+    modified: datetime | None
+    """When the store last wrote the object, timezone-aware UTC, by the store's own clock
+    (file mtime, S3 ``LastModified``, the memory store's put time); None where the backend
+    reports no time (some fsspec backends)."""
+
+
+def _utc(value: object) -> datetime | None:
+    """A backend's modification time (datetime or POSIX seconds) as aware UTC; None if absent.
+
+    Raises ``ValueError`` for a value that is not a time (a hostile or broken listing).
+    """
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return datetime.fromtimestamp(value, timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            raise ValueError(f"modification time {value!r} is out of range") from None
+    raise ValueError(f"modification time {value!r} is not a time")
+
+
+def _listed_size(value: object) -> int:
+    """A size from a listing: a non-negative int, else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"object size {value!r} is not a byte count")
+    return value
 
 
 class _ObjectExists(Exception):
@@ -327,12 +369,12 @@ class _LocalBackend:
             raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
         return st.st_size
 
-    def list(self, prefix: str) -> list[str]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """(key, entry) of every object under ``prefix``, in no particular order."""
         real_root = self._real_root()
         start = os.path.join(self.root, prefix) if prefix else self.root
         if prefix and not _is_within(os.path.realpath(start), real_root):
             raise _OutsideRoot
-        keys: list[str] = []
         pending = [(start, prefix)]
         while pending:
             directory, rel = pending.pop()
@@ -356,9 +398,22 @@ class _LocalBackend:
                         if not (_is_within(target, real_root) and os.path.isfile(target)):
                             continue
                     if _key_problem(key) is None:
-                        keys.append(key)
-        keys.sort()
-        return keys
+                        yield key, entry
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(key for key, _ in self._walk(prefix))
+
+    def list_info(self, prefix: str) -> list[ObjectInfo]:
+        infos = []
+        for key, entry in self._walk(prefix):
+            try:
+                st = entry.stat()  # a symlink inside the root: its target's size and time
+            except FileNotFoundError:
+                continue  # deleted since the directory was read
+            when = datetime.fromtimestamp(st.st_mtime_ns / 1e9, timezone.utc)
+            infos.append(ObjectInfo(key, st.st_size, when))
+        infos.sort()
+        return infos
 
     def delete(self, key: str) -> None:
         # Resolve only the parent: deleting a symlink removes the link, not its target.
@@ -459,23 +514,36 @@ class _FsspecBackend:
             raise NotImplementedError("the backend does not report object sizes")
         return int(size)
 
-    def list(self, prefix: str) -> list[str]:
+    def _find(self, prefix: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+        """(key, fsspec info) of every object under ``prefix``."""
         # A client-side listing cache could hide objects other processes wrote.
         self.fs.invalidate_cache()
         under = self.prefix + prefix
         try:
             found = self.fs.find(under.rstrip("/"), detail=True)
         except FileNotFoundError:
-            return []
-        keys = []
+            return
         for name, info in found.items():
             if info.get("type", "file") != "file" or not name.startswith(under):
                 continue
             key = name[len(self.prefix) :]
             if _key_problem(key) is None:
-                keys.append(key)
-        keys.sort()
-        return keys
+                yield key, info
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(key for key, _ in self._find(prefix))
+
+    def list_info(self, prefix: str) -> list[ObjectInfo]:
+        infos = []
+        for key, info in self._find(prefix):
+            when = None
+            for field in ("LastModified", "mtime", "last_modified", "modified", "created"):
+                if info.get(field) is not None:
+                    when = _utc(info[field])
+                    break
+            infos.append(ObjectInfo(key, _listed_size(info.get("size")), when))
+        infos.sort()
+        return infos
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -735,18 +803,41 @@ class Store:
         does not return ``objects/10/...``. A missing prefix gives ``[]``.
         Temporary files and entries whose names are not valid keys are skipped.
         """
-        directory = ""
-        if prefix != "":
-            problem = _key_problem(prefix[:-1] if prefix.endswith("/") else prefix)
-            if problem is not None:
-                raise InvalidKeyError(
-                    f"invalid prefix {prefix!r} for store {self.url}: {problem}; "
-                    "use '' or a key like 'objects/1/'"
-                )
-            directory = prefix.rstrip("/") + "/"
+        return self._listing(prefix, self._backend.list)
+
+    def _prefix(self, prefix: str) -> str:
+        """``prefix`` checked and normalised to '' or 'a/b/'."""
+        if prefix == "":
+            return ""
+        problem = _key_problem(prefix[:-1] if prefix.endswith("/") else prefix)
+        if problem is not None:
+            raise InvalidKeyError(
+                f"invalid prefix {prefix!r} for store {self.url}: {problem}; "
+                "use '' or a key like 'objects/1/'"
+            )
+        return prefix.rstrip("/") + "/"
+
+    def list_info(self, prefix: str = "") -> list[ObjectInfo]:
+        """Like :meth:`list`, with each object's size and modification time, sorted by key.
+
+        The times are the store's own (file mtime, S3 ``LastModified``, the memory
+        store's put time), so they can be compared with each other whatever this
+        machine's clock says. A listing whose sizes or times are not valid raises
+        ``StoreError``.
+        """
+        return self._listing(prefix, self._backend.list_info)
+
+    def _listing(self, prefix: str, lister: Callable[[str], list[T]]) -> list[T]:
+        directory = self._prefix(prefix)
         self._require("listing", "listing")
         with self._translated(directory, "list"):
-            return self._backend.list(directory)
+            try:
+                return lister(directory)
+            except (TypeError, ValueError) as exc:
+                raise StoreError(
+                    f"store {self.url} answered a listing of {directory!r} with an invalid "
+                    f"entry ({_describe(exc)}); check the store or the server"
+                ) from None
 
     def delete(self, key: str) -> None:
         """Delete the object at ``key``; a missing object is not an error."""

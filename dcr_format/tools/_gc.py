@@ -6,9 +6,15 @@ Two kinds of garbage:
   is not the one ``commits/<N>.json`` names (a lost race, a retried or crashed
   publish), and ``bases/<V>/<attempt>/`` that no base record names (a crashed
   or lost compaction). An attempt may still be in flight, so it is deleted
-  only when its newest object is older than the grace period (object ages come
-  from the store's listing: file modification times, S3 ``LastModified``; an
-  object without a time is never deleted).
+  only when its newest object is older than the grace period. Ages are
+  measured on the store's clock alone, never this machine's: an object's time
+  comes from the store's listing (file modification time, S3 ``LastModified``,
+  the memory store's put time) and "now" is the time the store gives a small
+  probe object gc writes, lists and deletes (``doctor/gc-clock-<id>``, FORMAT.md
+  §14.1), so a gc host whose clock is skewed cannot delete an attempt in
+  flight. Where the probe cannot be written, "now" is the newest time of any
+  object gc listed (ages then err short: gc deletes less, never more). An
+  object without a time is never deleted.
 - **temporary files of crashed writes** in a local store (``.dcr-tmp-*``, FORMAT.md
   §2.5; a process killed while writing an object leaves one behind), when older
   than the grace period.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 from typing import Literal
@@ -46,8 +53,12 @@ _ATTEMPT = re.compile(r"^objects/([0-9]{20})/([0-9a-f]{32})/")
 _BASE_ATTEMPT = re.compile(r"^bases/([0-9]{20})/([0-9a-f]{32})/")
 _BASE_RECORD = re.compile(r"^bases/([0-9]{20})\.json$")
 _COMMIT = re.compile(r"^commits/([0-9]{20})\.json$")
+CLOCK_PROBE_PREFIX = "doctor/gc-clock-"
+"""Key prefix of the probe objects gc reads the store's clock from (deleted at once)."""
+_STALE_PROBE = timedelta(minutes=10)
 
 ItemKind = Literal["version", "attempt", "base", "base-attempt"]
+ClockSource = Literal["store", "newest-object", "given", "none"]
 
 
 class GcItem(Row):
@@ -82,6 +93,15 @@ class GcReport(Row):
     temp_files: list[str] = Field(default_factory=list)
     """Local stores: temporary files of crashed writes deleted (paths relative to the root;
     with ``dry_run``: that would be), older than the grace period."""
+    now: datetime | None = None
+    """The store's time that ages were measured against (None: unknown, no age known)."""
+    clock: ClockSource = "store"
+    """Where ``now`` came from: ``store`` (the time the store gave gc's probe object),
+    ``newest-object`` (the probe could not be written: the newest object time listed),
+    ``given`` (the caller's ``now``), ``none`` (the store reports no times)."""
+    clock_skew_seconds: float | None = None
+    """This machine's clock minus the store's (positive: this machine is ahead), measured
+    with the probe; ages never depend on it. None when not measured."""
 
 
 def gc(
@@ -97,8 +117,10 @@ def gc(
 
     See the module docstring for what is kept. Never deletes an object of a kept
     version, nor an attempt younger than ``grace`` (so set ``grace`` well above
-    the writers' commit timeout). ``dry_run`` only reports. ``now`` is the clock
-    that ages are measured against (default: this machine's).
+    the writers' commit timeout). ``dry_run`` only reports (it still writes and
+    deletes the clock probe where it can). ``now`` is the store's time to measure
+    ages against (default: read from the store with a probe object; this
+    machine's clock is never used).
     """
     if keep_last < 1:
         raise ValueError("keep_last must be at least 1: gc never deletes the newest version")
@@ -110,7 +132,12 @@ def gc(
     capabilities = store.capabilities
     if not (capabilities.listing and (capabilities.delete or dry_run)):
         raise CapabilityError(f"store {store.url} cannot list and delete objects, which gc needs")
-    moment = now or utc_now()
+    clock: ClockSource = "given"
+    skew: float | None = None
+    moment: datetime | None = now
+    if moment is None:
+        moment, skew = _store_clock(store)
+        clock = "store"
     committed = chain.versions()
     if committed and committed != list(range(committed[0], committed[-1] + 1)):
         raise ChainBrokenError(
@@ -120,6 +147,12 @@ def gc(
     alternatives = set(alternative_bases(store))
     start, bases = _kept_range(chain, committed, alternatives, keep_last, keep_bases)
     infos = object_infos(store, "objects/")
+    commit_infos = object_infos(store, "commits/")
+    base_infos = object_infos(store, "bases/")
+    if moment is None:  # no probe: the newest time the store gave any object listed
+        times = [i.modified for i in (*infos, *commit_infos, *base_infos) if i.modified]
+        moment = max(times, default=None)
+        clock = "newest-object" if moment is not None else "none"
     if start is not None and committed and start > committed[0]:
         _check_start_base(chain, start, alternatives, infos)
 
@@ -130,7 +163,7 @@ def gc(
 
     def age_of(objects: list[ObjectInfo]) -> float | None:
         times = [o.modified for o in objects]
-        if not times or any(t is None for t in times):
+        if moment is None or not times or any(t is None for t in times):
             return None
         return (moment - max(t for t in times if t is not None)).total_seconds()
 
@@ -141,7 +174,7 @@ def gc(
     # --- the oldest versions -------------------------------------------------------------
     have = set(committed)
     if start is not None:
-        for info in object_infos(store, "commits/"):
+        for info in commit_infos:
             match = _COMMIT.match(info.key)
             if match and int(match.group(1)) < start:
                 version = int(match.group(1))
@@ -200,7 +233,6 @@ def gc(
         object_keys.extend(o.key for o in objects)
 
     # --- alternative bases -----------------------------------------------------------------
-    base_infos = object_infos(store, "bases/")
     base_groups: dict[tuple[int, str], list[ObjectInfo]] = defaultdict(list)
     base_records: dict[int, ObjectInfo] = {}
     for info in base_infos:
@@ -259,7 +291,7 @@ def gc(
             store.delete(key)
         if object_keys:
             store.delete_many(object_keys)
-    temp_files = _stale_temp_files(store, moment, grace, delete=not dry_run)
+    temp_files = [] if moment is None else _stale_temp_files(store, moment, grace, dry_run)
     return GcReport(
         dry_run=dry_run,
         latest=committed[-1] if committed else None,
@@ -270,12 +302,49 @@ def gc(
         deleted_objects=sum(i.objects for i in deleted),
         deleted_bytes=sum(i.bytes for i in deleted),
         temp_files=temp_files,
+        now=moment,
+        clock=clock,
+        clock_skew_seconds=skew,
     )
 
 
-def _stale_temp_files(
-    store: Store, moment: datetime, grace: timedelta, *, delete: bool
-) -> list[str]:
+def _store_clock(store: Store) -> tuple[datetime | None, float | None]:
+    """The store's time now and this machine's clock minus it, from a probe object.
+
+    Writes ``doctor/gc-clock-<id>``, reads its time back from a listing and deletes
+    it (with any probe a crashed gc left). (None, None) where the probe cannot be
+    written or the store reports no time for it.
+    """
+    key = f"{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+    directory = CLOCK_PROBE_PREFIX.rpartition("/")[0] + "/"
+    try:
+        store.put(key, b"dcr gc clock probe\n")
+    except DcrError:
+        return None, None  # a read-only store (a dry run with read-only credentials)
+    try:
+        before = utc_now()
+        probes = [i for i in store.list_info(directory) if i.key.startswith(CLOCK_PROBE_PREFIX)]
+        after = utc_now()
+    finally:
+        try:
+            store.delete(key)
+        except DcrError:
+            pass  # a later gc removes it
+    mine = next((i.modified for i in probes if i.key == key), None)
+    if mine is None:
+        return None, None
+    # Probes of a gc that died between its put and its delete (a live gc's is seconds old).
+    stale = [i.key for i in probes if i.modified and i.modified < mine - _STALE_PROBE]
+    if stale:
+        try:
+            store.delete_many(stale)
+        except DcrError:
+            pass
+    local = before + (after - before) / 2
+    return mine, (local - mine).total_seconds()
+
+
+def _stale_temp_files(store: Store, moment: datetime, grace: timedelta, dry_run: bool) -> list[str]:
     """Temporary files (FORMAT.md §2.5) of a local store older than ``grace``: left by writes
     that were killed, since a live write renames or removes its own within moments."""
     if not store.url.startswith("file://"):
@@ -291,7 +360,7 @@ def _stale_temp_files(
                 modified = datetime.fromtimestamp(os.lstat(path).st_mtime, timezone.utc)
                 if (moment - modified) < grace:
                     continue
-                if delete:
+                if not dry_run:
                     os.unlink(path)
             except FileNotFoundError:
                 continue  # renamed or removed by its writer meanwhile
