@@ -25,6 +25,13 @@ first 16 bytes of sha256 over the dtype, shape and lanes.
 Evaluation: elements go in rows of 2^16; per row the device sums ``g`` and
 ``g*col`` (both exact in int64), and ``sum g*r`` is recombined from them modulo
 ``p``. For 1- and 2-byte dtypes ``g`` comes from a 65536-entry table per lane.
+
+CPU tensors go through compiled loops (:mod:`dcr_format.codec._native`, numba: one
+parallel pass of per-row uint64 sums, reduced before they can overflow) when numba
+imports and ``DCR_KERNELS`` is not ``torch``; the torch code here is the reference
+they match exactly. Lane deltas of a change (``sum (g(new) - g(old)) * r``, from
+:func:`dcr_format.cuda.dispatch.diff_with_lanes` or ``apply_with_lanes``) are added
+to lanes with :func:`apply_lane_deltas`.
 """
 
 from __future__ import annotations
@@ -32,14 +39,18 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable
+from types import ModuleType
 
+import numpy as np
 import torch
 
-from dcr_format.codec.dtypes import bits_view, info_for
+from dcr_format.codec.dtypes import bits_to_numpy, bits_view, info_for
+from dcr_format.codec.positions import native_kernels
 
 __all__ = [
     "LANE_PRIMES",
     "add_lanes",
+    "apply_lane_deltas",
     "fingerprint_from_lanes",
     "lanes_after_change",
     "lanes_at",
@@ -150,6 +161,36 @@ def _symbols(bits: torch.Tensor, width: int, dtype: torch.dtype = torch.int64) -
     return symbols & _MASKS[width] if width < 8 else symbols
 
 
+def _native_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled kernels when every tensor is on the CPU and they are enabled."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    return native_kernels()
+
+
+_NATIVE_TABLES: dict[int, np.ndarray] = {}
+
+
+def native_table(width: int) -> np.ndarray:
+    """The compiled kernels' g table of a width: (65536, 2) uint32 for 1- and 2-byte
+    symbols (the torch tables, lanes side by side), empty (0, 2) for wider ones."""
+    key = 2 if width <= 2 else 0
+    table = _NATIVE_TABLES.get(key)
+    if table is None:
+        if key:
+            cpu = torch.device("cpu")
+            lanes = [_cached("g", cpu, lane).numpy() for lane in range(2)]
+            table = np.ascontiguousarray(np.stack(lanes, axis=1).astype(np.uint32))
+        else:
+            table = np.empty((0, 2), dtype=np.uint32)
+        _NATIVE_TABLES[key] = table
+    return table
+
+
+def _host_positions(positions: torch.Tensor) -> np.ndarray:
+    return positions.reshape(-1).to(torch.int64).contiguous().numpy()
+
+
 def tensor_lanes(tensor: torch.Tensor) -> tuple[int, ...]:
     """The fingerprint's lane values of a tensor (one full pass on its device)."""
     return tuple(_lanes(tensor))
@@ -164,6 +205,16 @@ def lanes_after_change(
     ``(g(new) - g(old)) * r(i)`` over the changed elements only: O(changed) work.
     """
     width = old_bits.element_size()
+    native = _native_for(positions, old_bits, new_bits)
+    if native is not None and len(lanes) == (3 if width == 8 else 2):
+        deltas = native.position_lanes(
+            _host_positions(positions),
+            bits_to_numpy(old_bits.reshape(-1)),
+            bits_to_numpy(new_bits.reshape(-1)),
+            native_table(width),
+            len(lanes),
+        )
+        return apply_lane_deltas(lanes, deltas)
     device = old_bits.device
     out = list(lanes)
     step = 1 << 20  # sum of step values below 2^31 stays far below 2^63
@@ -190,6 +241,15 @@ def lanes_at(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, ...]:
     """
     width = bits.element_size()
     lanes = 3 if width == 8 else 2
+    native = _native_for(positions, bits)
+    if native is not None:
+        return native.position_lanes(
+            _host_positions(positions),
+            None,
+            bits_to_numpy(bits.reshape(-1)),
+            native_table(width),
+            lanes,
+        )
     out = [0] * lanes
     step = 1 << 20  # sum of step values below 2^31 stays far below 2^63
     for start in range(0, positions.numel(), step):
@@ -214,6 +274,12 @@ def add_lanes(*parts: Iterable[int]) -> tuple[int, ...]:
     return tuple(sum(row[lane] for row in rows) % _PRIMES[lane] for lane in range(count))
 
 
+def apply_lane_deltas(lanes: Iterable[int], deltas: Iterable[int]) -> tuple[int, ...]:
+    """Lanes after a change whose lane deltas (``sum (g(new) - g(old)) * r`` mod each prime,
+    as returned by ``diff_with_lanes`` and ``apply_with_lanes``) are ``deltas``."""
+    return add_lanes(lanes, deltas)
+
+
 def fingerprint_from_lanes(dtype: torch.dtype, shape: Iterable[int], lanes: Iterable[int]) -> str:
     """The fingerprint string of a tensor of ``dtype`` and ``shape`` with these lanes."""
     info = info_for(dtype)
@@ -229,6 +295,9 @@ def _lanes(tensor: torch.Tensor) -> list[int]:
     info = info_for(tensor.dtype)
     flat = bits_view(tensor.detach()).reshape(-1)
     lanes = 3 if info.width == 8 else 2
+    native = _native_for(flat)
+    if native is not None:
+        return list(native.full_lanes(bits_to_numpy(flat), native_table(info.width), lanes))
     device = flat.device
     cpu = _float_sums(device)
     row = _ROW_CPU if cpu else _ROW

@@ -10,11 +10,20 @@ Two codings (spec/FORMAT.md, "Position codings"); the encoder keeps the smaller:
 
 Decoders treat their input as hostile: every count, width and offset is checked
 before anything is allocated from it.
+
+Rice coding, Rice decoding and the choice of coding run as compiled loops
+(:mod:`dcr_format.codec._native`, numba) when numba imports and ``DCR_KERNELS`` is
+not ``torch``; the numpy code here is the reference they reproduce byte for byte. A
+stream the compiled decoder rejects is decoded again by the reference, which raises
+the error (so both paths raise the same :class:`PositionsError`, message included).
 """
 
 from __future__ import annotations
 
+import os
 import struct
+from functools import lru_cache
+from types import ModuleType
 
 import numpy as np
 
@@ -28,6 +37,26 @@ _RICE_HEADER = struct.Struct("<BQQ")  # k, count, unary byte length
 _RANGES_HEADER = struct.Struct("<BBQ")  # gap width, length width, number of runs
 _WIDTHS = (1, 2, 4, 8)
 MAX_RICE_K = 62
+
+
+def native_kernels() -> ModuleType | None:
+    """The compiled CPU kernels, or None when ``DCR_KERNELS=torch`` or numba is missing.
+
+    ``DCR_KERNELS`` is read at every call (see :mod:`dcr_format.cuda.dispatch`); numba is
+    imported on the first call that wants it, never by ``import dcr_format``.
+    """
+    if os.environ.get("DCR_KERNELS", "").strip().lower() == "torch":
+        return None
+    return _load_native()
+
+
+@lru_cache(maxsize=1)
+def _load_native() -> ModuleType | None:
+    try:
+        from dcr_format.codec import _native
+    except ImportError:
+        return None
+    return _native
 
 
 def _narrowest_width(max_value: int) -> int:
@@ -61,8 +90,62 @@ def _best_rice_k(gaps: np.ndarray) -> int:
     return best_k
 
 
+def _rice_k_guess(mean: float) -> int:
+    return max(0, int(np.floor(np.log2(max(mean * 0.6931, 1.0)))))
+
+
+class _Plan:
+    """One compiled pass over positions: the best Rice k and the exact size of each coding."""
+
+    def __init__(self, native: ModuleType, positions: np.ndarray) -> None:
+        count = int(positions.size)
+        # the gaps sum to p[-1] - (count - 1): below 2^53 numpy's float mean of them is
+        # exact, so float(total) / count is that mean bit for bit (same guess, same k)
+        total = int(positions[-1]) - (count - 1)
+        guess = _rice_k_guess(float(total) / count)
+        low, high = max(0, guess - 2), min(MAX_RICE_K, guess + 3)
+        sums, runs, widest, longest = native.rice_stats(positions, low, high)
+        best_k, best_bits = 0, None
+        for k in range(low, high + 1):
+            bits = int(sums[k - low]) + count * (1 + k)
+            if best_bits is None or bits < best_bits:
+                best_k, best_bits = k, bits
+        self.native = native
+        self.k = best_k
+        self.unary_len = (int(sums[best_k - low]) + count + 7) // 8
+        self.rem_len = (count * best_k + 7) // 8
+        self.rice_size = _RICE_HEADER.size + self.unary_len + self.rem_len
+        gap_w, len_w = _narrowest_width(widest), _narrowest_width(longest - 1)
+        self.ranges_size = _RANGES_HEADER.size + runs * (gap_w + len_w)
+
+    @staticmethod
+    def of(positions: np.ndarray) -> _Plan | None:
+        """The plan, or None where the reference must do it (no numba, no positions, and
+        gap sums past 2^53, where numpy's float mean may round)."""
+        native = native_kernels()
+        if native is None or positions.size == 0:
+            return None
+        if int(positions[-1]) - (int(positions.size) - 1) >= 1 << 53:
+            return None
+        return _Plan(native, positions)
+
+
+def _encode_rice_planned(positions: np.ndarray, plan: _Plan) -> bytes:
+    body = plan.native.rice_encode(positions, plan.k, plan.unary_len, plan.rem_len)
+    return _RICE_HEADER.pack(plan.k, int(positions.size), plan.unary_len) + body
+
+
 def encode_rice(positions: np.ndarray) -> bytes:
     """Rice-code sorted unique int64 positions."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    plan = _Plan.of(positions)
+    if plan is not None:
+        return _encode_rice_planned(positions, plan)
+    return _encode_rice_reference(positions)
+
+
+def _encode_rice_reference(positions: np.ndarray) -> bytes:
+    """The numpy Rice encoder (the reference of the compiled one)."""
     gaps = _gaps(positions)
     count = int(gaps.size)
     k = _best_rice_k(gaps)
@@ -80,13 +163,8 @@ def encode_rice(positions: np.ndarray) -> bytes:
     return _RICE_HEADER.pack(k, count, len(unary)) + unary + remainders
 
 
-def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
-    """Parse and check a ``rice`` stream into its zero-based gaps (uint64).
-
-    The host half of decoding: :func:`decode_rice` sums the gaps here, a device
-    decoder (:mod:`dcr_format.cuda.positions`) sums them on the device.
-    """
-    buf = memoryview(data)
+def _rice_header(buf: memoryview, count: int) -> tuple[int, int, memoryview]:
+    """Check a ``rice`` stream's header and sizes: (k, unary byte length, body)."""
     if len(buf) < _RICE_HEADER.size:
         raise PositionsError("rice positions stream is truncated (no header); the shard is corrupt")
     k, declared, unary_len = _RICE_HEADER.unpack_from(buf)
@@ -102,13 +180,46 @@ def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray
         raise PositionsError(
             "rice positions stream sizes do not add up (truncated or padded); the shard is corrupt"
         )
-    if count == 0:
-        if unary_len:
-            raise PositionsError("rice positions stream has bits but declares no positions")
-        return np.empty(0, dtype=np.uint64)
+    if count == 0 and unary_len:
+        raise PositionsError("rice positions stream has bits but declares no positions")
     # a valid stream needs at least one unary bit per position, so this bounds memory
-    if unary_len * 8 < count:
+    if count and unary_len * 8 < count:
         raise PositionsError("rice unary stream is too short for the declared count")
+    return k, unary_len, body
+
+
+def _rice_native(
+    data: bytes | memoryview, *, count: int, numel: int, positions: bool
+) -> np.ndarray | None:
+    """Compiled decoding of a stream (positions or gaps); None where the reference must run
+    (no numba, or a stream the compiled checks reject: the reference raises its error)."""
+    native = native_kernels()
+    if native is None:
+        return None
+    k, unary_len, body = _rice_header(memoryview(data), count)
+    if count == 0:
+        return np.empty(0, dtype=np.int64 if positions else np.uint64)
+    array = np.frombuffer(body, dtype=np.uint8)
+    return native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+
+
+def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """Parse and check a ``rice`` stream into its zero-based gaps (uint64).
+
+    The host half of decoding: :func:`decode_rice` sums the gaps here, a device
+    decoder (:mod:`dcr_format.cuda.positions`) sums them on the device.
+    """
+    gaps = _rice_native(data, count=count, numel=numel, positions=False)
+    if gaps is not None:
+        return gaps
+    return _rice_gaps_reference(data, count=count, numel=numel)
+
+
+def _rice_gaps_reference(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """The numpy parser of :func:`rice_gaps` (the reference of the compiled one)."""
+    k, unary_len, body = _rice_header(memoryview(data), count)
+    if count == 0:
+        return np.empty(0, dtype=np.uint64)
     unary_bits = np.unpackbits(np.frombuffer(body[:unary_len], dtype=np.uint8))
     ones = np.flatnonzero(unary_bits)
     if ones.size != count:
@@ -132,7 +243,15 @@ def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray
 
 def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
     """Decode a ``rice`` stream; see :func:`decode_positions` for the checks."""
-    gaps = rice_gaps(data, count=count, numel=numel)
+    positions = _rice_native(data, count=count, numel=numel, positions=True)
+    if positions is not None:
+        return positions
+    return _decode_rice_reference(data, count=count, numel=numel)
+
+
+def _decode_rice_reference(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
+    """The numpy Rice decoder (the reference of the compiled one)."""
+    gaps = _rice_gaps_reference(data, count=count, numel=numel)
     if gaps.size == 0:
         return np.empty(0, dtype=np.int64)
     return _finish(np.cumsum(gaps + np.uint64(1), dtype=np.uint64), numel)
@@ -220,6 +339,7 @@ def decode_ranges(data: bytes | memoryview, *, count: int, numel: int) -> np.nda
 
 
 _ENCODERS = {RICE: encode_rice, RANGES: encode_ranges}
+_REFERENCE_ENCODERS = {RICE: _encode_rice_reference, RANGES: encode_ranges}
 _DECODERS = {RICE: decode_rice, RANGES: decode_ranges}
 
 
@@ -228,9 +348,20 @@ def encode_positions(positions: np.ndarray, *, coding: str | None = None) -> tup
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     if coding is not None:
         return coding, _ENCODERS[coding](positions)
+    plan = _Plan.of(positions)
+    if plan is not None:  # both sizes from one pass; encode the winner only
+        # min over (size, name) below: on equal sizes "ranges" < "rice" wins
+        if plan.ranges_size <= plan.rice_size:
+            return RANGES, encode_ranges(positions)
+        return RICE, _encode_rice_planned(positions, plan)
+    return _encode_positions_reference(positions)
+
+
+def _encode_positions_reference(positions: np.ndarray) -> tuple[str, bytes]:
+    """Both codings built and the smaller kept (the reference of the planned choice)."""
     candidates = [
         (len(data), name, data)
-        for name, data in ((c, _ENCODERS[c](positions)) for c in POSITION_CODINGS)
+        for name, data in ((c, _REFERENCE_ENCODERS[c](positions)) for c in POSITION_CODINGS)
     ]
     _, name, data = min(candidates)
     return name, data

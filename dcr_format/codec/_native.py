@@ -1,0 +1,538 @@
+"""Compiled (numba) CPU kernels: Rice coding, fingerprint lanes, fused diff and apply.
+
+Private. Nothing imports this module eagerly: :func:`dcr_format.codec.positions.native_kernels`
+imports it on first use (and ``DCR_KERNELS=torch`` never does), so ``import dcr_format``
+works, and starts fast, without numba. Every kernel is compiled on its first call for
+the array types it sees and cached on disk (``cache=True``: next to this file, or in
+numba's user cache directory where that is read-only), so a new process loads
+machine code instead of recompiling.
+
+The numpy/torch code in :mod:`dcr_format.codec.positions`, :mod:`dcr_format.fingerprint`
+and :mod:`dcr_format.cuda.reference` stays the reference; these kernels reproduce it bit
+for bit (``tests/test_native.py``). Arithmetic is uint64 or int64 throughout (numba turns
+mixed signed/unsigned 64-bit arithmetic into float64, so every constant is typed), and
+every fingerprint sum is reduced before it can reach 2^64.
+
+Parallel kernels (``prange``) are launched under one process-wide lock: numba's
+``workqueue`` threading layer (the fallback where OpenMP and TBB are missing) aborts the
+process when two Python threads launch parallel kernels at once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import njit, prange
+
+# --- fingerprint constants (dcr_format.fingerprint: _PRIMES, _C) ------------------------
+_P0 = np.uint64(2147483647)
+_P1 = np.uint64(2147483629)
+_P2 = np.uint64(2147483587)
+_C0 = np.uint64(1013904223)
+_C1 = np.uint64(22695477)
+_C2 = np.uint64(134775813)
+_M0 = np.uint64((1 << 32) % 2147483647)  # 2^32 mod p: the high half of an 8-byte symbol
+_M1 = np.uint64((1 << 32) % 2147483629)
+_M2 = np.uint64((1 << 32) % 2147483587)
+_LO32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_ONE = np.uint64(1)
+_ZERO = np.uint64(0)
+_HIGH = np.uint64(1 << 63)  # accumulators are reduced once they reach 2^63
+_MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
+_ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
+_CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
+BLOCK = 1 << 16  # elements per block of the fused diff
+
+_LOCK = threading.Lock()
+
+
+def parallel_lock() -> threading.Lock:
+    """The lock every caller holds while a parallel kernel runs."""
+    return _LOCK
+
+
+# --- g = (s + c)^5 mod p --------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _pow5(s, p, c):  # type: ignore[no-untyped-def]
+    x = (s + c) % p
+    x2 = x * x % p
+    return x2 * x2 % p * x % p
+
+
+@njit(cache=True, inline="always")
+def _residue(v, p, m):  # type: ignore[no-untyped-def]
+    """v mod p of a uint64 as ((hi mod p) * (2^32 mod p) + lo) mod p."""
+    return ((v >> _S32) % p * m + (v & _LO32)) % p
+
+
+@njit(cache=True, inline="always")
+def _g(v, lane, table):  # type: ignore[no-untyped-def]
+    """g of lane ``lane`` of the uint64 symbol ``v``; ``table`` non-empty for widths 1, 2."""
+    if table.shape[0] != 0:
+        return np.uint64(table[np.intp(v), lane])
+    if lane == 0:
+        return _pow5(_residue(v, _P0, _M0), _P0, _C0)
+    if lane == 1:
+        return _pow5(_residue(v, _P1, _M1), _P1, _C1)
+    return _pow5(_residue(v, _P2, _M2), _P2, _C2)
+
+
+@njit(cache=True, inline="always")
+def _prime(lane):  # type: ignore[no-untyped-def]
+    if lane == 0:
+        return _P0
+    if lane == 1:
+        return _P1
+    return _P2
+
+
+@njit(cache=True, inline="always")
+def _combine(s0, s1, start, p):  # type: ignore[no-untyped-def]
+    """sum g*r of a row from sum g and sum g*col; ``start`` is the row's first flat index."""
+    base = np.uint64((start & _MASK30) + 1)
+    return (s1 % p + (base % p) * (s0 % p)) % p
+
+
+# --- full fingerprint pass --------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
+    """Per row of 2^16 flat indices: both lanes of 1- and 2-byte symbols, by table."""
+    n = sym.shape[0]
+    row0 = first // _ROW
+    for r in prange(out.shape[0]):
+        start = (row0 + r) * _ROW
+        lo = max(start - first, 0)
+        hi = min(start + _ROW - first, n)
+        a0 = _ZERO
+        a1 = _ZERO
+        b0 = _ZERO
+        b1 = _ZERO
+        for j in range(lo, hi):
+            t = np.intp(sym[j])
+            col = np.uint64(j + first - start)
+            ga = np.uint64(table[t, 0])
+            gb = np.uint64(table[t, 1])
+            a0 += ga
+            a1 += ga * col  # sum g*col < 2^31 * 2^32 / 2: no overflow
+            b0 += gb
+            b1 += gb * col
+        out[r, 0] = _combine(a0, a1, start, _P0)
+        out[r, 1] = _combine(b0, b1, start, _P1)
+
+
+@njit(cache=True, parallel=True)
+def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
+    """Per row of 2^16 flat indices: the lanes of 4- and 8-byte symbols, g computed."""
+    n = sym.shape[0]
+    row0 = first // _ROW
+    for r in prange(out.shape[0]):
+        start = (row0 + r) * _ROW
+        lo = max(start - first, 0)
+        hi = min(start + _ROW - first, n)
+        a0 = _ZERO
+        a1 = _ZERO
+        b0 = _ZERO
+        b1 = _ZERO
+        c0 = _ZERO
+        c1 = _ZERO
+        for j in range(lo, hi):
+            v = np.uint64(sym[j])
+            col = np.uint64(j + first - start)
+            g = _pow5(_residue(v, _P0, _M0), _P0, _C0)
+            a0 += g
+            a1 += g * col
+            g = _pow5(_residue(v, _P1, _M1), _P1, _C1)
+            b0 += g
+            b1 += g * col
+            if lanes == 3:
+                g = _pow5(_residue(v, _P2, _M2), _P2, _C2)
+                c0 += g
+                c1 += g * col
+        out[r, 0] = _combine(a0, a1, start, _P0)
+        out[r, 1] = _combine(b0, b1, start, _P1)
+        if lanes == 3:
+            out[r, 2] = _combine(c0, c1, start, _P2)
+
+
+def _row_count(n: int, first: int) -> int:
+    if n == 0:
+        return 0
+    return (first + n - 1) // _ROW - first // _ROW + 1
+
+
+def _finish_lanes(out: np.ndarray, lanes: int) -> tuple[int, ...]:
+    """Sum per-task residues (each below 2^31, so a uint64 sum is exact) modulo each prime."""
+    primes = (int(_P0), int(_P1), int(_P2))
+    return tuple(int(out[:, lane].sum(dtype=np.uint64)) % primes[lane] for lane in range(lanes))
+
+
+def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -> tuple[int, ...]:
+    """Lanes of contiguous unsigned symbols whose element 0 has flat index ``first``.
+
+    ``table`` is the (65536, 2) uint32 g table for 1- and 2-byte symbols; unused otherwise.
+    """
+    out = np.zeros((_row_count(sym.shape[0], first), 3), dtype=np.uint64)
+    if out.shape[0]:
+        with _LOCK:
+            if sym.dtype.itemsize <= 2:
+                _rows_table(sym, table, first, out)
+            else:
+                _rows_power(sym, lanes, first, out)
+    return _finish_lanes(out, lanes)
+
+
+# --- lanes of elements at positions (lanes_at, lanes_after_change, apply) ----------------
+
+
+@njit(cache=True, parallel=True)
+def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
+    """Per chunk of positions: sum (g(new) - g(old)) * r mod p (g(old) = 0 without ``old``)."""
+    m = pos.shape[0]
+    for c in prange(out.shape[0]):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, m)
+        for lane in range(lanes):
+            p = _prime(lane)
+            acc = _ZERO
+            for j in range(lo, hi):
+                r = np.uint64(pos[j] & _MASK30) + _ONE
+                g = _g(np.uint64(new[j]), lane, table)
+                if has_old:
+                    g = g + p - _g(np.uint64(old[j]), lane, table)  # < 2^32
+                acc += g * r  # < 2^62 per term
+                if acc >= _HIGH:
+                    acc %= p
+            out[c, lane] = acc % p
+
+
+def position_lanes(
+    pos: np.ndarray, old: np.ndarray | None, new: np.ndarray, table: np.ndarray, lanes: int
+) -> tuple[int, ...]:
+    """``sum (g(new) - g(old)) * r`` per lane over int64 ``pos`` (``old`` None: g(old) = 0)."""
+    chunks = -(-pos.shape[0] // _CHUNK)
+    out = np.zeros((chunks, 3), dtype=np.uint64)
+    if chunks:
+        with _LOCK:
+            _pair_lanes(pos, new if old is None else old, new, old is not None, lanes, table, out)
+    return _finish_lanes(out, lanes)
+
+
+# --- fused diff ------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _diff_count(old, new, counts):  # type: ignore[no-untyped-def]
+    n = old.shape[0]
+    for b in prange(counts.shape[0]):
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        count = 0
+        for j in range(lo, hi):
+            count += old[j] != new[j]
+        counts[b] = count
+
+
+@njit(cache=True, parallel=True)
+def _diff_fill(  # type: ignore[no-untyped-def]
+    old, new, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out
+):
+    n = old.shape[0]
+    want_new = new_out.shape[0] != 0
+    want_xor = xor_out.shape[0] != 0
+    for b in prange(offsets.shape[0] - 1):
+        k = offsets[b]
+        end = offsets[b + 1]
+        if k == end:
+            continue
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        a0 = _ZERO
+        a1 = _ZERO
+        a2 = _ZERO
+        for j in range(lo, hi):
+            o = old[j]
+            w = new[j]
+            if o != w:
+                pos_out[k] = base + j
+                if want_new:
+                    new_out[k] = w
+                if want_xor:
+                    xor_out[k] = o ^ w
+                if lanes:
+                    r = np.uint64((base + j) & _MASK30) + _ONE
+                    ou = np.uint64(o)
+                    wu = np.uint64(w)
+                    a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
+                    if a0 >= _HIGH:
+                        a0 %= _P0
+                    a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
+                    if a1 >= _HIGH:
+                        a1 %= _P1
+                    if lanes == 3:
+                        a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
+                        if a2 >= _HIGH:
+                            a2 %= _P2
+                k += 1
+                if k == end:
+                    break
+        lane_out[b, 0] = a0 % _P0
+        lane_out[b, 1] = a1 % _P1
+        lane_out[b, 2] = a2 % _P2
+
+
+def diff_offsets(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums (int64, one more than the blocks) of differing elements."""
+    counts = np.zeros(-(-old.shape[0] // BLOCK), dtype=np.int64)
+    if counts.shape[0]:
+        with _LOCK:
+            _diff_count(old, new, counts)
+    offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
+
+
+def diff_fill(
+    old: np.ndarray,
+    new: np.ndarray,
+    offsets: np.ndarray,
+    base: int,
+    out: tuple[np.ndarray, np.ndarray, np.ndarray],
+    table: np.ndarray,
+    lanes: int,
+) -> tuple[int, ...]:
+    """Fill ``out`` = (positions + ``base``, new bits, old ^ new bits), sized by ``offsets``.
+
+    An empty new or xor array is skipped. Returns the lane deltas ``sum (g(new) - g(old))
+    * r`` (``lanes`` 0: none).
+    """
+    lane_out = np.zeros((offsets.shape[0] - 1, 3), dtype=np.uint64)
+    if int(offsets[-1]):
+        with _LOCK:
+            _diff_fill(old, new, offsets, base, out[0], out[1], out[2], lanes, table, lane_out)
+    return _finish_lanes(lane_out, lanes) if lanes else ()
+
+
+# --- fused apply -----------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+    n = flat.shape[0]
+    m = pos.shape[0]
+    for c in prange(lane_out.shape[0]):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, m)
+        a0 = _ZERO
+        a1 = _ZERO
+        a2 = _ZERO
+        for j in range(lo, hi):
+            i = pos[j] - base
+            if i < 0 or i >= n:  # unsorted input past a checked first/last: never write
+                bad[c] = 1
+                continue
+            b = flat[i]
+            a = b ^ values[j] if is_xor else values[j]
+            flat[i] = a
+            before[j] = b
+            if lanes:
+                r = np.uint64(pos[j] & _MASK30) + _ONE
+                bu = np.uint64(b)
+                au = np.uint64(flat[i])
+                a0 += (_g(au, 0, table) + _P0 - _g(bu, 0, table)) * r
+                if a0 >= _HIGH:
+                    a0 %= _P0
+                a1 += (_g(au, 1, table) + _P1 - _g(bu, 1, table)) * r
+                if a1 >= _HIGH:
+                    a1 %= _P1
+                if lanes == 3:
+                    a2 += (_g(au, 2, table) + _P2 - _g(bu, 2, table)) * r
+                    if a2 >= _HIGH:
+                        a2 %= _P2
+        lane_out[c, 0] = a0 % _P0
+        lane_out[c, 1] = a1 % _P1
+        lane_out[c, 2] = a2 % _P2
+
+
+def apply(
+    flat: np.ndarray,
+    pos: np.ndarray,
+    values: np.ndarray,
+    base: int,
+    is_xor: bool,
+    before: np.ndarray,
+    table: np.ndarray,
+    lanes: int,
+) -> tuple[bool, tuple[int, ...]]:
+    """In place ``flat[p - base] ^= v`` or ``= v``; the old bits into ``before``.
+
+    Returns (all positions were in range, lane deltas). Out-of-range positions are
+    skipped, never written.
+    """
+    chunks = -(-pos.shape[0] // _CHUNK)
+    lane_out = np.zeros((chunks, 3), dtype=np.uint64)
+    bad = np.zeros(chunks, dtype=np.uint8)
+    if chunks:
+        with _LOCK:
+            _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
+    return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
+
+
+# --- Rice ------------------------------------------------------------------------------
+
+
+@njit(cache=True)
+def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
+    """One pass over sorted positions: sum(gap >> k) for k in [klo, khi], and the runs."""
+    n = pos.shape[0]
+    prev = -1
+    runs = 0
+    run = 0
+    longest = 0
+    widest = 0
+    for i in range(n):
+        gap = pos[i] - prev - 1
+        prev = pos[i]
+        for k in range(klo, khi + 1):
+            sums[k - klo] += gap >> k
+        if i == 0 or gap != 0:
+            runs += 1
+            run = 1
+        else:
+            run += 1
+        longest = max(longest, run)
+        widest = max(widest, gap)
+    return runs, widest, longest
+
+
+def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, int, int]:
+    """(sum of gap >> k for k in [klo, khi], runs, largest gap, longest run) of positions."""
+    sums = np.zeros(khi - klo + 1, dtype=np.int64)
+    runs, widest, longest = _rice_stats(pos, klo, khi, sums)
+    return sums, int(runs), int(widest), int(longest)
+
+
+@njit(cache=True, inline="always")
+def _put(out, at, acc, held, value, bits):  # type: ignore[no-untyped-def]
+    """Append ``bits`` (<= 32) bits of ``value`` MSB first; flush whole bytes."""
+    acc = (acc << np.uint64(bits)) | np.uint64(value)
+    held += bits
+    while held >= 8:
+        held -= 8
+        out[at] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
+        at += 1
+    return at, acc, held
+
+
+@njit(cache=True)
+def _rice_encode(pos, k, unary_len, out):  # type: ignore[no-untyped-def]
+    n = pos.shape[0]
+    prev = -1
+    cursor = 0
+    for i in range(n):
+        gap = pos[i] - prev - 1
+        prev = pos[i]
+        cursor += gap >> k
+        out[cursor >> 3] |= np.uint8(0x80 >> (cursor & 7))
+        cursor += 1
+    if k == 0:
+        return
+    mask = (1 << k) - 1
+    at = unary_len
+    acc = _ZERO
+    held = 0
+    prev = -1
+    for i in range(n):
+        gap = pos[i] - prev - 1
+        prev = pos[i]
+        rem = gap & mask
+        if k > 32:
+            at, acc, held = _put(out, at, acc, held, rem >> 32, k - 32)
+            at, acc, held = _put(out, at, acc, held, rem & 0xFFFFFFFF, 32)
+        else:
+            at, acc, held = _put(out, at, acc, held, rem, k)
+    if held:
+        out[at] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
+
+
+def rice_encode(pos: np.ndarray, k: int, unary_len: int, rem_len: int) -> bytes:
+    """Unary bytes then remainder bytes of sorted positions (the header is the caller's)."""
+    out = np.zeros(unary_len + rem_len, dtype=np.uint8)
+    if pos.shape[0]:
+        _rice_encode(pos, k, unary_len, out)
+    return out.tobytes()
+
+
+_LZ8 = np.array([8] + [8 - int(b).bit_length() for b in range(1, 256)], dtype=np.int64)
+
+
+@njit(cache=True)
+def _rice_decode(body, unary_len, count, k, numel, lz8, out_pos, out_gaps, cumulative):  # type: ignore[no-untyped-def]
+    """Decode ``count`` gaps; 0 when the stream is valid, else a non-zero code.
+
+    The codes cover every check of ``rice_gaps`` after its header checks (terminator
+    count, trailing bytes, quotient bound) and, with ``cumulative``, those of ``_finish``
+    (strictly increasing, no wrap-around, in range).
+    """
+    qmax = numel >> k
+    unumel = np.uint64(numel)
+    prev_one = -1
+    i = 0
+    rbit = unary_len * 8
+    prev_end = _ZERO
+    for bi in range(unary_len):
+        byte = np.int64(body[bi])
+        while byte != 0:
+            lz = lz8[byte]
+            byte ^= 0x80 >> lz
+            t = bi * 8 + lz
+            q = t - prev_one - 1
+            prev_one = t
+            if i == count:
+                return 1
+            if k:
+                if q > qmax:
+                    return 3
+                rem = 0
+                need = k
+                while need > 0:
+                    avail = 8 - (rbit & 7)
+                    take = min(avail, need)
+                    bits = (np.int64(body[rbit >> 3]) >> (avail - take)) & ((1 << take) - 1)
+                    rem = (rem << take) | bits
+                    need -= take
+                    rbit += take
+                gap = (q << k) | rem  # <= 2^63 - 1: q <= numel >> k and numel < 2^63
+            else:
+                gap = q
+            if cumulative:
+                end = prev_end + np.uint64(gap) + _ONE
+                if end <= prev_end or end > unumel:
+                    return 4
+                out_pos[i] = np.int64(end - _ONE)
+                prev_end = end
+            else:
+                out_gaps[i] = gap
+            i += 1
+    if i != count:
+        return 1
+    if unary_len != prev_one // 8 + 1:
+        return 2
+    return 0
+
+
+def rice_decode(
+    body: np.ndarray, unary_len: int, count: int, k: int, numel: int, *, positions: bool
+) -> np.ndarray | None:
+    """Positions (int64, ``positions``) or gaps (uint64) of a Rice body; None if invalid."""
+    out_pos = np.empty(count if positions else 0, dtype=np.int64)
+    out_gaps = np.empty(0 if positions else count, dtype=np.uint64)
+    code = _rice_decode(body, unary_len, count, k, numel, _LZ8, out_pos, out_gaps, positions)
+    if code:
+        return None
+    return out_pos if positions else out_gaps
