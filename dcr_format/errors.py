@@ -8,6 +8,7 @@ Messages are one line and say what to do.
 from __future__ import annotations
 
 __all__ = [
+    "AliasedTensorError",
     "ApplyError",
     "BaselineMismatchError",
     "CapabilityError",
@@ -29,11 +30,17 @@ __all__ = [
     "ObjectTooLargeError",
     "OverwriteRequiredError",
     "PositionsError",
+    "ReservedNameError",
     "SchemaError",
     "ShardError",
+    "StalePreparedError",
     "StoreError",
     "StoreNotInitializedError",
+    "TargetBusyError",
+    "TargetChangedError",
     "TargetError",
+    "TargetLayoutError",
+    "TargetUnreadableError",
     "UnsupportedDtypeError",
     "UnsupportedFeatureError",
     "UnsupportedVersionError",
@@ -180,3 +187,33 @@ class OverwriteRequiredError(TargetError):
 
 class ApplyError(DcrError, RuntimeError):
     """Applying a version failed; the target was rolled back to its previous version."""
+
+
+class StalePreparedError(DcrError, RuntimeError):
+    """A prepared version no longer fits its target (the target moved since, or the version
+    was prepared by another reader): prepare it again."""
+
+
+class TargetBusyError(TargetError):
+    """Another sync holds the target directory's lock (its pid and host are in the message)."""
+
+
+class TargetChangedError(TargetError):
+    """Another sync moved the target to a new version while this one was planning."""
+
+
+class TargetLayoutError(TargetError):
+    """The target path or its sidecar is not laid out as dcr keeps it (e.g. a linked sidecar)."""
+
+
+class TargetUnreadableError(TargetError):
+    """The target's files cannot be read or written (state file, safetensors, permissions)."""
+
+
+class AliasedTensorError(TargetError):
+    """Two tensors of a dict target share storage without being the same view (tied weights
+    that overlap partially), so an in-place change through one would corrupt the other."""
+
+
+class ReservedNameError(DcrError, ValueError):
+    """A tensor name is reserved (``__metadata__`` is the safetensors header key)."""

@@ -89,8 +89,8 @@ def reader(rank: int, world: int, work: Path, root: str, leader: int, poison: in
         if rank == poison:
             tensors[name].view(-1)[0] += 1.0
         before = {n: t.clone() for n, t in tensors.items()}
-        try:
-            r.sync()
+        try:  # an edit at a position no delta touches: only an audit reads it (FORMAT.md §11.3)
+            r.sync(audit=True)
             out["poisoned"] = None
         except DcrError as exc:
             out["poisoned"] = type(exc).__name__

@@ -41,6 +41,11 @@ class ReaderGroup:
         """A reader that agrees with nobody."""
         return cls(None, solo=True, before_agreeing=before_agreeing)
 
+    @property
+    def alone(self) -> bool:
+        """Whether this reader agrees with nobody (no process group)."""
+        return self._solo
+
     def _dist(self) -> Any:
         import torch.distributed as dist
 

@@ -8,7 +8,7 @@ import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -34,11 +34,13 @@ from dcr_format.errors import (
     ApplyError,
     BaselineMismatchError,
     ChainBrokenError,
+    DcrError,
     FingerprintMismatchError,
     GroupAbortError,
     IntegrityError,
     SchemaError,
     ShardError,
+    StalePreparedError,
     StoreError,
     TargetError,
     VersionNotFoundError,
@@ -53,13 +55,19 @@ from dcr_format.schema import Entry, Manifest, ReaderRecord
 from dcr_format.store import Store, open_store
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
+AUDIT_EVERY = 100  # syncs between full audits of the resident bits (FORMAT.md §11.3)
+AUDIT_SECONDS = 3600.0  # and at least this often
 _READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _log = logging.getLogger(__name__)
 
 
 class SyncResult(BaseModel):
-    """What one :meth:`DeltaReader.sync` did.
+    """What one :meth:`DeltaReader.sync` (or :meth:`DeltaReader.apply`) did.
 
+    ``fetch_seconds`` is the preparation (fetch, verify, decode: the engine may keep
+    generating meanwhile), ``apply_seconds`` the pause (checking and changing the target).
+    ``audited``: the sync read every selected resident tensor in full before applying
+    (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
     fingerprints the target could not check because it cannot read them back in
     canonical coordinates (a module whose loader transforms them, FORMAT.md §8.4).
@@ -73,6 +81,7 @@ class SyncResult(BaseModel):
     payload_bytes: int
     fetch_seconds: float
     apply_seconds: float
+    audited: bool = False
     unverified: tuple[str, ...] = ()
 
 
@@ -87,15 +96,38 @@ class _Step:
 
 
 @dataclass(frozen=True)
-class _Prepared:
-    """A sync's plan, fetched and decoded, before anything is applied."""
+class PreparedVersion:
+    """A version fetched, verified and decoded for one reader's target, not yet applied.
 
-    steps: list[_Step]
-    payload: int
-    plan: list[int]
-    incremental: bool
+    Made by :meth:`DeltaReader.prepare` without touching the target; applied by
+    :meth:`DeltaReader.apply`, or simply dropped. ``version`` is the version it
+    reaches, ``previous`` the resident version it was prepared against.
+    """
+
+    version: int
     previous: int | None
+    plan: tuple[int, ...]
+    payload_bytes: int
     fetch_seconds: float
+    _reader: int = field(repr=False)  # id() of the reader that made it
+    _resident: Resident | None = field(repr=False)
+    _steps: tuple[_Step, ...] = field(repr=False, default=())
+    _incremental: bool = field(repr=False, default=False)
+    _parent_table: dict[str, TensorState] | None = field(repr=False, default=None)
+
+
+@dataclass
+class _Verified:
+    """Lanes the reader verified when it committed its last version (FORMAT.md §11.3).
+
+    Valid while the target still reports ``resident``: the reader then trusts them as
+    the resident bits' lanes instead of reading every changed tensor again.
+    """
+
+    resident: Resident
+    lanes: dict[str, tuple[int, ...]]  # as the target reads them (its part, for a TP rank)
+    syncs: int = 0  # syncs since the last full audit
+    audited: float = field(default_factory=time.monotonic)
 
 
 class DeltaReader:
@@ -104,10 +136,18 @@ class DeltaReader:
     ``select`` limits the reader to the canonical names it returns True for (a
     partial target, such as one writer rank's baseline). ``verify`` is
     ``"touched"`` (check fingerprints of tensors a sync changes, before and after)
-    or ``"all"`` (every selected tensor). ``reader_id`` names the reader record
-    (``readers/<reader_id>.json``) in which the reader tells writers the tensors its
-    target can take only as ``overwrite`` (a module whose loader casts or scales
-    them); without it such a record is named after its content.
+    or ``"all"`` (read every selected tensor in full at every sync). With
+    ``"touched"`` a long-lived reader checks the bits before a change against the
+    lanes it verified when it committed the resident version, so a sync costs
+    O(changed elements); it reads every selected resident tensor in full (an audit)
+    at its first sync, every ``audit_every`` syncs, after ``audit_seconds``, and
+    when asked (``sync(audit=True)``, :meth:`audit`). FORMAT.md §11.3 and the README
+    say what each mode detects.
+
+    ``reader_id`` names the reader record (``readers/<reader_id>.json``) in which the
+    reader tells writers the tensors its target can take only as ``overwrite`` (a
+    module whose loader casts or scales them); without it such a record is named
+    after its content.
     """
 
     def __init__(
@@ -121,11 +161,17 @@ class DeltaReader:
         max_shard_bytes: int = MAX_SHARD_DECODED_BYTES,
         group: Any = None,
         reader_id: str | None = None,
+        audit_every: int | None = AUDIT_EVERY,
+        audit_seconds: float | None = AUDIT_SECONDS,
     ) -> None:
         if verify not in ("touched", "all"):
             raise ValueError("verify must be 'touched' or 'all'")
         if reader_id is not None and not _READER_ID.match(reader_id):
             raise ValueError(f"reader_id {reader_id!r} must match {_READER_ID.pattern}")
+        if audit_every is not None and audit_every < 1:
+            raise ValueError("audit_every must be a positive number of syncs (or None)")
+        if audit_seconds is not None and audit_seconds < 0:
+            raise ValueError("audit_seconds must be zero or more (or None)")
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.target = target
@@ -133,6 +179,8 @@ class DeltaReader:
         self.verify = verify
         self.max_workers = max_workers
         self.max_shard_bytes = max_shard_bytes
+        self.audit_every = audit_every
+        self.audit_seconds = audit_seconds
         # ranks sharing the target stage, verify and apply together (all or none)
         # a RelayStore (readers/relay.py) closes its epoch wherever the ranks agree
         epoch = getattr(self.store, "end_epoch", None)
@@ -142,6 +190,7 @@ class DeltaReader:
             else ReaderGroup(group, before_agreeing=epoch)
         )
         self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
+        self._verified: _Verified | None = None
         self.reader_id = reader_id
         self._recorded: tuple[str, frozenset[str]] | None = None  # last reader record written
 
@@ -174,44 +223,100 @@ class DeltaReader:
             "compact the chain or pick a newer version"
         )
 
-    def sync(self, to: int | None = None) -> SyncResult:
+    def sync(self, to: int | None = None, *, audit: bool = False) -> SyncResult:
         """Bring the target to version ``to`` (default: the newest committed version).
 
-        Everything is fetched and verified before the target is touched; a failure
-        during the apply rolls every change back. In a reader group every rank
-        syncs to the same version, and all ranks apply it or none does.
+        :meth:`prepare` then :meth:`apply`: everything is fetched and verified before
+        the target is touched; a failure during the apply rolls every change back. In
+        a reader group every rank syncs to the same version, and all ranks apply it or
+        none does. ``audit`` reads every selected resident tensor in full first.
+        """
+        return self.apply(self.prepare(to), audit=audit)
+
+    def prepare(self, to: int | None = None) -> PreparedVersion:
+        """Fetch, verify and decode everything for version ``to`` (default: the newest)
+        without touching the target; :meth:`apply` then makes the change (the pause).
+
+        A rollout engine keeps generating while this runs. A prepared version that is not
+        applied is simply dropped. In a reader group every rank prepares together.
         """
         committed = self.chain.versions()
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)
-        prepared: _Prepared | None = None
+        started = time.perf_counter()
         with self.group.stage("fetching and verifying"):
-            prepared = self._prepare(goal, committed)
+            prepared = self._prepare(goal, committed, started)
             self._record_overwrites()  # what the target learnt while staging (FORMAT.md §3.6)
-        if prepared is None:  # already there; still take part in the group's stages
+        return prepared
+
+    def apply(self, prepared: PreparedVersion, *, audit: bool = False) -> SyncResult:
+        """Apply a version made by :meth:`prepare`: check the target, change it, verify.
+
+        Raises :class:`StalePreparedError` (nothing changed) when the target no longer
+        holds the version it was prepared against. ``audit`` as in :meth:`sync`.
+        """
+        if prepared._reader != id(self):
+            raise StalePreparedError(
+                "this version was prepared by another DeltaReader; prepare it with this one"
+            )
+        resident = self._resident()
+        if _version_of(resident) != _version_of(prepared._resident):
+            raise StalePreparedError(
+                f"the target moved from version {prepared.previous} to "
+                f"{_version_of(resident)[1]} since version {prepared.version} was prepared; "
+                "prepare it again"
+            )
+        if not prepared._steps:  # already there; still take part in the group's stages
             with self.group.stage("checking its target"):
                 pass
             with self.group.stage("applying"):
                 pass
             return SyncResult(
-                version=goal,
-                previous=goal,
+                version=prepared.version,
+                previous=prepared.previous,
                 applied_versions=(),
                 payload_bytes=0,
-                fetch_seconds=0.0,
+                fetch_seconds=prepared.fetch_seconds,
                 apply_seconds=0.0,
             )
         started = time.perf_counter()
-        unverified = self._apply(prepared.steps, self.target.resident(), prepared.incremental)
+        audited = self._audit_due(resident, audit)
+        unverified = self._apply(prepared, audited)
         return SyncResult(
-            version=goal,
+            version=prepared.version,
             previous=prepared.previous,
-            applied_versions=tuple(prepared.plan),
-            payload_bytes=prepared.payload,
+            applied_versions=prepared.plan,
+            payload_bytes=prepared.payload_bytes,
             fetch_seconds=prepared.fetch_seconds,
             apply_seconds=time.perf_counter() - started,
+            audited=audited,
             unverified=tuple(sorted(unverified)),
         )
+
+    def audit(self) -> tuple[str, ...]:
+        """Read every selected resident tensor in full and check it against the resident
+        version's fingerprints, without changing anything; refreshes the lanes later syncs
+        rely on. Raises :class:`BaselineMismatchError` naming the first tensor changed
+        outside dcr. Returns the names the target cannot read back (unverified).
+        """
+        resident = self._resident()
+        if resident is None:
+            raise VersionNotFoundError("the target holds no version yet; sync it first")
+        loaded = self._resident_record(resident)
+        table = self._table_of(loaded)
+        txn = self._begin()
+        try:
+            with self.group.stage("auditing its target"):
+                names = sorted(
+                    n
+                    for n, row in table.items()
+                    if self._wants(n, row.dtype, row.shape) and n in txn.names()
+                )
+                raw, unverified = self._read_and_check(txn, names, table, resident.version)
+        finally:
+            txn.abort()
+        self._verified = _Verified(resident, raw)
+        return tuple(sorted(unverified))
 
     def prewarm(self, version: int | None = None) -> frozenset[str]:
         """Learn how the target takes every tensor of ``version`` (default: the newest)
@@ -258,10 +363,49 @@ class DeltaReader:
             return
         self._recorded = (reader_id, names)
 
-    def _prepare(self, goal: int, committed: list[int]) -> _Prepared | None:
-        """Plan and fetch everything for ``goal``; None when the target is already there."""
+    def _resident(self) -> Resident | None:
+        """The target's resident version; any failure to read it is a :class:`TargetError`."""
+        try:
+            return self.target.resident()
+        except DcrError:
+            raise
+        except Exception as exc:
+            raise TargetError(
+                f"could not read the target's resident version ({exc}); "
+                "repair or remove the target and pull again"
+            ) from exc
+
+    def _begin(self) -> Transaction:
+        """Open a transaction; any failure to open it is a :class:`TargetError`."""
+        try:
+            return self.target.begin()
+        except DcrError:
+            raise
+        except Exception as exc:
+            raise TargetError(
+                f"could not open the target ({exc}); repair or remove the target and pull again"
+            ) from exc
+
+    def _resident_record(self, resident: Resident) -> LoadedRecord:
+        """The resident version's commit record, checked against the one the target applied."""
+        loaded = self.chain.record(resident.version)
+        if resident.record_sha256 is not None and resident.record_sha256 != loaded.sha256:
+            raise ChainBrokenError(
+                f"the commit record of version {resident.version} is not the one the target "
+                "applied (was it rewritten by a second writer?); run `dcr verify` on the "
+                "store and pull into a fresh target"
+            )
+        return loaded
+
+    def _table_of(self, loaded: LoadedRecord) -> dict[str, TensorState]:
+        if self._last_table is not None and self._last_table[0] == loaded.sha256:
+            return self._last_table[1]
+        return state_table(self.chain.manifests(loaded))
+
+    def _prepare(self, goal: int, committed: list[int], started: float) -> PreparedVersion:
+        """Plan and fetch everything for ``goal`` (nothing when the target is already there)."""
         header = self.chain.header
-        resident = self.target.resident()
+        resident = self._resident()
         if resident is not None and resident.chain_id != header.chain_id:
             raise TargetError(
                 f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
@@ -273,7 +417,7 @@ class DeltaReader:
             raise VersionNotFoundError(f"version {goal} is not committed in {self.store.url}")
         previous = resident.version if resident is not None else None
         if previous == goal:
-            return None
+            return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         if previous is not None and previous > goal:
             raise TargetError(
                 f"the target is at version {previous}, newer than {goal}; "
@@ -286,23 +430,35 @@ class DeltaReader:
             and plan[0] == resident.version + 1
             and resident.version in set(committed)
         )
-        started = time.perf_counter()
-        steps, payload = self._fetch(plan, resident if incremental else None, alternative)
-        return _Prepared(steps, payload, plan, incremental, previous, time.perf_counter() - started)
+        steps, payload, parent_table = self._fetch(
+            plan, resident if incremental else None, alternative
+        )
+        return PreparedVersion(
+            goal,
+            previous,
+            tuple(plan),
+            payload,
+            time.perf_counter() - started,
+            id(self),
+            resident,
+            tuple(steps),
+            incremental,
+            parent_table,
+        )
 
     # --- fetch and stage ---------------------------------------------------------------------
 
     def _fetch(
         self, plan: list[int], resident: Resident | None, alternative: int | None = None
-    ) -> tuple[list[_Step], int]:
+    ) -> tuple[list[_Step], int, dict[str, TensorState] | None]:
+        """Fetch, validate and decode every version of the plan; the third item is the
+        resident version's table (incremental plans), which audits check against."""
         parent: LoadedRecord | None = None
         parent_table: dict[str, TensorState] | None = None
         if resident is not None and plan[0] == resident.version + 1:
-            parent = self.chain.record(resident.version)
-            if self._last_table is not None and self._last_table[0] == parent.sha256:
-                parent_table = self._last_table[1]
-            else:
-                parent_table = state_table(self.chain.manifests(parent))
+            parent = self._resident_record(resident)
+            parent_table = self._table_of(parent)
+        resident_table = parent_table
         steps: list[_Step] = []
         payload = 0
         with ThreadPoolExecutor(self.max_workers) as pool:
@@ -336,61 +492,107 @@ class DeltaReader:
                 is_base = version == alternative or loaded.record.kind == "base"
                 steps.append(_Step(loaded, table, changes, is_base))
                 parent, parent_table = loaded, table
-        return steps, payload
+        return steps, payload, resident_table
 
     def _decode_version(
         self, manifests: list[Manifest], pool: ThreadPoolExecutor
     ) -> tuple[list[tuple[Entry, DecodedDelta]], int]:
-        jobs = []
-        for manifest in manifests:
-            wanted = [
-                e
-                for e in manifest.entries
-                if e.changed > 0 and self._wants(e.name, e.dtype, tuple(e.shape))
-            ]
-            needed = sorted(
-                {ref.shard for e in wanted for ref in (e.positions, e.values) if ref is not None}
-            )
-            for index in needed:
-                jobs.append((manifest, index))
+        """Fetch, verify and decode the shards of one version in parallel.
 
-        def load(job: tuple[Manifest, int]) -> tuple[tuple[int, int], dict[str, memoryview], int]:
-            manifest, index = job
-            ref = manifest.shards[index]
+        Each worker fetches one shard, checks it and decodes the entries whose streams
+        all lie in it, then drops the shard's bytes; entries spread over several shards
+        (which writers do not produce) are decoded once every shard is in.
+        """
+        wanted: list[tuple[Manifest, Entry]] = [
+            (m, e) for m in manifests for e in m.entries if self._wants(e.name, e.dtype, e.shape)
+        ]
+        by_shard: dict[tuple[int, int], list[int]] = {}
+        spread: list[int] = []
+        for index, (manifest, entry) in enumerate(wanted):
+            if entry.changed == 0:
+                continue
+            shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
+            if len(shards) == 1:
+                by_shard.setdefault((manifest.rank, shards.pop()), []).append(index)
+            else:
+                spread.append(index)
+        needed = set(by_shard)
+        for index in spread:
+            manifest, entry = wanted[index]
+            for ref in (entry.positions, entry.values):
+                if ref is not None:
+                    needed.add((manifest.rank, ref.shard))
+        ranks = {m.rank: m for m in manifests}
+        spread_keys = {
+            (wanted[i][0].rank, ref.shard)
+            for i in spread
+            for ref in (wanted[i][1].positions, wanted[i][1].values)
+            if ref is not None
+        }
+        decoded: dict[int, DecodedDelta] = {}
+
+        def load(key: tuple[int, int]) -> tuple[dict[str, memoryview] | None, int]:
+            manifest = ranks[key[0]]
+            ref = manifest.shards[key[1]]
             if ref.decoded_size > self.max_shard_bytes:
                 raise ShardError(
                     f"{ref.path} declares {ref.decoded_size} decoded bytes, over the "
                     f"{self.max_shard_bytes} limit; the manifest is hostile or raise the limit"
                 )
             stored = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
-            return (
-                (manifest.rank, index),
-                decode_shard(stored, decoded_size=ref.decoded_size),
-                ref.size,
-            )
+            streams = {key: decode_shard(stored, decoded_size=ref.decoded_size)}
+            for index in by_shard.get(key, ()):
+                manifest, entry = wanted[index]
+                decoded[index] = _decode_entry(entry, manifest, streams)
+            return (streams[key] if key in spread_keys else None), ref.size
 
-        streams: dict[tuple[int, int], dict[str, memoryview]] = {}
+        kept: dict[tuple[int, int], dict[str, memoryview]] = {}
         nbytes = 0
-        for key, decoded, size in pool.map(load, jobs):
-            streams[key] = decoded
+        order = sorted(needed)
+        for key, (streams, size) in zip(order, pool.map(load, order), strict=True):
             nbytes += size
-        changes = []
-        for manifest in manifests:
-            for entry in manifest.entries:
-                if not self._wants(entry.name, entry.dtype, tuple(entry.shape)):
-                    continue
-                changes.append((entry, _decode_entry(entry, manifest, streams)))
+            if streams is not None:
+                kept[key] = streams
+        for index in spread:
+            manifest, entry = wanted[index]
+            decoded[index] = _decode_entry(entry, manifest, kept)
+        changes = [
+            (entry, decoded[i] if entry.changed else _decode_entry(entry, manifest, {}))
+            for i, (manifest, entry) in enumerate(wanted)
+        ]
         return _merge_pieces(changes, manifests), nbytes
 
     # --- verify and apply ---------------------------------------------------------------------
 
-    def _apply(self, steps: list[_Step], resident: Resident | None, incremental: bool) -> set[str]:
+    def _audit_due(self, resident: Resident | None, asked: bool) -> bool:
+        """Whether this sync reads the resident bits in full instead of trusting the lanes
+        verified at the previous sync (FORMAT.md §11.3)."""
+        known = self._verified
+        if asked or self.verify == "all" or known is None:
+            return True
+        if _version_of(known.resident) != _version_of(resident):
+            return True
+        if self.audit_every is not None and known.syncs + 1 >= self.audit_every:
+            return True
+        return (
+            self.audit_seconds is not None
+            and time.monotonic() - known.audited >= self.audit_seconds
+        )
+
+    def _apply(self, prepared: PreparedVersion, audited: bool) -> set[str]:
         """Apply the staged steps; returns the names the target could not verify."""
-        txn = self.target.begin()
+        steps = list(prepared._steps)
+        incremental = prepared._incremental
+        known = None if audited else self._verified
+        self._verified = None  # dropped on any failure; set again only on commit
+        txn = self._begin()
         undo: list[Callable[[], None]] = []
+        trusted: set[str] = set()  # names whose resident lanes came from the last sync
         try:
             with self.group.stage("checking its target"):
-                lanes, unverified = self._check_baseline(steps, txn, incremental)
+                lanes, unverified, trusted = self._check_baseline(
+                    steps, txn, incremental, prepared._parent_table if audited else None, known
+                )
                 txn.prepare(
                     [
                         Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
@@ -398,7 +600,7 @@ class DeltaReader:
                         for e, d in step.changes
                     ]
                 )
-            touched = set(lanes)
+            touched = set(lanes)  # the names deltas change (their lanes follow the change)
             with self.group.stage("applying"):
                 for step in steps:
                     if step.base or not incremental:
@@ -420,92 +622,203 @@ class DeltaReader:
                         else:
                             # the fingerprint follows the change (O(changed)), from the bits
                             # read back from the target
-                            known = lanes.get(entry.name)
+                            before = lanes.get(entry.name)
                             lanes[entry.name] = (
                                 None
-                                if known is None or applied.positions is None
+                                if before is None or applied.positions is None
                                 else lanes_after_change(
-                                    known, applied.positions, applied.before, applied.after
+                                    before, applied.positions, applied.before, applied.after
                                 )
                             )
                         touched.add(entry.name)
-                final = steps[-1].table
-                # tensors a later base removed are gone, not checked
-                selected = {n for n, row in final.items() if self._wants(n, row.dtype, row.shape)}
-                check = selected if self.verify == "all" else touched & selected
-                mismatch = (
-                    "after applying; the target was rolled back: run `dcr verify` on the store"
-                )
-                found: dict[str, tuple[int, ...]] = {}
-                for name in sorted(check):
-                    row = final[name]
-                    spec = txn.spec(name)
-                    if spec != (info_for(row.dtype).torch_dtype, row.shape):
-                        raise FingerprintMismatchError(
-                            f"tensor {name!r} does not match version "
-                            f"{steps[-1].loaded.record.version} {mismatch}"
-                        )
-                    raw = txn.lanes(name) if self.verify == "all" else lanes.get(name)
-                    if raw is None:
-                        unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
-                    else:
-                        found[name] = raw
-                complete = txn.complete_lanes(found)
-                for name in sorted(found):
-                    row = final[name]
-                    whole = complete.get(name)
-                    if whole is None:
-                        unverified.add(name)
-                        continue
-                    dtype = info_for(row.dtype).torch_dtype
-                    if fingerprint_from_lanes(dtype, row.shape, whole) != row.fingerprint:
-                        raise FingerprintMismatchError(
-                            f"tensor {name!r} does not match version "
-                            f"{steps[-1].loaded.record.version} {mismatch}"
-                        )
-                extra = sorted(n for n in txn.names() if self.select(n) and n not in final)
-                if extra:  # FORMAT.md 11.4.3: the target holds exactly the goal's selected names
-                    raise TargetError(
-                        f"the target holds {len(extra)} tensors that version "
-                        f"{steps[-1].loaded.record.version} lacks (first: {extra[0]!r}); remove "
-                        "them, pass select= to leave them alone, or pull into a fresh target"
-                    )
+                found = self._verify_goal(steps, txn, lanes, touched, unverified)
             last = steps[-1].loaded
-            txn.commit(Resident(last.record.chain_id, last.record.version))
-            self._last_table = (last.sha256, final)
+            final = steps[-1].table
+            txn.commit(Resident(last.record.chain_id, last.record.version, last.sha256))
         except BaseException as exc:
             for undo_change in reversed(undo):
                 undo_change()
+            if isinstance(exc, FingerprintMismatchError) and trusted:
+                exc = self._diagnose(exc, txn, trusted, prepared)
             txn.abort()
             if isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
-                raise
+                raise exc
             if isinstance(exc, Exception):
                 raise ApplyError(f"applying failed and was rolled back: {exc}") from exc
             raise
+        self._last_table = (last.sha256, final)
+        self._remember(prepared, final, found, touched, known)
         return unverified
 
+    def _verify_goal(
+        self,
+        steps: list[_Step],
+        txn: Transaction,
+        lanes: dict[str, tuple[int, ...] | None],
+        touched: set[str],
+        unverified: set[str],
+    ) -> dict[str, tuple[int, ...]]:
+        """Check the goal's fingerprints (§11.4 step 3); returns the lanes it verified, as
+        the target reads them."""
+        final = steps[-1].table
+        version = steps[-1].loaded.record.version
+        # tensors a later base removed are gone, not checked
+        selected = {n for n, row in final.items() if self._wants(n, row.dtype, row.shape)}
+        check = selected if self.verify == "all" else touched & selected
+        mismatch = "after applying; the target was rolled back: run `dcr verify` on the store"
+        found: dict[str, tuple[int, ...]] = {}
+        for name in sorted(check):
+            row = final[name]
+            if txn.spec(name) != (info_for(row.dtype).torch_dtype, row.shape):
+                raise FingerprintMismatchError(
+                    f"tensor {name!r} does not match version {version} {mismatch}"
+                )
+            raw = txn.lanes(name) if self.verify == "all" else lanes.get(name)
+            if raw is None:
+                unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
+            else:
+                found[name] = raw
+        complete = txn.complete_lanes(found)
+        for name in sorted(found):
+            row = final[name]
+            whole = complete.get(name)
+            if whole is None:
+                unverified.add(name)
+                continue
+            dtype = info_for(row.dtype).torch_dtype
+            if fingerprint_from_lanes(dtype, row.shape, whole) != row.fingerprint:
+                raise FingerprintMismatchError(
+                    f"tensor {name!r} does not match version {version} {mismatch}"
+                )
+        for name in [n for n in found if complete.get(n) is None]:
+            del found[name]
+        extra = sorted(n for n in txn.names() if self.select(n) and n not in final)
+        if extra:  # FORMAT.md 11.4.3: the target holds exactly the goal's selected names
+            raise TargetError(
+                f"the target holds {len(extra)} tensors that version {version} lacks "
+                f"(first: {extra[0]!r}); remove them, pass select= to leave them alone, or "
+                "pull into a fresh target"
+            )
+        return found
+
+    def _remember(
+        self,
+        prepared: PreparedVersion,
+        final: dict[str, TensorState],
+        found: dict[str, tuple[int, ...]],
+        touched: set[str],
+        known: _Verified | None,
+    ) -> None:
+        """After a commit: the lanes the next sync may trust (FORMAT.md §11.3)."""
+        last = prepared._steps[-1].loaded
+        resident = Resident(last.record.chain_id, last.record.version, last.sha256)
+        if known is not None and prepared._incremental:
+            lanes = {n: v for n, v in known.lanes.items() if n in final and n not in touched}
+            self._verified = _Verified(resident, {**lanes, **found}, known.syncs + 1, known.audited)
+        else:  # an audit, or a plan from a base: everything held was read or written in full
+            self._verified = _Verified(resident, dict(found))
+
+    def _diagnose(
+        self,
+        exc: FingerprintMismatchError,
+        txn: Transaction,
+        trusted: set[str],
+        prepared: PreparedVersion,
+    ) -> IntegrityError:
+        """A mismatch after applying onto trusted lanes: was the target edited outside dcr?
+
+        The target is rolled back already; a solo reader reads the trusted tensors in full
+        and blames the target when they differ from the resident version.
+        """
+        table = prepared._parent_table
+        if not self.group.alone or table is None:
+            return FingerprintMismatchError(
+                f"{exc} (or the target was changed outside dcr since the last sync: "
+                "sync(audit=True) tells which)"
+            )
+        raw: dict[str, tuple[int, ...]] = {}
+        for name in sorted(trusted):
+            value = txn.lanes(name)
+            if value is not None:
+                raw[name] = value
+        complete = txn.complete_lanes(raw)
+        for name in sorted(raw):
+            row = table.get(name)
+            whole = complete.get(name)
+            if row is None or whole is None:
+                continue
+            dtype = info_for(row.dtype).torch_dtype
+            if fingerprint_from_lanes(dtype, row.shape, whole) != row.fingerprint:
+                return BaselineMismatchError(
+                    f"tensor {name!r} in the target is not the bits of version "
+                    f"{prepared.previous}; it was changed outside dcr since the last sync "
+                    "(nothing was applied): pull into a fresh target"
+                )
+        return exc
+
+    def _read_and_check(
+        self,
+        txn: Transaction,
+        names: list[str],
+        table: dict[str, TensorState],
+        version: int,
+    ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """Read ``names`` in full and check them against ``table`` (the resident version's
+        fingerprints); returns the lanes as the target read them and the unreadable names."""
+        raw: dict[str, tuple[int, ...]] = {}
+        unverified: set[str] = set()
+        for name in names:
+            row = table[name]
+            if txn.spec(name) != (info_for(row.dtype).torch_dtype, tuple(row.shape)):
+                raise BaselineMismatchError(
+                    f"the target lacks tensor {name!r} as {row.dtype}{list(row.shape)}; "
+                    "pull into a fresh target"
+                )
+            value = txn.lanes(name)
+            if value is None:
+                unverified.add(name)
+            else:
+                raw[name] = value
+        complete = txn.complete_lanes(raw)
+        for name in list(raw):
+            row = table[name]
+            whole = complete.get(name)
+            if whole is None:
+                unverified.add(name)
+                del raw[name]
+                continue
+            dtype = info_for(row.dtype).torch_dtype
+            if fingerprint_from_lanes(dtype, tuple(row.shape), whole) != row.fingerprint:
+                raise BaselineMismatchError(
+                    f"tensor {name!r} in the target is not the bits of version {version}; "
+                    "it was changed outside dcr: pull into a fresh target"
+                )
+        return raw, unverified
+
     def _check_baseline(
-        self, steps: list[_Step], txn: Transaction, incremental: bool
-    ) -> tuple[dict[str, tuple[int, ...] | None], set[str]]:
+        self,
+        steps: list[_Step],
+        txn: Transaction,
+        incremental: bool,
+        audit_table: dict[str, TensorState] | None,
+        known: _Verified | None,
+    ) -> tuple[dict[str, tuple[int, ...] | None], set[str], set[str]]:
         """Before mutating: every delta lands on exactly the bits it was made against.
 
         Returns the fingerprint lanes of every resident tensor a delta changes, as the
-        target read them (None where it cannot), and the names it could not check.
+        target read them (None where it cannot), the names it could not check, and the
+        names whose lanes it took from the previous sync (``known``) instead of reading.
+        ``audit_table`` (the resident version's table): also read and check every other
+        selected tensor the target holds.
         """
         first_seen: dict[str, Entry] = {}
-        # deltas land on the resident bits if any step changes them before a full write,
-        # not only when the first step that lists the tensor does
-        changing: set[str] = set()
-        rewritten: set[str] = set()
+        changing = _changing(steps)
         for step in steps:
             for entry, _ in step.changes:
                 first_seen.setdefault(entry.name, entry)
-                if entry.op == FULL:
-                    rewritten.add(entry.name)
-                elif entry.changed > 0 and entry.name not in rewritten:
-                    changing.add(entry.name)
         raw: dict[str, tuple[int, ...]] = {}
         unverified: set[str] = set()
+        trusted: set[str] = set()
         for name, entry in first_seen.items():
             if entry.op == FULL:
                 continue
@@ -516,6 +829,11 @@ class DeltaReader:
                     "pull into a fresh target"
                 )
             if name not in changing and self.verify != "all":
+                continue
+            cached = None if known is None else known.lanes.get(name)
+            if cached is not None:
+                raw[name] = cached
+                trusted.add(name)
                 continue
             resident = txn.lanes(name)
             if resident is None:
@@ -538,8 +856,34 @@ class DeltaReader:
                     f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
                     "pull into a fresh target"
                 )
+        if audit_table is not None and incremental:
+            held = txn.names()
+            rest = sorted(
+                n
+                for n, row in audit_table.items()
+                if n not in first_seen and n in held and self._wants(n, row.dtype, row.shape)
+            )
+            self._read_and_check(txn, rest, audit_table, steps[0].loaded.record.version - 1)
         checked: dict[str, tuple[int, ...] | None] = {n: raw.get(n) for n in changing}
-        return checked, unverified
+        return checked, unverified, trusted & changing
+
+
+def _changing(steps: list[_Step]) -> set[str]:
+    """Names a delta changes before any full write of them in the plan: those deltas land
+    on the resident bits (not only when the first step that lists the tensor does)."""
+    changing: set[str] = set()
+    rewritten: set[str] = set()
+    for step in steps:
+        for entry, _ in step.changes:
+            if entry.op == FULL:
+                rewritten.add(entry.name)
+            elif entry.changed > 0 and entry.name not in rewritten:
+                changing.add(entry.name)
+    return changing
+
+
+def _version_of(resident: Resident | None) -> tuple[str | None, int | None]:
+    return (None, None) if resident is None else (resident.chain_id, resident.version)
 
 
 def _merge_pieces(

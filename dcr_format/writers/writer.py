@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -78,6 +80,7 @@ from dcr_format.schema import (
     ShardRef,
     Stats,
     ValuesRef,
+    check_tensor_name,
     parse,
 )
 from dcr_format.store import Store, open_store
@@ -88,6 +91,7 @@ READERS_PREFIX = "readers/"
 _READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
 MAX_READER_RECORD_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 256 << 20
+_log = logging.getLogger(__name__)
 
 
 def owner(name: str, world_size: int) -> int:
@@ -165,7 +169,12 @@ class _Pending:
 
 
 class _ShardWriter:
-    """Collects entry streams into shards of bounded size and uploads each as it fills."""
+    """Collects entry streams into shards of bounded size; each full shard is compressed and
+    uploaded on a background thread while the writer encodes the next tensors.
+
+    At most one shard is in flight (the next one waits for it), so memory stays at about two
+    shards. :meth:`finish` uploads the last one and re-raises any upload failure.
+    """
 
     def __init__(
         self, store: Store, version: int, attempt: str, rank: int, limit: int, level: int
@@ -175,29 +184,54 @@ class _ShardWriter:
         self.shards: list[ShardRef] = []
         self._streams: dict[str, bytes] = {}
         self._bytes = 0
+        self._count = 0  # shards started (uploaded or in flight)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
+        self._inflight: Future[ShardRef] | None = None
 
     def add(self, key: str, data: bytes) -> int:
         """Queue a stream; returns the index of the shard it lands in."""
         self._streams[key] = data
         self._bytes += len(data)
-        return len(self.shards)
+        return self._count
 
     def maybe_flush(self) -> None:
-        """Upload the current shard once it reached the size limit."""
+        """Start uploading the current shard once it reached the size limit."""
         if self._bytes >= self.limit:
             self.flush()
 
     def flush(self) -> None:
-        """Upload the current shard, if it holds any stream."""
+        """Start uploading the current shard, if it holds any stream."""
         if not self._streams:
             return
-        stored, decoded = encode_shard(self._streams, level=self.level)
-        key = shard_key(self.version, self.attempt, self.rank, len(self.shards))
-        self.store.put(key, stored)
-        self.shards.append(
-            ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
-        )
+        self._collect()
+        streams, index = self._streams, self._count
         self._streams, self._bytes = {}, 0
+        self._count += 1
+        self._inflight = self._pool.submit(self._upload, streams, index)
+
+    def _upload(self, streams: dict[str, bytes], index: int) -> ShardRef:
+        stored, decoded = encode_shard(streams, level=self.level)
+        key = shard_key(self.version, self.attempt, self.rank, index)
+        self.store.put(key, stored)
+        return ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
+
+    def _collect(self) -> None:
+        """Wait for the shard in flight (its failure is raised here)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self.shards.append(inflight.result())
+
+    def finish(self) -> None:
+        """Upload what is left and wait for every upload."""
+        try:
+            self.flush()
+            self._collect()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the upload thread (after waiting for a shard in flight)."""
+        self._pool.shutdown(wait=True)
 
 
 class DeltaWriter:
@@ -400,6 +434,7 @@ class DeltaWriter:
 
         def owned() -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
             for name, tensor in _pairs(tensors):
+                check_tensor_name(name)  # on every rank: a reserved name fails the whole version
                 if not self.owns(name):
                     continue
                 if name in seen:
@@ -411,22 +446,28 @@ class DeltaWriter:
                 op = FULL if base else self._op_for(name, tensor, old)
                 yield (name, tensor, old), tensor, old, op
 
-        # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one
-        for (name, tensor, old), encoded in encode_stream(owned()):
-            lanes = self._lanes_after(name, tensor, old, encoded)
-            fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
-            entries.append(self._entry(name, tensor, encoded, fingerprint, len(entries), shards))
-            shards.maybe_flush()
-            pending[name] = _Pending(
-                encoded.advance, fingerprint, lanes, tensor.dtype, tuple(tensor.shape)
-            )
-        missing = sorted(set(self._baseline) - set(pending))
-        if missing and not base:
-            raise MissingTensorError(
-                f"{len(missing)} tensors of version {self._version} were not given "
-                f"(first: {missing[0]!r}); pass every tensor each step"
-            )
-        shards.flush()
+        try:
+            # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
+            # a full shard uploads on a background thread while the next tensors are coded
+            for (name, tensor, old), encoded in encode_stream(owned()):
+                lanes = self._lanes_after(name, tensor, old, encoded)
+                fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
+                entries.append(
+                    self._entry(name, tensor, encoded, fingerprint, len(entries), shards)
+                )
+                shards.maybe_flush()
+                pending[name] = _Pending(
+                    encoded.advance, fingerprint, lanes, tensor.dtype, tuple(tensor.shape)
+                )
+            missing = sorted(set(self._baseline) - set(pending))
+            if missing and not base:
+                raise MissingTensorError(
+                    f"{len(missing)} tensors of version {self._version} were not given "
+                    f"(first: {missing[0]!r}); pass every tensor each step"
+                )
+            shards.finish()
+        finally:
+            shards.close()
         manifest = Manifest(
             chain_id=self.chain.header.chain_id,
             version=version,
@@ -739,7 +780,17 @@ class DeltaWriter:
         self._version = loaded.record.version
         if self.rank == 0:
             self._table = table
-        self._save_cache()
+        try:
+            self._save_cache()
+        except Exception as exc:  # the version is committed: the cache is only an optimisation
+            self._drop_cache()
+            _log.warning(
+                "version %d is committed, but the baseline cache in %s could not be written "
+                "(%s); a restarted writer will rebuild its baseline from the store",
+                self._version,
+                self.cache_dir,
+                exc,
+            )
 
     # --- local cache ---------------------------------------------------------------------
 
@@ -765,6 +816,15 @@ class DeltaWriter:
         tmp_meta = meta_path.with_suffix(".tmp")
         tmp_meta.write_text(json.dumps(meta))
         os.replace(tmp_meta, meta_path)
+
+    def _drop_cache(self) -> None:
+        """Remove a cache that may be half written (best effort: a miss costs a replay)."""
+        paths = self._cache_paths()
+        for path in paths or ():
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     def _load_cache(self):  # type: ignore[no-untyped-def]
         """A StateDictTarget at the cached version, or None when the cache is absent or stale."""

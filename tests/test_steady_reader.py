@@ -1,0 +1,354 @@
+"""Long-lived readers: O(changed) checks in the steady state, audits, prepare then apply."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_bits, make_state, snapshot
+
+import dcr_format.readers.targets as targets_module
+from dcr_format import (
+    BaselineMismatchError,
+    ChainBrokenError,
+    DeltaReader,
+    DeltaWriter,
+    SafetensorsDirTarget,
+    StalePreparedError,
+    StateDictTarget,
+    Store,
+)
+from dcr_format.chain import Chain, commit_key, sha256_hex
+from dcr_format.codec.dtypes import bits_view
+from dcr_format.errors import ChecksumMismatchError, ReservedNameError, StoreError
+
+BF16 = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _step(state: dict[str, torch.Tensor], gen: torch.Generator, count: int = 5) -> None:
+    """Change ``count`` elements of every floating tensor (an optimizer step)."""
+    for tensor in state.values():
+        if not tensor.is_floating_point():
+            continue
+        flat = tensor.view(-1)
+        index = torch.randperm(flat.numel(), generator=gen)[:count]
+        flat[index] = flat[index] * 1.5 + 0.25
+
+
+class _CountingLanes:
+    """Counts full fingerprint passes the targets make (``Transaction.lanes``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = targets_module.tensor_lanes
+
+        def counted(tensor: torch.Tensor) -> tuple[int, ...]:
+            self.calls += 1
+            return original(tensor)
+
+        monkeypatch.setattr(targets_module, "tensor_lanes", counted)
+
+
+@pytest.fixture
+def chain(tmp_path: Path):
+    state = make_state(3)
+    writer = DeltaWriter(str(tmp_path / "store"))
+    writer.publish(state)
+    return str(tmp_path / "store"), writer, state
+
+
+def test_steady_state_syncs_do_not_reread_resident_tensors(chain, monkeypatch):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors))
+    first = reader.sync()
+    assert first.audited
+    counting = _CountingLanes(monkeypatch)
+    for _ in range(4):
+        _step(state, gen)
+        writer.publish(state)
+        result = reader.sync()
+        assert not result.audited and result.apply_seconds >= 0 and result.fetch_seconds > 0
+        assert_same_bits(tensors, state)
+    assert counting.calls == 0  # no full pass over any resident tensor
+
+
+def test_audits_run_every_n_syncs_and_when_asked(chain, monkeypatch):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(1)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors), audit_every=3)
+    seen = [reader.sync().audited]
+    for _ in range(6):
+        _step(state, gen)
+        writer.publish(state)
+        seen.append(reader.sync().audited)
+    assert seen == [True, False, False, True, False, False, True]
+    _step(state, gen)
+    writer.publish(state)
+    assert reader.sync(audit=True).audited
+    assert_same_bits(tensors, state)
+    timed = DeltaReader(url, StateDictTarget({}), audit_seconds=0.0, audit_every=None)
+    timed.sync(to=1)
+    assert timed.sync(to=2).audited
+    with pytest.raises(ValueError):
+        DeltaReader(url, StateDictTarget({}), audit_every=0)
+
+
+def _edited_reader(url, writer, state, gen, *, where: str):
+    """A reader at the newest version whose target is then edited outside dcr, and the
+    next version published; ``where`` is ``changed`` or ``unchanged`` (by that version)."""
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors))
+    reader.sync()
+    before = bits_view(state[BF16]).reshape(-1).clone()
+    _step(state, gen)
+    writer.publish(state)
+    changed = torch.nonzero(bits_view(state[BF16]).reshape(-1) != before).reshape(-1)
+    assert changed.numel() > 0
+    unchanged = next(i for i in range(before.numel()) if i not in set(changed.tolist()))
+    index = int(changed[0]) if where == "changed" else unchanged
+    bits_view(tensors[BF16]).reshape(-1)[index] ^= 1  # a stray write, outside dcr
+    return reader, tensors, snapshot(tensors)
+
+
+def test_an_edit_at_a_changed_position_is_caught_and_blamed_on_the_target(chain):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(2)
+    reader, tensors, edited = _edited_reader(url, writer, state, gen, where="changed")
+    with pytest.raises(BaselineMismatchError, match="changed outside dcr"):
+        reader.sync()
+    assert_same_bits(tensors, edited)  # rolled back: the edit is still there, nothing else
+    assert reader.target.resident().version == writer.version - 1
+
+
+def test_an_edit_at_an_unchanged_position_needs_an_audit(chain):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(3)
+    reader, tensors, edited = _edited_reader(url, writer, state, gen, where="unchanged")
+    # the steady-state check reads only the changed positions: it cannot see this edit
+    with pytest.raises(BaselineMismatchError):
+        reader.sync(audit=True)
+    assert_same_bits(tensors, edited)
+    with pytest.raises(BaselineMismatchError):
+        reader.audit()
+    for verify, audit_every in (("all", None), ("touched", 1)):
+        fresh, ftensors, _ = _edited_reader(url, writer, state, gen, where="unchanged")
+        fresh.verify, fresh.audit_every = verify, audit_every
+        with pytest.raises(BaselineMismatchError):
+            fresh.sync()
+    # the documented limit: without an audit the edit goes unnoticed at this sync
+    blind, btensors, _ = _edited_reader(url, writer, state, gen, where="unchanged")
+    assert not blind.sync().audited
+
+
+def test_a_rollback_drops_the_trusted_lanes(chain, monkeypatch):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(4)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors))
+    reader.sync()
+    _step(state, gen)
+    writer.publish(state)
+    calls = 0
+    apply_delta = targets_module.apply_delta
+
+    def fail_second(tensor, delta):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("injected")
+        return apply_delta(tensor, delta)
+
+    monkeypatch.setattr(targets_module, "apply_delta", fail_second)
+    with pytest.raises(Exception, match="injected"):
+        reader.sync()
+    monkeypatch.undo()
+    result = reader.sync()
+    assert result.audited  # nothing trusted after a rollback
+    assert_same_bits(tensors, state)
+
+
+def test_audit_checks_without_changing_anything(chain):
+    url, writer, state = chain
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors))
+    with pytest.raises(Exception, match="sync it first"):
+        reader.audit()
+    reader.sync()
+    before = snapshot(tensors)
+    assert reader.audit() == ()
+    assert_same_bits(tensors, before)
+
+
+# --- prepare while generating, pause only to apply ----------------------------------------
+
+
+def test_prepare_does_not_touch_the_target_and_apply_makes_the_version(chain):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(5)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors))
+    reader.sync()
+    for _ in range(2):
+        _step(state, gen)
+        writer.publish(state)
+    before = snapshot(tensors)
+    prepared = reader.prepare()
+    assert prepared.version == writer.version and prepared.plan == (1, 2)
+    assert prepared.payload_bytes > 0 and prepared.fetch_seconds > 0
+    assert_same_bits(tensors, before)
+    assert reader.target.resident().version == 0
+    result = reader.apply(prepared)
+    assert result.version == 2 and result.applied_versions == (1, 2)
+    assert result.fetch_seconds == prepared.fetch_seconds and result.apply_seconds > 0
+    assert_same_bits(tensors, state)
+    with pytest.raises(StalePreparedError):  # applied once: the target moved on
+        reader.apply(prepared)
+    again = reader.prepare()
+    assert again.plan == () and reader.apply(again).applied_versions == ()
+
+
+def test_a_prepared_version_can_be_abandoned_or_go_stale(chain):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(6)
+    tensors: dict[str, torch.Tensor] = {}
+    target = StateDictTarget(tensors)
+    reader = DeltaReader(url, target)
+    reader.sync()
+    _step(state, gen)
+    writer.publish(state)
+    reader.prepare()  # abandoned: nothing to clean up
+    stale = reader.prepare()
+    other = DeltaReader(url, target)
+    with pytest.raises(StalePreparedError, match="another DeltaReader"):
+        other.apply(stale)
+    other.sync()  # the target moves under the prepared version
+    _step(state, gen)
+    writer.publish(state)
+    with pytest.raises(StalePreparedError, match="prepare it again"):
+        reader.apply(stale)
+    assert reader.sync().audited  # another reader moved the target: nothing trusted
+    assert_same_bits(tensors, state)
+
+
+def test_a_failure_in_the_parallel_fetch_leaves_the_target_untouched(tmp_path):
+    url = str(tmp_path / "store")
+    state = make_state(7)
+    writer = DeltaWriter(url, shard_bytes=16)  # about a shard per tensor: many fetches
+    writer.publish(state)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors), max_workers=4)
+    reader.sync()
+    _step(state, torch.Generator().manual_seed(7))
+    writer.publish(state)
+    chain = Chain(Store(url))
+    manifest = chain.manifests(chain.record(1))[0]
+    assert len(manifest.shards) >= 3
+    middle = manifest.shards[len(manifest.shards) // 2].path
+    path = Path(url) / middle
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    before = snapshot(tensors)
+    with pytest.raises(ChecksumMismatchError):
+        reader.sync()
+    assert_same_bits(tensors, before)
+    with pytest.raises(ChecksumMismatchError):
+        reader.prepare()
+    assert_same_bits(tensors, before)
+
+
+# --- the resident record's hash ------------------------------------------------------------
+
+
+def _rewrite_record(url: str, version: int, **changes) -> str:
+    """Rewrite commits/<version>.json in place (as a second writer on a store without
+    conditional writes could); returns the new sha256."""
+    path = Path(url) / commit_key(version)
+    record = json.loads(path.read_bytes())
+    record.update(changes)
+    data = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    path.write_bytes(data)
+    return sha256_hex(data)
+
+
+@pytest.mark.parametrize("kind", ["dict", "dir"])
+def test_a_rewritten_resident_record_is_noticed(tmp_path, kind):
+    url = str(tmp_path / "store")
+    state = make_state(8)
+    writer = DeltaWriter(url)
+    writer.publish(state)
+    _step(state, torch.Generator().manual_seed(8))
+    writer.publish(state)
+    target = (
+        StateDictTarget({}) if kind == "dict" else SafetensorsDirTarget(tmp_path / "checkpoint")
+    )
+    DeltaReader(url, target).sync(to=0)
+    new_sha = _rewrite_record(url, 0, created="2020-01-01T00:00:00Z")
+    _rewrite_record(url, 1, parent_sha256=new_sha)  # the chain still links: 1 -> new 0
+    with pytest.raises(ChainBrokenError, match="rewritten"):
+        DeltaReader(url, target).sync()
+    assert target.resident().version == 0
+
+
+# --- writers ---------------------------------------------------------------------------------
+
+
+def test_a_reserved_tensor_name_is_refused_before_anything_is_published(tmp_path):
+    url = str(tmp_path / "store")
+    writer = DeltaWriter(url)
+    with pytest.raises(ReservedNameError):
+        writer.publish({"__metadata__": torch.zeros(3), "w": torch.ones(2)})
+    assert Chain(Store(url)).versions() == []
+
+
+def test_a_cache_that_cannot_be_written_after_the_commit_is_a_warning(tmp_path, caplog):
+    url = str(tmp_path / "store")
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the cache directory should be")
+    writer = DeltaWriter(url, cache_dir=blocker)
+    state = make_state(9)
+    with caplog.at_level(logging.WARNING, logger="dcr_format.writers.writer"):
+        info = writer.publish(state)
+    assert info.version == 0 and writer.version == 0
+    assert "is committed" in caplog.text
+    _step(state, torch.Generator().manual_seed(9))
+    assert writer.publish(state).version == 1  # no retry publishes the same step twice
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(url, StateDictTarget(tensors)).sync()
+    assert_same_bits(tensors, state)
+    restarted = DeltaWriter(url, cache_dir=blocker)
+    assert restarted.version == 1
+
+
+def test_a_failed_background_upload_fails_the_publish_and_commits_nothing(tmp_path, monkeypatch):
+    url = str(tmp_path / "store")
+    writer = DeltaWriter(url, shard_bytes=64)
+    state = make_state(10)
+    writer.publish(state)
+    _step(state, torch.Generator().manual_seed(10))
+    put = Store.put
+    count = 0
+
+    def failing_put(self, key, data):
+        nonlocal count
+        if "/shard-" in key:
+            count += 1
+            if count == 3:
+                raise StoreError(f"injected failure putting {key}")
+        return put(self, key, data)
+
+    monkeypatch.setattr(Store, "put", failing_put)
+    with pytest.raises(StoreError, match="injected"):
+        writer.publish(state)
+    monkeypatch.undo()
+    assert Chain(Store(url)).versions() == [0] and writer.version == 0
+    assert writer.publish(state).version == 1
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(url, StateDictTarget(tensors)).sync()
+    assert_same_bits(tensors, state)
