@@ -12,8 +12,22 @@ Rules (``DCR_KERNELS``, read at every call):
   Triton earlier (or has CUDA and wants the interpreter) must set
   ``TRITON_INTERPRET=1`` itself, before anything imports Triton.
 
-Triton is imported lazily, so ``import dcr_format`` works without it. Every
-function takes flat integer bit views (see ``dcr_format.codec.dtypes.bits_view``).
+CPU tensors under ``auto`` (where :func:`backend_for` says ``torch``) go through the
+compiled numba loops of :mod:`dcr_format.codec._native` when numba imports: one fused
+compare-and-compact pass for :func:`diff` (count per block, prefix sum, fill per
+block, in parallel) and one pass over the changed positions for :func:`scatter`.
+``DCR_KERNELS=torch`` forces the torch reference (:mod:`dcr_format.cuda.reference`),
+which the compiled loops match bit for bit; ``DCR_KERNELS=triton`` keeps Triton (its
+interpreter on CPU tensors). The same ``torch`` setting turns off the compiled Rice
+coding and fingerprint loops (:func:`dcr_format.codec.positions.native_kernels`).
+
+:func:`diff_with_lanes` and :func:`apply_with_lanes` also return the fingerprint lane
+deltas of the change (``sum (g(new) - g(old)) * r`` per lane, see
+:mod:`dcr_format.fingerprint`), computed in the same pass on the CPU, so a writer or
+reader never reads the changed elements a second time to update a fingerprint.
+
+Triton and numba are imported lazily, so ``import dcr_format`` works without them.
+Every function takes flat integer bit views (see ``dcr_format.codec.dtypes.bits_view``).
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import sys
 from functools import lru_cache
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from dcr_format.cuda import reference
@@ -73,6 +88,39 @@ def _kernels() -> ModuleType:
     from dcr_format.cuda import triton_kernels
 
     return triton_kernels
+
+
+# bit-view dtypes the compiled loops take (``bits_view`` gives these)
+_NATIVE_DTYPES = {
+    torch.uint8: np.uint8,
+    torch.int8: np.uint8,
+    torch.int16: np.uint16,
+    torch.int32: np.uint32,
+    torch.int64: np.uint64,
+}
+
+
+def _native_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled CPU kernels, where ``auto`` applies them to these tensors; else None.
+
+    Every tensor must be on the CPU with a bit-view dtype (positions: int64).
+    """
+    if kernels_mode() != "auto":
+        return None
+    if any(t.device.type != "cpu" or t.dtype not in _NATIVE_DTYPES for t in tensors):
+        return None
+    from dcr_format.codec.positions import native_kernels
+
+    return native_kernels()
+
+
+def _unsigned(tensor: torch.Tensor) -> np.ndarray:
+    """The numpy unsigned view of a contiguous CPU bit view (shares its memory)."""
+    return tensor.detach().numpy().view(_NATIVE_DTYPES[tensor.dtype])
+
+
+def _lane_count(width: int) -> int:
+    return 3 if width == 8 else 2
 
 
 def backend_for(*tensors: torch.Tensor) -> str:
@@ -150,6 +198,17 @@ class PendingDiff:
         return self._total
 
     def _torch_diff(self) -> Diff:
+        native = _native_for(self.old, self.new)
+        if native is not None:
+            return _native_diff(
+                native,
+                self.old,
+                self.new,
+                want_new=self.want_new,
+                want_xor=self.want_xor,
+                base=self.base,
+                lanes=False,
+            )[0]
         return reference.diff(
             self.old, self.new, want_new=self.want_new, want_xor=self.want_xor, base=self.base
         )
@@ -176,6 +235,88 @@ def diff(
     return PendingDiff(old, new, want_new=want_new, want_xor=want_xor, base=base).finish()
 
 
+def _native_diff(
+    native: ModuleType,
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    want_new: bool,
+    want_xor: bool,
+    base: int,
+    lanes: bool,
+) -> tuple[Diff, tuple[int, ...]]:
+    """The fused CPU diff: positions, new and xor bits, and lane deltas from one pass."""
+    from dcr_format.fingerprint import native_table
+
+    old, new = old.reshape(-1).contiguous(), new.reshape(-1).contiguous()
+    old_np, new_np = _unsigned(old), _unsigned(new)
+    offsets = native.diff_offsets(old_np, new_np)
+    total = int(offsets[-1])
+    positions = torch.empty(total, dtype=torch.int64)
+    new_values = torch.empty(total if want_new else 0, dtype=old.dtype)
+    xor_values = torch.empty(total if want_xor else 0, dtype=old.dtype)
+    width = old.element_size()
+    deltas = native.diff_fill(
+        old_np,
+        new_np,
+        offsets,
+        base,
+        (positions.numpy(), _unsigned(new_values), _unsigned(xor_values)),
+        native_table(width),
+        _lane_count(width) if lanes else 0,
+    )
+    found = Diff(positions, new_values if want_new else None, xor_values if want_xor else None)
+    return found, deltas
+
+
+def _change_lanes(
+    positions: torch.Tensor, before: torch.Tensor, after: torch.Tensor
+) -> tuple[int, ...]:
+    """Lane deltas ``sum (g(after) - g(before)) * r`` on any device (the reference path)."""
+    from dcr_format.fingerprint import lanes_after_change
+
+    zero = (0,) * _lane_count(before.element_size())
+    if positions.numel() == 0:
+        return zero
+    return lanes_after_change(zero, positions, before, after)
+
+
+def diff_with_lanes(
+    old: torch.Tensor,
+    new: torch.Tensor,
+    *,
+    want_new: bool = True,
+    want_xor: bool = True,
+    base: int = 0,
+    lanes: bool = True,
+) -> tuple[Diff, tuple[int, ...]]:
+    """:func:`diff`, and the fingerprint lane deltas of changing ``old`` into ``new``.
+
+    The deltas are ``sum (g(new) - g(old)) * r(p)`` modulo each lane prime over the
+    changed positions ``p`` (``base`` added, so a slice of a tensor gives its share), two
+    lanes for widths up to 4 bytes, three for 8: the tensor's new lanes are
+    ``apply_lane_deltas(old_lanes, deltas)`` (:mod:`dcr_format.fingerprint`). On the CPU
+    both come from one fused pass; elsewhere the lanes are summed over the changed
+    elements after the diff. ``lanes=False`` skips them (returns ``()``).
+    """
+    _check_pair(old, new)
+    old, new = old.reshape(-1), new.reshape(-1)
+    native = _native_for(old, new) if backend_for(old, new) == TORCH else None
+    if native is not None:
+        return _native_diff(
+            native, old, new, want_new=want_new, want_xor=want_xor, base=base, lanes=lanes
+        )
+    found = diff(old, new, want_new=want_new or lanes, want_xor=want_xor, base=base)
+    deltas: tuple[int, ...] = ()
+    if lanes:
+        assert found.new_values is not None
+        index = found.positions - base if base else found.positions
+        deltas = _change_lanes(found.positions, old[index], found.new_values)
+    if not want_new and found.new_values is not None:
+        found = Diff(found.positions, None, found.xor_values)
+    return found, deltas
+
+
 def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Sorted int64 flat indices where the bits of two views differ."""
     return diff(old, new, want_new=False, want_xor=False).positions
@@ -198,6 +339,10 @@ def scatter(
     if op not in (XOR, OVERWRITE):
         raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
     if backend_for(flat, positions, values) == TORCH:
+        native = _native_apply_for(flat, positions, values)
+        if native is not None:
+            old = _native_apply(native, flat, positions, values, op=op, base=base, lanes=False)[0]
+            return old if save else None
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
     if not flat.is_contiguous():
         raise ValueError("the scatter target must be contiguous")
@@ -217,6 +362,93 @@ def scatter(
                 f"{flat.numel()} elements at offset {base}"
             )
     return _kernels().scatter(flat, positions, values, op=op, save=save, base=base)
+
+
+def _native_apply_for(
+    flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+) -> ModuleType | None:
+    """The compiled kernels where they can apply this change in place, else None."""
+    if positions.dtype != torch.int64 or values.dtype != flat.dtype:
+        return None
+    if not flat.is_contiguous() or flat.dim() != 1 or values.numel() != positions.numel():
+        return None
+    return _native_for(flat, values) if positions.device.type == "cpu" else None
+
+
+def _native_apply(
+    native: ModuleType,
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    op: str,
+    base: int,
+    lanes: bool,
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The fused CPU apply: old bits read, new bits written and lane deltas, one pass."""
+    from dcr_format.fingerprint import native_table
+
+    positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
+    count = positions.numel()
+    # positions come strictly increasing from a verified decoder: first and last bound them
+    # (the kernel still skips, and reports, any index out of range: it never writes there)
+    if count and (int(positions[0]) < base or int(positions[-1]) >= base + flat.numel()):
+        bad = int(positions[0]) if int(positions[0]) < base else int(positions[-1])
+        raise IndexError(
+            f"position {bad} is out of range for {flat.numel()} elements at offset {base}"
+        )
+    before = torch.empty(count, dtype=flat.dtype)
+    width = flat.element_size()
+    in_range, deltas = native.apply(
+        _unsigned(flat),
+        positions.numpy(),
+        _unsigned(values),
+        base,
+        op == XOR,
+        _unsigned(before),
+        native_table(width),
+        _lane_count(width) if lanes else 0,
+    )
+    if not in_range:
+        raise IndexError(
+            "positions are not strictly increasing and some are out of range; those were "
+            "skipped, the rest applied: restore the target from the returned old bits"
+        )
+    return before, deltas
+
+
+def apply_with_lanes(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    op: str,
+    base: int = 0,
+    lanes: bool = True,
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """In place ``flat[p - base] ^= v`` (``xor``) or ``= v`` (``overwrite``), with lane deltas.
+
+    Returns the bits at the positions before the change (undo: ``xor`` applies the same
+    values again, ``overwrite`` applies the returned bits) and the fingerprint lane deltas
+    ``sum (g(after) - g(before)) * r(p)`` of the bits actually read and written (see
+    :func:`diff_with_lanes`; ``lanes=False``: ``()``). ``positions`` must be unique and
+    strictly increasing (a verified decoder's output), int64, on ``flat``'s device;
+    ``flat`` a contiguous flat bit view. On the CPU this is one pass over the positions;
+    out-of-range positions raise :class:`IndexError`.
+    """
+    if op not in (XOR, OVERWRITE):
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    native = None
+    if backend_for(flat, positions, values) == TORCH:
+        native = _native_apply_for(flat, positions, values)
+    if native is not None:
+        return _native_apply(native, flat, positions, values, op=op, base=base, lanes=lanes)
+    before = scatter(flat, positions, values, op=op, save=True, base=base)
+    assert before is not None
+    if not lanes:
+        return before, ()
+    after = before ^ values if op == XOR else values
+    return before, _change_lanes(positions, before, after)
 
 
 def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
@@ -257,9 +489,11 @@ __all__ = [
     "MODES",
     "KernelsUnavailableError",
     "PendingDiff",
+    "apply_with_lanes",
     "backend_for",
     "changed_positions",
     "diff",
+    "diff_with_lanes",
     "expand_ranges",
     "kernels_mode",
     "prefix_positions",

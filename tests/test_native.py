@@ -1,0 +1,412 @@
+"""The compiled (numba) CPU loops against the numpy/torch reference, bit for bit.
+
+Each test runs the native path (``DCR_KERNELS`` unset: ``auto``) and the reference
+(``DCR_KERNELS=torch``, or the reference functions themselves) on the same input and
+compares the results exactly, including the errors hostile position streams raise.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dcr_format import fingerprint as fp
+from dcr_format.codec import positions as pc
+from dcr_format.codec.dtypes import BY_NAME, UNSIGNED_NP, bits_view
+from dcr_format.cuda import dispatch, reference
+from dcr_format.errors import PositionsError
+
+native = pytest.importorskip("dcr_format.codec._native")  # numba is a dependency
+
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+FORMAT_DTYPES = ("bool", "uint8", "int8", "int16", "float16", "bfloat16")
+FORMAT_DTYPES += ("int32", "float32", "int64", "float64", "float8_e4m3fn", "float8_e5m2")
+
+
+@pytest.fixture(autouse=True)
+def _auto(monkeypatch):
+    monkeypatch.delenv("DCR_KERNELS", raising=False)
+
+
+def torch_mode(monkeypatch):
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+
+
+def random_bits(n: int, width: int, rng: np.random.Generator) -> torch.Tensor:
+    raw = np.frombuffer(rng.bytes(n * width), UNSIGNED_NP[width]).copy()
+    signed = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[width]
+    return torch.from_numpy(raw.view(signed))
+
+
+def random_positions(rng: np.random.Generator, count: int, numel: int) -> np.ndarray:
+    if numel <= 1 << 24:
+        return np.sort(rng.choice(numel, count, replace=False)).astype(np.int64)
+    picked = np.unique(rng.integers(0, numel, count, dtype=np.int64))
+    return picked.astype(np.int64)
+
+
+def position_cases() -> list[tuple[str, np.ndarray, int]]:
+    rng = np.random.default_rng(5)
+    cases = [("one at 0", np.array([0], np.int64), 1), ("one last", np.array([99], np.int64), 100)]
+    for density in (0.9, 0.3, 0.01, 0.0001):
+        numel = 200_000
+        count = max(1, int(numel * density))
+        cases.append((f"random {density}", random_positions(rng, count, numel), numel))
+    runs = np.concatenate([np.arange(s, s + 40) for s in range(0, 100_000, 1000)])
+    cases.append(("runs", runs.astype(np.int64), 100_000))
+    cases.append(("dense", np.arange(50_000, dtype=np.int64), 50_000))
+    cases.append(("k past 32", random_positions(rng, 300, 1 << 50), 1 << 50))
+    cases.append(
+        ("k near 62", np.array([0, (1 << 62) + 5, (1 << 62) + 9], np.int64), (1 << 63) - 1)
+    )
+    cases.append(("huge first gap", np.array([1 << 40, (1 << 40) + 1], np.int64), 1 << 41))
+    return cases
+
+
+CASES = position_cases()
+
+
+# --- Rice and the choice of coding ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name,positions,numel", CASES, ids=[c[0] for c in CASES])
+def test_rice_and_choice_match_the_reference(name, positions, numel):
+    want = pc._encode_rice_reference(positions)
+    assert pc.encode_rice(positions) == want
+    assert pc.encode_positions(positions) == pc._encode_positions_reference(positions)
+    got = pc.decode_rice(want, count=positions.size, numel=numel)
+    assert got.dtype == np.int64 and np.array_equal(got, positions)
+    gaps = pc.rice_gaps(want, count=positions.size, numel=numel)
+    ref_gaps = pc._rice_gaps_reference(want, count=positions.size, numel=numel)
+    assert gaps.dtype == np.uint64 and np.array_equal(gaps, ref_gaps)
+
+
+def test_choice_ties_and_sizes_are_exact():
+    """The planned sizes are the sizes of the streams the reference builds."""
+    rng = np.random.default_rng(9)
+    for trial in range(200):
+        numel = int(rng.integers(1, 3000))
+        count = int(rng.integers(1, numel + 1))
+        positions = random_positions(rng, count, numel)
+        if trial % 3 == 0:  # runs, where ranges competes
+            start = int(rng.integers(0, 50))
+            positions = np.arange(start, start + count, dtype=np.int64)[: max(1, count // 2)]
+        plan = pc._Plan.of(positions)
+        assert plan is not None
+        assert plan.rice_size == len(pc._encode_rice_reference(positions))
+        assert plan.ranges_size == len(pc.encode_ranges(positions))
+        assert plan.k == pc._best_rice_k(pc._gaps(positions))
+        assert pc.encode_positions(positions) == pc._encode_positions_reference(positions)
+
+
+def test_empty_positions():
+    empty = np.empty(0, np.int64)
+    assert pc.encode_rice(empty) == pc._encode_rice_reference(empty)
+    assert pc.encode_positions(empty) == pc._encode_positions_reference(empty)
+    assert pc.decode_rice(pc.encode_rice(empty), count=0, numel=10).size == 0
+
+
+def _outcome(fn, *args, **kwargs):
+    try:
+        return ("ok", fn(*args, **kwargs).tolist())
+    except PositionsError as error:
+        return ("error", str(error))
+
+
+def _kernel_accepts(data: bytes, count: int, numel: int, positions: bool) -> bool | None:
+    """Whether the compiled checks accept a stream (None: its header is rejected first)."""
+    try:
+        k, unary_len, body = pc._rice_header(memoryview(data), count)
+    except PositionsError:
+        return None
+    if count == 0:
+        return True
+    array = np.frombuffer(body, dtype=np.uint8)
+    result = native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+    return result is not None
+
+
+def hostile_streams() -> list[tuple[bytes, int, int]]:
+    rng = np.random.default_rng(3)
+    streams = []
+    for numel, count in ((1000, 30), (100_000, 500), (64, 64), (1 << 40, 20)):
+        valid = pc._encode_rice_reference(random_positions(rng, count, numel))
+        streams.append((valid, count, numel))
+        for _ in range(60):
+            data = bytearray(valid)
+            kind = int(rng.integers(0, 5))
+            if kind == 0:  # flip bits in the body
+                for _ in range(int(rng.integers(1, 4))):
+                    at = int(rng.integers(17, len(data)))
+                    data[at] ^= 1 << int(rng.integers(0, 8))
+            elif kind == 1:  # a zeroed body byte (a lost terminator)
+                data[int(rng.integers(17, len(data)))] = 0
+            elif kind == 2:  # a different k (sizes stay consistent only sometimes)
+                data[0] = int(rng.integers(0, 64))
+            elif kind == 3:  # a smaller numel: positions out of range
+                streams.append((valid, count, int(rng.integers(1, numel))))
+                continue
+            else:  # a byte of ones: extra terminators
+                data[int(rng.integers(17, len(data)))] = 0xFF
+            streams.append((bytes(data), count, numel))
+    # crafted: trailing unary byte, huge quotient, wrap-around of the running end
+    streams.append((struct_rice(0, 2, b"\xc0\x00", b""), 2, 100))
+    streams.append((struct_rice(1, 1, b"\x00\x00\x01", b"\x00"), 1, 20))
+    streams.append((struct_rice(62, 2, b"\x80\x00\x00\x00\x01", b"\xff" * 16), 2, (1 << 63) - 1))
+    streams.append((struct_rice(62, 2, b"\x40\x00\x00\x00\x01", b"\xff" * 16), 2, (1 << 63) - 1))
+    return streams
+
+
+def struct_rice(k: int, count: int, unary: bytes, rem: bytes) -> bytes:
+    return pc._RICE_HEADER.pack(k, count, len(unary)) + unary + rem
+
+
+def test_hostile_rice_streams_get_the_same_answer_on_both_paths(monkeypatch):
+    for data, count, numel in hostile_streams():
+        native_pos = _outcome(pc.decode_rice, data, count=count, numel=numel)
+        native_gaps = _outcome(pc.rice_gaps, data, count=count, numel=numel)
+        ref_pos = _outcome(pc._decode_rice_reference, data, count=count, numel=numel)
+        ref_gaps = _outcome(pc._rice_gaps_reference, data, count=count, numel=numel)
+        assert native_pos == ref_pos and native_gaps == ref_gaps
+        # the kernel itself rejects exactly the streams the reference rejects (the
+        # fallback above would hide a kernel that rejected too much)
+        for positions, ref in ((True, ref_pos), (False, ref_gaps)):
+            accepted = _kernel_accepts(data, count, numel, positions)
+            if accepted is not None:
+                assert accepted == (ref[0] == "ok")
+    torch_mode(monkeypatch)
+    assert pc.native_kernels() is None
+    for data, count, numel in hostile_streams()[:40]:
+        assert _outcome(pc.decode_rice, data, count=count, numel=numel) == _outcome(
+            pc._decode_rice_reference, data, count=count, numel=numel
+        )
+
+
+def test_hostile_streams_include_both_outcomes():
+    """The hostile set is not vacuous: some streams decode, most fail, for several reasons."""
+    outcomes = [
+        _outcome(pc._decode_rice_reference, data, count=count, numel=numel)
+        for data, count, numel in hostile_streams()
+    ]
+    errors = {message for kind, message in outcomes if kind == "error"}
+    assert any(kind == "ok" for kind, _ in outcomes)
+    assert len(errors) >= 5
+
+
+def test_torch_mode_and_lazy_import(monkeypatch):
+    assert pc.native_kernels() is native
+    torch_mode(monkeypatch)
+    assert pc.native_kernels() is None
+    code = "import sys, dcr_format, dcr_format.cli; assert 'numba' not in sys.modules"
+    env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# --- fingerprint ----------------------------------------------------------------------
+
+
+def random_tensor(name: str, n: int, rng: np.random.Generator) -> torch.Tensor:
+    info = BY_NAME[name]
+    bits = random_bits(n, info.width, rng)
+    if name == "bool":
+        bits &= 1
+    return bits.view(info.torch_dtype)
+
+
+@pytest.mark.parametrize("name", FORMAT_DTYPES)
+def test_full_pass_matches_torch(name, monkeypatch):
+    rng = np.random.default_rng(len(name))
+    sizes = (0, 1, 1023, 65535, 65536, 65537, 3 * 65536 + 17)
+    tensors = [random_tensor(name, n, rng) for n in sizes]
+    tensors.append(random_tensor(name, 6 * 70_001, rng).view(6, 70_001).t())  # non-contiguous
+    tensors.append(random_tensor(name, 0, rng).view(0, 5))
+    got = [fp.tensor_lanes(t) for t in tensors]
+    fingerprints = [fp.tensor_fingerprint(t) for t in tensors]
+    torch_mode(monkeypatch)
+    assert got == [fp.tensor_lanes(t) for t in tensors]
+    assert fingerprints == [fp.tensor_fingerprint(t) for t in tensors]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("first", [0, 5, (1 << 30) - 70_000, (1 << 31) - 3, (1 << 40) + 65530])
+def test_full_pass_from_any_first_index_crosses_the_period(width, first, monkeypatch):
+    """A pass whose element 0 has flat index ``first`` (rows then straddle 2^30 multiples
+    and row boundaries) equals the per-position sums of the torch ``lanes_at``."""
+    rng = np.random.default_rng(width)
+    bits = random_bits(140_001, width, rng)
+    lanes = 3 if width == 8 else 2
+    sym = bits.numpy().view(UNSIGNED_NP[width])
+    got = native.full_lanes(sym, fp.native_table(width), lanes, first)
+    torch_mode(monkeypatch)
+    positions = torch.arange(first, first + bits.numel(), dtype=torch.int64)
+    assert got == fp.lanes_at(positions, bits)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_position_lanes_match_torch(width, monkeypatch):
+    rng = np.random.default_rng(10 + width)
+    positions = torch.from_numpy(random_positions(rng, 150_000, 1 << 33))
+    positions = torch.cat([positions, torch.arange((1 << 30) - 10, (1 << 30) + 10)]).unique()
+    old, new = (
+        random_bits(positions.numel(), width, rng),
+        random_bits(positions.numel(), width, rng),
+    )
+    lanes = tuple(range(7, 7 + (3 if width == 8 else 2)))
+    got = (fp.lanes_at(positions, new), fp.lanes_after_change(lanes, positions, old, new))
+    empty = fp.lanes_at(positions[:0], new[:0])
+    torch_mode(monkeypatch)
+    assert got == (fp.lanes_at(positions, new), fp.lanes_after_change(lanes, positions, old, new))
+    assert empty == fp.lanes_at(positions[:0], new[:0]) == (0,) * len(lanes)
+
+
+def test_apply_lane_deltas_is_lane_addition():
+    assert fp.apply_lane_deltas((1, 2), (fp.LANE_PRIMES[0] - 1, 5)) == (0, 7)
+    with pytest.raises(ValueError):
+        fp.apply_lane_deltas((1, 2), (1, 2, 3))
+
+
+# --- fused diff and apply -------------------------------------------------------------
+
+
+def changed_pair(n: int, width: int, rate: float, rng: np.random.Generator):
+    old = random_bits(n, width, rng)
+    new = old.clone()
+    mask = torch.from_numpy(rng.random(n) < rate)
+    flips = random_bits(int(mask.sum()), width, rng) | 1  # never zero: a real change
+    new[mask] ^= flips
+    return old, new
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("rate", [0.0, 0.003, 0.2, 1.0])
+def test_fused_diff_matches_the_reference(width, rate, monkeypatch):
+    rng = np.random.default_rng(int(rate * 1000) + width)
+    old, new = changed_pair(3 * 65536 + 101, width, rate, rng)
+    for base in (0, (1 << 30) - 100_000):
+        for want_new, want_xor in ((True, True), (True, False), (False, True), (False, False)):
+            got = dispatch.diff(old, new, want_new=want_new, want_xor=want_xor, base=base)
+            want = reference.diff(old, new, want_new=want_new, want_xor=want_xor, base=base)
+            for a, b in zip(
+                (got.positions, got.new_values, got.xor_values),
+                (want.positions, want.new_values, want.xor_values),
+                strict=True,
+            ):
+                assert (a is None) == (b is None)
+                assert a is None or (a.dtype == b.dtype and torch.equal(a, b))
+        found, deltas = dispatch.diff_with_lanes(old, new, base=base)
+        assert torch.equal(found.positions, reference.diff(old, new, base=base).positions)
+        monkeypatch.setenv("DCR_KERNELS", "torch")
+        ref_found, ref_deltas = dispatch.diff_with_lanes(old, new, base=base)
+        monkeypatch.delenv("DCR_KERNELS")
+        assert deltas == ref_deltas and torch.equal(found.xor_values, ref_found.xor_values)
+    # with base 0 the deltas carry the old tensor's lanes to the new tensor's
+    deltas = dispatch.diff_with_lanes(old, new)[1]
+    assert fp.apply_lane_deltas(fp.tensor_lanes(old), deltas) == fp.tensor_lanes(new)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float32", "float64", "uint8"])
+def test_diff_with_lanes_updates_a_fingerprint(name):
+    rng = np.random.default_rng(1)
+    info = BY_NAME[name]
+    old, new = changed_pair(100_000, info.width, 0.05, rng)
+    old_t, new_t = old.view(info.torch_dtype), new.view(info.torch_dtype)
+    found, deltas = dispatch.diff_with_lanes(bits_view(old_t), bits_view(new_t), want_new=False)
+    assert found.new_values is None and found.xor_values is not None
+    assert fp.apply_lane_deltas(fp.tensor_lanes(old_t), deltas) == fp.tensor_lanes(new_t)
+    assert dispatch.diff_with_lanes(old, new, lanes=False)[1] == ()
+
+
+def test_diff_of_non_contiguous_views():
+    rng = np.random.default_rng(2)
+    old, new = changed_pair(2 * 90_001, 2, 0.1, rng)
+    old2, new2 = old.view(2, -1).t(), new.view(2, -1).t()
+    got = dispatch.diff(old2.reshape(-1), new2.reshape(-1))
+    want = reference.diff(old2.reshape(-1), new2.reshape(-1))
+    assert torch.equal(got.positions, want.positions)
+    assert torch.equal(got.xor_values, want.xor_values)
+    found, deltas = dispatch.diff_with_lanes(old2, new2)
+    assert torch.equal(found.positions, want.positions)
+    assert deltas == dispatch.diff_with_lanes(old2.reshape(-1), new2.reshape(-1))[1]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("op", ["xor", "overwrite"])
+def test_fused_apply_matches_the_reference_and_undoes(width, op, monkeypatch):
+    rng = np.random.default_rng(width)
+    old, new = changed_pair(3 * 65536 + 7, width, 0.3, rng)
+    base = (1 << 30) - 65536
+    found = reference.diff(old, new, base=base)
+    values = found.xor_values if op == "xor" else found.new_values
+    target = old.clone()
+    before, deltas = dispatch.apply_with_lanes(target, found.positions, values, op=op, base=base)
+    assert torch.equal(target, new)
+    assert torch.equal(before, old[found.positions - base])
+    ref_target = old.clone()
+    ref_before = reference.scatter(ref_target, found.positions, values, op=op, save=True, base=base)
+    assert torch.equal(ref_target, target) and torch.equal(ref_before, before)
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    ref_target = old.clone()
+    ref = dispatch.apply_with_lanes(ref_target, found.positions, values, op=op, base=base)
+    monkeypatch.delenv("DCR_KERNELS")
+    assert deltas == ref[1] and torch.equal(ref[0], before)
+    assert deltas == dispatch.diff_with_lanes(old, new, base=base)[1]
+    # undo: xor again, or overwrite with the bits read before
+    undo = values if op == "xor" else before
+    _, back = dispatch.apply_with_lanes(target, found.positions, undo, op=op, base=base)
+    assert torch.equal(target, old)
+    assert fp.apply_lane_deltas(deltas, back) == (0,) * len(deltas)
+
+
+def test_scatter_uses_the_same_apply():
+    rng = np.random.default_rng(4)
+    old, new = changed_pair(70_000, 2, 0.2, rng)
+    found = reference.diff(old, new)
+    target = old.clone()
+    assert dispatch.scatter(target, found.positions, found.xor_values, op="xor") is None
+    assert torch.equal(target, new)
+    saved = dispatch.scatter(target, found.positions, found.xor_values, op="xor", save=True)
+    assert torch.equal(target, old) and torch.equal(saved, new[found.positions])
+
+
+def test_apply_refuses_positions_out_of_range():
+    flat = torch.zeros(100, dtype=torch.int16)
+    values = torch.ones(3, dtype=torch.int16)
+    for bad, base in (([3, 5, 100], 0), ([-1, 5, 9], 0), ([9, 20, 30], 10)):
+        with pytest.raises(IndexError):
+            dispatch.apply_with_lanes(flat, torch.tensor(bad), values, op="xor", base=base)
+    assert int(flat.abs().sum()) == 0
+    # unsorted, first and last in range: the middle one is never written
+    with pytest.raises(IndexError, match="strictly increasing"):
+        dispatch.apply_with_lanes(flat, torch.tensor([1, 1000, 2]), values, op="xor")
+    assert flat.tolist() == [0, 1, 1] + [0] * 97
+    with pytest.raises(ValueError):
+        dispatch.apply_with_lanes(flat, torch.tensor([1]), values[:1], op="add")
+
+
+def test_parallel_kernels_from_many_threads():
+    rng = np.random.default_rng(6)
+    old, new = changed_pair(300_000, 2, 0.05, rng)
+    want = reference.diff(old, new)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                got = dispatch.diff(old, new)
+                assert torch.equal(got.positions, want.positions)
+                fp.tensor_lanes(old)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
