@@ -298,6 +298,9 @@ class DeltaWriter:
         self._fingerprints: dict[str, str] = {}
         self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
         self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
+        # seconds of the last publish by stage: diff, coding and shard uploads; manifest and
+        # commit (waiting for every rank); baseline advance and cache
+        self.timings: dict[str, float] = {}
 
     # --- state ----------------------------------------------------------------------
 
@@ -400,11 +403,14 @@ class DeltaWriter:
             rank=self.rank,
         )
         self._reader_overwrite = frozenset(overwrite)
+        clock = time.perf_counter
+        started = clock()
         try:
             pending, manifest = self._write_part(tensors, version, kind, attempt)
         except BaseException:
             self._abort(version, attempt)  # no manifest of ours exists: the attempt cannot commit
             raise
+        encoded = clock()
         # not inside the try: a manifest upload that fails may still have landed, so it must
         # not mark the attempt abandoned (the committer may commit it)
         own = manifest.to_json()
@@ -413,7 +419,13 @@ class DeltaWriter:
             loaded, table = self._commit(version, kind, attempt, step, own)
         else:
             loaded, table = self._await_commit(version, attempt), {}
+        committed = clock()
         self._advance(pending, loaded, table, base)
+        self.timings = {
+            "encode_upload_s": encoded - started,
+            "commit_s": committed - encoded,
+            "advance_s": clock() - committed,
+        }
         return CommitInfo.from_record(loaded.record)
 
     def _write_part(

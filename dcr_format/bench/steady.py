@@ -1,0 +1,311 @@
+"""Steady-state refit: one long-lived writer and readers, step after step, against copy_.
+
+RL runs publish and sync every optimizer step with the same writer and readers, so
+this benchmark keeps them alive across steps and reports medians. Per step, in this
+order (interleaved, so every figure of a row shares the machine's state):
+
+- ``copy_``: the dense bytes copied into preallocated tensors (memory bandwidth):
+  the reference every other figure is divided by;
+- dense: safetensors save, ``put``, ``get``, load and copy into a resident replica;
+- publish (by stage: diff + coding + shard uploads, manifest + commit, baseline advance);
+- prepare then apply on one reader (apply is the pause of generation);
+- sync on a second reader (the one-call form).
+
+Stores: a local directory, the JuiceFS S3 gateway on 127.0.0.1, and that gateway
+behind a shaped link: the benchmark creates a network namespace (``ip netns``), puts a
+``tbf`` qdisc on that namespace's own loopback, runs itself (servers and clients)
+inside it, and deletes it afterwards. The machine's own interfaces are never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dcr_format.bench.refit import RATES, SyntheticTrainer, dense_refit, lr_for, model_shapes
+from dcr_format.store import Store
+
+STEPS = 5
+LINKS_GBIT = (1.0, 5.0)
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in b
+    )
+
+
+def _copy_seconds(weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for name, tensor in weights.items():
+        buffers[name].copy_(tensor)
+    return time.perf_counter() - started
+
+
+def steady_series(
+    store: Store,
+    shapes: dict[str, tuple[int, ...]],
+    rates: Sequence[float] = RATES,
+    *,
+    steps: int = STEPS,
+    label: str,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[dict[str, Any]]:
+    """One row per step: every stage's seconds, bytes moved, and whether all ends are exact."""
+    from dcr_format.readers.reader import DeltaReader
+    from dcr_format.readers.targets import StateDictTarget
+    from dcr_format.writers.writer import DeltaWriter
+
+    trainer = SyntheticTrainer(shapes, seed=seed)
+    writer = DeltaWriter(store)
+    staged: dict[str, torch.Tensor] = {}
+    synced: dict[str, torch.Tensor] = {}
+    preparer = DeltaReader(store, StateDictTarget(staged))
+    syncer = DeltaReader(store, StateDictTarget(synced))
+    weights = trainer.export()
+    writer.publish(weights, step=0)
+    preparer.sync()
+    syncer.sync()
+    replica = {n: t.clone() for n, t in weights.items()}
+    buffers = {n: torch.empty_like(t) for n, t in weights.items()}
+    rows: list[dict[str, Any]] = []
+    step = 0
+    for rate in rates:
+        lr = lr_for(rate)
+        for index in range(steps + (1 if rate == rates[0] else 0)):  # one warm-up step
+            step += 1
+            trainer.step(lr)
+            weights = trainer.export()
+            progress(f"steady {label}: {rate:.1%} step {index + 1}")
+            copy_s = _copy_seconds(weights, buffers)
+            dense = dense_refit(store, weights, replica)
+            started = time.perf_counter()
+            info = writer.publish(weights, step=step)
+            published = time.perf_counter()
+            prepared = preparer.prepare()
+            ready = time.perf_counter()
+            applied = preparer.apply(prepared)
+            done = time.perf_counter()
+            result = syncer.sync()
+            finished = time.perf_counter()
+            row: dict[str, Any] = {
+                "store": label,
+                "target_rate": rate,
+                "warmup": rate == rates[0] and index == 0,
+                "change_rate": info.change_rate,
+                "dense_bytes": info.dense_bytes,
+                "delta_bytes": info.payload_bytes,
+                "copy_s": copy_s,
+                "publish_s": published - started,
+                **{f"publish_{k}": v for k, v in writer.timings.items()},
+                "prepare_s": ready - published,
+                "apply_s": done - ready,
+                "pause_s": applied.apply_seconds,
+                "sync_s": finished - done,
+                "sync_audited": result.audited,
+                "dense_s": dense["dense_s"],
+                "dcr_bytes_moved": info.payload_bytes + result.payload_bytes,
+                "dense_bytes_moved": dense["dense_bytes_moved"],
+                "bit_exact": _same_bits(staged, weights)
+                and _same_bits(synced, weights)
+                and _same_bits(replica, weights),
+            }
+            rows.append(row)
+    return rows
+
+
+_STAGES = ("publish_s", "prepare_s", "apply_s", "sync_s", "dense_s")
+
+
+def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians per (store, rate) over the measured steps, each stage also over copy_."""
+    out = []
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for row in rows:
+        if not row["warmup"]:
+            groups.setdefault((row["store"], row["target_rate"]), []).append(row)
+    for (store, rate), group in groups.items():
+        med = {
+            key: statistics.median(r[key] for r in group)
+            for key in group[0]
+            if isinstance(group[0][key], (int, float))
+            and not isinstance(group[0][key], bool)
+            and key != "target_rate"
+        }
+        summary: dict[str, Any] = {
+            "store": store,
+            "target_rate": rate,
+            "steps": len(group),
+            **med,
+            "bit_exact": all(r["bit_exact"] for r in group),
+        }
+        for stage in _STAGES:
+            summary[stage.replace("_s", "_vs_copy")] = med[stage] / med["copy_s"]
+        # dense/dcr: a trainer-to-reader refit each way (dcr: publish then sync)
+        summary["dense_vs_dcr"] = med["dense_s"] / (med["publish_s"] + med["sync_s"])
+        out.append(summary)
+    return out
+
+
+def format_table(summary: Sequence[dict[str, Any]]) -> str:
+    """The medians as a text table (seconds and ratios to copy_)."""
+    header = (
+        "store", "rate", "copy_ s", "publish", "prepare", "apply", "sync", "dense",
+        "dense/dcr", "delta %", "exact",
+    )  # fmt: skip
+    lines = ["  ".join(f"{h:>11}" for h in header)]
+    for r in summary:
+        cells = (
+            r["store"],
+            f"{r['change_rate']:.2%}",
+            f"{r['copy_s']:.3f}",
+            *(f"{r[s]:.2f}s {r[s.replace('_s', '_vs_copy')]:.1f}x" for s in _STAGES),
+            f"{r['dense_vs_dcr']:.1f}x",
+            f"{100 * r['delta_bytes'] / r['dense_bytes']:.2f}",
+            "yes" if r["bit_exact"] else "NO",
+        )
+        lines.append("  ".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _store(kind: str, work: Path) -> Iterator[Store]:
+    if kind == "local":
+        yield Store(str(work / "store"))
+        return
+    from dcr_format.bench.suite import juicefs_store
+
+    with juicefs_store(work) as (store, _):
+        yield store
+
+
+def _netns_available() -> str | None:
+    """None when a shaped namespace can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns add)"
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode:
+            return f"no {tool} command (apt-get install iproute2)"
+    return None
+
+
+@contextlib.contextmanager
+def shaped_namespace(gbit: float) -> Iterator[str]:
+    """A fresh network namespace whose loopback is limited to ``gbit`` by a tbf qdisc."""
+    name = f"dcr-bench-{os.getpid()}-{int(gbit * 1000)}"
+    rate_bytes = gbit * 1e9 / 8
+    burst = max(256 << 10, int(rate_bytes / 100))  # 10 ms of the rate
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        run = ["ip", "netns", "exec", name]
+        subprocess.run([*run, "ip", "link", "set", "lo", "up"], check=True, capture_output=True)
+        subprocess.run(
+            [*run, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
+             f"{int(gbit * 1000)}mbit", "burst", str(burst), "latency", "100ms"],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def run(
+    *,
+    mb: float,
+    rates: Sequence[float],
+    steps: int,
+    stores: Sequence[str],
+    links: Sequence[float],
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict[str, Any]:
+    """Every store configuration in turn; the shaped ones in their own namespace."""
+    torch.manual_seed(0)
+    shapes = model_shapes(mb)
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for kind in stores:
+        with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
+            with _store(kind, Path(work)) as store:
+                rows += steady_series(
+                    store, shapes, rates, steps=steps, label=kind, progress=progress
+                )
+    if links:
+        why = _netns_available()
+        if why is not None:
+            skipped.append(f"shaped links skipped: {why}")
+        for gbit in links if why is None else ():
+            with shaped_namespace(gbit) as name, tempfile.TemporaryDirectory() as out:
+                target = Path(out) / "rows.json"
+                command = [
+                    "ip", "netns", "exec", name, sys.executable, "-m", "dcr_format.bench.steady",
+                    "--inside", str(target), "--label", f"s3 {gbit:g} Gbps", "--mb", str(mb),
+                    "--steps", str(steps), "--rates", ",".join(str(r) for r in rates),
+                ]  # fmt: skip
+                progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
+                subprocess.run(command, check=True)
+                rows += json.loads(target.read_text())
+    return {"rows": rows, "summary": summarise(rows), "skipped": skipped, "model_mb": mb}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``benchmarks/steady_bench.py``: long-lived writer and readers, medians over steps."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--mb", type=float, default=1000.0, help="model size in MB of bf16")
+    parser.add_argument("--steps", type=int, default=STEPS, help="measured steps per rate")
+    parser.add_argument("--rates", default=",".join(str(r) for r in RATES))
+    parser.add_argument("--stores", default="local,s3", help="local, s3 (JuiceFS gateway)")
+    parser.add_argument(
+        "--links", default=",".join(f"{g:g}" for g in LINKS_GBIT), help="Gbit/s; '' for none"
+    )
+    parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
+    parser.add_argument("--json", type=Path, help="also write every row and the summary here")
+    parser.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # shaped-namespace child
+    parser.add_argument("--label", default="s3", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.mb <= 0:
+        parser.error("--steps and --mb must be positive")
+    rates = [float(r) for r in args.rates.split(",") if r]
+    if args.inside is not None:  # already inside a shaped namespace: the gateway only
+        with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
+            with _store("s3", Path(work)) as store:
+                rows = steady_series(
+                    store, model_shapes(args.mb), rates, steps=args.steps, label=args.label
+                )
+        args.inside.write_text(json.dumps(rows))
+        return 0
+    if args.quick:
+        args.mb, args.steps, args.stores, args.links = 20.0, 2, "local", ""
+        rates = rates[:2]
+    result = run(
+        mb=args.mb,
+        rates=rates,
+        steps=args.steps,
+        stores=[s for s in args.stores.split(",") if s],
+        links=[float(g) for g in args.links.split(",") if g],
+        progress=lambda message: print(message, file=sys.stderr, flush=True),
+    )
+    print(f"steady-state refit, {result['model_mb']:.0f} MB bf16 model, medians of each rate")
+    print(format_table(result["summary"]))
+    for line in result["skipped"]:
+        print(line)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0 if all(r["bit_exact"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
