@@ -1,0 +1,1 @@
+"""Integrations with inference engines and trainers (each imports its framework lazily)."""

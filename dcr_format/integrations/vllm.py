@@ -1,0 +1,597 @@
+"""vLLM integration: a ``dcr`` weight-transfer backend, a worker extension and trainer helpers.
+
+Import-light: nothing of vLLM (or transformers) is imported until it is used.
+
+- Rollout side, through vLLM's weight-transfer API: the ``dcr`` backend is registered in
+  every vLLM process by the ``vllm.general_plugins`` entry point (:func:`register`), so an
+  engine started with ``weight_transfer_config={"backend": "dcr"}`` (``vllm serve
+  --weight-transfer-config '{"backend": "dcr"}'``) takes ``init_weight_transfer_engine``
+  with :class:`DcrInitInfo` fields and ``update_weights`` with :class:`DcrUpdateInfo`
+  fields. It keeps the model's own parameters at a version of the chain, in place, through
+  the model's ``load_weights`` (:class:`~dcr_format.ModuleTarget`); tensor-parallel ranks
+  form a reader group.
+- Rollout side, without that API: ``worker_extension_cls=
+  "dcr_format.integrations.vllm.DcrWorkerExtension"`` and ``collective_rpc("dcr_init",
+  kwargs={"init_info": ...})``, ``collective_rpc("dcr_sync", kwargs={"version": N})``.
+- Trainer side: :class:`DcrWeightSync` publishes with :class:`~dcr_format.DeltaWriter` and
+  drives any weight-sync client (vLLM's ``HTTPVLLMWeightSyncClient``,
+  ``RayVLLMWeightSyncClient``, or an ``LLM``) to the version it committed;
+  :func:`dcr_trainer_callback` makes a ``transformers.TrainerCallback`` that does so after
+  every optimizer step.
+
+The engine starts on a checkpoint that ``dcr replay`` (or :func:`dcr_format.replay`) wrote:
+its ``dcr-state.json`` names the version the engine holds. docs/vllm.md has the details.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from dcr_format.errors import TargetError, VersionNotFoundError
+from dcr_format.readers.targets import DIR_STATE_FILE
+
+__all__ = [
+    "DcrInitInfo",
+    "DcrUpdateInfo",
+    "DcrWeightSync",
+    "DcrWorkerExtension",
+    "UpdateReport",
+    "canonical_state",
+    "dcr_trainer_callback",
+    "register",
+]
+
+BACKEND = "dcr"
+_log = logging.getLogger(__name__)
+# a CPU ``cpu_linear`` computing from a prepacked copy of the weight (vLLM's CPU build)
+_PREPACKED_KERNELS = ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary")
+
+
+def register() -> None:
+    """Register the ``dcr`` backend in vLLM's ``WeightTransferEngineFactory`` (idempotent).
+
+    vLLM calls this in every process through the ``vllm.general_plugins`` entry point
+    ``dcr``; call it yourself only where plugins are disabled.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "dcr_format.integrations._vllm_engine", "DcrWeightTransferEngine"
+        )
+
+
+# --- what the trainer sends ------------------------------------------------------------
+
+
+@dataclass
+class DcrInitInfo:
+    """``init_weight_transfer_engine`` info of the ``dcr`` backend.
+
+    ``store``: the chain's URL or path, as the rollout node reaches it; ``storage_options``
+    for fsspec/S3; ``reader_id`` names the reader record in which this engine tells writers
+    the tensors its loader transforms (they then send them as ``overwrite``); ``verify``:
+    ``"touched"`` or ``"all"`` (see :class:`~dcr_format.DeltaReader`). ``version``: the
+    version the engine's checkpoint holds (default: read from the ``dcr-state.json`` that
+    ``dcr replay`` wrote into the model directory). ``prefetch``: prepare (fetch, verify,
+    decode) each newly committed version in the background while the engine generates, so
+    that an update only applies it; polled every ``poll_seconds``. With tensor parallelism
+    the ranks prepare together inside ``update_weights`` instead.
+    """
+
+    store: str
+    storage_options: dict[str, Any] | None = None
+    reader_id: str | None = None
+    verify: Literal["touched", "all"] = "touched"
+    version: int | None = None
+    prefetch: bool = True
+    poll_seconds: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.store, str) or not self.store:
+            raise ValueError("dcr init_info needs 'store': the chain's URL or path")
+        if self.verify not in ("touched", "all"):
+            raise ValueError("dcr init_info 'verify' must be 'touched' or 'all'")
+        if self.version is not None and (
+            not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0
+        ):
+            raise ValueError("dcr init_info 'version' must be a version number (int >= 0)")
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError("dcr init_info 'storage_options' must be a dict")
+        if not isinstance(self.poll_seconds, (int, float)) or self.poll_seconds <= 0:
+            raise ValueError("dcr init_info 'poll_seconds' must be a positive number")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-safe dict that ``init_weight_transfer_engine`` takes."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass
+class DcrUpdateInfo:
+    """``update_weights`` info of the ``dcr`` backend: the version to reach (default: the
+    newest committed one); ``audit`` reads every resident tensor in full before applying."""
+
+    version: int | None = None
+    audit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.version is not None and (
+            not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 0
+        ):
+            raise ValueError("dcr update_info 'version' must be a version number (int >= 0)")
+        if not isinstance(self.audit, bool):
+            raise ValueError("dcr update_info 'audit' must be true or false")
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """What one update did on one worker: the version reached, the preparation (fetch,
+    verify, decode; in the background when prefetched) and the pause (the apply)."""
+
+    version: int
+    previous: int | None
+    applied_versions: tuple[int, ...]
+    payload_bytes: int
+    prepare_seconds: float
+    apply_seconds: float
+    prefetched: bool
+    unverified: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (collective_rpc results)."""
+        return asdict(self)
+
+
+# --- the rollout side, shared by the backend and the worker extension -------------------
+
+
+def check_updatable(model: torch.nn.Module) -> None:
+    """Fail closed (:class:`~dcr_format.TargetError`) when a layer computes from a copy of
+    its weights that ``load_weights`` cannot reach: vLLM's CPU build prepacks unquantized
+    linear weights into oneDNN/SGL handles after loading (docs/vllm.md)."""
+    for name, module in model.named_modules():
+        kernel = getattr(module, "cpu_linear", None)
+        if kernel is None:
+            continue
+        weight = getattr(module, "weight", None)
+        code = getattr(kernel, "__code__", None)
+        packed = code is not None and any(k in code.co_names for k in _PREPACKED_KERNELS)
+        if packed or (isinstance(weight, torch.Tensor) and weight.numel() == 0):
+            raise TargetError(
+                f"vLLM's CPU backend prepacked the weight of {name or 'the model'!r} for its "
+                "GEMM kernel, so it cannot be updated in place; keep CPU linear weights "
+                "unpacked (docs/vllm.md) or run the engine on a GPU"
+            )
+
+
+def resident_version(model_dir: str | None, chain_id: str) -> int:
+    """The version a checkpoint written by ``dcr replay`` holds (its ``dcr-state.json``)."""
+    state = Path(model_dir) / DIR_STATE_FILE if model_dir else None
+    if state is None or not state.is_file():
+        raise TargetError(
+            f"the engine's model {model_dir!r} has no {DIR_STATE_FILE}: start vLLM on a "
+            "checkpoint written by `dcr replay`, or pass the version it holds as "
+            "init_info 'version'"
+        )
+    try:
+        data = json.loads(state.read_text())
+        held_chain, version = str(data["chain_id"]), int(data["version"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TargetError(
+            f"{state} is unreadable ({exc}); replay the checkpoint again with `dcr replay`"
+        ) from None
+    if held_chain != chain_id:
+        raise TargetError(
+            f"the engine's checkpoint holds chain {held_chain}, the store chain {chain_id}; "
+            "start the engine on a `dcr replay` of this store"
+        )
+    return version
+
+
+class _Syncer:
+    """One worker's reader: keeps the worker's model at a version through its loader.
+
+    ``group``: a gloo process group of this model replica's tensor-parallel ranks (None
+    alone). Preparation runs in a background thread when ``prefetch`` (one rank only);
+    a lock keeps it and the apply apart.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        info: DcrInitInfo,
+        *,
+        model_dir: str | None,
+        group: Any = None,
+    ) -> None:
+        from dcr_format import DeltaReader, ModuleTarget, Store
+        from dcr_format.chain import Chain
+        from dcr_format.readers.module import all_reduce_lanes
+
+        check_updatable(model)
+        load_weights = getattr(model, "load_weights", None)
+        if not callable(load_weights):
+            raise TargetError(
+                f"the engine's model {type(model).__name__} has no load_weights; dcr applies "
+                "changes through the model's own loader"
+            )
+        store = Store(info.store, storage_options=info.storage_options)
+        chain = Chain(store)
+        if not chain.exists():
+            raise VersionNotFoundError(
+                f"{store.url} holds no chain; publish a version with DeltaWriter first"
+            )
+        chain_id = chain.header.chain_id
+        version = info.version
+        if version is None:
+            version = resident_version(model_dir, chain_id)
+        if version not in chain.versions():
+            raise VersionNotFoundError(
+                f"the engine's checkpoint holds version {version}, which is not committed in "
+                f"{store.url}; start the engine on a `dcr replay` of a committed version"
+            )
+        self.model = model
+        self.target = ModuleTarget(
+            model,
+            load_weights=load_weights,
+            version=version,
+            chain_id=chain_id,
+            reduce_lanes=all_reduce_lanes(group) if group is not None else None,
+        )
+        self.reader = DeltaReader(
+            store, self.target, verify=info.verify, reader_id=info.reader_id, group=group
+        )
+        self.reader.prewarm(version)  # learn the loader's placements; record overwrites
+        _hold_declared(self.target)
+        self.prefetch = info.prefetch and group is None
+        self.poll_seconds = float(info.poll_seconds)
+        self._lock = threading.Lock()
+        self._prepared: Any = None
+        self._prepared_seconds = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last: UpdateReport | None = None
+        if self.prefetch:
+            self._thread = threading.Thread(target=self._prefetch_loop, name="dcr-prefetch")
+            self._thread.daemon = True
+            self._thread.start()
+
+    # --- background preparation (fetching and verifying while the engine generates) -----
+
+    def _prefetch_loop(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self._prefetch_once()
+            except Exception as exc:  # a bad version is reported by the update that asks
+                _log.debug("dcr prefetch: %s", exc)
+                self._stop.wait(self.poll_seconds * 4)
+
+    def _prefetch_once(self) -> None:
+        committed = self.reader.versions()
+        resident = self.target.resident()
+        if not committed or resident is None or committed[-1] <= resident.version:
+            return
+        with self._lock:
+            held = self._prepared
+            if held is not None and held.version >= committed[-1]:
+                return
+            self._prepared = self.reader.prepare(committed[-1])
+
+    # --- the update ------------------------------------------------------------------
+
+    def update(self, update: DcrUpdateInfo) -> UpdateReport:
+        """Reach ``update.version`` (default: the newest): prepare unless prefetched, apply."""
+        from dcr_format.errors import StalePreparedError
+
+        with self._lock:
+            goal = update.version
+            if goal is None:
+                committed = self.reader.versions()
+                if not committed:
+                    raise VersionNotFoundError(f"{self.reader.store.url} has no version yet")
+                goal = committed[-1]
+            prepared, self._prepared = self._prepared, None
+            prefetched = prepared is not None and prepared.version == goal
+            if not prefetched:
+                prepared = self.reader.prepare(goal)
+            try:
+                result = self.reader.apply(prepared, audit=update.audit)
+            except StalePreparedError:  # the target moved since the prefetch: prepare again
+                prefetched = False
+                prepared = self.reader.prepare(goal)
+                result = self.reader.apply(prepared, audit=update.audit)
+            report = UpdateReport(
+                version=result.version,
+                previous=result.previous,
+                applied_versions=tuple(result.applied_versions),
+                payload_bytes=result.payload_bytes,
+                prepare_seconds=prepared.fetch_seconds,
+                apply_seconds=result.apply_seconds,
+                prefetched=prefetched,
+                unverified=tuple(result.unverified),
+            )
+            _log.info("dcr: %s", report)
+            self.last = report
+            return report
+
+    def version(self) -> int | None:
+        """The version the model holds."""
+        resident = self.target.resident()
+        return None if resident is None else resident.version
+
+    def close(self) -> None:
+        """Stop the background preparation."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self._prepared = None
+
+
+def _hold_declared(target: Any) -> None:
+    """A ModuleTarget declared at a version learns its tensors from the prewarm plans, but
+    forgets the unchanged ones at its first commit; hold them all explicitly."""
+    held = target._held
+    for plan in target._plans.values():
+        if plan.kind != "absent":
+            held.setdefault(plan.name, (plan.dtype, tuple(plan.shape)))
+
+
+def tensor_parallel_group(vllm_config: Any) -> Any:
+    """A gloo group of this worker's tensor-parallel ranks (None without tensor parallelism)."""
+    if vllm_config.parallel_config.tensor_parallel_size <= 1:
+        return None
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    # every rank of the world creates every group, in the same order (torch requirement)
+    world = dist.get_world_size()
+    size = vllm_config.parallel_config.tensor_parallel_size
+    mine = None
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        group = dist.new_group(ranks, backend="gloo")
+        if dist.get_rank() in ranks:
+            mine = group
+    if mine is None or tp.world_size != size:
+        raise TargetError("could not form the tensor-parallel reader group of this engine")
+    return mine
+
+
+def _model_dir(vllm_config: Any) -> str | None:
+    model = getattr(vllm_config.model_config, "model", None)
+    return str(model) if model else None
+
+
+class DcrWorkerExtension:
+    """A vLLM ``worker_extension_cls`` for engines started without the weight-transfer API:
+    ``LLM(..., worker_extension_cls="dcr_format.integrations.vllm.DcrWorkerExtension")``,
+    then ``llm.collective_rpc("dcr_init", kwargs={"init_info": {...}})`` once and
+    ``llm.collective_rpc("dcr_sync", kwargs={"version": N})`` per update (both return one
+    dict per worker). Init info and update info as in :class:`DcrInitInfo` /
+    :class:`DcrUpdateInfo`.
+    """
+
+    _dcr: _Syncer | None = None
+
+    def dcr_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
+        """Open the store and prewarm this worker's loader; returns the resident version."""
+        info = _parse(DcrInitInfo, init_info, "init_info")
+        if self._dcr is not None:
+            self._dcr.close()
+        worker: Any = self
+        self._dcr = _Syncer(
+            worker.model_runner.get_model(),
+            info,
+            model_dir=_model_dir(worker.vllm_config),
+            group=tensor_parallel_group(worker.vllm_config),
+        )
+        return {"version": self._dcr.version()}
+
+    def dcr_sync(self, version: int | None = None, audit: bool = False) -> dict[str, Any]:
+        """Bring this worker's model to ``version`` (default: the newest) in place."""
+        if self._dcr is None:
+            raise RuntimeError("call collective_rpc('dcr_init', ...) before 'dcr_sync'")
+        return self._dcr.update(DcrUpdateInfo(version=version, audit=audit)).to_dict()
+
+    def dcr_version(self) -> int | None:
+        """The version this worker's model holds (None before ``dcr_init``)."""
+        return None if self._dcr is None else self._dcr.version()
+
+
+def _parse(cls: Any, data: Any, what: str) -> Any:
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ValueError(f"dcr {what} must be a dict, not {type(data).__name__}")
+    names = {f for f in cls.__dataclass_fields__}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"dcr {what} has unknown field {unknown[0]!r}; the fields are {', '.join(names)}"
+        )
+    return cls(**data)
+
+
+# --- the trainer side ------------------------------------------------------------------
+
+
+class _LLMClient:
+    """An in-process ``vllm.LLM`` as a weight-sync client (its methods take request dicts)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+
+def as_client(client: Any) -> Any:
+    """``client`` as a ``VLLMWeightSyncClient``: an ``LLM`` is adapted, anything with the
+    four methods (HTTP, Ray clients) is used as is."""
+    if hasattr(client, "llm_engine"):
+        return _LLMClient(client)
+    for method in (
+        "init_weight_transfer_engine",
+        "start_weight_update",
+        "update_weights",
+        "finish_weight_update",
+    ):
+        if not callable(getattr(client, method, None)):
+            raise TypeError(
+                f"{type(client).__name__} is not a weight-sync client (no {method}); pass "
+                "vLLM's HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient or an LLM"
+            )
+    return client
+
+
+@dataclass
+class DcrWeightSync:
+    """Trainer side: publish each step with a :class:`~dcr_format.DeltaWriter`, then bring
+    the engines behind ``client`` to that version through vLLM's weight-sync protocol.
+
+    ``init_info`` is what the engines are initialised with (the store as *they* reach it);
+    :meth:`init` sends it once. Only the publishing rank (or rank 0 of several writer
+    ranks) should drive the client: pass ``client=None`` on the others.
+    """
+
+    writer: Any
+    client: Any
+    init_info: DcrInitInfo
+    timings: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.client is not None:
+            self.client = as_client(self.client)
+
+    def init(self) -> None:
+        """``init_weight_transfer_engine`` on every engine (opens the store, prewarms)."""
+        if self.client is not None:
+            self.client.init_weight_transfer_engine(self.init_info.to_dict())
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        step: int | None = None,
+    ) -> int:
+        """Publish ``tensors`` as the next version and update the engines to it."""
+        started = time.perf_counter()
+        info = self.writer.publish(tensors, step=step)
+        published = time.perf_counter()
+        if self.client is not None:
+            self.update(info.version)
+        self.timings.append(
+            {
+                "version": float(info.version),
+                "publish_seconds": published - started,
+                "update_seconds": time.perf_counter() - published,
+            }
+        )
+        return int(info.version)
+
+    def update(self, version: int | None = None, *, audit: bool = False) -> None:
+        """start, update and finish: the engines reach ``version`` (default: the newest).
+
+        A failed update leaves every engine at its previous version and still serving; the
+        error is raised here (after the session is closed where the engine allows it).
+        """
+        if self.client is None:
+            raise RuntimeError("this rank has no weight-sync client; rank 0 updates")
+        payload: dict[str, Any] = {"audit": audit}
+        if version is not None:
+            payload["version"] = int(version)
+        self.client.start_weight_update()
+        try:
+            self.client.update_weights(payload)
+        except BaseException:
+            _close_quietly(self.client)
+            raise
+        self.client.finish_weight_update(str(version) if version is not None else None)
+
+
+def _close_quietly(client: Any) -> None:
+    """vLLM ends the session itself when update_weights fails; a finish may then refuse."""
+    try:
+        client.finish_weight_update(None)
+    except Exception:
+        pass
+
+
+def canonical_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The model's state dict as canonical tensors of ``dtype`` (FSDP2 DTensors gathered with
+    ``full_tensor()``; every rank must call it, since the gather is a collective).
+
+    A tied weight is published once, under its first name (as ``save_pretrained`` does:
+    ``lm_head.weight`` of a tied model is ``model.embed_tokens.weight``), since vLLM's
+    loader refuses the tied name on its own.
+    """
+    out = {}
+    seen: set[tuple[str, int, int]] = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        local = getattr(tensor, "_local_tensor", tensor)
+        key = (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset())
+        if local.numel() and key in seen:
+            continue  # a tied alias of a tensor already exported
+        seen.add(key)
+        full = getattr(tensor, "full_tensor", None)
+        value = full() if callable(full) else tensor
+        out[name] = value.detach().to(dtype) if value.is_floating_point() else value.detach()
+    return out
+
+
+def dcr_trainer_callback(
+    sync: DcrWeightSync,
+    *,
+    every: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    state: Callable[[torch.nn.Module], Mapping[str, torch.Tensor]] | None = None,
+) -> Any:
+    """A ``transformers.TrainerCallback`` that publishes the model after every ``every``-th
+    optimizer step through ``sync`` (and updates the engines behind its client).
+
+    ``state`` turns the model into canonical tensors (default: :func:`canonical_state`,
+    which gathers FSDP2 shards on every rank; give each rank's writer only its own tensors
+    by passing a ``state`` that does not gather).
+    """
+    from transformers import TrainerCallback
+
+    if every < 1:
+        raise ValueError("every must be a positive number of optimizer steps")
+    export = state or (lambda model: canonical_state(model, dtype))
+
+    class DcrTrainerCallback(TrainerCallback):  # type: ignore[misc]
+        """Publishes the model with dcr after optimizer steps."""
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._pending = True
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if not getattr(self, "_pending", False):
+                return
+            self._pending = False
+            if state.global_step % every:
+                return
+            model = kwargs["model"]
+            with torch.no_grad():
+                sync.publish(export(model), step=int(state.global_step))
+
+    return DcrTrainerCallback()

@@ -1,0 +1,26 @@
+"""tests_vllm/: dcr against a real vLLM (CPU build), run with .venv-vllm's python (.ci/test).
+
+The environment is set before vLLM is imported; the CPU prepack patch is applied in this
+process and, for engine subprocesses and `vllm serve`, by tests_vllm/serve.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import harness
+
+harness.apply_env()
+# vLLM's CPU worker start scans sys.modules for Triton kernels and trips over llvmlite's
+# objects; dcr's numba kernels would load llvmlite in this (trainer) process before the
+# in-process engines start, so the trainer side here uses dcr's torch kernels
+os.environ["DCR_KERNELS"] = "torch"
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run .ci/setup-vllm")
+harness.keep_cpu_weights_updatable()

@@ -1,0 +1,200 @@
+"""The vLLM test harness: a tiny Llama built locally (no hub), the trainer that publishes its
+AdamW steps with DeltaWriter, and the one patch vLLM's CPU build needs (see docs/vllm.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven small birds sing softly in "
+    "green trees near an old river bank and every morning bright sun rises slowly"
+).split()
+VOCAB_SIZE = 128
+
+
+def tiny_config(*, tied: bool) -> Any:
+    """A Llama small enough for a shared CPU, with real q/k/v fusion (4 heads, 2 kv heads)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+
+
+def save_tokenizer(out: Path) -> None:
+    """A word-level tokenizer over WORDS, built and saved locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    for i in range(len(vocab), VOCAB_SIZE):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(out)
+
+
+class Trainer:
+    """fp32 masters of a tiny Llama stepped by AdamW; publishes bf16 exports with DeltaWriter."""
+
+    def __init__(self, store: str, *, tied: bool, seed: int = 0) -> None:
+        import transformers
+
+        from dcr_format import DeltaWriter
+
+        torch.manual_seed(seed)
+        self.model = transformers.LlamaForCausalLM(tiny_config(tied=tied)).float()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.writer = DeltaWriter(store)
+        self.tied = tied
+
+    def export(self) -> dict[str, torch.Tensor]:
+        """Canonical bf16 tensors (the tied lm_head is not a tensor of its own)."""
+        from dcr_format.integrations.vllm import canonical_state
+
+        return canonical_state(self.model)
+
+    def step(self) -> None:
+        batch = torch.randint(4, VOCAB_SIZE, (2, 16), generator=self.gen)
+        loss = self.model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def publish(self, step: int) -> int:
+        info = self.writer.publish(self.export(), step=step)
+        return info.version
+
+
+def checkpoint(store: str, version: int, out: Path, *, tied: bool) -> Path:
+    """`dcr replay` of ``version`` into ``out`` plus the config and tokenizer vLLM needs."""
+    from dcr_format import replay
+
+    replay(store, version, out)
+    tiny_config(tied=tied).save_pretrained(out)
+    save_tokenizer(out)
+    return out
+
+
+def keep_cpu_weights_updatable() -> None:
+    """vLLM's CPU build prepacks every unquantized linear weight into a oneDNN handle after
+    loading (and empties the parameter), and has no setting to turn that off; this keeps
+    the weights as plain tensors computed with ``torch.nn.functional.linear``. Tests only."""
+    from vllm.model_executor.layers import utils
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def engine_env() -> dict[str, str]:
+    """Environment for tiny CPU engines on a shared 2-core machine."""
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def apply_env() -> None:
+    for key, value in engine_env().items():
+        os.environ.setdefault(key, value)
+
+
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "max_model_len": 64,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+    "enforce_eager": True,
+    "seed": 0,
+}
+FIGURES = Path(os.environ.get("DCR_VLLM_FIGURES", "/tmp/dcr-vllm-figures.jsonl"))
+
+
+def record(mode: str, start_seconds: float, rows: list[tuple[int, float, float, float]]) -> None:
+    """Append the figures of one scenario (engine start; per step: update, prepare, pause)."""
+    import json
+
+    with FIGURES.open("a") as out:
+        out.write(
+            json.dumps(
+                {
+                    "mode": mode,
+                    "engine_start_s": round(start_seconds, 3),
+                    "steps": [
+                        {
+                            "step": s,
+                            "update_s": round(u, 4),
+                            "prepare_s": round(p, 4),
+                            "pause_s": round(a, 4),
+                        }
+                        for s, u, p, a in rows
+                    ],
+                }
+            )
+            + "\n"
+        )
+
+
+PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
+
+
+def fresh_greedy(dirs: list[Path], prompts: list[str] = PROMPTS) -> list[list[list[int]]]:
+    """Greedy tokens of a fresh engine started on each checkpoint (in a subprocess)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, **engine_env()}
+    env.pop("DCR_KERNELS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "fresh_greedy.py"),
+            *map(str, dirs),
+            "--",
+            *prompts,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("GREEDY "):
+            return json.loads(line[len("GREEDY ") :])
+    raise AssertionError(f"fresh engines failed (rc {proc.returncode}): {proc.stderr[-3000:]}")
