@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 import click
 from pydantic import BaseModel
 
+from dcr_format._cli_params import endpoint_url, finite, one_line, output_file
 from dcr_format.cli_bench import bench, project
-from dcr_format.errors import DcrError
+from dcr_format.errors import DcrError, TargetError, VersionNotFoundError
 from dcr_format.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,6 +32,8 @@ FORMAT_OPTION = click.option(
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if param.name == "endpoint_url" and value:
+        value = endpoint_url(value)
     ctx.meta[f"dcr.{param.name}"] = value
 
 
@@ -42,11 +45,40 @@ def _open_store(ctx: click.Context, param: click.Parameter, value: str | None) -
     options = None
     if endpoint:
         if not value.startswith(("s3://", "s3a://")):
-            raise click.BadParameter("--endpoint-url applies to s3:// stores", param=param)
+            raise click.BadParameter(
+                "--endpoint-url applies to s3:// stores; drop it or pass an s3://bucket/prefix "
+                "store",
+                param=param,
+            )
         options = {"endpoint_url": endpoint}
-    return Store(
+    store = Store(
         value, storage_options=options, single_writer=bool(ctx.meta.get("dcr.single_writer"))
     )
+    if store.url.startswith("file://"):
+        root = Path(store.url[len("file://") :])
+        if root.exists() and not root.is_dir():
+            raise click.BadParameter(
+                f"{root} is a file, not a store directory; pass a directory (or a new path)",
+                param=param,
+            )
+    return store
+
+
+def _versions_in_chain(store: Store, **named: int | None) -> None:
+    """Every named version (None: not given) is committed in the chain's range."""
+    from dcr_format.chain import Chain
+
+    versions = Chain(store).versions()
+    for option, version in named.items():
+        if version is None:
+            continue
+        if not versions:
+            raise VersionNotFoundError(f"{store.url} has no committed version; publish first")
+        if not versions[0] <= version <= versions[-1]:
+            raise VersionNotFoundError(
+                f"{option} {version}: the chain of {store.url} holds versions "
+                f"{versions[0]}..{versions[-1]}; pick one of those (`dcr log` lists them)"
+            )
 
 
 def STORE_OPTION(command: F) -> F:
@@ -132,21 +164,67 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
+def _debug() -> bool:
+    return os.environ.get("DCR_DEBUG", "") not in ("", "0")
+
+
 class _Group(click.Group):
-    """Every DcrError becomes one line on stderr and exit status 1."""
+    """Every failure caused by the input is one line on stderr.
+
+    Usage errors (a bad option or argument, caught by click before any work) exit
+    with status 2 and name the ``--help`` to read; a ``DcrError`` exits with 1,
+    and so does a ``ValueError``, ``TypeError`` or ``OSError`` that no check caught.
+    Any other exception is a bug and keeps its traceback; ``DCR_DEBUG=1`` shows
+    the traceback of every error.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # `dcr` alone: the help text, as click prints it
+            sys.exit(exc.exit_code)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "dcr"
+            click.echo(
+                f"dcr: error: {one_line(exc.format_message())} (see '{where} --help')", err=True
+            )
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            click.echo(f"dcr: error: {one_line(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("dcr: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort, BrokenPipeError):
+            raise
         except DcrError as exc:
-            click.echo(f"dcr: error: {exc}", err=True)
+            if _debug():
+                raise
+            click.echo(f"dcr: error: {one_line(exc)}", err=True)
+            sys.exit(1)
+        except (ValueError, TypeError, OSError) as exc:
+            if _debug():
+                raise
+            text = one_line(exc) or type(exc).__name__
+            click.echo(
+                f"dcr: error: {text}; check the arguments (DCR_DEBUG=1 shows where it failed)",
+                err=True,
+            )
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("dcr: interrupted", err=True)
             sys.exit(130)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, name="dcr")
 @click.version_option(package_name="dcr-format")
 def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
@@ -160,7 +238,12 @@ cli.add_command(project)
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
 @STORE_OPTION
 @click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
-@click.option("--base-every", type=int, default=None, help="Write a full base every K versions.")
+@click.option(
+    "--base-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Write a full base every K versions.",
+)
 @click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
@@ -177,12 +260,29 @@ def publish(
     fmt: str,
 ) -> None:
     """Publish a Hugging Face checkpoint directory as the chain's next version."""
+    from safetensors import SafetensorError
+
     from dcr_format.checkpoint import count_tensors, iter_checkpoint
     from dcr_format.writers.writer import DeltaWriter
 
+    def unreadable(exc: Exception) -> TargetError:
+        return TargetError(
+            f"{ckpt_dir} holds a file that is not valid safetensors ({one_line(exc)}); "
+            "save the checkpoint again (safetensors format)"
+        )
+
+    def read() -> Iterable[tuple[str, Any]]:
+        try:
+            yield from iter_checkpoint(ckpt_dir)
+        except SafetensorError as exc:
+            raise unreadable(exc) from None
+
+    try:
+        total = count_tensors(ckpt_dir)  # reads every header: a broken file fails here
+    except SafetensorError as exc:
+        raise unreadable(exc) from None
     writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or _default_cache())
-    tensors = _progress(iter_checkpoint(ckpt_dir), total=count_tensors(ckpt_dir), desc="publish")
-    info = writer.publish(tensors, step=step)
+    info = writer.publish(_progress(read(), total=total, desc="publish"), step=step)
 
     def human() -> None:
         click.echo(
@@ -198,10 +298,18 @@ def publish(
 @cli.command()
 @STORE_OPTION
 @click.option(
-    "--into", "into", required=True, type=click.Path(), help="Checkpoint directory to keep."
+    "--into",
+    "into",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Checkpoint directory to keep.",
 )
 @click.option(
-    "--version", "version", type=int, default=None, help="Target version (default newest)."
+    "--version",
+    "version",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Target version (default newest).",
 )
 @FORMAT_OPTION
 def pull(store: Store, into: str, version: int | None, fmt: str) -> None:
@@ -247,8 +355,10 @@ def _gc_item(item: Any) -> str:
 
 @cli.command(name="log")
 @STORE_OPTION
-@click.option("--limit", type=int, default=None, help="Show only the newest N versions.")
-@click.option("--since", type=int, default=None, help="Show versions from N on.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Show only the newest N versions."
+)
+@click.option("--since", type=click.IntRange(min=0), default=None, help="Show versions from N on.")
 @FORMAT_OPTION
 def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> None:
     """One row per committed version (kind "delta+base": compacted, it has an alternative base)."""
@@ -291,7 +401,7 @@ def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> Non
 
 
 @cli.command()
-@click.argument("version", type=int)
+@click.argument("version", type=click.IntRange(min=0))
 @STORE_OPTION
 @click.option("--top", type=click.IntRange(min=0), default=None, help="Only the N first rows.")
 @click.option(
@@ -342,8 +452,8 @@ def show(version: int, store: Store, top: int | None, sort_key: str, fmt: str) -
 
 
 @cli.command()
-@click.argument("a", type=int)
-@click.argument("b", type=int)
+@click.argument("a", type=click.IntRange(min=0))
+@click.argument("b", type=click.IntRange(min=0))
 @STORE_OPTION
 @click.option(
     "--exact",
@@ -390,9 +500,9 @@ def diff(
 
 
 @cli.command()
-@click.argument("version", type=int)
+@click.argument("version", type=click.IntRange(min=0))
 @STORE_OPTION
-@click.option("--out", required=True, type=click.Path(), help="Directory to write.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
@@ -426,8 +536,12 @@ def replay(
 
 @cli.command()
 @STORE_OPTION
-@click.option("--from", "start", type=int, default=None, help="First version to check.")
-@click.option("--to", "end", type=int, default=None, help="Last version to check.")
+@click.option(
+    "--from", "start", type=click.IntRange(min=0), default=None, help="First version to check."
+)
+@click.option(
+    "--to", "end", type=click.IntRange(min=0), default=None, help="Last version to check."
+)
 @click.option(
     "--deep",
     is_flag=True,
@@ -439,6 +553,12 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
     """Check every object of the chain (exit status 1 if anything is broken)."""
     from dcr_format.tools import verify as verify_chain
 
+    if start is not None and end is not None and start > end:
+        raise click.BadParameter(
+            f"--from {start} is after --to {end}; pass the older version to --from",
+            param_hint="'--from'",
+        )
+    _versions_in_chain(store, **{"--from": start, "--to": end})
     report = verify_chain(store, start=start, end=end, deep=deep, progress=True)
 
     def human() -> None:
@@ -466,7 +586,13 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 
 @cli.command()
 @STORE_OPTION
-@click.option("--at", "at", type=int, required=True, help="The version to write a base of.")
+@click.option(
+    "--at",
+    "at",
+    type=click.IntRange(min=0),
+    required=True,
+    help="The version to write a base of.",
+)
 @click.option(
     "--shard-mb",
     type=click.IntRange(min=1),
@@ -597,15 +723,24 @@ def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
 
 @cli.command()
 @STORE_OPTION
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
-@click.option("--since", type=int, default=None, help="Plot versions from N on.")
-@click.option("--limit", type=int, default=None, help="Plot only the newest N versions.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    callback=output_file,
+    help="PNG file to write.",
+)
+@click.option("--since", type=click.IntRange(min=0), default=None, help="Plot versions from N on.")
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=None, help="Plot only the newest N versions."
+)
 @click.option("--dpi", type=click.IntRange(min=10), default=100, show_default=True)
 @FORMAT_OPTION
 def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""
     from dcr_format.tools import plot as draw
 
+    _versions_in_chain(store, **{"--since": since})
     data = draw(store, out, since=since, limit=limit, dpi=dpi)
     _emit(
         fmt,
@@ -623,7 +758,9 @@ def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int,
     default=None,
     help="Store to publish into (default: a new temporary directory).",
 )
-@click.option("--steps", type=int, default=10, show_default=True, help="Training steps.")
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Training steps."
+)
 @click.option(
     "--size",
     type=click.Choice(["tiny", "small", "medium"]),
@@ -631,7 +768,13 @@ def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int,
     show_default=True,
     help="Model size.",
 )
-@click.option("--lr", type=float, default=None, help="AdamW learning rate (default: RL-like).")
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=finite,
+    default=None,
+    help="AdamW learning rate (default: RL-like).",
+)
 @FORMAT_OPTION
 def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -> None:
     """Train a small transformer, publish every step, pull each into a reader, check bits."""

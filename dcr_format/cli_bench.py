@@ -6,12 +6,15 @@ Both are plain click commands; ``dcr_format.cli`` adds them to the ``dcr`` group
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import click
+
+from dcr_format._cli_params import finite, output_file
 
 _FORMAT = click.option(
     "--format",
@@ -45,8 +48,8 @@ def _sizes(
             size = float(text.rstrip("MG")) * scale
         except ValueError:
             raise click.BadParameter(f"{item!r} is not a size like 100, 300MB or 1GB") from None
-        if size <= 0:
-            raise click.BadParameter(f"{item!r}: sizes must be positive")
+        if not math.isfinite(size) or size <= 0:
+            raise click.BadParameter(f"{item!r}: sizes must be positive numbers like 100 or 1GB")
         sizes.append(size)
     return tuple(sizes)
 
@@ -77,7 +80,11 @@ def _rates(
 )
 @click.option("--members", type=click.IntRange(min=2), default=None, help="Relay members (8).")
 @click.option(
-    "--fanout-mb", type=click.FloatRange(min=0.1), default=None, help="Fan-out model MB (100)."
+    "--fanout-mb",
+    type=click.FloatRange(min=0.1),
+    callback=finite,
+    default=None,
+    help="Fan-out model MB (100).",
 )
 @click.option("--reps", type=click.IntRange(min=1), default=None, help="Timing repetitions (3).")
 @click.option("--quick", is_flag=True, help="CI smoke run: an 8 MB model, about a minute.")
@@ -85,6 +92,7 @@ def _rates(
 @click.option(
     "--png",
     type=click.Path(dir_okay=False),
+    callback=output_file,
     default="dcr-bench.png",
     show_default=True,
     help="Where to write the plot.",
@@ -92,12 +100,14 @@ def _rates(
 @click.option(
     "--json-out",
     type=click.Path(dir_okay=False),
+    callback=output_file,
     default=None,
     help="Also write the full result as JSON to this file.",
 )
 @click.option(
     "--save-costs",
     type=click.Path(dir_okay=False),
+    callback=output_file,
     default=None,
     help="Write the measured costs for `dcr project --costs`.",
 )
@@ -157,6 +167,7 @@ def bench(
 @click.option(
     "--link-gbps",
     type=click.FloatRange(min=0, min_open=True),
+    callback=finite,
     default=5.0,
     show_default=True,
     help="Network limit of every node, each direction.",
@@ -178,6 +189,7 @@ def bench(
 @click.option(
     "--store-gbps",
     type=click.FloatRange(min=0),
+    callback=finite,
     default=0.0,
     show_default=True,
     help="Aggregate object store bandwidth (0: no limit).",
@@ -185,7 +197,11 @@ def bench(
 @click.option("--group-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--fanout", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option(
-    "--bytes-per-param", type=click.FloatRange(min=0, min_open=True), default=2.0, show_default=True
+    "--bytes-per-param",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=finite,
+    default=2.0,
+    show_default=True,
 )
 @click.option(
     "--costs",
@@ -221,9 +237,22 @@ def project(
     )
 
     try:
+        count = parse_count(params)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--params'") from None
+    if not count > 0:
+        raise click.BadParameter(
+            f"{params!r} is no parameters; pass a model size like 1T, 120B or 7e9",
+            param_hint="'--params'",
+        )
+    try:
+        rate = parse_rate(change)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--change'") from None
+    try:
         scenario = Scenario(
-            params=parse_count(params),
-            change=parse_rate(change),
+            params=count,
+            change=rate,
             rollout_nodes=rollout_nodes,
             link_gbps=link_gbps,
             trainer_nodes=trainer_nodes,
@@ -243,7 +272,11 @@ def project(
         try:
             costs = Costs.load(costs_file)
         except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--costs") from None
+            raise click.BadParameter(
+                f"{costs_file} is not a costs file ({exc}); write one with "
+                "`dcr bench --save-costs FILE`",
+                param_hint="'--costs'",
+            ) from None
     report = projection_report(scenario, costs)
     if fmt == "json":
         click.echo(json.dumps(report, indent=2))

@@ -1,0 +1,286 @@
+"""Every bad argument of every `dcr` command is one line on stderr and a non-zero exit.
+
+Usage errors (caught by click before any work) exit 2 and point at the command's --help;
+errors found by the library exit 1 and say what to do. No bad input shows a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import make_state, step_state
+from safetensors.torch import save_file
+
+from dcr_format import DeltaWriter
+from dcr_format.cli import cli
+from dcr_format.errors import VersionNotFoundError
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A store with versions 0..6 (bases at 0 and 5), a checkpoint, and bad inputs."""
+    root = tmp_path_factory.mktemp("cli-errors")
+    store = root / "store"
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(store, base_every=5, cache_dir=root / "cache")
+    for version in range(7):
+        if version:
+            step_state(state, gen)
+        writer.publish(state, step=version)
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.ones(4)}, str(ckpt / "model.safetensors"))
+    (root / "empty").mkdir()
+    (root / "afile").write_text("not a directory")
+    (root / "unmanaged").mkdir()
+    (root / "unmanaged" / "notes.txt").write_text("someone else's")
+    (root / "badckpt").mkdir()
+    (root / "badckpt" / "model.safetensors").write_bytes(b"not safetensors")
+    (root / "costs.json").write_text("{not json")
+    return {
+        "store": str(store),
+        "ckpt": str(ckpt),
+        "empty": str(root / "empty"),
+        "afile": str(root / "afile"),
+        "unmanaged": str(root / "unmanaged"),
+        "badckpt": str(root / "badckpt"),
+        "costs": str(root / "costs.json"),
+        "new": str(root / "new"),  # a path that does not exist
+    }
+
+
+USAGE = 2
+LIBRARY = 1
+S = ("--store", "{store}")
+
+# (arguments, exit status, a fragment of the one line: what is wrong or what to do)
+CASES: list[tuple[tuple[str, ...], int, str]] = [
+    # the group
+    (("nosuchcommand",), USAGE, "No such command"),
+    (("--nosuch",), USAGE, "No such option"),
+    (("log",), USAGE, "Missing option '--store'"),
+    (("log", *S, "--format", "yaml"), USAGE, "'yaml' is not one of"),
+    # --store, --endpoint-url
+    (("log", "--store", "foo://x"), LIBRARY, "install the fsspec backend"),
+    (("log", "--store", ""), LIBRARY, "pass a path like"),
+    (("log", "--store", "{afile}"), USAGE, "is a file, not a store directory"),
+    (("log", "--store", "s3://"), LIBRARY, "use s3://bucket/prefix"),
+    (("log", "--store", "s3://b/p", "--endpoint-url", "notaurl"), USAGE, "pass one like http"),
+    (("log", "--store", "s3://b/p", "--endpoint-url", "http://[::1"), USAGE, "Invalid IPv6"),
+    (("log", "--store", "s3://b/p", "--endpoint-url", "http://h:port"), USAGE, "endpoint URL"),
+    (("log", "--store", "s3://b/p", "--endpoint-url", "ftp://h"), USAGE, "http:// or https://"),
+    (("log", *S, "--endpoint-url", "http://h"), USAGE, "applies to s3:// stores"),
+    (("log", "--store", "{new}"), LIBRARY, "publish to it first or check the store URL"),
+    # publish
+    (("publish", "{ckpt}", *S, "--base-every", "0"), USAGE, "'--base-every': 0 is not in"),
+    (("publish", "{ckpt}", *S, "--base-every", "-1"), USAGE, "'--base-every': -1 is not in"),
+    (("publish", "{new}", *S), USAGE, "does not exist"),
+    (("publish", "{afile}", *S), USAGE, "is a file"),
+    (("publish", "{empty}", *S), LIBRARY, "pass a checkpoint directory"),
+    (("publish", "{badckpt}", *S), LIBRARY, "save the checkpoint again"),
+    (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
+    (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
+    # pull
+    (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),
+    (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "version 99 is not committed"),
+    (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "-1 is not in the range"),
+    # log
+    (("log", *S, "--limit", "0"), USAGE, "'--limit': 0 is not in the range"),
+    (("log", *S, "--limit", "-1"), USAGE, "'--limit': -1 is not in the range"),
+    (("log", *S, "--since", "-1"), USAGE, "'--since': -1 is not in the range"),
+    # show
+    (("show", "99", *S), LIBRARY, "run `dcr log`"),
+    (("show", "-1", *S), USAGE, "No such option '-1'"),
+    (("show", *S, "--", "-1"), USAGE, "-1 is not in the range"),
+    (("show", "1", *S, "--top", "-1"), USAGE, "'--top': -1 is not in the range"),
+    (("show", "1", *S, "--sort", "size"), USAGE, "'size' is not one of"),
+    # diff
+    (("diff", "1", "99", *S), LIBRARY, "run `dcr log`"),
+    (("diff", "1", *S), USAGE, "Missing argument 'B'"),
+    (("diff", "1", "2", *S, "--top", "-1"), USAGE, "'--top': -1 is not in the range"),
+    # replay
+    (("replay", "99", *S, "--out", "{new}"), LIBRARY, "version 99 is not committed"),
+    (("replay", "3", *S, "--out", "{afile}"), USAGE, "is a file"),
+    (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("replay", "3", *S, "--out", "{new}", "--cache-dir", "{afile}"), USAGE, "is a file"),
+    # verify
+    (("verify", *S, "--from", "5", "--to", "2"), USAGE, "pass the older version to --from"),
+    (("verify", *S, "--from", "99"), LIBRARY, "holds versions 0..6; pick one"),
+    (("verify", *S, "--to", "99"), LIBRARY, "holds versions 0..6; pick one"),
+    (("verify", *S, "--from", "-1"), USAGE, "'--from': -1 is not in the range"),
+    # compact
+    (("compact", *S, "--at", "99"), LIBRARY, "run `dcr log`"),
+    (("compact", *S, "--at", "-1"), USAGE, "'--at': -1 is not in the range"),
+    (("compact", *S, "--at", "3", "--shard-mb", "0"), USAGE, "'--shard-mb': 0 is not in"),
+    # gc
+    (("gc", *S, "--keep-last", "0"), USAGE, "'--keep-last': 0 is not in the range"),
+    (("gc", *S), USAGE, "Missing option '--keep-last'"),
+    (("gc", *S, "--keep-last", "1", "--keep-bases", "-1"), USAGE, "'--keep-bases': -1"),
+    (("gc", *S, "--keep-last", "1", "--grace", "x"), USAGE, "write e.g. 30s, 15m"),
+    (("gc", *S, "--keep-last", "1", "--grace", "-1s"), USAGE, "write e.g. 30s, 15m"),
+    (("gc", "--store", "{new}", "--keep-last", "1"), LIBRARY, "publish to it first"),
+    # doctor
+    (("doctor", *S, "--large-mb", "-1"), USAGE, "'--large-mb': -1 is not in the range"),
+    (("doctor", "--store", "{afile}"), USAGE, "pass a directory (or a new path)"),
+    # plot
+    (("plot", *S, "--out", "{empty}"), USAGE, "is a directory"),
+    (("plot", *S, "--out", "{new}/x.png"), USAGE, "create it or write the file elsewhere"),
+    (("plot", *S, "--out", "{new}.png", "--dpi", "5"), USAGE, "'--dpi': 5 is not in"),
+    (("plot", *S, "--out", "{new}.png", "--limit", "0"), USAGE, "'--limit': 0 is not in"),
+    (("plot", *S, "--out", "{new}.png", "--since", "-1"), USAGE, "'--since': -1 is not in"),
+    (("plot", *S, "--out", "{new}.png", "--since", "99"), LIBRARY, "pick one of those"),
+    # demo
+    (("demo", "--steps", "0"), USAGE, "'--steps': 0 is not in the range"),
+    (("demo", "--steps", "-1"), USAGE, "'--steps': -1 is not in the range"),
+    (("demo", "--lr", "0"), USAGE, "'--lr': 0.0 is not in the range"),
+    (("demo", "--lr", "-1"), USAGE, "'--lr': -1.0 is not in the range"),
+    (("demo", "--lr", "nan"), USAGE, "is not a finite number"),
+    (("demo", "--size", "huge"), USAGE, "'huge' is not one of"),
+    # bench: every value is checked before the benchmark starts
+    (("bench", "--sizes", "0"), USAGE, "sizes must be positive numbers"),
+    (("bench", "--sizes", "abc"), USAGE, "is not a size like 100"),
+    (("bench", "--sizes", "inf"), USAGE, "sizes must be positive numbers"),
+    (("bench", "--rates", "x"), USAGE, "is not a change rate like 3%"),
+    (("bench", "--rates", "200%"), USAGE, "must be in (0, 100%]"),
+    (("bench", "--members", "1"), USAGE, "'--members': 1 is not in the range"),
+    (("bench", "--reps", "0"), USAGE, "'--reps': 0 is not in the range"),
+    (("bench", "--fanout-mb", "nan"), USAGE, "is not a finite number"),
+    (("bench", "--png", "{new}/x.png"), USAGE, "create it or write the file elsewhere"),
+    (("bench", "--png", "{empty}"), USAGE, "is a directory"),
+    (("bench", "--json-out", "{new}/x.json"), USAGE, "create it or write the file elsewhere"),
+    (("bench", "--save-costs", "{new}/c.json"), USAGE, "create it or write the file elsewhere"),
+    # project
+    (("project",), USAGE, "Missing option '--params'"),
+    (("project", "--params", "bad"), USAGE, "'--params': 'bad' is not a parameter count"),
+    (("project", "--params", "0"), USAGE, "pass a model size like 1T"),
+    (("project", "--params", "1T", "--change", "x"), USAGE, "'--change': 'x' is not a change"),
+    (("project", "--params", "1T", "--change", "0"), USAGE, "must be in (0, 100%]"),
+    (("project", "--params", "1T", "--costs", "{new}"), USAGE, "does not exist"),
+    (("project", "--params", "1T", "--costs", "{costs}"), USAGE, "dcr bench --save-costs"),
+    (("project", "--params", "1T", "--rollout-nodes", "0"), USAGE, "'--rollout-nodes': 0"),
+    (("project", "--params", "1T", "--link-gbps", "0"), USAGE, "'--link-gbps': 0.0 is not"),
+    (("project", "--params", "1T", "--link-gbps", "nan"), USAGE, "is not a finite number"),
+    (("project", "--params", "1T", "--store-gbps", "inf"), USAGE, "is not a finite number"),
+    (("project", "--params", "1T", "--bytes-per-param", "-2"), USAGE, "is not in the range"),
+]
+
+
+def _one_line_error(stderr: str, code: int, fragment: str, stdout: str = "") -> str:
+    assert "Traceback" not in stderr + stdout
+    assert stdout == "", stdout
+    assert stderr.endswith("\n") and stderr.count("\n") == 1, stderr
+    line = stderr.rstrip("\n")
+    assert line.startswith("dcr: error: "), line
+    assert fragment in line, line
+    if code == USAGE:  # what to do: read the command's help
+        assert "--help')" in line, line
+    return line
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "fragment"), CASES, ids=[" ".join(c[0])[:60] for c in CASES]
+)
+def test_bad_argument_is_one_line(
+    paths: dict[str, str], args: tuple[str, ...], code: int, fragment: str
+) -> None:
+    argv = [a.format(**paths) for a in args]
+    result = CliRunner().invoke(cli, argv, env={"DCR_DEBUG": None, "AWS_ENDPOINT_URL": None})
+    assert result.exit_code == code, (result.output, result.exception)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    _one_line_error(result.stderr, code, fragment.format(**paths), result.stdout)
+
+
+def test_bad_arguments_leave_the_store_alone(paths: dict[str, str]) -> None:
+    from dcr_format import Store
+
+    assert Store(paths["store"]).list("commits/") == [f"commits/{v:020d}.json" for v in range(7)]
+    assert not os.path.exists(paths["new"])
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "fragment"),
+    [
+        (("publish", "{ckpt}", "--store", "{new}", "--base-every", "0"), USAGE, "--base-every"),
+        (("log", "--store", "s3://b/p", "--endpoint-url", "nota url"), USAGE, "endpoint URL"),
+        (("nosuchcommand",), USAGE, "No such command"),
+        (("show", "99", "--store", "{store}"), LIBRARY, "run `dcr log`"),
+    ],
+)
+def test_the_installed_command_prints_one_line(
+    paths: dict[str, str], args: tuple[str, ...], code: int, fragment: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("DCR_DEBUG", "AWS_ENDPOINT_URL")}
+    run = subprocess.run(
+        [sys.executable, "-c", "from dcr_format.cli import main; main()"]
+        + [a.format(**paths) for a in args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == code, run.stderr
+    _one_line_error(run.stderr, code, fragment, run.stdout)
+
+
+def test_help_version_and_success_still_exit_zero(paths: dict[str, str]) -> None:
+    runner = CliRunner()
+    assert runner.invoke(cli, ["--version"]).exit_code == 0
+    assert runner.invoke(cli, ["gc", "--help"]).exit_code == 0
+    result = runner.invoke(cli, ["log", "--store", paths["store"], "--limit", "1"])
+    assert result.exit_code == 0 and result.stdout.splitlines()[1].startswith("6 ")
+    bare = runner.invoke(cli, [])  # `dcr` alone prints its help (click's exit status 2)
+    assert bare.exit_code == 2 and "Commands:" in bare.output
+
+
+# --- the one handler: errors no check caught ---------------------------------------------------
+
+
+def _failing_log(exc: BaseException, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dcr_format.tools
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise exc
+
+    monkeypatch.setattr(dcr_format.tools, "log", fail)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        PermissionError(13, "Permission denied", "/data/ckpt"),
+        ValueError("a value the checks missed\nover two lines"),
+        TypeError("an argument of the wrong type"),
+    ],
+    ids=["OSError", "ValueError", "TypeError"],
+)
+def test_uncaught_input_errors_are_one_line(
+    paths: dict[str, str], monkeypatch: pytest.MonkeyPatch, exc: Exception
+) -> None:
+    _failing_log(exc, monkeypatch)
+    result = CliRunner().invoke(cli, ["log", "--store", paths["store"]], env={"DCR_DEBUG": None})
+    assert result.exit_code == LIBRARY
+    line = _one_line_error(result.stderr, LIBRARY, "check the arguments (DCR_DEBUG=1")
+    assert " ".join(str(exc).split()) in line
+
+
+def test_dcr_debug_shows_the_traceback(
+    paths: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for exc in (PermissionError(13, "Permission denied"), VersionNotFoundError("no version")):
+        _failing_log(exc, monkeypatch)
+        result = CliRunner().invoke(cli, ["log", "--store", paths["store"]], env={"DCR_DEBUG": "1"})
+        assert result.exception is exc  # raised, so Python prints its traceback
+
+
+def test_a_bug_keeps_its_traceback(paths: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    bug = KeyError("internal")
+    _failing_log(bug, monkeypatch)
+    result = CliRunner().invoke(cli, ["log", "--store", paths["store"]], env={"DCR_DEBUG": None})
+    assert result.exception is bug and result.exit_code == 1
