@@ -125,13 +125,13 @@ def _finish(setup: _Setup) -> None:
 
 def _count_applies(monkeypatch) -> list[int]:
     calls = [0]
-    original = targets_module.apply_delta
+    original = targets_module.apply_change
 
     def counting(tensor, delta):
         calls[0] += 1
         return original(tensor, delta)
 
-    monkeypatch.setattr(targets_module, "apply_delta", counting)
+    monkeypatch.setattr(targets_module, "apply_change", counting)
     return calls
 
 
@@ -277,7 +277,7 @@ def test_missing_objects_are_file_not_found(store_url, tmp_path):
 def test_failure_halfway_through_apply_rolls_back(store_url, tmp_path, kind, monkeypatch, nth):
     setup = _setup(store_url, tmp_path, kind, versions=7, base_every=4)
     before = setup.capture()
-    original = targets_module.apply_delta
+    original = targets_module.apply_change
     calls = 0
 
     def failing(tensor, delta):
@@ -287,7 +287,7 @@ def test_failure_halfway_through_apply_rolls_back(store_url, tmp_path, kind, mon
             raise RuntimeError("injected failure")
         return original(tensor, delta)
 
-    monkeypatch.setattr(targets_module, "apply_delta", failing)
+    monkeypatch.setattr(targets_module, "apply_change", failing)
     with pytest.raises(ApplyError):
         setup.reader().sync()  # versions 3..6, with a base at 4
     assert calls == nth
@@ -309,7 +309,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
     del state["model.step"]
     state["model.new.weight"] = torch.ones(3)
     writer.publish(state)
-    original = targets_module.apply_delta
+    original = targets_module.apply_change
     calls = 0
 
     def failing_last(tensor, delta):
@@ -319,7 +319,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
             raise RuntimeError("injected failure")
         return original(tensor, delta)
 
-    monkeypatch.setattr(targets_module, "apply_delta", failing_last)
+    monkeypatch.setattr(targets_module, "apply_change", failing_last)
     with pytest.raises(ApplyError):
         DeltaReader(store_url, target).sync()
     assert target.resident().version == 0
@@ -334,7 +334,7 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
 def test_interrupt_during_apply_rolls_back_and_propagates(store_url, tmp_path, monkeypatch):
     setup = _setup(store_url, tmp_path, "dict")
     before = setup.capture()
-    original = targets_module.apply_delta
+    original = targets_module.apply_change
     calls = 0
 
     def interrupted(tensor, delta):
@@ -344,7 +344,7 @@ def test_interrupt_during_apply_rolls_back_and_propagates(store_url, tmp_path, m
             raise KeyboardInterrupt
         return original(tensor, delta)
 
-    monkeypatch.setattr(targets_module, "apply_delta", interrupted)
+    monkeypatch.setattr(targets_module, "apply_change", interrupted)
     with pytest.raises(KeyboardInterrupt):
         setup.reader().sync()
     setup.assert_unchanged(before)
@@ -359,7 +359,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     setup = _setup(store_url, tmp_path, kind)
     before = setup.capture()
     applied = False
-    apply_delta = targets_module.apply_delta
+    apply_delta = targets_module.apply_change
     from_lanes = reader_module.fingerprint_from_lanes
 
     def apply_and_note(tensor, delta):
@@ -372,7 +372,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
 
     # "touched" follows the lanes through the change, "all" reads them again: both end in
     # fingerprint_from_lanes
-    monkeypatch.setattr(targets_module, "apply_delta", apply_and_note)
+    monkeypatch.setattr(targets_module, "apply_change", apply_and_note)
     monkeypatch.setattr(reader_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
     with pytest.raises(FingerprintMismatchError):
         setup.reader(verify=verify).sync()

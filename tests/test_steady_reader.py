@@ -155,7 +155,7 @@ def test_a_rollback_drops_the_trusted_lanes(chain, monkeypatch):
     _step(state, gen)
     writer.publish(state)
     calls = 0
-    apply_delta = targets_module.apply_delta
+    apply_delta = targets_module.apply_change
 
     def fail_second(tensor, delta):
         nonlocal calls
@@ -164,7 +164,7 @@ def test_a_rollback_drops_the_trusted_lanes(chain, monkeypatch):
             raise RuntimeError("injected")
         return apply_delta(tensor, delta)
 
-    monkeypatch.setattr(targets_module, "apply_delta", fail_second)
+    monkeypatch.setattr(targets_module, "apply_change", fail_second)
     with pytest.raises(Exception, match="injected"):
         reader.sync()
     monkeypatch.undo()

@@ -58,6 +58,8 @@ class EncodedTensor:
     values: bytes | None
     # the change as new bits (overwrite or full), to advance a writer's baseline
     advance: DecodedDelta | None = None
+    # fingerprint lane deltas of the change, when the diff computed them (FORMAT.md §9.1)
+    lane_deltas: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -109,18 +111,20 @@ def encode_diff(
     *,
     op: str | None = None,
     host: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lane_deltas: tuple[int, ...] | None = None,
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
     ``found`` holds the positions and new bits, and the XOR bits unless ``op`` is
     ``overwrite``, on the tensors' device. ``host`` optionally carries CPU copies of
-    the positions and of the values to encode (already fetched, e.g. by a pipeline).
+    the positions and of the values to encode (already fetched, e.g. by a pipeline);
+    ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer.
     """
     positions, new_values = found.positions, found.new_values
     assert new_values is not None
     changed = int(positions.numel())
     if changed == 0:
-        return EncodedTensor(op or XOR, 0, None, None, None, None)
+        return EncodedTensor(op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas)
     if host is None:
         picked = new_values if op == OVERWRITE else found.xor_values
         assert picked is not None
@@ -128,7 +132,9 @@ def encode_diff(
     pos_coding, pos_bytes = encode_positions(host[0].numpy())
     val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
     advance = DecodedDelta(OVERWRITE, positions, new_values)
-    delta = EncodedTensor(op or XOR, changed, pos_coding, pos_bytes, val_coding, val_bytes, advance)
+    delta = EncodedTensor(
+        op or XOR, changed, pos_coding, pos_bytes, val_coding, val_bytes, advance, lane_deltas
+    )
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
         full = _encode_full(new)
         assert full.values is not None and val_bytes is not None
@@ -168,8 +174,18 @@ def decode_delta(
     return DecodedDelta(op, torch.from_numpy(pos), vals)
 
 
-def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
-    """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
+@dataclass(frozen=True)
+class AppliedBits:
+    """What :func:`apply_change` did to one tensor."""
+
+    saved: torch.Tensor | None  # what :func:`undo_delta` needs (old bits for overwrite/full)
+    before: torch.Tensor | None  # xor/overwrite: the bits at the positions before the change
+    lane_deltas: tuple[int, ...] | None  # xor/overwrite: the change's fingerprint lane deltas
+
+
+def apply_change(target: torch.Tensor, delta: DecodedDelta) -> AppliedBits:
+    """Apply in place, reading the old bits and summing the fingerprint lane deltas of the
+    change in the same pass (FORMAT.md §9.1), so a reader needs no second look."""
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
@@ -179,7 +195,21 @@ def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | Non
             raise TargetError(f"full value count {values.numel()} != tensor size {flat.numel()}")
         old = flat.clone()
         flat.copy_(values)
-        return old
+        return AppliedBits(old, None, None)
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    before, lane_deltas = dispatch.apply_with_lanes(flat, positions, values, op=delta.op)
+    return AppliedBits(before if delta.op == OVERWRITE else None, before, lane_deltas)
+
+
+def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
+    """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    flat = bits_view(target).reshape(-1)
+    values = dispatch.to_device(delta.values, flat.device)
+    if delta.op == FULL:
+        return apply_change(target, delta).saved
     assert delta.positions is not None
     positions = dispatch.to_device(delta.positions, flat.device)
     if delta.op == XOR:
@@ -209,8 +239,10 @@ __all__ = [
     "OPS",
     "OVERWRITE",
     "XOR",
+    "AppliedBits",
     "DecodedDelta",
     "EncodedTensor",
+    "apply_change",
     "apply_delta",
     "changed_positions",
     "comparable",

@@ -16,8 +16,10 @@ and copy-out, before the pipeline waits for those copies, so the scan of i+1
 runs on the GPU while i is copied out and then coded on the host (rice/ranges,
 byte planes, zstd) by the consumer. What does not overlap: the compaction of
 i+1 waits for its own total (one short host wait per tensor), and host coding of
-different tensors is sequential. On CPU (and for the torch kernels) the same
-steps run one after another. Results equal :func:`dcr_format.cuda.dispatch.diff`
+different tensors is sequential. On CPU one fused pass
+(:func:`dcr_format.cuda.dispatch.diff_with_lanes`) finds the change and also sums
+its fingerprint lane deltas, so the writer needs no second pass over the changed
+elements. Results equal :func:`dcr_format.cuda.dispatch.diff`
 bit for bit.
 
 :func:`encode_stream` feeds the pipeline into the host coder and yields exactly
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dcr_format.codec.dtypes import bits_view
-from dcr_format.cuda.dispatch import PendingDiff
+from dcr_format.cuda.dispatch import PendingDiff, diff_with_lanes
 from dcr_format.cuda.reference import OVERWRITE, Diff
 
 if TYPE_CHECKING:
@@ -53,6 +55,8 @@ class Compacted:
     key: Any
     diff: Diff | None
     host: tuple[torch.Tensor, torch.Tensor] | None  # positions, values to encode (xor or new)
+    # fingerprint lane deltas of the change (the CPU's fused pass computes them), else None
+    lane_deltas: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -60,6 +64,7 @@ class _State:
     key: Any
     op: str | None
     pending: PendingDiff | None = None
+    lane_deltas: tuple[int, ...] | None = None
     stream: Any = None  # torch.cuda.Stream when on CUDA
     diff: Diff | None = None
     host: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -97,8 +102,8 @@ class DeviceDiffPipeline:
         new_bits, old_bits = bits_view(new).reshape(-1), bits_view(old).reshape(-1)
         want_xor = op != OVERWRITE
         state.stream = self._stream_for(new_bits.device)
-        if state.stream is None:
-            state.pending = PendingDiff(old_bits, new_bits, want_xor=want_xor)
+        if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
+            state.diff, state.lane_deltas = diff_with_lanes(old_bits, new_bits, want_xor=want_xor)
             return state
         # the inputs come from the consumer's stream; the allocator must not recycle them
         # while the side stream still reads them
@@ -111,10 +116,13 @@ class DeviceDiffPipeline:
 
     def _compact(self, state: _State) -> None:
         """Queue compaction and the copy-out of the payload (waits for the total only)."""
-        if state.pending is None:
+        if state.pending is None and state.diff is None:
             return
-        state.diff = found = self._in_stream(state, state.pending.finish)
-        state.pending = None
+        if state.pending is not None:
+            state.diff = self._in_stream(state, state.pending.finish)
+            state.pending = None
+        found = state.diff
+        assert found is not None
         picked = found.new_values if state.op == OVERWRITE else found.xor_values
         assert picked is not None
         if state.stream is None:
@@ -147,7 +155,7 @@ class DeviceDiffPipeline:
             for tensor in (state.diff.positions, state.diff.new_values, state.diff.xor_values):
                 if tensor is not None:
                     tensor.record_stream(consumer)
-        return Compacted(state.key, state.diff, state.host)
+        return Compacted(state.key, state.diff, state.host, state.lane_deltas)
 
     def __iter__(self) -> Iterator[Compacted]:
         items = iter(self.items)
@@ -179,7 +187,12 @@ def encode_stream(
         if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
             yield key, encode_tensor(new, old, op=op)
         else:
-            yield key, encode_diff(new, result.diff, op=op, host=result.host)
+            yield (
+                key,
+                encode_diff(
+                    new, result.diff, op=op, host=result.host, lane_deltas=result.lane_deltas
+                ),
+            )
 
 
 __all__ = ["Compacted", "DeviceDiffPipeline", "encode_stream"]

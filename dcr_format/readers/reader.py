@@ -46,11 +46,12 @@ from dcr_format.errors import (
     VersionNotFoundError,
 )
 from dcr_format.fingerprint import (
+    apply_lane_deltas,
     fingerprint_from_lanes,
     lanes_after_change,
 )
 from dcr_format.readers.group import ReaderGroup
-from dcr_format.readers.targets import Change, Resident, Target, Transaction
+from dcr_format.readers.targets import Applied, Change, Resident, Target, Transaction
 from dcr_format.schema import Entry, Manifest, ReaderRecord
 from dcr_format.store import Store, open_store
 
@@ -622,14 +623,7 @@ class DeltaReader:
                         else:
                             # the fingerprint follows the change (O(changed)), from the bits
                             # read back from the target
-                            before = lanes.get(entry.name)
-                            lanes[entry.name] = (
-                                None
-                                if before is None or applied.positions is None
-                                else lanes_after_change(
-                                    before, applied.positions, applied.before, applied.after
-                                )
-                            )
+                            lanes[entry.name] = _lanes_after(lanes.get(entry.name), applied)
                         touched.add(entry.name)
                 found = self._verify_goal(steps, txn, lanes, touched, unverified)
             last = steps[-1].loaded
@@ -866,6 +860,17 @@ class DeltaReader:
             self._read_and_check(txn, rest, audit_table, steps[0].loaded.record.version - 1)
         checked: dict[str, tuple[int, ...] | None] = {n: raw.get(n) for n in changing}
         return checked, unverified, trusted & changing
+
+
+def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:
+    """A tensor's lanes after a change, from its lanes before and what the apply read back
+    (None when either is unknown: the tensor is then unverified)."""
+    if before is None or applied.positions is None:
+        return None
+    if applied.lane_deltas is not None:
+        return apply_lane_deltas(before, applied.lane_deltas)
+    assert applied.before is not None and applied.after is not None
+    return lanes_after_change(before, applied.positions, applied.before, applied.after)
 
 
 def _changing(steps: list[_Step]) -> set[str]:

@@ -65,6 +65,7 @@ from dcr_format.errors import (
     UnsupportedDtypeError,
 )
 from dcr_format.fingerprint import (
+    apply_lane_deltas,
     fingerprint_from_lanes,
     lanes_after_change,
     tensor_fingerprint,
@@ -504,6 +505,8 @@ class DeltaWriter:
             base = self._lanes[name] = tensor_lanes(old)
         if delta is None:  # no bit changed
             return base
+        if encoded.lane_deltas is not None:  # the diff's own pass summed them
+            return apply_lane_deltas(base, encoded.lane_deltas)
         assert delta.positions is not None
         old_bits = bits_view(old).reshape(-1)[delta.positions]
         return lanes_after_change(base, delta.positions, old_bits, delta.values)
