@@ -178,11 +178,19 @@ class _Group(click.Group):
     the traceback of every error.
     """
 
-    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        call = dict(args=args, prog_name=prog_name, complete_var=complete_var, **extra)
         if not standalone_mode:
-            return super().main(*args, standalone_mode=False, **kwargs)
+            return super().main(standalone_mode=False, **call)
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(standalone_mode=False, **call)
         except click.exceptions.NoArgsIsHelpError as exc:
             exc.show()  # `dcr` alone: the help text, as click prints it
             sys.exit(exc.exit_code)
