@@ -23,4 +23,6 @@ harness.apply_env()
 os.environ["DCR_KERNELS"] = "torch"
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run .ci/setup-vllm")
-harness.keep_cpu_weights_updatable()
+import dcr_test_cpu_patch  # noqa: E402  (tests_vllm/plugins, put on sys.path by apply_env)
+
+dcr_test_cpu_patch.keep_cpu_weights_updatable()

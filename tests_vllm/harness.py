@@ -4,6 +4,7 @@ AdamW steps with DeltaWriter, and the one patch vLLM's CPU build needs (see docs
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -102,16 +103,7 @@ def checkpoint(store: str, version: int, out: Path, *, tied: bool) -> Path:
     return out
 
 
-def keep_cpu_weights_updatable() -> None:
-    """vLLM's CPU build prepacks every unquantized linear weight into a oneDNN handle after
-    loading (and empties the parameter), and has no setting to turn that off; this keeps
-    the weights as plain tensors computed with ``torch.nn.functional.linear``. Tests only."""
-    from vllm.model_executor.layers import utils
-
-    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
-
-    utils.dispatch_cpu_unquantized_gemm = dispatch
+PLUGINS = Path(__file__).parent / "plugins"  # the test-only CPU patch plugin (a dist-info)
 
 
 def engine_env() -> dict[str, str]:
@@ -125,12 +117,21 @@ def engine_env() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(PLUGINS), os.environ.get("PYTHONPATH", "")) if p
+        ),
     }
 
 
 def apply_env() -> None:
+    """Set the engine environment in this process (children inherit it)."""
     for key, value in engine_env().items():
-        os.environ.setdefault(key, value)
+        if key == "PYTHONPATH":
+            os.environ[key] = value
+        else:
+            os.environ.setdefault(key, value)
+    if str(PLUGINS) not in sys.path:
+        sys.path.insert(0, str(PLUGINS))
 
 
 ENGINE_ARGS: dict[str, Any] = {

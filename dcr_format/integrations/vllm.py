@@ -407,6 +407,16 @@ class DcrWorkerExtension:
         """The version this worker's model holds (None before ``dcr_init``)."""
         return None if self._dcr is None else self._dcr.version()
 
+    def dcr_report(self) -> dict[str, Any] | None:
+        """What the last update on this worker did (:class:`UpdateReport` as a dict), by
+        ``dcr_sync`` or, on an engine with the ``dcr`` backend, by ``update_weights``."""
+        syncer = self._dcr
+        if syncer is None:
+            engine = getattr(self, "weight_transfer_engine", None)
+            syncer = getattr(engine, "_syncer", None)
+        last = None if syncer is None else syncer.last
+        return None if last is None else last.to_dict()
+
 
 def _parse(cls: Any, data: Any, what: str) -> Any:
     if isinstance(data, cls):
