@@ -13,7 +13,8 @@ for bit (``tests/test_native.py``). Arithmetic is uint64 or int64 throughout (nu
 mixed signed/unsigned 64-bit arithmetic into float64, so every constant is typed), and
 every fingerprint sum is reduced before it can reach 2^64.
 
-Parallel kernels (``prange``) are launched under one process-wide lock: numba's
+Every kernel releases the GIL (``nogil``), so reader threads decode streams at the same
+time. Parallel kernels (``prange``) are launched under one process-wide lock: numba's
 ``workqueue`` threading layer (the fallback where OpenMP and TBB are missing) aborts the
 process when two Python threads launch parallel kernels at once.
 """
@@ -100,7 +101,7 @@ def _combine(s0, s1, start, p):  # type: ignore[no-untyped-def]
 # --- full fingerprint pass --------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
     """Per row of 2^16 flat indices: both lanes of 1- and 2-byte symbols, by table."""
     n = sym.shape[0]
@@ -126,7 +127,7 @@ def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
         out[r, 1] = _combine(b0, b1, start, _P1)
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
     """Per row of 2^16 flat indices: the lanes of 4- and 8-byte symbols, g computed."""
     n = sym.shape[0]
@@ -190,7 +191,7 @@ def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -
 # --- lanes of elements at positions (lanes_at, lanes_after_change, apply) ----------------
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
     """Per chunk of positions: sum (g(new) - g(old)) * r mod p (g(old) = 0 without ``old``)."""
     m = pos.shape[0]
@@ -226,7 +227,7 @@ def position_lanes(
 # --- fused diff ------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _diff_count(old, new, counts):  # type: ignore[no-untyped-def]
     n = old.shape[0]
     for b in prange(counts.shape[0]):
@@ -238,7 +239,7 @@ def _diff_count(old, new, counts):  # type: ignore[no-untyped-def]
         counts[b] = count
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _diff_fill(  # type: ignore[no-untyped-def]
     old, new, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out
 ):
@@ -321,7 +322,7 @@ def diff_fill(
 # --- fused apply -----------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True)
 def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
     n = flat.shape[0]
     m = pos.shape[0]
@@ -386,7 +387,7 @@ def apply(
 # --- Rice ------------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
     """One pass over sorted positions: sum(gap >> k) for k in [klo, khi], and the runs."""
     n = pos.shape[0]
@@ -429,7 +430,7 @@ def _put(out, at, acc, held, value, bits):  # type: ignore[no-untyped-def]
     return at, acc, held
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rice_encode(pos, k, unary_len, out):  # type: ignore[no-untyped-def]
     n = pos.shape[0]
     prev = -1
@@ -471,7 +472,7 @@ def rice_encode(pos: np.ndarray, k: int, unary_len: int, rem_len: int) -> bytes:
 _LZ8 = np.array([8] + [8 - int(b).bit_length() for b in range(1, 256)], dtype=np.int64)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _rice_decode(body, unary_len, count, k, numel, lz8, out_pos, out_gaps, cumulative):  # type: ignore[no-untyped-def]
     """Decode ``count`` gaps; 0 when the stream is valid, else a non-zero code.
 

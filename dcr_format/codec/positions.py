@@ -54,7 +54,7 @@ def native_kernels() -> ModuleType | None:
 def _load_native() -> ModuleType | None:
     try:
         from dcr_format.codec import _native
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):  # no numba, or numba unusable here
         return None
     return _native
 
