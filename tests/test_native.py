@@ -265,6 +265,24 @@ def test_position_lanes_match_torch(width, monkeypatch):
     assert empty == fp.lanes_at(positions[:0], new[:0]) == (0,) * len(lanes)
 
 
+@pytest.mark.parametrize("name", FORMAT_DTYPES)
+def test_torch_fingerprint_paths_keep_their_coverage(name, monkeypatch):
+    """On the CPU, test_fingerprint's chunking and accelerator-evaluation tests now reach
+    the compiled loops; here the same checks run on the torch paths they were written for."""
+    import test_fingerprint as tfp  # the slow Python reference of the documented algorithm
+
+    torch_mode(monkeypatch)
+    tfp.test_accelerator_evaluation_matches_reference_on_cpu(name, monkeypatch)
+    for row, rows in ((7, 2), (3, 1), (29, 2)):
+        tfp.set_chunking(monkeypatch, row, rows)
+        for n in tfp.SIZES:
+            tensor = tfp.random_tensor(name, (n,), seed=300 + n)
+            assert fp.tensor_fingerprint(tensor) == tfp.reference_fingerprint(tensor)
+    monkeypatch.delenv("DCR_KERNELS")
+    tensor = tfp.random_tensor(name, (2, 3, 50), seed=9)
+    assert fp.tensor_fingerprint(tensor) == tfp.reference_fingerprint(tensor)  # native
+
+
 def test_apply_lane_deltas_is_lane_addition():
     assert fp.apply_lane_deltas((1, 2), (fp.LANE_PRIMES[0] - 1, 5)) == (0, 7)
     with pytest.raises(ValueError):
