@@ -215,3 +215,23 @@ def test_eight_processes_read_each_object_once(moto_server, moto_root, tmp_path)
     assert [r["children"] for r in results] == [
         [1, 2], [3, 4], [5, 6], [7], [], [], [], []
     ]  # fmt: skip
+
+
+def test_a_relay_refuses_listings_with_sizes_and_times(tmp_path):
+    """Operator listings (gc, doctor) go to the store itself; a relay says so in one line."""
+    script = f"""
+import torch.distributed as dist
+from dcr_format import RelayStore, Store
+from dcr_format.errors import StoreError
+dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+relay = RelayStore(Store("{tmp_path}/store"))
+try:
+    relay.list_info("objects/")
+except StoreError as exc:
+    print("refused:", exc)
+dist.destroy_process_group()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "refused: cannot list 'objects/' with sizes and times through a relay" in out.stdout

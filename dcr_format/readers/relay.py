@@ -64,7 +64,7 @@ import torch
 
 from dcr_format import errors
 from dcr_format.errors import DcrError, ObjectTooLargeError, StoreError
-from dcr_format.store import Capabilities, Store
+from dcr_format.store import Capabilities, ObjectInfo, Store
 
 __all__ = ["RelayStats", "RelayStore"]
 
@@ -269,6 +269,10 @@ class RelayStore(Store):
             lambda keys: "\n".join(keys).encode(),
             lambda raw: raw.decode().split("\n") if raw else [],
         )
+
+    def list_info(self, prefix: str) -> list[ObjectInfo]:
+        """Listings with sizes and times are for operator tools on the store itself."""
+        raise self._refuse(f"list {prefix!r} with sizes and times")
 
     def exists(self, key: str) -> bool:
         self._key(key)
