@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,13 +42,26 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
+@contextmanager
+def _readable(file: Path) -> Iterator[None]:
+    """A file safetensors cannot read is a :class:`TargetError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as exc:
+        raise TargetError(
+            f"{file} is not a readable safetensors file ({exc}); fix or remove it"
+        ) from None
+
+
 def iter_checkpoint(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` one tensor at a time (only one is in memory at once)."""
     from safetensors import safe_open
 
     seen: set[str] = set()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as handle:
+        with _readable(file), safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 if name in seen:
                     raise TargetError(f"tensor {name!r} appears in two files of {path}")
@@ -61,6 +75,6 @@ def count_tensors(path: str | os.PathLike[str]) -> int:
 
     total = 0
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt") as handle:
+        with _readable(file), safe_open(str(file), framework="pt") as handle:
             total += len(list(handle.keys()))
     return total

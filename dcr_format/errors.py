@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AliasedTensorError",
     "ApplyError",
+    "ArgumentError",
     "BaselineMismatchError",
     "CapabilityError",
     "ChainBrokenError",
@@ -217,3 +218,7 @@ class AliasedTensorError(TargetError):
 
 class ReservedNameError(DcrError, ValueError):
     """A tensor name is reserved (``__metadata__`` is the safetensors header key)."""
+
+
+class ArgumentError(DcrError, ValueError):
+    """A value passed to a dcr-format constructor or call is out of range or inconsistent."""

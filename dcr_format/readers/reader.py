@@ -32,6 +32,7 @@ from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import (
     ApplyError,
+    ArgumentError,
     BaselineMismatchError,
     ChainBrokenError,
     DcrError,
@@ -166,13 +167,13 @@ class DeltaReader:
         audit_seconds: float | None = AUDIT_SECONDS,
     ) -> None:
         if verify not in ("touched", "all"):
-            raise ValueError("verify must be 'touched' or 'all'")
+            raise ArgumentError("verify must be 'touched' or 'all'")
         if reader_id is not None and not _READER_ID.match(reader_id):
-            raise ValueError(f"reader_id {reader_id!r} must match {_READER_ID.pattern}")
+            raise ArgumentError(f"reader_id {reader_id!r} must match {_READER_ID.pattern}")
         if audit_every is not None and audit_every < 1:
-            raise ValueError("audit_every must be a positive number of syncs (or None)")
+            raise ArgumentError("audit_every must be a positive number of syncs (or None)")
         if audit_seconds is not None and audit_seconds < 0:
-            raise ValueError("audit_seconds must be zero or more (or None)")
+            raise ArgumentError("audit_seconds must be zero or more (or None)")
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.target = target

@@ -50,6 +50,7 @@ from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
 from dcr_format.cuda.pipeline import encode_stream
 from dcr_format.errors import (
+    ArgumentError,
     CapabilityError,
     ChainBrokenError,
     CommitConflict,
@@ -268,17 +269,17 @@ class DeltaWriter:
         reader_records: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+            raise ArgumentError(f"rank {rank} is not in [0, world_size={world_size})")
         if base_every is not None and base_every < 1:
-            raise ValueError("base_every must be a positive number of versions")
+            raise ArgumentError("base_every must be a positive number of versions")
         if world_size > 1 and coordinator is None:
-            raise ValueError(
+            raise ArgumentError(
                 "world_size > 1 needs a coordinator "
                 "(ThreadCoordinator, TorchDistributedCoordinator)"
             )
         for name, op in (ops or {}).items():
             if op not in OPS:
-                raise ValueError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
+                raise ArgumentError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.rank, self.world_size = rank, world_size
@@ -451,7 +452,7 @@ class DeltaWriter:
                 if not self.owns(name):
                     continue
                 if name in seen:
-                    raise ValueError(f"tensor {name!r} was given twice in one publish")
+                    raise ArgumentError(f"tensor {name!r} was given twice in one publish")
                 seen.add(name)
                 tensor = tensor.detach()
                 info_for(tensor.dtype)  # refuses dtypes the format cannot carry
