@@ -24,7 +24,12 @@ from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
 from dcr_format.codec.positions import POSITION_CODINGS
 from dcr_format.codec.values import VALUE_CODINGS
-from dcr_format.errors import SchemaError, UnsupportedFeatureError, UnsupportedVersionError
+from dcr_format.errors import (
+    ReservedNameError,
+    SchemaError,
+    UnsupportedFeatureError,
+    UnsupportedVersionError,
+)
 
 FORMAT_NAME = "dcr"
 FORMAT_VERSION = 1
@@ -55,8 +60,33 @@ RelKey = Annotated[
     StringConstraints(pattern=r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$", max_length=1024),
     AfterValidator(_no_dot_segments),  # '..' would climb out of the store root
 ]
+RESERVED_TENSOR_NAMES: frozenset[str] = frozenset({"__metadata__"})
+"""Names no tensor may have: ``__metadata__`` is the key of a safetensors file's header
+metadata, so a tensor of that name makes a file safetensors cannot load (FORMAT.md §3.2)."""
+
+
+def check_tensor_name(name: str) -> str:
+    """Refuse a reserved tensor name (:data:`RESERVED_TENSOR_NAMES`) with
+    :class:`~dcr_format.errors.ReservedNameError`; returns ``name``. Writers call it on every
+    name they publish, before anything is uploaded."""
+    if name in RESERVED_TENSOR_NAMES:
+        raise ReservedNameError(
+            f"tensor name {name!r} is reserved (it is the safetensors header key); "
+            "rename the tensor before publishing"
+        )
+    return name
+
+
+def _not_reserved(name: str) -> str:
+    if name in RESERVED_TENSOR_NAMES:  # a ValueError: pydantic reports it as invalid
+        raise ValueError(f"tensor name {name!r} is reserved")
+    return name
+
+
 TensorName = Annotated[
-    str, StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$")
+    str,
+    StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$"),
+    AfterValidator(_not_reserved),
 ]
 Count = Annotated[int, Field(ge=0, le=(1 << 62))]
 Version = Annotated[int, Field(ge=0, le=(1 << 62))]

@@ -8,9 +8,13 @@ in-place changes; the transaction forgets tensors it created or replaced).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, MutableMapping, Sequence
@@ -19,9 +23,16 @@ from pathlib import Path
 
 import torch
 
-from dcr_format.codec.delta import FULL, DecodedDelta, apply_delta, undo_delta
+from dcr_format.codec.delta import FULL, XOR, DecodedDelta, apply_change, undo_delta
 from dcr_format.codec.dtypes import bits_view
-from dcr_format.errors import TargetError
+from dcr_format.errors import (
+    AliasedTensorError,
+    TargetBusyError,
+    TargetChangedError,
+    TargetError,
+    TargetLayoutError,
+    TargetUnreadableError,
+)
 from dcr_format.fingerprint import tensor_lanes
 
 DIR_STATE_FILE = "dcr-state.json"
@@ -29,14 +40,20 @@ DIR_STATE_FORMAT = "dcr-dir-1"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_FILE_BYTES = 5 << 30  # Hugging Face's customary shard size
+LOCK_TIMEOUT = 300.0  # seconds a sync waits for another sync of the same directory
+_VERSION_DIR = re.compile(r"^v[0-9]{20}-[0-9a-f]{8}$")  # the only directories dcr deletes
+_TEMP_LINK = re.compile(r"^link-[0-9a-f]{8}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
 class Resident:
-    """The chain and version a target holds."""
+    """The chain and version a target holds, and the sha256 of the commit record it applied
+    (None where unknown: declared by hand, or recorded before dcr kept it)."""
 
     chain_id: str
     version: int
+    record_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,9 @@ class Applied:
     before: torch.Tensor | None = None
     after: torch.Tensor | None = None
     lanes: tuple[int, ...] | None = None
+    # xor/overwrite: the lane deltas of the change, summed while applying it (the reader then
+    # need not sum them from ``before`` and ``after``)
+    lane_deltas: tuple[int, ...] | None = None
 
 
 class Transaction(ABC):
@@ -136,7 +156,7 @@ class Transaction(ABC):
         delta = change.delta
         if delta.op == FULL:
             tensor = self.full_tensor(change.name, change.dtype, change.shape)
-            saved = apply_delta(tensor, delta)
+            saved = apply_change(tensor, delta).saved
             return Applied(lambda: undo_delta(tensor, delta, saved), lanes=tensor_lanes(tensor))
         tensor = self.tensor(change.name)
         if tensor is None:
@@ -147,13 +167,16 @@ class Transaction(ABC):
             delta, positions=delta.positions.to(flat.device), values=delta.values.to(flat.device)
         )
         assert delta.positions is not None
-        before = flat[delta.positions]
-        saved = apply_delta(tensor, delta)
+        # one pass: old bits read, new bits written, and the change's lane deltas summed
+        done = apply_change(tensor, delta)
+        assert done.before is not None
+        after = done.before ^ delta.values if delta.op == XOR else delta.values
         return Applied(
-            lambda: undo_delta(tensor, delta, saved),
+            lambda: undo_delta(tensor, delta, done.saved),
             delta.positions,
-            before,
-            flat[delta.positions],
+            done.before,
+            after,
+            lane_deltas=done.lane_deltas,
         )
 
 
@@ -179,20 +202,135 @@ class Target(ABC):
         return frozenset()
 
 
+_ViewKey = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+
+
+def _view_key(tensor: torch.Tensor) -> _ViewKey | None:
+    """Where a tensor's elements live (device, storage address, offset, dtype, shape,
+    strides); None for a tensor without addressable storage (empty, meta, subclasses)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (
+        str(tensor.device),
+        address,
+        tensor.storage_offset(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
+
+
+def _alias_groups(tensors: MutableMapping[str, torch.Tensor]) -> dict[str, frozenset[str]]:
+    """Names whose tensors are the same view of one storage (tied weights), each mapped to
+    its group. Refuses, with :class:`AliasedTensorError`, tensors whose bytes overlap
+    without being the same view: an in-place change through one would corrupt the other."""
+    by_view: dict[_ViewKey, list[str]] = {}
+    extents: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for name, tensor in tensors.items():
+        key = _view_key(tensor)
+        if key is None:
+            continue
+        if key not in by_view:
+            size = tensor.element_size()
+            span = 1 + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride(), strict=True))
+            start = tensor.storage_offset() * size
+            extents.setdefault(key[:2], []).append((start, start + span * size, name))
+        by_view.setdefault(key, []).append(name)
+    for spans in extents.values():
+        spans.sort()
+        reach, holder = -1, ""
+        for start, end, name in spans:
+            if start < reach:
+                raise AliasedTensorError(
+                    f"tensors {holder!r} and {name!r} share storage but are not the same view "
+                    "(their bytes overlap in part), so a change to one would corrupt the "
+                    "other; give each its own storage (clone one), or use ModuleTarget"
+                )
+            if end > reach:
+                reach, holder = end, name
+    groups: dict[str, frozenset[str]] = {}
+    for names in by_view.values():
+        if len(names) > 1:
+            group = frozenset(names)
+            groups.update(dict.fromkeys(names, group))
+    return groups
+
+
+@dataclass
+class _Shared:
+    """A change applied through one name of a tied group, awaiting its peers' changes."""
+
+    delta: DecodedDelta
+    waiting: set[str]
+    applied: Applied
+
+
 class _DictTransaction(Transaction):
     def __init__(
-        self, tensors: MutableMapping[str, torch.Tensor], device: torch.device | None, on_commit
-    ) -> None:  # type: ignore[no-untyped-def]
+        self,
+        tensors: MutableMapping[str, torch.Tensor],
+        device: torch.device | None,
+        on_commit: Callable[[Resident], None],
+        aliases: dict[str, frozenset[str]] | None = None,
+    ) -> None:
         self._tensors = tensors
         self._device = device
         self._on_commit = on_commit
         self._previous: dict[str, torch.Tensor | None] = {}  # name -> tensor before (None: absent)
+        self._aliases = aliases or {}
+        self._shared: dict[_ViewKey, _Shared] = {}
 
     def names(self) -> set[str]:
         return set(self._tensors)
 
     def tensor(self, name: str) -> torch.Tensor | None:
         return self._tensors.get(name)
+
+    def apply(self, change: Change) -> Applied:
+        """As :meth:`Transaction.apply`, but a change arriving through every name of a group
+        of tied tensors (one storage, the same view) is applied once: the first name applies
+        it, each peer's identical change is checked against it and reports the same bits
+        (an XOR applied twice would cancel). ``full`` writes are idempotent and go through."""
+        group = self._aliases.get(change.name)
+        tensor = self._tensors.get(change.name)
+        if group is None or tensor is None or change.delta.op == FULL:
+            return super().apply(change)
+        key = _view_key(tensor)
+        peers = {
+            n
+            for n in group
+            if n != change.name and n in self._tensors and _view_key(self._tensors[n]) == key
+        }
+        if key is None or not peers:  # the tie was broken (a full write made a new tensor)
+            return super().apply(change)
+        shared = self._shared.get(key)
+        if shared is None or change.name not in shared.waiting:
+            applied = super().apply(change)
+            self._shared[key] = _Shared(change.delta, peers, applied)
+            return applied
+        done = shared.applied
+        assert done.positions is not None and done.before is not None and done.after is not None
+        positions = change.delta.positions
+        assert positions is not None
+        values = change.delta.values.to(done.after.device)
+        wanted = done.before ^ values if change.delta.op == XOR else values
+        if not (
+            torch.equal(positions.to(done.positions.device), done.positions)
+            and torch.equal(wanted, done.after)
+        ):
+            raise TargetError(
+                f"tensor {change.name!r} shares storage with {sorted(group - {change.name})} "
+                "(tied weights) but this version gives them different bits; untie them in the "
+                "target (clone one) or publish them tied"
+            )
+        shared.waiting.discard(change.name)
+        if not shared.waiting:
+            del self._shared[key]
+        return replace(done, undo=lambda: None)  # the same bits, lanes and lane deltas
 
     def _remember(self, name: str) -> None:
         if name not in self._previous:
@@ -220,6 +358,7 @@ class _DictTransaction(Transaction):
     def commit(self, resident: Resident) -> None:
         self._on_commit(resident)
         self._previous.clear()
+        self._shared.clear()
 
     def abort(self) -> None:
         for name, before in self._previous.items():
@@ -228,6 +367,7 @@ class _DictTransaction(Transaction):
             else:
                 self._tensors[name] = before
         self._previous.clear()
+        self._shared.clear()
 
 
 def _default_device(tensors: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -242,6 +382,11 @@ class StateDictTarget(Target):
     Tensors keep their storage, so a model holding them sees each update. New
     tensors (a base into an empty dict) are created on ``device`` (default: the
     device of the dict's first tensor, else CPU).
+
+    Tied weights (``policy.state_dict()`` with ``lm_head.weight`` the same tensor as
+    ``model.embed_tokens.weight``) are found when the target is built and at every sync:
+    names that are the same view of one storage take each change once. Tensors whose bytes
+    overlap without being the same view are refused (:class:`AliasedTensorError`).
     """
 
     def __init__(
@@ -251,13 +396,19 @@ class StateDictTarget(Target):
         version: int | None = None,
         chain_id: str | None = None,
         device: str | torch.device | None = None,
+        record_sha256: str | None = None,
     ) -> None:
         if (version is None) != (chain_id is None):
             raise ValueError("give both version and chain_id for a target that holds a version")
+        if record_sha256 is not None and (chain_id is None or not _SHA256.match(record_sha256)):
+            raise ValueError("record_sha256 is 64 lowercase hex digits, given with a version")
+        _alias_groups(tensors)  # refuse partly overlapping tensors up front
         self.tensors = tensors
         self.device = torch.device(device) if device is not None else None
         self._resident = (
-            Resident(chain_id, version) if chain_id is not None and version is not None else None
+            Resident(chain_id, version, record_sha256)
+            if chain_id is not None and version is not None
+            else None
         )
 
     def resident(self) -> Resident | None:
@@ -265,11 +416,33 @@ class StateDictTarget(Target):
         return self._resident
 
     def begin(self) -> Transaction:
-        """In-place transaction over the dict."""
-        return _DictTransaction(self.tensors, self.device, self._set_resident)
+        """In-place transaction over the dict (tied tensors found again: the dict may have
+        changed since the target was built)."""
+        return _DictTransaction(
+            self.tensors, self.device, self._set_resident, _alias_groups(self.tensors)
+        )
 
     def _set_resident(self, resident: Resident) -> None:
         self._resident = resident
+
+
+_UNSET = object()
+
+
+class _Lock:
+    """An open lock file holding an ``flock``; the kernel releases it when the fd closes
+    (also when the holder is killed)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class SafetensorsDirTarget(Target):
@@ -280,86 +453,242 @@ class SafetensorsDirTarget(Target):
     plus ``model.safetensors.index.json``) and ``dcr-state.json``. A sync writes
     the new directory completely, fsyncs it, then swaps the link with one
     rename, so a crash at any moment leaves the old or the new version, never a
-    mix. Other files in the directory (config, tokenizer) are carried forward.
+    mix. Everything else in the directory (config, tokenizer, subdirectories,
+    symbolic links) is carried forward as it is.
+
+    One sync at a time owns the directory: :meth:`begin` takes an exclusive
+    ``flock`` on ``.<name>.dcr.lock`` beside it until the transaction commits or
+    aborts, and :meth:`resident` a shared one while it reads. A second sync waits up
+    to ``timeout`` seconds (None: for ever; 0: refuses at once) and then raises
+    :class:`TargetBusyError` naming the holder's pid and host. A holder that dies
+    releases the lock with its last file descriptor.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, max_file_bytes: int = MAX_FILE_BYTES
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_file_bytes: int = MAX_FILE_BYTES,
+        timeout: float | None = LOCK_TIMEOUT,
     ) -> None:
+        if timeout is not None and not timeout >= 0:
+            raise ValueError("timeout is seconds >= 0, or None to wait for ever")
         self.path = Path(path)
         self.max_file_bytes = max_file_bytes
+        self.timeout = timeout
+        self._held: _Lock | None = None  # the exclusive lock of this target's open transaction
+        self._planned: object = _UNSET  # what resident() last answered (checked by begin)
 
     @property
     def _store_dir(self) -> Path:
         return self.path.parent / f".{self.path.name}.dcr"
 
-    def _check_managed(self) -> None:
+    @property
+    def _lock_path(self) -> Path:
+        return self.path.parent / f".{self.path.name}.dcr.lock"
+
+    # --- ownership -----------------------------------------------------------------------
+
+    def _acquire(self, *, exclusive: bool) -> _Lock | None:
+        """Take the directory's lock (None: a shared lock where the lock file cannot be
+        opened, e.g. a read-only filesystem, where nobody can sync either)."""
+        lock_path = self._lock_path
+        flags = os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(lock_path, flags | os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if not exclusive:
+                try:
+                    fd = os.open(lock_path, flags | os.O_RDONLY)
+                except OSError:
+                    return None
+            else:
+                raise TargetUnreadableError(
+                    f"cannot open the lock file {lock_path} ({exc}); make {self.path.parent} "
+                    "writable by this user (and not a link)"
+                ) from None
+        lock = _Lock(fd)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        delay = 0.01
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode | (fcntl.LOCK_NB if deadline is not None else 0))
+                    break
+                except BlockingIOError:
+                    assert deadline is not None
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TargetBusyError(
+                            f"{self.path} is being synced by {_holder(fd)} (lock {lock_path}); "
+                            f"wait for that sync to finish, or give timeout= more than "
+                            f"{self.timeout:g} s"
+                        ) from None
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, 0.25)
+            if exclusive:
+                holder = {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError as exc:
+            lock.release()
+            raise TargetUnreadableError(
+                f"cannot lock {lock_path} ({exc}); use a local filesystem with flock support"
+            ) from None
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def _check_managed(self) -> Path | None:
+        """The versioned directory the link points at; None for a missing or empty path (or
+        a link to a versioned directory that is gone: the next sync starts from a base)."""
+        store = self._store_dir
+        if store.is_symlink() or (os.path.lexists(store) and not store.is_dir()):
+            raise TargetLayoutError(
+                f"{store} is a symbolic link or not a directory; dcr keeps its versioned "
+                f"directories in a real directory beside {self.path} and deletes old ones "
+                f"there: to use another disk, move {self.path} and {store} there together "
+                "(or mount the disk at that path)"
+            )
         if self.path.is_symlink():
-            # only a link into our own versioned dirs is ours: a sync deletes what it pointed at
-            if os.path.realpath(self.path).startswith(os.path.realpath(self._store_dir) + os.sep):
-                return
-            raise TargetError(
-                f"{self.path} is a link to {os.readlink(self.path)}, not to a directory "
-                f"dcr manages under {self._store_dir}; pull into a new or empty path"
+            link = os.readlink(self.path)
+            real = Path(os.path.realpath(self.path.parent / link))
+            if real.parent == Path(os.path.realpath(store)) and _VERSION_DIR.match(real.name):
+                return real if real.is_dir() else None
+            raise TargetLayoutError(
+                f"{self.path} is a link to {link}, not to a directory "
+                f"dcr manages under {store}; pull into a new or empty path"
             )
         if not self.path.exists():
-            return
+            return None
         if self.path.is_dir() and not any(self.path.iterdir()):
-            return
-        raise TargetError(
+            return None
+        raise TargetLayoutError(
             f"{self.path} is an existing directory not managed by dcr; pull into a new or "
             "empty path (dcr keeps it as a link to versioned directories)"
         )
 
-    def resident(self) -> Resident | None:
-        """The version recorded in the directory's ``dcr-state.json``."""
-        self._check_managed()
-        state_path = self.path / DIR_STATE_FILE
-        if not state_path.exists():
-            return None
+    def _read_state(self, live: Path) -> Resident | None:
+        state_path = live / DIR_STATE_FILE
         try:
-            state = json.loads(state_path.read_text())
-            if state.get("format") != DIR_STATE_FORMAT:
-                raise ValueError("unknown format")
-            return Resident(str(state["chain_id"]), int(state["version"]))
-        except (ValueError, KeyError, TypeError, OSError) as exc:
-            raise TargetError(
+            raw = state_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise TargetUnreadableError(
+                f"cannot read {state_path} ({exc}); make it readable by this user"
+            ) from None
+        try:
+            state = json.loads(raw)
+            if not isinstance(state, dict) or state.get("format") != DIR_STATE_FORMAT:
+                raise ValueError(f"not a {DIR_STATE_FORMAT} state")
+            chain_id, version = state["chain_id"], state["version"]
+            sha = state.get("record_sha256")
+            if not isinstance(chain_id, str) or type(version) is not int or version < 0:
+                raise ValueError("chain_id or version malformed")
+            if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
+                raise ValueError("record_sha256 malformed")
+            return Resident(chain_id, version, sha)
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise TargetUnreadableError(
                 f"{state_path} is unreadable ({exc}); remove {self.path} and pull again"
             ) from None
 
+    # --- the target ----------------------------------------------------------------------
+
+    def resident(self) -> Resident | None:
+        """The version recorded in the directory's ``dcr-state.json``, read under the
+        shared lock (waits for a sync in progress, up to ``timeout``)."""
+        lock = None if self._held is not None else self._acquire(exclusive=False)
+        try:
+            live = self._check_managed()
+            found = None if live is None else self._read_state(live)
+        finally:
+            if lock is not None:
+                lock.release()
+        self._planned = found
+        return found
+
     def begin(self) -> Transaction:
-        """Load the current tensors into memory; commit writes and swaps a new directory."""
+        """Take the directory's lock and load its tensors; commit writes and swaps in a new
+        directory, commit or abort releases the lock.
+
+        Raises :class:`TargetChangedError` if another sync moved the directory since this
+        target's last :meth:`resident` (the reader planned from there: sync again).
+        """
+        if self._held is not None:
+            raise TargetError(
+                f"a transaction on {self.path} is already open; commit or abort it first"
+            )
+        planned, self._planned = self._planned, _UNSET
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TargetUnreadableError(
+                f"cannot create {self.path.parent} ({exc}); create it or pick another path"
+            ) from None
+        lock = self._acquire(exclusive=True)
+        assert lock is not None
+        try:
+            live = self._check_managed()
+            current = None if live is None else self._read_state(live)
+            if planned is not _UNSET and current != planned:
+                raise TargetChangedError(
+                    f"another sync moved {self.path} from {_describe(planned)} to "
+                    f"{_describe(current)} while this one was planning; sync again"
+                )
+            self._clean_orphans(live)
+            tensors, layout = self._load(live) if current is not None else ({}, {})
+        except BaseException:
+            lock.release()
+            raise
+        self._held = lock
+        return _DirTransaction(self, tensors, layout, live, lock)
+
+    def _release(self, lock: _Lock) -> None:
+        if self._held is lock:
+            self._held = None
+        lock.release()
+
+    def _load(self, live: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         from safetensors.torch import load_file
 
-        self._check_managed()
-        self._clean_orphans()
         tensors: dict[str, torch.Tensor] = {}
         layout: dict[str, str] = {}
-        if (self.path / DIR_STATE_FILE).exists():
-            for file in sorted(self.path.glob("*.safetensors")):
-                for name, tensor in load_file(str(file)).items():
-                    tensors[name] = tensor
-                    layout[name] = file.name
-        target = self
+        for file in sorted(live.glob("*.safetensors")):
+            if not file.is_file():
+                continue
+            try:
+                loaded = load_file(str(file))
+            except Exception as exc:  # SafetensorError, OSError, a bad header: all unreadable
+                raise TargetUnreadableError(
+                    f"{self.path}/{file.name} cannot be loaded ({type(exc).__name__}: {exc}); "
+                    f"remove {self.path} and pull again"
+                ) from None
+            for name, tensor in loaded.items():
+                tensors[name] = tensor
+                layout[name] = file.name
+        return tensors, layout
 
-        class _DirTransaction(_DictTransaction):
-            def commit(self, resident: Resident) -> None:
-                target._write(tensors, layout, resident)
-                self._previous.clear()
-
-        return _DirTransaction(tensors, torch.device("cpu"), lambda resident: None)
-
-    def _clean_orphans(self) -> None:
-        """Remove versioned directories the link does not point at (crashed syncs)."""
-        if not self._store_dir.exists():
+    def _clean_orphans(self, live: Path | None) -> None:
+        """Remove what crashed syncs left in the sidecar: versioned directories the link does
+        not point at and temporary links. Called under the exclusive lock, so no live sync
+        can still swap one in; nothing else in the sidecar is touched."""
+        store = self._store_dir
+        if not store.is_dir():
             return
-        live = self.path.resolve() if self.path.is_symlink() else None
-        for child in self._store_dir.iterdir():
-            if child.resolve() != live:
-                if child.is_dir() and not child.is_symlink():
+        for child in store.iterdir():
+            if _VERSION_DIR.match(child.name) and child.is_dir() and not child.is_symlink():
+                if live is None or child.name != live.name:
                     shutil.rmtree(child, ignore_errors=True)
-                else:
-                    child.unlink(missing_ok=True)
+            elif _TEMP_LINK.match(child.name) and child.is_symlink():
+                child.unlink(missing_ok=True)
 
     def _plan_files(
         self, tensors: dict[str, torch.Tensor], layout: dict[str, str]
@@ -384,53 +713,153 @@ class SafetensorsDirTarget(Target):
         return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
 
     def _write(
-        self, tensors: dict[str, torch.Tensor], layout: dict[str, str], resident: Resident
+        self,
+        tensors: dict[str, torch.Tensor],
+        layout: dict[str, str],
+        resident: Resident,
+        live: Path | None,
     ) -> None:
         from safetensors.torch import save_file
 
-        self._store_dir.mkdir(parents=True, exist_ok=True)
-        fresh = self._store_dir / f"v{resident.version:020d}-{uuid.uuid4().hex[:8]}"
-        fresh.mkdir()
-        files = self._plan_files(tensors, layout)
-        for file, names in files.items():
-            path = fresh / file
-            save_file(
-                {n: tensors[n].contiguous() for n in names}, str(path), metadata={"format": "pt"}
+        from dcr_format.schema import RESERVED_TENSOR_NAMES
+
+        reserved = sorted(RESERVED_TENSOR_NAMES & set(tensors))
+        if reserved:
+            raise TargetError(
+                f"tensor name {reserved[0]!r} cannot be stored in a safetensors file; "
+                "rename the tensor in the writer"
             )
-            _fsync(path)
-        if len(files) > 1:
-            index = {
-                "metadata": {
-                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
-                },
-                "weight_map": {n: f for f, names in files.items() for n in sorted(names)},
+        store = self._store_dir
+        store.mkdir(exist_ok=True)
+        fresh = store / f"v{resident.version:020d}-{uuid.uuid4().hex[:8]}"
+        fresh.mkdir()
+        link = store / f"link-{uuid.uuid4().hex[:8]}"
+        swapped = False
+        try:
+            files = self._plan_files(tensors, layout)
+            for file, names in files.items():
+                path = fresh / file
+                save_file(
+                    {n: tensors[n].contiguous() for n in names},
+                    str(path),
+                    metadata={"format": "pt"},
+                )
+                _fsync(path)
+            if len(files) > 1:
+                index = {
+                    "metadata": {
+                        "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                    },
+                    "weight_map": {n: f for f, names in files.items() for n in sorted(names)},
+                }
+                data = json.dumps(index, indent=2, sort_keys=True).encode()
+                _write_synced(fresh / INDEX_FILE, data)
+            if live is not None:
+                _carry_forward(live, fresh)
+            state: dict[str, object] = {
+                "format": DIR_STATE_FORMAT,
+                "chain_id": resident.chain_id,
+                "version": resident.version,
             }
-            _write_synced(fresh / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
-        if self.path.is_symlink():  # carry forward config, tokenizer and other files
-            for item in self.path.iterdir():
-                if (
-                    item.is_file()
-                    and not item.name.endswith(".safetensors")
-                    and item.name not in (INDEX_FILE, DIR_STATE_FILE)
-                ):
-                    shutil.copy2(item, fresh / item.name)
-                    _fsync(fresh / item.name)
-        state = {
-            "format": DIR_STATE_FORMAT,
-            "chain_id": resident.chain_id,
-            "version": resident.version,
-        }
-        _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
-        _fsync_dir(fresh)
-        old = self.path.resolve() if self.path.is_symlink() else None
-        if self.path.is_dir() and not self.path.is_symlink():
-            self.path.rmdir()  # empty (checked); the previous version was nothing
-        link = self._store_dir / f"link-{uuid.uuid4().hex[:8]}"
-        os.symlink(os.path.relpath(fresh, self.path.parent), link)
-        os.replace(link, self.path)
+            if resident.record_sha256 is not None:
+                state["record_sha256"] = resident.record_sha256
+            _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
+            _fsync_dir(fresh)  # complete: what follows is the swap
+            if self.path.is_dir() and not self.path.is_symlink():
+                self.path.rmdir()  # empty (checked); the previous version was nothing
+            os.symlink(os.path.relpath(fresh, self.path.parent), link)
+            os.replace(link, self.path)
+            swapped = True
+        finally:
+            if not swapped:
+                link.unlink(missing_ok=True)
+                shutil.rmtree(fresh, ignore_errors=True)
         _fsync_dir(self.path.parent)
-        if old is not None and old != fresh.resolve():
-            shutil.rmtree(old, ignore_errors=True)
+        if live is not None and live.name != fresh.name:
+            shutil.rmtree(live, ignore_errors=True)
+
+
+class _DirTransaction(_DictTransaction):
+    """A dict transaction over a directory's tensors, holding its lock until the end."""
+
+    def __init__(
+        self,
+        target: SafetensorsDirTarget,
+        tensors: dict[str, torch.Tensor],
+        layout: dict[str, str],
+        live: Path | None,
+        lock: _Lock,
+    ) -> None:
+        super().__init__(tensors, torch.device("cpu"), lambda resident: None)
+        self._target = target
+        self._loaded = tensors
+        self._layout = layout
+        self._live = live
+        self._lock: _Lock | None = lock
+
+    def commit(self, resident: Resident) -> None:
+        if self._lock is None:
+            raise TargetError("this transaction is closed; begin a new one")
+        try:
+            self._target._write(self._loaded, self._layout, resident, self._live)
+        finally:
+            self._close()
+        self._previous.clear()
+
+    def abort(self) -> None:
+        super().abort()
+        self._close()
+
+    def _close(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            self._target._release(lock)
+
+
+def _describe(resident: object) -> str:
+    if isinstance(resident, Resident):
+        return f"version {resident.version}"
+    return "nothing"
+
+
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its holder recorded (pid, host, since)."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {int(info['pid'])} on {str(info['host'])!r} since {info['since']!s}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not recorded its pid yet)"
+
+
+def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Hard-link ``src`` at ``dst`` (the old version is deleted after the swap, so the new
+    one keeps the only name); copy where links are impossible (another filesystem)."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(src, dst, follow_symlinks=False)
+        _fsync(Path(dst))
+
+
+def _carry_forward(live: Path, fresh: Path) -> None:
+    """Everything of the previous version that is not dcr's own (config, tokenizer,
+    ``original/``, links), into the new directory: links as links with the same target,
+    files and directories hard-linked or copied."""
+    for item in sorted(live.iterdir()):
+        destination = fresh / item.name
+        if item.is_symlink():
+            if item.name in (INDEX_FILE, DIR_STATE_FILE) or item.name.endswith(".safetensors"):
+                continue  # loaded as tensors and written anew
+            os.symlink(os.readlink(item), destination)
+        elif item.is_dir():
+            shutil.copytree(item, destination, symlinks=True, copy_function=_link_or_copy)
+            for root, dirs, _ in os.walk(destination):
+                for name in dirs:
+                    _fsync_dir(Path(root) / name)
+        elif item.is_file():
+            if item.name in (INDEX_FILE, DIR_STATE_FILE) or item.name.endswith(".safetensors"):
+                continue
+            _link_or_copy(item, destination)
 
 
 def _fsync(path: Path) -> None:
