@@ -19,6 +19,7 @@ __all__ = [
     "CommitError",
     "CommitStateUnknown",
     "DcrError",
+    "EngineUpdateError",
     "FingerprintMismatchError",
     "FormatError",
     "GroupAbortError",
@@ -41,6 +42,7 @@ __all__ = [
     "TargetChangedError",
     "TargetError",
     "TargetLayoutError",
+    "TargetNotUpdatableError",
     "TargetUnreadableError",
     "UnsupportedDtypeError",
     "UnsupportedFeatureError",
@@ -222,3 +224,13 @@ class ReservedNameError(DcrError, ValueError):
 
 class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
+
+
+class TargetNotUpdatableError(TargetError):
+    """A runtime computes from a copy of a weight that its loader cannot reach (vLLM's CPU
+    build prepacks linear weights), so it cannot be updated in place; nothing was changed."""
+
+
+class EngineUpdateError(DcrError, RuntimeError):
+    """An inference engine did not reach the requested version (its message says why); an
+    engine driven through the dcr backend then keeps its previous weights and serves on."""

@@ -12,7 +12,7 @@ import harness
 import pytest
 import torch
 
-from dcr_format import TargetError
+from dcr_format import TargetNotUpdatableError
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
 
 EXTENSION = "dcr_format.integrations.vllm.DcrWorkerExtension"
@@ -132,6 +132,6 @@ def test_prepacked_cpu_weights_fail_closed(tmp_path: Path, monkeypatch) -> None:
     ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
     llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **harness.ENGINE_ARGS)
     before = _greedy(llm)
-    with pytest.raises(TargetError, match=r"prepacked the weight of .*docs/vllm.md"):
+    with pytest.raises(TargetNotUpdatableError, match=r"prepacked the weight of .*docs/vllm.md"):
         llm.init_weight_transfer_engine({"init_info": {"store": store}})
     assert _greedy(llm) == before  # untouched, still serving

@@ -36,7 +36,12 @@ from typing import Any, Literal
 
 import torch
 
-from dcr_format.errors import TargetError, VersionNotFoundError
+from dcr_format.errors import (
+    EngineUpdateError,
+    TargetError,
+    TargetNotUpdatableError,
+    VersionNotFoundError,
+)
 from dcr_format.readers.targets import DIR_STATE_FILE
 
 __all__ = [
@@ -155,9 +160,9 @@ class UpdateReport:
 
 
 def check_updatable(model: torch.nn.Module) -> None:
-    """Fail closed (:class:`~dcr_format.TargetError`) when a layer computes from a copy of
-    its weights that ``load_weights`` cannot reach: vLLM's CPU build prepacks unquantized
-    linear weights into oneDNN/SGL handles after loading (docs/vllm.md)."""
+    """Fail closed (:class:`~dcr_format.TargetNotUpdatableError`) when a layer computes from
+    a copy of its weights that ``load_weights`` cannot reach: vLLM's CPU build prepacks
+    unquantized linear weights into oneDNN/SGL handles after loading (docs/vllm.md)."""
     for name, module in model.named_modules():
         kernel = getattr(module, "cpu_linear", None)
         if kernel is None:
@@ -166,7 +171,7 @@ def check_updatable(model: torch.nn.Module) -> None:
         code = getattr(kernel, "__code__", None)
         packed = code is not None and any(k in code.co_names for k in _PREPACKED_KERNELS)
         if packed or (isinstance(weight, torch.Tensor) and weight.numel() == 0):
-            raise TargetError(
+            raise TargetNotUpdatableError(
                 f"vLLM's CPU backend prepacked the weight of {name or 'the model'!r} for its "
                 "GEMM kernel, so it cannot be updated in place; keep CPU linear weights "
                 "unpacked (docs/vllm.md) or run the engine on a GPU"
@@ -532,10 +537,28 @@ class DcrWeightSync:
         self.client.start_weight_update()
         try:
             self.client.update_weights(payload)
-        except BaseException:
+        except Exception as exc:
             _close_quietly(self.client)
-            raise
+            goal = "the newest version" if version is None else f"version {version}"
+            raise EngineUpdateError(
+                f"the engines did not reach {goal} and kept their weights: {_detail(exc)}"
+            ) from exc
         self.client.finish_weight_update(str(version) if version is not None else None)
+
+
+def _detail(exc: BaseException) -> str:
+    """The engine's own message: an HTTP error's JSON body, else the exception's text."""
+    response = getattr(exc, "response", None)
+    if response is not None:
+        try:
+            body = response.json()
+            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
+        except ValueError:
+            message = None
+        text = message or getattr(response, "text", "") or ""
+        if text:
+            return " ".join(str(text).split())[:2000]
+    return " ".join(str(exc).split())[:2000]
 
 
 def _close_quietly(client: Any) -> None:
