@@ -24,6 +24,9 @@ from dcr_format.errors import (
     VersionNotFoundError,
 )
 from dcr_format.schema import (
+    MAX_HEADER_JSON_BYTES,
+    MAX_MANIFEST_JSON_BYTES,
+    MAX_RECORD_JSON_BYTES,
     PIECES_FEATURE,
     CommitRecord,
     Entry,
@@ -40,8 +43,9 @@ HEAD_KEY = "HEAD"
 COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
 _COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
-MAX_MANIFEST_BYTES = 256 << 20
-MAX_RECORD_BYTES = 64 << 20
+MAX_MANIFEST_BYTES = MAX_MANIFEST_JSON_BYTES  # 64 MiB: ~200,000 entries of one rank
+MAX_RECORD_BYTES = MAX_RECORD_JSON_BYTES  # 1 MiB: ~5,000 writer ranks
+MAX_HEADER_BYTES = MAX_HEADER_JSON_BYTES  # 64 KiB (dcr.json is ~200 bytes)
 
 
 def commit_key(version: int) -> str:
@@ -134,7 +138,7 @@ class Chain:
         """The store header (``dcr.json``); raises if the store holds no chain."""
         if self._header is None:
             try:
-                data = self.store.get(HEADER_KEY, max_size=1 << 20)
+                data = self.store.get(HEADER_KEY, max_size=MAX_HEADER_BYTES)
             except ObjectNotFoundError:
                 raise StoreNotInitializedError(
                     f"{self.store.url} holds no dcr chain (no dcr.json); publish to it first "

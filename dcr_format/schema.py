@@ -1,25 +1,32 @@
 """Pydantic models of every JSON object in a store (spec/FORMAT.md is normative).
 
 Models are frozen and strict; unknown optional fields are ignored. Objects read
-from a store go through :func:`parse`, which refuses a newer ``format_version``
-or an unknown ``required_features`` entry before validating the rest.
+from a store go through :func:`parse`, which refuses an object over its kind's size
+limit or of a shape no writer makes (:mod:`dcr_format._jsonscan`) before parsing it,
+and a newer ``format_version`` or an unknown ``required_features`` entry before
+validating the rest. Long arrays are validated fail-fast, so a refused object costs
+one error, not one per element.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Literal, TypeVar
+import functools
+import typing
+from typing import Annotated, Any, Literal, TypeVar
 
+import pydantic_core
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    FailFast,
     Field,
     StringConstraints,
     ValidationError,
     model_serializer,
 )
 
+from dcr_format._jsonscan import scan
 from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
 from dcr_format.codec.positions import POSITION_CODINGS
@@ -35,7 +42,11 @@ FORMAT_NAME = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
 KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE})
-MAX_JSON_BYTES = 256 << 20  # no header, commit record or manifest is ever this large
+MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
+MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
+MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
+MAX_READER_JSON_BYTES = 1 << 20  # reader records: a list of tensor names
+MAX_MANIFEST_JSON_BYTES = MAX_JSON_BYTES  # ~330 bytes per entry: ~200,000 entries of one rank
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 TensorFingerprint = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
@@ -109,7 +120,7 @@ class StoreHeader(_Model):
 
     format: Literal["dcr"] = FORMAT_NAME
     format_version: int = FORMAT_VERSION
-    required_features: tuple[str, ...] = ()
+    required_features: Annotated[tuple[str, ...], FailFast()] = ()
     chain_id: Hex32
     created: Timestamp
     conditional_writes: bool | None = None
@@ -198,15 +209,15 @@ class Manifest(_Model):
     """``objects/<N>/<attempt>/manifest-<rank>.json``: one writer rank's part of a version."""
 
     format_version: int = FORMAT_VERSION
-    required_features: tuple[str, ...] = ()
+    required_features: Annotated[tuple[str, ...], FailFast()] = ()
     chain_id: Hex32
     version: Version
     kind: Literal["base", "delta"]
     attempt: Hex32
     rank: Count
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
-    shards: tuple[ShardRef, ...]
-    entries: tuple[Entry, ...]
+    shards: Annotated[tuple[ShardRef, ...], FailFast()]
+    entries: Annotated[tuple[Entry, ...], FailFast()]
 
 
 class ManifestRef(_Model):
@@ -232,7 +243,7 @@ class CommitRecord(_Model):
     """``commits/<N>.json``: version N is committed iff this object exists."""
 
     format_version: int = FORMAT_VERSION
-    required_features: tuple[str, ...] = ()
+    required_features: Annotated[tuple[str, ...], FailFast()] = ()
     chain_id: Hex32
     version: Version
     kind: Literal["base", "delta"]
@@ -242,7 +253,7 @@ class CommitRecord(_Model):
     created: Timestamp
     attempt: Hex32
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
-    manifests: tuple[ManifestRef, ...]
+    manifests: Annotated[tuple[ManifestRef, ...], FailFast()]
     state_fingerprint: Sha256
     stats: Stats
 
@@ -253,24 +264,140 @@ class ReaderRecord(_Model):
     format_version: int = FORMAT_VERSION
     reader_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
     updated: Timestamp
-    overwrite: tuple[TensorName, ...] = ()
+    overwrite: Annotated[tuple[TensorName, ...], FailFast()] = ()
 
 
-M = TypeVar("M", bound=_Model)
+M = TypeVar("M", bound=BaseModel)
+
+_JSON_LIMITS: dict[type[BaseModel], int] = {
+    StoreHeader: MAX_HEADER_JSON_BYTES,
+    CommitRecord: MAX_RECORD_JSON_BYTES,
+    Manifest: MAX_MANIFEST_JSON_BYTES,
+    ReaderRecord: MAX_READER_JSON_BYTES,
+}
+_MAX_MESSAGE = 200  # characters of a validator's message quoted in a SchemaError
 
 
-def parse(model: type[M], data: bytes | str, *, what: str) -> M:
-    """Validate an object read from a store; ``what`` names it in errors (its key)."""
-    if len(data) > MAX_JSON_BYTES:
-        raise SchemaError(f"{what} is {len(data)} bytes, over the {MAX_JSON_BYTES} byte limit")
+def json_limit(model: type[BaseModel]) -> int:
+    """The size limit of a stored object of kind ``model`` (spec/FORMAT.md Appendix C);
+    kinds not listed here (records of other modules) get the record limit."""
+    for kind in model.__mro__:
+        if kind in _JSON_LIMITS:
+            return _JSON_LIMITS[kind]
+    return MAX_RECORD_JSON_BYTES
+
+
+MAX_UNKNOWN_VALUES = 4096
+"""Values an object may hold in members this reader does not know, beyond one per member
+it knows (room for optional members of later versions)."""
+
+
+def _models_in(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The models an annotation holds: ``X``, ``X | None``, ``tuple[X, ...]`` give ``X``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return (annotation,)
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found.extend(_models_in(arg))
+    return tuple(found)
+
+
+@functools.cache
+def _layout(model: type[BaseModel]) -> tuple[tuple[str, ...], dict[str, type[BaseModel] | None]]:
+    """A model's required members, and each member's inner model (None for plain values)."""
+    required = tuple(name for name, info in model.model_fields.items() if info.is_required())
+    inner: dict[str, type[BaseModel] | None] = {}
+    for name, info in model.model_fields.items():
+        models = _models_in(info.annotation)
+        inner[name] = models[0] if len(models) == 1 else None
+    return required, inner
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + sum(_count(v) for v in value.values())
+    if isinstance(value, list):
+        return 1 + sum(_count(v) for v in value)
+    return 1
+
+
+def _check_tree(value: Any, model: type[BaseModel], loc: str) -> tuple[str | None, int, int]:
+    """A first pass over the parsed tree, so that validation reports one small error: every
+    object the schema reads as a model has its required members, and members the schema
+    does not know stay small. Returns (problem, known members, unknown values).
+
+    (A validator reports each missing member with a copy of the whole object it is
+    missing from, a big unknown member included; this pass reports the first only.)
+    """
+    if not isinstance(value, dict):  # a model is a JSON object, whatever else it holds
+        return f"{loc or '<root>'}: Input should be an object ({model.__name__})", 1, 0
+    required, inner = _layout(model)
+    for name in required:
+        if name not in value:
+            return f"{f'{loc}.{name}' if loc else name}: Field required", 0, 0
+    known, unknown = len(value), 0
+    for key, member in value.items():
+        if key not in inner:
+            unknown += _count(member)
+            continue
+        sub = inner[key]
+        if sub is None or member is None:
+            continue
+        where = f"{loc}.{key}" if loc else key
+        if isinstance(member, list):
+            known += len(member)
+            for index, item in enumerate(member):
+                problem, k, u = _check_tree(item, sub, f"{where}.{index}")
+                known, unknown = known + k, unknown + u
+                if problem is not None:
+                    return problem, known, unknown
+        else:
+            problem, k, u = _check_tree(member, sub, where)
+            known, unknown = known + k, unknown + u
+            if problem is not None:
+                return problem, known, unknown
+    return None, known, unknown
+
+
+def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
+    """The model, or its first error as a short line: nothing that holds the input (the
+    ValidationError and the values it quotes) outlives this call."""
     try:
-        raw = json.loads(data)
-    # ValueError: also an integer literal past Python's 4300-digit limit; RecursionError: nesting
-    except (ValueError, RecursionError) as exc:
-        raise SchemaError(f"{what} is not valid JSON ({exc}); the object is corrupt") from None
-    if not isinstance(raw, dict):
+        return model.model_validate_json(data, strict=True), None
+    except ValidationError as exc:
+        first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        return None, f"{where[:_MAX_MESSAGE]}: {first['msg'][:_MAX_MESSAGE]}"
+
+
+def parse(model: type[M], data: bytes | str, *, what: str, max_bytes: int | None = None) -> M:
+    """Validate an object read from a store; ``what`` names it in errors (its key).
+
+    ``max_bytes`` overrides the kind's size limit (:func:`json_limit`); no limit exceeds
+    :data:`MAX_JSON_BYTES`. Refusing a hostile object costs a bounded multiple of its size
+    (docs/reliability.md), and the :class:`SchemaError` holds only a short message.
+    """
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    limit = min(MAX_JSON_BYTES, json_limit(model) if max_bytes is None else max_bytes)
+    if len(raw) > limit:
+        raise SchemaError(
+            f"{what} is {len(raw)} bytes, over the {limit} byte limit of a {model.__name__}; "
+            "the object is corrupt or hostile"
+        )
+    problem = scan(raw)
+    if problem is not None:
+        raise SchemaError(
+            f"{what} is refused unparsed: {problem}; the object is corrupt or hostile"
+        )
+    try:
+        tree = pydantic_core.from_json(raw)
+    except ValueError as exc:  # bad JSON or UTF-8; the message is short and quotes no input
+        problem = str(exc)[:_MAX_MESSAGE]
+    if problem is not None:
+        raise SchemaError(f"{what} is not valid JSON ({problem}); the object is corrupt")
+    if not isinstance(tree, dict):
         raise SchemaError(f"{what} is not a JSON object; the object is corrupt")
-    version = raw.get("format_version")
+    version = tree.get("format_version")
     if type(version) is not int:
         raise SchemaError(f"{what} has no integer format_version; the object is corrupt")
     if version > FORMAT_VERSION:
@@ -280,19 +407,20 @@ def parse(model: type[M], data: bytes | str, *, what: str) -> M:
         )
     if version < 1:
         raise SchemaError(f"{what} has format_version {version}; versions start at 1")
-    features = raw.get("required_features", [])
+    features = tree.get("required_features", [])
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise SchemaError(f"{what} has a malformed required_features list")
     unknown = sorted(set(features) - KNOWN_FEATURES)
     if unknown:
         raise UnsupportedFeatureError(
-            f"{what} requires features {unknown} that this dcr-format lacks: upgrade dcr-format"
+            f"{what} requires features {unknown[:8]} that this dcr-format lacks: upgrade dcr-format"
         )
-    try:
-        return model.model_validate_json(data, strict=True)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "<root>"
-        raise SchemaError(
-            f"{what} is not a valid {model.__name__}: {where}: {first['msg']}"
-        ) from None
+    problem, known_values, unknown_values = _check_tree(tree, model, "")
+    del tree, features
+    if problem is None and unknown_values > known_values + MAX_UNKNOWN_VALUES:
+        problem = f"<root>: {unknown_values} values in unknown members, more than any writer makes"
+    if problem is None:
+        parsed, problem = _validate(model, raw)
+        if parsed is not None:
+            return parsed
+    raise SchemaError(f"{what} is not a valid {model.__name__}: {problem}")
