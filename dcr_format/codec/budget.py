@@ -1,0 +1,113 @@
+"""A byte budget for decoded shards: parallel decoders wait instead of exceeding it.
+
+A reader inflates several shards at once (one per worker). Each shard's decoded size is
+bounded by what its manifest's entries need (:func:`dcr_format.codec.shard.stream_limits`),
+but a version of many large shards, inflated by many workers, could still hold far more
+than the machine has. :class:`DecodeBudget` counts the bytes held: a decoder acquires a
+shard's ``decoded_size`` before inflating it and releases it once the decoded streams are
+no longer needed, and waits (first come, first served) while the budget is full.
+
+A single shard larger than the whole budget is let through alone, once nothing else is
+held, rather than refused: a tensor larger than the budget is legitimate (one shard holds
+at least one whole entry) and already passed the reader's per-shard limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator
+
+DEFAULT_DECODE_BUDGET_BYTES = 2 << 30
+"""Default cap of decoded shard bytes held at once: 2 GiB, or a quarter of physical memory
+on a machine with less than 8 GiB (never under 256 MiB)."""
+
+
+def default_budget_bytes() -> int:
+    """:data:`DEFAULT_DECODE_BUDGET_BYTES`, lowered to a quarter of physical memory."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: keep the default
+        return DEFAULT_DECODE_BUDGET_BYTES
+    return max(256 << 20, min(DEFAULT_DECODE_BUDGET_BYTES, physical // 4))
+
+
+class DecodeBudget:
+    """Thread-safe count of decoded bytes held, capped at ``limit`` bytes.
+
+    ``acquire(n)`` waits until ``n`` more bytes fit (or nothing is held at all: a request
+    larger than the limit then goes alone); waiters are served in arrival order, so a large
+    request is not starved by small ones. ``hold(n)`` is the context manager form. Share
+    one budget between readers of a process to cap them together.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        limit = default_budget_bytes() if limit is None else limit
+        if limit <= 0:
+            raise ValueError(f"decode budget must be positive, not {limit}")
+        self.limit = limit
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self._peak = 0
+        self._queue: deque[int] = deque()
+        self._tickets = 0
+
+    @property
+    def in_use(self) -> int:
+        """Bytes acquired and not yet released."""
+        with self._cond:
+            return self._in_use
+
+    @property
+    def peak(self) -> int:
+        """The most bytes held at once since the budget was made."""
+        with self._cond:
+            return self._peak
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._in_use == 0 or self._in_use + nbytes <= self.limit
+
+    def acquire(self, nbytes: int, *, timeout: float | None = None) -> bool:
+        """Wait until ``nbytes`` fit, then count them; False if ``timeout`` passed first."""
+        if nbytes < 0:
+            raise ValueError(f"cannot acquire {nbytes} bytes")
+        with self._cond:
+            ticket = self._tickets
+            self._tickets += 1
+            self._queue.append(ticket)
+            try:
+                done = self._cond.wait_for(
+                    lambda: self._queue[0] == ticket and self._fits(nbytes), timeout
+                )
+            except BaseException:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+                raise
+            self._queue.remove(ticket)
+            if done:
+                self._in_use += nbytes
+                self._peak = max(self._peak, self._in_use)
+            self._cond.notify_all()  # the next in line may fit too
+            return bool(done)
+
+    def release(self, nbytes: int) -> None:
+        """Give back bytes of an earlier :meth:`acquire`."""
+        with self._cond:
+            if nbytes < 0 or nbytes > self._in_use:
+                raise ValueError(f"releasing {nbytes} bytes, but {self._in_use} are held")
+            self._in_use -= nbytes
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Hold ``nbytes`` for the ``with`` block (acquired on entry, released on exit)."""
+        self.acquire(nbytes)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
+
+
+__all__ = ["DEFAULT_DECODE_BUDGET_BYTES", "DecodeBudget", "default_budget_bytes"]
