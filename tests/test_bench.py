@@ -6,6 +6,8 @@ import functools
 import json
 import math
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,8 @@ from dcr_format.bench.projection import (
 )
 from dcr_format.cli_bench import bench
 from dcr_format.cli_bench import project as project_cmd
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,9 @@ def test_quick_table_lists_every_measurement(quick):
         assert column in header
     for measure in (
         "refit time",
+        "steady publish",
+        "steady apply",
+        "steady sync",
         "delta bytes",
         "encode speed",
         "apply speed",
@@ -77,6 +84,13 @@ def test_quick_json_structure(quick):
         assert abs(r["change_rate"] - r["target_rate"]) < 0.3 * r["target_rate"]
         if r["store"] == "local":
             assert 1.0 < r["delta_vs_bound"] < 2.0  # stored bytes near the entropy bound
+    steady = data["steady"]  # medians of a long-lived writer and readers, per rate
+    assert [r["target_rate"] for r in steady] == rates
+    for r in steady:
+        assert r["bit_exact"] and r["steps"] == 2 and r["copy_s"] > 0
+        for stage in ("publish", "prepare", "apply", "sync", "dense"):
+            assert r[f"{stage}_s"] > 0
+            assert r[f"{stage}_vs_copy"] == r[f"{stage}_s"] / r["copy_s"]
     assert len(data["codec"]) == len(rates)
     for row in data["codec"]:
         assert row["encode_vs_clone"] > 0 and row["decode_apply_vs_clone"] > 0
@@ -197,3 +211,19 @@ def test_codec_and_refit_scripts_are_thin_entry_points():
     for name in ("codec_bench.py", "refit_bench.py", "bench_suite.py"):
         text = (root / name).read_text()
         assert "from dcr_format." in text and len(text.splitlines()) < 40, name
+
+
+def test_steady_benchmark_quick_run(tmp_path):
+    """benchmarks/steady_bench.py --quick: long-lived ends, medians, every stage over copy_."""
+    out = tmp_path / "steady.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "steady_bench.py"), "--quick", "--json",
+         str(out)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    assert "steady-state refit" in result.stdout and "dense/dcr" in result.stdout
+    data = json.loads(out.read_text())
+    rows = [r for r in data["rows"] if not r["warmup"]]
+    assert len(rows) == 4 and all(r["bit_exact"] for r in data["rows"])
+    assert not any(r["sync_audited"] for r in rows)  # steady state: no full re-read
+    assert {r["target_rate"] for r in data["summary"]} == {0.005, 0.01}

@@ -116,7 +116,10 @@ def steady_series(
                 "pause_s": applied.apply_seconds,
                 "sync_s": finished - done,
                 "sync_audited": result.audited,
+                "changed": info.changed_elements,
                 "dense_s": dense["dense_s"],
+                "dense_serialise_s": dense["dense_serialise_s"],
+                "dense_load_s": dense["dense_load_s"],
                 "dcr_bytes_moved": info.payload_bytes + result.payload_bytes,
                 "dense_bytes_moved": dense["dense_bytes_moved"],
                 "bit_exact": _same_bits(staged, weights)

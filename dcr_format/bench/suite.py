@@ -34,6 +34,7 @@ from dcr_format.bench.costs import (
     store_costs,
 )
 from dcr_format.bench.refit import RATES, SyntheticTrainer, lr_for, model_shapes, refit_series
+from dcr_format.bench.steady import steady_series, summarise
 from dcr_format.store import Store
 
 RESULT_FORMAT = "dcr-bench-1"
@@ -55,9 +56,10 @@ class SuiteOptions:
     seed: int = 0
     chunk_bytes: int = 4 << 20
     quick: bool = False
+    steady_steps: int = 5  # steady-state section: measured steps per rate (long-lived ends)
 
 
-QUICK = SuiteOptions(sizes_mb=(8.0,), members=8, fanout_mb=4.0, reps=2, quick=True)
+QUICK = SuiteOptions(sizes_mb=(8.0,), members=8, fanout_mb=4.0, reps=2, quick=True, steady_steps=2)
 
 
 @dataclass
@@ -68,6 +70,7 @@ class SuiteResult:
     machine_start: dict[str, Any]
     machine_end: dict[str, Any] = field(default_factory=dict)
     refit: list[dict[str, Any]] = field(default_factory=list)
+    steady: list[dict[str, Any]] = field(default_factory=list)  # medians per rate
     codec: list[dict[str, Any]] = field(default_factory=list)
     fanout: dict[str, Any] = field(default_factory=dict)
     costs: Costs | None = None
@@ -81,6 +84,7 @@ class SuiteResult:
             "machine_start": self.machine_start,
             "machine_end": self.machine_end,
             "refit": self.refit,
+            "steady": self.steady,
             "codec": self.codec,
             "fanout": self.fanout,
             "costs": None if self.costs is None else self.costs.model_dump(mode="json"),
@@ -261,6 +265,16 @@ def run_suite(
                 seed=options.seed,
                 progress=lambda m, s=size: progress(f"{m} ({s:g} MB)"),
             )
+        steady_rows = steady_series(
+            Store(work / "steady"),
+            model_shapes(sizes[-1]),
+            options.rates,
+            steps=options.steady_steps,
+            label="local",
+            seed=options.seed,
+            progress=lambda m: progress(f"{m} ({sizes[-1]:g} MB)"),
+        )
+        result.steady = summarise(steady_rows)
         result.codec = _codec_rows(
             sizes[0], options.rates, reps=options.reps, seed=options.seed, progress=progress
         )
@@ -293,8 +307,9 @@ def run_suite(
                 result.fanout = _fanout(store, str(work / "fanout"), {}, options, progress)
                 result.fanout["store"] = "local"
         progress("relay hop, sha256")
+        # per-step costs from the long-lived writer and readers (medians), as RL runs them
         result.costs = derive_costs(
-            [r for r in result.refit if r["store"] == "local"],
+            [r for r in steady_rows if not r["warmup"]],
             source="dcr bench" + (" --quick" if options.quick else ""),
             store=measured,
             request_store="s3" if no_s3 is None else "local",
@@ -337,6 +352,20 @@ def table_rows(result: SuiteResult) -> list[list[str]]:
                 "bit-exact" if r["bit_exact"] else "NOT EXACT",
             ]
         )
+    for r in result.steady:
+        for stage in ("publish", "prepare", "apply", "sync"):
+            rows.append(
+                [
+                    f"steady {stage}",
+                    r["store"],
+                    _mb(r["dense_bytes"]),
+                    f"{r['change_rate']:.2%}",
+                    f"copy_ {_s(r['copy_s'])}",
+                    _s(r[f"{stage}_s"]),
+                    f"{r[f'{stage}_vs_copy']:.1f}x copy_",
+                    f"median of {r['steps']} steps" + ("" if r["bit_exact"] else ", NOT EXACT"),
+                ]
+            )
     for r in result.refit:
         if r.get("bound_bytes"):
             rows.append(
@@ -427,6 +456,8 @@ def format_table(result: SuiteResult, *, png: str | None = None) -> str:
         "fan-out independent/relay.",
         "refit: dense = serialise + put + get + deserialise + copy into the replica; dcr = "
         "publish (diff, encode, upload, commit) + sync (fetch, verify, apply), same store.",
+        "steady: a long-lived writer and readers, medians of several steps, each stage over a "
+        "copy_ of the dense bytes into preallocated tensors (apply = the pause of generation).",
     ]
     if result.skipped:
         lines.append("skipped: " + "; ".join(result.skipped))
