@@ -44,7 +44,7 @@ _HIGH = np.uint64(1 << 63)  # accumulators are reduced once they reach 2^63
 _MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
 _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
 _CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
-BLOCK = 1 << 16  # elements per block of the fused diff
+BLOCK = 1 << 16  # elements per block of the fused diff (in-block indices are uint16)
 
 _LOCK = threading.Lock()
 
@@ -74,7 +74,7 @@ def _residue(v, p, m):  # type: ignore[no-untyped-def]
 def _g(v, lane, table):  # type: ignore[no-untyped-def]
     """g of lane ``lane`` of the uint64 symbol ``v``; ``table`` non-empty for widths 1, 2."""
     if table.shape[0] != 0:
-        return np.uint64(table[np.intp(v), lane])
+        return np.uint64(table[v, lane])  # an unsigned index: no wrap-around check
     if lane == 0:
         return _pow5(_residue(v, _P0, _M0), _P0, _C0)
     if lane == 1:
@@ -114,9 +114,11 @@ def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
         a1 = _ZERO
         b0 = _ZERO
         b1 = _ZERO
-        for j in range(lo, hi):
-            t = np.intp(sym[j])
-            col = np.uint64(j + first - start)
+        seg = sym[lo:hi]  # indices from range(len): numba drops its wrap-around checks
+        skip = lo + first - start
+        for j in range(seg.shape[0]):
+            t = np.uint64(seg[j])
+            col = np.uint64(j + skip)
             ga = np.uint64(table[t, 0])
             gb = np.uint64(table[t, 1])
             a0 += ga
@@ -142,9 +144,11 @@ def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
         b1 = _ZERO
         c0 = _ZERO
         c1 = _ZERO
-        for j in range(lo, hi):
-            v = np.uint64(sym[j])
-            col = np.uint64(j + first - start)
+        seg = sym[lo:hi]
+        skip = lo + first - start
+        for j in range(seg.shape[0]):
+            v = np.uint64(seg[j])
+            col = np.uint64(j + skip)
             g = _pow5(_residue(v, _P0, _M0), _P0, _C0)
             a0 += g
             a1 += g * col
@@ -201,11 +205,12 @@ def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-u
         for lane in range(lanes):
             p = _prime(lane)
             acc = _ZERO
-            for j in range(lo, hi):
-                r = np.uint64(pos[j] & _MASK30) + _ONE
-                g = _g(np.uint64(new[j]), lane, table)
+            pos_c, old_c, new_c = pos[lo:hi], old[lo:hi], new[lo:hi]
+            for j in range(pos_c.shape[0]):
+                r = np.uint64(pos_c[j] & _MASK30) + _ONE
+                g = _g(np.uint64(new_c[j]), lane, table)
                 if has_old:
-                    g = g + p - _g(np.uint64(old[j]), lane, table)  # < 2^32
+                    g = g + p - _g(np.uint64(old_c[j]), lane, table)  # < 2^32
                 acc += g * r  # < 2^62 per term
                 if acc >= _HIGH:
                     acc %= p
@@ -228,94 +233,110 @@ def position_lanes(
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _diff_count(old, new, counts):  # type: ignore[no-untyped-def]
+def _diff_scan(old, new, local, counts):  # type: ignore[no-untyped-def]
+    """Per block: the number of differing elements, their in-block indices into ``local``."""
     n = old.shape[0]
     for b in prange(counts.shape[0]):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
         count = 0
-        for j in range(lo, hi):
-            count += old[j] != new[j]
+        old_b, new_b, local_b = old[lo:hi], new[lo:hi], local[lo:hi]
+        for j in range(old_b.shape[0]):
+            local_b[count] = j  # branch-free: kept only where the elements differ
+            count += old_b[j] != new_b[j]
         counts[b] = count
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _diff_fill(  # type: ignore[no-untyped-def]
-    old, new, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out
+    old, new, local, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out
 ):
-    n = old.shape[0]
     want_new = new_out.shape[0] != 0
     want_xor = xor_out.shape[0] != 0
     for b in prange(offsets.shape[0] - 1):
-        k = offsets[b]
-        end = offsets[b + 1]
-        if k == end:
-            continue
+        first = offsets[b]
         lo = b * BLOCK
-        hi = min(lo + BLOCK, n)
         a0 = _ZERO
         a1 = _ZERO
         a2 = _ZERO
-        for j in range(lo, hi):
-            o = old[j]
-            w = new[j]
-            if o != w:
-                pos_out[k] = base + j
-                if want_new:
-                    new_out[k] = w
-                if want_xor:
-                    xor_out[k] = o ^ w
-                if lanes:
-                    r = np.uint64((base + j) & _MASK30) + _ONE
-                    ou = np.uint64(o)
-                    wu = np.uint64(w)
-                    a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
-                    if a0 >= _HIGH:
-                        a0 %= _P0
-                    a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
-                    if a1 >= _HIGH:
-                        a1 %= _P1
-                    if lanes == 3:
-                        a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
-                        if a2 >= _HIGH:
-                            a2 %= _P2
-                k += 1
-                if k == end:
-                    break
+        local_b, old_b, new_b = local[lo : lo + BLOCK], old[lo:], new[lo:]
+        for i in range(offsets[b + 1] - first):
+            t = np.uint64(local_b[i])  # unsigned: no wrap-around check on the gathers
+            j = lo + np.int64(t)
+            k = first + i
+            o = old_b[t]
+            w = new_b[t]
+            pos_out[k] = base + j
+            if want_new:
+                new_out[k] = w
+            if want_xor:
+                xor_out[k] = o ^ w
+            if lanes:
+                r = np.uint64((base + j) & _MASK30) + _ONE
+                ou = np.uint64(o)
+                wu = np.uint64(w)
+                a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
+                if a0 >= _HIGH:
+                    a0 %= _P0
+                a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
+                if a1 >= _HIGH:
+                    a1 %= _P1
+                if lanes == 3:
+                    a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
+                    if a2 >= _HIGH:
+                        a2 %= _P2
         lane_out[b, 0] = a0 % _P0
         lane_out[b, 1] = a1 % _P1
         lane_out[b, 2] = a2 % _P2
 
 
-def diff_offsets(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums (int64, one more than the blocks) of differing elements."""
-    counts = np.zeros(-(-old.shape[0] // BLOCK), dtype=np.int64)
-    if counts.shape[0]:
-        with _LOCK:
-            _diff_count(old, new, counts)
-    offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    return offsets
+class DiffScan:
+    """The first pass of a fused diff: per-block counts (as exclusive prefix sums) and the
+    in-block indices of the differing elements."""
+
+    def __init__(self, old: np.ndarray, new: np.ndarray) -> None:
+        blocks = -(-old.shape[0] // BLOCK)
+        counts = np.zeros(blocks, dtype=np.int64)
+        # pages are touched only up to each block's count: a few per block at low change
+        self.local = np.empty(old.shape[0], dtype=np.uint16)
+        if blocks:
+            with _LOCK:
+                _diff_scan(old, new, self.local, counts)
+        self.offsets = np.zeros(blocks + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.offsets[1:])
+        self.total = int(self.offsets[-1])
 
 
 def diff_fill(
     old: np.ndarray,
     new: np.ndarray,
-    offsets: np.ndarray,
+    scan: DiffScan,
     base: int,
     out: tuple[np.ndarray, np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
 ) -> tuple[int, ...]:
-    """Fill ``out`` = (positions + ``base``, new bits, old ^ new bits), sized by ``offsets``.
+    """Fill ``out`` = (positions + ``base``, new bits, old ^ new bits), ``scan.total`` long.
 
     An empty new or xor array is skipped. Returns the lane deltas ``sum (g(new) - g(old))
     * r`` (``lanes`` 0: none).
     """
-    lane_out = np.zeros((offsets.shape[0] - 1, 3), dtype=np.uint64)
-    if int(offsets[-1]):
+    lane_out = np.zeros((scan.offsets.shape[0] - 1, 3), dtype=np.uint64)
+    if scan.total:
         with _LOCK:
-            _diff_fill(old, new, offsets, base, out[0], out[1], out[2], lanes, table, lane_out)
+            _diff_fill(
+                old,
+                new,
+                scan.local,
+                scan.offsets,
+                base,
+                out[0],
+                out[1],
+                out[2],
+                lanes,
+                table,
+                lane_out,
+            )
     return _finish_lanes(lane_out, lanes) if lanes else ()
 
 
@@ -332,17 +353,19 @@ def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
         a0 = _ZERO
         a1 = _ZERO
         a2 = _ZERO
-        for j in range(lo, hi):
-            i = pos[j] - base
-            if i < 0 or i >= n:  # unsorted input past a checked first/last: never write
-                bad[c] = 1
+        pos_c, values_c, before_c = pos[lo:hi], values[lo:hi], before[lo:hi]
+        for j in range(pos_c.shape[0]):
+            p = pos_c[j]
+            if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
+                bad[c] = 1  # never written
                 continue
+            i = np.uint64(p - base)
             b = flat[i]
-            a = b ^ values[j] if is_xor else values[j]
+            a = b ^ values_c[j] if is_xor else values_c[j]
             flat[i] = a
-            before[j] = b
+            before_c[j] = b
             if lanes:
-                r = np.uint64(pos[j] & _MASK30) + _ONE
+                r = np.uint64(p & _MASK30) + _ONE
                 bu = np.uint64(b)
                 au = np.uint64(flat[i])
                 a0 += (_g(au, 0, table) + _P0 - _g(bu, 0, table)) * r

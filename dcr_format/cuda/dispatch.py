@@ -14,8 +14,9 @@ Rules (``DCR_KERNELS``, read at every call):
 
 CPU tensors under ``auto`` (where :func:`backend_for` says ``torch``) go through the
 compiled numba loops of :mod:`dcr_format.codec._native` when numba imports: one fused
-compare-and-compact pass for :func:`diff` (count per block, prefix sum, fill per
-block, in parallel) and one pass over the changed positions for :func:`scatter`.
+compare-and-compact pass for :func:`diff` (per block, in parallel: count the differing
+elements and note their in-block indices; a prefix sum; then per block gather the
+noted elements only) and one pass over the changed positions for :func:`scatter`.
 ``DCR_KERNELS=torch`` forces the torch reference (:mod:`dcr_format.cuda.reference`),
 which the compiled loops match bit for bit; ``DCR_KERNELS=triton`` keeps Triton (its
 interpreter on CPU tensors). The same ``torch`` setting turns off the compiled Rice
@@ -250,8 +251,8 @@ def _native_diff(
 
     old, new = old.reshape(-1).contiguous(), new.reshape(-1).contiguous()
     old_np, new_np = _unsigned(old), _unsigned(new)
-    offsets = native.diff_offsets(old_np, new_np)
-    total = int(offsets[-1])
+    scan = native.DiffScan(old_np, new_np)
+    total = scan.total
     positions = torch.empty(total, dtype=torch.int64)
     new_values = torch.empty(total if want_new else 0, dtype=old.dtype)
     xor_values = torch.empty(total if want_xor else 0, dtype=old.dtype)
@@ -259,7 +260,7 @@ def _native_diff(
     deltas = native.diff_fill(
         old_np,
         new_np,
-        offsets,
+        scan,
         base,
         (positions.numpy(), _unsigned(new_values), _unsigned(xor_values)),
         native_table(width),
