@@ -46,7 +46,7 @@ def pull_rounds(store: str, path: str, signals: str, index: int, rounds: int) ->
         while True:
             attempts += 1
             try:
-                result = DeltaReader(store, SafetensorsDirTarget(path, timeout=120)).sync()
+                result = DeltaReader(store, SafetensorsDirTarget(path)).sync()
                 break
             except (StalePreparedError, TargetChangedError):  # another pull moved it
                 if attempts == 50:

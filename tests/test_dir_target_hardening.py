@@ -51,14 +51,15 @@ def _chain(store: str, versions: int, seed: int = 0):
     return writer, state, gen, states
 
 
-def _dressed(store: str, path: Path) -> dict[str, bytes]:
+def _dressed(store: str, path: Path, *, subdirectory: bool = True) -> dict[str, bytes]:
     """Sync ``path`` and add what an operator keeps in a checkpoint directory; returns the
     files that must survive every later sync."""
     DeltaReader(store, SafetensorsDirTarget(path)).sync()
     (path / "config.json").write_text('{"model_type": "toy"}')
     (path / "tokenizer.json").write_text('{"vocab": {}}')
-    (path / "original").mkdir()
-    (path / "original" / "params.json").write_text('{"dim": 16}')
+    if subdirectory:
+        (path / "original").mkdir()
+        (path / "original" / "params.json").write_text('{"dim": 16}')
     return _kept(path)
 
 
@@ -106,10 +107,10 @@ def test_a_second_sync_at_the_moment_of_the_swap_waits_and_destroys_nothing(tmp_
     assert at_swap.wait(60)
     result_b = DeltaReader(store, SafetensorsDirTarget(path)).sync()
     thread.join(60)
+    _intact(path, kept, state)  # before the fix: the link dangled, config and tokenizer gone
     assert results and results[0].applied_versions == (1,)  # type: ignore[attr-defined]
     assert result_b.version == 1 and result_b.applied_versions == ()
     assert path.resolve() == fresh_dirs[0].resolve()
-    _intact(path, kept, state)
 
 
 def test_a_sync_that_may_not_wait_is_refused_with_the_holder(tmp_path, monkeypatch):
@@ -184,11 +185,16 @@ def _wait_for(paths: list[Path], procs: list) -> None:  # type: ignore[type-arg]
 
 
 def test_concurrent_pull_processes_leave_one_intact_directory(context, tmp_path):
-    """Three `dcr pull --into` at once, twice (from nothing, then incremental): exactly one
-    applies each round's versions, the others wait and find nothing to do."""
+    """Three `dcr pull --into` at once, twice: exactly one applies each round's versions,
+    the others wait for it and find nothing to do (or plan again), and the directory is
+    intact. An 8 MiB tensor makes each write long enough for the syncs to overlap."""
     store, path = str(tmp_path / "store"), tmp_path / "ckpt"
-    writer, state, gen, _ = _chain(store, 3)
-    kept = _dressed(store, path)
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    state["model.big.weight"] = torch.randn(2048, 2048, generator=gen).bfloat16()
+    writer = DeltaWriter(store)
+    writer.publish(state)
+    kept = _dressed(store, path, subdirectory=False)  # the race alone
     signals = tmp_path / "signals"
     signals.mkdir()
     count, rounds = 3, 2
@@ -211,7 +217,7 @@ def test_concurrent_pull_processes_leave_one_intact_directory(context, tmp_path)
             done = [signals / f"done-{round_}-{i}" for i in range(count)]
             _wait_for(done, procs)
             outputs = [d.read_text().split() for d in done]
-            latest = 4 + 2 * round_
+            latest = 2 + 2 * round_
             assert all(o[0] == str(latest) for o in outputs), outputs
             assert sum(o[1] != "0" for o in outputs) >= 1, outputs
             _intact(path, kept, state)
