@@ -16,6 +16,9 @@ each measurement and reporting medians:
   ``apply_with_lanes``.
 
 Warm-up calls compile the kernels (or load them from numba's cache) before timing.
+``--threads N`` sets torch's and numba's thread counts; ``--cpu-time`` reports process
+CPU time instead of wall time (steadier on a machine shared with other work; with one
+thread it is the single-core cost).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from dcr_format import fingerprint as fp
 from dcr_format.codec import positions as pc
 from dcr_format.cuda import dispatch, reference
 
+_CLOCK = time.perf_counter
+
 
 def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+    start = _CLOCK()
     fn()
-    return time.perf_counter() - start
+    return _CLOCK() - start
 
 
 def interleaved(
@@ -156,11 +161,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", type=int, default=1 << 26)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch and numba threads")
+    parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
     args = parser.parse_args()
     if pc.native_kernels() is None:
         raise SystemExit("numba is not installed (or DCR_KERNELS=torch): nothing to compare")
-    print(f"torch threads {torch.get_num_threads()}, numba threads ", end="")
     import numba
+
+    global _CLOCK
+    if args.cpu_time:
+        _CLOCK = time.process_time
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        numba.set_num_threads(args.threads)
+    clock = "CPU time" if args.cpu_time else "wall time"
+    print(f"{clock}; torch threads {torch.get_num_threads()}, numba threads ", end="")
 
     print(numba.get_num_threads(), f"of {os.cpu_count()} CPUs")
     bench_rice(args.elements, args.repeats)
