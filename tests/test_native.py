@@ -399,10 +399,12 @@ def test_apply_refuses_positions_out_of_range():
         with pytest.raises(IndexError):
             dispatch.apply_with_lanes(flat, torch.tensor(bad), values, op="xor", base=base)
     assert int(flat.abs().sum()) == 0
-    # unsorted, first and last in range: the middle one is never written
-    with pytest.raises(IndexError, match="strictly increasing"):
-        dispatch.apply_with_lanes(flat, torch.tensor([1, 1000, 2]), values, op="xor")
-    assert flat.tolist() == [0, 1, 1] + [0] * 97
+    # unsorted, first and last in range: nothing is written (nor past the end)
+    flat[1] = 7
+    for op in ("xor", "overwrite"):
+        with pytest.raises(IndexError, match="strictly increasing"):
+            dispatch.apply_with_lanes(flat, torch.tensor([1, 1000, 2]), values, op=op)
+        assert flat.tolist() == [0, 7] + [0] * 98
     with pytest.raises(ValueError):
         dispatch.apply_with_lanes(flat, torch.tensor([1]), values[:1], op="add")
 

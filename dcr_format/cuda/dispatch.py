@@ -400,9 +400,10 @@ def _native_apply(
         )
     before = torch.empty(count, dtype=flat.dtype)
     width = flat.element_size()
+    target, where = _unsigned(flat), positions.numpy()
     in_range, deltas = native.apply(
-        _unsigned(flat),
-        positions.numpy(),
+        target,
+        where,
         _unsigned(values),
         base,
         op == XOR,
@@ -411,9 +412,14 @@ def _native_apply(
         _lane_count(width) if lanes else 0,
     )
     if not in_range:
+        # undo the in-range part (the kernel skips the same positions again): xor is its
+        # own inverse, overwrite puts back the bits it read
+        undo = _unsigned(values if op == XOR else before)
+        scratch = _unsigned(before.clone())
+        native.apply(target, where, undo, base, op == XOR, scratch, native_table(width), 0)
         raise IndexError(
-            "positions are not strictly increasing and some are out of range; those were "
-            "skipped, the rest applied: restore the target from the returned old bits"
+            "positions are not strictly increasing and some are out of range; nothing was "
+            "applied: pass the positions of a verified decoder"
         )
     return before, deltas
 
