@@ -112,7 +112,9 @@ def _parse_header(text: bytes, data_len: int) -> list[tuple[int, int, str]]:
     try:
         header = json.loads(text)
     except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, JSON, or a huge integer
-        raise ShardError(f"shard header is not JSON ({str(exc)[:200]!r})") from None
+        problem = str(exc)[:200]  # raised below, so the error keeps nothing of the header
+    if problem is not None:
+        raise ShardError(f"shard header is not JSON ({problem!r})")
     if not isinstance(header, dict):
         raise ShardError("shard header is not a JSON object")
     metadata = header.pop("__metadata__", None)
