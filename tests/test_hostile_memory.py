@@ -253,6 +253,13 @@ def test_a_zero_bomb_is_refused_after_reading_its_header_only():
     assert time.perf_counter() - started < 0.2  # inflating 1 GiB takes seconds
 
 
+def test_shard_errors_keep_nothing_of_the_header():
+    blob = (8).to_bytes(8, "little") + b"nonsense"
+    with pytest.raises(ShardError, match="not JSON") as caught:
+        decode_shard(zstandard.ZstdCompressor().compress(blob), decoded_size=len(blob))
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+
+
 # --- the budget -----------------------------------------------------------------------------
 
 
