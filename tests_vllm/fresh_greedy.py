@@ -21,7 +21,8 @@ def main(dirs: list[str], prompts: list[str]) -> None:
 
     out = []
     for model in dirs:
-        llm = LLM(model=model, **harness.ENGINE_ARGS)
+        tp = int(os.environ.get("DCR_TEST_TP", "1"))
+        llm = LLM(model=model, tensor_parallel_size=tp, **harness.ENGINE_ARGS)
         results = llm.generate(
             prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
         )

@@ -173,13 +173,15 @@ def record(mode: str, start_seconds: float, rows: list[tuple[int, float, float, 
 PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 
 
-def fresh_greedy(dirs: list[Path], prompts: list[str] = PROMPTS) -> list[list[list[int]]]:
+def fresh_greedy(
+    dirs: list[Path], prompts: list[str] = PROMPTS, *, tensor_parallel: int = 1
+) -> list[list[list[int]]]:
     """Greedy tokens of a fresh engine started on each checkpoint (in a subprocess)."""
     import json
     import subprocess
     import sys
 
-    env = {**os.environ, **engine_env()}
+    env = {**os.environ, **engine_env(), "DCR_TEST_TP": str(tensor_parallel)}
     env.pop("DCR_KERNELS", None)
     proc = subprocess.run(
         [
