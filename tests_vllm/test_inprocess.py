@@ -7,6 +7,7 @@ the trainer's bf16 tensors, and greedy generation equals that of a fresh engine 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -101,3 +102,35 @@ def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
     assert len({str(g) for g in got}) > 1, "the steps should change the generation"
     harness.record(f"in-process ({'tied' if tied else 'untied'} lm_head)", start_seconds, rows)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_engine_that_casts_gets_overwrite_through_the_reader_record(tmp_path: Path) -> None:
+    """An fp32 engine's loader casts every bf16 tensor: the engine's prewarm records them in
+    readers/<id>.json, the writer sends them as overwrite, and the cast values are exact."""
+    from dcr_format.chain import Chain
+    from dcr_format.store import open_store
+
+    store = str(tmp_path / "store")
+    trainer = harness.Trainer(store, tied=False)
+    trainer.publish(0)
+    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
+    args = {**harness.ENGINE_ARGS, "dtype": "float32"}
+    from vllm import LLM
+
+    llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **args)
+    sync = DcrWeightSync(trainer.writer, llm, DcrInitInfo(store=store, reader_id="fp32"))
+    sync.init()
+    record = json.loads((Path(store) / "readers" / "fp32.json").read_text())
+    assert set(record["overwrite"]) == set(trainer.export())
+    model = _model(llm)
+    for step in (1, 2):
+        trainer.step()
+        version = sync.publish(trainer.export(), step=step)
+        chain = Chain(open_store(store))
+        ops = {e.op for m in chain.manifests(chain.record(version)) for e in m.entries}
+        assert ops == {"overwrite"}
+        state = trainer.export()
+        qkv = torch.cat([state[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, qkv.float())
+        assert torch.equal(model.lm_head.weight, state["lm_head.weight"].float())
+    _greedy(llm)
