@@ -409,6 +409,31 @@ def test_apply_refuses_positions_out_of_range():
         dispatch.apply_with_lanes(flat, torch.tensor([1]), values[:1], op="add")
 
 
+FORK_CHILD = """
+import os, sys, torch
+from dcr_format import fingerprint as fp
+from dcr_format.codec import positions as pc
+assert pc.native_kernels() is not None
+x = torch.arange(1 << 18, dtype=torch.int32)
+parent = fp.tensor_lanes(x)  # a parallel kernel before the fork
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if fp.tensor_lanes(x) == parent else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_forked_children_can_run_parallel_kernels():
+    """With GNU OpenMP numba terminates a forked child at its first parallel kernel; the
+    module asks for a fork-safe layer instead."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DCR_KERNELS", "NUMBA_THREADING_LAYER")}
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_CHILD], env=env, timeout=120, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_parallel_kernels_from_many_threads():
     rng = np.random.default_rng(6)
     old, new = changed_pair(300_000, 2, 0.05, rng)

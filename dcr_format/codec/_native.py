@@ -14,17 +14,25 @@ mixed signed/unsigned 64-bit arithmetic into float64, so every constant is typed
 every fingerprint sum is reduced before it can reach 2^64.
 
 Every kernel releases the GIL (``nogil``), so reader threads decode streams at the same
-time. Parallel kernels (``prange``) are launched under one process-wide lock: numba's
-``workqueue`` threading layer (the fallback where OpenMP and TBB are missing) aborts the
-process when two Python threads launch parallel kernels at once.
+time. Unless ``NUMBA_THREADING_LAYER`` says otherwise, this module asks numba for a
+fork-safe threading layer (``forksafe``: TBB, a non-GNU OpenMP, else ``workqueue``):
+with GNU OpenMP, numba's usual pick on Linux, a process forked from one that ran a
+parallel kernel is terminated by its first parallel kernel (a trainer's or a reader's
+``multiprocessing`` workers). ``workqueue`` aborts the process when two threads
+launch parallel kernels at once, so every launch here holds one process-wide lock.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
+import numba
 import numpy as np
 from numba import njit, prange
+
+if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "forksafe"  # chosen at the first parallel launch
 
 # --- fingerprint constants (dcr_format.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -46,12 +54,7 @@ _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^
 _CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
 BLOCK = 1 << 16  # elements per block of the fused diff (in-block indices are uint16)
 
-_LOCK = threading.Lock()
-
-
-def parallel_lock() -> threading.Lock:
-    """The lock every caller holds while a parallel kernel runs."""
-    return _LOCK
+_LOCK = threading.Lock()  # held around every parallel kernel launch
 
 
 # --- g = (s + c)^5 mod p --------------------------------------------------------------
