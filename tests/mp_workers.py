@@ -83,8 +83,8 @@ def reader(rank: int, world: int, work: Path, store: str, goal: int, poison: int
         next(iter(tensors.values())).view(-1)[0] += 1.0
         before = _digest(tensors)
     out: dict = {"rank": rank, "error": None}
-    try:
-        result = r.sync(to=goal)
+    try:  # the edit may sit where no delta lands: only an audit reads it (FORMAT.md §11.3)
+        result = r.sync(to=goal, audit=True)
         out["applied"] = list(result.applied_versions)
     except DcrError as exc:
         out["error"] = type(exc).__name__

@@ -629,7 +629,13 @@ def test_crafted_positions_are_refused(chain, case, reliability):
     )
     with replaced(chain, objects):
         name = attempt_sync(chain)
-    assert name == "PositionsError", name
+    # a stream longer than its entry can need is refused by its size bound before decoding
+    allowed = (
+        ("PositionsError", "ShardError")
+        if case == "past the tensor (rice)"
+        else ("PositionsError",)
+    )
+    assert name in allowed, name
     reliability.record(GROUP, f"positions: {case} (re-signed)", _outcome(name))
 
 

@@ -349,7 +349,6 @@ def test_eight_zero_bombs_of_1_gib_are_refused_in_bounded_memory(tmp_path):
     assert result["peak"] < 64 * MiB and result["seconds"] < 5, result
 
 
-@pytest.mark.xfail(strict=True, reason="needs reader wiring (decode_shard limits, DecodeBudget)")
 def test_bombs_with_valid_headers_are_refused_before_inflating(tmp_path):
     chain = _chain(tmp_path)
     shards, decoded = {}, {}

@@ -352,3 +352,31 @@ def test_a_failed_background_upload_fails_the_publish_and_commits_nothing(tmp_pa
     tensors: dict[str, torch.Tensor] = {}
     DeltaReader(url, StateDictTarget(tensors)).sync()
     assert_same_bits(tensors, state)
+
+
+def test_sync_plans_again_when_another_reader_moves_the_target(chain, monkeypatch):
+    url, writer, state = chain
+    gen = torch.Generator().manual_seed(11)
+    tensors: dict[str, torch.Tensor] = {}
+    target = StateDictTarget(tensors)
+    reader, other = DeltaReader(url, target), DeltaReader(url, target)
+    reader.sync()
+    _step(state, gen)
+    writer.publish(state)
+    prepare = reader.prepare
+    calls = 0
+
+    def prepare_then_race(to=None):
+        nonlocal calls
+        calls += 1
+        prepared = prepare(to)
+        if calls == 1:
+            other.sync()  # moves the target under the version just prepared
+            _step(state, gen)
+            writer.publish(state)
+        return prepared
+
+    monkeypatch.setattr(reader, "prepare", prepare_then_race)
+    result = reader.sync()
+    assert calls == 2 and result.version == writer.version and result.applied_versions == (2,)
+    assert_same_bits(tensors, state)

@@ -20,6 +20,8 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 
+from dcr_format.errors import ArgumentError
+
 DEFAULT_DECODE_BUDGET_BYTES = 2 << 30
 """Default cap of decoded shard bytes held at once: 2 GiB, or a quarter of physical memory
 on a machine with less than 8 GiB (never under 256 MiB)."""
@@ -46,7 +48,7 @@ class DecodeBudget:
     def __init__(self, limit: int | None = None) -> None:
         limit = default_budget_bytes() if limit is None else limit
         if limit <= 0:
-            raise ValueError(f"decode budget must be positive, not {limit}")
+            raise ArgumentError(f"decode budget must be a positive number of bytes, not {limit}")
         self.limit = limit
         self._cond = threading.Condition()
         self._in_use = 0
@@ -72,7 +74,7 @@ class DecodeBudget:
     def acquire(self, nbytes: int, *, timeout: float | None = None) -> bool:
         """Wait until ``nbytes`` fit, then count them; False if ``timeout`` passed first."""
         if nbytes < 0:
-            raise ValueError(f"cannot acquire {nbytes} bytes")
+            raise ArgumentError(f"cannot acquire {nbytes} bytes")
         with self._cond:
             ticket = self._tickets
             self._tickets += 1

@@ -27,9 +27,10 @@ from dcr_format.chain import (
     timestamp,
     utc_now,
 )
+from dcr_format.codec.budget import DecodeBudget
 from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.shard import decode_shard
+from dcr_format.codec.shard import decode_shard, shard_decoded_bound, stream_limits
 from dcr_format.errors import (
     ApplyError,
     ArgumentError,
@@ -43,6 +44,7 @@ from dcr_format.errors import (
     ShardError,
     StalePreparedError,
     StoreError,
+    TargetChangedError,
     TargetError,
     VersionNotFoundError,
 )
@@ -146,6 +148,10 @@ class DeltaReader:
     when asked (``sync(audit=True)``, :meth:`audit`). FORMAT.md §11.3 and the README
     say what each mode detects.
 
+    ``decode_budget`` caps the bytes of inflated shards a sync holds at once (a
+    :class:`~dcr_format.codec.budget.DecodeBudget`, shareable between readers; an int
+    makes one of that many bytes; default a quarter of memory, at most 2 GiB).
+
     ``reader_id`` names the reader record (``readers/<reader_id>.json``) in which the
     reader tells writers the tensors its target can take only as ``overwrite`` (a
     module whose loader casts or scales them); without it such a record is named
@@ -165,6 +171,7 @@ class DeltaReader:
         reader_id: str | None = None,
         audit_every: int | None = AUDIT_EVERY,
         audit_seconds: float | None = AUDIT_SECONDS,
+        decode_budget: DecodeBudget | int | None = None,
     ) -> None:
         if verify not in ("touched", "all"):
             raise ArgumentError("verify must be 'touched' or 'all'")
@@ -183,6 +190,12 @@ class DeltaReader:
         self.max_shard_bytes = max_shard_bytes
         self.audit_every = audit_every
         self.audit_seconds = audit_seconds
+        # bytes of inflated shards held at once (share one DecodeBudget to cap many readers)
+        self.decode_budget = (
+            decode_budget
+            if isinstance(decode_budget, DecodeBudget)
+            else DecodeBudget(decode_budget)
+        )
         # ranks sharing the target stage, verify and apply together (all or none)
         # a RelayStore (readers/relay.py) closes its epoch wherever the ranks agree
         epoch = getattr(self.store, "end_epoch", None)
@@ -233,7 +246,14 @@ class DeltaReader:
         a reader group every rank syncs to the same version, and all ranks apply it or
         none does. ``audit`` reads every selected resident tensor in full first.
         """
-        return self.apply(self.prepare(to), audit=audit)
+        for attempt in range(3 if self.group.alone else 1):
+            try:
+                return self.apply(self.prepare(to), audit=audit)
+            except (StalePreparedError, TargetChangedError):
+                # another sync moved the target between planning and applying: plan again
+                if attempt == 2 or not self.group.alone:
+                    raise
+        raise AssertionError("unreachable")
 
     def prepare(self, to: int | None = None) -> PreparedVersion:
         """Fetch, verify and decode everything for version ``to`` (default: the newest)
@@ -261,16 +281,9 @@ class DeltaReader:
             raise StalePreparedError(
                 "this version was prepared by another DeltaReader; prepare it with this one"
             )
-        resident = self._resident()
-        if _version_of(resident) != _version_of(prepared._resident):
-            raise StalePreparedError(
-                f"the target moved from version {prepared.previous} to "
-                f"{_version_of(resident)[1]} since version {prepared.version} was prepared; "
-                "prepare it again"
-            )
         if not prepared._steps:  # already there; still take part in the group's stages
             with self.group.stage("checking its target"):
-                pass
+                self._check_fresh(prepared)
             with self.group.stage("applying"):
                 pass
             return SyncResult(
@@ -282,8 +295,7 @@ class DeltaReader:
                 apply_seconds=0.0,
             )
         started = time.perf_counter()
-        audited = self._audit_due(resident, audit)
-        unverified = self._apply(prepared, audited)
+        unverified, audited = self._apply(prepared, audit)
         return SyncResult(
             version=prepared.version,
             previous=prepared.previous,
@@ -501,65 +513,60 @@ class DeltaReader:
     ) -> tuple[list[tuple[Entry, DecodedDelta]], int]:
         """Fetch, verify and decode the shards of one version in parallel.
 
-        Each worker fetches one shard, checks it and decodes the entries whose streams
-        all lie in it, then drops the shard's bytes; entries spread over several shards
-        (which writers do not produce) are decoded once every shard is in.
+        A job is a set of shards that entries link (an entry's positions and values may
+        sit in two shards, FORMAT.md §4.3; writers put both in one): a worker checks each
+        shard's declared size against what its entries can need, fetches and verifies it,
+        inflates it within the reader's decode budget, decodes the job's entries and drops
+        the shards, so only decoded deltas outlive the job.
         """
         wanted: list[tuple[Manifest, Entry]] = [
             (m, e) for m in manifests for e in m.entries if self._wants(e.name, e.dtype, e.shape)
         ]
-        by_shard: dict[tuple[int, int], list[int]] = {}
-        spread: list[int] = []
-        for index, (manifest, entry) in enumerate(wanted):
-            if entry.changed == 0:
-                continue
-            shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
-            if len(shards) == 1:
-                by_shard.setdefault((manifest.rank, shards.pop()), []).append(index)
-            else:
-                spread.append(index)
-        needed = set(by_shard)
-        for index in spread:
-            manifest, entry = wanted[index]
-            for ref in (entry.positions, entry.values):
-                if ref is not None:
-                    needed.add((manifest.rank, ref.shard))
+        jobs: dict[tuple[int, int], list[int]] = {}  # (rank, first shard) -> wanted indices
+        shards_of: dict[tuple[int, int], set[int]] = {}
+        for rank, group in _linked_shards(wanted).items():
+            for indices, members in group:
+                jobs[(rank, min(members))] = indices
+                shards_of[(rank, min(members))] = members
         ranks = {m.rank: m for m in manifests}
-        spread_keys = {
-            (wanted[i][0].rank, ref.shard)
-            for i in spread
-            for ref in (wanted[i][1].positions, wanted[i][1].values)
-            if ref is not None
-        }
+        limits = {m.rank: stream_limits(m) for m in manifests}
+
+        def load(key: tuple[int, int]) -> tuple[dict[int, DecodedDelta], int]:
+            rank = key[0]
+            manifest = ranks[rank]
+            indices = sorted(shards_of[key])
+            refs = [manifest.shards[i] for i in indices]
+            for index, ref in zip(indices, refs, strict=True):
+                if ref.decoded_size > self.max_shard_bytes:
+                    raise ShardError(
+                        f"{ref.path} declares {ref.decoded_size} decoded bytes, over the "
+                        f"{self.max_shard_bytes} limit; the manifest is hostile or raise the limit"
+                    )
+                bound = shard_decoded_bound(limits[rank].get(index, {}))
+                if ref.decoded_size > bound:  # before fetching it
+                    raise ShardError(
+                        f"{ref.path} declares {ref.decoded_size} decoded bytes but its entries "
+                        f"need at most {bound}; the manifest is corrupt or hostile"
+                    )
+            with self.decode_budget.hold(sum(ref.decoded_size for ref in refs)):
+                streams: dict[tuple[int, int], dict[str, memoryview]] = {}
+                for index, ref in zip(indices, refs, strict=True):
+                    stored = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
+                    streams[(rank, index)] = decode_shard(
+                        stored, decoded_size=ref.decoded_size, limits=limits[rank].get(index, {})
+                    )
+                    del stored
+                decoded = {i: _decode_entry(wanted[i][1], manifest, streams) for i in jobs[key]}
+                del streams  # decoded deltas are copies: the shards go before the budget
+            return decoded, sum(ref.size for ref in refs)
+
         decoded: dict[int, DecodedDelta] = {}
-
-        def load(key: tuple[int, int]) -> tuple[dict[str, memoryview] | None, int]:
-            manifest = ranks[key[0]]
-            ref = manifest.shards[key[1]]
-            if ref.decoded_size > self.max_shard_bytes:
-                raise ShardError(
-                    f"{ref.path} declares {ref.decoded_size} decoded bytes, over the "
-                    f"{self.max_shard_bytes} limit; the manifest is hostile or raise the limit"
-                )
-            stored = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
-            streams = {key: decode_shard(stored, decoded_size=ref.decoded_size)}
-            for index in by_shard.get(key, ()):
-                manifest, entry = wanted[index]
-                decoded[index] = _decode_entry(entry, manifest, streams)
-            return (streams[key] if key in spread_keys else None), ref.size
-
-        kept: dict[tuple[int, int], dict[str, memoryview]] = {}
         nbytes = 0
-        order = sorted(needed)
-        for key, (streams, size) in zip(order, pool.map(load, order), strict=True):
+        for part, size in pool.map(load, sorted(jobs)):
+            decoded.update(part)
             nbytes += size
-            if streams is not None:
-                kept[key] = streams
-        for index in spread:
-            manifest, entry = wanted[index]
-            decoded[index] = _decode_entry(entry, manifest, kept)
         changes = [
-            (entry, decoded[i] if entry.changed else _decode_entry(entry, manifest, {}))
+            (entry, decoded[i] if i in decoded else _decode_entry(entry, manifest, {}))
             for i, (manifest, entry) in enumerate(wanted)
         ]
         return _merge_pieces(changes, manifests), nbytes
@@ -581,17 +588,33 @@ class DeltaReader:
             and time.monotonic() - known.audited >= self.audit_seconds
         )
 
-    def _apply(self, prepared: PreparedVersion, audited: bool) -> set[str]:
-        """Apply the staged steps; returns the names the target could not verify."""
+    def _check_fresh(self, prepared: PreparedVersion) -> Resident | None:
+        """The target still holds what ``prepared`` was planned from (else nothing changes)."""
+        resident = self._resident()
+        if _version_of(resident) != _version_of(prepared._resident):
+            raise StalePreparedError(
+                f"the target moved from version {prepared.previous} to "
+                f"{_version_of(resident)[1]} since version {prepared.version} was prepared; "
+                "prepare it again"
+            )
+        return resident
+
+    def _apply(self, prepared: PreparedVersion, asked: bool) -> tuple[set[str], bool]:
+        """Apply the staged steps; returns the names the target could not verify, and
+        whether the sync audited the resident bits."""
         steps = list(prepared._steps)
         incremental = prepared._incremental
-        known = None if audited else self._verified
-        self._verified = None  # dropped on any failure; set again only on commit
-        txn = self._begin()
+        txn: Transaction | None = None
         undo: list[Callable[[], None]] = []
         trusted: set[str] = set()  # names whose resident lanes came from the last sync
+        known: _Verified | None = None
         try:
+            # inside the stage: a target this rank cannot open fails every rank's sync
             with self.group.stage("checking its target"):
+                audited = self._audit_due(self._check_fresh(prepared), asked)
+                known = None if audited else self._verified
+                self._verified = None  # dropped on any failure; set again only on commit
+                txn = self._begin()
                 lanes, unverified, trusted = self._check_baseline(
                     steps, txn, incremental, prepared._parent_table if audited else None, known
                 )
@@ -631,6 +654,8 @@ class DeltaReader:
             final = steps[-1].table
             txn.commit(Resident(last.record.chain_id, last.record.version, last.sha256))
         except BaseException as exc:
+            if txn is None:  # nothing was opened, so nothing to undo
+                raise
             for undo_change in reversed(undo):
                 undo_change()
             if isinstance(exc, FingerprintMismatchError) and trusted:
@@ -643,7 +668,7 @@ class DeltaReader:
             raise
         self._last_table = (last.sha256, final)
         self._remember(prepared, final, found, touched, known)
-        return unverified
+        return unverified, audited
 
     def _verify_goal(
         self,
@@ -861,6 +886,34 @@ class DeltaReader:
             self._read_and_check(txn, rest, audit_table, steps[0].loaded.record.version - 1)
         checked: dict[str, tuple[int, ...] | None] = {n: raw.get(n) for n in changing}
         return checked, unverified, trusted & changing
+
+
+def _linked_shards(
+    wanted: list[tuple[Manifest, Entry]],
+) -> dict[int, list[tuple[list[int], set[int]]]]:
+    """Per writer rank: groups of shards that the changed entries link (an entry's two
+    streams in two shards join them), each with the indices (into ``wanted``) of its
+    entries."""
+    out: dict[int, list[tuple[list[int], set[int]]]] = {}
+    by_rank: dict[int, list[tuple[int, set[int]]]] = {}
+    for index, (manifest, entry) in enumerate(wanted):
+        if entry.changed == 0:
+            continue
+        shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
+        if shards:
+            by_rank.setdefault(manifest.rank, []).append((index, shards))
+    for rank, items in by_rank.items():
+        groups: list[tuple[list[int], set[int]]] = []
+        for index, shards in items:
+            joined = [g for g in groups if g[1] & shards]
+            merged: tuple[list[int], set[int]] = ([index], set(shards))
+            for group in joined:
+                groups.remove(group)
+                merged[0].extend(group[0])
+                merged[1].update(group[1])
+            groups.append(merged)
+        out[rank] = [(sorted(indices), members) for indices, members in groups]
+    return out
 
 
 def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:

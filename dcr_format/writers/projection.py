@@ -146,29 +146,32 @@ class ProjectionWriter(DeltaWriter):
         entries: list[Entry] = []
         lanes: dict[tuple[str, int], tuple[int, ...]] = {}
         dtypes: dict[tuple[str, int], torch.dtype] = {}
-        for key, pieces in self._regions.items():
-            canonical = key[0]
-            dtype = local[pieces[0].local].dtype
-            if any(local[p.local].dtype != dtype for p in pieces):
-                raise ValueError(f"the local tensors placing {canonical!r} differ in dtype")
-            before = None if base else self._region_lanes.get(key)
-            configured = self.ops.get(canonical)
-            if (
-                before is None
-                or self._region_dtypes.get(key) != dtype
-                or configured == FULL
-                or any(changed[p.local] is None for p in pieces)
-            ):
-                entry, after = self._full_entry(pieces, flats, dtype, len(entries), shards)
-            else:
-                op = configured or (OVERWRITE if canonical in self._reader_overwrite else XOR)
-                entry, after = self._delta_entry(
-                    pieces, flats, changed, dtype, op, before, len(entries), shards
-                )
-            entries.append(entry)
-            shards.maybe_flush()
-            lanes[key], dtypes[key] = after, dtype
-        shards.flush()
+        try:
+            for key, pieces in self._regions.items():
+                canonical = key[0]
+                dtype = local[pieces[0].local].dtype
+                if any(local[p.local].dtype != dtype for p in pieces):
+                    raise ValueError(f"the local tensors placing {canonical!r} differ in dtype")
+                before = None if base else self._region_lanes.get(key)
+                configured = self.ops.get(canonical)
+                if (
+                    before is None
+                    or self._region_dtypes.get(key) != dtype
+                    or configured == FULL
+                    or any(changed[p.local] is None for p in pieces)
+                ):
+                    entry, after = self._full_entry(pieces, flats, dtype, len(entries), shards)
+                else:
+                    op = configured or (OVERWRITE if canonical in self._reader_overwrite else XOR)
+                    entry, after = self._delta_entry(
+                        pieces, flats, changed, dtype, op, before, len(entries), shards
+                    )
+                entries.append(entry)
+                shards.maybe_flush()
+                lanes[key], dtypes[key] = after, dtype
+            shards.finish()  # every shard is up (full ones went up while coding)
+        finally:
+            shards.close()
         advance: dict[str, _LocalChange] = {}
         for name, flat in flats.items():
             positions = changed[name]

@@ -199,9 +199,9 @@ class _ShardWriter:
     def maybe_flush(self) -> None:
         """Start uploading the current shard once it reached the size limit."""
         if self._bytes >= self.limit:
-            self.flush()
+            self._start_upload()
 
-    def flush(self) -> None:
+    def _start_upload(self) -> None:
         """Start uploading the current shard, if it holds any stream."""
         if not self._streams:
             return
@@ -226,7 +226,7 @@ class _ShardWriter:
     def finish(self) -> None:
         """Upload what is left and wait for every upload."""
         try:
-            self.flush()
+            self._start_upload()
             self._collect()
         finally:
             self.close()
