@@ -319,13 +319,21 @@ def publish(
     default=None,
     help="Target version (default newest).",
 )
+@click.option(
+    "--wait",
+    "wait",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait while another sync holds the directory (0: refuse at once).",
+)
 @FORMAT_OPTION
-def pull(store: Store, into: str, version: int | None, fmt: str) -> None:
+def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
     from dcr_format.readers.reader import DeltaReader
     from dcr_format.readers.targets import SafetensorsDirTarget
 
-    result = DeltaReader(store, SafetensorsDirTarget(into)).sync(to=version)
+    result = DeltaReader(store, SafetensorsDirTarget(into, timeout=wait)).sync(to=version)
 
     def human() -> None:
         if not result.applied_versions:

@@ -151,3 +151,20 @@ def test_bad_arguments_and_errors_are_one_line(tmp_path: Path, chain) -> None:  
     assert out.startswith("dcr: error: ") and out.count("\n") == 1
     out = _run("compact", "--store", str(tmp_path / "none"), "--at", "1", code=1)
     assert "no dcr chain" in out and out.count("\n") == 1
+
+
+def test_pull_waits_for_or_refuses_a_directory_another_sync_holds(tmp_path):
+    import fcntl
+
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish(make_state(5))
+    into = tmp_path / "ckpt"
+    with open(tmp_path / ".ckpt.dcr.lock", "a+") as held:  # as a sync in progress holds it
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = CliRunner().invoke(
+            cli, ["pull", "--store", store, "--into", str(into), "--wait", "0"]
+        )
+        fcntl.flock(held, fcntl.LOCK_UN)
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
+    assert "is being synced by another process" in result.output
+    assert "is at version 0" in _run("pull", "--store", store, "--into", str(into))

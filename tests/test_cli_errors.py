@@ -91,6 +91,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),
     (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "version 99 is not committed"),
     (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "-1 is not in the range"),
+    (("pull", *S, "--into", "{new}", "--wait", "-1"), USAGE, "'--wait': -1"),
     # log
     (("log", *S, "--limit", "0"), USAGE, "'--limit': 0 is not in the range"),
     (("log", *S, "--limit", "-1"), USAGE, "'--limit': -1 is not in the range"),
