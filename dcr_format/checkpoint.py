@@ -51,7 +51,7 @@ def _readable(file: Path) -> Iterator[None]:
         yield
     except (SafetensorError, OSError) as exc:
         raise TargetError(
-            f"{file} is not a readable safetensors file ({exc}); fix or remove it"
+            f"{file} is not a readable safetensors file ({exc}); save the checkpoint again"
         ) from None
 
 
