@@ -46,3 +46,17 @@ def test_an_unreadable_checkpoint_file_is_a_target_error(tmp_path):
         count_tensors(tmp_path)
     with pytest.raises(TargetError, match="not a readable safetensors file"):
         list(iter_checkpoint(tmp_path))
+
+
+@pytest.mark.parametrize("limit", ["MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"])
+def test_a_writer_refuses_objects_readers_would_refuse(tmp_path, monkeypatch, limit):
+    import dcr_format.writers.writer as writer_module
+    from dcr_format import ObjectTooLargeError
+    from dcr_format.chain import Chain
+    from dcr_format.store import Store
+
+    url = str(tmp_path / "store")
+    monkeypatch.setattr(writer_module, limit, 200)
+    with pytest.raises(ObjectTooLargeError, match="limit readers enforce"):
+        DeltaWriter(url).publish({f"w{i}": torch.ones(2) for i in range(8)})
+    assert Chain(Store(url)).versions() == []

@@ -61,6 +61,7 @@ from dcr_format.errors import (
     MissingTensorError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     StoreError,
     TargetError,
     UnsupportedDtypeError,
@@ -413,9 +414,15 @@ class DeltaWriter:
             self._abort(version, attempt)  # no manifest of ours exists: the attempt cannot commit
             raise
         encoded = clock()
+        own = manifest.to_json()
+        if len(own) > MAX_MANIFEST_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
+            self._abort(version, attempt)
+            raise ObjectTooLargeError(
+                f"the manifest of rank {self.rank} would be {len(own)} bytes, over the "
+                f"{MAX_MANIFEST_BYTES}-byte limit readers enforce; publish with more writer ranks"
+            )
         # not inside the try: a manifest upload that fails may still have landed, so it must
         # not mark the attempt abandoned (the committer may commit it)
-        own = manifest.to_json()
         self.store.put(manifest_key(version, attempt, self.rank), own)
         if self.rank == 0:
             loaded, table = self._commit(version, kind, attempt, step, own)
@@ -653,6 +660,12 @@ class DeltaWriter:
             stats=stats,
         )
         data = record.to_json()
+        if len(data) > MAX_RECORD_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
+            self._abort(version, attempt)
+            raise ObjectTooLargeError(
+                f"the commit record of version {version} would be {len(data)} bytes, over the "
+                f"{MAX_RECORD_BYTES}-byte limit readers enforce; publish with fewer writer ranks"
+            )
         self._create_commit(version, data)
         try:
             self.store.put(HEAD_KEY, str(version).encode())
