@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, FailFast, Field
 
 from dcr_format.chain import (
     MAX_MANIFEST_BYTES,
@@ -88,7 +88,7 @@ class BaseRecord(BaseModel):
     created: Timestamp
     attempt: Hex32
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
-    manifests: tuple[ManifestRef, ...]
+    manifests: Annotated[tuple[ManifestRef, ...], FailFast()]  # one error, not one per item
     state_fingerprint: Sha256
     """MUST equal the state fingerprint of version ``V``'s commit record."""
     stats: Stats

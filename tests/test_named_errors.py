@@ -60,3 +60,22 @@ def test_a_writer_refuses_objects_readers_would_refuse(tmp_path, monkeypatch, li
     with pytest.raises(ObjectTooLargeError, match="limit readers enforce"):
         DeltaWriter(url).publish({f"w{i}": torch.ones(2) for i in range(8)})
     assert Chain(Store(url)).versions() == []
+
+
+def test_a_hostile_base_record_fails_fast_with_one_short_error():
+    import json
+
+    from dcr_format.bases import BaseRecord
+    from dcr_format.errors import SchemaError
+    from dcr_format.schema import parse
+
+    ref = {"rank": 0, "path": "x", "sha256": "0" * 64, "size": -1}  # each one invalid
+    record = {"format_version": 1, "manifests": [ref] * 2000}
+    with pytest.raises(SchemaError) as caught:
+        parse(BaseRecord, json.dumps(record).encode(), what="bases/x.json")
+    assert len(str(caught.value)) < 500
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as raw:  # pydantic stops at the first bad manifest
+        BaseRecord.model_validate(record)
+    assert sum(1 for e in raw.value.errors() if e["loc"][0] == "manifests") == 1
