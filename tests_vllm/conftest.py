@@ -6,8 +6,10 @@ process and, for engine subprocesses and `vllm serve`, by tests_vllm/serve.py.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,12 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not installed: run .ci/setup-
 import dcr_test_cpu_patch  # noqa: E402  (tests_vllm/plugins, put on sys.path by apply_env)
 
 dcr_test_cpu_patch.keep_cpu_weights_updatable()
+
+
+@pytest.fixture(autouse=True)
+def _collect_engines() -> Iterator[None]:
+    """An in-process engine kept alive by a reference cycle (a Trainer's callbacks) would be
+    collected in the middle of the next test's engine, and vLLM's teardown of the first
+    destroys the process-wide parallel groups the second uses: collect it here."""
+    yield
+    gc.collect()
