@@ -64,15 +64,17 @@ class DcrWeightTransferEngine(WeightTransferEngine[_InitInfo, _UpdateInfo]):
         return _parse(_UpdateInfo, update_dict, "update_info")
 
     def init_transfer_engine(self, init_info: _InitInfo) -> None:
-        """Open the store and prewarm the loader (again on a second call)."""
-        if self._syncer is not None:
-            self._syncer.close()
-            self._syncer = None
+        """Open the store and prewarm the loader (again on a second call, which keeps the
+        version the model holds)."""
+        previous, self._syncer = self._syncer, None
+        if previous is not None:
+            previous.close()
         self._syncer = _Syncer(
             self.model,
             init_info,
             model_dir=_model_dir(self.vllm_config),
             group=tensor_parallel_group(self.vllm_config),
+            previous=previous,
         )
 
     def start_weight_update(self) -> None:

@@ -206,8 +206,9 @@ class _Syncer:
     """One worker's reader: keeps the worker's model at a version through its loader.
 
     ``group``: a gloo process group of this model replica's tensor-parallel ranks (None
-    alone). Preparation runs in a background thread when ``prefetch`` (one rank only);
-    a lock keeps it and the apply apart.
+    alone). ``previous``: the syncer this one replaces (an engine initialised again), whose
+    resident version the model holds. Preparation runs in a background thread when
+    ``prefetch`` (one rank only); a lock keeps it and the apply apart.
     """
 
     def __init__(
@@ -217,6 +218,7 @@ class _Syncer:
         *,
         model_dir: str | None,
         group: Any = None,
+        previous: _Syncer | None = None,
     ) -> None:
         from dcr_format import DeltaReader, ModuleTarget, Store
         from dcr_format.chain import Chain
@@ -237,6 +239,9 @@ class _Syncer:
             )
         chain_id = chain.header.chain_id
         version = info.version
+        held = None if previous is None else previous.target.resident()
+        if version is None and held is not None and held.chain_id == chain_id:
+            version = held.version  # initialised again: the model holds what was applied
         if version is None:
             version = resident_version(model_dir, chain_id)
         if version not in chain.versions():
@@ -391,14 +396,16 @@ class DcrWorkerExtension:
     def dcr_init(self, init_info: dict[str, Any]) -> dict[str, Any]:
         """Open the store and prewarm this worker's loader; returns the resident version."""
         info = _parse(DcrInitInfo, init_info, "init_info")
-        if self._dcr is not None:
-            self._dcr.close()
+        previous, self._dcr = self._dcr, None
+        if previous is not None:
+            previous.close()
         worker: Any = self
         self._dcr = _Syncer(
             worker.model_runner.get_model(),
             info,
             model_dir=_model_dir(worker.vllm_config),
             group=tensor_parallel_group(worker.vllm_config),
+            previous=previous,
         )
         return {"version": self._dcr.version()}
 
@@ -408,17 +415,22 @@ class DcrWorkerExtension:
             raise RuntimeError("call collective_rpc('dcr_init', ...) before 'dcr_sync'")
         return self._dcr.update(DcrUpdateInfo(version=version, audit=audit)).to_dict()
 
+    def _active(self) -> _Syncer | None:
+        """This extension's reader, else the ``dcr`` backend's on an engine that has one."""
+        if self._dcr is not None:
+            return self._dcr
+        engine = getattr(self, "weight_transfer_engine", None)
+        return getattr(engine, "_syncer", None)
+
     def dcr_version(self) -> int | None:
-        """The version this worker's model holds (None before ``dcr_init``)."""
-        return None if self._dcr is None else self._dcr.version()
+        """The version this worker's model holds (None before any initialisation)."""
+        syncer = self._active()
+        return None if syncer is None else syncer.version()
 
     def dcr_report(self) -> dict[str, Any] | None:
         """What the last update on this worker did (:class:`UpdateReport` as a dict), by
         ``dcr_sync`` or, on an engine with the ``dcr`` backend, by ``update_weights``."""
-        syncer = self._dcr
-        if syncer is None:
-            engine = getattr(self, "weight_transfer_engine", None)
-            syncer = getattr(engine, "_syncer", None)
+        syncer = self._active()
         last = None if syncer is None else syncer.last
         return None if last is None else last.to_dict()
 
