@@ -583,3 +583,28 @@ def test_copies_through_temporaries_are_followed(tmp_path):
                 getattr(module, name).view(torch.int16), getattr(expected, name).view(torch.int16)
             )
         assert set(result.unverified) == {"b"}
+
+
+def test_a_declared_target_keeps_the_tensors_its_first_delta_left_alone(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    dense_module = Runtime()
+    dense_module.load_weights(state.items())
+    module.load_state_dict(dense_module.state_dict())
+    chain_id = Chain(open_store(store)).header.chain_id
+    target = ModuleTarget(module, load_weights=module.load_weights, version=0, chain_id=chain_id)
+    reader = DeltaReader(store, target, reader_id="declared")
+    reader.prewarm()
+    untouched = "o_proj.weight"
+    first = step(state, 0)
+    first[untouched] = state[untouched]  # delta 1 leaves it alone, delta 2 changes it
+    writer.publish(first)
+    reader.sync()
+    assert_module(module, first)
+    second = step(first, 1)
+    writer.publish(second)
+    reader.sync()
+    assert_module(module, second)

@@ -261,7 +261,6 @@ class _Syncer:
             store, self.target, verify=info.verify, reader_id=info.reader_id, group=group
         )
         self.reader.prewarm(version)  # learn the loader's placements; record overwrites
-        _hold_declared(self.target)
         self.prefetch = info.prefetch and group is None
         self.poll_seconds = float(info.poll_seconds)
         self._lock = threading.Lock()
@@ -344,15 +343,6 @@ class _Syncer:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._prepared = None
-
-
-def _hold_declared(target: Any) -> None:
-    """A ModuleTarget declared at a version learns its tensors from the prewarm plans, but
-    forgets the unchanged ones at its first commit; hold them all explicitly."""
-    held = target._held
-    for plan in target._plans.values():
-        if plan.kind != "absent":
-            held.setdefault(plan.name, (plan.dtype, tuple(plan.shape)))
 
 
 def tensor_parallel_group(vllm_config: Any) -> Any:

@@ -698,6 +698,10 @@ class _ModuleTransaction(Transaction):
         self._held.pop(name, None)  # the parameters stay; the name is just no longer tracked
 
     def commit(self, resident: Resident) -> None:
+        if self.target._declared:  # declared at a version: every planned tensor is held,
+            for plan in self.target._plans.values():  # not only those this sync changed
+                if plan.kind != "absent":
+                    self._held.setdefault(plan.name, (plan.dtype, tuple(plan.shape)))
         self.target._held = dict(self._held)
         self.target._resident = resident
         self.target._declared = False
