@@ -137,12 +137,12 @@ def test_an_edit_at_an_unchanged_position_needs_an_audit(chain):
     with pytest.raises(BaselineMismatchError):
         reader.audit()
     for verify, audit_every in (("all", None), ("touched", 1)):
-        fresh, ftensors, _ = _edited_reader(url, writer, state, gen, where="unchanged")
+        fresh, _, _ = _edited_reader(url, writer, state, gen, where="unchanged")
         fresh.verify, fresh.audit_every = verify, audit_every
         with pytest.raises(BaselineMismatchError):
             fresh.sync()
     # the documented limit: without an audit the edit goes unnoticed at this sync
-    blind, btensors, _ = _edited_reader(url, writer, state, gen, where="unchanged")
+    blind, _, _ = _edited_reader(url, writer, state, gen, where="unchanged")
     assert not blind.sync().audited
 
 
@@ -174,7 +174,7 @@ def test_a_rollback_drops_the_trusted_lanes(chain, monkeypatch):
 
 
 def test_audit_checks_without_changing_anything(chain):
-    url, writer, state = chain
+    url, _, _ = chain
     tensors: dict[str, torch.Tensor] = {}
     reader = DeltaReader(url, StateDictTarget(tensors))
     with pytest.raises(Exception, match="sync it first"):
