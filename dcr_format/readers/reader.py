@@ -698,19 +698,13 @@ class DeltaReader:
                 unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
             else:
                 found[name] = raw
-        complete = txn.complete_lanes(found)
-        for name in sorted(found):
-            row = final[name]
-            whole = complete.get(name)
-            if whole is None:
-                unverified.add(name)
-                continue
-            dtype = info_for(row.dtype).torch_dtype
-            if fingerprint_from_lanes(dtype, row.shape, whole) != row.fingerprint:
-                raise FingerprintMismatchError(
-                    f"tensor {name!r} does not match version {version} {mismatch}"
-                )
-        for name in [n for n in found if complete.get(n) is None]:
+        bad, incomplete = _mismatches(txn, found, lambda n: _expected(final[n]))
+        if bad:
+            raise FingerprintMismatchError(
+                f"tensor {bad[0]!r} does not match version {version} {mismatch}"
+            )
+        unverified |= incomplete
+        for name in incomplete:
             del found[name]
         extra = sorted(n for n in txn.names() if self.select(n) and n not in final)
         if extra:  # FORMAT.md 11.4.3: the target holds exactly the goal's selected names
@@ -761,19 +755,13 @@ class DeltaReader:
             value = txn.lanes(name)
             if value is not None:
                 raw[name] = value
-        complete = txn.complete_lanes(raw)
-        for name in sorted(raw):
-            row = table.get(name)
-            whole = complete.get(name)
-            if row is None or whole is None:
-                continue
-            dtype = info_for(row.dtype).torch_dtype
-            if fingerprint_from_lanes(dtype, row.shape, whole) != row.fingerprint:
-                return BaselineMismatchError(
-                    f"tensor {name!r} in the target is not the bits of version "
-                    f"{prepared.previous}; it was changed outside dcr since the last sync "
-                    "(nothing was applied): pull into a fresh target"
-                )
+        bad, _ = _mismatches(txn, raw, lambda n: _expected(table[n]) if n in table else None)
+        if bad:
+            return BaselineMismatchError(
+                f"tensor {bad[0]!r} in the target is not the bits of version "
+                f"{prepared.previous}; it was changed outside dcr since the last sync "
+                "(nothing was applied): pull into a fresh target"
+            )
         return exc
 
     def _read_and_check(
@@ -799,20 +787,15 @@ class DeltaReader:
                 unverified.add(name)
             else:
                 raw[name] = value
-        complete = txn.complete_lanes(raw)
-        for name in list(raw):
-            row = table[name]
-            whole = complete.get(name)
-            if whole is None:
-                unverified.add(name)
-                del raw[name]
-                continue
-            dtype = info_for(row.dtype).torch_dtype
-            if fingerprint_from_lanes(dtype, tuple(row.shape), whole) != row.fingerprint:
-                raise BaselineMismatchError(
-                    f"tensor {name!r} in the target is not the bits of version {version}; "
-                    "it was changed outside dcr: pull into a fresh target"
-                )
+        bad, incomplete = _mismatches(txn, raw, lambda n: _expected(table[n]))
+        if bad:
+            raise BaselineMismatchError(
+                f"tensor {bad[0]!r} in the target is not the bits of version {version}; "
+                "it was changed outside dcr: pull into a fresh target"
+            )
+        unverified |= incomplete
+        for name in incomplete:
+            del raw[name]
         return raw, unverified
 
     def _check_baseline(
@@ -860,22 +843,18 @@ class DeltaReader:
                 unverified.add(name)
             else:
                 raw[name] = resident
-        complete = txn.complete_lanes(raw)
-        for name in raw:
-            entry = first_seen[name]
-            whole = complete.get(name)
-            if whole is None:
-                unverified.add(name)
-                continue
-            dtype = info_for(entry.dtype).torch_dtype
-            if fingerprint_from_lanes(dtype, tuple(entry.shape), whole) != (
-                entry.parent_fingerprint
-            ):
-                raise BaselineMismatchError(
-                    f"tensor {name!r} in the target is not the bits of version "
-                    f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
-                    "pull into a fresh target"
-                )
+        bad, incomplete = _mismatches(
+            txn,
+            raw,
+            lambda n: (first_seen[n].dtype, first_seen[n].shape, first_seen[n].parent_fingerprint),
+        )
+        if bad:
+            raise BaselineMismatchError(
+                f"tensor {bad[0]!r} in the target is not the bits of version "
+                f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
+                "pull into a fresh target"
+            )
+        unverified |= incomplete
         if audit_table is not None and incremental:
             held = txn.names()
             rest = sorted(
@@ -914,6 +893,35 @@ def _linked_shards(
             groups.append(merged)
         out[rank] = [(sorted(indices), members) for indices, members in groups]
     return out
+
+
+def _expected(row: TensorState) -> tuple[str, tuple[int, ...], str | None]:
+    return row.dtype, row.shape, row.fingerprint
+
+
+def _mismatches(
+    txn: Transaction,
+    raw: dict[str, tuple[int, ...]],
+    expected: Callable[[str], tuple[str, tuple[int, ...], str | None] | None],
+) -> tuple[list[str], set[str]]:
+    """Complete the lanes the target read (a rank's part summed with its peers') and
+    compare each tensor's fingerprint with ``expected(name)`` (dtype, shape, fingerprint;
+    None: nothing to compare). Returns the mismatching names, sorted, and the names whose
+    lanes could not be completed (unverified)."""
+    complete = txn.complete_lanes(raw)
+    bad: list[str] = []
+    incomplete: set[str] = set()
+    for name in sorted(raw):
+        whole = complete.get(name)
+        want = expected(name)
+        if whole is None:
+            incomplete.add(name)
+        elif want is not None:
+            dtype, shape, fingerprint = want
+            found = fingerprint_from_lanes(info_for(dtype).torch_dtype, tuple(shape), whole)
+            if found != fingerprint:
+                bad.append(name)
+    return bad, incomplete
 
 
 def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:
