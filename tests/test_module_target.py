@@ -316,7 +316,8 @@ def test_xor_names_go_through_without_a_record(tmp_path):
     assert_module(module, changed)
 
 
-def test_prewarm_before_the_first_delta_tells_the_writer(tmp_path):
+def declared_at_base(tmp_path):  # type: ignore[no-untyped-def]
+    """A chain at version 0 and a module loaded from its checkpoint, declared at version 0."""
     store = str(tmp_path / "store")
     writer = DeltaWriter(store)
     state = checkpoint()
@@ -327,6 +328,11 @@ def test_prewarm_before_the_first_delta_tells_the_writer(tmp_path):
     module.load_state_dict(dense_module.state_dict())  # a module loaded from the checkpoint
     chain_id = Chain(open_store(store)).header.chain_id
     target = ModuleTarget(module, load_weights=module.load_weights, version=0, chain_id=chain_id)
+    return store, writer, state, module, target
+
+
+def test_prewarm_before_the_first_delta_tells_the_writer(tmp_path):
+    store, writer, state, module, target = declared_at_base(tmp_path)
     reader = DeltaReader(store, target, reader_id="warm")
     assert reader.prewarm() == OVERWRITE_NAMES
     state = step(state, 0)
@@ -586,16 +592,7 @@ def test_copies_through_temporaries_are_followed(tmp_path):
 
 
 def test_a_declared_target_keeps_the_tensors_its_first_delta_left_alone(tmp_path):
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    module = Runtime()
-    dense_module = Runtime()
-    dense_module.load_weights(state.items())
-    module.load_state_dict(dense_module.state_dict())
-    chain_id = Chain(open_store(store)).header.chain_id
-    target = ModuleTarget(module, load_weights=module.load_weights, version=0, chain_id=chain_id)
+    store, writer, state, module, target = declared_at_base(tmp_path)
     reader = DeltaReader(store, target, reader_id="declared")
     reader.prewarm()
     untouched = "o_proj.weight"
