@@ -183,9 +183,10 @@ class AppliedBits:
     lane_deltas: tuple[int, ...] | None  # xor/overwrite: the change's fingerprint lane deltas
 
 
-def apply_change(target: torch.Tensor, delta: DecodedDelta) -> AppliedBits:
-    """Apply in place, reading the old bits and summing the fingerprint lane deltas of the
-    change in the same pass (FORMAT.md §9.1), so a reader needs no second look."""
+def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True) -> AppliedBits:
+    """Apply in place, reading the old bits and (``lanes``) summing the fingerprint lane
+    deltas of the change in the same pass (FORMAT.md §9.1), so a reader needs no second
+    look."""
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
@@ -198,24 +199,17 @@ def apply_change(target: torch.Tensor, delta: DecodedDelta) -> AppliedBits:
         return AppliedBits(old, None, None)
     assert delta.positions is not None
     positions = dispatch.to_device(delta.positions, flat.device)
-    before, lane_deltas = dispatch.apply_with_lanes(flat, positions, values, op=delta.op)
-    return AppliedBits(before if delta.op == OVERWRITE else None, before, lane_deltas)
+    before, lane_deltas = dispatch.apply_with_lanes(
+        flat, positions, values, op=delta.op, lanes=lanes
+    )
+    return AppliedBits(
+        before if delta.op == OVERWRITE else None, before, lane_deltas if lanes else None
+    )
 
 
 def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
     """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
-    if not target.is_contiguous():
-        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
-    flat = bits_view(target).reshape(-1)
-    values = dispatch.to_device(delta.values, flat.device)
-    if delta.op == FULL:
-        return apply_change(target, delta).saved
-    assert delta.positions is not None
-    positions = dispatch.to_device(delta.positions, flat.device)
-    if delta.op == XOR:
-        dispatch.scatter(flat, positions, values, op=XOR)
-        return None
-    return dispatch.scatter(flat, positions, values, op=OVERWRITE, save=True)
+    return apply_change(target, delta, lanes=False).saved
 
 
 def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | None) -> None:
