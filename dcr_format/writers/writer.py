@@ -225,12 +225,9 @@ class _ShardWriter:
             self.shards.append(inflight.result())
 
     def finish(self) -> None:
-        """Upload what is left and wait for every upload."""
-        try:
-            self._start_upload()
-            self._collect()
-        finally:
-            self.close()
+        """Upload what is left and wait for every upload; the caller then calls close()."""
+        self._start_upload()
+        self._collect()
 
     def close(self) -> None:
         """Stop the upload thread (after waiting for a shard in flight)."""
