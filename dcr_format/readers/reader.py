@@ -522,19 +522,20 @@ class DeltaReader:
         wanted: list[tuple[Manifest, Entry]] = [
             (m, e) for m in manifests for e in m.entries if self._wants(e.name, e.dtype, e.shape)
         ]
-        jobs: dict[tuple[int, int], list[int]] = {}  # (rank, first shard) -> wanted indices
-        shards_of: dict[tuple[int, int], set[int]] = {}
-        for rank, group in _linked_shards(wanted).items():
-            for indices, members in group:
-                jobs[(rank, min(members))] = indices
-                shards_of[(rank, min(members))] = members
+        # (rank, first shard) -> (indices into ``wanted`` of the job's entries, its shards)
+        jobs = {
+            (rank, min(members)): (indices, members)
+            for rank, group in _linked_shards(wanted).items()
+            for indices, members in group
+        }
         ranks = {m.rank: m for m in manifests}
         limits = {m.rank: stream_limits(m) for m in manifests}
 
         def load(key: tuple[int, int]) -> tuple[dict[int, DecodedDelta], int]:
             rank = key[0]
             manifest = ranks[rank]
-            indices = sorted(shards_of[key])
+            entries, shards = jobs[key]
+            indices = sorted(shards)
             refs = [manifest.shards[i] for i in indices]
             for index, ref in zip(indices, refs, strict=True):
                 if ref.decoded_size > self.max_shard_bytes:
@@ -556,7 +557,7 @@ class DeltaReader:
                         stored, decoded_size=ref.decoded_size, limits=limits[rank].get(index, {})
                     )
                     del stored
-                decoded = {i: _decode_entry(wanted[i][1], manifest, streams) for i in jobs[key]}
+                decoded = {i: _decode_entry(wanted[i][1], manifest, streams) for i in entries}
                 del streams  # decoded deltas are copies: the shards go before the budget
             return decoded, sum(ref.size for ref in refs)
 
