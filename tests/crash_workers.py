@@ -2,7 +2,7 @@
 named stage of a publish or a sync.
 
 Workers run in processes forked from a forkserver that has torch and dcr_format
-loaded (``dcr_format._soak.worker_context``), so each starts in milliseconds.
+loaded (``dcr_format.testing.soak.worker_context``), so each starts in milliseconds.
 The stage is named by the ``stage`` argument (or ``$DCR_CRASH_STAGE`` when run
 as a script); the worker installs a hook at that point that kills its own
 process with SIGKILL: no ``finally``, no ``atexit``, no ``ABORTED`` marker.
@@ -72,7 +72,7 @@ def die() -> None:
 
 
 def _isolate() -> None:
-    from dcr_format._servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
+    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
 
     for name in AWS_ENV_NAMES:
         os.environ.pop(name, None)

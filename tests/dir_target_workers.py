@@ -2,7 +2,7 @@
 directory, and a sync that holds the directory's lock until it is SIGKILLed.
 
 They run in processes forked from a forkserver that has torch and dcr_format loaded
-(``dcr_format._soak.worker_context``), so each starts in milliseconds.
+(``dcr_format.testing.soak.worker_context``), so each starts in milliseconds.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def test_demo_publishes_and_verifies_every_version(tmp_path: Path) -> None:
 
 
 def test_s3_store_with_endpoint_url(tmp_path: Path, moto_server, moto_root) -> None:
-    from dcr_format._servers import ACCESS_KEY, SECRET_KEY
+    from dcr_format.testing.servers import ACCESS_KEY, SECRET_KEY
 
     env = {
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -186,7 +186,7 @@ def test_s3_store_with_endpoint_url(tmp_path: Path, moto_server, moto_root) -> N
 def test_single_writer_flag_allows_a_store_without_atomic_create(
     tmp_path: Path, juicefs_gateway, juicefs_root
 ) -> None:
-    from dcr_format._servers import ACCESS_KEY, SECRET_KEY
+    from dcr_format.testing.servers import ACCESS_KEY, SECRET_KEY
 
     env = {
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,

@@ -27,9 +27,9 @@ import pytest
 from conftest import assert_same_bits, dir_snapshot
 
 from dcr_format import DcrError, DeltaReader, SafetensorsDirTarget, StateDictTarget, Store
-from dcr_format._faultproxy import FaultProxy, Rule
 from dcr_format.chain import Chain
 from dcr_format.store import _TEMP_PREFIX
+from dcr_format.testing.faultproxy import FaultProxy, Rule
 from dcr_format.tools import gc, verify
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,7 +51,7 @@ ALL_ON_S3 = bool(os.environ.get("DCR_CRASH_ALL_S3"))
 
 @pytest.fixture(scope="module")
 def context():
-    from dcr_format._soak import worker_context
+    from dcr_format.testing.soak import worker_context
 
     return worker_context()
 

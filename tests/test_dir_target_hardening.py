@@ -171,7 +171,7 @@ def test_a_sync_planned_before_another_committed_is_refused_by_name(tmp_path):
 
 @pytest.fixture(scope="module")
 def context():
-    from dcr_format._soak import worker_context
+    from dcr_format.testing.soak import worker_context
 
     return worker_context()
 

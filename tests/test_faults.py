@@ -1,6 +1,7 @@
-"""S3 faults between client and server: the fault proxy (dcr_format/_faultproxy.py) in front of
-moto answers requests of every kind with 500, 503 SlowDown, connection resets (before or after
-the server acted), truncated bodies, delays and hangs past the client's read timeout.
+"""S3 faults between client and server: the fault proxy (dcr_format/testing/faultproxy.py)
+in front of moto answers requests of every kind with 500, 503 SlowDown, connection resets
+(before or after the server acted), truncated bodies, delays and hangs past the client's
+read timeout.
 
 Transient faults are retried away; an unknown commit outcome is resolved by re-reading; nothing
 is ever committed twice (one record per version, every step once) and the chain verifies.
@@ -28,9 +29,9 @@ from dcr_format import (
     Store,
     StoreError,
 )
-from dcr_format._faultproxy import FaultProxy, Rule, classify
 from dcr_format.chain import Chain, attempt_prefix
 from dcr_format.errors import ObjectExistsError
+from dcr_format.testing.faultproxy import FaultProxy, Rule, classify
 from dcr_format.tools import gc, verify
 
 READ_TIMEOUT = 0.5

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from dcr_format import DeltaReader, StateDictTarget, Store
-from dcr_format._servers import ACCESS_KEY, REGION, SECRET_KEY
 from dcr_format.chain import Chain
 from dcr_format.codec.dtypes import bits_view
+from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mp_workers import model

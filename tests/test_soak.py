@@ -1,16 +1,17 @@
-"""The soak's short form (dcr_format/_soak.py): a writer and four readers in their own
+"""The soak's short form (dcr_format/testing/soak.py): a writer and four readers in their own
 processes, for about half a minute, through random S3 faults and SIGKILLs of any of them;
 at the end every reader holds exactly the writer's last version.
 
 The full soak is one command (docs/reliability.md):
-``.venv/bin/python -m dcr_format._soak --minutes 5``. ``$DCR_SOAK_SECONDS`` lengthens this one.
+``.venv/bin/python -m dcr_format.testing.soak --minutes 5``.
+``$DCR_SOAK_SECONDS`` lengthens this one.
 """
 
 from __future__ import annotations
 
 import os
 
-from dcr_format._soak import run
+from dcr_format.testing.soak import run
 
 SECONDS = float(os.environ.get("DCR_SOAK_SECONDS", "30"))
 

