@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import typing
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
 import pydantic_core
 from pydantic import (
@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     FailFast,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationError,
     model_serializer,
@@ -38,7 +39,7 @@ from dcr_format.errors import (
     UnsupportedVersionError,
 )
 
-FORMAT_NAME = "dcr"
+FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
 KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE})
@@ -101,10 +102,16 @@ TensorName = Annotated[
 ]
 Count = Annotated[int, Field(ge=0, le=(1 << 62))]
 Version = Annotated[int, Field(ge=0, le=(1 << 62))]
-DType = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
-Op = Literal[OPS]  # type: ignore[valid-type]
-PositionCoding = Literal[POSITION_CODINGS]  # type: ignore[valid-type]
-ValueCoding = Literal[VALUE_CODINGS]  # type: ignore[valid-type]
+if TYPE_CHECKING:  # the names are tuples known at run time only: a checker sees a str
+    DType = str
+    Op = str
+    PositionCoding = str
+    ValueCoding = str
+else:
+    DType = Literal[DTYPE_NAMES]
+    Op = Literal[OPS]
+    PositionCoding = Literal[POSITION_CODINGS]
+    ValueCoding = Literal[VALUE_CODINGS]
 
 
 class _Model(BaseModel):
@@ -154,13 +161,13 @@ class StreamRef(_Model):
 class PositionsRef(StreamRef):
     """A positions stream and its coding."""
 
-    coding: PositionCoding  # type: ignore[valid-type]
+    coding: PositionCoding
 
 
 class ValuesRef(StreamRef):
     """A values stream and its coding."""
 
-    coding: ValueCoding  # type: ignore[valid-type]
+    coding: ValueCoding
 
 
 Lane = Annotated[int, Field(ge=0, lt=1 << 31)]
@@ -184,9 +191,9 @@ class Entry(_Model):
     """One canonical tensor of a manifest: its state after the version and how to get there."""
 
     name: TensorName
-    dtype: DType  # type: ignore[valid-type]
+    dtype: DType
     shape: tuple[Count, ...] = Field(max_length=64)
-    op: Op  # type: ignore[valid-type]
+    op: Op
     changed: Count
     positions: PositionsRef | None = None
     values: ValuesRef | None = None
@@ -198,7 +205,7 @@ class Entry(_Model):
     so whole-tensor entries serialise exactly as before the feature existed."""
 
     @model_serializer(mode="wrap")
-    def _omit_absent_piece(self, handler):  # type: ignore[no-untyped-def]
+    def _omit_absent_piece(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
         if isinstance(data, dict) and data.get("piece") is None:
             data.pop("piece", None)
