@@ -15,9 +15,9 @@ __all__ = [
     "CapabilityError",
     "ChainBrokenError",
     "ChecksumMismatchError",
-    "CommitConflict",
+    "CommitConflictError",
     "CommitError",
-    "CommitStateUnknown",
+    "CommitStateUnknownError",
     "DcrError",
     "EngineUpdateError",
     "FingerprintMismatchError",
@@ -152,11 +152,11 @@ class CommitError(DcrError):
     """A version could not be committed."""
 
 
-class CommitConflict(CommitError, FileExistsError):
+class CommitConflictError(CommitError, FileExistsError):
     """Another writer committed this version first; this attempt is safe to discard."""
 
 
-class CommitStateUnknown(CommitError, TimeoutError):
+class CommitStateUnknownError(CommitError, TimeoutError):
     """The commit request's outcome is unknown; never delete this attempt's objects."""
 
 

@@ -28,7 +28,7 @@ from dcr_format import (
     BaselineMismatchError,
     ChainBrokenError,
     ChecksumMismatchError,
-    CommitConflict,
+    CommitConflictError,
     DcrError,
     DeltaReader,
     DeltaWriter,
@@ -472,7 +472,7 @@ def test_racing_writers_conflict_and_the_loser_keeps_its_baseline(store_url):
     step_state(loser, gen)
     info = a.publish(winner)
     assert info.version == 4
-    with pytest.raises(CommitConflict) as caught:
+    with pytest.raises(CommitConflictError) as caught:
         b.publish(loser)
     assert isinstance(caught.value, FileExistsError)
     assert b.version == 3
@@ -591,7 +591,7 @@ def test_lost_commit_answer_is_resolved_by_rereading(store_url, monkeypatch):
 
 
 def test_unknown_commit_outcome_keeps_the_attempt(store_url, monkeypatch):
-    from dcr_format import CommitStateUnknown
+    from dcr_format import CommitStateUnknownError
 
     gen = torch.Generator().manual_seed(25)
     state = make_state(25)
@@ -600,7 +600,7 @@ def test_unknown_commit_outcome_keeps_the_attempt(store_url, monkeypatch):
     baseline = snapshot(writer.baseline)
     step_state(state, gen)
     _commit_puts(monkeypatch, land=False, times=2)
-    with pytest.raises(CommitStateUnknown) as caught:
+    with pytest.raises(CommitStateUnknownError) as caught:
         writer.publish(state)
     assert isinstance(caught.value, TimeoutError)
     assert writer.version == 0

@@ -20,8 +20,8 @@ from conftest import assert_same_bits, flip_bits, make_state, snapshot
 
 import dcr_format._s3 as s3
 from dcr_format import (
-    CommitConflict,
-    CommitStateUnknown,
+    CommitConflictError,
+    CommitStateUnknownError,
     DcrError,
     DeltaReader,
     DeltaWriter,
@@ -288,7 +288,7 @@ def test_unknown_commit_outcome_is_never_committed_twice(
         proxy.rule(fault="reset", kinds=("put_if_absent",), key="/commits/", after=landed),
         proxy.rule(fault="503", kinds=("get", "head"), key="/commits/"),
     ):
-        with pytest.raises(CommitStateUnknown):
+        with pytest.raises(CommitStateUnknownError):
             writer.publish(wanted, step=1)
     assert writer.version == 0
     assert_same_bits(writer.baseline, baseline)
@@ -303,7 +303,7 @@ def test_unknown_commit_outcome_is_never_committed_twice(
         assert not landed
         assert info.version == 1
         outcome = "not landed: the retry committed the step"
-    except CommitConflict:
+    except CommitConflictError:
         assert landed  # the first create had landed: reopen and find our own step there
         writer = DeltaWriter(Store(moto_root, storage_options=options))
         assert writer.version == 1 and Chain(direct).record(1).record.step == 1
@@ -317,7 +317,7 @@ def test_unknown_commit_outcome_is_never_committed_twice(
     _assert_chain_sound(direct, 3)
     reliability.record(
         "S3 faults: commit (create-if-absent of commits/N)",
-        "answer lost and every re-read failing (CommitStateUnknown)",
+        "answer lost and every re-read failing (CommitStateUnknownError)",
         outcome,
     )
 
@@ -350,7 +350,7 @@ def test_random_faults_on_every_request_kind_publish_sync_and_gc(
         try:
             writer.publish(states[step], step=step)
             step += 1
-        except (CommitConflict, CommitStateUnknown) as exc:
+        except (CommitConflictError, CommitStateUnknownError) as exc:
             errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
             try:  # learn the outcome from the chain, as an application would
                 writer = DeltaWriter(Store(moto_root, storage_options=options), base_every=5)

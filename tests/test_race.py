@@ -1,7 +1,7 @@
 """Two writers racing on one store for 100 versions, each with its own DeltaWriter.
 
 Every round both publish the same next version at once (a barrier lines them up):
-exactly one wins, the other gets CommitConflict with its baseline and version
+exactly one wins, the other gets CommitConflictError with its baseline and version
 untouched, reopens (a new DeltaWriter, from its baseline cache) and finds the
 winner's bits. Every version ends with exactly one commit record and the chain
 verifies deep.
@@ -15,7 +15,7 @@ import threading
 import torch
 from conftest import assert_same_bits, flip_bits, snapshot
 
-from dcr_format import CommitConflict, DeltaReader, DeltaWriter, StateDictTarget, Store
+from dcr_format import CommitConflictError, DeltaReader, DeltaWriter, StateDictTarget, Store
 from dcr_format.chain import Chain
 from dcr_format.tools import verify
 
@@ -80,7 +80,7 @@ def _race(open_store, cache_root, reliability, where: str, versions: int = VERSI
         won = [i for i in range(2) if not isinstance(outcome[i], BaseException)]
         assert len(won) == 1, outcome
         winner, loser = won[0], 1 - won[0]
-        assert isinstance(outcome[loser], CommitConflict), outcome[loser]
+        assert isinstance(outcome[loser], CommitConflictError), outcome[loser]
         assert outcome[winner].version == version
         # the loser's baseline and version are exactly as before the round
         assert writers[loser].version == before[loser][0] == version - 1

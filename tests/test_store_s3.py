@@ -20,7 +20,7 @@ from test_store import StoreConformance
 
 from dcr_format import (
     CapabilityError,
-    CommitConflict,
+    CommitConflictError,
     DeltaReader,
     DeltaWriter,
     InvalidKeyError,
@@ -457,7 +457,7 @@ def test_racing_writers_on_moto_exactly_one_commits(moto_server: S3Server, moto_
     for thread in threads:
         thread.join(60)
     won = [i for i, outcome in enumerate(outcomes) if outcome == 1]
-    lost = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, CommitConflict)]
+    lost = [i for i, outcome in enumerate(outcomes) if isinstance(outcome, CommitConflictError)]
     assert len(won) == 1 and len(lost) == 1, outcomes
     winner = won[0]
     assert writers[1 - winner].version == 0  # the loser's baseline did not move

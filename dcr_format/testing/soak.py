@@ -168,7 +168,7 @@ def writer_main(
     """Publish the model's versions one after another until ``stop`` exists."""
     _isolate()
     from dcr_format import DcrError, DeltaWriter
-    from dcr_format.errors import CommitConflict, CommitStateUnknown
+    from dcr_format.errors import CommitConflictError, CommitStateUnknownError
 
     model = Model()
     log_path = Path(log)
@@ -181,7 +181,7 @@ def writer_main(
             version = 0 if writer.version is None else writer.version + 1
             info = writer.publish(model.at(version), step=version)
             _log(log_path, event="commit", version=info.version, kind=info.kind)
-        except (CommitConflict, CommitStateUnknown) as exc:
+        except (CommitConflictError, CommitStateUnknownError) as exc:
             # the outcome of our own publish is unknown or taken: learn it from the chain
             _log(log_path, event="error", error=type(exc).__name__)
             writer = None

@@ -40,7 +40,7 @@ from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
 from dcr_format.errors import (
     CapabilityError,
     ChainBrokenError,
-    CommitStateUnknown,
+    CommitStateUnknownError,
     ObjectExistsError,
     ObjectNotFoundError,
     StoreError,
@@ -246,7 +246,7 @@ def _create(store: Store, key: str, data: bytes) -> bool:
     try:
         landed = store.get(key, max_size=MAX_RECORD_BYTES)
     except ObjectNotFoundError:
-        raise CommitStateUnknown(
+        raise CommitStateUnknownError(
             f"could not create {key} and cannot tell whether it landed; run `dcr compact` again"
         ) from None
     return landed == data

@@ -201,7 +201,7 @@ def _verdicts(checks: dict[str, Check], atomic: bool) -> list[Verdict]:
         Verdict(
             use="multiple writers",
             safe=basics and atomic,
-            reason="create-if-absent is atomic: racing writers get CommitConflict"
+            reason="create-if-absent is atomic: racing writers get CommitConflictError"
             if basics and atomic
             else "create-if-absent is not atomic: two writers could both commit one version; "
             "use one writer with single_writer=True",

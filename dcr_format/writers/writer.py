@@ -53,8 +53,8 @@ from dcr_format.errors import (
     ArgumentError,
     CapabilityError,
     ChainBrokenError,
-    CommitConflict,
-    CommitStateUnknown,
+    CommitConflictError,
+    CommitStateUnknownError,
     FormatError,
     IncompleteVersionError,
     IntegrityError,
@@ -387,9 +387,9 @@ class DeltaWriter:
     ) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` and commit it with every rank.
 
-        Raises :class:`CommitConflict` if another writer committed this version first
+        Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
-        deliver, and :class:`CommitStateUnknown` if the commit's outcome is unknown.
+        deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
         self._open()
         version = 0 if self._version is None else self._version + 1
@@ -739,16 +739,16 @@ class DeltaWriter:
         try:
             landed = self.store.get(key, max_size=MAX_RECORD_BYTES)
         except ObjectNotFoundError:
-            raise CommitStateUnknown(
+            raise CommitStateUnknownError(
                 f"could not create {key} and cannot tell whether it landed; keep this attempt's "
                 "objects and retry the publish later"
             ) from None
         except StoreError as exc:
-            raise CommitStateUnknown(
+            raise CommitStateUnknownError(
                 f"could not create or re-read {key} ({exc}); keep this attempt's objects"
             ) from None
         if landed != data:
-            raise CommitConflict(
+            raise CommitConflictError(
                 f"version {version} was committed by another writer; reopen the writer to "
                 "continue from the chain's newest version"
             )
@@ -774,7 +774,7 @@ class DeltaWriter:
         loaded = self._wait(outcome, f"the commit record of version {version}")
         assert isinstance(loaded, LoadedRecord)
         if loaded.record.attempt != attempt:
-            raise CommitConflict(
+            raise CommitConflictError(
                 f"version {version} was committed by another writer; reopen the writer"
             )
         return loaded
