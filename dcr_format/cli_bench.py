@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,6 +68,27 @@ def _rates(
         raise click.BadParameter(str(exc)) from None
 
 
+PLOT_NAME = "dcr-bench.png"
+
+
+def plot_path(out: str | None, png: str | None) -> str:
+    """Where ``dcr bench`` writes its plot: ``png`` if given, else ``out/dcr-bench.png``
+    (``out`` created if missing), else a file in a new temporary directory, never the
+    working directory unless asked."""
+    if png is not None:
+        return png
+    if out is None:
+        return str(Path(tempfile.mkdtemp(prefix="dcr-bench-")) / PLOT_NAME)
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"cannot create directory {out} ({exc.strerror}); choose another --out",
+            param_hint="'--out'",
+        ) from None
+    return str(Path(out) / PLOT_NAME)
+
+
 @click.command()
 @click.option(
     "--sizes",
@@ -90,12 +112,18 @@ def _rates(
 @click.option("--quick", is_flag=True, help="CI smoke run: an 8 MB model, about a minute.")
 @click.option("--no-s3", is_flag=True, help="Skip the JuiceFS S3 gateway (local store only).")
 @click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Directory for the plot (dcr-bench.png); created if missing. "
+    "Default: a new temporary directory, printed with the table.",
+)
+@click.option(
     "--png",
     type=click.Path(dir_okay=False),
     callback=output_file,
-    default="dcr-bench.png",
-    show_default=True,
-    help="Where to write the plot.",
+    default=None,
+    help="Write the plot to this file instead of OUT/dcr-bench.png.",
 )
 @click.option(
     "--json-out",
@@ -120,7 +148,8 @@ def bench(
     reps: int | None,
     quick: bool,
     no_s3: bool,
-    png: str,
+    out: str | None,
+    png: str | None,
     json_out: str | None,
     save_costs: str | None,
     fmt: str,
@@ -128,7 +157,8 @@ def bench(
     """Refit benchmark: dense vs dcr over a local store and the JuiceFS S3 gateway, delta bytes
     vs the entropy bound, encode/apply vs torch.clone, relay fan-out vs independent readers.
 
-    Prints one table and writes one PNG; every ratio is measured in this run.
+    Prints one table and writes one PNG (under --out, or a new temporary directory); every
+    ratio is measured in this run.
     """
     from dataclasses import replace
 
@@ -143,6 +173,7 @@ def bench(
         "reps": reps,
     }
     options = replace(options, s3=not no_s3, **{k: v for k, v in overrides.items() if v})
+    png = plot_path(out, png)
     result = run_suite(options, progress=_progress())
     plot(result, png)
     if save_costs is not None and result.costs is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -23,7 +24,7 @@ from dcr_format.bench.projection import (
     project,
     projection_report,
 )
-from dcr_format.cli_bench import bench
+from dcr_format.cli_bench import bench, plot_path
 from dcr_format.cli_bench import project as project_cmd
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,12 +35,24 @@ def quick(tmp_path_factory, request) -> dict:
     """One quick run: the table it prints, its JSON, its PNG and its costs file."""
     request.getfixturevalue("isolated_aws_env")  # a session fixture: no AWS setting leaks in
     out = tmp_path_factory.mktemp("bench")
-    png, data, costs = out / "bench.png", out / "bench.json", out / "costs.json"
-    result = CliRunner().invoke(
-        bench,
-        ["--quick", "--png", str(png), "--json-out", str(data), "--save-costs", str(costs)],
-    )
-    assert result.exit_code == 0, result.output
+    png, data, costs = out / "plots" / "dcr-bench.png", out / "bench.json", out / "costs.json"
+    cwd = out / "cwd"
+    cwd.mkdir()
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(
+            bench,
+            [
+                "--quick",
+                "--out",
+                str(png.parent),
+                "--json-out",
+                str(data),
+                "--save-costs",
+                str(costs),
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        assert list(cwd.iterdir()) == []  # nothing left in the working directory
     return {
         "table": result.stdout,
         "json": json.loads(data.read_text()),
@@ -142,6 +155,20 @@ def test_project_measures_costs_without_a_file(monkeypatch):
     result = CliRunner().invoke(project_cmd, ["--params", "120B", "--change", "5%"])
     assert result.exit_code == 0, result.output
     assert "short measurement" in result.stdout and "120B delta at 5%" in result.stdout
+
+
+def test_the_plot_goes_under_out_or_a_new_temporary_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plot_path(None, "p.png") == "p.png"
+    assert plot_path(str(tmp_path / "a" / "b"), None) == str(tmp_path / "a" / "b" / "dcr-bench.png")
+    assert (tmp_path / "a" / "b").is_dir()
+    default = Path(plot_path(None, None))
+    assert default.name == "dcr-bench.png" and default.parent.is_dir()
+    assert default.parent != tmp_path and not default.exists()
+    default.parent.rmdir()
+    (tmp_path / "file").write_text("")
+    result = CliRunner().invoke(bench, ["--quick", "--out", str(tmp_path / "file" / "x")])
+    assert result.exit_code == 2 and "--out" in result.output
 
 
 def test_bad_options_are_refused():

@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tempfile
     from pathlib import Path
 
-    from dcr_format.bench.suite import juicefs_store
+    from dcr_format.bench._gateway import juicefs_store
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--mb", type=float, default=300.0, help="model size in MB of bf16")

@@ -189,7 +189,7 @@ def _store(kind: str, work: Path) -> Iterator[Store]:
     if kind == "local":
         yield Store(str(work / "store"))
         return
-    from dcr_format.bench.suite import juicefs_store
+    from dcr_format.bench._gateway import juicefs_store
 
     with juicefs_store(work) as (store, _):
         yield store

