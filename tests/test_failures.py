@@ -24,29 +24,31 @@ from safetensors.torch import load_file, save_file
 import dcr_format.readers.reader as reader_module
 import dcr_format.readers.targets as targets_module
 from dcr_format import (
+    DcrError,
+    DeltaReader,
+    DeltaWriter,
+    SafetensorsDirTarget,
+    StateDictTarget,
+    Store,
+    TargetError,
+    ThreadCoordinator,
+    owner,
+)
+from dcr_format.chain import Chain, attempt_prefix, commit_key, manifest_key
+from dcr_format.errors import (
     ApplyError,
     BaselineMismatchError,
     ChainBrokenError,
     ChecksumMismatchError,
     CommitConflictError,
-    DcrError,
-    DeltaReader,
-    DeltaWriter,
     FingerprintMismatchError,
     IncompleteVersionError,
     MissingTensorError,
     ObjectNotFoundError,
-    SafetensorsDirTarget,
-    StateDictTarget,
-    Store,
     StoreNotInitializedError,
-    TargetError,
-    ThreadCoordinator,
     UnsupportedDtypeError,
     VersionNotFoundError,
-    owner,
 )
-from dcr_format.chain import Chain, attempt_prefix, commit_key, manifest_key
 from dcr_format.readers.targets import SINGLE_FILE
 
 
@@ -591,7 +593,7 @@ def test_lost_commit_answer_is_resolved_by_rereading(store_url, monkeypatch):
 
 
 def test_unknown_commit_outcome_keeps_the_attempt(store_url, monkeypatch):
-    from dcr_format import CommitStateUnknownError
+    from dcr_format.errors import CommitStateUnknownError
 
     gen = torch.Generator().manual_seed(25)
     state = make_state(25)

@@ -15,16 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from dcr_format import (
-    ApplyError,
-    BaselineMismatchError,
-    DeltaReader,
-    DeltaWriter,
-    ModuleTarget,
-    OverwriteRequiredError,
-    TargetError,
-)
+from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, TargetError
 from dcr_format.chain import Chain
+from dcr_format.errors import ApplyError, BaselineMismatchError, OverwriteRequiredError
 from dcr_format.store import open_store
 
 H, Q, KV, FF, V = 8, 8, 4, 12, 16

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcr_format import ArgumentError, DeltaReader, DeltaWriter, StateDictTarget, TargetError
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
 from dcr_format.checkpoint import count_tensors, iter_checkpoint
+from dcr_format.errors import ArgumentError
 
 
 @pytest.mark.parametrize(
@@ -51,8 +52,8 @@ def test_an_unreadable_checkpoint_file_is_a_target_error(tmp_path):
 @pytest.mark.parametrize("limit", ["MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"])
 def test_a_writer_refuses_objects_readers_would_refuse(tmp_path, monkeypatch, limit):
     import dcr_format.writers.writer as writer_module
-    from dcr_format import ObjectTooLargeError
     from dcr_format.chain import Chain
+    from dcr_format.errors import ObjectTooLargeError
     from dcr_format.store import Store
 
     url = str(tmp_path / "store")

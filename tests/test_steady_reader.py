@@ -11,19 +11,17 @@ import torch
 from conftest import assert_same_bits, make_state, snapshot
 
 import dcr_format.readers.targets as targets_module
-from dcr_format import (
-    BaselineMismatchError,
-    ChainBrokenError,
-    DeltaReader,
-    DeltaWriter,
-    SafetensorsDirTarget,
-    StalePreparedError,
-    StateDictTarget,
-    Store,
-)
+from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, Store
 from dcr_format.chain import Chain, commit_key, sha256_hex
 from dcr_format.codec.dtypes import bits_view
-from dcr_format.errors import ChecksumMismatchError, ReservedNameError, StoreError
+from dcr_format.errors import (
+    BaselineMismatchError,
+    ChainBrokenError,
+    ChecksumMismatchError,
+    ReservedNameError,
+    StalePreparedError,
+    StoreError,
+)
 
 BF16 = "model.layers.0.self_attn.q_proj.weight"
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dcr_format import EngineUpdateError, TargetError, TargetNotUpdatableError
+from dcr_format import TargetError
+from dcr_format.errors import EngineUpdateError, TargetNotUpdatableError
 from dcr_format.integrations import vllm as integration
 
 

@@ -12,7 +12,7 @@ import harness
 import pytest
 import torch
 
-from dcr_format import TargetNotUpdatableError
+from dcr_format.errors import TargetNotUpdatableError
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
 
 EXTENSION = "dcr_format.integrations.vllm.DcrWorkerExtension"

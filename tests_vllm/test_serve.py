@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 
-from dcr_format import EngineUpdateError
+from dcr_format.errors import EngineUpdateError
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
 
 HOST = "127.0.0.1"
