@@ -42,7 +42,9 @@ from dcr_format.errors import (
 FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
-KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE})
+# values entropy-coded with a static model in the stream (FORMAT.md §7.3)
+VALUES_RANS_FEATURE = "values-rans"
+KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE, VALUES_RANS_FEATURE})
 MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank

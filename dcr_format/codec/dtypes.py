@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +42,12 @@ BY_TORCH: dict[torch.dtype, DtypeInfo] = {info.torch_dtype: info for info in _IN
 DTYPE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 
 # numpy unsigned views of each width, used by the host-side stream codecs
-UNSIGNED_NP = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+UNSIGNED_NP: dict[int, np.dtype[Any]] = {
+    1: np.dtype("<u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 
 
 def info_for(dtype: torch.dtype | str) -> DtypeInfo:

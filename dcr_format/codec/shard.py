@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import zstandard
 
 from dcr_format._jsonscan import scan
-from dcr_format.errors import ShardError
+from dcr_format.errors import SchemaError, ShardError
 
 if TYPE_CHECKING:
     from dcr_format.schema import Manifest
@@ -190,12 +190,23 @@ def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
     :func:`positions_bound`). Feed ``limits=stream_limits(m)[index]`` to :func:`decode_shard`.
 
     Every entry counts, wanted or not: the shard holds them all. A key named twice (a
-    hostile manifest) gets the larger bound; the decoders check each use.
+    hostile manifest) gets the larger bound; the decoders check each use. (A ``rans``
+    values stream is shorter than its ``planes`` would be, FORMAT.md §7.3, so the same
+    bound holds.) An entry whose value coding needs a feature the manifest does not list
+    in ``required_features`` is refused (:class:`SchemaError`, FORMAT.md §7.3).
     """
     from dcr_format.codec.dtypes import info_for
+    from dcr_format.codec.values import CODING_FEATURES
 
     limits: dict[int, dict[str, int]] = {}
     for entry in manifest.entries:
+        if entry.values is not None:
+            feature = CODING_FEATURES.get(entry.values.coding)
+            if feature is not None and feature not in manifest.required_features:
+                raise SchemaError(
+                    f"entry {entry.name[:256]!r} uses value coding {entry.values.coding!r} but "
+                    f"its manifest does not require {feature!r}; the manifest is corrupt"
+                )
         if entry.changed == 0:
             continue
         numel = 1

@@ -1,0 +1,379 @@
+"""The ``rans`` value coding (feature ``values-rans``, spec/FORMAT.md §7.3).
+
+The values of one entry (XOR bits of an ``xor`` entry, new bits otherwise) are mapped to
+symbols of a small alphabet: the ``S`` (at most 255) most frequent values of the entry, in
+a table carried in the stream, plus one *escape* symbol for every other value, whose bits
+follow the coded part raw (in ``planes`` layout). The symbols are coded with a static
+model (integer frequencies at a precision ``Q <= 24`` bits, also in the stream) by the
+rANS coder of the ``constriction`` library: ``AnsCoder`` with a 64-bit state, 32-bit words
+and 24-bit probabilities. The frequencies go to constriction as floats ``F - 1`` that sum
+to ``2**24 - (S + 1)``, so its quantisation reproduces exactly the integer model (every
+step of it is exact integer arithmetic in double precision): the stream is bit-identical
+on every platform and to the pure-Python coder kept here as the reference
+(:func:`_encode_reference`, :func:`_decode_reference`).
+
+On the ``+-1`` ulp changes that dominate optimizer steps this codes a changed bf16 element
+in 2-3 bits where zstd over byte planes needs 4-5.
+
+Decoding treats the stream as hostile: sizes, table order, frequencies (each at least 1,
+summing below ``2**Q``), the word count and the escape count are checked before or after
+the single decode call, and a stream that does not end exactly where the coder does (no
+words left, state back at zero) is refused. Every failure is a :class:`ValuesError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.errors import ValuesError
+
+RANS = "rans"
+VALUES_RANS_FEATURE = "values-rans"
+PRECISION = 24  # constriction's default model precision (probabilities of 24 bits)
+MAX_TABLE = 255
+MAX_MODEL_BITS = 24  # readers: Q in [1, 24]
+WRITER_MODEL_BITS = 16  # the reference writer's largest Q (frequencies of 1-3 varint bytes)
+MIN_VALUES = 16  # fewer values: the reference writer keeps ``planes`` (the header dominates)
+SAMPLE_ABOVE = 1 << 20  # more values: a strided sample decides whether to try rANS at all
+_SAMPLE_SIZE = 1 << 16
+_TABLE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 255)
+_MAX_VARINT_BYTES = 4  # every integer of the stream is < 2**28
+_STATE_LOW = 1 << 32
+
+
+@dataclass(frozen=True)
+class Model:
+    """A static model: the table of values (increasing) and the frequencies at precision
+    ``bits`` of the table symbols and, last, of the escape symbol (each >= 1, summing to
+    ``2**bits``)."""
+
+    table: np.ndarray  # unsigned, strictly increasing
+    freqs: np.ndarray  # int64, len(table) + 1 entries
+    bits: int
+
+    def header(self, width: int) -> bytes:
+        """The stream's model part: S, Q, the table and the table frequencies."""
+        table = np.ascontiguousarray(self.table, dtype=UNSIGNED_NP[width]).tobytes()
+        freqs = b"".join(_varint(int(f)) for f in self.freqs[:-1])
+        return bytes((len(self.table), self.bits)) + table + freqs
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, offset: int, what: str) -> tuple[int, int]:
+    value = 0
+    for i in range(_MAX_VARINT_BYTES):
+        if offset + i >= len(buf):
+            raise ValuesError(f"rans values stream is truncated in its {what}; shard is corrupt")
+        byte = buf[offset + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if byte == 0 and i:
+                raise ValuesError(f"rans values stream has an overlong {what}; shard is corrupt")
+            return value, offset + i + 1
+    raise ValuesError(f"rans values stream has a {what} over 28 bits; the shard is corrupt")
+
+
+def quantize(counts: np.ndarray, bits: int) -> np.ndarray:
+    """Integer frequencies (each >= 1, summing to ``2**bits``) of ``counts`` (FORMAT.md §7.3):
+    ``1 + floor(c * (2**bits - n) / total)``, the remainder added to the first largest count."""
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    free = (1 << bits) - counts.size
+    freqs = 1 + (counts * free) // total  # counts * free < 2**62: counts < 2**40 elements
+    freqs[int(np.argmax(counts))] += (1 << bits) - int(freqs.sum())
+    return freqs
+
+
+def _model_bits(count: int, table_size: int) -> int:
+    return min(WRITER_MODEL_BITS, max(count.bit_length(), (table_size + 1).bit_length() + 1))
+
+
+def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values and their counts, most frequent first (smaller value on ties)."""
+    if width <= 2:
+        counts = np.bincount(values, minlength=1 << (8 * width))
+        distinct = np.flatnonzero(counts)
+        counts = counts[distinct]
+    else:
+        distinct, counts = np.unique(values, return_counts=True)
+    order = np.lexsort((distinct, -counts))[:MAX_TABLE]
+    return distinct[order].astype(UNSIGNED_NP[width]), counts[order].astype(np.int64)
+
+
+def _cost_bits(
+    counts: np.ndarray, total: int, table_size: int, width: int, bits: int
+) -> tuple[float, np.ndarray]:
+    """Estimated stream bits with the ``table_size`` most frequent values, and the freqs."""
+    table_counts = counts[:table_size]
+    escapes = total - int(table_counts.sum())
+    freqs = quantize(np.append(table_counts, escapes), bits)
+    all_counts = np.append(table_counts, escapes).astype(np.float64)
+    coded = float((all_counts * (bits - np.log2(freqs.astype(np.float64)))).sum())
+    body = coded + 8.0 * width * escapes
+    varints = sum(len(_varint(int(f))) for f in freqs[:-1])
+    words = math.ceil((coded + 64) / 32)
+    return 8.0 * (2 + table_size * width + varints + len(_varint(words))) + body, freqs
+
+
+def choose_model(values: np.ndarray) -> tuple[Model, float]:
+    """The reference writer's model for ``values`` (FORMAT.md §7.3) and its estimated size in
+    bytes: the table size of least estimated cost among the candidates, the smaller on ties."""
+    width = values.dtype.itemsize
+    distinct, counts = _histogram(values, width)
+    total = int(values.size)
+    sizes = sorted({s for s in _TABLE_SIZES if s <= distinct.size} | {min(distinct.size, 255)})
+    best: tuple[float, int, np.ndarray, int] | None = None
+    for size in sizes:
+        bits = _model_bits(total, size)
+        cost, freqs = _cost_bits(counts, total, size, width, bits)
+        if best is None or cost < best[0]:
+            best = (cost, size, freqs, bits)
+    assert best is not None
+    cost, size, freqs, bits = best
+    order = np.argsort(distinct[:size], kind="stable")
+    table = distinct[:size][order]
+    freqs = np.append(freqs[:-1][order], freqs[-1])
+    return Model(table, freqs, bits), cost / 8
+
+
+def worth_trying(values: np.ndarray) -> bool:
+    """Whether rANS may beat byte planes: at least :data:`MIN_VALUES` values and, above
+    :data:`SAMPLE_ABOVE` values, a strided sample whose estimate is under 85% of the raw
+    planes (full tensors of weights are not; deltas of an optimizer step are)."""
+    if values.size < MIN_VALUES:
+        return False
+    if values.size <= SAMPLE_ABOVE:
+        return True
+    sample = values[:: values.size // _SAMPLE_SIZE]
+    _, estimate = choose_model(sample)
+    return estimate < 0.85 * sample.size * values.dtype.itemsize
+
+
+def _symbols(values: np.ndarray, table: np.ndarray, width: int) -> np.ndarray:
+    """Each value's table index, or ``len(table)`` (the escape) when it is not in the table."""
+    escape = table.size
+    if width <= 2:
+        lut = np.full(1 << (8 * width), escape, dtype=np.int32)
+        lut[table.astype(np.int64)] = np.arange(escape, dtype=np.int32)
+        symbols: np.ndarray = lut[values]
+        return symbols
+    index = np.searchsorted(table, values).astype(np.int32)
+    clipped = np.minimum(index, escape - 1)
+    index[table[clipped] != values] = escape
+    return index
+
+
+def _constriction_model(freqs: np.ndarray, bits: int) -> Any:  # constriction has no stubs
+    import constriction
+
+    scaled = freqs.astype(np.int64) << (PRECISION - bits)
+    # floats F - 1 summing to 2**24 - n: constriction's "fast" quantisation then computes
+    # left cumulatives floor(sum_{k<j}(F_k - 1) * 1.0) + j = sum_{k<j} F_k, exactly
+    return constriction.stream.model.Categorical((scaled - 1).astype(np.float64), perfect=False)
+
+
+def _planes(values: np.ndarray, width: int) -> bytes:
+    as_bytes = np.ascontiguousarray(values, dtype=UNSIGNED_NP[width]).view(np.uint8)
+    return np.ascontiguousarray(as_bytes.reshape(-1, width)[:, ::-1].T).tobytes()
+
+
+def encode_rans(values: np.ndarray, model: Model) -> bytes:
+    """The ``rans`` stream of ``values`` (unsigned, at least one) under ``model``."""
+    import constriction
+
+    width = values.dtype.itemsize
+    symbols = _symbols(values, model.table, width)
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(symbols, _constriction_model(model.freqs, model.bits))
+    words = np.ascontiguousarray(coder.get_compressed(), dtype="<u4")
+    escaped = values[symbols == model.table.size]
+    return b"".join(
+        (model.header(width), _varint(int(words.size)), words.tobytes(), _planes(escaped, width))
+    )
+
+
+def max_words(count: int) -> int:
+    """The most 32-bit words ``count`` symbols can take (at most 24 bits each, plus the
+    final state of 64 bits)."""
+    return (PRECISION * count + 64 + 31) // 32
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    table: np.ndarray
+    freqs: np.ndarray
+    bits: int
+    words: np.ndarray  # native uint32
+    escapes: memoryview
+    escape_count: int
+
+
+def _parse(data: bytes | memoryview, *, count: int, width: int) -> _Parsed:
+    buf = memoryview(data)
+    if count < 1:
+        raise ValuesError("rans values stream for an entry of no values; the shard is corrupt")
+    if len(buf) >= count * width:
+        raise ValuesError(
+            f"rans values stream of {len(buf)} bytes is not shorter than the {count * width} "
+            "bytes of planes; the shard is corrupt"
+        )
+    if len(buf) < 2:
+        raise ValuesError("rans values stream is truncated (no header); the shard is corrupt")
+    size, bits = buf[0], buf[1]
+    if not 1 <= size <= MAX_TABLE or not 1 <= bits <= MAX_MODEL_BITS or (1 << bits) <= size:
+        raise ValuesError(
+            f"rans values stream declares {size} symbols at {bits} bits; the shard is corrupt"
+        )
+    offset = 2 + size * width
+    if offset > len(buf):
+        raise ValuesError("rans values stream is truncated in its table; the shard is corrupt")
+    table = np.frombuffer(buf[2:offset], dtype=f"<u{width}").astype(UNSIGNED_NP[width])
+    if size > 1 and not bool(np.all(table[1:] > table[:-1])):
+        raise ValuesError("rans value table is not strictly increasing; the shard is corrupt")
+    freqs = np.empty(size + 1, dtype=np.int64)
+    total = 0
+    for i in range(size):
+        freqs[i], offset = _read_varint(buf, offset, "frequencies")
+        if freqs[i] < 1:
+            raise ValuesError("rans model has a zero frequency; the shard is corrupt")
+        total += int(freqs[i])
+    if total >= 1 << bits:
+        raise ValuesError("rans model frequencies leave nothing for the escape; shard is corrupt")
+    freqs[size] = (1 << bits) - total
+    words_count, offset = _read_varint(buf, offset, "word count")
+    if words_count > max_words(count) or offset + 4 * words_count > len(buf):
+        raise ValuesError("rans values stream has more words than it holds or can need")
+    words = np.frombuffer(buf[offset : offset + 4 * words_count], dtype="<u4").astype(np.uint32)
+    if words_count and int(words[-1]) == 0:
+        raise ValuesError("rans values stream ends in a zero word; the shard is corrupt")
+    escapes = buf[offset + 4 * words_count :]
+    if len(escapes) % width:
+        raise ValuesError("rans escaped values are not whole values; the shard is corrupt")
+    escape_count = len(escapes) // width
+    if escape_count > count:
+        raise ValuesError("rans values stream holds more escapes than values; shard is corrupt")
+    return _Parsed(table, freqs, bits, words, escapes, escape_count)
+
+
+def _assemble(parsed: _Parsed, symbols: np.ndarray, count: int, width: int) -> np.ndarray:
+    escape = parsed.table.size
+    is_escape = symbols == escape
+    escaped = int(np.count_nonzero(is_escape))
+    if escaped != parsed.escape_count:
+        raise ValuesError(
+            f"rans values stream codes {escaped} escapes but holds {parsed.escape_count}; "
+            "the shard is corrupt"
+        )
+    out: np.ndarray = parsed.table[np.minimum(symbols, escape - 1)]
+    if escaped:
+        planes = np.frombuffer(parsed.escapes, dtype=np.uint8).reshape(width, escaped)
+        raw = np.array(planes[::-1].T, order="C").view(UNSIGNED_NP[width]).reshape(escaped)
+        out[is_escape] = raw
+    return out
+
+
+def decode_rans(data: bytes | memoryview, *, count: int, width: int) -> np.ndarray:
+    """Decode a ``rans`` stream into ``count`` unsigned values of ``width`` bytes; refuses
+    every malformed stream with :class:`ValuesError` (FORMAT.md §7.3)."""
+    import constriction
+
+    parsed = _parse(data, count=count, width=width)
+    try:
+        if parsed.words.size:
+            coder = constriction.stream.stack.AnsCoder(parsed.words)
+        else:
+            coder = constriction.stream.stack.AnsCoder()
+        symbols = np.asarray(
+            coder.decode(_constriction_model(parsed.freqs, parsed.bits), count), dtype=np.int32
+        )
+        leftover = coder.pos()
+    except (ValueError, RuntimeError, OverflowError) as exc:  # constriction's own refusals
+        raise ValuesError(f"rans values stream does not decode ({exc}); shard is corrupt") from None
+    if tuple(leftover) != (0, 0):
+        raise ValuesError("rans values stream has words left after its values; shard is corrupt")
+    return _assemble(parsed, symbols, count, width)
+
+
+# --- pure-Python reference of the coder (FORMAT.md §7.3); tests compare it with the above ---
+
+
+def _cumulative(freqs: np.ndarray, bits: int) -> tuple[list[int], list[int]]:
+    scaled = [int(f) << (PRECISION - bits) for f in freqs]
+    starts = [0]
+    for f in scaled[:-1]:
+        starts.append(starts[-1] + f)
+    return scaled, starts
+
+
+def _encode_reference(values: np.ndarray, model: Model) -> bytes:
+    """The stream of :func:`encode_rans`, computed step by step as FORMAT.md §7.3 states."""
+    width = values.dtype.itemsize
+    symbols = _symbols(values, model.table, width).tolist()
+    scaled, starts = _cumulative(model.freqs, model.bits)
+    state, words = 0, []
+    for s in reversed(symbols):
+        if (state >> (64 - PRECISION)) >= scaled[s]:
+            words.append(state & 0xFFFFFFFF)
+            state >>= 32
+        state = ((state // scaled[s]) << PRECISION) | (starts[s] + state % scaled[s])
+    if state >= _STATE_LOW:
+        words += [state & 0xFFFFFFFF, state >> 32]
+    elif state:
+        words.append(state)
+    escaped = values[np.asarray(symbols, dtype=np.int64) == model.table.size]
+    packed = np.asarray(words, dtype="<u4").tobytes()
+    return model.header(width) + _varint(len(words)) + packed + _planes(escaped, width)
+
+
+def _decode_reference(data: bytes | memoryview, *, count: int, width: int) -> np.ndarray:
+    """The values of a ``rans`` stream, decoded step by step as FORMAT.md §7.3 states."""
+    parsed = _parse(data, count=count, width=width)
+    scaled, starts = _cumulative(parsed.freqs, parsed.bits)
+    words = parsed.words.tolist()
+    state = 0
+    if words:
+        state = words.pop()
+        if words:
+            state = (state << 32) | words.pop()
+    symbols = []
+    mask = (1 << PRECISION) - 1
+    for _ in range(count):
+        quantile = state & mask
+        s = int(np.searchsorted(starts, quantile, side="right")) - 1
+        symbols.append(s)
+        state = (state >> PRECISION) * scaled[s] + quantile - starts[s]
+        if state < _STATE_LOW and words:
+            state = (state << 32) | words.pop()
+    if words or state:
+        raise ValuesError("rans values stream has words left after its values; shard is corrupt")
+    return _assemble(parsed, np.asarray(symbols, dtype=np.int32), count, width)
+
+
+__all__ = [
+    "MAX_TABLE",
+    "RANS",
+    "VALUES_RANS_FEATURE",
+    "Model",
+    "choose_model",
+    "decode_rans",
+    "encode_rans",
+    "max_words",
+    "quantize",
+    "worth_trying",
+]

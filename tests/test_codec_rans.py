@@ -1,0 +1,266 @@
+"""The ``rans`` value coding (FORMAT.md §7.3, §7.4): bit-exact against the spec's reference
+coder, strict on hostile streams, used only where allowed, and gated by its feature."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dcr_format import schema
+from dcr_format.codec import rans, values
+from dcr_format.codec.delta import XOR, apply_delta, decode_delta
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import stream_limits
+from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
+
+SPEC_VALUES = [1, 1, 3, 1, 1, 7, 1, 1, 3, 1, 0x8001, 1, 1, 1, 3, 1]
+SPEC_STREAM = "020501000300160602000020b5a900000000800701"
+
+
+def ulp_like(seed: int, count: int, width: int = 2) -> np.ndarray:
+    """XOR values of an optimizer step: mostly 1, 3, 7 (one-ulp carries), some others."""
+    rng = np.random.default_rng(seed)
+    carries = rng.geometric(0.5, count)
+    out = (np.left_shift(1, np.minimum(carries, 8 * width - 1)) - 1).astype(np.uint64)
+    noise = rng.random(count) < 0.02
+    out[noise] = rng.integers(1, 1 << (8 * width), int(noise.sum()), dtype=np.uint64)
+    return out.astype(f"<u{width}")
+
+
+def test_worked_example_of_the_spec() -> None:
+    data = np.array(SPEC_VALUES, dtype="<u2")
+    model, _ = rans.choose_model(data)
+    assert model.table.tolist() == [1, 3] and model.freqs.tolist() == [22, 6, 4]
+    assert model.bits == 5
+    stream = rans.encode_rans(data, model)
+    assert stream.hex() == SPEC_STREAM
+    assert rans._encode_reference(data, model) == stream
+    for decode in (rans.decode_rans, rans._decode_reference):
+        assert decode(bytes.fromhex(SPEC_STREAM), count=16, width=2).tolist() == SPEC_VALUES
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("kind", ["ulp", "uniform", "constant", "two"])
+def test_constriction_matches_the_reference_coder(width: int, kind: str) -> None:
+    rng = np.random.default_rng(width * 10 + len(kind))
+    count = 1500
+    if kind == "ulp":
+        data = ulp_like(width, count, width)
+    elif kind == "uniform":
+        high = np.iinfo(np.dtype(f"<u{width}")).max
+        data = rng.integers(0, high, count, dtype=np.uint64, endpoint=True).astype(f"<u{width}")
+    elif kind == "constant":
+        data = np.full(count, 5, dtype=f"<u{width}")
+    else:
+        data = rng.choice(np.array([0, 9], dtype=f"<u{width}"), count, p=[0.9, 0.1])
+    model, estimate = rans.choose_model(data)
+    stream = rans.encode_rans(data, model)
+    assert stream == rans._encode_reference(data, model)
+    assert abs(len(stream) - estimate) <= 8  # the estimate is the writer's guide
+    if len(stream) < count * width:  # decodable only where shorter than planes (rule 1)
+        for decode in (rans.decode_rans, rans._decode_reference):
+            out = decode(stream, count=count, width=width)
+            assert out.dtype == np.dtype(f"<u{width}") and np.array_equal(out, data)
+
+
+def test_a_stream_of_symbol_zero_only_has_no_words() -> None:
+    data = np.zeros(64, dtype="<u2")  # the table's first value everywhere: the state stays 0
+    model, _ = rans.choose_model(data)
+    stream = rans.encode_rans(data, model)
+    assert stream[2 + 2 + 1] == 0  # W = 0 after S, Q, table and one frequency
+    assert np.array_equal(rans.decode_rans(stream, count=64, width=2), data)
+
+
+def test_quantize_sums_to_the_precision_and_keeps_every_symbol() -> None:
+    freqs = rans.quantize(np.array([1000, 1, 0, 3]), 10)
+    assert int(freqs.sum()) == 1024 and int(freqs.min()) >= 1
+    assert freqs.tolist()[1:] == [1 + 1020 // 1004, 1, 1 + 3 * 1020 // 1004]
+
+
+# --- hostile streams -----------------------------------------------------------------------
+
+
+def _spec_stream() -> bytearray:
+    return bytearray(bytes.fromhex(SPEC_STREAM))
+
+
+def _mutations() -> list[tuple[str, bytes, int]]:
+    """(what, stream, count) that a reader must refuse; the base stream is the spec's."""
+    base = _spec_stream()
+    cases: list[tuple[str, bytes, int]] = []
+
+    def with_(offset: int, value: int) -> bytes:
+        out = bytearray(base)
+        out[offset] = value
+        return bytes(out)
+
+    cases.append(("no values", bytes(base), 0))
+    cases.append(("not shorter than planes", bytes(base), 10))
+    cases.append(("empty", b"", 16))
+    cases.append(("header only", bytes(base[:1]), 16))
+    cases.append(("table size 0", with_(0, 0), 16))
+    cases.append(("precision 0", with_(1, 0), 16))
+    cases.append(("precision 25", with_(1, 25), 16))
+    cases.append(("2^Q <= S", with_(0, 2)[:1] + bytes([1]) + bytes(base[2:]), 16))
+    cases.append(("table not increasing", with_(2, 3), 16))
+    cases.append(("table truncated", bytes(base[:4]), 16))
+    cases.append(("zero frequency", with_(6, 0), 16))
+    cases.append(("frequencies leave no escape", with_(6, 26), 16))
+    cases.append(("overlong varint", bytes(base[:6] + b"\x96\x00" + base[7:]), 16))
+    cases.append(("varint over 4 bytes", bytes(base[:6] + b"\x80\x80\x80\x80\x01" + base[7:]), 16))
+    cases.append(("frequency truncated", bytes(base[:7]), 16))
+    cases.append(("too many words", with_(8, 40), 16))
+    cases.append(("words run past the end", with_(8, 5), 16))
+    cases.append(("last word zero", bytes(base[:13] + b"\x00\x00\x00\x00" + base[17:]), 16))
+    cases.append(("escapes not whole values", bytes(base[:-1]), 16))
+    cases.append(("escape count differs", bytes(base[:-2]), 16))
+    cases.append(("more escapes than values", bytes(base[:17] + b"\x00" * 40), 24))
+    # words left over: decode fewer values than were coded (the stream stays shorter)
+    cases.append(("words left", bytes(base), 14))  # (15 passes: a trailing symbol 0 is free)
+    # a flipped word bit: the decoder runs but does not come back to state 0
+    cases.append(("state not zero", with_(9, base[9] ^ 0x10), 16))
+    return cases
+
+
+@pytest.mark.parametrize("what, stream, count", _mutations(), ids=[c[0] for c in _mutations()])
+def test_hostile_streams_are_refused(what: str, stream: bytes, count: int) -> None:
+    with pytest.raises(ValuesError):
+        rans.decode_rans(stream, count=count, width=2)
+    with pytest.raises(ValuesError):
+        rans._decode_reference(stream, count=count, width=2)
+    with pytest.raises(ValuesError):
+        values.decode_values("rans", stream, count=count, width=2)
+
+
+def test_random_garbage_never_escapes_as_another_error() -> None:
+    rng = np.random.default_rng(7)
+    good = bytes.fromhex(SPEC_STREAM)
+    for _ in range(300):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 4))):
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        try:
+            out = rans.decode_rans(bytes(data), count=16, width=2)
+        except ValuesError:
+            continue
+        assert out.shape == (16,)  # a stream that decodes gives exactly its values
+
+
+# --- the writer's choice and the feature ------------------------------------------------------
+
+
+def test_planes_unless_rans_is_allowed() -> None:
+    data = ulp_like(1, 5000)
+    assert values.encode_values(data)[0] == "planes"
+    coding, stream = values.encode_values(data, codings=("planes", "rans"))
+    assert coding == "rans" and len(stream) < 0.3 * data.size * 2
+    with values.allowed_codings(["values-rans", "pieces"]):
+        assert values.encode_values(data)[0] == "rans"
+    assert values.encode_values(data)[0] == "planes"  # the block ended
+    out = values.decode_values(coding, stream, count=data.size, width=2)
+    assert np.array_equal(out, data)
+
+
+def test_planes_where_rans_does_not_pay() -> None:
+    rng = np.random.default_rng(3)
+    uniform = rng.integers(0, 1 << 16, 4000, dtype=np.uint64).astype("<u2")
+    few = ulp_like(2, rans.MIN_VALUES - 1)
+    for data in (uniform, few):
+        assert values.encode_values(data, codings=("planes", "rans"))[0] == "planes"
+
+
+def test_large_arrays_are_sampled_first() -> None:
+    rng = np.random.default_rng(4)
+    weights = rng.integers(0x3000, 0x4000, rans.SAMPLE_ABOVE + 5, dtype=np.uint64).astype("<u2")
+    assert not rans.worth_trying(weights)  # 4096 values: most would escape
+    assert rans.worth_trying(ulp_like(5, rans.SAMPLE_ABOVE + 5))
+
+
+def test_bad_codings_and_features_are_argument_errors() -> None:
+    with pytest.raises(ArgumentError):
+        values.encode_values(np.zeros(4, "<u2"), codings=("huffman",))
+    with pytest.raises(ArgumentError):
+        values.writer_features(["positions-classed-typo"])
+    assert values.writer_features(["values-rans"]) == {"values-rans"}
+    assert values.features_for(["planes", None, "rans"]) == ("values-rans",)
+    assert values.features_for(["planes"]) == ()
+
+
+def test_decode_delta_applies_a_rans_entry() -> None:
+    old = torch.arange(4096, dtype=torch.int16).view(torch.bfloat16)
+    xor = ulp_like(6, 300)
+    positions = np.sort(np.random.default_rng(6).choice(4096, 300, replace=False))
+    coding, stream = values.encode_values(xor, codings=("planes", "rans"))
+    assert coding == "rans"
+    from dcr_format.codec.positions import encode_positions
+
+    pos_coding, pos_stream = encode_positions(positions)
+    delta = decode_delta(
+        XOR,
+        info_for(torch.bfloat16),
+        4096,
+        300,
+        positions=(pos_coding, pos_stream),
+        values=(coding, stream),
+    )
+    target = old.clone()
+    apply_delta(target, delta)
+    want = old.view(torch.int16).numpy().view(np.uint16).copy()
+    want[positions] ^= xor
+    assert np.array_equal(target.view(torch.int16).numpy().view(np.uint16), want)
+
+
+def _manifest(features: list[str], coding: str = "rans") -> bytes:
+    entry = {
+        "name": "w",
+        "dtype": "bfloat16",
+        "shape": [64],
+        "op": "xor",
+        "changed": 20,
+        "positions": {"shard": 0, "key": "0.p", "coding": "rice"},
+        "values": {"shard": 0, "key": "0.v", "coding": coding},
+        "encoded_bytes": 0,
+        "fingerprint": "0" * 32,
+        "parent_fingerprint": "1" * 32,
+    }
+    shard = {
+        "path": f"objects/{1:020d}/{'a' * 32}/shard-00000-00000.dcrs",
+        "sha256": "0" * 64,
+        "size": 10,
+        "decoded_size": 100,
+    }
+    manifest = {
+        "format_version": 1,
+        "required_features": features,
+        "chain_id": "c" * 32,
+        "version": 1,
+        "kind": "delta",
+        "attempt": "a" * 32,
+        "rank": 0,
+        "world_size": 1,
+        "shards": [shard],
+        "entries": [entry],
+    }
+    return json.dumps(manifest, separators=(",", ":")).encode()
+
+
+def _parse(features: list[str], coding: str = "rans") -> schema.Manifest:
+    return schema.parse(schema.Manifest, _manifest(features, coding), what="manifest")
+
+
+def test_the_feature_gates_the_coding(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert schema.VALUES_RANS_FEATURE == rans.VALUES_RANS_FEATURE == "values-rans"
+    manifest = _parse(["values-rans"])
+    assert manifest.entries[0].values is not None
+    assert stream_limits(manifest)[0]["0.v"] == 40  # the planes bound: rans is shorter
+    # listed without the coding is fine; the coding without the feature is not
+    stream_limits(_parse(["values-rans"], "planes"))
+    with pytest.raises(SchemaError, match="values-rans"):
+        stream_limits(_parse([]))
+    # a reader without the feature refuses the manifest before reading its entries
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", frozenset({schema.PIECES_FEATURE}))
+    with pytest.raises(UnsupportedFeatureError, match="values-rans"):
+        _parse(["values-rans"])
