@@ -45,7 +45,8 @@ def _skeleton(data: bytes) -> bytes:
     quotes = chars == _QUOTE
     outside = (np.cumsum(quotes, dtype=np.uint8) & 1) == 0
     outside &= ~quotes
-    return chars[outside].tobytes()
+    kept: np.ndarray = chars[outside]
+    return kept.tobytes()
 
 
 def scan(data: bytes, *, max_depth: int = MAX_DEPTH) -> str | None:

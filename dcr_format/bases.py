@@ -123,7 +123,7 @@ def read_base_record(chain: Chain, version: int) -> tuple[BaseRecord, str, int]:
     """Fetch and parse ``bases/<version>.json``; checks its chain and version only."""
     key = base_record_key(version)
     data = chain.store.get(key, max_size=MAX_RECORD_BYTES)
-    record = parse(BaseRecord, data, what=key)  # type: ignore[type-var]
+    record = parse(BaseRecord, data, what=key)
     if record.chain_id != chain.header.chain_id:
         raise ChainBrokenError(
             f"{key} belongs to chain {record.chain_id}, not this store's "

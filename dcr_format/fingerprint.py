@@ -243,13 +243,14 @@ def lanes_at(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, ...]:
     lanes = 3 if width == 8 else 2
     native = _native_for(positions, bits)
     if native is not None:
-        return native.position_lanes(
+        sums: tuple[int, ...] = native.position_lanes(
             _host_positions(positions),
             None,
             bits_to_numpy(bits.reshape(-1)),
             native_table(width),
             lanes,
         )
+        return sums
     out = [0] * lanes
     step = 1 << 20  # sum of step values below 2^31 stays far below 2^63
     for start in range(0, positions.numel(), step):

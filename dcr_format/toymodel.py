@@ -136,7 +136,8 @@ class Attention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+        return projected
 
 
 class MLP(nn.Module):
@@ -150,7 +151,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate(x)) * up(x))``."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +168,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """One transformer block."""
         x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class Backbone(nn.Module):
@@ -183,7 +186,8 @@ class Backbone(nn.Module):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.norm(x)
+        hidden: torch.Tensor = self.norm(x)
+        return hidden
 
 
 class CausalLM(nn.Module):
@@ -196,7 +200,8 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq)."""
-        return self.lm_head(self.model(tokens))
+        logits: torch.Tensor = self.lm_head(self.model(tokens))
+        return logits
 
 
 def build_model(

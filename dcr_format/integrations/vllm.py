@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -43,6 +43,11 @@ from dcr_format.errors import (
     VersionNotFoundError,
 )
 from dcr_format.readers.targets import DIR_STATE_FILE
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from dcr_format.readers.module import ModuleTarget
 
 __all__ = [
     "DcrInitInfo",
@@ -210,6 +215,8 @@ class _Syncer:
     resident version the model holds. Preparation runs in a background thread when
     ``prefetch`` (one rank only); a lock keeps it and the apply apart.
     """
+
+    target: ModuleTarget
 
     def __init__(
         self,
@@ -425,7 +432,10 @@ class DcrWorkerExtension:
         return None if last is None else last.to_dict()
 
 
-def _parse(cls: Any, data: Any, what: str) -> Any:
+_Info = TypeVar("_Info", bound="DataclassInstance")
+
+
+def _parse(cls: type[_Info], data: object, what: str) -> _Info:
     if isinstance(data, cls):
         return data
     if not isinstance(data, Mapping):
@@ -571,7 +581,9 @@ def _close_quietly(client: Any) -> None:
         pass
 
 
-def canonical_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict:
+def canonical_state(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
     """The model's state dict as canonical tensors of ``dtype`` (FSDP2 DTensors gathered with
     ``full_tensor()``; every rank must call it, since the gather is a collective).
 
@@ -579,7 +591,7 @@ def canonical_state(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16)
     ``lm_head.weight`` of a tied model is ``model.embed_tokens.weight``), since vLLM's
     loader refuses the tied name on its own.
     """
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int, int]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
         local = getattr(tensor, "_local_tensor", tensor)
@@ -613,7 +625,7 @@ def dcr_trainer_callback(
         raise ValueError("every must be a positive number of optimizer steps")
     export = state or (lambda model: canonical_state(model, dtype))
 
-    class DcrTrainerCallback(TrainerCallback):  # type: ignore[misc]
+    class DcrTrainerCallback(TrainerCallback):
         """Publishes the model with dcr after optimizer steps."""
 
         def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -14,7 +14,8 @@ serialisation.
 - :func:`plot`: bytes and change rate per version, by layer.
 """
 
-from dcr_format.tools._common import ObjectInfo, Problem, object_infos, parse_duration
+from dcr_format.store import ObjectInfo
+from dcr_format.tools._common import Problem, object_infos, parse_duration
 from dcr_format.tools._compact import CompactResult, compact
 from dcr_format.tools._diff import DiffReport, DiffRow, diff
 from dcr_format.tools._doctor import Check, DoctorReport, Verdict, doctor

@@ -260,7 +260,7 @@ def _decoded(
     chain: Chain, version: _Version, wanted: set[str], pool: ThreadPoolExecutor
 ) -> Iterator[tuple[Manifest, Entry, DecodedDelta]]:
     """Decode the changed entries of ``wanted`` tensors in one version (each shard fetched once)."""
-    jobs = []
+    jobs: list[tuple[Manifest, int]] = []
     for manifest in version.manifests:
         entries = [e for e in manifest.entries if e.name in wanted and e.changed > 0]
         shards = sorted({r.shard for e in entries for r in (e.positions, e.values) if r})

@@ -88,8 +88,8 @@ def plot_data(
     for name in rows:
         line: list[float | None] = []
         for column, sums_of in zip(columns, per_row, strict=True):
-            changed, total = sums_of.get(name, (0, 0))
-            line.append(None if column.kind == "base" or not total else changed / total)
+            elements, total = sums_of.get(name, (0, 0))
+            line.append(None if column.kind == "base" or not total else elements / total)
         rates.append(line)
     return PlotData(versions=columns, rows=rows, change_rate=rates)
 

@@ -147,7 +147,7 @@ def _counting(store: Store, tick: Any) -> Store:
         tick(len(data))
         return data
 
-    counted.get = get_counted  # type: ignore[method-assign]
+    counted.get = get_counted  # type: ignore[method-assign]  # on this copy only
     return counted
 
 

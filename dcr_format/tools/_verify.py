@@ -41,7 +41,7 @@ class VerifyReport(Row):
     """Deep: versions whose full state was replayed and checked tensor by tensor."""
     problems: list[Problem]
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # pydantic's form; mypy wants a bare @property
     @property
     def first_broken_version(self) -> int | None:
         """The lowest version with a problem."""
