@@ -54,12 +54,12 @@ def writer(rank: int, world: int, work: Path, store: str, versions: int, die_at:
     out: dict = {"rank": rank, "committed": [], "errors": []}
     for version in range(start, start + versions):
         if version == die_at and rank == world - 1:
-            import dcr_format.writers.writer as writer_module
+            import dcr_format.writers._part as part_module
 
             def die(*args, **kwargs):
                 os._exit(17)  # as a SIGKILL: no cleanup, no ABORTED marker
 
-            writer_module.Manifest = die  # dies right after its shards, before its manifest
+            part_module.Manifest = die  # dies right after its shards, before its manifest
         try:
             info = w.publish(model(version), step=version)
             out["committed"].append(info.version)

@@ -409,7 +409,7 @@ def test_pieces_that_do_not_add_up_are_not_committed(tmp_path):
     ]
     state, master = canonical_state(5)
     run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
-    writers[1]._region_lanes[("q", 1)] = (1, 2)  # a rank whose baseline drifted
+    writers[1]._part._region_lanes[("q", 1)] = (1, 2)  # a rank whose baseline drifted
     state, master = advance(state, master, 1)
     with pytest.raises((ChainBrokenError, IncompleteVersionError)):
         run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 
 import torch
 
@@ -24,8 +25,9 @@ from dcr_format.bases import (
     load_base,
 )
 from dcr_format.chain import (
-    MAX_RECORD_BYTES,
     Chain,
+    LoadedRecord,
+    TensorState,
     commit_key,
     new_id,
     sha256_hex,
@@ -36,20 +38,15 @@ from dcr_format.chain import (
 )
 from dcr_format.codec.delta import FULL, encode_tensor
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
-from dcr_format.errors import (
-    CapabilityError,
-    ChainBrokenError,
-    CommitStateUnknownError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    StoreError,
-)
+from dcr_format.codec.shard import ZSTD_LEVEL
+from dcr_format.errors import ChainBrokenError
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
-from dcr_format.schema import Entry, Manifest, ManifestRef, ShardRef, Stats, ValuesRef
+from dcr_format.schema import Entry, Manifest, ManifestRef, Stats, ValuesRef
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
+from dcr_format.writers._commit import create_if_absent, require_atomic_create
+from dcr_format.writers._part import ShardWriter
 
 DEFAULT_SHARD_BYTES = 256 << 20
 
@@ -97,12 +94,11 @@ def compact(
     if at in alternative_bases(store):
         existing = load_base(chain, commit)
         return _unchanged(at, existing.record.stats, "the version already has a base", key)
-    capabilities = store.capabilities
-    if not capabilities.atomic_create and not store.single_writer:
-        raise CapabilityError(
-            f"cannot compact in {store.url}: it cannot create {key} atomically; open the "
-            "store with single_writer=True if no other process writes it"
-        )
+    require_atomic_create(
+        store,
+        f"cannot compact in {store.url}: it cannot create {key} atomically; open the "
+        "store with single_writer=True if no other process writes it",
+    )
     tensors: dict[str, torch.Tensor] = {}
     synced = DeltaReader(store, StateDictTarget(tensors), verify="all").sync(to=at)
     table = state_table(chain.manifests(commit))
@@ -114,26 +110,8 @@ def compact(
         raise ChainBrokenError(  # the reader checked every tensor: this is a bug, not the store
             f"the snapshot of version {at} does not add up to its state fingerprint"
         )
-    entries = manifest.entries
-    stats = Stats(
-        tensors=len(entries),
-        total_elements=sum(numel(e.shape) for e in entries),
-        changed_elements=sum(e.changed for e in entries),
-        payload_bytes=sum(s.size for s in manifest.shards) + manifest_ref.size,
-        dense_bytes=sum(numel(e.shape) * info_for(e.dtype).width for e in entries),
-    )
-    record = BaseRecord(
-        chain_id=commit.record.chain_id,
-        version=at,
-        commit_sha256=commit.sha256,
-        created=timestamp(clock()),
-        attempt=attempt,
-        world_size=1,
-        manifests=(manifest_ref,),
-        state_fingerprint=commit.record.state_fingerprint,
-        stats=stats,
-    )
-    if not _create(store, key, record.to_json()):
+    record = _base_record(commit, manifest, manifest_ref, timestamp(clock()), attempt)
+    if not create_if_absent(store, key, record.to_json(), retry="run `dcr compact` again"):
         # another compaction won: our objects can never be referenced (FORMAT.md §14.4)
         store.delete_many(store.list(base_attempt_prefix(at, attempt)))
         existing = load_base(chain, commit)
@@ -144,10 +122,35 @@ def compact(
         reason="created",
         key=key,
         attempt=attempt,
-        tensors=stats.tensors,
-        payload_bytes=stats.payload_bytes,
-        dense_bytes=stats.dense_bytes,
+        tensors=record.stats.tensors,
+        payload_bytes=record.stats.payload_bytes,
+        dense_bytes=record.stats.dense_bytes,
         replayed_versions=synced.applied_versions,
+    )
+
+
+def _base_record(
+    commit: LoadedRecord, manifest: Manifest, ref: ManifestRef, created: str, attempt: str
+) -> BaseRecord:
+    """The record that publishes the snapshot ``manifest`` as a base of ``commit``."""
+    entries = manifest.entries
+    stats = Stats(
+        tensors=len(entries),
+        total_elements=sum(numel(e.shape) for e in entries),
+        changed_elements=sum(e.changed for e in entries),
+        payload_bytes=sum(s.size for s in manifest.shards) + ref.size,
+        dense_bytes=sum(numel(e.shape) * info_for(e.dtype).width for e in entries),
+    )
+    return BaseRecord(
+        chain_id=commit.record.chain_id,
+        version=commit.record.version,
+        commit_sha256=commit.sha256,
+        created=created,
+        attempt=attempt,
+        world_size=1,
+        manifests=(ref,),
+        state_fingerprint=commit.record.state_fingerprint,
+        stats=stats,
     )
 
 
@@ -170,53 +173,45 @@ def _write_snapshot(
     version: int,
     attempt: str,
     tensors: dict[str, torch.Tensor],
-    table: dict,  # type: ignore[type-arg]
+    table: dict[str, TensorState],
     chain_id: str,
     shard_bytes: int,
     zstd_level: int,
 ) -> tuple[ManifestRef, Manifest]:
     """Upload every tensor as a ``full`` entry (shards first, the manifest last)."""
-    shards: list[ShardRef] = []
-    streams: dict[str, bytes] = {}
-    pending = 0
-
-    def flush() -> None:
-        nonlocal streams, pending
-        if not streams:
-            return
-        stored, decoded = encode_shard(streams, level=zstd_level)
-        key = base_shard_key(version, attempt, 0, len(shards))
-        store.put(key, stored)
-        shards.append(
-            ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
-        )
-        streams, pending = {}, 0
-
+    shards = ShardWriter(
+        store, partial(base_shard_key, version, attempt, 0), shard_bytes, zstd_level
+    )
     entries = []
-    for index, name in enumerate(sorted(tensors)):
-        tensor = tensors[name]
-        encoded = encode_tensor(tensor, None, op=FULL)
-        values = None
-        if encoded.values is not None:
-            stream = f"{index}.v"
-            streams[stream] = encoded.values
-            pending += len(encoded.values)
-            values = ValuesRef(shard=len(shards), key=stream, coding=encoded.values_coding)
-        entries.append(
-            Entry(
-                name=name,
-                dtype=info_for(tensor.dtype).name,
-                shape=tuple(tensor.shape),
-                op=FULL,
-                changed=encoded.changed,
-                values=values,
-                encoded_bytes=encoded.nbytes,
-                fingerprint=table[name].fingerprint,
+    try:
+        for index, name in enumerate(sorted(tensors)):
+            tensor = tensors[name]
+            encoded = encode_tensor(tensor, None, op=FULL)
+            values = None
+            if encoded.values is not None:
+                assert encoded.values_coding is not None
+                stream = f"{index}.v"
+                values = ValuesRef(
+                    shard=shards.add(stream, encoded.values),
+                    key=stream,
+                    coding=encoded.values_coding,
+                )
+            entries.append(
+                Entry(
+                    name=name,
+                    dtype=info_for(tensor.dtype).name,
+                    shape=tuple(tensor.shape),
+                    op=FULL,
+                    changed=encoded.changed,
+                    values=values,
+                    encoded_bytes=encoded.nbytes,
+                    fingerprint=table[name].fingerprint,
+                )
             )
-        )
-        if pending >= shard_bytes:
-            flush()
-    flush()
+            shards.maybe_flush()
+        shards.finish()
+    finally:
+        shards.close()
     manifest = Manifest(
         chain_id=chain_id,
         version=version,
@@ -224,29 +219,10 @@ def _write_snapshot(
         attempt=attempt,
         rank=0,
         world_size=1,
-        shards=tuple(shards),
+        shards=tuple(shards.shards),
         entries=tuple(entries),
     )
     data = manifest.to_json()
     key = base_manifest_key(version, attempt, 0)
     store.put(key, data)
     return ManifestRef(rank=0, path=key, sha256=sha256_hex(data), size=len(data)), manifest
-
-
-def _create(store: Store, key: str, data: bytes) -> bool:
-    """Create-if-absent; False when another record is there. Unknown outcomes re-read."""
-    for _ in range(2):
-        try:
-            store.put_if_absent(key, data)
-            return True
-        except ObjectExistsError:
-            break
-        except StoreError:
-            continue
-    try:
-        landed = store.get(key, max_size=MAX_RECORD_BYTES)
-    except ObjectNotFoundError:
-        raise CommitStateUnknownError(
-            f"could not create {key} and cannot tell whether it landed; run `dcr compact` again"
-        ) from None
-    return landed == data

@@ -1,15 +1,21 @@
-"""The trainer side: diff against the baseline, publish shards and a manifest, commit jointly."""
+"""The trainer side: diff against the baseline, publish shards and a manifest, commit jointly.
+
+:class:`DeltaWriter` runs a publish: rank 0 picks the attempt id and reads the reader
+records, every rank writes its part (shards and manifest), rank 0 commits
+(``writers/_commit.py``) and every rank then advances its baseline. What a rank's part
+is comes from the part it is given: canonical tensors owned by name (this module's
+:class:`CanonicalPart`, the default) or local tensors placed by a
+:class:`~dcr_format.layout.Layout` (``layout=``, ``writers/_projection.py``).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -18,51 +24,32 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.chain import (
-    HEAD_KEY,
     MAX_MANIFEST_BYTES,
     MAX_RECORD_BYTES,
     Chain,
     LoadedRecord,
     TensorChange,
     TensorState,
-    attempt_prefix,
-    check_manifest,
-    commit_key,
     manifest_key,
     new_id,
     sha256_hex,
-    shard_key,
     state_table,
     table_fingerprint,
     tensor_changes,
     timestamp,
     utc_now,
 )
-from dcr_format.codec.delta import (
-    FULL,
-    OPS,
-    OVERWRITE,
-    DecodedDelta,
-    EncodedTensor,
-    apply_delta,
-)
+from dcr_format.codec.delta import FULL, OPS, OVERWRITE, DecodedDelta, EncodedTensor, apply_delta
 from dcr_format.codec.dtypes import bits_view, info_for
-from dcr_format.codec.shard import ZSTD_LEVEL, encode_shard
+from dcr_format.codec.shard import ZSTD_LEVEL
 from dcr_format.cuda.pipeline import encode_stream
 from dcr_format.errors import (
     ArgumentError,
-    CapabilityError,
     ChainBrokenError,
-    CommitConflictError,
-    CommitStateUnknownError,
-    FormatError,
     IncompleteVersionError,
     IntegrityError,
     MissingTensorError,
-    ObjectExistsError,
-    ObjectNotFoundError,
     ObjectTooLargeError,
-    StoreError,
     TargetError,
     UnsupportedDtypeError,
 )
@@ -73,26 +60,32 @@ from dcr_format.fingerprint import (
     tensor_fingerprint,
     tensor_lanes,
 )
+from dcr_format.layout import Layout
+from dcr_format.readers.reader import DeltaReader
+from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import (
     CommitRecord,
     Entry,
     Manifest,
     ManifestRef,
     PositionsRef,
-    ReaderRecord,
-    ShardRef,
     Stats,
     ValuesRef,
     check_tensor_name,
-    parse,
 )
 from dcr_format.store import Store, open_store
+from dcr_format.writers._commit import (
+    abort,
+    await_commit,
+    create_commit,
+    gather_manifests,
+    read_reader_records,
+    require_atomic_create,
+)
+from dcr_format.writers._part import Attempt, Part, ShardWriter, Tensors, Written, pairs
+from dcr_format.writers._projection import ProjectionPart
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
-ABORT_MARKER = "ABORTED"
-READERS_PREFIX = "readers/"
-_READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
-MAX_READER_RECORD_BYTES = 64 << 20
 DEFAULT_SHARD_BYTES = 256 << 20
 _log = logging.getLogger(__name__)
 
@@ -148,92 +141,6 @@ class CommitInfo(BaseModel):
         )
 
 
-def _pairs(
-    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(tensors, Mapping):
-        yield from tensors.items()
-    else:
-        yield from tensors
-
-
-_Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """One tensor's change, held until the commit is known to exist."""
-
-    delta: DecodedDelta | None  # None: no bits changed
-    fingerprint: str
-    lanes: tuple[int, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-class _ShardWriter:
-    """Collects entry streams into shards of bounded size; each full shard is compressed and
-    uploaded on a background thread while the writer encodes the next tensors.
-
-    At most one shard is in flight (the next one waits for it), so memory stays at about two
-    shards. :meth:`finish` uploads the last one and re-raises any upload failure.
-    """
-
-    def __init__(
-        self, store: Store, version: int, attempt: str, rank: int, limit: int, level: int
-    ) -> None:
-        self.store, self.version, self.attempt, self.rank = store, version, attempt, rank
-        self.limit, self.level = limit, level
-        self.shards: list[ShardRef] = []
-        self._streams: dict[str, bytes] = {}
-        self._bytes = 0
-        self._count = 0  # shards started (uploaded or in flight)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
-        self._inflight: Future[ShardRef] | None = None
-
-    def add(self, key: str, data: bytes) -> int:
-        """Queue a stream; returns the index of the shard it lands in."""
-        self._streams[key] = data
-        self._bytes += len(data)
-        return self._count
-
-    def maybe_flush(self) -> None:
-        """Start uploading the current shard once it reached the size limit."""
-        if self._bytes >= self.limit:
-            self._start_upload()
-
-    def _start_upload(self) -> None:
-        """Start uploading the current shard, if it holds any stream."""
-        if not self._streams:
-            return
-        self._collect()
-        streams, index = self._streams, self._count
-        self._streams, self._bytes = {}, 0
-        self._count += 1
-        self._inflight = self._pool.submit(self._upload, streams, index)
-
-    def _upload(self, streams: dict[str, bytes], index: int) -> ShardRef:
-        stored, decoded = encode_shard(streams, level=self.level)
-        key = shard_key(self.version, self.attempt, self.rank, index)
-        self.store.put(key, stored)
-        return ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
-
-    def _collect(self) -> None:
-        """Wait for the shard in flight (its failure is raised here)."""
-        if self._inflight is not None:
-            inflight, self._inflight = self._inflight, None
-            self.shards.append(inflight.result())
-
-    def finish(self) -> None:
-        """Upload what is left and wait for every upload; the caller then calls close()."""
-        self._start_upload()
-        self._collect()
-
-    def close(self) -> None:
-        """Stop the upload thread (after waiting for a shard in flight)."""
-        self._pool.shutdown(wait=True)
-
-
 class DeltaWriter:
     """Publishes every training step of one writer rank as a version of the chain.
 
@@ -242,6 +149,12 @@ class DeltaWriter:
     may be handed everything or only its own. The baseline (exact bits of the last
     committed version of the owned tensors) lives on ``baseline_device`` and
     advances only once the commit record is known to exist.
+
+    With ``layout``, :meth:`publish` takes this rank's *local* tensors instead
+    (tensor-parallel shards, fused matrices, ...) placed by the
+    :class:`~dcr_format.layout.Layout`; each rank passes its own layout, the baseline
+    is the local tensors, and ``cache_dir`` is not supported (reopening a chain
+    restores the baseline from the store).
 
     With ``reader_records`` (default), rank 0 reads the reader records
     (``readers/*.json``) at every delta publish and every rank sends the tensors
@@ -265,19 +178,13 @@ class DeltaWriter:
         clock: Callable[[], datetime] = utc_now,
         ids: Callable[[], str] = new_id,
         reader_records: bool = True,
+        layout: Layout | None = None,
     ) -> None:
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ArgumentError(f"rank {rank} is not in [0, world_size={world_size})")
-        if base_every is not None and base_every < 1:
-            raise ArgumentError("base_every must be a positive number of versions")
-        if world_size > 1 and coordinator is None:
+        _check_options(rank, world_size, base_every, coordinator, ops)
+        if layout is not None and cache_dir is not None:
             raise ArgumentError(
-                "world_size > 1 needs a coordinator "
-                "(ThreadCoordinator, TorchDistributedCoordinator)"
+                "a writer with a layout keeps no baseline cache; leave cache_dir unset"
             )
-        for name, op in (ops or {}).items():
-            if op not in OPS:
-                raise ArgumentError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.rank, self.world_size = rank, world_size
@@ -290,13 +197,24 @@ class DeltaWriter:
         self.commit_timeout = commit_timeout
         self.clock, self.ids = clock, ids
         self.reader_records = reader_records
-        self._reader_overwrite: frozenset[str] = frozenset()  # from readers/*.json (§3.6)
+        self.layout = layout
+        self._part: Part
+        if layout is None:
+            cache = (
+                None if self.cache_dir is None else _BaselineCache(self.cache_dir, rank, world_size)
+            )
+            self._part = CanonicalPart(
+                rank=rank,
+                world_size=world_size,
+                device=self.baseline_device,
+                ops=self.ops,
+                cache=cache,
+            )
+        else:
+            self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
         self._opened = False
         self._version: int | None = None
         self._record: LoadedRecord | None = None
-        self._baseline: dict[str, torch.Tensor] = {}
-        self._fingerprints: dict[str, str] = {}
-        self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
         self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
         # seconds of the last publish by stage: diff, coding and shard uploads; manifest and
         # commit (waiting for every rank); baseline advance and cache
@@ -312,25 +230,25 @@ class DeltaWriter:
 
     @property
     def baseline(self) -> Mapping[str, torch.Tensor]:
-        """The owned tensors' exact bits at :attr:`version` (read-only by convention)."""
+        """The exact bits at :attr:`version` of the owned tensors (with a layout: of the
+        local tensors); read-only by convention."""
         self._open()
-        return self._baseline
+        return self._part.baseline
 
     def owns(self, name: str) -> bool:
-        """Whether this rank publishes ``name``."""
-        return owner(name, self.world_size) == self.rank
+        """Whether this rank publishes (some of) canonical tensor ``name``."""
+        return self._part.owns(name)
 
     def _open(self) -> None:
         if self._opened:
             return
         # Refuse before writing anything where create-if-absent is not atomic (probes S3).
-        capabilities = self.store.capabilities
-        if not capabilities.atomic_create and not self.store.single_writer:
-            raise CapabilityError(
-                f"cannot publish to {self.store.url}: conditional writes are not honoured by "
-                "this server, so two writers could both commit one version; pass "
-                "single_writer=True (one writer only): DeltaWriter(Store(url, single_writer=True))"
-            )
+        capabilities = require_atomic_create(
+            self.store,
+            f"cannot publish to {self.store.url}: conditional writes are not honoured by "
+            "this server, so two writers could both commit one version; pass "
+            "single_writer=True (one writer only): DeltaWriter(Store(url, single_writer=True))",
+        )
         if not self.chain.exists():
             self.chain.create(
                 clock=self.clock,
@@ -343,48 +261,15 @@ class DeltaWriter:
         self._opened = True
 
     def _restore(self, latest: int) -> None:
-        """Continue an existing chain: baseline from the local cache if valid, else the store."""
-        from dcr_format.readers.reader import DeltaReader
-        from dcr_format.readers.targets import StateDictTarget
-
-        self._record = self.chain.record(latest)
-        manifests = self.chain.manifests(self._record)
-        table = state_table(manifests)
-        owned = {n: s for n, s in table.items() if self.owns(n)}
-        target = self._load_cache()
-        if target is not None:
-            try:
-                synced = DeltaReader(self.store, target, select=self.owns, verify="all").sync(
-                    to=latest
-                )
-            except (IntegrityError, TargetError):
-                target = None  # a stale or damaged cache: replay from the store instead
-            else:
-                # a cache already at `latest` was not checked by the sync (nothing to apply)
-                if set(target.tensors) != set(owned) or (
-                    not synced.applied_versions
-                    and any(
-                        _cached_fingerprint(t) != owned[n].fingerprint
-                        for n, t in target.tensors.items()
-                    )
-                ):
-                    target = None
-        if target is None:
-            target = StateDictTarget({})
-            DeltaReader(self.store, target, select=self.owns).sync(to=latest)
-        self._baseline = {n: t.to(self.baseline_device) for n, t in target.tensors.items()}
-        self._table = table
-        self._fingerprints = {n: s.fingerprint for n, s in table.items() if self.owns(n)}
-        self._version = latest
+        """Continue an existing chain from committed version ``latest``."""
+        record = self.chain.record(latest)
+        table = state_table(self.chain.manifests(record))
+        self._part.restore(self.chain, record, table)
+        self._record, self._table, self._version = record, table, latest
 
     # --- publish ----------------------------------------------------------------------
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        step: int | None = None,
-    ) -> CommitInfo:
+    def publish(self, tensors: Tensors, *, step: int | None = None) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` and commit it with every rank.
 
         Raises :class:`CommitConflictError` if another writer committed this version first
@@ -392,41 +277,23 @@ class DeltaWriter:
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
         self._open()
-        version = 0 if self._version is None else self._version + 1
-        base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
-        kind = "base" if base else "delta"
-        # rank 0 reads the reader records once and every rank uses its answer (FORMAT.md §8.4)
-        attempt, overwrite = self.coordinator.broadcast(
-            (self.ids(), self._read_reader_records() if not base else frozenset())
-            if self.rank == 0
-            else None,
-            rank=self.rank,
-        )
-        self._reader_overwrite = frozenset(overwrite)
+        attempt = self._begin()
         clock = time.perf_counter
         started = clock()
         try:
-            pending, manifest = self._write_part(tensors, version, kind, attempt)
+            written = self._part.write(tensors, attempt)
         except BaseException:
-            self._abort(version, attempt)  # no manifest of ours exists: the attempt cannot commit
+            self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
         encoded = clock()
-        own = manifest.to_json()
-        if len(own) > MAX_MANIFEST_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
-            self._abort(version, attempt)
-            raise ObjectTooLargeError(
-                f"the manifest of rank {self.rank} would be {len(own)} bytes, over the "
-                f"{MAX_MANIFEST_BYTES}-byte limit readers enforce; publish with more writer ranks"
-            )
-        # not inside the try: a manifest upload that fails may still have landed, so it must
-        # not mark the attempt abandoned (the committer may commit it)
-        self.store.put(manifest_key(version, attempt, self.rank), own)
+        own = self._upload_manifest(written.manifest, attempt)
         if self.rank == 0:
-            loaded, table = self._commit(version, kind, attempt, step, own)
+            loaded, table = self._commit(attempt, step, own)
         else:
-            loaded, table = self._await_commit(version, attempt), {}
+            loaded = await_commit(self.chain, attempt.version, attempt.id, self.commit_timeout)
+            table = {}
         committed = clock()
-        self._advance(pending, loaded, table, base)
+        self._advance(written, loaded, table)
         self.timings = {
             "encode_upload_s": encoded - started,
             "commit_s": committed - encoded,
@@ -434,40 +301,273 @@ class DeltaWriter:
         }
         return CommitInfo.from_record(loaded.record)
 
-    def _write_part(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int,
-        kind: str,
-        attempt: str,
-    ) -> tuple[dict[str, _Pending], Manifest]:
-        """Encode this rank's tensors and upload its shards; returns its manifest to upload."""
-        base = kind == "base"
-        shards = _ShardWriter(
-            self.store, version, attempt, self.rank, self.shard_bytes, self.zstd_level
+    def _begin(self) -> Attempt:
+        """The attempt of the next version; rank 0 picks its id and reads the reader records
+        once, and every rank uses its answer (FORMAT.md §8.4)."""
+        version = 0 if self._version is None else self._version + 1
+        base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
+        mine = None
+        if self.rank == 0:
+            records = self.reader_records and not base
+            mine = (self.ids(), read_reader_records(self.store) if records else frozenset())
+        attempt, overwrite = self.coordinator.broadcast(mine, rank=self.rank)
+        return Attempt(
+            store=self.store,
+            chain_id=self.chain.header.chain_id,
+            version=version,
+            kind="base" if base else "delta",
+            id=attempt,
+            rank=self.rank,
+            world_size=self.world_size,
+            shard_bytes=self.shard_bytes,
+            zstd_level=self.zstd_level,
+            overwrite=frozenset(overwrite),
         )
+
+    def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> bytes:
+        """Upload this rank's manifest; returns its bytes as uploaded."""
+        own = manifest.to_json()
+        if len(own) > MAX_MANIFEST_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
+            self._abort(attempt.version, attempt.id)
+            raise ObjectTooLargeError(
+                f"the manifest of rank {self.rank} would be {len(own)} bytes, over the "
+                f"{MAX_MANIFEST_BYTES}-byte limit readers enforce; publish with more writer ranks"
+            )
+        # a manifest upload that fails may still have landed, so it must not mark the attempt
+        # abandoned (the committer may commit it)
+        self.store.put(manifest_key(attempt.version, attempt.id, self.rank), own)
+        return own
+
+    # --- commit -------------------------------------------------------------------------
+
+    def _commit(
+        self, attempt: Attempt, step: int | None, own: bytes
+    ) -> tuple[LoadedRecord, dict[str, TensorState]]:
+        """Wait for every rank's manifest, check them, and create the commit record."""
+        version = attempt.version
+        try:
+            found = gather_manifests(
+                self.store,
+                chain_id=attempt.chain_id,
+                version=version,
+                kind=attempt.kind,
+                attempt=attempt.id,
+                world_size=self.world_size,
+                rank=self.rank,
+                own=own,
+                timeout=self.commit_timeout,
+                check=self._part.check_manifest,
+            )
+            table = self._check_version([m for m, _ in found], attempt)
+        except Exception:
+            self._abort(version, attempt.id)
+            raise
+        record = self._record_for(attempt, step, found, table)
+        data = record.to_json()
+        if len(data) > MAX_RECORD_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
+            self._abort(version, attempt.id)
+            raise ObjectTooLargeError(
+                f"the commit record of version {version} would be {len(data)} bytes, over the "
+                f"{MAX_RECORD_BYTES}-byte limit readers enforce; publish with fewer writer ranks"
+            )
+        create_commit(self.store, version, data)
+        return LoadedRecord(record, sha256_hex(data), len(data)), table
+
+    def _check_version(self, manifests: list[Manifest], attempt: Attempt) -> dict[str, TensorState]:
+        """The version's state table; a delta's pieces must add up to the parent's tensors
+        and a delta must not drop a tensor."""
+        changes = tensor_changes(manifests)  # pieces combined (FORMAT.md §4.8)
+        table = state_table(manifests)
+        if attempt.kind == "delta":
+            version = attempt.version
+            self._check_parent(changes, version)
+            dropped = sorted(set(self._table) - set(table))
+            if dropped:
+                raise MissingTensorError(
+                    f"version {version} lacks {len(dropped)} tensors of version {version - 1} "
+                    f"(first: {dropped[0]!r}); publish every tensor or write a base"
+                )
+        return table
+
+    def _check_parent(self, changes: dict[str, TensorChange], version: int) -> None:
+        """Pieces of a tensor must add up to the parent's fingerprint (their lanes sum over
+        regions: a gap or an overlap between the ranks' regions shows here)."""
+        for name, change in changes.items():
+            if not change.pieces or change.full:
+                continue
+            row = self._table.get(name)
+            if row is None or row.fingerprint != change.parent_fingerprint:
+                raise ChainBrokenError(
+                    f"the pieces of {name!r} do not add up to version {version - 1}'s tensor: "
+                    "the writer ranks' layouts overlap or leave a gap"
+                )
+
+    def _record_for(
+        self,
+        attempt: Attempt,
+        step: int | None,
+        found: list[tuple[Manifest, ManifestRef]],
+        table: dict[str, TensorState],
+    ) -> CommitRecord:
+        """The commit record of the attempt, naming every rank's manifest."""
+        manifests = [m for m, _ in found]
+        stats = Stats(
+            tensors=len(table),
+            total_elements=sum(_numel(t.shape) for t in table.values()),
+            changed_elements=sum(e.changed for m in manifests for e in m.entries),
+            payload_bytes=sum(s.size for m in manifests for s in m.shards)
+            + sum(ref.size for _, ref in found),
+            dense_bytes=sum(_numel(t.shape) * info_for(t.dtype).width for t in table.values()),
+        )
+        version = attempt.version
+        return CommitRecord(
+            required_features=tuple(sorted({f for m in manifests for f in m.required_features})),
+            chain_id=attempt.chain_id,
+            version=version,
+            kind=attempt.kind,
+            parent=None if version == 0 else version - 1,
+            parent_sha256=None if self._record is None else self._record.sha256,
+            step=step,
+            created=timestamp(self.clock()),
+            attempt=attempt.id,
+            world_size=self.world_size,
+            manifests=tuple(ref for _, ref in found),
+            state_fingerprint=table_fingerprint(table),
+            stats=stats,
+        )
+
+    def _abort(self, version: int, attempt: str) -> None:
+        abort(self.store, version, attempt)
+
+    def _advance(
+        self, written: Written, loaded: LoadedRecord, table: dict[str, TensorState]
+    ) -> None:
+        """The commit exists: bring the baseline to the committed bits."""
+        written.advance()
+        self._record = loaded
+        self._version = loaded.record.version
+        if self.rank == 0:
+            self._table = table
+
+
+def _check_options(
+    rank: int,
+    world_size: int,
+    base_every: int | None,
+    coordinator: Coordinator | None,
+    ops: Mapping[str, str] | None,
+) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ArgumentError(f"rank {rank} is not in [0, world_size={world_size})")
+    if base_every is not None and base_every < 1:
+        raise ArgumentError("base_every must be a positive number of versions")
+    if world_size > 1 and coordinator is None:
+        raise ArgumentError(
+            "world_size > 1 needs a coordinator (ThreadCoordinator, TorchDistributedCoordinator)"
+        )
+    for name, op in (ops or {}).items():
+        if op not in OPS:
+            raise ArgumentError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
+
+
+# --- the canonical part ---------------------------------------------------------------------
+
+_Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """One tensor's change, held until the commit is known to exist."""
+
+    delta: DecodedDelta | None  # None: no bits changed
+    fingerprint: str
+    lanes: tuple[int, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class CanonicalPart:
+    """A writer rank's part of canonical tensors: those this rank owns (:func:`owner`)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        ops: Mapping[str, str],
+        cache: _BaselineCache | None,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device, self.ops, self.cache = device, ops, cache
+        self._baseline: dict[str, torch.Tensor] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
+
+    @property
+    def baseline(self) -> Mapping[str, torch.Tensor]:
+        """The owned tensors' exact bits at the last commit."""
+        return self._baseline
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank publishes ``name``."""
+        return owner(name, self.world_size) == self.rank
+
+    def check_manifest(self, manifest: Manifest, rank: int, key: str) -> None:
+        """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
+        writers' layout and are checked when combined (§4.8)."""
+        for entry in manifest.entries:
+            if entry.piece is None and owner(entry.name, self.world_size) != rank:
+                raise IncompleteVersionError(f"{key} lists {entry.name!r}, owned by another rank")
+
+    # --- restore ------------------------------------------------------------------------
+
+    def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
+        """The baseline of ``latest``: from the local cache if valid, else from the store."""
+        owned = {n: s for n, s in table.items() if self.owns(n)}
+        version = latest.record.version
+        target = self._from_cache(chain, version, owned)
+        if target is None:
+            target = StateDictTarget({})
+            DeltaReader(chain.store, target, select=self.owns).sync(to=version)
+        self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
+        self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
+
+    def _from_cache(
+        self, chain: Chain, version: int, owned: dict[str, TensorState]
+    ) -> StateDictTarget | None:
+        """The cached baseline brought to ``version`` and checked, or None."""
+        if self.cache is None:
+            return None
+        target = self.cache.load(chain.header.chain_id)
+        if target is None:
+            return None
+        try:
+            synced = DeltaReader(chain.store, target, select=self.owns, verify="all").sync(
+                to=version
+            )
+        except (IntegrityError, TargetError):
+            return None  # a stale or damaged cache: replay from the store instead
+        if set(target.tensors) != set(owned):
+            return None
+        # a cache already at `version` was not checked by the sync (nothing to apply)
+        if not synced.applied_versions and any(
+            _cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()
+        ):
+            return None
+        return target
+
+    # --- publish --------------------------------------------------------------------------
+
+    def write(self, tensors: Tensors, attempt: Attempt) -> Written:
+        """Encode this rank's tensors and upload its shards."""
+        shards = attempt.shards()
         entries: list[Entry] = []
         pending: dict[str, _Pending] = {}
-        seen: set[str] = set()
-
-        def owned() -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
-            for name, tensor in _pairs(tensors):
-                check_tensor_name(name)  # on every rank: a reserved name fails the whole version
-                if not self.owns(name):
-                    continue
-                if name in seen:
-                    raise ArgumentError(f"tensor {name!r} was given twice in one publish")
-                seen.add(name)
-                tensor = tensor.detach()
-                info_for(tensor.dtype)  # refuses dtypes the format cannot carry
-                old = self._baseline.get(name)
-                op = FULL if base else self._op_for(name, tensor, old)
-                yield (name, tensor, old), tensor, old, op
-
         try:
             # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
             # a full shard uploads on a background thread while the next tensors are coded
-            for (name, tensor, old), encoded in encode_stream(owned()):
+            for (name, tensor, old), encoded in encode_stream(self._owned(tensors, attempt)):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
                 entries.append(
@@ -478,25 +578,49 @@ class DeltaWriter:
                     encoded.advance, fingerprint, lanes, tensor.dtype, tuple(tensor.shape)
                 )
             missing = sorted(set(self._baseline) - set(pending))
-            if missing and not base:
+            if missing and not attempt.base:
                 raise MissingTensorError(
-                    f"{len(missing)} tensors of version {self._version} were not given "
+                    f"{len(missing)} tensors of version {attempt.version - 1} were not given "
                     f"(first: {missing[0]!r}); pass every tensor each step"
                 )
             shards.finish()
         finally:
             shards.close()
-        manifest = Manifest(
-            chain_id=self.chain.header.chain_id,
-            version=version,
-            kind=kind,
-            attempt=attempt,
-            rank=self.rank,
-            world_size=self.world_size,
-            shards=tuple(shards.shards),
-            entries=tuple(entries),
-        )
-        return pending, manifest
+        manifest = attempt.manifest(shards, entries)
+
+        def advance() -> None:
+            self._advance(pending, attempt)
+
+        return Written(manifest, advance)
+
+    def _owned(
+        self, tensors: Tensors, attempt: Attempt
+    ) -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
+        """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
+        seen: set[str] = set()
+        for name, tensor in pairs(tensors):
+            check_tensor_name(name)  # on every rank: a reserved name fails the whole version
+            if not self.owns(name):
+                continue
+            if name in seen:
+                raise ArgumentError(f"tensor {name!r} was given twice in one publish")
+            seen.add(name)
+            tensor = tensor.detach()
+            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            old = self._baseline.get(name)
+            op = FULL if attempt.base else self._op_for(name, tensor, old, attempt.overwrite)
+            yield (name, tensor, old), tensor, old, op
+
+    def _op_for(
+        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, overwrite: frozenset[str]
+    ) -> str | None:
+        """The op of a delta entry: configured, else overwrite where a reader asked for it
+        (and a comparable baseline exists), else chosen by size."""
+        op = self.ops.get(name)
+        if op is None and name in overwrite:
+            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
+                return OVERWRITE
+        return op
 
     def _lanes_after(
         self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, encoded: EncodedTensor
@@ -523,15 +647,17 @@ class DeltaWriter:
         encoded: EncodedTensor,
         fingerprint: str,
         index: int,
-        shards: _ShardWriter,
+        shards: ShardWriter,
     ) -> Entry:
         positions = values = None
         if encoded.positions is not None:
+            assert encoded.positions_coding is not None
             key = f"{index}.p"
             positions = PositionsRef(
                 shard=shards.add(key, encoded.positions), key=key, coding=encoded.positions_coding
             )
         if encoded.values is not None:
+            assert encoded.values_coding is not None
             key = f"{index}.v"
             values = ValuesRef(
                 shard=shards.add(key, encoded.values), key=key, coding=encoded.values_coding
@@ -549,325 +675,93 @@ class DeltaWriter:
             parent_fingerprint=self._fingerprints.get(name) if encoded.op != FULL else None,
         )
 
-    # --- commit -------------------------------------------------------------------------
+    # --- advance --------------------------------------------------------------------------
 
-    def _wait(self, ready: Callable[[], object | None], what: str) -> object:
-        deadline = time.monotonic() + self.commit_timeout
-        delay = 0.002
-        while True:
-            result = ready()
-            if result is not None:
-                return result
-            if time.monotonic() >= deadline:
-                raise IncompleteVersionError(
-                    f"timed out after {self.commit_timeout:.0f} s waiting for {what}"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
-
-    def _commit(
-        self, version: int, kind: str, attempt: str, step: int | None, own: bytes
-    ) -> tuple[LoadedRecord, dict[str, TensorState]]:
-        """Wait for every rank's manifest, check them, and create the commit record.
-
-        ``own``: the bytes of this rank's manifest as uploaded. A manifest read back is
-        what the record's sha256 will name, so bytes altered in transit (an S3 ranged GET
-        carries no checksum) must not be taken: ours must equal ``own``, another rank's
-        must read the same twice; otherwise it is read again.
-        """
-        header = self.chain.header
-        found: dict[int, tuple[Manifest, ManifestRef]] = {}
-
-        marker = attempt_prefix(version, attempt) + ABORT_MARKER
-
-        def all_manifests() -> bool | None:
-            for rank in range(self.world_size):
-                if rank in found:
-                    continue
-                key = manifest_key(version, attempt, rank)
-                try:
-                    data = self.store.get(key, max_size=MAX_MANIFEST_BYTES)
-                    if data != (
-                        own
-                        if rank == self.rank
-                        else self.store.get(key, max_size=MAX_MANIFEST_BYTES)
-                    ):
-                        return None  # altered in transit: read it again
-                except ObjectNotFoundError:
-                    if self.store.exists(marker):
-                        raise IncompleteVersionError(
-                            f"a writer rank abandoned version {version} before its manifest; "
-                            "see that rank's error, then publish again"
-                        ) from None
-                    return None
-                manifest = parse(Manifest, data, what=key)
-                check_manifest(
-                    manifest, header.chain_id, version, kind, attempt, rank, self.world_size, key
-                )
-                self._check_owners(manifest, rank, key)
-                ref = ManifestRef(rank=rank, path=key, sha256=sha256_hex(data), size=len(data))
-                found[rank] = (manifest, ref)
-            return True
-
-        try:
-            self._wait(all_manifests, f"all {self.world_size} manifests of version {version}")
-        except Exception:
-            self._abort(version, attempt)
-            raise
-        manifests = [found[r][0] for r in range(self.world_size)]
-        try:
-            changes = tensor_changes(manifests)  # pieces combined (FORMAT.md §4.8)
-            table = state_table(manifests)
-            if kind == "delta":
-                self._check_parent(changes, version)
-        except Exception:
-            self._abort(version, attempt)
-            raise
-        if kind == "delta":
-            dropped = sorted(set(self._table) - set(table))
-            if dropped:
-                self._abort(version, attempt)
-                raise MissingTensorError(
-                    f"version {version} lacks {len(dropped)} tensors of version {version - 1} "
-                    f"(first: {dropped[0]!r}); publish every tensor or write a base"
-                )
-        entries = [e for m in manifests for e in m.entries]
-        stats = Stats(
-            tensors=len(table),
-            total_elements=sum(_numel(t.shape) for t in table.values()),
-            changed_elements=sum(e.changed for e in entries),
-            payload_bytes=sum(s.size for m in manifests for s in m.shards)
-            + sum(found[r][1].size for r in found),
-            dense_bytes=sum(_numel(t.shape) * info_for(t.dtype).width for t in table.values()),
-        )
-        features = sorted({f for m in manifests for f in m.required_features})
-        record = CommitRecord(
-            required_features=tuple(features),
-            chain_id=header.chain_id,
-            version=version,
-            kind=kind,
-            parent=None if version == 0 else version - 1,
-            parent_sha256=None if self._record is None else self._record.sha256,
-            step=step,
-            created=timestamp(self.clock()),
-            attempt=attempt,
-            world_size=self.world_size,
-            manifests=tuple(found[r][1] for r in range(self.world_size)),
-            state_fingerprint=table_fingerprint(table),
-            stats=stats,
-        )
-        data = record.to_json()
-        if len(data) > MAX_RECORD_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
-            self._abort(version, attempt)
-            raise ObjectTooLargeError(
-                f"the commit record of version {version} would be {len(data)} bytes, over the "
-                f"{MAX_RECORD_BYTES}-byte limit readers enforce; publish with fewer writer ranks"
-            )
-        self._create_commit(version, data)
-        try:
-            self.store.put(HEAD_KEY, str(version).encode())
-        except StoreError:
-            pass  # HEAD is only a hint
-        return LoadedRecord(record, sha256_hex(data), len(data)), table
-
-    def _check_owners(self, manifest: Manifest, rank: int, key: str) -> None:
-        """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
-        writers' layout and are checked when combined (§4.8)."""
-        for entry in manifest.entries:
-            if entry.piece is None and owner(entry.name, self.world_size) != rank:
-                raise IncompleteVersionError(f"{key} lists {entry.name!r}, owned by another rank")
-
-    def _check_parent(self, changes: dict[str, TensorChange], version: int) -> None:
-        """Pieces of a tensor must add up to the parent's fingerprint (their lanes sum over
-        regions: a gap or an overlap between the ranks' regions shows here)."""
-        for name, change in changes.items():
-            if not change.pieces or change.full:
-                continue
-            row = self._table.get(name)
-            if row is None or row.fingerprint != change.parent_fingerprint:
-                raise ChainBrokenError(
-                    f"the pieces of {name!r} do not add up to version {version - 1}'s tensor: "
-                    "the writer ranks' layouts overlap or leave a gap"
-                )
-
-    def _op_for(self, name: str, tensor: torch.Tensor, old: torch.Tensor | None) -> str | None:
-        """The op of a delta entry: configured, else overwrite where a reader asked for it
-        (and a comparable baseline exists), else chosen by size."""
-        op = self.ops.get(name)
-        if op is None and name in self._reader_overwrite:
-            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
-                return OVERWRITE
-        return op
-
-    def _read_reader_records(self) -> frozenset[str]:
-        """Union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6).
-
-        Read by rank 0 at every delta publish (one listing plus one small get per record),
-        so a reader's record is honoured from the next version on. A record that cannot be
-        read or does not validate is skipped: records are requests, never requirements.
-        """
-        if not self.reader_records:
-            return frozenset()
-        try:
-            keys = self.store.list(READERS_PREFIX)
-        except StoreError:
-            return frozenset()
-        names: set[str] = set()
-        for key in keys:
-            match = _READER_KEY.match(key)
-            if match is None:
-                continue
-            try:
-                data = self.store.get(key, max_size=MAX_READER_RECORD_BYTES)
-                record = parse(ReaderRecord, data, what=key)
-            except (StoreError, FormatError):
-                continue
-            if record.reader_id == match.group(1):
-                names.update(record.overwrite)
-        return frozenset(names)
-
-    def _create_commit(self, version: int, data: bytes) -> None:
-        key = commit_key(version)
-        for _ in range(2):
-            try:
-                self.store.put_if_absent(key, data)
-                return
-            except ObjectExistsError:
-                break
-            except StoreError:
-                continue  # outcome unknown: re-read below
-        try:
-            landed = self.store.get(key, max_size=MAX_RECORD_BYTES)
-        except ObjectNotFoundError:
-            raise CommitStateUnknownError(
-                f"could not create {key} and cannot tell whether it landed; keep this attempt's "
-                "objects and retry the publish later"
-            ) from None
-        except StoreError as exc:
-            raise CommitStateUnknownError(
-                f"could not create or re-read {key} ({exc}); keep this attempt's objects"
-            ) from None
-        if landed != data:
-            raise CommitConflictError(
-                f"version {version} was committed by another writer; reopen the writer to "
-                "continue from the chain's newest version"
-            )
-
-    def _abort(self, version: int, attempt: str) -> None:
-        try:
-            self.store.put(attempt_prefix(version, attempt) + ABORT_MARKER, b"")
-        except StoreError:
-            pass
-
-    def _await_commit(self, version: int, attempt: str) -> LoadedRecord:
-        marker = attempt_prefix(version, attempt) + ABORT_MARKER
-
-        def outcome() -> LoadedRecord | None:
-            if self.store.exists(commit_key(version)):
-                return self.chain.record(version)
-            if self.store.exists(marker):
-                raise IncompleteVersionError(
-                    f"the committer abandoned version {version}; see rank 0's error"
-                )
-            return None
-
-        loaded = self._wait(outcome, f"the commit record of version {version}")
-        assert isinstance(loaded, LoadedRecord)
-        if loaded.record.attempt != attempt:
-            raise CommitConflictError(
-                f"version {version} was committed by another writer; reopen the writer"
-            )
-        return loaded
-
-    def _advance(
-        self,
-        pending: dict[str, _Pending],
-        loaded: LoadedRecord,
-        table: dict[str, TensorState],
-        base: bool,
-    ) -> None:
-        """The commit exists: bring the baseline to the committed bits."""
+    def _advance(self, pending: dict[str, _Pending], attempt: Attempt) -> None:
+        """The commit exists: bring the baseline to the committed bits, then cache it."""
         for name in set(self._baseline) - set(pending):
             del self._baseline[name]  # only a base may drop tensors (checked before)
         for name, change in pending.items():
             delta = change.delta
-            if delta is not None:
-                if delta.op == FULL:
-                    self._baseline[name] = (
-                        delta.values.to(self.baseline_device, copy=True)
-                        .view(change.dtype)
-                        .reshape(change.shape)
-                    )
-                else:
-                    apply_delta(self._baseline[name], delta)
+            if delta is None:
+                continue
+            if delta.op == FULL:
+                self._baseline[name] = (
+                    delta.values.to(self.device, copy=True).view(change.dtype).reshape(change.shape)
+                )
+            else:
+                apply_delta(self._baseline[name], delta)
         self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
         self._lanes = {name: change.lanes for name, change in pending.items()}
-        self._record = loaded
-        self._version = loaded.record.version
-        if self.rank == 0:
-            self._table = table
+        if self.cache is None:
+            return
         try:
-            self._save_cache()
+            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._fingerprints)
         except Exception as exc:  # the version is committed: the cache is only an optimisation
-            self._drop_cache()
+            self.cache.drop(attempt.chain_id)
             _log.warning(
                 "version %d is committed, but the baseline cache in %s could not be written "
                 "(%s); a restarted writer will rebuild its baseline from the store",
-                self._version,
-                self.cache_dir,
+                attempt.version,
+                self.cache.root,
                 exc,
             )
 
-    # --- local cache ---------------------------------------------------------------------
 
-    def _cache_paths(self) -> tuple[Path, Path] | None:
-        if self.cache_dir is None:
-            return None
-        chain_id = self.chain.header.chain_id
-        folder = self.cache_dir / chain_id / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
+class _BaselineCache:
+    """A rank's baseline on local disk (safetensors plus a JSON of version and fingerprints),
+    so a restarted writer need not replay the chain."""
+
+    def __init__(self, root: Path, rank: int, world_size: int) -> None:
+        self.root, self.rank, self.world_size = root, rank, world_size
+
+    def _paths(self, chain_id: str) -> tuple[Path, Path]:
+        folder = self.root / chain_id / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
         return folder / "baseline.safetensors", folder / "baseline.json"
 
-    def _save_cache(self) -> None:
-        paths = self._cache_paths()
-        if paths is None or self._version is None:
-            return
+    def save(
+        self,
+        chain_id: str,
+        version: int,
+        baseline: Mapping[str, torch.Tensor],
+        fingerprints: Mapping[str, str],
+    ) -> None:
+        """Replace the cache (the tensors first, the JSON naming their version last)."""
         from safetensors.torch import save_file
 
-        tensor_path, meta_path = paths
+        tensor_path, meta_path = self._paths(chain_id)
         tensor_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = tensor_path.with_suffix(".tmp")
-        save_file({n: t.detach().cpu().contiguous() for n, t in self._baseline.items()}, str(tmp))
+        save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
         os.replace(tmp, tensor_path)
-        meta = {"version": self._version, "fingerprints": self._fingerprints}
+        meta = {"version": version, "fingerprints": dict(fingerprints)}
         tmp_meta = meta_path.with_suffix(".tmp")
         tmp_meta.write_text(json.dumps(meta))
         os.replace(tmp_meta, meta_path)
 
-    def _drop_cache(self) -> None:
+    def drop(self, chain_id: str) -> None:
         """Remove a cache that may be half written (best effort: a miss costs a replay)."""
-        paths = self._cache_paths()
-        for path in paths or ():
+        for path in self._paths(chain_id):
             try:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
 
-    def _load_cache(self):  # type: ignore[no-untyped-def]
-        """A StateDictTarget at the cached version, or None when the cache is absent or stale."""
-        from dcr_format.readers.targets import StateDictTarget
-
-        paths = self._cache_paths()
-        if paths is None or not paths[0].exists() or not paths[1].exists():
+    def load(self, chain_id: str) -> StateDictTarget | None:
+        """A StateDictTarget at the cached version, or None when the cache is absent or
+        unreadable (the caller checks it against the chain)."""
+        tensor_path, meta_path = self._paths(chain_id)
+        if not tensor_path.exists() or not meta_path.exists():
             return None
         try:
             from safetensors.torch import load_file
 
-            meta = json.loads(paths[1].read_text())
-            tensors = load_file(str(paths[0]))
+            meta = json.loads(meta_path.read_text())
+            tensors = load_file(str(tensor_path))
             version = int(meta["version"])
         except Exception:
             return None  # an unreadable cache is just a miss
-        return StateDictTarget(tensors, version=version, chain_id=self.chain.header.chain_id)
+        return StateDictTarget(tensors, version=version, chain_id=chain_id)
 
 
 def _cached_fingerprint(tensor: torch.Tensor) -> str | None:

@@ -1,0 +1,255 @@
+"""The commit protocol (FORMAT.md §10, §14): how a version, or an alternative base, becomes
+visible to readers.
+
+Writer ranks upload their manifests; the committer (rank 0) waits for all of them,
+checks them and creates the record with create-if-absent; the other ranks wait for
+the record (or for the ``ABORTED`` marker of an abandoned attempt). Record creation
+is shared with ``dcr compact``, which publishes ``bases/<V>.json`` the same way. Reader
+records (``readers/*.json``, §3.6) are read here too: they are requests to the writers.
+
+Plain functions over a :class:`~dcr_format.store.Store`; no writer state.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+from dcr_format.chain import (
+    HEAD_KEY,
+    MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
+    Chain,
+    LoadedRecord,
+    attempt_prefix,
+    check_manifest,
+    commit_key,
+    manifest_key,
+    sha256_hex,
+)
+from dcr_format.errors import (
+    CapabilityError,
+    CommitConflictError,
+    CommitStateUnknownError,
+    FormatError,
+    IncompleteVersionError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StoreError,
+)
+from dcr_format.schema import Manifest, ManifestRef, ReaderRecord, parse
+from dcr_format.store import Capabilities, Store
+
+ABORT_MARKER = "ABORTED"
+READERS_PREFIX = "readers/"
+MAX_READER_RECORD_BYTES = 64 << 20
+_READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
+
+T = TypeVar("T")
+ManifestCheck = Callable[[Manifest, int, str], None]
+"""Called with each manifest read back, its rank and its key; raises to refuse it."""
+
+
+def require_atomic_create(store: Store, refusal: str) -> Capabilities:
+    """The store's capabilities; raises :class:`CapabilityError` with ``refusal`` unless
+    ``store`` creates records atomically (or was opened ``single_writer``): two writers
+    must never both win one record."""
+    capabilities = store.capabilities
+    if not capabilities.atomic_create and not store.single_writer:
+        raise CapabilityError(refusal)
+    return capabilities
+
+
+def wait_for(ready: Callable[[], T | None], what: str, timeout: float) -> T:
+    """Poll ``ready`` (backing off from 2 ms to 200 ms) until it returns a value.
+
+    Raises :class:`IncompleteVersionError` after ``timeout`` seconds; an exception
+    ``ready`` raises ends the wait.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        result = ready()
+        if result is not None:
+            return result
+        if time.monotonic() >= deadline:
+            raise IncompleteVersionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def abort_key(version: int, attempt: str) -> str:
+    """The marker that says attempt ``attempt`` of ``version`` will never be committed."""
+    return attempt_prefix(version, attempt) + ABORT_MARKER
+
+
+def abort(store: Store, version: int, attempt: str) -> None:
+    """Mark the attempt abandoned, so the other ranks stop waiting (best effort)."""
+    try:
+        store.put(abort_key(version, attempt), b"")
+    except StoreError:
+        pass
+
+
+def gather_manifests(
+    store: Store,
+    *,
+    chain_id: str,
+    version: int,
+    kind: Literal["base", "delta"],
+    attempt: str,
+    world_size: int,
+    rank: int,
+    own: bytes,
+    timeout: float,
+    check: ManifestCheck,
+) -> list[tuple[Manifest, ManifestRef]]:
+    """Wait for every rank's manifest of the attempt and validate each; in rank order.
+
+    ``own``: the bytes of rank ``rank``'s manifest as uploaded. A manifest read back is
+    what the record's sha256 will name, so bytes altered in transit (an S3 ranged GET
+    carries no checksum) must not be taken: ours must equal ``own``, another rank's
+    must read the same twice; otherwise it is read again. Raises
+    :class:`IncompleteVersionError` when a rank abandoned the attempt or the wait timed out.
+    """
+    found: dict[int, tuple[Manifest, ManifestRef]] = {}
+    marker = abort_key(version, attempt)
+
+    def read(other: int) -> bytes | None:
+        key = manifest_key(version, attempt, other)
+        try:
+            data = store.get(key, max_size=MAX_MANIFEST_BYTES)
+            again = own if other == rank else store.get(key, max_size=MAX_MANIFEST_BYTES)
+        except ObjectNotFoundError:
+            if store.exists(marker):
+                raise IncompleteVersionError(
+                    f"a writer rank abandoned version {version} before its manifest; "
+                    "see that rank's error, then publish again"
+                ) from None
+            return None
+        return data if data == again else None  # altered in transit: read it again
+
+    def all_manifests() -> bool | None:
+        for other in range(world_size):
+            if other in found:
+                continue
+            data = read(other)
+            if data is None:
+                return None
+            key = manifest_key(version, attempt, other)
+            manifest = parse(Manifest, data, what=key)
+            check_manifest(manifest, chain_id, version, kind, attempt, other, world_size, key)
+            check(manifest, other, key)
+            found[other] = (
+                manifest,
+                ManifestRef(rank=other, path=key, sha256=sha256_hex(data), size=len(data)),
+            )
+        return True
+
+    wait_for(all_manifests, f"all {world_size} manifests of version {version}", timeout)
+    return [found[r] for r in range(world_size)]
+
+
+def create_if_absent(store: Store, key: str, data: bytes, *, retry: str) -> bool:
+    """Create ``key`` holding ``data`` unless it exists: True when ``data`` is there now
+    (created by this call or by an earlier try whose answer was lost), False when another
+    writer's bytes are.
+
+    A put whose outcome is unknown is tried once more, then the key is read back. Raises
+    :class:`CommitStateUnknownError` (its message ending in ``retry``) when the outcome
+    cannot be told: the caller must then keep every object the record would name.
+    """
+    for _ in range(2):
+        try:
+            store.put_if_absent(key, data)
+            return True
+        except ObjectExistsError:
+            break
+        except StoreError:
+            continue  # outcome unknown: re-read below
+    try:
+        landed = store.get(key, max_size=MAX_RECORD_BYTES)
+    except ObjectNotFoundError:
+        raise CommitStateUnknownError(
+            f"could not create {key} and cannot tell whether it landed; {retry}"
+        ) from None
+    except StoreError as exc:
+        raise CommitStateUnknownError(
+            f"could not create or re-read {key} ({exc}); {retry}"
+        ) from None
+    return landed == data
+
+
+def create_commit(store: Store, version: int, data: bytes) -> None:
+    """Create the commit record of ``version`` (the commit point), then point HEAD at it.
+
+    Raises :class:`CommitConflictError` when another writer committed the version first.
+    """
+    if not create_if_absent(
+        store,
+        commit_key(version),
+        data,
+        retry="keep this attempt's objects and retry the publish later",
+    ):
+        raise CommitConflictError(
+            f"version {version} was committed by another writer; reopen the writer to "
+            "continue from the chain's newest version"
+        )
+    try:
+        store.put(HEAD_KEY, str(version).encode())
+    except StoreError:
+        pass  # HEAD is only a hint
+
+
+def await_commit(chain: Chain, version: int, attempt: str, timeout: float) -> LoadedRecord:
+    """Wait for the committer's outcome of attempt ``attempt``: its commit record.
+
+    Raises :class:`IncompleteVersionError` when the committer abandoned the attempt (or the
+    wait timed out) and :class:`CommitConflictError` when another attempt was committed.
+    """
+    store = chain.store
+    marker = abort_key(version, attempt)
+
+    def outcome() -> LoadedRecord | None:
+        if store.exists(commit_key(version)):
+            return chain.record(version)
+        if store.exists(marker):
+            raise IncompleteVersionError(
+                f"the committer abandoned version {version}; see rank 0's error"
+            )
+        return None
+
+    loaded = wait_for(outcome, f"the commit record of version {version}", timeout)
+    if loaded.record.attempt != attempt:
+        raise CommitConflictError(
+            f"version {version} was committed by another writer; reopen the writer"
+        )
+    return loaded
+
+
+def read_reader_records(store: Store) -> frozenset[str]:
+    """Union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6).
+
+    One listing plus one small get per record. A record that cannot be read or does not
+    validate (or names another reader than its key) is skipped: records are requests,
+    never requirements.
+    """
+    try:
+        keys = store.list(READERS_PREFIX)
+    except StoreError:
+        return frozenset()
+    names: set[str] = set()
+    for key in keys:
+        match = _READER_KEY.match(key)
+        if match is None:
+            continue
+        try:
+            data = store.get(key, max_size=MAX_READER_RECORD_BYTES)
+            record = parse(ReaderRecord, data, what=key)
+        except (StoreError, FormatError):
+            continue
+        if record.reader_id == match.group(1):
+            names.update(record.overwrite)
+    return frozenset(names)

@@ -1,0 +1,178 @@
+"""What a writer rank contributes to a publish, and the pieces every way of contributing shares.
+
+:class:`~dcr_format.DeltaWriter` runs the publish (attempt id, reader records, commit);
+a :class:`Part` is given to it and turns the tensors passed to ``publish`` into this
+rank's manifest and shards, and keeps the baseline they are diffed against. There are
+two: the canonical part (``writers/writer.py``: canonical tensors, owned by name) and
+the projection part (``writers/_projection.py``: local tensors placed by a
+:class:`~dcr_format.layout.Layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from dcr_format.chain import Chain, LoadedRecord, TensorState, sha256_hex, shard_key
+from dcr_format.codec.shard import encode_shard
+from dcr_format.schema import Entry, Manifest, ShardRef
+from dcr_format.store import Store
+
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+"""What ``publish`` takes: a mapping, or ``(name, tensor)`` pairs (streamed once)."""
+
+
+def pairs(tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of ``tensors``, in the order given."""
+    if isinstance(tensors, Mapping):
+        yield from tensors.items()
+    else:
+        yield from tensors
+
+
+class ShardWriter:
+    """Collects entry streams into shards of bounded size; each full shard is compressed and
+    uploaded on a background thread while the caller encodes the next tensors.
+
+    At most one shard is in flight (the next one waits for it), so memory stays at about two
+    shards. :meth:`finish` uploads the last one and re-raises any upload failure; the
+    caller then calls :meth:`close` (in a ``finally``).
+    """
+
+    def __init__(self, store: Store, key: Callable[[int], str], limit: int, level: int) -> None:
+        self.store, self.key = store, key  # key: the store key of shard ``index``
+        self.limit, self.level = limit, level
+        self.shards: list[ShardRef] = []
+        self._streams: dict[str, bytes] = {}
+        self._bytes = 0
+        self._count = 0  # shards started (uploaded or in flight)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-upload")
+        self._inflight: Future[ShardRef] | None = None
+
+    def add(self, key: str, data: bytes) -> int:
+        """Queue a stream; returns the index of the shard it lands in."""
+        self._streams[key] = data
+        self._bytes += len(data)
+        return self._count
+
+    def maybe_flush(self) -> None:
+        """Start uploading the current shard once it reached the size limit."""
+        if self._bytes >= self.limit:
+            self._start_upload()
+
+    def _start_upload(self) -> None:
+        """Start uploading the current shard, if it holds any stream."""
+        if not self._streams:
+            return
+        self._collect()
+        streams, index = self._streams, self._count
+        self._streams, self._bytes = {}, 0
+        self._count += 1
+        self._inflight = self._pool.submit(self._upload, streams, index)
+
+    def _upload(self, streams: dict[str, bytes], index: int) -> ShardRef:
+        stored, decoded = encode_shard(streams, level=self.level)
+        key = self.key(index)
+        self.store.put(key, stored)
+        return ShardRef(path=key, sha256=sha256_hex(stored), size=len(stored), decoded_size=decoded)
+
+    def _collect(self) -> None:
+        """Wait for the shard in flight (its failure is raised here)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self.shards.append(inflight.result())
+
+    def finish(self) -> None:
+        """Upload what is left and wait for every upload; the caller then calls close()."""
+        self._start_upload()
+        self._collect()
+
+    def close(self) -> None:
+        """Stop the upload thread (after waiting for a shard in flight)."""
+        self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One rank's share of one publish attempt: where its objects go, what its manifest says."""
+
+    store: Store
+    chain_id: str
+    version: int
+    kind: Literal["base", "delta"]
+    id: str
+    rank: int
+    world_size: int
+    shard_bytes: int
+    zstd_level: int
+    overwrite: frozenset[str]
+    """Tensors readers asked to receive as ``overwrite`` (reader records, FORMAT.md §3.6)."""
+
+    @property
+    def base(self) -> bool:
+        """Whether this version is a base (every entry ``full``)."""
+        return self.kind == "base"
+
+    def shards(self) -> ShardWriter:
+        """A shard writer for this rank's shards of the attempt."""
+        return ShardWriter(
+            self.store,
+            lambda index: shard_key(self.version, self.id, self.rank, index),
+            self.shard_bytes,
+            self.zstd_level,
+        )
+
+    def manifest(
+        self, shards: ShardWriter, entries: list[Entry], features: tuple[str, ...] = ()
+    ) -> Manifest:
+        """This rank's manifest, once every shard is up."""
+        return Manifest(
+            required_features=features,
+            chain_id=self.chain_id,
+            version=self.version,
+            kind=self.kind,
+            attempt=self.id,
+            rank=self.rank,
+            world_size=self.world_size,
+            shards=tuple(shards.shards),
+            entries=tuple(entries),
+        )
+
+
+@dataclass(frozen=True)
+class Written:
+    """A rank's part of a publish, uploaded but not committed."""
+
+    manifest: Manifest
+    advance: Callable[[], None]
+    """Brings the part's baseline to the written bits; called once the commit exists."""
+
+
+class Part(Protocol):
+    """How a writer rank turns the tensors given to ``publish`` into its manifest."""
+
+    @property
+    def baseline(self) -> Mapping[str, torch.Tensor]:
+        """The bits the next publish is diffed against (those of the last commit)."""
+        ...
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank publishes (some of) canonical tensor ``name``."""
+        ...
+
+    def check_manifest(self, manifest: Manifest, rank: int, key: str) -> None:
+        """Refuse a manifest of rank ``rank`` this kind of part could not have written
+        (the committer checks every rank's)."""
+        ...
+
+    def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
+        """Take the baseline of committed version ``latest`` (whose state is ``table``)."""
+        ...
+
+    def write(self, tensors: Tensors, attempt: Attempt) -> Written:
+        """Diff ``tensors`` against the baseline and upload this rank's shards."""
+        ...
