@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -172,7 +173,8 @@ def bench(
         "fanout_mb": fanout_mb,
         "reps": reps,
     }
-    options = replace(options, s3=not no_s3, **{k: v for k, v in overrides.items() if v})
+    changes: dict[str, Any] = {k: v for k, v in overrides.items() if v}
+    options = replace(options, s3=not no_s3, **changes)
     png = plot_path(out, png)
     result = run_suite(options, progress=_progress())
     plot(result, png)

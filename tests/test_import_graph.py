@@ -202,27 +202,27 @@ def graph() -> dict[str, set[str]]:
     return import_graph(PACKAGE_DIR)
 
 
-def test_the_graph_sees_the_package(graph):
+def test_the_graph_sees_the_package(graph) -> None:
     assert "readers.reader" in graph and "" in graph and len(graph) > 40
     assert "readers.reader" in graph[""] and "errors" in graph["readers.reader"]
 
 
-def test_every_module_has_a_layer(graph):
+def test_every_module_has_a_layer(graph) -> None:
     missing = sorted(name for name in graph if layer_of(name) is None)
     assert missing == [], f"add these modules to LAYERS in {__file__}: {missing}"
 
 
-def test_no_import_cycle(graph):
+def test_no_import_cycle(graph) -> None:
     cycle = find_cycle(_without(graph, KNOWN_CYCLE_EDGES))
     assert cycle is None, "import cycle: " + " -> ".join(name or "__init__" for name in cycle)
 
 
-def test_no_upward_import(graph):
+def test_no_upward_import(graph) -> None:
     found = upward_imports(_without(graph, KNOWN_UPWARD))
     assert found == [], "imports of a higher layer:\n" + "\n".join(found)
 
 
-def test_the_core_never_imports_benchmarks_or_test_support(graph):
+def test_the_core_never_imports_benchmarks_or_test_support(graph) -> None:
     found = sorted(
         f"{a or '__init__'} imports {b}"
         for a, targets in graph.items()
@@ -245,7 +245,7 @@ def _reaches(graph: Mapping[str, Iterable[str]], start: str, goal: str) -> bool:
     return False
 
 
-def test_known_exceptions_are_still_needed(graph):
+def test_known_exceptions_are_still_needed(graph) -> None:
     stale = [
         f"{a} -> {b} ({where})"
         for (a, b), where in KNOWN_CYCLE_EDGES.items()
@@ -272,7 +272,7 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 FAKE_LAYERS = (("low", ("low", "sub", "sub.*")), ("high", ("high",)), ("api", ("",)))
 
 
-def test_a_cycle_through_a_function_level_relative_import_is_found(tmp_path):
+def test_a_cycle_through_a_function_level_relative_import_is_found(tmp_path) -> None:
     root = _package(
         tmp_path,
         {
@@ -289,7 +289,7 @@ def test_a_cycle_through_a_function_level_relative_import_is_found(tmp_path):
     assert upward_imports(graph, FAKE_LAYERS) == ["sub.leaf (low) imports high (high)"]
 
 
-def test_a_clean_package_passes_and_from_package_import_name_is_the_package(tmp_path):
+def test_a_clean_package_passes_and_from_package_import_name_is_the_package(tmp_path) -> None:
     root = _package(
         tmp_path,
         {

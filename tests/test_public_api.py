@@ -69,14 +69,14 @@ def _readme_api() -> set[str]:
     return set(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", match.group(1)))
 
 
-def test_all_is_exactly_the_documented_list():
+def test_all_is_exactly_the_documented_list() -> None:
     assert len(dcr_format.__all__) == len(set(dcr_format.__all__))  # no name twice
     assert set(dcr_format.__all__) == PUBLIC
     assert _readme_api() == PUBLIC - {"__version__"}
     assert len(PUBLIC) <= 40  # fits on a screen
 
 
-def test_every_public_name_exists_and_says_what_it_is():
+def test_every_public_name_exists_and_says_what_it_is() -> None:
     for name in PUBLIC - {"__version__"}:
         value = getattr(dcr_format, name)
         assert inspect.getdoc(value), f"dcr_format.{name} has no docstring"
@@ -88,7 +88,7 @@ def test_every_public_name_exists_and_says_what_it_is():
     }
 
 
-def test_one_replay():
+def test_one_replay() -> None:
     assert dcr_format.replay is dcr_format.tools.replay
     assert importlib.util.find_spec("dcr_format.readers.replay") is None
     assert "cache_dir" in inspect.signature(dcr_format.replay).parameters
@@ -102,7 +102,7 @@ def _error_classes() -> dict[str, type[BaseException]]:
     }
 
 
-def test_every_error_is_in_errors_named_error_and_a_dcr_error():
+def test_every_error_is_in_errors_named_error_and_a_dcr_error() -> None:
     classes = _error_classes()
     assert set(errors.__all__) == set(classes)
     assert [name for name in classes if not name.endswith("Error")] == []
@@ -110,7 +110,7 @@ def test_every_error_is_in_errors_named_error_and_a_dcr_error():
         assert cls.__module__ == "dcr_format.errors" and inspect.getdoc(cls), name
 
 
-def test_only_the_base_errors_are_at_the_top_level():
+def test_only_the_base_errors_are_at_the_top_level() -> None:
     classes = _error_classes()
     bases = {
         name
@@ -135,7 +135,7 @@ def test_only_the_base_errors_are_at_the_top_level():
         assert getattr(dcr_format, name) is classes[name]
 
 
-def test_every_dcr_format_name_the_docs_use_exists():
+def test_every_dcr_format_name_the_docs_use_exists() -> None:
     """``dcr_format.X`` and ``from dcr_format import X`` in README.md and docs/ resolve."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     missing = []

@@ -9,6 +9,7 @@ measurement ``dcr project`` runs when it is given no file.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -110,7 +111,7 @@ def store_costs(store: Store, *, small: int = 24, large_bytes: int = 32 << 20) -
     keys = [f"{prefix}/small-{i:04d}" for i in range(small)]
     for key in keys:
         store.put(key, b"x" * 1024)
-    latency = statistics.median(_timed(lambda k=key: store.get(k)) for key in keys)
+    latency = statistics.median(_timed(functools.partial(store.get, key)) for key in keys)
     blob = os.urandom(large_bytes)
     put_s = _timed(lambda: store.put(f"{prefix}/large", blob))
     get_s = _timed(lambda: store.get(f"{prefix}/large"))

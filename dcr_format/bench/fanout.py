@@ -40,10 +40,13 @@ def launch(
                 failures.append(f"rank {rank}: exit {proc.returncode}: {err.decode()[-400:]}")
         if failures:
             raise RuntimeError(f"{role} workers failed: " + "; ".join(failures))
-        return json.loads((Path(work) / f"{role}.json").read_text())
+        result: dict[str, Any] = json.loads((Path(work) / f"{role}.json").read_text())
+        return result
 
 
-def relay_hop(*, nbytes: int = 64 << 20, chunk_bytes: int = 4 << 20, rounds: int = 50) -> dict:
+def relay_hop(
+    *, nbytes: int = 64 << 20, chunk_bytes: int = 4 << 20, rounds: int = 50
+) -> dict[str, Any]:
     """One relay hop between two processes through gloo on 127.0.0.1."""
     return launch("hop", 2, [str(nbytes), str(chunk_bytes), str(rounds)], timeout=300)
 

@@ -16,6 +16,7 @@ S3 server), so the two differ only in what they move and compute.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,7 +90,7 @@ def lr_for(rate: float) -> float:
             low = mid
         else:
             high = mid
-    return (low * high) ** 0.5
+    return math.sqrt(low * high)
 
 
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -114,6 +114,15 @@ def _fits(size_mb: float) -> bool:
     return available is None or size_mb * 1e6 * _BYTES_PER_MODEL_BYTE < 0.8 * available
 
 
+def _labelled(progress: Callable[[str], None], size_mb: float) -> Callable[[str], None]:
+    """``progress`` with the model size appended to every message."""
+
+    def say(message: str) -> None:
+        progress(f"{message} ({size_mb:g} MB)")
+
+    return say
+
+
 def _codec_rows(
     size_mb: float, rates: Sequence[float], *, reps: int, seed: int, progress: Callable[[str], None]
 ) -> list[dict[str, Any]]:
@@ -197,7 +206,7 @@ def run_suite(
                 label="local",
                 bound=True,
                 seed=options.seed,
-                progress=lambda m, s=size: progress(f"{m} ({s:g} MB)"),
+                progress=_labelled(progress, size),
             )
         steady_rows = steady_series(
             Store(work / "steady"),
@@ -225,7 +234,7 @@ def run_suite(
                             options.rates,
                             label="s3",
                             seed=options.seed,
-                            progress=lambda m, s=size: progress(f"{m} ({s:g} MB)"),
+                            progress=_labelled(progress, size),
                         )
                 progress("store requests on the S3 gateway")
                 with gateway.fresh_root() as root:

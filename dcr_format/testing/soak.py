@@ -339,7 +339,7 @@ def run(
                 if not process.is_alive():
                     problems.append(f"{name} exited early with code {process.exitcode}")
                     processes[name] = start(name)
-            if next_kill is not None and time.monotonic() >= next_kill:
+            if kill_every and next_kill is not None and time.monotonic() >= next_kill:
                 victim = rng.choice(names)
                 processes[victim].kill()
                 processes[victim].join(10)
