@@ -1,4 +1,11 @@
-"""The rollout side: plan, fetch, verify, stage, and only then apply."""
+"""The rollout side: plan, fetch, verify, stage, and only then apply.
+
+A sync has three parts: a plan from metadata only (readers/_plan.py: the versions, the
+objects with their sizes and sha256, each target tensor's change, the checks), the fetch
+(readers/_fetch.py: parallel verified gets, inflated and decoded within a budget), and the
+apply here, through the target's transaction, which keeps the undo of every change until
+it commits or rolls back (readers/targets.py).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.bases import alternative_bases, load_base
@@ -19,18 +25,14 @@ from dcr_format.chain import (
     Chain,
     LoadedRecord,
     TensorState,
-    get_verified,
     sha256_hex,
     state_table,
-    table_fingerprint,
-    tensor_changes,
     timestamp,
     utc_now,
 )
 from dcr_format.codec.budget import DecodeBudget
-from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta
+from dcr_format.codec.delta import FULL, DecodedDelta
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.shard import decode_shard, shard_decoded_bound, stream_limits
 from dcr_format.errors import (
     ApplyError,
     ArgumentError,
@@ -40,8 +42,6 @@ from dcr_format.errors import (
     FingerprintMismatchError,
     GroupAbortError,
     IntegrityError,
-    SchemaError,
-    ShardError,
     StalePreparedError,
     StoreError,
     TargetChangedError,
@@ -53,6 +53,22 @@ from dcr_format.fingerprint import (
     fingerprint_from_lanes,
     lanes_after_change,
 )
+from dcr_format.readers._fetch import (
+    FetchedStep,
+    fetch_changes,
+    fetch_step,
+)
+from dcr_format.readers._fetch import _decode_entry as _decode_entry  # tools/_diff.py
+from dcr_format.readers._plan import (
+    StepPlan,
+    SyncPlan,
+    check_version,
+    choose_versions,
+    plan_checks,
+    plan_fetch,
+    plan_step,
+)
+from dcr_format.readers._plan import _check_continuity as _check_continuity  # tools/_verify.py
 from dcr_format.readers.group import ReaderGroup
 from dcr_format.readers.targets import Applied, Change, Resident, Target, Transaction
 from dcr_format.schema import Entry, Manifest, ReaderRecord
@@ -90,16 +106,6 @@ class SyncResult(BaseModel):
 
 
 @dataclass(frozen=True)
-class _Step:
-    """One version of a plan, fetched and decoded."""
-
-    loaded: LoadedRecord
-    table: dict[str, TensorState]
-    changes: list[tuple[Entry, DecodedDelta]]
-    base: bool  # a full snapshot: a base version, or the alternative base of a delta version
-
-
-@dataclass(frozen=True)
 class PreparedVersion:
     """A version fetched, verified and decoded for one reader's target, not yet applied.
 
@@ -115,9 +121,16 @@ class PreparedVersion:
     fetch_seconds: float
     _reader: int = field(repr=False)  # id() of the reader that made it
     _resident: Resident | None = field(repr=False)
-    _steps: tuple[_Step, ...] = field(repr=False, default=())
-    _incremental: bool = field(repr=False, default=False)
-    _parent_table: dict[str, TensorState] | None = field(repr=False, default=None)
+    _steps: tuple[FetchedStep, ...] = field(repr=False, default=())
+    _sync_plan: SyncPlan | None = field(repr=False, default=None)
+
+    @property
+    def _incremental(self) -> bool:
+        return self._sync_plan is not None and self._sync_plan.incremental
+
+    @property
+    def _parent_table(self) -> dict[str, TensorState] | None:
+        return None if self._sync_plan is None else self._sync_plan.parent_table
 
 
 @dataclass
@@ -132,6 +145,36 @@ class _Verified:
     lanes: dict[str, tuple[int, ...]]  # as the target reads them (its part, for a TP rank)
     syncs: int = 0  # syncs since the last full audit
     audited: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Sync:
+    """One apply in progress: its transaction and what the checks and changes found."""
+
+    prepared: PreparedVersion
+    txn: Transaction
+    audited: bool
+    known: _Verified | None  # the lanes trusted instead of read (None: an audit)
+    # fingerprint lanes of each tensor a delta changes, followed through the changes (as the
+    # target reads them; None where it cannot)
+    lanes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)  # the names the changes reach
+    unverified: set[str] = field(default_factory=set)
+    trusted: set[str] = field(default_factory=set)  # resident lanes taken from ``known``
+
+    @property
+    def steps(self) -> tuple[FetchedStep, ...]:
+        return self.prepared._steps
+
+    @property
+    def goal(self) -> FetchedStep:
+        return self.prepared._steps[-1]
+
+    @property
+    def resident(self) -> Resident:
+        """The resident version the commit records."""
+        last = self.goal.plan.loaded
+        return Resident(last.record.chain_id, last.record.version, last.sha256)
 
 
 class DeltaReader:
@@ -213,29 +256,20 @@ class DeltaReader:
         """Committed versions of the chain, ascending."""
         return self.chain.versions()
 
-    # --- planning --------------------------------------------------------------------------
+    # --- planning (metadata only: readers/_plan.py) -----------------------------------------
 
     def _plan(
         self, resident: Resident | None, goal: int, committed: list[int]
     ) -> tuple[list[int], int | None]:
         """The versions to apply; the second item is the first version when it starts from
         that version's alternative base (None otherwise)."""
-        have = set(committed)
-        if resident is not None and all(v in have for v in range(resident.version, goal + 1)):
-            return list(range(resident.version + 1, goal + 1)), None
-        # the newest base at or before the goal with every version after it committed: a
-        # base version, or a delta version with an alternative base (FORMAT.md §14)
-        alternatives = set(alternative_bases(self.store))
-        version = goal
-        while version in have:
-            if version in alternatives:
-                return list(range(version, goal + 1)), version
-            if self.chain.record(version).record.kind == "base":
-                return list(range(version, goal + 1)), None
-            version -= 1
-        raise VersionNotFoundError(
-            f"no base at or before version {goal} is left in {self.store.url}; "
-            "compact the chain or pick a newer version"
+        return choose_versions(
+            None if resident is None else resident.version,
+            goal,
+            committed,
+            kind=lambda version: self.chain.record(version).record.kind,
+            alternatives=lambda: alternative_bases(self.store),
+            where=self.store.url,
         )
 
     def sync(self, to: int | None = None, *, audit: bool = False) -> SyncResult:
@@ -418,8 +452,30 @@ class DeltaReader:
 
     def _prepare(self, goal: int, committed: list[int], started: float) -> PreparedVersion:
         """Plan and fetch everything for ``goal`` (nothing when the target is already there)."""
-        header = self.chain.header
         resident = self._resident()
+        previous = self._check_goal(resident, goal, committed)
+        if previous == goal:
+            return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            plan = self._make_plan(resident, goal, committed, pool)
+            steps = tuple(
+                fetch_step(self.store, step, pool.map, self.decode_budget) for step in plan.steps
+            )
+        return PreparedVersion(
+            goal,
+            previous,
+            plan.versions,
+            plan.payload_bytes,
+            time.perf_counter() - started,
+            id(self),
+            resident,
+            steps,
+            plan,
+        )
+
+    def _check_goal(self, resident: Resident | None, goal: int, committed: list[int]) -> int | None:
+        """The resident version, once the target's chain and the goal are checked."""
+        header = self.chain.header
         if resident is not None and resident.chain_id != header.chain_id:
             raise TargetError(
                 f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
@@ -430,149 +486,90 @@ class DeltaReader:
         if goal not in committed:
             raise VersionNotFoundError(f"version {goal} is not committed in {self.store.url}")
         previous = resident.version if resident is not None else None
-        if previous == goal:
-            return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         if previous is not None and previous > goal:
             raise TargetError(
                 f"the target is at version {previous}, newer than {goal}; "
                 "replay older versions into a fresh target"
             )
-        plan, alternative = self._plan(resident, goal, committed)
+        return previous
+
+    def _make_plan(
+        self,
+        resident: Resident | None,
+        goal: int,
+        committed: list[int],
+        pool: ThreadPoolExecutor,
+    ) -> SyncPlan:
+        """Read and validate the metadata of every version to apply, and plan from it."""
+        versions, alternative = self._plan(resident, goal, committed)
         # incremental: the plan continues from the resident version (else it starts at a base)
         incremental = (
             resident is not None
-            and plan[0] == resident.version + 1
+            and versions[0] == resident.version + 1
             and resident.version in set(committed)
         )
-        steps, payload, parent_table = self._fetch(
-            plan, resident if incremental else None, alternative
-        )
-        return PreparedVersion(
-            goal,
-            previous,
-            tuple(plan),
-            payload,
-            time.perf_counter() - started,
-            id(self),
-            resident,
-            tuple(steps),
-            incremental,
-            parent_table,
-        )
-
-    # --- fetch and stage ---------------------------------------------------------------------
-
-    def _fetch(
-        self, plan: list[int], resident: Resident | None, alternative: int | None = None
-    ) -> tuple[list[_Step], int, dict[str, TensorState] | None]:
-        """Fetch, validate and decode every version of the plan; the third item is the
-        resident version's table (incremental plans), which audits check against."""
         parent: LoadedRecord | None = None
         parent_table: dict[str, TensorState] | None = None
-        if resident is not None and plan[0] == resident.version + 1:
+        if incremental:
+            assert resident is not None
             parent = self._resident_record(resident)
             parent_table = self._table_of(parent)
         resident_table = parent_table
-        steps: list[_Step] = []
-        payload = 0
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            for version in plan:
-                loaded = self.chain.record(version)
-                if parent is not None:
-                    self.chain.check_link(parent, loaded)
-                if version == alternative:  # validated like a commit base (FORMAT.md §14)
-                    snapshot = load_base(self.chain, loaded, map_fn=pool.map)
-                    manifests, table = snapshot.manifests, snapshot.table
-                    payload += sum(ref.size for ref in snapshot.record.manifests)
-                else:
-                    manifests = list(
-                        pool.map(
-                            lambda ref, ld=loaded: self.chain.manifest(ld, ref),
-                            sorted(loaded.record.manifests, key=lambda r: r.rank),
-                        )
-                    )
-                    table = state_table(manifests)
-                    if table_fingerprint(table) != loaded.record.state_fingerprint:
-                        raise ChainBrokenError(
-                            f"the manifests of version {version} do not add up to its state "
-                            "fingerprint; "
-                            "the store is corrupt: run `dcr verify`"
-                        )
-                    if loaded.record.kind == "delta" and parent_table is not None:
-                        _check_continuity(parent_table, manifests, version)
-                    payload += sum(ref.size for ref in loaded.record.manifests)
-                changes, nbytes = self._decode_version(manifests, pool)
-                payload += nbytes
-                is_base = version == alternative or loaded.record.kind == "base"
-                steps.append(_Step(loaded, table, changes, is_base))
-                parent, parent_table = loaded, table
-        return steps, payload, resident_table
+        steps: list[StepPlan] = []
+        for version in versions:
+            loaded = self.chain.record(version)
+            if parent is not None:
+                self.chain.check_link(parent, loaded)
+            step = self._plan_version(loaded, version == alternative, parent_table, pool)
+            steps.append(step)
+            parent, parent_table = loaded, step.table
+        return SyncPlan(
+            goal,
+            None if resident is None else resident.version,
+            tuple(steps),
+            incremental,
+            resident_table,
+            plan_checks(steps),
+        )
+
+    def _plan_version(
+        self,
+        loaded: LoadedRecord,
+        alternative: bool,
+        parent_table: dict[str, TensorState] | None,
+        pool: ThreadPoolExecutor,
+    ) -> StepPlan:
+        """Read one version's manifests (or its alternative base), check them, plan it."""
+        if alternative:  # validated like a commit base (FORMAT.md §14)
+            snapshot = load_base(self.chain, loaded, map_fn=pool.map)
+            manifests, table = snapshot.manifests, snapshot.table
+            metadata = sum(ref.size for ref in snapshot.record.manifests)
+        else:
+            refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
+            manifests = list(pool.map(lambda ref: self.chain.manifest(loaded, ref), refs))
+            table = state_table(manifests)
+            check_version(loaded, manifests, table, parent_table)
+            metadata = sum(ref.size for ref in loaded.record.manifests)
+        return plan_step(
+            loaded,
+            manifests,
+            table,
+            base=alternative or loaded.record.kind == "base",
+            wants=self._wants,
+            max_shard_bytes=self.max_shard_bytes,
+            metadata_bytes=metadata,
+        )
 
     def _decode_version(
         self, manifests: list[Manifest], pool: ThreadPoolExecutor
     ) -> tuple[list[tuple[Entry, DecodedDelta]], int]:
-        """Fetch, verify and decode the shards of one version in parallel.
+        """Fetch, verify and decode the shards of one version's ``manifests`` for this
+        reader's target; returns the changes (pieces merged) and the shard bytes fetched."""
+        plan = plan_fetch(manifests, wants=self._wants, max_shard_bytes=self.max_shard_bytes)
+        changes = fetch_changes(self.store, plan, pool.map, self.decode_budget)
+        return changes, plan.stored_bytes
 
-        A job is a set of shards that entries link (an entry's positions and values may
-        sit in two shards, FORMAT.md §4.3; writers put both in one): a worker checks each
-        shard's declared size against what its entries can need, fetches and verifies it,
-        inflates it within the reader's decode budget, decodes the job's entries and drops
-        the shards, so only decoded deltas outlive the job.
-        """
-        wanted: list[tuple[Manifest, Entry]] = [
-            (m, e) for m in manifests for e in m.entries if self._wants(e.name, e.dtype, e.shape)
-        ]
-        # (rank, first shard) -> (indices into ``wanted`` of the job's entries, its shards)
-        jobs = {
-            (rank, min(members)): (indices, members)
-            for rank, group in _linked_shards(wanted).items()
-            for indices, members in group
-        }
-        ranks = {m.rank: m for m in manifests}
-        limits = {m.rank: stream_limits(m) for m in manifests}
-
-        def load(key: tuple[int, int]) -> tuple[dict[int, DecodedDelta], int]:
-            rank = key[0]
-            manifest = ranks[rank]
-            entries, shards = jobs[key]
-            indices = sorted(shards)
-            refs = [manifest.shards[i] for i in indices]
-            for index, ref in zip(indices, refs, strict=True):
-                if ref.decoded_size > self.max_shard_bytes:
-                    raise ShardError(
-                        f"{ref.path} declares {ref.decoded_size} decoded bytes, over the "
-                        f"{self.max_shard_bytes} limit; the manifest is hostile or raise the limit"
-                    )
-                bound = shard_decoded_bound(limits[rank].get(index, {}))
-                if ref.decoded_size > bound:  # before fetching it
-                    raise ShardError(
-                        f"{ref.path} declares {ref.decoded_size} decoded bytes but its entries "
-                        f"need at most {bound}; the manifest is corrupt or hostile"
-                    )
-            with self.decode_budget.hold(sum(ref.decoded_size for ref in refs)):
-                streams: dict[tuple[int, int], dict[str, memoryview]] = {}
-                for index, ref in zip(indices, refs, strict=True):
-                    stored = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
-                    streams[(rank, index)] = decode_shard(
-                        stored, decoded_size=ref.decoded_size, limits=limits[rank].get(index, {})
-                    )
-                    del stored
-                decoded = {i: _decode_entry(wanted[i][1], manifest, streams) for i in entries}
-                del streams  # decoded deltas are copies: the shards go before the budget
-            return decoded, sum(ref.size for ref in refs)
-
-        decoded: dict[int, DecodedDelta] = {}
-        nbytes = 0
-        for part, size in pool.map(load, sorted(jobs)):
-            decoded.update(part)
-            nbytes += size
-        changes = [
-            (entry, decoded[i] if i in decoded else _decode_entry(entry, manifest, {}))
-            for i, (manifest, entry) in enumerate(wanted)
-        ]
-        return _merge_pieces(changes, manifests), nbytes
-
-    # --- verify and apply ---------------------------------------------------------------------
+    # --- check, change, verify, commit (the target's transaction owns the undo) -------------
 
     def _audit_due(self, resident: Resident | None, asked: bool) -> bool:
         """Whether this sync reads the resident bits in full instead of trusting the lanes
@@ -602,13 +599,10 @@ class DeltaReader:
 
     def _apply(self, prepared: PreparedVersion, asked: bool) -> tuple[set[str], bool]:
         """Apply the staged steps; returns the names the target could not verify, and
-        whether the sync audited the resident bits."""
-        steps = list(prepared._steps)
-        incremental = prepared._incremental
+        whether the sync audited the resident bits. Any failure after the transaction is
+        open rolls it back (:meth:`Transaction.rollback`) before it propagates."""
         txn: Transaction | None = None
-        undo: list[Callable[[], None]] = []
-        trusted: set[str] = set()  # names whose resident lanes came from the last sync
-        known: _Verified | None = None
+        sync: _Sync | None = None
         try:
             # inside the stage: a target this rank cannot open fails every rank's sync
             with self.group.stage("checking its target"):
@@ -616,76 +610,81 @@ class DeltaReader:
                 known = None if audited else self._verified
                 self._verified = None  # dropped on any failure; set again only on commit
                 txn = self._begin()
-                lanes, unverified, trusted = self._check_baseline(
-                    steps, txn, incremental, prepared._parent_table if audited else None, known
-                )
-                txn.prepare(
-                    [
-                        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
-                        for step in steps
-                        for e, d in step.changes
-                    ]
-                )
-            touched = set(lanes)  # the names deltas change (their lanes follow the change)
+                sync = _Sync(prepared, txn, audited, known)
+                self._check_target(sync)
             with self.group.stage("applying"):
-                for step in steps:
-                    if step.base or not incremental:
-                        for name in txn.names():
-                            if self.select(name) and name not in step.table:
-                                txn.drop(name)
-                    for entry, delta in step.changes:
-                        if entry.op != FULL and entry.changed == 0:
-                            continue
-                        info = info_for(entry.dtype)
-                        applied = txn.apply(
-                            Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
-                        )
-                        undo.append(applied.undo)
-                        if entry.op == FULL:
-                            lanes[entry.name] = applied.lanes
-                            if entry.changed == 0:
-                                continue
-                        else:
-                            # the fingerprint follows the change (O(changed)), from the bits
-                            # read back from the target
-                            lanes[entry.name] = _lanes_after(lanes.get(entry.name), applied)
-                        touched.add(entry.name)
-                found = self._verify_goal(steps, txn, lanes, touched, unverified)
-            last = steps[-1].loaded
-            final = steps[-1].table
-            txn.commit(Resident(last.record.chain_id, last.record.version, last.sha256))
+                for step in sync.steps:
+                    self._change_step(sync, step)
+                found = self._verify_goal(sync)
+            txn.commit(sync.resident)
         except BaseException as exc:
             if txn is None:  # nothing was opened, so nothing to undo
                 raise
-            for undo_change in reversed(undo):
-                undo_change()
-            if isinstance(exc, FingerprintMismatchError) and trusted:
-                exc = self._diagnose(exc, txn, trusted, prepared)
-            txn.abort()
-            if isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
-                raise exc
-            if isinstance(exc, Exception):
-                raise ApplyError(f"applying failed and was rolled back: {exc}") from exc
-            raise
-        self._last_table = (last.sha256, final)
-        self._remember(prepared, final, found, touched, known)
-        return unverified, audited
+            raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
+        self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
+        self._remember(sync, found)
+        return sync.unverified, sync.audited
 
-    def _verify_goal(
-        self,
-        steps: list[_Step],
-        txn: Transaction,
-        lanes: dict[str, tuple[int, ...] | None],
-        touched: set[str],
-        unverified: set[str],
-    ) -> dict[str, tuple[int, ...]]:
+    def _rolled_back(
+        self, exc: BaseException, txn: Transaction, sync: _Sync | None
+    ) -> BaseException:
+        """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
+        integrity, target or group error becomes an :class:`ApplyError`)."""
+        txn.undo()
+        if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
+            exc = self._diagnose(exc, sync)  # reads the restored bits
+        txn.abort()
+        if isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
+            return exc
+        if isinstance(exc, Exception):
+            error = ApplyError(f"applying failed and was rolled back: {exc}")
+            error.__cause__, error.__suppress_context__ = exc, True  # raise ... from exc
+            return error
+        return exc
+
+    def _check_target(self, sync: _Sync) -> None:
+        """Before mutating: the baseline checks, then the target's own refusals."""
+        plan = sync.prepared._sync_plan
+        assert plan is not None
+        self._check_baseline(sync, plan, plan.parent_table if sync.audited else None)
+        sync.txn.prepare(
+            [
+                Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
+                for step in sync.steps
+                for e, d in step.changes
+            ]
+        )
+        sync.touched = set(sync.lanes)  # the names deltas change (their lanes follow them)
+
+    def _change_step(self, sync: _Sync, step: FetchedStep) -> None:
+        """Apply one version's changes (a base first drops the selected names it lacks)."""
+        txn = sync.txn
+        if step.base or not sync.prepared._incremental:
+            for name in txn.names():
+                if self.select(name) and name not in step.table:
+                    txn.drop(name)
+        for entry, delta in step.changes:
+            if entry.op != FULL and entry.changed == 0:
+                continue
+            info = info_for(entry.dtype)
+            applied = txn.change(Change(entry.name, info.torch_dtype, tuple(entry.shape), delta))
+            if entry.op == FULL:
+                sync.lanes[entry.name] = applied.lanes
+                if entry.changed == 0:
+                    continue
+            else:
+                # the fingerprint follows the change (O(changed)), from the bits read back
+                sync.lanes[entry.name] = _lanes_after(sync.lanes.get(entry.name), applied)
+            sync.touched.add(entry.name)
+
+    def _verify_goal(self, sync: _Sync) -> dict[str, tuple[int, ...]]:
         """Check the goal's fingerprints (§11.4 step 3); returns the lanes it verified, as
         the target reads them."""
-        final = steps[-1].table
-        version = steps[-1].loaded.record.version
+        txn, final = sync.txn, sync.goal.table
+        version = sync.goal.plan.version
         # tensors a later base removed are gone, not checked
         selected = {n for n, row in final.items() if self._wants(n, row.dtype, row.shape)}
-        check = selected if self.verify == "all" else touched & selected
+        check = selected if self.verify == "all" else sync.touched & selected
         mismatch = "after applying; the target was rolled back: run `dcr verify` on the store"
         found: dict[str, tuple[int, ...]] = {}
         for name in sorted(check):
@@ -694,9 +693,9 @@ class DeltaReader:
                 raise FingerprintMismatchError(
                     f"tensor {name!r} does not match version {version} {mismatch}"
                 )
-            raw = txn.lanes(name) if self.verify == "all" else lanes.get(name)
+            raw = txn.lanes(name) if self.verify == "all" else sync.lanes.get(name)
             if raw is None:
-                unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
+                sync.unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
             else:
                 found[name] = raw
         bad, incomplete = _mismatches(txn, found, lambda n: _expected(final[n]))
@@ -704,63 +703,57 @@ class DeltaReader:
             raise FingerprintMismatchError(
                 f"tensor {bad[0]!r} does not match version {version} {mismatch}"
             )
-        unverified |= incomplete
+        sync.unverified |= incomplete
         for name in incomplete:
             del found[name]
+        self._check_no_extra(txn, final, version)
+        return found
+
+    def _check_no_extra(
+        self, txn: Transaction, final: dict[str, TensorState], version: int
+    ) -> None:
+        """FORMAT.md 11.4.3: the target holds exactly the goal's selected names."""
         extra = sorted(n for n in txn.names() if self.select(n) and n not in final)
-        if extra:  # FORMAT.md 11.4.3: the target holds exactly the goal's selected names
+        if extra:
             raise TargetError(
                 f"the target holds {len(extra)} tensors that version {version} lacks "
                 f"(first: {extra[0]!r}); remove them, pass select= to leave them alone, or "
                 "pull into a fresh target"
             )
-        return found
 
-    def _remember(
-        self,
-        prepared: PreparedVersion,
-        final: dict[str, TensorState],
-        found: dict[str, tuple[int, ...]],
-        touched: set[str],
-        known: _Verified | None,
-    ) -> None:
+    def _remember(self, sync: _Sync, found: dict[str, tuple[int, ...]]) -> None:
         """After a commit: the lanes the next sync may trust (FORMAT.md §11.3)."""
-        last = prepared._steps[-1].loaded
-        resident = Resident(last.record.chain_id, last.record.version, last.sha256)
-        if known is not None and prepared._incremental:
-            lanes = {n: v for n, v in known.lanes.items() if n in final and n not in touched}
-            self._verified = _Verified(resident, {**lanes, **found}, known.syncs + 1, known.audited)
+        known, final = sync.known, sync.goal.table
+        if known is not None and sync.prepared._incremental:
+            kept = {n: v for n, v in known.lanes.items() if n in final and n not in sync.touched}
+            self._verified = _Verified(
+                sync.resident, {**kept, **found}, known.syncs + 1, known.audited
+            )
         else:  # an audit, or a plan from a base: everything held was read or written in full
-            self._verified = _Verified(resident, dict(found))
+            self._verified = _Verified(sync.resident, dict(found))
 
-    def _diagnose(
-        self,
-        exc: FingerprintMismatchError,
-        txn: Transaction,
-        trusted: set[str],
-        prepared: PreparedVersion,
-    ) -> IntegrityError:
+    def _diagnose(self, exc: FingerprintMismatchError, sync: _Sync) -> IntegrityError:
         """A mismatch after applying onto trusted lanes: was the target edited outside dcr?
 
-        The target is rolled back already; a solo reader reads the trusted tensors in full
-        and blames the target when they differ from the resident version.
+        The in-place changes are undone already; a solo reader reads the trusted tensors in
+        full and blames the target when they differ from the resident version.
         """
-        table = prepared._parent_table
+        table = sync.prepared._parent_table
         if not self.group.alone or table is None:
             return FingerprintMismatchError(
                 f"{exc} (or the target was changed outside dcr since the last sync: "
                 "sync(audit=True) tells which)"
             )
         raw: dict[str, tuple[int, ...]] = {}
-        for name in sorted(trusted):
-            value = txn.lanes(name)
+        for name in sorted(sync.trusted):
+            value = sync.txn.lanes(name)
             if value is not None:
                 raw[name] = value
-        bad, _ = _mismatches(txn, raw, lambda n: _expected(table[n]) if n in table else None)
+        bad, _ = _mismatches(sync.txn, raw, lambda n: _expected(table[n]) if n in table else None)
         if bad:
             return BaselineMismatchError(
                 f"tensor {bad[0]!r} in the target is not the bits of version "
-                f"{prepared.previous}; it was changed outside dcr since the last sync "
+                f"{sync.prepared.previous}; it was changed outside dcr since the last sync "
                 "(nothing was applied): pull into a fresh target"
             )
         return exc
@@ -778,11 +771,7 @@ class DeltaReader:
         unverified: set[str] = set()
         for name in names:
             row = table[name]
-            if txn.spec(name) != (info_for(row.dtype).torch_dtype, tuple(row.shape)):
-                raise BaselineMismatchError(
-                    f"the target lacks tensor {name!r} as {row.dtype}{list(row.shape)}; "
-                    "pull into a fresh target"
-                )
+            _check_spec(txn, name, row.dtype, row.shape)
             value = txn.lanes(name)
             if value is None:
                 unverified.add(name)
@@ -800,100 +789,65 @@ class DeltaReader:
         return raw, unverified
 
     def _check_baseline(
-        self,
-        steps: list[_Step],
-        txn: Transaction,
-        incremental: bool,
-        audit_table: dict[str, TensorState] | None,
-        known: _Verified | None,
-    ) -> tuple[dict[str, tuple[int, ...] | None], set[str], set[str]]:
+        self, sync: _Sync, plan: SyncPlan, audit_table: dict[str, TensorState] | None
+    ) -> None:
         """Before mutating: every delta lands on exactly the bits it was made against.
 
-        Returns the fingerprint lanes of every resident tensor a delta changes, as the
-        target read them (None where it cannot), the names it could not check, and the
-        names whose lanes it took from the previous sync (``known``) instead of reading.
-        ``audit_table`` (the resident version's table): also read and check every other
-        selected tensor the target holds.
+        Fills ``sync.lanes`` with the fingerprint lanes of every resident tensor a delta
+        changes, as the target read them (None where it cannot), ``sync.unverified`` with
+        the names it could not check, and ``sync.trusted`` with the names whose lanes it
+        took from the previous sync instead of reading. ``audit_table`` (the resident
+        version's table): also read and check every other selected tensor the target holds.
         """
-        first_seen: dict[str, Entry] = {}
-        changing = _changing(steps)
-        for step in steps:
-            for entry, _ in step.changes:
-                first_seen.setdefault(entry.name, entry)
+        baseline, changing = plan.checks.baseline, plan.checks.changing
         raw: dict[str, tuple[int, ...]] = {}
-        unverified: set[str] = set()
-        trusted: set[str] = set()
-        for name, entry in first_seen.items():
-            if entry.op == FULL:
-                continue
-            info = info_for(entry.dtype)
-            if txn.spec(name) != (info.torch_dtype, tuple(entry.shape)):
-                raise BaselineMismatchError(
-                    f"the target lacks tensor {name!r} as {entry.dtype}{list(entry.shape)}; "
-                    "pull into a fresh target"
-                )
-            if name not in changing and self.verify != "all":
-                continue
-            cached = None if known is None else known.lanes.get(name)
-            if cached is not None:
-                raw[name] = cached
-                trusted.add(name)
-                continue
-            resident = txn.lanes(name)
-            if resident is None:
-                unverified.add(name)
-            else:
-                raw[name] = resident
+        for name, tensor in baseline.items():
+            _check_spec(sync.txn, name, tensor.dtype, tensor.shape)
+            if name in changing or self.verify == "all":
+                self._resident_lanes(sync, name, raw)
         bad, incomplete = _mismatches(
-            txn,
+            sync.txn,
             raw,
-            lambda n: (first_seen[n].dtype, first_seen[n].shape, first_seen[n].parent_fingerprint),
+            lambda n: (baseline[n].dtype, baseline[n].shape, baseline[n].parent_fingerprint),
         )
+        first = plan.steps[0].version
         if bad:
             raise BaselineMismatchError(
-                f"tensor {bad[0]!r} in the target is not the bits of version "
-                f"{steps[0].loaded.record.version - 1}; it was changed outside dcr: "
-                "pull into a fresh target"
+                f"tensor {bad[0]!r} in the target is not the bits of version {first - 1}; "
+                "it was changed outside dcr: pull into a fresh target"
             )
-        unverified |= incomplete
-        if audit_table is not None and incremental:
-            held = txn.names()
+        sync.unverified |= incomplete
+        if audit_table is not None and plan.incremental:
+            held = sync.txn.names()
             rest = sorted(
                 n
                 for n, row in audit_table.items()
-                if n not in first_seen and n in held and self._wants(n, row.dtype, row.shape)
+                if n not in baseline and n in held and self._wants(n, row.dtype, row.shape)
             )
-            self._read_and_check(txn, rest, audit_table, steps[0].loaded.record.version - 1)
-        checked: dict[str, tuple[int, ...] | None] = {n: raw.get(n) for n in changing}
-        return checked, unverified, trusted & changing
+            self._read_and_check(sync.txn, rest, audit_table, first - 1)
+        sync.lanes = {n: raw.get(n) for n in changing}
+        sync.trusted &= changing
+
+    def _resident_lanes(self, sync: _Sync, name: str, raw: dict[str, tuple[int, ...]]) -> None:
+        """One resident tensor's lanes: trusted from the previous sync, or read in full."""
+        cached = None if sync.known is None else sync.known.lanes.get(name)
+        if cached is not None:
+            raw[name] = cached
+            sync.trusted.add(name)
+            return
+        lanes = sync.txn.lanes(name)
+        if lanes is None:
+            sync.unverified.add(name)
+        else:
+            raw[name] = lanes
 
 
-def _linked_shards(
-    wanted: list[tuple[Manifest, Entry]],
-) -> dict[int, list[tuple[list[int], set[int]]]]:
-    """Per writer rank: groups of shards that the changed entries link (an entry's two
-    streams in two shards join them), each with the indices (into ``wanted``) of its
-    entries."""
-    out: dict[int, list[tuple[list[int], set[int]]]] = {}
-    by_rank: dict[int, list[tuple[int, set[int]]]] = {}
-    for index, (manifest, entry) in enumerate(wanted):
-        if entry.changed == 0:
-            continue
-        shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
-        if shards:
-            by_rank.setdefault(manifest.rank, []).append((index, shards))
-    for rank, items in by_rank.items():
-        groups: list[tuple[list[int], set[int]]] = []
-        for index, shards in items:
-            joined = [g for g in groups if g[1] & shards]
-            merged: tuple[list[int], set[int]] = ([index], set(shards))
-            for group in joined:
-                groups.remove(group)
-                merged[0].extend(group[0])
-                merged[1].update(group[1])
-            groups.append(merged)
-        out[rank] = [(sorted(indices), members) for indices, members in groups]
-    return out
+def _check_spec(txn: Transaction, name: str, dtype: str, shape: tuple[int, ...]) -> None:
+    """The target holds ``name`` with this dtype and shape (else it is not that version)."""
+    if txn.spec(name) != (info_for(dtype).torch_dtype, tuple(shape)):
+        raise BaselineMismatchError(
+            f"the target lacks tensor {name!r} as {dtype}{list(shape)}; pull into a fresh target"
+        )
 
 
 def _expected(row: TensorState) -> tuple[str, tuple[int, ...], str | None]:
@@ -936,147 +890,5 @@ def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int,
     return lanes_after_change(before, applied.positions, applied.before, applied.after)
 
 
-def _changing(steps: list[_Step]) -> set[str]:
-    """Names a delta changes before any full write of them in the plan: those deltas land
-    on the resident bits (not only when the first step that lists the tensor does)."""
-    changing: set[str] = set()
-    rewritten: set[str] = set()
-    for step in steps:
-        for entry, _ in step.changes:
-            if entry.op == FULL:
-                rewritten.add(entry.name)
-            elif entry.changed > 0 and entry.name not in rewritten:
-                changing.add(entry.name)
-    return changing
-
-
 def _version_of(resident: Resident | None) -> tuple[str | None, int | None]:
     return (None, None) if resident is None else (resident.chain_id, resident.version)
-
-
-def _merge_pieces(
-    changes: list[tuple[Entry, DecodedDelta]], manifests: list[Manifest]
-) -> list[tuple[Entry, DecodedDelta]]:
-    """The pieces of one tensor (FORMAT.md §4.8) as whole-tensor changes, one per op.
-
-    Full pieces must partition the tensor; the positions of changed pieces must not
-    overlap (their unchanged parts are checked by the fingerprints, whose lanes add up).
-    """
-    if not any(entry.piece is not None for entry, _ in changes):
-        return changes
-    combined = tensor_changes(manifests)
-    out: list[tuple[Entry, DecodedDelta] | str] = []
-    pieces: dict[str, list[tuple[Entry, DecodedDelta]]] = {}
-    for entry, delta in changes:
-        if entry.piece is None:
-            out.append((entry, delta))
-        else:
-            if entry.name not in pieces:
-                out.append(entry.name)  # keeps the order of first appearance
-            pieces.setdefault(entry.name, []).append((entry, delta))
-    merged: list[tuple[Entry, DecodedDelta]] = []
-    for item in out:
-        if not isinstance(item, str):
-            merged.append(item)
-            continue
-        change = combined[item]
-        parts = pieces[item]
-        numel = 1
-        for dim in change.shape:
-            numel *= dim
-        info = info_for(change.dtype)
-        positions = torch.cat([d.positions for _, d in parts if d.positions is not None])
-        values = torch.cat([d.values for _, d in parts])
-        order = torch.argsort(positions)
-        positions, values = positions[order], values[order]
-        if change.full:
-            if positions.numel() != numel or not torch.equal(
-                positions, torch.arange(numel, dtype=positions.dtype)
-            ):
-                raise SchemaError(f"the full pieces of tensor {item!r} do not cover it exactly")
-            entry = Entry(
-                name=item,
-                dtype=change.dtype,
-                shape=change.shape,
-                op=FULL,
-                changed=numel,
-                fingerprint=change.fingerprint,
-            )
-            merged.append((entry, DecodedDelta(FULL, None, values.to(info.bits_dtype))))
-            continue
-        if positions.numel() > 1 and bool((positions[1:] == positions[:-1]).any()):
-            raise SchemaError(f"pieces of tensor {item!r} change the same element twice")
-        ops = sorted({e.op for e, d in parts if e.changed > 0}) or [XOR]
-        for op in ops:
-            mine = torch.cat(
-                [d.positions for e, d in parts if e.op == op and d.positions is not None]
-                or [torch.empty(0, dtype=torch.int64)]
-            )
-            keep = torch.isin(positions, mine)
-            entry = Entry(
-                name=item,
-                dtype=change.dtype,
-                shape=change.shape,
-                op=op,
-                changed=int(keep.sum()),
-                fingerprint=change.fingerprint,
-                parent_fingerprint=change.parent_fingerprint,
-            )
-            merged.append((entry, DecodedDelta(op, positions[keep], values[keep])))
-    return merged
-
-
-def _check_continuity(
-    parent: dict[str, TensorState], manifests: list[Manifest], version: int
-) -> None:
-    """A delta keeps every tensor of its parent and starts each change from the parent's bits
-    (pieces combined: their summed lanes give the parent fingerprint, FORMAT.md §4.8)."""
-    listed = tensor_changes(manifests)
-    missing = sorted(set(parent) - set(listed))
-    if missing:
-        raise ChainBrokenError(
-            f"delta version {version} drops tensor {missing[0]!r} of its parent; "
-            "the store is corrupt: run `dcr verify`"
-        )
-    for name, entry in listed.items():
-        if entry.full:
-            continue
-        row = parent.get(name)
-        if (
-            row is None
-            or row.dtype != entry.dtype
-            or row.shape != tuple(entry.shape)
-            or row.fingerprint != entry.parent_fingerprint
-        ):
-            raise ChainBrokenError(
-                f"version {version} changes tensor {name!r} from bits its parent does not "
-                "hold; the store is corrupt: run `dcr verify`"
-            )
-
-
-def _decode_entry(
-    entry: Entry, manifest: Manifest, streams: dict[tuple[int, int], dict[str, memoryview]]
-) -> DecodedDelta:
-    info = info_for(entry.dtype)
-    numel = 1
-    for dim in entry.shape:
-        numel *= dim
-
-    def stream(ref) -> tuple[str, memoryview] | None:  # type: ignore[no-untyped-def]
-        if ref is None:
-            return None
-        shard = streams.get((manifest.rank, ref.shard))
-        if shard is None or ref.key not in shard:
-            raise ShardError(
-                f"stream {ref.key!r} of tensor {entry.name!r} is missing from its shard"
-            )
-        return ref.coding, shard[ref.key]
-
-    return decode_delta(
-        OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op,  # a region
-        info,
-        numel,
-        entry.changed,
-        positions=stream(entry.positions),
-        values=stream(entry.values),
-    )

@@ -1,9 +1,10 @@
 """What a reader applies into: a dict of tensors, or a Hugging Face safetensors directory.
 
 A target reports the version it holds (:meth:`Target.resident`) and opens a
-:class:`Transaction`: the reader mutates tensors through it and then either
-commits (recording the new version) or aborts (the reader has already undone its
-in-place changes; the transaction forgets tensors it created or replaced).
+:class:`Transaction`: the reader changes tensors through it (:meth:`Transaction.change`,
+which keeps each change's undo) and then either commits (recording the new version) or
+rolls back (:meth:`Transaction.rollback`: the in-place changes undone newest first, then
+the tensors it created, replaced or dropped restored).
 """
 
 from __future__ import annotations
@@ -91,9 +92,13 @@ class Transaction(ABC):
     """Mutable access to a target's tensors for one sync.
 
     The reader goes through :meth:`spec`, :meth:`prepare`, :meth:`lanes`,
-    :meth:`complete_lanes` and :meth:`apply`; their defaults work on the live canonical
+    :meth:`complete_lanes` and :meth:`change`; the defaults work on the live canonical
     tensors of :meth:`tensor` and :meth:`full_tensor`. A target without canonical tensors
-    (a module behind its own loader) overrides them instead.
+    (a module behind its own loader) overrides them (and :meth:`apply`) instead.
+
+    The transaction owns the undo of a sync: :meth:`change` applies one change and keeps
+    its undo, :meth:`undo` reverts every change so far (newest first), :meth:`rollback`
+    undoes and aborts, :meth:`commit` makes the changes the new resident version.
     """
 
     @abstractmethod
@@ -118,7 +123,35 @@ class Transaction(ABC):
 
     @abstractmethod
     def abort(self) -> None:
-        """Forget created, replaced and dropped tensors (in-place changes were undone)."""
+        """Forget created, replaced and dropped tensors (after :meth:`undo` reverted the
+        in-place changes; :meth:`rollback` does both)."""
+
+    # --- the undo journal ----------------------------------------------------------------
+
+    def _journal(self) -> list[Callable[[], None]]:
+        """The undo of every change made through :meth:`change`, oldest first (kept on the
+        instance, so subclasses need not call an ``__init__``)."""
+        journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
+        return journal
+
+    def change(self, change: Change) -> Applied:
+        """Apply one change (:meth:`apply`) and keep its undo for :meth:`undo`."""
+        applied = self.apply(change)
+        self._journal().append(applied.undo)
+        return applied
+
+    def undo(self) -> None:
+        """Revert every change made through :meth:`change`, newest first; the bits the
+        target held before the sync are back in place (tensors it created or dropped are
+        restored by :meth:`abort`)."""
+        journal = self._journal()
+        while journal:
+            journal.pop()()
+
+    def rollback(self) -> None:
+        """Undo every change and abort: the target is as it was before the sync."""
+        self.undo()
+        self.abort()
 
     # --- what the reader calls (defaults: live canonical tensors) ------------------------
 

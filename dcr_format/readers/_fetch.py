@@ -1,0 +1,193 @@
+"""Fetching a plan: parallel verified gets of its shards, inflated and decoded.
+
+Each :class:`~dcr_format.readers._plan.DecodeJob` runs on a worker of the reader's
+pool: it fetches its shards through the store interface (a relay store serves them
+from a peer), checks each against the size and sha256 its manifest records, inflates
+them within the reader's decode budget, decodes the job's entries and drops the
+shards, so only decoded deltas outlive the job. Nothing here touches the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcr_format.chain import TensorChange, TensorState, get_verified, tensor_changes
+from dcr_format.codec.budget import DecodeBudget
+from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import decode_shard
+from dcr_format.errors import SchemaError, ShardError
+from dcr_format.readers._plan import DecodeJob, FetchPlan, StepPlan
+from dcr_format.schema import Entry, Manifest
+from dcr_format.store import Store
+
+# a pool's map: runs the function over the items in parallel, results in order
+MapFn = Callable[
+    [Callable[[DecodeJob], dict[int, DecodedDelta]], Iterable[DecodeJob]],
+    Iterable[dict[int, DecodedDelta]],
+]
+Streams = dict[tuple[int, int], dict[str, memoryview]]
+
+
+@dataclass(frozen=True)
+class FetchedStep:
+    """One version of a plan, fetched and decoded: each wanted tensor's change (pieces
+    merged into whole-tensor changes)."""
+
+    plan: StepPlan
+    changes: list[tuple[Entry, DecodedDelta]]
+
+    @property
+    def table(self) -> dict[str, TensorState]:
+        """The version's state table."""
+        return self.plan.table
+
+    @property
+    def base(self) -> bool:
+        """Whether the step is a full snapshot (tensors it lacks are dropped)."""
+        return self.plan.base
+
+
+def fetch_step(store: Store, step: StepPlan, map_fn: MapFn, budget: DecodeBudget) -> FetchedStep:
+    """Fetch, verify and decode one step of a plan (``map_fn``: a thread pool's map)."""
+    return FetchedStep(step, fetch_changes(store, step.fetch, map_fn, budget))
+
+
+def fetch_changes(
+    store: Store, plan: FetchPlan, map_fn: MapFn, budget: DecodeBudget
+) -> list[tuple[Entry, DecodedDelta]]:
+    """Run every job of ``plan`` in parallel; each wanted tensor's change, pieces merged."""
+    decoded: dict[int, DecodedDelta] = {}
+    for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):
+        decoded.update(part)
+    changes = [
+        (entry, decoded[i] if i in decoded else _decode_entry(entry, manifest, {}))
+        for i, (manifest, entry) in enumerate(plan.wanted)
+    ]
+    return merge_pieces(changes, list(plan.manifests))
+
+
+def _run_job(
+    store: Store, plan: FetchPlan, job: DecodeJob, budget: DecodeBudget
+) -> dict[int, DecodedDelta]:
+    """One job: fetch and inflate its shards within the budget, decode its entries."""
+    with budget.hold(job.decoded_bytes):
+        streams: Streams = {}
+        for shard in job.shards:
+            stored = get_verified(store, shard.path, size=shard.size, sha256=shard.sha256)
+            streams[(shard.rank, shard.index)] = decode_shard(
+                stored, decoded_size=shard.decoded_size, limits=shard.limits
+            )
+            del stored
+        wanted = plan.wanted
+        decoded = {i: _decode_entry(wanted[i][1], wanted[i][0], streams) for i in job.entries}
+        del streams  # decoded deltas are copies: the shards go before the budget
+    return decoded
+
+
+def _decode_entry(entry: Entry, manifest: Manifest, streams: Streams) -> DecodedDelta:
+    """Decode one entry from the inflated streams of its rank's shards."""
+    info = info_for(entry.dtype)
+    numel = 1
+    for dim in entry.shape:
+        numel *= dim
+
+    def stream(ref: Any) -> tuple[str, memoryview] | None:
+        if ref is None:
+            return None
+        shard = streams.get((manifest.rank, ref.shard))
+        if shard is None or ref.key not in shard:
+            raise ShardError(
+                f"stream {ref.key!r} of tensor {entry.name!r} is missing from its shard"
+            )
+        return ref.coding, shard[ref.key]
+
+    return decode_delta(
+        OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op,  # a region
+        info,
+        numel,
+        entry.changed,
+        positions=stream(entry.positions),
+        values=stream(entry.values),
+    )
+
+
+def merge_pieces(
+    changes: list[tuple[Entry, DecodedDelta]], manifests: list[Manifest]
+) -> list[tuple[Entry, DecodedDelta]]:
+    """The pieces of one tensor (FORMAT.md §4.8) as whole-tensor changes, one per op.
+
+    Full pieces must partition the tensor; the positions of changed pieces must not
+    overlap (their unchanged parts are checked by the fingerprints, whose lanes add up).
+    """
+    if not any(entry.piece is not None for entry, _ in changes):
+        return changes
+    combined = tensor_changes(manifests)
+    order: list[tuple[Entry, DecodedDelta] | str] = []
+    pieces: dict[str, list[tuple[Entry, DecodedDelta]]] = {}
+    for entry, delta in changes:
+        if entry.piece is None:
+            order.append((entry, delta))
+        else:
+            if entry.name not in pieces:
+                order.append(entry.name)  # keeps the order of first appearance
+            pieces.setdefault(entry.name, []).append((entry, delta))
+    merged: list[tuple[Entry, DecodedDelta]] = []
+    for item in order:
+        if isinstance(item, str):
+            merged.extend(_merge_tensor(item, combined[item], pieces[item]))
+        else:
+            merged.append(item)
+    return merged
+
+
+def _merge_tensor(
+    name: str, change: TensorChange, parts: list[tuple[Entry, DecodedDelta]]
+) -> list[tuple[Entry, DecodedDelta]]:
+    """One tensor's pieces (``change``: their combination) as one change per op."""
+    numel = 1
+    for dim in change.shape:
+        numel *= dim
+    positions = torch.cat([d.positions for _, d in parts if d.positions is not None])
+    values = torch.cat([d.values for _, d in parts])
+    order = torch.argsort(positions)
+    positions, values = positions[order], values[order]
+    if change.full:
+        if positions.numel() != numel or not torch.equal(
+            positions, torch.arange(numel, dtype=positions.dtype)
+        ):
+            raise SchemaError(f"the full pieces of tensor {name!r} do not cover it exactly")
+        entry = Entry(
+            name=name,
+            dtype=change.dtype,
+            shape=change.shape,
+            op=FULL,
+            changed=numel,
+            fingerprint=change.fingerprint,
+        )
+        bits = values.to(info_for(change.dtype).bits_dtype)
+        return [(entry, DecodedDelta(FULL, None, bits))]
+    if positions.numel() > 1 and bool((positions[1:] == positions[:-1]).any()):
+        raise SchemaError(f"pieces of tensor {name!r} change the same element twice")
+    merged: list[tuple[Entry, DecodedDelta]] = []
+    for op in sorted({e.op for e, d in parts if e.changed > 0}) or [XOR]:
+        mine = torch.cat(
+            [d.positions for e, d in parts if e.op == op and d.positions is not None]
+            or [torch.empty(0, dtype=torch.int64)]
+        )
+        keep = torch.isin(positions, mine)
+        entry = Entry(
+            name=name,
+            dtype=change.dtype,
+            shape=change.shape,
+            op=op,
+            changed=int(keep.sum()),
+            fingerprint=change.fingerprint,
+            parent_fingerprint=change.parent_fingerprint,
+        )
+        merged.append((entry, DecodedDelta(op, positions[keep], values[keep])))
+    return merged

@@ -1,0 +1,364 @@
+"""Planning a sync from metadata only: which versions, which objects, which checks.
+
+Everything here is plain data computed from commit records and manifests that the
+reader has already read and validated (FORMAT.md §11.4 step 1); nothing touches a
+store or a target, so a plan can be built and inspected from hand-made records. The
+reader then fetches the plan's objects (:mod:`dcr_format.readers._fetch`) and applies
+the decoded changes through the target's transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from dcr_format.chain import LoadedRecord, TensorState, table_fingerprint, tensor_changes
+from dcr_format.codec.delta import FULL
+from dcr_format.codec.shard import shard_decoded_bound, stream_limits
+from dcr_format.errors import ChainBrokenError, ShardError, VersionNotFoundError
+from dcr_format.schema import Entry, Manifest
+
+# what a plan needs to know about the target: does it take this tensor at all?
+Wants = Callable[[str, str, tuple[int, ...]], bool]
+
+
+@dataclass(frozen=True)
+class ShardObject:
+    """One shard a step fetches: its key, stored size and sha256, declared decoded size,
+    and the most each of its streams may inflate to (from the entries that use it)."""
+
+    rank: int
+    index: int
+    path: str
+    size: int
+    sha256: str
+    decoded_size: int
+    limits: dict[str, int]
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """Shards that the wanted entries link (an entry's two streams in two shards join
+    them), fetched and decoded together; ``entries`` index the step's ``wanted``."""
+
+    rank: int
+    shards: tuple[ShardObject, ...]
+    entries: tuple[int, ...]
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Inflated bytes the job holds at once (counted against the decode budget)."""
+        return sum(shard.decoded_size for shard in self.shards)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the job fetches."""
+        return sum(shard.size for shard in self.shards)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One target tensor's change in one version, pieces combined (FORMAT.md §4.8)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    full: bool
+    changed: int  # elements a non-full change touches (0: the tensor is unchanged)
+    parent_fingerprint: str | None
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What one version fetches for a target: the entries it takes (manifest order) and
+    the decode jobs of their shards."""
+
+    manifests: tuple[Manifest, ...]
+    wanted: tuple[tuple[Manifest, Entry], ...]
+    jobs: tuple[DecodeJob, ...]
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the shards it fetches."""
+        return sum(job.stored_bytes for job in self.jobs)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One version of a plan: its record, state table, what to fetch and what changes."""
+
+    loaded: LoadedRecord
+    table: dict[str, TensorState]
+    base: bool  # a full snapshot: a base version, or the alternative base of a delta version
+    fetch: FetchPlan
+    tensors: tuple[TensorPlan, ...]  # each wanted tensor's change, pieces combined
+    metadata_bytes: int  # the manifests' stored bytes
+
+    @property
+    def version(self) -> int:
+        """The version this step reaches."""
+        return self.loaded.record.version
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes this step fetches: its manifests and the shards its entries need."""
+        return self.metadata_bytes + self.fetch.stored_bytes
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What the reader checks on the target before mutating it (FORMAT.md §11.4 step 2).
+
+    ``baseline``: each tensor a non-full change reaches, as its first listing in the plan
+    describes it (dtype, shape and the fingerprint it is changed from). ``changing``: names
+    a delta changes before any full write of them (those deltas land on the resident bits).
+    """
+
+    baseline: dict[str, TensorPlan]
+    changing: frozenset[str]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Everything a sync does, decided before anything is fetched or touched."""
+
+    goal: int
+    previous: int | None
+    steps: tuple[StepPlan, ...]
+    incremental: bool  # the steps continue from the resident version (else from a base)
+    parent_table: dict[str, TensorState] | None  # the resident version's (incremental plans)
+    checks: Checks
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The versions applied, in order."""
+        return tuple(step.version for step in self.steps)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes the plan fetches."""
+        return sum(step.payload_bytes for step in self.steps)
+
+
+def choose_versions(
+    resident: int | None,
+    goal: int,
+    committed: Collection[int],
+    *,
+    kind: Callable[[int], Literal["base", "delta"]],
+    alternatives: Callable[[], Collection[int]],
+    where: str,
+) -> tuple[list[int], int | None]:
+    """The versions to apply to go from ``resident`` to ``goal``; the second item is the
+    first version when it starts from that version's alternative base (None otherwise).
+
+    ``kind(version)`` is a committed version's record kind, ``alternatives()`` the versions
+    with an alternative base (FORMAT.md §14, asked only when the plan cannot continue from
+    ``resident``), ``where`` the store named in errors.
+    """
+    have = set(committed)
+    if resident is not None and all(v in have for v in range(resident, goal + 1)):
+        return list(range(resident + 1, goal + 1)), None
+    # the newest base at or before the goal with every version after it committed
+    bases = set(alternatives())
+    version = goal
+    while version in have:
+        if version in bases:
+            return list(range(version, goal + 1)), version
+        if kind(version) == "base":
+            return list(range(version, goal + 1)), None
+        version -= 1
+    raise VersionNotFoundError(
+        f"no base at or before version {goal} is left in {where}; "
+        "compact the chain or pick a newer version"
+    )
+
+
+def check_version(
+    loaded: LoadedRecord,
+    manifests: list[Manifest],
+    table: dict[str, TensorState],
+    parent_table: dict[str, TensorState] | None,
+) -> None:
+    """A version's manifests add up to its state fingerprint, and a delta continues from
+    its parent's table (when known)."""
+    version = loaded.record.version
+    if table_fingerprint(table) != loaded.record.state_fingerprint:
+        raise ChainBrokenError(
+            f"the manifests of version {version} do not add up to its state fingerprint; "
+            "the store is corrupt: run `dcr verify`"
+        )
+    if loaded.record.kind == "delta" and parent_table is not None:
+        _check_continuity(parent_table, manifests, version)
+
+
+def plan_step(
+    loaded: LoadedRecord,
+    manifests: list[Manifest],
+    table: dict[str, TensorState],
+    *,
+    base: bool,
+    wants: Wants,
+    max_shard_bytes: int,
+    metadata_bytes: int,
+) -> StepPlan:
+    """One validated version as a step for a target that ``wants`` some of its tensors."""
+    fetch = plan_fetch(manifests, wants=wants, max_shard_bytes=max_shard_bytes)
+    tensors = _tensors(fetch.wanted, manifests)
+    return StepPlan(loaded, table, base, fetch, tensors, metadata_bytes)
+
+
+def plan_fetch(manifests: list[Manifest], *, wants: Wants, max_shard_bytes: int) -> FetchPlan:
+    """The entries of a version's manifests that a target ``wants`` and the jobs that fetch
+    their shards; refuses shards whose declared sizes are over ``max_shard_bytes`` or over
+    what their entries can need (before anything is fetched)."""
+    wanted = tuple((m, e) for m in manifests for e in m.entries if wants(e.name, e.dtype, e.shape))
+    return FetchPlan(tuple(manifests), wanted, tuple(_jobs(wanted, manifests, max_shard_bytes)))
+
+
+def plan_checks(steps: Collection[StepPlan]) -> Checks:
+    """The baseline checks of a plan (see :class:`Checks`)."""
+    baseline: dict[str, TensorPlan] = {}
+    changing: set[str] = set()
+    rewritten: set[str] = set()
+    for step in steps:
+        for tensor in step.tensors:
+            baseline.setdefault(tensor.name, tensor)
+            if tensor.full:
+                rewritten.add(tensor.name)
+            elif tensor.changed > 0 and tensor.name not in rewritten:
+                changing.add(tensor.name)
+    return Checks({n: t for n, t in baseline.items() if not t.full}, frozenset(changing))
+
+
+def _tensors(
+    wanted: tuple[tuple[Manifest, Entry], ...], manifests: list[Manifest]
+) -> tuple[TensorPlan, ...]:
+    """Each wanted tensor once, in order of first listing, pieces combined."""
+    pieced = any(entry.piece is not None for _, entry in wanted)
+    combined = tensor_changes(manifests) if pieced else {}
+    changed: dict[str, int] = {}
+    order: list[Entry] = []
+    for _, entry in wanted:
+        if entry.name not in changed:
+            order.append(entry)
+            changed[entry.name] = 0
+        if entry.op != FULL:
+            changed[entry.name] += entry.changed
+    out: list[TensorPlan] = []
+    for entry in order:
+        whole = combined.get(entry.name) if entry.piece is not None else None
+        full = whole.full if whole is not None else entry.op == FULL
+        parent = whole.parent_fingerprint if whole is not None else entry.parent_fingerprint
+        out.append(
+            TensorPlan(
+                entry.name,
+                entry.dtype,
+                tuple(entry.shape),
+                full,
+                changed[entry.name],
+                None if full else parent,
+            )
+        )
+    return tuple(out)
+
+
+def _jobs(
+    wanted: tuple[tuple[Manifest, Entry], ...],
+    manifests: list[Manifest],
+    max_shard_bytes: int,
+) -> list[DecodeJob]:
+    """The decode jobs of a step, ordered by (rank, first shard), each shard checked."""
+    ranks = {m.rank: m for m in manifests}
+    limits = {m.rank: stream_limits(m) for m in manifests}
+    jobs: list[DecodeJob] = []
+    for rank, groups in _linked_shards(wanted).items():
+        manifest = ranks[rank]
+        for indices, members in groups:
+            shards = []
+            for index in sorted(members):
+                ref = manifest.shards[index]
+                shard_limits = limits[rank].get(index, {})
+                _check_shard_size(ref.path, ref.decoded_size, shard_limits, max_shard_bytes)
+                shards.append(
+                    ShardObject(
+                        rank, index, ref.path, ref.size, ref.sha256, ref.decoded_size, shard_limits
+                    )
+                )
+            jobs.append(DecodeJob(rank, tuple(shards), tuple(indices)))
+    return sorted(jobs, key=lambda job: (job.rank, job.shards[0].index))
+
+
+def _check_shard_size(
+    path: str, decoded_size: int, limits: dict[str, int], max_shard_bytes: int
+) -> None:
+    if decoded_size > max_shard_bytes:
+        raise ShardError(
+            f"{path} declares {decoded_size} decoded bytes, over the "
+            f"{max_shard_bytes} limit; the manifest is hostile or raise the limit"
+        )
+    bound = shard_decoded_bound(limits)
+    if decoded_size > bound:
+        raise ShardError(
+            f"{path} declares {decoded_size} decoded bytes but its entries "
+            f"need at most {bound}; the manifest is corrupt or hostile"
+        )
+
+
+def _linked_shards(
+    wanted: tuple[tuple[Manifest, Entry], ...] | list[tuple[Manifest, Entry]],
+) -> dict[int, list[tuple[list[int], set[int]]]]:
+    """Per writer rank: groups of shards that the changed entries link (an entry's two
+    streams in two shards join them), each with the indices (into ``wanted``) of its
+    entries."""
+    by_rank: dict[int, list[tuple[int, set[int]]]] = {}
+    for index, (manifest, entry) in enumerate(wanted):
+        if entry.changed == 0:
+            continue
+        shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
+        if shards:
+            by_rank.setdefault(manifest.rank, []).append((index, shards))
+    return {rank: _join(items) for rank, items in by_rank.items()}
+
+
+def _join(items: list[tuple[int, set[int]]]) -> list[tuple[list[int], set[int]]]:
+    """Union the shard sets that share a shard; each group keeps its entry indices."""
+    groups: list[tuple[list[int], set[int]]] = []
+    for index, shards in items:
+        joined = [g for g in groups if g[1] & shards]
+        merged: tuple[list[int], set[int]] = ([index], set(shards))
+        for group in joined:
+            groups.remove(group)
+            merged[0].extend(group[0])
+            merged[1].update(group[1])
+        groups.append(merged)
+    return [(sorted(indices), members) for indices, members in groups]
+
+
+def _check_continuity(
+    parent: dict[str, TensorState], manifests: list[Manifest], version: int
+) -> None:
+    """A delta keeps every tensor of its parent and starts each change from the parent's bits
+    (pieces combined: their summed lanes give the parent fingerprint, FORMAT.md §4.8)."""
+    listed = tensor_changes(manifests)
+    missing = sorted(set(parent) - set(listed))
+    if missing:
+        raise ChainBrokenError(
+            f"delta version {version} drops tensor {missing[0]!r} of its parent; "
+            "the store is corrupt: run `dcr verify`"
+        )
+    for name, entry in listed.items():
+        if entry.full:
+            continue
+        row = parent.get(name)
+        if (
+            row is None
+            or row.dtype != entry.dtype
+            or row.shape != tuple(entry.shape)
+            or row.fingerprint != entry.parent_fingerprint
+        ):
+            raise ChainBrokenError(
+                f"version {version} changes tensor {name!r} from bits its parent does not "
+                "hold; the store is corrupt: run `dcr verify`"
+            )
