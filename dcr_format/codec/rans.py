@@ -23,6 +23,7 @@ words left, state back at zero) is refused. Every failure is a :class:`ValuesErr
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,8 @@ MIN_VALUES = 16  # fewer values: the reference writer keeps ``planes`` (the head
 SAMPLE_ABOVE = 1 << 20  # more values: a strided sample decides whether to try rANS at all
 _SAMPLE_SIZE = 1 << 16
 _TABLE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 255)
-_MAX_VARINT_BYTES = 4  # every integer of the stream is < 2**28
+_MAX_VARINT_BYTES = 4  # frequencies and the word count are < 2**28
+_MAX_TABLE_VARINT_BYTES = 10  # table steps are < 2**64
 _STATE_LOW = 1 << 32
 
 
@@ -58,9 +60,11 @@ class Model:
 
     def header(self, width: int) -> bytes:
         """The stream's model part: S, Q, the table and the table frequencies."""
-        table = np.ascontiguousarray(self.table, dtype=UNSIGNED_NP[width]).tobytes()
+        table = [int(v) for v in self.table]
+        steps = [table[0]] + [b - a - 1 for a, b in itertools.pairwise(table)]
+        coded = b"".join(_varint(v) for v in steps)
         freqs = b"".join(_varint(int(f)) for f in self.freqs[:-1])
-        return bytes((len(self.table), self.bits)) + table + freqs
+        return bytes((len(self.table), self.bits)) + coded + freqs
 
 
 def _varint(value: int) -> bytes:
@@ -75,9 +79,11 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(buf: memoryview, offset: int, what: str) -> tuple[int, int]:
+def _read_varint(
+    buf: memoryview, offset: int, what: str, limit: int = _MAX_VARINT_BYTES
+) -> tuple[int, int]:
     value = 0
-    for i in range(_MAX_VARINT_BYTES):
+    for i in range(limit):
         if offset + i >= len(buf):
             raise ValuesError(f"rans values stream is truncated in its {what}; shard is corrupt")
         byte = buf[offset + i]
@@ -86,7 +92,7 @@ def _read_varint(buf: memoryview, offset: int, what: str) -> tuple[int, int]:
             if byte == 0 and i:
                 raise ValuesError(f"rans values stream has an overlong {what}; shard is corrupt")
             return value, offset + i + 1
-    raise ValuesError(f"rans values stream has a {what} over 28 bits; the shard is corrupt")
+    raise ValuesError(f"rans values stream has a {what} varint too long; the shard is corrupt")
 
 
 def quantize(counts: np.ndarray, bits: int) -> np.ndarray:
@@ -116,8 +122,19 @@ def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return distinct[order].astype(UNSIGNED_NP[width]), counts[order].astype(np.int64)
 
 
+def _table_bytes(table: np.ndarray) -> int:
+    """Bytes of the table's varints (FORMAT.md §7.3): the first value, then each step less 1."""
+    ordered = np.sort(table.astype(np.uint64))
+    steps = np.diff(ordered, prepend=np.uint64(0))
+    steps[1:] -= np.uint64(1)
+    lengths = np.ones(steps.size, dtype=np.int64)
+    for shift in range(7, 64, 7):
+        lengths += steps >= np.uint64(1 << shift)
+    return int(lengths.sum())
+
+
 def _cost_bits(
-    counts: np.ndarray, total: int, table_size: int, width: int, bits: int
+    distinct: np.ndarray, counts: np.ndarray, total: int, table_size: int, width: int, bits: int
 ) -> tuple[float, np.ndarray]:
     """Estimated stream bits with the ``table_size`` most frequent values, and the freqs."""
     table_counts = counts[:table_size]
@@ -125,10 +142,10 @@ def _cost_bits(
     freqs = quantize(np.append(table_counts, escapes), bits)
     all_counts = np.append(table_counts, escapes).astype(np.float64)
     coded = float((all_counts * (bits - np.log2(freqs.astype(np.float64)))).sum())
-    body = coded + 8.0 * width * escapes
     varints = sum(len(_varint(int(f))) for f in freqs[:-1])
-    words = math.ceil((coded + 64) / 32)
-    return 8.0 * (2 + table_size * width + varints + len(_varint(words))) + body, freqs
+    words = math.ceil(coded / 32) + 1  # the final state takes one word or two
+    header = 2 + _table_bytes(distinct[:table_size]) + varints + len(_varint(words))
+    return 8.0 * (header + 4 * words + width * escapes), freqs
 
 
 def choose_model(values: np.ndarray) -> tuple[Model, float]:
@@ -141,7 +158,7 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
     best: tuple[float, int, np.ndarray, int] | None = None
     for size in sizes:
         bits = _model_bits(total, size)
-        cost, freqs = _cost_bits(counts, total, size, width, bits)
+        cost, freqs = _cost_bits(distinct, counts, total, size, width, bits)
         if best is None or cost < best[0]:
             best = (cost, size, freqs, bits)
     assert best is not None
@@ -240,12 +257,14 @@ def _parse(data: bytes | memoryview, *, count: int, width: int) -> _Parsed:
         raise ValuesError(
             f"rans values stream declares {size} symbols at {bits} bits; the shard is corrupt"
         )
-    offset = 2 + size * width
-    if offset > len(buf):
-        raise ValuesError("rans values stream is truncated in its table; the shard is corrupt")
-    table = np.frombuffer(buf[2:offset], dtype=f"<u{width}").astype(UNSIGNED_NP[width])
-    if size > 1 and not bool(np.all(table[1:] > table[:-1])):
-        raise ValuesError("rans value table is not strictly increasing; the shard is corrupt")
+    offset, entries, value = 2, [], -1
+    for _ in range(size):
+        step, offset = _read_varint(buf, offset, "table", _MAX_TABLE_VARINT_BYTES)
+        value += step + 1
+        entries.append(value)
+    if value >= 1 << (8 * width):
+        raise ValuesError(f"rans value table holds a value over {width} bytes; shard is corrupt")
+    table = np.array(entries, dtype=np.uint64).astype(UNSIGNED_NP[width])
     freqs = np.empty(size + 1, dtype=np.int64)
     total = 0
     for i in range(size):
