@@ -328,6 +328,49 @@ def test_fused_diff_matches_the_reference(width, rate, monkeypatch):
     assert fp.apply_lane_deltas(fp.tensor_lanes(old), deltas) == fp.tensor_lanes(new)
 
 
+def _scan_indices(scan) -> np.ndarray:
+    """The flat positions a DiffScan found, block by block."""
+    found = [
+        b * native.BLOCK
+        + scan.local[
+            b * native.BLOCK : b * native.BLOCK + scan.offsets[b + 1] - scan.offsets[b]
+        ].astype(np.int64)
+        for b in range(scan.offsets.shape[0] - 1)
+    ]
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 65536, 65539, 2 * 65536 + 2050, 3 * 65536 + 101])
+@pytest.mark.parametrize("pattern", ["sparse", "dense", "bursts", "ends"])
+def test_two_byte_scan_takes_words_or_elements_alike(n, pattern):
+    """The word loop (sparse steps), the element loop (dense steps) and the switch between
+    them find exactly the differing positions, in order, whatever the layout."""
+    rng = np.random.default_rng(n + len(pattern))
+    old = rng.integers(0, 1 << 16, n + 8, dtype=np.uint64).astype(np.uint16)
+    new = old.copy()
+    if pattern == "sparse":
+        mask = rng.random(n + 8) < 0.004
+    elif pattern == "dense":
+        mask = rng.random(n + 8) < 0.3
+    elif pattern == "bursts":  # dense stretches between empty ones: the loop switches
+        mask = (np.arange(n + 8) // 3000) % 2 == 1
+        mask &= rng.random(n + 8) < 0.5
+    else:  # only the first and last elements of each word and of the array
+        mask = np.zeros(n + 8, dtype=bool)
+        mask[::4] = True
+        mask[3::4] = True
+        mask[n - 1 : n] = True
+    # every bit pattern of a change, one lane at a time, including the top bit alone
+    flips = rng.integers(1, 1 << 16, int(mask.sum()), dtype=np.uint64).astype(np.uint16)
+    flips[::7] = 0x8000
+    new[mask] ^= flips
+    for start in (0, 1, 2, 4):  # aligned to 8 bytes (0, 4) and not (1, 2: element loop)
+        a, b = old[start : start + n], new[start : start + n]
+        assert n == 0 or native._word_aligned(a, b) == (start % 4 == 0)  # numpy: 16-byte aligned
+        want = np.flatnonzero(a != b)
+        assert np.array_equal(_scan_indices(native.DiffScan(a, b)), want)
+
+
 @pytest.mark.parametrize("name", ["bfloat16", "float32", "float64", "uint8"])
 def test_diff_with_lanes_updates_a_fingerprint(name):
     rng = np.random.default_rng(1)
