@@ -16,7 +16,12 @@ import torch.distributed as dist
 from conftest import run_ranks
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
-from dcr_format.errors import ObjectNotFoundError, StoreError
+from dcr_format.errors import (
+    InvalidKeyError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+    StoreError,
+)
 from dcr_format.readers.relay import RelayStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -102,6 +107,42 @@ def test_errors_and_answers_are_the_same_on_every_member(tmp_path):
     assert results[0] == results[1] == results[2]
     assert "objects/missing.json" in results[0][0]
     assert results[0][1] == Store(root).list("commits")
+
+
+def test_a_relay_is_a_store_over_the_relay_backend(tmp_path):
+    """Keys, limits and refusals are the Store's own; the inner store is wrapped, not copied."""
+    inner = Store(str(tmp_path / "store"))
+    inner.put("a/b", b"12345")
+    group = _links(2)
+
+    def member(rank: int):
+        relay = RelayStore(inner, group(rank), chunk_bytes=64)
+        assert isinstance(relay, Store) and relay.inner is inner and relay.url == inner.url
+        assert (relay.kind, relay.local_root, relay.single_writer) == ("relay", None, False)
+        with pytest.raises(InvalidKeyError):
+            relay.get("../escape")
+        with pytest.raises(ObjectTooLargeError, match="5 bytes, larger than the 4-byte limit"):
+            relay.get("a/b", max_size=4)
+        assert relay.get("a/b", max_size=5) == b"12345"  # the memo answers, the limit holds
+        assert relay.list("a") == ["a/b"]
+        relay.end_epoch()
+        refused = []
+        for write in (
+            lambda: relay.put("x", b"1"),
+            lambda: relay.put_if_absent("x", b"1"),
+            lambda: relay.delete("a/b"),
+            lambda: relay.delete_many(["a/b"]),
+        ):
+            with pytest.raises(StoreError, match="read-only") as info:
+                write()
+            refused.append(str(info.value))
+        return refused, relay.stats.epochs
+
+    results, errors = run_ranks(2, member)
+    assert errors == [None] * 2
+    assert all(epochs == 1 for _, epochs in results)
+    assert all(len(refused) == 4 for refused, _ in results)
+    assert inner.list() == ["a/b"] and not (tmp_path / "store" / "x").exists()
 
 
 def test_members_that_read_different_objects_fall_back_to_the_store(tmp_path):

@@ -29,7 +29,7 @@ from dcr_format.errors import (
     ObjectTooLargeError,
     StoreError,
 )
-from dcr_format.store import _TEMP_PREFIX, Capabilities, Store, check_key, open_store
+from dcr_format.store import TEMP_PREFIX, Capabilities, Store, check_key, open_store
 
 FIVE_MB = 5 * 1024 * 1024
 
@@ -86,8 +86,8 @@ INVALID_KEYS = [
     "x/d:y",
     "a" * 1025,
     "é" * 513,  # 1026 bytes of UTF-8
-    f"{_TEMP_PREFIX}x",
-    f"a/{_TEMP_PREFIX}1",
+    f"{TEMP_PREFIX}x",
+    f"a/{TEMP_PREFIX}1",
 ]
 
 METHODS: dict[str, Callable[[Store, str], object]] = {
@@ -397,10 +397,10 @@ class TestLocalBackend:
 
     def test_temp_files_never_listed(self, local_store: Store, tmp_path: Path) -> None:
         local_store.put("a/x", b"1")
-        (tmp_path / "store" / f"{_TEMP_PREFIX}stale").write_bytes(b"junk")
-        (tmp_path / "store" / "a" / f"{_TEMP_PREFIX}0123").write_bytes(b"junk")
-        (tmp_path / "store" / f"{_TEMP_PREFIX}dir").mkdir()
-        (tmp_path / "store" / f"{_TEMP_PREFIX}dir" / "y").write_bytes(b"junk")
+        (tmp_path / "store" / f"{TEMP_PREFIX}stale").write_bytes(b"junk")
+        (tmp_path / "store" / "a" / f"{TEMP_PREFIX}0123").write_bytes(b"junk")
+        (tmp_path / "store" / f"{TEMP_PREFIX}dir").mkdir()
+        (tmp_path / "store" / f"{TEMP_PREFIX}dir" / "y").write_bytes(b"junk")
         assert local_store.list() == ["a/x"]
         assert local_store.list("a/") == ["a/x"]
 

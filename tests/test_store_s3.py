@@ -18,22 +18,19 @@ from conftest import assert_same_bits, make_state, snapshot, step_state
 from fsspec.asyn import sync
 from test_store import StoreConformance
 
-from dcr_format import (
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store, StoreError
+from dcr_format.chain import Chain, commit_key
+from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
-    DeltaReader,
-    DeltaWriter,
     InvalidKeyError,
     ObjectExistsError,
     ObjectNotFoundError,
-    StateDictTarget,
-    Store,
-    StoreError,
 )
-from dcr_format.chain import Chain, commit_key
+from dcr_format.store import Capabilities
 from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 
-s3 = pytest.importorskip("dcr_format._s3")
+s3 = pytest.importorskip("dcr_format._stores._s3")
 S3Backend = s3.S3Backend
 
 
@@ -113,7 +110,7 @@ def test_urls_normalise(moto_server: S3Server) -> None:
 
 
 def test_missing_s3_extra_is_capability_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "dcr_format._s3", None)  # import fails as without s3fs
+    monkeypatch.setitem(sys.modules, "dcr_format._stores._s3", None)  # import fails as without s3fs
     with pytest.raises(CapabilityError, match=r"dcr-format\[s3\]"):
         Store("s3://bkt/p")
 
@@ -175,6 +172,57 @@ def test_juicefs_refuses_put_if_absent_without_single_writer(juicefs_store: Stor
     assert "single_writer=True" in str(info.value)
     assert juicefs_store.url in str(info.value)
     assert not juicefs_store.exists("commits/00000000000000000000.json")
+
+
+def test_kind_and_capabilities_of_s3_stores(moto_store: Store, juicefs_store: Store) -> None:
+    assert (moto_store.kind, moto_store.local_root) == ("s3", None)
+    assert moto_store.capabilities == Capabilities(
+        atomic_create=True, listing=True, delete=True, conditional_writes=True, batch_delete=True
+    )
+    assert juicefs_store.kind == "s3"
+    assert juicefs_store.capabilities == Capabilities(
+        atomic_create=False, listing=True, delete=True, conditional_writes=False, batch_delete=True
+    )
+
+
+def test_probe_and_put_if_absent_share_one_conditional_put(
+    moto_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe tests the very request put_if_absent sends (S3Backend._create), twice."""
+    backend = moto_store._backend
+    assert isinstance(backend, S3Backend)
+    outcomes: list[tuple[str, str]] = []
+    real_create = S3Backend._create
+
+    async def recording(self: Any, key: str, data: bytes) -> Any:
+        outcome = await real_create(self, key, data)
+        outcomes.append((key.rpartition("/")[2][:14], outcome))
+        return outcome
+
+    monkeypatch.setattr(S3Backend, "_create", recording)
+    assert moto_store.probe_conditional_writes() is True
+    assert outcomes == [(".dcr-tmp-probe", "created"), (".dcr-tmp-probe", "exists")]
+    outcomes.clear()
+    moto_store.put_if_absent("k", b"1")
+    with pytest.raises(ObjectExistsError):
+        moto_store.put_if_absent("k", b"2")
+    assert outcomes == [("k", "created"), ("k", "exists")]
+
+
+def test_a_server_without_conditional_writes_is_store_error(
+    moto_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert moto_store.capabilities.atomic_create
+    client = _client(moto_store)
+
+    async def not_implemented(**kwargs: Any) -> Any:
+        raise _client_error(501, "NotImplemented")
+
+    monkeypatch.setattr(client, "put_object", not_implemented)
+    with pytest.raises(StoreError, match="does not implement conditional writes") as info:
+        moto_store.put_if_absent("k", b"v")
+    assert not isinstance(info.value, ObjectExistsError)
+    assert moto_store.probe_conditional_writes() is False
 
 
 def test_probe_key_is_reserved(moto_store: Store) -> None:

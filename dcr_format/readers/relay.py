@@ -44,26 +44,31 @@ read different objects (ranks selecting different tensors) still work: what
 only they need they read from the store themselves, which costs store
 requests, not correctness (``RelayStore.stats.fallbacks`` counts them).
 
-A relay is read-only: writes raise :class:`~dcr_format.errors.StoreError`
-(writers write to the store itself; a reader then logs that it could not
-record the names it needs as ``overwrite``). The group carries CPU tensors
-with gloo; with an NCCL group the chunks are staged on the current CUDA device
-(the tests here run gloo only).
+A relay is a :class:`~dcr_format.store.Store` over a relay backend that wraps
+the real store (``kind == "relay"``), so keys, size limits and errors are
+checked as on any store and any reader takes it where it takes a store. It is
+read-only (``capabilities.writable`` is False): writes and deletes raise
+:class:`~dcr_format.errors.StoreError` (writers write to the store itself; a
+reader then logs that it could not record the names it needs as ``overwrite``).
+The group carries CPU tensors with gloo; with an NCCL group the chunks are
+staged on the current CUDA device (the tests here run gloo only).
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from dcr_format import errors
-from dcr_format.errors import DcrError, ObjectTooLargeError, StoreError
+from dcr_format._stores._base import Kind, ObjectTooLarge
+from dcr_format.errors import DcrError, StoreError
 from dcr_format.store import Capabilities, ObjectInfo, Store
 
 __all__ = ["RelayStats", "RelayStore"]
@@ -158,46 +163,24 @@ def _error_class(name: str | None) -> type[DcrError] | None:
     return cls if isinstance(cls, type) and issubclass(cls, DcrError) else None
 
 
-class RelayStore(Store):
-    """A read-only :class:`Store` whose objects come from ``store`` through one member.
+class _Relay:
+    """The relay as a store backend: answers of the store ``inner``, read by the leader
+    alone and sent down the tree (the :class:`~dcr_format.store.Backend` protocol)."""
 
-    ``group`` is the ``torch.distributed`` process group of the members (None:
-    the default group); every member wraps the same store with the same
-    ``leader`` (a rank of ``group``) and ``fanout``. ``chunk_bytes`` is the size
-    of the pieces a payload moves in (the leader's value counts).
-    ``cache_bytes`` bounds what a member keeps of rounds it has not asked for
-    yet; ``memo_bytes`` is the largest object a repeated ``get`` is answered
-    from memory for within an epoch. Pass the relay to ``DeltaReader`` in place
-    of the store (with ``group=`` for all-or-nothing applies); see the module
-    documentation for the rules members follow.
-    """
+    kind: Kind = "relay"
+    local_root: str | None = None
+    single_writer = False
+    capabilities = Capabilities(atomic_create=False, listing=True, delete=False, writable=False)
 
     def __init__(
-        self,
-        store: Store,
-        group: Any = None,
-        *,
-        leader: int = 0,
-        fanout: int = 2,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        cache_bytes: int = DEFAULT_CACHE_BYTES,
-        memo_bytes: int = DEFAULT_MEMO_BYTES,
+        self, inner: Store, links: _Links, *, chunk_bytes: int, cache_bytes: int, memo_bytes: int
     ) -> None:
-        if not isinstance(store, Store):
-            raise TypeError(f"store must be a Store, not {type(store).__name__}")
-        if chunk_bytes < 1:
-            raise ValueError("chunk_bytes must be positive")
-        if group is None:
-            import torch.distributed as dist
-
-            group = dist.group.WORLD
-        self.inner = store
-        self.url = store.url
-        self.single_writer = False
+        self.inner = inner
+        self.url = inner.url
         self.chunk_bytes = chunk_bytes
         self.cache_bytes = cache_bytes
         self.memo_bytes = memo_bytes
-        self._links = _Links(group, leader, fanout, _device_for(group))
+        self._links = links
         self._lock = threading.Lock()  # one round at a time on the links
         self._memo_lock = threading.Lock()
         self._pending: OrderedDict[int, _Round] = OrderedDict()  # received, not yet asked for
@@ -208,38 +191,14 @@ class RelayStore(Store):
         self._ended = False  # the leader's end marker of this epoch was received
         self.stats = RelayStats()
 
-    # --- what members see -----------------------------------------------------------------------
-
     @property
     def is_leader(self) -> bool:
-        """Whether this member reads from the store."""
         return self._links.parent is None
-
-    @property
-    def rank(self) -> int:
-        """This member's rank in the group."""
-        return self._links.rank
-
-    @property
-    def children(self) -> tuple[int, ...]:
-        """Group ranks this member forwards to."""
-        return tuple(self._links.children)
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities(atomic_create=False, listing=True, delete=False)
 
     def probe_conditional_writes(self) -> bool:
         return False
 
-    def __repr__(self) -> str:
-        return (
-            f"RelayStore({self.url!r}, rank={self.rank}, leader={self._links.leader}, "
-            f"children={list(self.children)})"
-        )
-
-    def get(self, key: str, *, max_size: int | None = None) -> bytes:
-        self._key(key)
+    def get(self, key: str, max_size: int | None) -> bytes:
         with self._memo_lock:
             memo = self._memo.get(key)
         if memo is not None:
@@ -255,13 +214,10 @@ class RelayStore(Store):
                         self._memo[key] = data
                         self._memo_size += len(data)
         if max_size is not None and len(data) > max_size:
-            raise ObjectTooLargeError(
-                f"object {key!r} in store {self.url} is {len(data)} bytes, larger than the "
-                f"{max_size}-byte limit; the object is corrupt or not from this format"
-            )
+            raise ObjectTooLarge(len(data))
         return data
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         return self._call(
             "list",
             prefix,
@@ -270,12 +226,11 @@ class RelayStore(Store):
             lambda raw: raw.decode().split("\n") if raw else [],
         )
 
-    def list_info(self, prefix: str) -> list[ObjectInfo]:
+    def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
         """Listings with sizes and times are for operator tools on the store itself."""
         raise self._refuse(f"list {prefix!r} with sizes and times")
 
     def exists(self, key: str) -> bool:
-        self._key(key)
         return self._call(
             "exists",
             key,
@@ -285,7 +240,6 @@ class RelayStore(Store):
         )
 
     def size(self, key: str) -> int:
-        self._key(key)
         return self._call("size", key, lambda: self.inner.size(key), lambda n: str(n).encode(), int)
 
     def _refuse(self, action: str) -> StoreError:
@@ -294,6 +248,7 @@ class RelayStore(Store):
             "writers write to the store itself"
         )
 
+    # Writes never get here (the Store refuses them: capabilities.writable is False).
     def put(self, key: str, data: bytes) -> None:
         raise self._refuse(f"write {key!r}")
 
@@ -303,17 +258,13 @@ class RelayStore(Store):
     def delete(self, key: str) -> None:
         raise self._refuse(f"delete {key!r}")
 
-    def delete_many(self, keys: Iterable[str]) -> None:
+    def delete_many(self, keys: builtins.list[str]) -> None:
         raise self._refuse("delete objects")
 
     # --- epochs ---------------------------------------------------------------------------------
 
     def end_epoch(self) -> None:
-        """Close this epoch: every member calls it at the same points (where the group agrees).
-
-        The leader sends the end marker; the others receive up to it, dropping rounds
-        nobody asked for. The memo of repeated reads is cleared.
-        """
+        """Send (the leader) or receive up to the end marker; forget the epoch's rounds."""
         with self._lock:
             if self.is_leader:
                 self._send(_Round(_END, ""))
@@ -464,12 +415,97 @@ class RelayStore(Store):
             fields["op"], fields["key"], fields["error"], fields["message"], payload=payload
         )
 
-    def _wait(self, works: list[Any]) -> None:
+    def _wait(self, works: builtins.list[Any]) -> None:
         try:
             for work in works:
                 work.wait()
         except RuntimeError as exc:
             raise StoreError(
-                f"the relay of {self.url} lost a member (rank {self.rank}): {exc}; "
+                f"the relay of {self.url} lost a member (rank {self._links.rank}): {exc}; "
                 "restart the group"
             ) from exc
+
+
+class RelayStore(Store):
+    """A read-only :class:`Store` whose objects come from ``store`` through one member.
+
+    ``group`` is the ``torch.distributed`` process group of the members (None:
+    the default group); every member wraps the same store with the same
+    ``leader`` (a rank of ``group``) and ``fanout``. ``chunk_bytes`` is the size
+    of the pieces a payload moves in (the leader's value counts).
+    ``cache_bytes`` bounds what a member keeps of rounds it has not asked for
+    yet; ``memo_bytes`` is the largest object a repeated ``get`` is answered
+    from memory for within an epoch. Pass the relay to ``DeltaReader`` in place
+    of the store (with ``group=`` for all-or-nothing applies); see the module
+    documentation for the rules members follow.
+
+    It is a Store over a relay backend that wraps ``store``: keys, limits and
+    errors are checked as on any store, ``kind`` is ``"relay"``,
+    ``capabilities.writable`` is False (writes raise ``StoreError``), and
+    :meth:`end_epoch` is the hook a reader calls where its group agrees.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        group: Any = None,
+        *,
+        leader: int = 0,
+        fanout: int = 2,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        memo_bytes: int = DEFAULT_MEMO_BYTES,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise TypeError(f"store must be a Store, not {type(store).__name__}")
+        if chunk_bytes < 1:
+            raise ValueError("chunk_bytes must be positive")
+        if group is None:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        links = _Links(group, leader, fanout, _device_for(group))
+        self._relay = _Relay(
+            store, links, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, memo_bytes=memo_bytes
+        )
+        super().__init__(self._relay)
+
+    @property
+    def inner(self) -> Store:
+        """The store the leader reads from (and members fall back to)."""
+        return self._relay.inner
+
+    @property
+    def stats(self) -> RelayStats:
+        """What this member's relay did (counters since it was created)."""
+        return self._relay.stats
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this member reads from the store."""
+        return self._relay.is_leader
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the group."""
+        return self._relay._links.rank
+
+    @property
+    def children(self) -> tuple[int, ...]:
+        """Group ranks this member forwards to."""
+        return tuple(self._relay._links.children)
+
+    def end_epoch(self) -> None:
+        """Close this epoch: every member calls it at the same points (where the group agrees).
+
+        The leader sends the end marker; the others receive up to it, dropping rounds
+        nobody asked for. The memo of repeated reads is cleared.
+        """
+        self._relay.end_epoch()
+
+    def __repr__(self) -> str:
+        links = self._relay._links
+        return (
+            f"RelayStore({self.url!r}, rank={links.rank}, leader={links.leader}, "
+            f"children={list(links.children)})"
+        )

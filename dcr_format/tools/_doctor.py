@@ -92,7 +92,7 @@ def doctor(
         _basic_checks(store, probe, base, written, record)
         size = large_bytes
         if size is None:
-            size = S3_LARGE_BYTES if store.url.startswith("s3://") else LOCAL_LARGE_BYTES
+            size = S3_LARGE_BYTES if store.kind == "s3" else LOCAL_LARGE_BYTES
         if size > 0:
             big = base + "large"
             data = os.urandom(1 << 20) * (size >> 20) + os.urandom(size & ((1 << 20) - 1))

@@ -1,0 +1,286 @@
+"""The store interface: every backend implements the Backend protocol, each reports the right
+kind, local root and capabilities, the Store is a thin layer over any backend, tools ask the
+interface (never the URL), and the store modules import only downward."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from fsspec.spec import AbstractFileSystem
+from test_store import _GenericMemoryFileSystem  # noqa: F401 (registers dcrtest://)
+
+import dcr_format
+from dcr_format._stores._base import Backend, ObjectExists, ObjectInfo, ObjectTooLarge
+from dcr_format.errors import (
+    CapabilityError,
+    InvalidKeyError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectTooLargeError,
+)
+from dcr_format.readers.relay import RelayStore
+from dcr_format.store import Capabilities, Store, open_store
+from dcr_format.tools import _doctor, doctor
+
+PACKAGE = Path(dcr_format.__file__).parent
+
+
+def _protocol_members() -> tuple[list[str], list[str]]:
+    """(data members, methods) the Backend protocol declares."""
+    data = sorted(Backend.__annotations__)
+    methods = sorted(
+        name
+        for name, value in vars(Backend).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    )
+    return data, methods
+
+
+def _one_member_group() -> Any:
+    return dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+
+
+@pytest.fixture
+def memory_store() -> Iterator[Store]:
+    store = Store("memory://dcr-interface-test")
+    yield store
+    store.delete_many(store.list())
+
+
+def _backends(tmp_path: Path) -> dict[str, Any]:
+    """One instance of every backend (S3 needs no server to be constructed)."""
+    s3 = pytest.importorskip("dcr_format._stores._s3")
+    return {
+        "local": Store(tmp_path / "s")._backend,
+        "memory": Store("memory://dcr-interface-proto")._backend,
+        "fsspec": Store("dcrtest://proto")._backend,
+        "s3": s3.S3Backend(
+            "s3://bkt/p", {"endpoint_url": "http://127.0.0.1:9"}, single_writer=False
+        ),
+        "relay": RelayStore(Store(tmp_path / "r"), _one_member_group())._backend,
+    }
+
+
+def test_every_backend_implements_the_protocol(tmp_path: Path) -> None:
+    data, methods = _protocol_members()
+    assert data == ["kind", "local_root", "single_writer", "url"]
+    assert "capabilities" in methods and "list_info" in methods and "delete_many" in methods
+    for kind, backend in _backends(tmp_path).items():
+        assert backend.kind == kind
+        for name in data:
+            # getattr_static: S3's capabilities would probe the server if evaluated
+            assert inspect.getattr_static(backend, name, None) is not None or name == "local_root"
+        for name in methods:
+            declared = inspect.getattr_static(Backend, name)
+            implemented = inspect.getattr_static(backend, name)
+            if isinstance(declared, property):
+                assert isinstance(implemented, (property, Capabilities)), (kind, name)
+                continue
+            want = list(inspect.signature(declared).parameters)
+            got = list(inspect.signature(getattr(backend, name)).parameters)
+            assert got == want[1:], (kind, name, got)  # same parameters, self bound
+
+
+def test_capabilities_kind_and_local_root_per_backend(tmp_path: Path) -> None:
+    local = Store(tmp_path / "s")
+    assert local.kind == "local"
+    assert local.local_root == str(tmp_path / "s")
+    assert local.capabilities == Capabilities(atomic_create=True, listing=True, delete=True)
+    assert local.capabilities.writable and not local.capabilities.batch_delete
+    assert Store(f"file://{tmp_path}/s").local_root == str(tmp_path / "s")
+
+    memory = Store("memory://dcr-interface-caps")
+    assert (memory.kind, memory.local_root) == ("memory", None)
+    assert memory.capabilities == Capabilities(atomic_create=True, listing=True, delete=True)
+
+    generic = Store("dcrtest://caps")
+    assert (generic.kind, generic.local_root) == ("fsspec", None)
+    assert generic.capabilities == Capabilities(atomic_create=False, listing=True, delete=True)
+    assert Store("dcrtest://caps", single_writer=True).single_writer is True
+
+    relay = RelayStore(local, _one_member_group())
+    assert (relay.kind, relay.local_root, relay.single_writer) == ("relay", None, False)
+    assert relay.capabilities == Capabilities(
+        atomic_create=False, listing=True, delete=False, writable=False
+    )
+    assert relay.probe_conditional_writes() is False
+
+
+class _BareFileSystem(AbstractFileSystem):
+    """An fsspec filesystem that can neither list nor delete."""
+
+    protocol = "dcrbare"
+
+    def cat_file(self, path: str, start: Any = None, end: Any = None, **kwargs: Any) -> bytes:
+        raise FileNotFoundError(path)
+
+
+def test_fsspec_capabilities_follow_what_the_filesystem_implements() -> None:
+    import fsspec
+
+    fsspec.register_implementation("dcrbare", _BareFileSystem, clobber=True)
+    store = Store("dcrbare://x")
+    assert store.capabilities == Capabilities(atomic_create=False, listing=False, delete=False)
+    with pytest.raises(CapabilityError, match="does not support listing"):
+        store.list()
+    with pytest.raises(CapabilityError, match="does not support delete"):
+        store.delete("k")
+
+
+def test_end_epoch_is_a_no_op_on_plain_stores(tmp_path: Path, memory_store: Store) -> None:
+    for store in (Store(tmp_path / "s"), memory_store):
+        store.put("k", b"1")
+        assert store.end_epoch() is None
+        assert store.list() == ["k"]
+
+
+# --- a Store over any backend ---------------------------------------------------------------
+
+
+class _DictBackend:
+    """The smallest backend: a dict, atomic under the GIL."""
+
+    kind = "memory"
+    local_root = None
+    single_writer = False
+    capabilities = Capabilities(atomic_create=True, listing=True, delete=True)
+
+    def __init__(self) -> None:
+        self.url = "memory://dict"
+        self.objects: dict[str, bytes] = {}
+
+    def probe_conditional_writes(self) -> bool:
+        return True
+
+    def get(self, key: str, max_size: int | None) -> bytes:
+        data = self.objects.get(key)
+        if data is None:
+            raise FileNotFoundError(key)
+        if max_size is not None and len(data) > max_size:
+            raise ObjectTooLarge(len(data))
+        return data
+
+    def put(self, key: str, data: bytes) -> None:
+        self.objects[key] = bytes(data)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        if key in self.objects:
+            raise ObjectExists
+        self.objects[key] = bytes(data)
+
+    def exists(self, key: str) -> bool:
+        return key in self.objects
+
+    def size(self, key: str) -> int:
+        return len(self.get(key, None))
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.objects if k.startswith(prefix))
+
+    def list_info(self, prefix: str) -> list[ObjectInfo]:
+        return [ObjectInfo(k, len(self.objects[k]), None) for k in self.list(prefix)]
+
+    def delete(self, key: str) -> None:
+        self.objects.pop(key, None)
+
+    def delete_many(self, keys: list[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+
+def test_a_store_over_any_backend_checks_keys_limits_and_translates_errors() -> None:
+    backend = _DictBackend()
+    store = Store(backend)
+    assert store.url == "memory://dict" and open_store(store) is store
+    store.put_if_absent("a/b", b"12345")
+    with pytest.raises(ObjectExistsError, match="a/b"):
+        store.put_if_absent("a/b", b"x")
+    with pytest.raises(ObjectTooLargeError, match="5 bytes, larger than the 4-byte limit"):
+        store.get("a/b", max_size=4)
+    with pytest.raises(ObjectNotFoundError, match="memory://dict"):
+        store.get("missing")
+    with pytest.raises(InvalidKeyError):
+        store.put("../escape", b"x")
+    assert "../escape" not in backend.objects
+    assert store.list("a") == ["a/b"]
+    store.delete_many(["a/b"])
+    assert backend.objects == {}
+
+
+def test_options_for_urls_are_refused_with_a_backend() -> None:
+    with pytest.raises(TypeError, match="a backend carries its own"):
+        Store(_DictBackend(), single_writer=True)
+    with pytest.raises(TypeError, match="must be a str or path"):
+        Store(42)  # type: ignore[arg-type]
+
+
+# --- tools ask the interface ------------------------------------------------------------
+
+
+def test_doctor_sizes_its_large_put_by_kind_not_by_url(
+    memory_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class S3Kind(Store):
+        """A memory store that says it is S3 (doctor must not read the URL)."""
+
+        @property
+        def kind(self) -> Any:
+            return "s3"
+
+    monkeypatch.setattr(_doctor, "S3_LARGE_BYTES", (1 << 20) + 3)
+    report = doctor(S3Kind(memory_store.url))
+    large = next(check for check in report.checks if check.name == "large-put")
+    assert large.ok and large.detail.startswith(f"{(1 << 20) + 3} bytes")
+    report = doctor(memory_store)
+    large = next(check for check in report.checks if check.name == "large-put")
+    assert large.detail.startswith(f"{_doctor.LOCAL_LARGE_BYTES} bytes")
+
+
+def test_nothing_outside_the_store_modules_reaches_into_a_backend() -> None:
+    allowed = {PACKAGE / "store.py", PACKAGE / "readers" / "relay.py"}
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path in allowed or PACKAGE / "_stores" in path.parents:
+            continue
+        text = path.read_text()
+        if "._backend" in text or 'url.startswith("s3://")' in text:
+            offenders.append(str(path.relative_to(PACKAGE)))
+    assert offenders == []
+
+
+# --- imports only downward --------------------------------------------------------------------
+
+
+def _imported(path: Path) -> list[tuple[str, bool]]:
+    """(module, at top level) of every ``dcr_format`` import in ``path``."""
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [(name, id(node) in top) for name in names if name.startswith("dcr_format")]
+    return found
+
+
+def test_store_modules_import_only_downward() -> None:
+    for path in sorted((PACKAGE / "_stores").glob("*.py")):
+        for module, _ in _imported(path):
+            assert module.startswith(("dcr_format._stores", "dcr_format.errors")), (path, module)
+    base = _imported(PACKAGE / "_stores" / "_base.py")
+    assert base == []  # the base module depends on nothing of ours
+    # store.py imports what it uses at the top; only the optional S3 extra is imported late
+    assert all(top for _, top in _imported(PACKAGE / "store.py"))
+    late = [m for m, top in _imported(PACKAGE / "_stores" / "__init__.py") if not top]
+    assert late == ["dcr_format._stores._s3"]
