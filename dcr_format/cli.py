@@ -355,6 +355,77 @@ def _gc_item(item: Any) -> str:
     }[item.kind]
 
 
+_GC_SHOWN = 50
+_GC_WHAT = {
+    "version": "commit record",
+    "attempt": "attempt",
+    "base": "base record",
+    "base-attempt": "compaction",
+}
+
+
+def _gc_age(item: Any) -> str:
+    return "unknown" if item.age_seconds is None else f"{item.age_seconds:.0f} s"
+
+
+def _gc_plan_table(report: Any) -> None:
+    """The plan of a dry run: one row per deletion (the first 50) and per kept attempt."""
+    marked = [("delete", i) for i in report.deleted[:_GC_SHOWN]]
+    marked += [("keep", i) for i in report.kept]
+    if not marked:
+        click.echo("nothing to delete")
+        return
+    rows: list[tuple[str, ...]] = [
+        ("action", "what", "version", "attempt", "reason", "objects", "bytes", "age")
+    ]
+    rows += [
+        (action, _GC_WHAT[i.kind], str(i.version), i.attempt or "-", i.reason, str(i.objects),
+         _bytes(i.bytes), _gc_age(i))
+        for action, i in marked
+    ]  # fmt: skip
+    for column in (1, 3, 4):  # text columns read left-aligned (_table right-aligns the rest)
+        width = max(len(row[column]) for row in rows)
+        rows = [(*r[:column], r[column].ljust(width), *r[column + 1 :]) for r in rows]
+    _table(rows[0], rows[1:])
+
+
+def _gc_lines(report: Any) -> None:
+    """What a gc run deleted (the first 50) and the attempts it kept, one line each."""
+    for item in report.deleted[:_GC_SHOWN]:
+        click.echo(
+            f"deleted {_gc_item(item)}: {item.objects} objects, {_bytes(item.bytes)} "
+            f"({item.reason})"
+        )
+    for item in report.kept:
+        age = "unknown age" if item.age_seconds is None else f"{_gc_age(item)} old"
+        click.echo(f"kept {_gc_item(item)}: {age} ({item.reason})")
+
+
+def _gc_notes(report: Any) -> None:
+    """Lines below the listing: what was left out, temporary files, the clock, the totals."""
+    verb = "would delete" if report.dry_run else "deleted"
+    if len(report.deleted) > _GC_SHOWN:
+        click.echo(f"... and {len(report.deleted) - _GC_SHOWN} more (--format json lists all)")
+    if report.temp_files:
+        click.echo(f"{verb} {len(report.temp_files)} temporary files of crashed writes")
+    skew = report.clock_skew_seconds
+    if skew is not None and abs(skew) >= 60:
+        side = "ahead of" if skew > 0 else "behind"
+        click.echo(
+            f"note: this machine's clock is {abs(skew):.0f} s {side} the store's; "
+            "ages were measured on the store's clock"
+        )
+    elif report.clock == "newest-object":
+        click.echo(
+            "note: could not write the clock probe: ages were measured against the newest "
+            "object in the store, so younger orphans wait for a later gc"
+        )
+    click.echo(
+        f"{verb} {report.deleted_objects} objects, {_bytes(report.deleted_bytes)}; the chain "
+        f"keeps versions {_version_range(report.oldest_kept, report.latest)}"
+    )
+
+
 @cli.command(name="log")
 @STORE_OPTION
 @click.option(
@@ -645,7 +716,11 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     help="Delete uncommitted attempts only when their newest object is older (30s, 15m, 2h, "
     "7d); keep it well above the writers' commit timeout.",
 )
-@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (what would be deleted and kept, and why) and delete nothing.",
+)
 @FORMAT_OPTION
 def gc(
     store: Store, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
@@ -658,36 +733,8 @@ def gc(
     )
 
     def human() -> None:
-        verb = "would delete" if dry_run else "deleted"
-        shown = 50
-        for item in report.deleted[:shown]:
-            click.echo(
-                f"{verb} {_gc_item(item)}: {item.objects} objects, {_bytes(item.bytes)} "
-                f"({item.reason})"
-            )
-        if len(report.deleted) > shown:
-            click.echo(f"... and {len(report.deleted) - shown} more (--format json lists all)")
-        for item in report.kept:
-            age = "unknown age" if item.age_seconds is None else f"{item.age_seconds:.0f} s old"
-            click.echo(f"kept {_gc_item(item)}: {age} ({item.reason})")
-        if report.temp_files:
-            click.echo(f"{verb} {len(report.temp_files)} temporary files of crashed writes")
-        skew = report.clock_skew_seconds
-        if skew is not None and abs(skew) >= 60:
-            side = "ahead of" if skew > 0 else "behind"
-            click.echo(
-                f"note: this machine's clock is {abs(skew):.0f} s {side} the store's; "
-                "ages were measured on the store's clock"
-            )
-        elif report.clock == "newest-object":
-            click.echo(
-                "note: could not write the clock probe: ages were measured against the newest "
-                "object in the store, so younger orphans wait for a later gc"
-            )
-        click.echo(
-            f"{verb} {report.deleted_objects} objects, {_bytes(report.deleted_bytes)}; the chain "
-            f"keeps versions {_version_range(report.oldest_kept, report.latest)}"
-        )
+        (_gc_plan_table if dry_run else _gc_lines)(report)
+        _gc_notes(report)
 
     _emit(fmt, report, human)
 
