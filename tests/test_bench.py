@@ -27,6 +27,8 @@ from dcr_format.bench.projection import (
 from dcr_format.cli_bench import bench, plot_path
 from dcr_format.cli_bench import project as project_cmd
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

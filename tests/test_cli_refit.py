@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from dcr_format.cli import cli
 from dcr_format.codec.dtypes import bits_view
 
+pytestmark = pytest.mark.s3
+
 
 def _run(*args: str, env: dict[str, str] | None = None, code: int = 0) -> str:
     result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)

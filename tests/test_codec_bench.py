@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "codec_bench.py"
 
 

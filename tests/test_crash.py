@@ -43,6 +43,8 @@ from crash_workers import (
     publish_ranks,
 )
 
+pytestmark = [pytest.mark.s3, pytest.mark.multiprocess, pytest.mark.slow]
+
 COMMITTED_AT = {"during-commit", "after-commit", "mid-cache-save"}  # the killed version landed
 # On S3 the stages killed in flight by the proxy run always; the others (killed by the same
 # store-level hooks as on a local store) only with $DCR_CRASH_ALL_S3, to keep CI short.

@@ -35,6 +35,8 @@ from dcr_format.readers.targets import DIR_STATE_FILE, SINGLE_FILE, Resident
 from dcr_format.schema import Manifest, check_tensor_name, parse
 from dcr_format.store import open_store
 
+pytestmark = pytest.mark.multiprocess
+
 REPO = Path(__file__).resolve().parents[1]
 
 

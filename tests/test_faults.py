@@ -25,6 +25,8 @@ from dcr_format.errors import CommitConflictError, CommitStateUnknownError, Obje
 from dcr_format.testing.faultproxy import FaultProxy, Rule, classify
 from dcr_format.tools import gc, verify
 
+pytestmark = pytest.mark.s3
+
 READ_TIMEOUT = 0.5
 RANDOM_VERSIONS = 10
 # (fault, after): after=True forwards the request first, so the server acted on it

@@ -55,6 +55,8 @@ from dcr_format.errors import (
     ShardError,
 )
 
+pytestmark = pytest.mark.slow
+
 FUZZ_EXAMPLES = int(os.environ.get("DCR_FUZZ_EXAMPLES", "200"))
 FUZZ_FIXED = "DCR_FUZZ_EXAMPLES" not in os.environ  # CI: the same examples every run
 GROUP = "hostile input: DeltaReader into a target"

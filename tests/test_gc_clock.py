@@ -22,6 +22,8 @@ from dcr_format.errors import InvalidKeyError, StoreError
 from dcr_format.store import ObjectInfo
 from dcr_format.tools import _gc, gc
 
+pytestmark = pytest.mark.s3
+
 DAY = timedelta(days=1)
 
 

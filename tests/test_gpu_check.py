@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "benchmarks" / "gpu_check.py"
 SHELL = ROOT / "benchmarks" / "gpu_check.sh"

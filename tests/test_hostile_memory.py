@@ -41,6 +41,8 @@ from dcr_format.codec.shard import (
 from dcr_format.errors import SchemaError, ShardError
 from dcr_format.schema import CommitRecord, Manifest, parse
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = Path(__file__).with_name("memory_workers.py")
 MiB = 1 << 20
 

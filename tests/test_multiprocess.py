@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from dcr_format import DeltaReader, StateDictTarget, Store
@@ -17,6 +18,8 @@ from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mp_workers import model
+
+pytestmark = [pytest.mark.s3, pytest.mark.multiprocess]
 
 WORKER = Path(__file__).with_name("mp_workers.py")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 from conftest import assert_same_bits, flip_bits, snapshot
 
@@ -19,6 +20,8 @@ from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
 from dcr_format.chain import Chain
 from dcr_format.errors import CommitConflictError
 from dcr_format.tools import verify
+
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 VERSIONS = 100
 # a round on moto is ~50 requests (~0.35 s on a loaded 2-core machine); fewer with

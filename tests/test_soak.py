@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from dcr_format.testing.soak import run
+
+pytestmark = [pytest.mark.s3, pytest.mark.multiprocess, pytest.mark.slow]
 
 SECONDS = float(os.environ.get("DCR_SOAK_SECONDS", "30"))
 

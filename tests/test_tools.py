@@ -35,6 +35,8 @@ from dcr_format.tools import (
     verify,
 )
 
+pytestmark = pytest.mark.s3
+
 
 @pytest.fixture(params=["local", "moto"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
