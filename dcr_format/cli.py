@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from pydantic import BaseModel
@@ -18,6 +18,9 @@ from dcr_format._cli_params import endpoint_url, finite, one_line, output_file
 from dcr_format.cli_bench import bench, project
 from dcr_format.errors import DcrError, VersionNotFoundError
 from dcr_format.store import Store
+
+if TYPE_CHECKING:
+    from dcr_format.tools._inspect import ShowSort
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -486,11 +489,11 @@ def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> Non
     help="Order of the tensor rows.",
 )
 @FORMAT_OPTION
-def show(version: int, store: Store, top: int | None, sort_key: str, fmt: str) -> None:
+def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: str) -> None:
     """The commit record of VERSION and its tensors."""
     from dcr_format.tools import show as show_version
 
-    detail = show_version(store, version, sort=sort_key, top=top)  # type: ignore[arg-type]
+    detail = show_version(store, version, sort=sort_key, top=top)
 
     def human() -> None:
         v = detail.version
