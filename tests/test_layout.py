@@ -432,6 +432,32 @@ def test_layout_refuses_unknown_and_missing_local_tensors(tmp_path):
 
 # --- benchmark smoke test ----------------------------------------------------------------------
 
+def test_a_delta_writer_given_a_layout_publishes_local_tensors(tmp_path):
+    """The projection is a part the writer is given: DeltaWriter(layout=...) is what
+    ProjectionWriter builds; it keeps no baseline cache."""
+    from dcr_format.errors import ArgumentError
+
+    store = str(tmp_path / "store")
+    layout = layout_for(0, 1)
+    state, master = canonical_state(3)
+    writer = DeltaWriter(store, layout=layout)
+    assert writer.layout is layout and writer.owns("q") and not writer.owns("nothing")
+    for k in range(2):
+        if k:
+            state, master = advance(state, master, k)
+        writer.publish(locals_for(layout, state, master))
+    assert writer.version == 1 and "qkv" in writer.baseline and "q" not in writer.baseline
+    reopened = ProjectionWriter(store, layout)
+    assert type(reopened) is DeltaWriter and reopened.version == 1
+    state, master = advance(state, master, 2)
+    assert reopened.publish(locals_for(layout, state, master)).kind == "delta"
+    target = StateDictTarget({})
+    DeltaReader(store, target, verify="all").sync()
+    assert_same_bits(target.tensors, state)
+    with pytest.raises(ArgumentError, match="keeps no baseline cache"):
+        DeltaWriter(store, layout=layout, cache_dir=tmp_path / "cache")
+
+
 
 def test_layout_bench_quick_runs():
     spec = importlib.util.spec_from_file_location("layout_bench", BENCH)
