@@ -9,6 +9,7 @@ shards, so only decoded deltas outlive the job. Nothing here touches the target.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -92,9 +93,7 @@ def _run_job(
 def _decode_entry(entry: Entry, manifest: Manifest, streams: Streams) -> DecodedDelta:
     """Decode one entry from the inflated streams of its rank's shards."""
     info = info_for(entry.dtype)
-    numel = 1
-    for dim in entry.shape:
-        numel *= dim
+    numel = math.prod(entry.shape)
 
     def stream(ref: Any) -> tuple[str, memoryview] | None:
         if ref is None:
@@ -149,9 +148,7 @@ def _merge_tensor(
     name: str, change: TensorChange, parts: list[tuple[Entry, DecodedDelta]]
 ) -> list[tuple[Entry, DecodedDelta]]:
     """One tensor's pieces (``change``: their combination) as one change per op."""
-    numel = 1
-    for dim in change.shape:
-        numel *= dim
+    numel = math.prod(change.shape)
     positions = torch.cat([d.positions for _, d in parts if d.positions is not None])
     values = torch.cat([d.values for _, d in parts])
     order = torch.argsort(positions)

@@ -85,7 +85,7 @@ def _view_of(t: torch.Tensor, shape: Sequence[int] | None = None) -> View:
     """Geometry of ``t`` in its storage (element units), expanded to ``shape`` if given."""
     if shape is not None and tuple(t.shape) != tuple(shape):
         t = t.expand(tuple(shape))
-    return View(t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+    return View(int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
 
 def _canonical_of(prov: _Prov, view: View, k: torch.Tensor) -> torch.Tensor:
@@ -133,9 +133,9 @@ def _tensors(value: Any) -> Iterable[torch.Tensor]:
             yield from _tensors(item)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensor arguments an op mutates (``Tensor(a!)`` in its schema)."""
-    out = []
+    out: list[torch.Tensor] = []
     for index, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -199,16 +199,17 @@ class LoaderPlan:
         return self.held == self.numel
 
 
-class _Interceptor(TorchDispatchMode):
+# torch leaves TorchDispatchMode's __init_subclass__ and __init__ unannotated
+class _Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Follows scratch-derived tensors and routes every write into module storage."""
 
     def __init__(
         self,
         module_storages: set[tuple[str, int]],
         scratch: torch.Tensor,
-        on_write: Callable[[Any, tuple, dict, list[torch.Tensor]], Any],
+        on_write: Callable[[Any, tuple[Any, ...], dict[str, Any], list[torch.Tensor]], Any],
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.module_storages = module_storages
         self.on_write = on_write
         self.prov: dict[tuple[str, int], tuple[_Prov, torch.Tensor]] = {
@@ -238,44 +239,74 @@ class _Interceptor(TorchDispatchMode):
             self._follow(func, args, kwargs, inputs, out, written)
         return out
 
-    def _follow(self, func, args, kwargs, inputs, out, written) -> None:  # type: ignore[no-untyped-def]
-        in_keys = {_key(t) for t in inputs}
+    def _follow(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inputs: list[torch.Tensor],
+        out: Any,
+        written: list[torch.Tensor],
+    ) -> None:
+        """Track what an op outside module storage made from scratch-derived inputs."""
         pointwise = torch.Tag.pointwise in getattr(func, "tags", ())
         for t in written:  # in-place ops on scratch-derived storage
-            key = _key(t)
-            if key == self.scratch_key:
-                self.scratch_touched = True
-            if key in self.prov:
-                prov, keep = self.prov[key]
-                # pointwise in place, reading only the element it writes: still one canonical
-                # element per element, but transformed; anything else loses track
-                alone = all(_key(i) == key and _view_of(i) == _view_of(t) for i in inputs)
-                if func is aten.copy_.default and alone:
-                    continue  # a copy onto itself
-                kind = prov.kind if pointwise and alone else "opaque"
-                self.prov[key] = (
-                    _Prov(kind, prov.element_size, True, prov.out, prov.parent),
-                    keep,
-                )
-            elif func is aten.copy_.default and _key(args[1]) in self.prov:
-                self._register(t, args[1], func, kwargs, full_storage=True)
-            else:
-                self.prov[key] = (_Prov("opaque", t.element_size()), t)
+            self._follow_written(func, args, kwargs, inputs, t, pointwise)
         if written:
             return
+        operands = {_key(t) for t in _tensors((args, kwargs))}
         for result in _tensors(out):
             key = _key(result)
-            if key in self.prov or any(key == _key(t) for t in _tensors((args, kwargs))):
+            if key in self.prov or key in operands:
                 continue  # a view of an input
-            if len(in_keys) == 1 and (func in _MOVES or func in _DTYPE_COPIES or pointwise):
-                source = inputs[0]
-                # every scratch-derived operand is the same view: element k depends on one
-                # canonical element (x * x, not x[:4] * x[4:])
-                one_view = all(_view_of(t) == _view_of(source) for t in inputs)
-                if one_view and tuple(source.shape) == tuple(result.shape):
-                    self._register(result, source, func, kwargs, full_storage=False)
-                    continue
-            self.prov[key] = (_Prov("opaque", result.element_size()), result)
+            self._follow_result(func, kwargs, inputs, result, pointwise)
+
+    def _follow_written(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inputs: list[torch.Tensor],
+        t: torch.Tensor,
+        pointwise: bool,
+    ) -> None:
+        """An op wrote ``t`` in place (outside module storage)."""
+        key = _key(t)
+        if key == self.scratch_key:
+            self.scratch_touched = True
+        if key in self.prov:
+            prov, keep = self.prov[key]
+            # pointwise in place, reading only the element it writes: still one canonical
+            # element per element, but transformed; anything else loses track
+            alone = all(_key(i) == key and _view_of(i) == _view_of(t) for i in inputs)
+            if func is aten.copy_.default and alone:
+                return  # a copy onto itself
+            kind = prov.kind if pointwise and alone else "opaque"
+            self.prov[key] = (_Prov(kind, prov.element_size, True, prov.out, prov.parent), keep)
+        elif func is aten.copy_.default and _key(args[1]) in self.prov:
+            self._register(t, args[1], func, kwargs, full_storage=True)
+        else:
+            self.prov[key] = (_Prov("opaque", t.element_size()), t)
+
+    def _follow_result(
+        self,
+        func: Any,
+        kwargs: dict[str, Any],
+        inputs: list[torch.Tensor],
+        result: torch.Tensor,
+        pointwise: bool,
+    ) -> None:
+        """An op made a new tensor ``result`` from scratch-derived ``inputs``."""
+        one_input = len({_key(t) for t in inputs}) == 1
+        if one_input and (func in _MOVES or func in _DTYPE_COPIES or pointwise):
+            source = inputs[0]
+            # every scratch-derived operand is the same view: element k depends on one
+            # canonical element (x * x, not x[:4] * x[4:])
+            one_view = all(_view_of(t) == _view_of(source) for t in inputs)
+            if one_view and tuple(source.shape) == tuple(result.shape):
+                self._register(result, source, func, kwargs, full_storage=False)
+                return
+        self.prov[_key(result)] = (_Prov("opaque", result.element_size()), result)
 
     def _register(self, result, source, func, kwargs, *, full_storage: bool) -> None:  # type: ignore[no-untyped-def]
         key = _key(result)
@@ -297,7 +328,9 @@ class _Interceptor(TorchDispatchMode):
         self.prov[key] = (prov, result)
 
 
-def all_reduce_lanes(group: Any = None) -> Callable[[dict[str, tuple[int, ...]]], dict]:
+def all_reduce_lanes(
+    group: Any = None,
+) -> Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
     """A ``reduce_lanes`` for :class:`ModuleTarget` over a ``torch.distributed`` group (the
     tensor-parallel ranks of one model replica, a backend that carries objects)."""
 
@@ -340,7 +373,8 @@ class ModuleTarget(Target):
         module: torch.nn.Module,
         *,
         load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
-        reduce_lanes: Callable[[dict[str, tuple[int, ...]]], dict] | None = None,
+        reduce_lanes: Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]
+        | None = None,
         version: int | None = None,
         chain_id: str | None = None,
         rollback_full: bool = True,
@@ -893,8 +927,8 @@ class _Run:
                 canonical = self.target._canonical_all(copy)[mine]
                 hit = torch.isin(canonical, self.positions)
                 if bool(hit.any()):
-                    index = torch.searchsorted(self.positions, canonical[hit])
-                    self._store(copy, dst, src, mine[hit], index)
+                    at = torch.searchsorted(self.positions, canonical[hit])
+                    self._store(copy, dst, src, mine[hit], at)
 
     def undo(self) -> None:
         for target, elements, old in reversed(self.saved):

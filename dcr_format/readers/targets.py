@@ -191,9 +191,10 @@ class Transaction(ABC):
             tensor = self.full_tensor(change.name, change.dtype, change.shape)
             saved = apply_change(tensor, delta).saved
             return Applied(lambda: undo_delta(tensor, delta, saved), lanes=tensor_lanes(tensor))
-        tensor = self.tensor(change.name)
-        if tensor is None:
+        live = self.tensor(change.name)
+        if live is None:
             raise TargetError(f"the target lacks tensor {change.name!r}")
+        tensor = live
         flat = bits_view(tensor).reshape(-1)
         assert delta.positions is not None
         delta = replace(
@@ -250,7 +251,7 @@ def _view_key(tensor: torch.Tensor) -> _ViewKey | None:
     return (
         str(tensor.device),
         address,
-        tensor.storage_offset(),
+        int(tensor.storage_offset()),
         tensor.dtype,
         tuple(tensor.shape),
         tuple(tensor.stride()),
@@ -270,7 +271,7 @@ def _alias_groups(tensors: MutableMapping[str, torch.Tensor]) -> dict[str, froze
         if key not in by_view:
             size = tensor.element_size()
             span = 1 + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride(), strict=True))
-            start = tensor.storage_offset() * size
+            start = int(tensor.storage_offset()) * size
             extents.setdefault(key[:2], []).append((start, start + span * size, name))
         by_view.setdefault(key, []).append(name)
     for spans in extents.values():
@@ -677,7 +678,9 @@ class SafetensorsDirTarget(Target):
                     f"{_describe(current)} while this one was planning; sync again"
                 )
             self._clean_orphans(live)
-            tensors, layout = self._load(live) if current is not None else ({}, {})
+            tensors, layout = (
+                self._load(live) if live is not None and current is not None else ({}, {})
+            )
         except BaseException:
             lock.release()
             raise
@@ -752,8 +755,6 @@ class SafetensorsDirTarget(Target):
         resident: Resident,
         live: Path | None,
     ) -> None:
-        from safetensors.torch import save_file
-
         from dcr_format.schema import RESERVED_TENSOR_NAMES
 
         reserved = sorted(RESERVED_TENSOR_NAMES & set(tensors))
@@ -769,34 +770,7 @@ class SafetensorsDirTarget(Target):
         link = store / f"link-{uuid.uuid4().hex[:8]}"
         swapped = False
         try:
-            files = self._plan_files(tensors, layout)
-            for file, names in files.items():
-                path = fresh / file
-                save_file(
-                    {n: tensors[n].contiguous() for n in names},
-                    str(path),
-                    metadata={"format": "pt"},
-                )
-                _fsync(path)
-            if len(files) > 1:
-                index = {
-                    "metadata": {
-                        "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
-                    },
-                    "weight_map": {n: f for f, names in files.items() for n in sorted(names)},
-                }
-                data = json.dumps(index, indent=2, sort_keys=True).encode()
-                _write_synced(fresh / INDEX_FILE, data)
-            if live is not None:
-                _carry_forward(live, fresh)
-            state: dict[str, object] = {
-                "format": DIR_STATE_FORMAT,
-                "chain_id": resident.chain_id,
-                "version": resident.version,
-            }
-            if resident.record_sha256 is not None:
-                state["record_sha256"] = resident.record_sha256
-            _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
+            self._fill(fresh, tensors, layout, resident, live)
             _fsync_dir(fresh)  # complete: what follows is the swap
             if self.path.is_dir() and not self.path.is_symlink():
                 self.path.rmdir()  # empty (checked); the previous version was nothing
@@ -810,6 +784,44 @@ class SafetensorsDirTarget(Target):
         _fsync_dir(self.path.parent)
         if live is not None and live.name != fresh.name:
             shutil.rmtree(live, ignore_errors=True)
+
+    def _fill(
+        self,
+        fresh: Path,
+        tensors: dict[str, torch.Tensor],
+        layout: dict[str, str],
+        resident: Resident,
+        live: Path | None,
+    ) -> None:
+        """Write a new version's directory: its safetensors files (and index), what the
+        previous version held besides tensors, and the state file; each file synced."""
+        from safetensors.torch import save_file
+
+        files = self._plan_files(tensors, layout)
+        for file, names in files.items():
+            path = fresh / file
+            save_file(
+                {n: tensors[n].contiguous() for n in names}, str(path), metadata={"format": "pt"}
+            )
+            _fsync(path)
+        if len(files) > 1:
+            index = {
+                "metadata": {
+                    "total_size": sum(t.numel() * t.element_size() for t in tensors.values())
+                },
+                "weight_map": {n: f for f, names in files.items() for n in sorted(names)},
+            }
+            _write_synced(fresh / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
+        if live is not None:
+            _carry_forward(live, fresh)
+        state: dict[str, object] = {
+            "format": DIR_STATE_FORMAT,
+            "chain_id": resident.chain_id,
+            "version": resident.version,
+        }
+        if resident.record_sha256 is not None:
+            state["record_sha256"] = resident.record_sha256
+        _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
 
 
 class _DirTransaction(_DictTransaction):
