@@ -27,6 +27,8 @@ from dcr_format.readers.relay import RelayStore
 sys.path.insert(0, str(Path(__file__).parent))
 from relay_workers import CountingStore, exact, model
 
+pytestmark = [pytest.mark.s3, pytest.mark.multiprocess]
+
 WORKER = Path(__file__).with_name("relay_workers.py")
 
 

@@ -30,6 +30,8 @@ from dcr_format.errors import (
 from dcr_format.store import Capabilities
 from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 
+pytestmark = pytest.mark.s3
+
 s3 = pytest.importorskip("dcr_format._stores._s3")
 S3Backend = s3.S3Backend
 
