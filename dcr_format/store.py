@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -60,6 +61,7 @@ from dcr_format._stores._base import (
     ObjectTooLarge,
     OutsideRoot,
     key_problem,
+    retrying,
 )
 from dcr_format.errors import (
     CapabilityError,
@@ -187,7 +189,7 @@ class Store:
         :meth:`probe_conditional_writes`.
         """
         with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
-            return self._backend.capabilities
+            return self._retried(lambda: self._backend.capabilities)
 
     def probe_conditional_writes(self) -> bool:
         """Whether a create-if-absent is refused when the object exists (asks the server).
@@ -200,7 +202,7 @@ class Store:
         fsspec backends return False (they have no conditional write).
         """
         with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
-            return self._backend.probe_conditional_writes()
+            return self._retried(self._backend.probe_conditional_writes)
 
     def end_epoch(self) -> None:
         """Hook a reader calls on every member of its group wherever the group agrees.
@@ -286,6 +288,10 @@ class Store:
                 "check that the store is reachable and writable, then retry"
             ) from exc
 
+    def _retried(self, call: Callable[[], T]) -> T:
+        """``call()`` tried again after transient failures, as the backend's policy says."""
+        return retrying(call, self._backend.retry)
+
     def _require(self, capability: str, action: str) -> None:
         if not getattr(self.capabilities, capability):
             raise CapabilityError(
@@ -309,14 +315,14 @@ class Store:
         """
         self._key(key)
         with self._translated(key, "read", reading=True, max_size=max_size):
-            return self._backend.get(key, max_size)
+            return self._retried(lambda: self._backend.get(key, max_size))
 
     def put(self, key: str, data: bytes) -> None:
         """Write ``data`` to ``key``, replacing any object there (atomically on local disk)."""
         self._key(key)
         self._writable(f"write {key!r}")
         with self._translated(key, "write"):
-            self._backend.put(key, data)
+            self._retried(lambda: self._backend.put(key, data))
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         """Create ``key`` with ``data``; raise ``ObjectExistsError`` if it already exists.
@@ -332,19 +338,19 @@ class Store:
         self._key(key)
         self._writable(f"create {key!r}")
         with self._translated(key, "create"):
-            self._backend.put_if_absent(key, data)
+            self._backend.put_if_absent(key, data)  # never retried: see the docstring
 
     def exists(self, key: str) -> bool:
         """Whether an object is stored under ``key``."""
         self._key(key)
         with self._translated(key, "check"):
-            return self._backend.exists(key)
+            return self._retried(lambda: self._backend.exists(key))
 
     def size(self, key: str) -> int:
         """The size in bytes of the object at ``key``; ``ObjectNotFoundError`` if missing."""
         self._key(key)
         with self._translated(key, "stat", reading=True):
-            return self._backend.size(key)
+            return self._retried(lambda: self._backend.size(key))
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Sorted keys of every object under ``prefix``, recursively.
@@ -383,7 +389,7 @@ class Store:
         self._require("listing", "listing")
         with self._translated(directory, "list"):
             try:
-                return lister(directory)
+                return self._retried(lambda: lister(directory))
             except (TypeError, ValueError) as exc:
                 raise StoreError(
                     f"store {self.url} answered a listing of {directory!r} with an invalid "
@@ -396,7 +402,7 @@ class Store:
         self._writable(f"delete {key!r}")
         self._require("delete", "delete")
         with self._translated(key, "delete"):
-            self._backend.delete(key)
+            self._retried(lambda: self._backend.delete(key))
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """Delete every object in ``keys`` (all keys are checked before any is deleted)."""
@@ -408,11 +414,11 @@ class Store:
                 with self._translated(
                     checked[0], "delete", where=f"{len(checked)} objects in store {self.url}"
                 ):
-                    self._backend.delete_many(checked)
+                    self._retried(lambda: self._backend.delete_many(checked))
             return
         for key in checked:
             with self._translated(key, "delete"):
-                self._backend.delete(key)
+                self._retried(functools.partial(self._backend.delete, key))
 
 
 def open_store(store: Store | str | os.PathLike[str]) -> Store:

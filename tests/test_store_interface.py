@@ -17,13 +17,20 @@ from fsspec.spec import AbstractFileSystem
 from test_store import _GenericMemoryFileSystem  # noqa: F401 (registers dcrtest://)
 
 import dcr_format
-from dcr_format._stores._base import Backend, ObjectExists, ObjectInfo, ObjectTooLarge
+from dcr_format._stores._base import (
+    Backend,
+    ObjectExists,
+    ObjectInfo,
+    ObjectTooLarge,
+    RetryPolicy,
+)
 from dcr_format.errors import (
     CapabilityError,
     InvalidKeyError,
     ObjectExistsError,
     ObjectNotFoundError,
     ObjectTooLargeError,
+    StoreError,
 )
 from dcr_format.readers.relay import RelayStore
 from dcr_format.store import Capabilities, Store, open_store
@@ -71,7 +78,7 @@ def _backends(tmp_path: Path) -> dict[str, Any]:
 def test_every_backend_implements_the_protocol(tmp_path: Path) -> None:
     data, methods = _protocol_members()
     assert data == ["kind", "local_root", "single_writer", "url"]
-    assert "capabilities" in methods and "list_info" in methods and "delete_many" in methods
+    assert {"capabilities", "retry", "list_info", "delete_many"} <= set(methods)
     for kind, backend in _backends(tmp_path).items():
         assert backend.kind == kind
         for name in data:
@@ -81,7 +88,8 @@ def test_every_backend_implements_the_protocol(tmp_path: Path) -> None:
             declared = inspect.getattr_static(Backend, name)
             implemented = inspect.getattr_static(backend, name)
             if isinstance(declared, property):
-                assert isinstance(implemented, (property, Capabilities)), (kind, name)
+                value_types = {"capabilities": Capabilities, "retry": (RetryPolicy, type(None))}
+                assert isinstance(implemented, (property, value_types[name])), (kind, name)
                 continue
             want = list(inspect.signature(declared).parameters)
             got = list(inspect.signature(getattr(backend, name)).parameters)
@@ -152,14 +160,24 @@ class _DictBackend:
     single_writer = False
     capabilities = Capabilities(atomic_create=True, listing=True, delete=True)
 
-    def __init__(self) -> None:
+    def __init__(self, retry: RetryPolicy | None = None, failures: int = 0) -> None:
         self.url = "memory://dict"
         self.objects: dict[str, bytes] = {}
+        self.retry = retry
+        self.failures = failures  # the next requests that fail with ConnectionResetError
+        self.calls: list[str] = []
+
+    def _request(self, name: str) -> None:
+        self.calls.append(name)
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionResetError(104, "Connection reset by peer")
 
     def probe_conditional_writes(self) -> bool:
         return True
 
     def get(self, key: str, max_size: int | None) -> bytes:
+        self._request("get")
         data = self.objects.get(key)
         if data is None:
             raise FileNotFoundError(key)
@@ -168,9 +186,11 @@ class _DictBackend:
         return data
 
     def put(self, key: str, data: bytes) -> None:
+        self._request("put")
         self.objects[key] = bytes(data)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
+        self._request("put_if_absent")
         if key in self.objects:
             raise ObjectExists
         self.objects[key] = bytes(data)
@@ -179,15 +199,17 @@ class _DictBackend:
         return key in self.objects
 
     def size(self, key: str) -> int:
-        return len(self.get(key, None))
+        return len(self.objects[key])
 
     def list(self, prefix: str) -> list[str]:
+        self._request("list")
         return sorted(k for k in self.objects if k.startswith(prefix))
 
     def list_info(self, prefix: str) -> list[ObjectInfo]:
         return [ObjectInfo(k, len(self.objects[k]), None) for k in self.list(prefix)]
 
     def delete(self, key: str) -> None:
+        self._request("delete")
         self.objects.pop(key, None)
 
     def delete_many(self, keys: list[str]) -> None:
@@ -212,6 +234,40 @@ def test_a_store_over_any_backend_checks_keys_limits_and_translates_errors() -> 
     assert store.list("a") == ["a/b"]
     store.delete_many(["a/b"])
     assert backend.objects == {}
+
+
+def test_the_store_retries_what_the_backends_policy_calls_transient() -> None:
+    policy = RetryPolicy(lambda exc: isinstance(exc, ConnectionError), 3, 0.0, 0.0)
+    backend = _DictBackend(policy, failures=2)
+    store = Store(backend)
+    store.put("k", b"v")  # two resets, then it lands
+    assert backend.calls == ["put"] * 3
+    backend.failures, backend.calls = 3, []
+    with pytest.raises(StoreError, match="Connection reset by peer"):
+        store.get("k")  # three tries, then the error
+    assert backend.calls == ["get"] * 3
+    backend.failures, backend.calls = 1, []
+    with pytest.raises(StoreError, match="Connection reset by peer"):
+        store.put_if_absent("new", b"v")  # an unknown outcome is never retried
+    assert backend.calls == ["put_if_absent"]
+    backend.failures, backend.calls = 2, []
+    assert store.list() == ["k"]
+    store.delete_many(["k"])
+    assert backend.calls == ["list"] * 3 + ["delete"]
+    no_retry = Store(_DictBackend(None, failures=1))
+    with pytest.raises(StoreError):
+        no_retry.put("k", b"v")
+
+
+def test_backends_without_transient_failures_never_retry(tmp_path: Path) -> None:
+    for store in (Store(tmp_path / "s"), Store("memory://dcr-no-retry"), Store("dcrtest://r")):
+        assert store._backend.retry is None
+    s3 = pytest.importorskip("dcr_format._stores._s3")
+    backend = s3.S3Backend(
+        "s3://bkt/p", {"endpoint_url": "http://127.0.0.1:9"}, single_writer=False
+    )
+    policy = backend.retry
+    assert policy.transient is s3.retryable and policy.attempts == s3.RETRY_ATTEMPTS
 
 
 def test_options_for_urls_are_refused_with_a_backend() -> None:

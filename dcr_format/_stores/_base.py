@@ -12,10 +12,13 @@ the Store translates.
 from __future__ import annotations
 
 import builtins
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal, NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -29,10 +32,14 @@ __all__ = [
     "ObjectInfo",
     "ObjectTooLarge",
     "OutsideRoot",
+    "RetryPolicy",
     "key_problem",
     "listed_size",
+    "retrying",
     "utc",
 ]
+
+T = TypeVar("T")
 
 MAX_KEY_BYTES = 1024
 """Longest key accepted, in bytes of UTF-8 (the S3 limit)."""
@@ -141,6 +148,46 @@ def listed_size(value: object) -> int:
     return value
 
 
+# --- retries ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How failed requests of a backend are tried again: which failures, how often, how long.
+
+    The Store applies it to every idempotent request (reads, plain writes, listings,
+    deletes, the conditional-write probe), never to ``put_if_absent``, whose outcome
+    after a failure is unknown rather than worth repeating.
+    """
+
+    transient: Callable[[BaseException], bool]
+    """Whether a failure (or what caused it) is transient: worth another try."""
+    attempts: int
+    """Tries of one request before its error is raised."""
+    base_s: float
+    """The first wait, in seconds; each later one doubles, up to ``cap_s``."""
+    cap_s: float
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before try ``attempt + 1``: capped exponential, with jitter."""
+        return min(self.cap_s, self.base_s * 2.0**attempt) * random.uniform(0.5, 1.0)
+
+
+def retrying(call: Callable[[], T], policy: RetryPolicy | None) -> T:
+    """``call()``, tried again after transient failures as ``policy`` says (None: once)."""
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except _SIGNALS:
+            raise
+        except Exception as exc:
+            attempt += 1
+            if policy is None or attempt >= policy.attempts or not policy.transient(exc):
+                raise
+            time.sleep(policy.backoff(attempt - 1))
+
+
 # --- the protocol ----------------------------------------------------------------------------
 
 
@@ -159,6 +206,11 @@ class Backend(Protocol):
     """The absolute directory holding the objects for a local store, else None."""
     single_writer: bool
     """Whether the caller promised that only one process writes this store."""
+
+    @property
+    def retry(self) -> RetryPolicy | None:
+        """How the Store retries this backend's idempotent requests (None: never)."""
+        ...
 
     @property
     def capabilities(self) -> Capabilities:
@@ -236,3 +288,6 @@ class NoAtomicCreate(Exception):
 
 class NoHardLinks(Exception):
     """Backend signal: the local filesystem refuses hard links, which atomic create needs."""
+
+
+_SIGNALS = (ObjectExists, ObjectTooLarge, OutsideRoot, NoAtomicCreate, NoHardLinks)

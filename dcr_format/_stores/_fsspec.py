@@ -26,6 +26,7 @@ from dcr_format._stores._base import (
     ObjectExists,
     ObjectInfo,
     ObjectTooLarge,
+    RetryPolicy,
     key_problem,
     listed_size,
     utc,
@@ -60,6 +61,7 @@ class FsspecBackend:
 
     kind: Kind = "fsspec"
     local_root: str | None = None
+    retry: RetryPolicy | None = None  # no failure of a generic filesystem is known transient
 
     def __init__(
         self,

@@ -28,6 +28,7 @@ from dcr_format._stores._base import (
     ObjectInfo,
     ObjectTooLarge,
     OutsideRoot,
+    RetryPolicy,
     key_problem,
 )
 
@@ -95,6 +96,7 @@ class LocalBackend:
 
     kind: Kind = "local"
     single_writer = False  # many writers are safe: creates are atomic
+    retry: RetryPolicy | None = None  # a local filesystem has no transient failures
     capabilities = Capabilities(atomic_create=True, listing=True, delete=True)
 
     def __init__(self, root: str) -> None:

@@ -24,9 +24,11 @@ answer means:
   overwrite. The answer is cached per process for each endpoint and bucket.
 - listings report each object's ``Size`` and ``LastModified`` (the server's
   clock, whatever the writer's says: gc measures ages with it).
-- reads, plain writes, listings and deletes retry transient failures (5xx,
-  throttling, connection resets, timeouts) with capped exponential backoff,
-  on top of botocore's own retries.
+- which failures are transient (5xx, throttling, connection resets, timeouts)
+  is decided here (:func:`retryable`, in :attr:`S3Backend.retry`); the Store
+  retries reads, plain writes, listings, deletes and the probe with that policy
+  (capped exponential backoff, on top of botocore's own retries), never a
+  conditional write.
 """
 
 from __future__ import annotations
@@ -36,9 +38,7 @@ import base64
 import builtins
 import errno
 import hashlib
-import random
 import threading
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypeVar
@@ -56,8 +56,10 @@ from dcr_format._stores._base import (
     ObjectExists,
     ObjectInfo,
     ObjectTooLarge,
+    RetryPolicy,
     key_problem,
     listed_size,
+    retrying,
     utc,
 )
 
@@ -201,9 +203,9 @@ def translate(exc: BaseException) -> BaseException:
     return exc
 
 
-def _backoff(attempt: int) -> float:
-    """Seconds to wait before try ``attempt + 1``: capped exponential, with jitter."""
-    return min(RETRY_CAP_S, RETRY_BASE_S * 2.0**attempt) * random.uniform(0.5, 1.0)
+def _policy() -> RetryPolicy:
+    """The retry policy of S3 requests (read at each use: tests shorten the waits)."""
+    return RetryPolicy(retryable, RETRY_ATTEMPTS, RETRY_BASE_S, RETRY_CAP_S)
 
 
 # --- request hooks -----------------------------------------------------------------------
@@ -253,23 +255,27 @@ class S3Backend:
 
     # --- plumbing ---
 
-    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any, retry: bool = True) -> T:
-        """Run coroutine function ``fn`` on s3fs's event loop, retrying transient failures."""
-        attempt = 0
-        while True:
-            try:
-                result: T = sync(self.fs.loop, fn, *args)
-                return result
-            except (ObjectExists, ObjectTooLarge, NoAtomicCreate):
+    @property
+    def retry(self) -> RetryPolicy:
+        """Transient failures (:func:`retryable`) are tried ``RETRY_ATTEMPTS`` times."""
+        return _policy()
+
+    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run coroutine function ``fn`` on s3fs's event loop; botocore errors as ``OSError``.
+
+        Tried once: the Store retries what :attr:`retry` calls transient (the cause of
+        the ``OSError`` tells), and nothing retries a conditional write.
+        """
+        try:
+            result: T = sync(self.fs.loop, fn, *args)
+        except (ObjectExists, ObjectTooLarge, NoAtomicCreate):
+            raise
+        except Exception as exc:
+            translated = translate(exc)
+            if translated is exc:
                 raise
-            except Exception as exc:
-                attempt += 1
-                if not retry or attempt >= RETRY_ATTEMPTS or not retryable(exc):
-                    translated = translate(exc)
-                    if translated is exc:
-                        raise
-                    raise translated from exc
-                time.sleep(_backoff(attempt - 1))
+            raise translated from exc
+        return result
 
     async def _client(self) -> Any:
         await self.fs.set_session()
@@ -379,14 +385,14 @@ class S3Backend:
             raise OSError(errno.EFBIG, f"{len(payload)} bytes is more than one S3 PUT takes")
         if self.single_writer:
             # Check, then write: safe only because one writer process alone writes.
-            if self.exists(key):
+            if retrying(lambda: self.exists(key), self.retry):
                 raise ObjectExists
-        elif not self.conditional_writes():
+        elif not retrying(self.conditional_writes, self.retry):
             raise NoAtomicCreate(
                 "conditional writes are not honoured by this server (it ignored If-None-Match)"
             )
         # Never retried here: see the module docstring.
-        outcome = self._run(self._create, self._key(key), payload, retry=False)
+        outcome = self._run(self._create, self._key(key), payload)
         if outcome == "exists":
             raise ObjectExists
         if outcome == "unsupported":
@@ -436,7 +442,7 @@ class S3Backend:
                     return "created" if landed == nonce else "exists"
                 if _status(exc) != 409 or attempt + 1 == CONFLICT_ATTEMPTS:
                     raise
-            await asyncio.sleep(_backoff(attempt))
+            await asyncio.sleep(_policy().backoff(attempt))
         raise AssertionError("unreachable")
 
     async def _nonce_of(self, client: Any, key: str) -> str | None:

@@ -67,7 +67,7 @@ from typing import Any, TypeVar
 import torch
 
 from dcr_format import errors
-from dcr_format._stores._base import Kind, ObjectTooLarge
+from dcr_format._stores._base import Kind, ObjectTooLarge, RetryPolicy
 from dcr_format.errors import DcrError, StoreError
 from dcr_format.store import Capabilities, ObjectInfo, Store
 
@@ -170,6 +170,7 @@ class _Relay:
     kind: Kind = "relay"
     local_root: str | None = None
     single_writer = False
+    retry: RetryPolicy | None = None  # the inner store retries; a lost member is not transient
     capabilities = Capabilities(atomic_create=False, listing=True, delete=False, writable=False)
 
     def __init__(
