@@ -240,8 +240,9 @@ class DeltaReader:
             else DecodeBudget(decode_budget)
         )
         # ranks sharing the target stage, verify and apply together (all or none)
-        # a RelayStore (readers/relay.py) closes its epoch wherever the ranks agree
-        epoch = getattr(self.store, "end_epoch", None)
+        # the store's end_epoch hook runs wherever the ranks agree (a RelayStore closes its
+        # relay epoch there, readers/relay.py; a plain store does nothing)
+        epoch = self.store.end_epoch
         self.group = (
             ReaderGroup.solo(before_agreeing=epoch)
             if group is None
