@@ -430,8 +430,6 @@ def test_layout_refuses_unknown_and_missing_local_tensors(tmp_path):
         ProjectionWriter(str(tmp_path / "t"), Layout([half])).publish({"a": torch.zeros(1, 2)})
 
 
-# --- benchmark smoke test ----------------------------------------------------------------------
-
 def test_a_delta_writer_given_a_layout_publishes_local_tensors(tmp_path):
     """The projection is a part the writer is given: DeltaWriter(layout=...) is what
     ProjectionWriter builds; it keeps no baseline cache."""
@@ -457,6 +455,8 @@ def test_a_delta_writer_given_a_layout_publishes_local_tensors(tmp_path):
     with pytest.raises(ArgumentError, match="keeps no baseline cache"):
         DeltaWriter(store, layout=layout, cache_dir=tmp_path / "cache")
 
+
+# --- benchmark smoke test ----------------------------------------------------------------------
 
 
 def test_layout_bench_quick_runs():
