@@ -270,7 +270,8 @@ class DeltaWriter:
     # --- publish ----------------------------------------------------------------------
 
     def publish(self, tensors: Tensors, *, step: int | None = None) -> CommitInfo:
-        """Publish the next version from canonical ``tensors`` and commit it with every rank.
+        """Publish the next version from canonical ``tensors`` (with a layout: this rank's
+        local tensors) and commit it with every rank.
 
         Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
