@@ -498,3 +498,54 @@ def test_parallel_kernels_from_many_threads():
     for thread in threads:
         thread.join()
     assert not errors
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_diff_that_advances_the_old_tensor(width, mode, monkeypatch):
+    """``advance`` leaves ``old`` equal to ``new`` and changes nothing else of the result."""
+    if mode == "torch":
+        torch_mode(monkeypatch)
+    rng = np.random.default_rng(40 + width)
+    old, new = changed_pair(2 * 65536 + 13, width, 0.02, rng)
+    for base in (0, 5):
+        moved = old.clone()
+        found, deltas = dispatch.diff_with_lanes(moved, new, base=base, advance=True)
+        want, want_deltas = dispatch.diff_with_lanes(old, new, base=base)
+        assert torch.equal(moved, new) and deltas == want_deltas
+        assert torch.equal(found.positions, want.positions)
+        assert torch.equal(found.xor_values, want.xor_values)
+        assert torch.equal(found.new_values, want.new_values)
+    with pytest.raises(ValueError, match="contiguous"):
+        dispatch.diff_with_lanes(old[:-1].view(2, -1).t(), new[:-1].view(2, -1).t(), advance=True)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("op", ["xor", "overwrite"])
+def test_staged_change_reads_what_apply_would_write(width, op, monkeypatch):
+    """stage_change gives apply_with_lanes' before bits, the bits it writes and its lane
+    deltas, on both paths, and never writes; an overwrite of ``after`` is the change."""
+    rng = np.random.default_rng(50 + width)
+    old, new = changed_pair(3 * 65536 + 5, width, 0.05, rng)
+    found = reference.diff(old, new)
+    values = found.xor_values if op == "xor" else found.new_values
+    results = []
+    for mode in ("auto", "torch"):
+        if mode == "torch":
+            torch_mode(monkeypatch)
+        flat = old.clone()
+        before, after, deltas = dispatch.stage_change(flat, found.positions, values, op=op)
+        assert torch.equal(flat, old)  # read only
+        applied = old.clone()
+        want_before, want_deltas = dispatch.apply_with_lanes(
+            applied, found.positions, values, op=op
+        )
+        assert torch.equal(before, want_before) and torch.equal(after, new[found.positions])
+        assert deltas == want_deltas
+        dispatch.scatter(flat, found.positions, after, op="overwrite")
+        assert torch.equal(flat, new)
+        results.append((before, after, deltas))
+    assert results[0][2] == results[1][2] and torch.equal(results[0][1], results[1][1])
+    monkeypatch.delenv("DCR_KERNELS")
+    with pytest.raises(IndexError):
+        dispatch.stage_change(old, found.positions + old.numel(), values, op=op)

@@ -27,13 +27,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Any
 
 import numba
 import numpy as np
 from numba import njit, prange
 
-if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
-    numba.config.THREADING_LAYER = "forksafe"  # chosen at the first parallel launch
+_CONFIG: Any = numba.config  # its settings are module attributes made at import time
+if "NUMBA_THREADING_LAYER" not in os.environ and _CONFIG.THREADING_LAYER == "default":
+    _CONFIG.THREADING_LAYER = "forksafe"  # chosen at the first parallel launch
 
 # --- fingerprint constants (dcr_format.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -253,7 +255,7 @@ def _diff_scan(old, new, local, counts):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, parallel=True)
 def _diff_fill(  # type: ignore[no-untyped-def]
-    old, new, local, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out
+    old, new, local, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out, advance
 ):
     want_new = new_out.shape[0] != 0
     want_xor = xor_out.shape[0] != 0
@@ -275,6 +277,8 @@ def _diff_fill(  # type: ignore[no-untyped-def]
                 new_out[k] = w
             if want_xor:
                 xor_out[k] = o ^ w
+            if advance:
+                old_b[t] = w  # the baseline takes the new bits while the line is at hand
             if lanes:
                 r = np.uint64((base + j) & _MASK30) + _ONE
                 ou = np.uint64(o)
@@ -430,11 +434,13 @@ def diff_fill(
     out: tuple[np.ndarray, np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
+    advance: bool = False,
 ) -> tuple[int, ...]:
     """Fill ``out`` = (positions + ``base``, new bits, old ^ new bits), ``scan.total`` long.
 
     An empty new or xor array is skipped. Returns the lane deltas ``sum (g(new) - g(old))
-    * r`` (``lanes`` 0: none).
+    * r`` (``lanes`` 0: none). ``advance``: also write the new bits into ``old`` at the
+    changed positions, in the same pass (``old`` then equals ``new``).
     """
     lane_out = np.zeros((scan.offsets.shape[0] - 1, 3), dtype=np.uint64)
     if scan.total:
@@ -451,6 +457,7 @@ def diff_fill(
                 lanes,
                 table,
                 lane_out,
+                advance,
             )
     return _finish_lanes(lane_out, lanes) if lanes else ()
 
@@ -519,6 +526,68 @@ def apply(
     if chunks:
         with _LOCK:
             _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
+    return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _stage(flat, pos, values, base, is_xor, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+    """:func:`_apply` without the write: the bits before and after, and the lane deltas."""
+    n = flat.shape[0]
+    m = pos.shape[0]
+    for c in prange(lane_out.shape[0]):
+        lo = c * _CHUNK
+        hi = min(lo + _CHUNK, m)
+        a0 = _ZERO
+        a1 = _ZERO
+        a2 = _ZERO
+        pos_c, values_c = pos[lo:hi], values[lo:hi]
+        before_c, after_c = before[lo:hi], after[lo:hi]
+        for j in range(pos_c.shape[0]):
+            p = pos_c[j]
+            if p - base < 0 or p - base >= n:
+                bad[c] = 1
+                continue
+            b = flat[np.uint64(p - base)]
+            a = b ^ values_c[j] if is_xor else values_c[j]
+            before_c[j] = b
+            after_c[j] = a
+            if lanes:
+                r = np.uint64(p & _MASK30) + _ONE
+                bu = np.uint64(b)
+                au = np.uint64(a)
+                a0 += (_g(au, 0, table) + _P0 - _g(bu, 0, table)) * r
+                if a0 >= _HIGH:
+                    a0 %= _P0
+                a1 += (_g(au, 1, table) + _P1 - _g(bu, 1, table)) * r
+                if a1 >= _HIGH:
+                    a1 %= _P1
+                if lanes == 3:
+                    a2 += (_g(au, 2, table) + _P2 - _g(bu, 2, table)) * r
+                    if a2 >= _HIGH:
+                        a2 %= _P2
+        lane_out[c, 0] = a0 % _P0
+        lane_out[c, 1] = a1 % _P1
+        lane_out[c, 2] = a2 % _P2
+
+
+def stage(
+    flat: np.ndarray,
+    pos: np.ndarray,
+    values: np.ndarray,
+    base: int,
+    is_xor: bool,
+    out: tuple[np.ndarray, np.ndarray],
+    table: np.ndarray,
+    lanes: int,
+) -> tuple[bool, tuple[int, ...]]:
+    """Read, never write: ``out`` = (bits of ``flat`` at ``pos - base``, those bits ``^ v``
+    or ``v``), and the lane deltas of that change. Returns (all positions in range, deltas)."""
+    chunks = -(-pos.shape[0] // _CHUNK)
+    lane_out = np.zeros((chunks, 3), dtype=np.uint64)
+    bad = np.zeros(chunks, dtype=np.uint8)
+    if chunks:
+        with _LOCK:
+            _stage(flat, pos, values, base, is_xor, out[0], out[1], lanes, table, lane_out, bad)
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
 

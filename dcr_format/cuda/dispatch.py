@@ -219,9 +219,10 @@ class PendingDiff:
         total = self.total()
         if self.backend == TORCH:
             return self._diff
-        return _kernels().compact(
+        found: Diff = _kernels().compact(
             self._scan, total, want_new=self.want_new, want_xor=self.want_xor, base=self.base
         )
+        return found
 
 
 def diff(
@@ -245,8 +246,10 @@ def _native_diff(
     want_xor: bool,
     base: int,
     lanes: bool,
+    advance: bool = False,
 ) -> tuple[Diff, tuple[int, ...]]:
-    """The fused CPU diff: positions, new and xor bits, and lane deltas from one pass."""
+    """The fused CPU diff: positions, new and xor bits, and lane deltas from one pass
+    (``advance``: ``old``, contiguous, takes the new bits in that pass)."""
     from dcr_format.fingerprint import native_table
 
     old, new = old.reshape(-1).contiguous(), new.reshape(-1).contiguous()
@@ -265,6 +268,7 @@ def _native_diff(
         (positions.numpy(), _unsigned(new_values), _unsigned(xor_values)),
         native_table(width),
         _lane_count(width) if lanes else 0,
+        advance,
     )
     found = Diff(positions, new_values if want_new else None, xor_values if want_xor else None)
     return found, deltas
@@ -290,6 +294,7 @@ def diff_with_lanes(
     want_xor: bool = True,
     base: int = 0,
     lanes: bool = True,
+    advance: bool = False,
 ) -> tuple[Diff, tuple[int, ...]]:
     """:func:`diff`, and the fingerprint lane deltas of changing ``old`` into ``new``.
 
@@ -299,20 +304,36 @@ def diff_with_lanes(
     ``apply_lane_deltas(old_lanes, deltas)`` (:mod:`dcr_format.fingerprint`). On the CPU
     both come from one fused pass; elsewhere the lanes are summed over the changed
     elements after the diff. ``lanes=False`` skips them (returns ``()``).
+
+    ``advance``: ``old`` (contiguous) is brought to ``new`` at the changed positions (on
+    the CPU in the same pass), so a writer's baseline needs no second pass; undoing that
+    is the caller's (``old ^= xor`` at the positions, or the old bits put back).
     """
     _check_pair(old, new)
+    if advance and not old.is_contiguous():
+        raise ValueError("advance needs a contiguous old tensor (it is written in place)")
     old, new = old.reshape(-1), new.reshape(-1)
     native = _native_for(old, new) if backend_for(old, new) == TORCH else None
     if native is not None:
         return _native_diff(
-            native, old, new, want_new=want_new, want_xor=want_xor, base=base, lanes=lanes
+            native,
+            old,
+            new,
+            want_new=want_new,
+            want_xor=want_xor,
+            base=base,
+            lanes=lanes,
+            advance=advance,
         )
-    found = diff(old, new, want_new=want_new or lanes, want_xor=want_xor, base=base)
+    found = diff(old, new, want_new=want_new or lanes or advance, want_xor=want_xor, base=base)
     deltas: tuple[int, ...] = ()
     if lanes:
         assert found.new_values is not None
         index = found.positions - base if base else found.positions
         deltas = _change_lanes(found.positions, old[index], found.new_values)
+    if advance:
+        assert found.new_values is not None
+        scatter(old, found.positions, found.new_values, op=OVERWRITE, base=base)
     if not want_new and found.new_values is not None:
         found = Diff(found.positions, None, found.xor_values)
     return found, deltas
@@ -362,7 +383,10 @@ def scatter(
                 f"position {low if low < base else high} is out of range for "
                 f"{flat.numel()} elements at offset {base}"
             )
-    return _kernels().scatter(flat, positions, values, op=op, save=save, base=base)
+    saved: torch.Tensor | None = _kernels().scatter(
+        flat, positions, values, op=op, save=save, base=base
+    )
+    return saved
 
 
 def _native_apply_for(
@@ -374,6 +398,14 @@ def _native_apply_for(
     if not flat.is_contiguous() or flat.dim() != 1 or values.numel() != positions.numel():
         return None
     return _native_for(flat, values) if positions.device.type == "cpu" else None
+
+
+def _check_bounds(positions: torch.Tensor, base: int, numel: int) -> None:
+    """Sorted positions (a verified decoder's) are bounded by the first and last; the
+    kernels still skip, and report, any index out of range: they never write there."""
+    if positions.numel() and (int(positions[0]) < base or int(positions[-1]) >= base + numel):
+        bad = int(positions[0]) if int(positions[0]) < base else int(positions[-1])
+        raise IndexError(f"position {bad} is out of range for {numel} elements at offset {base}")
 
 
 def _native_apply(
@@ -391,13 +423,7 @@ def _native_apply(
 
     positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
     count = positions.numel()
-    # positions come strictly increasing from a verified decoder: first and last bound them
-    # (the kernel still skips, and reports, any index out of range: it never writes there)
-    if count and (int(positions[0]) < base or int(positions[-1]) >= base + flat.numel()):
-        bad = int(positions[0]) if int(positions[0]) < base else int(positions[-1])
-        raise IndexError(
-            f"position {bad} is out of range for {flat.numel()} elements at offset {base}"
-        )
+    _check_bounds(positions, base, flat.numel())
     before = torch.empty(count, dtype=flat.dtype)
     width = flat.element_size()
     target, where = _unsigned(flat), positions.numpy()
@@ -458,11 +484,68 @@ def apply_with_lanes(
     return before, _change_lanes(positions, before, after)
 
 
+def stage_change(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    op: str,
+    base: int = 0,
+    lanes: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """What :func:`apply_with_lanes` would do, without writing: the bits at the positions
+    now (``before``), the bits the change puts there (``after``: ``before ^ v`` for
+    ``xor``, ``v`` for ``overwrite``) and the lane deltas of that change.
+
+    ``flat`` is only read, so it can stay in use; writing ``after`` later (an
+    ``overwrite`` of the same positions) makes the change. Same input rules and errors as
+    :func:`apply_with_lanes`.
+    """
+    if op not in (XOR, OVERWRITE):
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    native = None
+    if backend_for(flat, positions, values) == TORCH:
+        native = _native_apply_for(flat, positions, values)
+    if native is None:
+        count = positions.numel()
+        if count and (int(positions.min()) < base or int(positions.max()) >= base + flat.numel()):
+            raise IndexError(f"positions are out of range for {flat.numel()} elements at {base}")
+        before = flat[positions - base] if base else flat[positions]
+        after = before ^ values if op == XOR else values.clone()
+        return before, after, (_change_lanes(positions, before, after) if lanes else ())
+    from dcr_format.fingerprint import native_table
+
+    positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
+    _check_bounds(positions, base, flat.numel())
+    before = torch.empty(positions.numel(), dtype=flat.dtype)
+    after = torch.empty(positions.numel(), dtype=flat.dtype)
+    width = flat.element_size()
+    in_range, deltas = native.stage(
+        _unsigned(flat),
+        positions.numpy(),
+        _unsigned(values),
+        base,
+        op == XOR,
+        (_unsigned(before), _unsigned(after)),
+        native_table(width),
+        _lane_count(width) if lanes else 0,
+    )
+    if not in_range:
+        raise IndexError(
+            "positions are not strictly increasing and some are out of range: pass the "
+            "positions of a verified decoder"
+        )
+    return before, after, deltas
+
+
 def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
     """Positions of runs ``[starts[r], starts[r] + lengths[r])`` (int64, ``count`` in all)."""
     if backend_for(starts, lengths) == TORCH:
         return reference.expand_ranges(starts, lengths, count)
-    return _kernels().expand_ranges(starts.contiguous(), lengths.contiguous(), count)
+    expanded: torch.Tensor = _kernels().expand_ranges(
+        starts.contiguous(), lengths.contiguous(), count
+    )
+    return expanded
 
 
 def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
