@@ -103,6 +103,9 @@ def test_capabilities_kind_and_local_root_per_backend(tmp_path: Path) -> None:
     assert local.capabilities == Capabilities(atomic_create=True, listing=True, delete=True)
     assert local.capabilities.writable and not local.capabilities.batch_delete
     assert Store(f"file://{tmp_path}/s").local_root == str(tmp_path / "s")
+    for url in (tmp_path / "s", "memory://dcr-interface-caps", "dcrtest://caps"):
+        assert Store(url).single_writer is False
+        assert Store(url, single_writer=True).single_writer is True  # the caller's promise
 
     memory = Store("memory://dcr-interface-caps")
     assert (memory.kind, memory.local_root) == ("memory", None)
@@ -111,7 +114,6 @@ def test_capabilities_kind_and_local_root_per_backend(tmp_path: Path) -> None:
     generic = Store("dcrtest://caps")
     assert (generic.kind, generic.local_root) == ("fsspec", None)
     assert generic.capabilities == Capabilities(atomic_create=False, listing=True, delete=True)
-    assert Store("dcrtest://caps", single_writer=True).single_writer is True
 
     relay = RelayStore(local, _one_member_group())
     assert (relay.kind, relay.local_root, relay.single_writer) == ("relay", None, False)

@@ -40,7 +40,7 @@ def open_backend(
     """The backend for a store URL or path; refusals are named errors that say what to do."""
     root = local_root(url)
     if root is not None:
-        return LocalBackend(root)
+        return LocalBackend(root, single_writer=single_writer)
     assert isinstance(url, str)  # a PathLike is always local
     if url.startswith(_S3_SCHEMES):
         return _open_s3(url, storage_options, single_writer=single_writer)

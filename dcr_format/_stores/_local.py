@@ -95,12 +95,12 @@ class LocalBackend:
     """Objects as files under a local directory, written crash-safely with ``os`` calls."""
 
     kind: Kind = "local"
-    single_writer = False  # many writers are safe: creates are atomic
     retry: RetryPolicy | None = None  # a local filesystem has no transient failures
     capabilities = Capabilities(atomic_create=True, listing=True, delete=True)
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, single_writer: bool = False) -> None:
         self.root = root
+        self.single_writer = single_writer  # the caller's promise (creates are atomic anyway)
         self.local_root: str | None = root
         self.url = "file://" + PurePath(root).as_posix()
 
