@@ -549,3 +549,30 @@ def test_staged_change_reads_what_apply_would_write(width, op, monkeypatch):
     monkeypatch.delenv("DCR_KERNELS")
     with pytest.raises(IndexError):
         dispatch.stage_change(old, found.positions + old.numel(), values, op=op)
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float32", "uint8"])
+@pytest.mark.parametrize("op", ["xor", "overwrite"])
+def test_staged_change_then_put_is_apply_change(name, op):
+    """stage_change + put_staged leave the tensor as apply_change does, with its lane
+    deltas; unput_staged restores it; full changes are refused."""
+    from dcr_format.codec import delta as dl
+
+    info = BY_NAME[name]
+    rng = np.random.default_rng(60)
+    old, new = changed_pair(70_001, info.width, 0.03, rng)
+    found = reference.diff(old, new)
+    values = found.xor_values if op == "xor" else found.new_values
+    change = dl.DecodedDelta(op, found.positions, values)
+    live = old.view(info.torch_dtype).clone()
+    staged = dl.stage_change(live, change)
+    assert torch.equal(bits_view(live), old)
+    dl.put_staged(live, staged)
+    applied = old.view(info.torch_dtype).clone()
+    done = dl.apply_change(applied, change)
+    assert torch.equal(bits_view(live), bits_view(applied)) and torch.equal(bits_view(live), new)
+    assert staged.lane_deltas == done.lane_deltas and torch.equal(staged.before, done.before)
+    dl.unput_staged(live, staged)
+    assert torch.equal(bits_view(live), old)
+    with pytest.raises(ValueError, match="full"):
+        dl.stage_change(live, dl.DecodedDelta("full", None, new))

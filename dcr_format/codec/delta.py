@@ -207,6 +207,46 @@ def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = Tru
     )
 
 
+@dataclass(frozen=True)
+class StagedChange:
+    """An ``xor``/``overwrite`` change read against a tensor but not yet written: the bits
+    at its positions now (``before``), the bits it puts there (``after``) and its
+    fingerprint lane deltas. :func:`put_staged` writes it; :func:`unput_staged` undoes that."""
+
+    positions: torch.Tensor  # int64, strictly increasing, on the tensor's device
+    before: torch.Tensor
+    after: torch.Tensor
+    lane_deltas: tuple[int, ...]
+
+
+def stage_change(target: torch.Tensor, delta: DecodedDelta) -> StagedChange:
+    """Read, never write, what :func:`apply_change` would do to ``target`` (one pass over
+    the positions), so the tensor can stay in use meanwhile; the write that makes the
+    change (:func:`put_staged`) is then a plain scatter of ``after``."""
+    if delta.op == FULL:
+        raise ValueError("a full change has nothing to stage: apply it")
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    flat = bits_view(target).reshape(-1)
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    values = dispatch.to_device(delta.values, flat.device)
+    before, after, lane_deltas = dispatch.stage_change(flat, positions, values, op=delta.op)
+    return StagedChange(positions, before, after, lane_deltas)
+
+
+def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
+    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
+    flat = bits_view(target).reshape(-1)
+    dispatch.scatter(flat, staged.positions, staged.after, op=OVERWRITE)
+
+
+def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
+    """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
+    flat = bits_view(target).reshape(-1)
+    dispatch.scatter(flat, staged.positions, staged.before, op=OVERWRITE)
+
+
 def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
     """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
     return apply_change(target, delta, lanes=False).saved
@@ -236,6 +276,7 @@ __all__ = [
     "AppliedBits",
     "DecodedDelta",
     "EncodedTensor",
+    "StagedChange",
     "apply_change",
     "apply_delta",
     "changed_positions",
@@ -243,5 +284,8 @@ __all__ = [
     "decode_delta",
     "encode_diff",
     "encode_tensor",
+    "put_staged",
+    "stage_change",
     "undo_delta",
+    "unput_staged",
 ]
