@@ -41,12 +41,13 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 import zstandard
 
+from dcr_format.codec.classed import EXPONENT_FIELDS, decode_classed, encode_classed
 from dcr_format.codec.delta import (
     OVERWRITE,
     XOR,
@@ -56,7 +57,10 @@ from dcr_format.codec.delta import (
     encode_tensor,
 )
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.rans import VALUES_RANS_FEATURE
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
+from dcr_format.codec.values import allowed_codings
+from dcr_format.schema import Entry, Manifest, PositionsRef, ShardRef, ValuesRef
 from dcr_format.toymodel import Trainer
 
 # (target change rate, AdamW learning rate). Calibrated on the toy models at the
@@ -72,6 +76,90 @@ WARMUP = 3
 GOAL_RATE = 0.01
 GOAL_VS_BOUND = 1.15
 GOAL_XOR_SAVING = 0.30
+
+
+LLAMA_SIZES: dict[str, dict[str, int]] = {
+    # the issue's "small Llama": 4 layers, hidden 256 (5.3M parameters with its embeddings)
+    "llama-small": {
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "vocab_size": 4096,
+    },
+    # 21.2M parameters, near the issue's 21.6M Llama
+    "llama-21m": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "vocab_size": 8192,
+    },
+}
+LLAMA_TARGETS: tuple[tuple[float, float], ...] = (
+    (0.005, 2.5e-7),
+    (0.01, 5.6e-7),
+    (0.03, 1.9e-6),
+    (0.05, 3.5e-6),
+)
+"""(target change rate, AdamW learning rate) for the transformers Llama models."""
+
+
+class LlamaTrainer:
+    """RL-like AdamW steps on a transformers ``LlamaForCausalLM`` built from a config (no hub):
+    the same API as :class:`dcr_format.toymodel.Trainer` (``step``, ``export_bf16``,
+    ``num_params``, ``steps``). Batches follow a fixed random successor table (next-token
+    loss with a signal); everything is seeded, fp32 master weights, bf16 export."""
+
+    def __init__(self, *, size: str, lr: float, seed: int = 0, batch: int = 4, seq: int = 64):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        shape: dict[str, Any] = dict(LLAMA_SIZES[size])
+        torch.manual_seed(seed)  # transformers initialises from the global generator
+        config = LlamaConfig(
+            **shape,
+            num_key_value_heads=shape["num_attention_heads"],
+            max_position_embeddings=seq,
+            tie_word_embeddings=False,
+        )
+        self.model = LlamaForCausalLM(config)  # fp32 masters (torch's default dtype)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        self.vocab, self.batch, self.seq = shape["vocab_size"], batch, seq
+        self._successor = torch.randperm(self.vocab, generator=torch.Generator().manual_seed(seed))
+        self._data = torch.Generator().manual_seed(seed + 1)
+        self.steps = 0
+
+    @property
+    def num_params(self) -> int:
+        """Total number of parameters."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def _batch(self) -> torch.Tensor:
+        tokens = torch.empty(self.batch, self.seq, dtype=torch.long)
+        tokens[:, 0] = torch.randint(self.vocab, (self.batch,), generator=self._data)
+        noise = torch.randint(self.vocab, (self.batch, self.seq), generator=self._data)
+        keep = torch.rand(self.batch, self.seq, generator=self._data) < 0.75
+        for t in range(1, self.seq):
+            tokens[:, t] = torch.where(keep[:, t], self._successor[tokens[:, t - 1]], noise[:, t])
+        return tokens
+
+    def step(self) -> None:
+        """One AdamW step on a fresh batch."""
+        tokens = self._batch()
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.steps += 1
+
+    def export_bf16(self) -> dict[str, torch.Tensor]:
+        """The bf16 state dict a trainer would publish."""
+        with torch.no_grad():
+            return {
+                k: v.detach().to(torch.bfloat16).clone() for k, v in self.model.state_dict().items()
+            }
 
 
 def _binary_entropy(p: float) -> float:
@@ -124,9 +212,13 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def _encode_all(
-    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], op: str
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    op: str,
+    features: Sequence[str] = (),
 ) -> list[tuple[str, EncodedTensor]]:
-    return [(name, encode_tensor(new[name], old[name], op=op)) for name in new]
+    with allowed_codings(features):
+        return [(name, encode_tensor(new[name], old[name], op=op)) for name in new]
 
 
 def _shard_streams(encoded: list[tuple[str, EncodedTensor]]) -> dict[str, bytes]:
@@ -209,13 +301,158 @@ def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
     )
 
 
+COMMIT_RECORD_BYTES = 720
+"""What a reader fetches besides manifests and shards per version: the commit record of one
+writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
+_SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
+
+
+def manifest_bytes(
+    encoded: list[tuple[str, EncodedTensor]],
+    new: dict[str, torch.Tensor],
+    *,
+    stored: int,
+    decoded: int,
+) -> int:
+    """Exact length of the manifest a writer rank uploads for ``encoded`` in one shard (the
+    fingerprints, ids and hashes are fixed-width hex, so placeholders give the same length)."""
+    entries = []
+    features: set[str] = set()
+    for i, (name, enc) in enumerate(encoded):
+        tensor = new[name]
+        positions = values = None
+        if enc.positions is not None:
+            assert enc.positions_coding is not None
+            positions = PositionsRef(shard=0, key=f"{i}.p", coding=enc.positions_coding)
+        if enc.values is not None:
+            assert enc.values_coding is not None
+            values = ValuesRef(shard=0, key=f"{i}.v", coding=enc.values_coding)
+            if enc.values_coding == "rans":
+                features.add(VALUES_RANS_FEATURE)
+        entries.append(
+            Entry(
+                name=name,
+                dtype=info_for(tensor.dtype).name,
+                shape=tuple(tensor.shape),
+                op=enc.op,
+                changed=enc.changed,
+                positions=positions,
+                values=values,
+                encoded_bytes=enc.nbytes,
+                fingerprint="0" * 32,
+                parent_fingerprint=None if enc.op == "full" else "0" * 32,
+            )
+        )
+    shard = ShardRef(path=_SHARD_PATH, sha256="0" * 64, size=stored, decoded_size=decoded)
+    manifest = Manifest(
+        required_features=tuple(sorted(features)),
+        chain_id="0" * 32,
+        version=1,
+        kind="delta",
+        attempt="0" * 32,
+        rank=0,
+        world_size=1,
+        shards=(shard,),
+        entries=tuple(entries),
+    )
+    return len(manifest.to_json())
+
+
+def conditional_bound(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+) -> tuple[float, float]:
+    """Bits of positions and values given the class of each element's old value: its bf16
+    exponent (both ends hold the old bits). Positions: per tensor and class, Bernoulli draws
+    (``n_c * H2(k_c / n_c)``); values: the step's XOR values, order-0 within each class."""
+    pos_bits = 0.0
+    keys = []
+    for name, tensor in new.items():
+        o = old[name].view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        n = tensor.view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        mask = o != n
+        classes = (o >> 7) & 0xFF
+        totals = np.bincount(classes, minlength=256)
+        changed = np.bincount(classes[mask], minlength=256)
+        for total, count in zip(totals.tolist(), changed.tolist(), strict=True):
+            if total:
+                pos_bits += total * _binary_entropy(count / total)
+        keys.append((classes[mask].astype(np.int64) << 16) | (o[mask] ^ n[mask]))
+    joined = np.concatenate(keys) if keys else np.empty(0, np.int64)
+    if joined.size == 0:
+        return pos_bits, 0.0
+    uniq, counts = np.unique(joined, return_counts=True)
+    class_totals = np.bincount(uniq >> 16, weights=counts, minlength=256)
+    val_bits = float((counts * np.log2(class_totals[uniq >> 16] / counts)).sum())
+    return pos_bits, val_bits
+
+
+def nemo_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> int:
+    """NeMo RL's sparse layout, the nearest peer: per tensor the changed positions as gaps in
+    the narrowest unsigned width or as (start, length) u32 runs, whichever is smaller, the
+    XOR values as raw 16-bit words, everything in one zstd level-1 frame."""
+    parts = []
+    for name, tensor in new.items():
+        o = old[name].view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        n = tensor.view(torch.int16).reshape(-1).numpy().view(np.uint16)
+        positions = np.flatnonzero(o != n)
+        if positions.size == 0:
+            continue
+        gaps = np.diff(positions, prepend=0)
+        width = next(w for w in (1, 2, 4, 8) if int(gaps.max()) < 1 << (8 * w))
+        as_gaps = gaps.astype(f"<u{width}").tobytes()
+        runs = 1 + int(np.count_nonzero(np.diff(positions) != 1))
+        parts.append(as_gaps if len(as_gaps) <= 8 * runs else b"r" * (8 * runs))
+        if len(as_gaps) > 8 * runs:  # the runs themselves, as the peer writes them
+            breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+            starts = positions[np.concatenate(([0], breaks))]
+            lengths = np.diff(np.concatenate(([0], breaks, [positions.size])))
+            parts[-1] = np.stack([starts, lengths], axis=1).astype("<u4").tobytes()
+        parts.append((o[positions] ^ n[positions]).astype("<u2").tobytes())
+    return len(zstandard.ZstdCompressor(level=1).compress(b"".join(parts)))
+
+
+def classed_streams(
+    old: dict[str, torch.Tensor], encoded: list[tuple[str, EncodedTensor]]
+) -> tuple[dict[str, bytes], int, float, float]:
+    """The shard streams of ``encoded`` with each float tensor's positions in the ``classed``
+    coding (FORMAT.md §6.5) where that is smaller; returns the streams, how many entries
+    switched, and the seconds classed encoding and decoding took (all tensors)."""
+    streams = _shard_streams(encoded)
+    switched, enc_s, dec_s = 0, 0.0, 0.0
+    for i, (name, enc) in enumerate(encoded):
+        dtype = info_for(old[name].dtype).name
+        if not enc.changed or enc.advance is None or dtype not in EXPONENT_FIELDS:
+            continue
+        assert enc.advance.positions is not None and enc.positions is not None
+        positions = enc.advance.positions.numpy()
+        bits = old[name].view(info_for(old[name].dtype).bits_dtype).reshape(-1).numpy()
+        bits = bits.view(f"<u{bits.dtype.itemsize}")
+        start = time.perf_counter()
+        coded = encode_classed(positions, bits, dtype)
+        enc_s += time.perf_counter() - start
+        start = time.perf_counter()
+        back = decode_classed(coded, bits, dtype, count=enc.changed, numel=bits.size)
+        dec_s += time.perf_counter() - start
+        if not np.array_equal(back, positions):
+            raise AssertionError(f"classed positions of {name} do not round-trip")
+        if len(coded) < len(enc.positions):
+            streams[f"{i}.p"] = coded
+            switched += 1
+    return streams, switched, enc_s, dec_s
+
+
 def measure_speed(
-    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], *, reps: int
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    *,
+    reps: int,
+    features: Sequence[str] = (),
 ) -> dict[str, float]:
     """Encode and decode+apply time of the ``xor`` delta against ``torch.clone`` of the dense
-    bytes, interleaved per repetition (after checking that decode+apply is bit-exact)."""
+    bytes, interleaved per repetition (after checking that decode+apply is bit-exact).
+    ``features``: the codec features the encoder may use (``("values-rans",)``)."""
     dense_bytes = sum(t.numel() * t.element_size() for t in new.values())
-    xor_enc = _encode_all(old, new, XOR)
+    xor_enc = _encode_all(old, new, XOR, features)
     xor_stored, xor_decoded = encode_shard(_shard_streams(xor_enc))
     targets: dict[str, torch.Tensor] = {}
 
@@ -236,7 +473,9 @@ def measure_speed(
     for _ in range(reps):
         reset()
         clone_t.append(_timed(lambda: [t.clone() for t in values]))
-        encode_t.append(_timed(lambda: encode_shard(_shard_streams(_encode_all(old, new, XOR)))))
+        encode_t.append(
+            _timed(lambda: encode_shard(_shard_streams(_encode_all(old, new, XOR, features))))
+        )
         decode_t.append(_timed(lambda: _decode_apply(xor_stored, xor_decoded, xor_enc, targets)))
     targets.clear()
     t_clone = statistics.median(clone_t)
@@ -286,6 +525,25 @@ def measure_step(
     # --- correctness and speed --------------------------------------------
     speed = measure_speed(old, new, reps=reps)
 
+    # --- issue 16: values-rans, downloads with manifests, conditional bound, peer ----------
+    rans_enc = _encode_all(old, new, XOR, (VALUES_RANS_FEATURE,))
+    rans_stored, rans_decoded = encode_shard(_shard_streams(rans_enc))
+    planes_manifest = manifest_bytes(xor_enc, new, stored=len(xor_stored), decoded=xor_decoded)
+    rans_manifest = manifest_bytes(rans_enc, new, stored=len(rans_stored), decoded=rans_decoded)
+    planes_download = len(xor_stored) + planes_manifest + COMMIT_RECORD_BYTES
+    rans_download = len(rans_stored) + rans_manifest + COMMIT_RECORD_BYTES
+    cond_pos_bits, cond_val_bits = conditional_bound(old, new)
+    cond_bytes = (cond_pos_bits + cond_val_bits) / 8
+    rans_val_raw = sum(len(enc.values or b"") for _, enc in rans_enc)
+    rans_entries = sum(enc.values_coding == "rans" for _, enc in rans_enc)
+    peer = nemo_bytes(old, new)
+    rans_speed = measure_speed(old, new, reps=reps, features=(VALUES_RANS_FEATURE,))
+    cls_streams, cls_entries, cls_enc_s, cls_dec_s = classed_streams(old, rans_enc)
+    cls_stored, _ = encode_shard(cls_streams)
+    # the manifest names "classed" (7 characters) instead of "rice"/"ranges" where switched
+    cls_download = len(cls_stored) + rans_manifest + 3 * cls_entries + COMMIT_RECORD_BYTES
+    cls_pos = sum(len(v) for k, v in cls_streams.items() if k.endswith(".p"))
+
     per = max(changed, 1)
     return {
         "total_elements": total,
@@ -318,6 +576,43 @@ def measure_step(
         "h_xor_bits": bound.h_xor,
         "h_ulp_bits": bound.h_ulp,
         **speed,
+        "rans_bytes": len(rans_stored),
+        "rans_entries": rans_entries,
+        "rans_val_bits_per_changed": 8 * rans_val_raw / per,
+        "rans_val_vs_bound": rans_val_raw / (val_bound_bits / 8) if val_bound_bits else math.nan,
+        "planes_manifest_bytes": planes_manifest,
+        "rans_manifest_bytes": rans_manifest,
+        "planes_download_bytes": planes_download,
+        "rans_download_bytes": rans_download,
+        "manifest_share": rans_manifest / rans_download,
+        "planes_download_vs_bound": planes_download / bound_bytes if bound_bytes else math.nan,
+        "rans_download_vs_bound": rans_download / bound_bytes if bound_bytes else math.nan,
+        "rans_download_per_changed": rans_download / per,
+        "rans_download_vs_dense": rans_download / dense_bytes,
+        "planes_download_vs_dense": planes_download / dense_bytes,
+        "cond_pos_bound_bytes": cond_pos_bits / 8,
+        "cond_val_bound_bytes": cond_val_bits / 8,
+        "cond_bound_bytes": cond_bytes,
+        "cond_bound_vs_dense": cond_bytes / dense_bytes,
+        "rans_download_vs_cond_bound": rans_download / cond_bytes if cond_bytes else math.nan,
+        "nemo_bytes": peer,
+        "nemo_vs_rans_download": peer / rans_download,
+        "nemo_vs_rans_shard": peer / len(rans_stored),
+        "classed_entries": cls_entries,
+        "classed_pos_bits_per_changed": 8 * cls_pos / per,
+        "classed_pos_vs_cond_bound": cls_pos / (cond_pos_bits / 8) if cond_pos_bits else math.nan,
+        "classed_download_bytes": cls_download,
+        "classed_download_vs_dense": cls_download / dense_bytes,
+        "classed_download_vs_bound": cls_download / bound_bytes if bound_bytes else math.nan,
+        "classed_download_vs_cond_bound": cls_download / cond_bytes if cond_bytes else math.nan,
+        "classed_encode_s": cls_enc_s,
+        "classed_decode_s": cls_dec_s,
+        "classed_encode_vs_clone": speed["clone_s"] / cls_enc_s if cls_enc_s else math.nan,
+        "classed_decode_vs_clone": speed["clone_s"] / cls_dec_s if cls_dec_s else math.nan,
+        "rans_encode_vs_clone": rans_speed["encode_vs_clone"],
+        "rans_decode_apply_vs_clone": rans_speed["decode_apply_vs_clone"],
+        "rans_encode_s": rans_speed["encode_s"],
+        "rans_decode_apply_s": rans_speed["decode_apply_s"],
     }
 
 
@@ -334,7 +629,11 @@ def run(
     rows: list[dict[str, object]] = []
     params = 0
     for target, lr in targets:
-        trainer = Trainer(size=size, lr=lr, seed=seed)
+        trainer: Trainer | LlamaTrainer
+        if size in LLAMA_SIZES:
+            trainer = LlamaTrainer(size=size, lr=lr, seed=seed)
+        else:
+            trainer = Trainer(size=size, lr=lr, seed=seed)
         params = trainer.num_params
         for _ in range(warmup):
             trainer.step()
@@ -403,6 +702,23 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("dec GB/s", "decode_apply_gbps", "{:.3f}"),
     ("H xor b", "h_xor_bits", "{:.3f}"),
     ("H ulp b", "h_ulp_bits", "{:.3f}"),
+    ("rans val b/chg", "rans_val_bits_per_changed", "{:.2f}"),
+    ("rans val/bound", "rans_val_vs_bound", "{:.3f}"),
+    ("dl planes/bound", "planes_download_vs_bound", "{:.3f}"),
+    ("dl rans/bound", "rans_download_vs_bound", "{:.3f}"),
+    ("dl rans/cond", "rans_download_vs_cond_bound", "{:.3f}"),
+    ("dl rans B/chg", "rans_download_per_changed", "{:.3f}"),
+    ("dl rans %dense", "rans_download_vs_dense", "{:.3%}"),
+    ("cond %dense", "cond_bound_vs_dense", "{:.3%}"),
+    ("manifest share", "manifest_share", "{:.1%}"),
+    ("nemo/rans", "nemo_vs_rans_download", "{:.3f}"),
+    ("cls pos b/chg", "classed_pos_bits_per_changed", "{:.2f}"),
+    ("cls pos/cond", "classed_pos_vs_cond_bound", "{:.3f}"),
+    ("dl cls %dense", "classed_download_vs_dense", "{:.3%}"),
+    ("dl cls/bound", "classed_download_vs_bound", "{:.3f}"),
+    ("dl cls/cond", "classed_download_vs_cond_bound", "{:.3f}"),
+    ("rans enc/clone", "rans_encode_vs_clone", "{:.4f}"),
+    ("rans dec/clone", "rans_decode_apply_vs_clone", "{:.4f}"),
 )
 
 
@@ -453,7 +769,9 @@ def format_table(result: dict[str, object]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--size", default="small", choices=("tiny", "small", "medium"))
+    parser.add_argument(
+        "--size", default="small", choices=("tiny", "small", "medium", *LLAMA_SIZES)
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps per rate")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first")
     parser.add_argument(
@@ -469,7 +787,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reps = args.reps if args.reps is not None else (3 if args.quick or size == "medium" else 5)
     if steps < 1 or warmup < 0 or reps < 1:
         parser.error("--steps and --reps must be >= 1, --warmup >= 0")
-    result = run(size=size, steps=steps, warmup=warmup, reps=reps, targets=TARGETS, seed=args.seed)
+    targets = LLAMA_TARGETS if size in LLAMA_SIZES else TARGETS
+    result = run(size=size, steps=steps, warmup=warmup, reps=reps, targets=targets, seed=args.seed)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,0 +1,239 @@
+"""The ``classed`` position coding (feature ``positions-classed``, spec/FORMAT.md §6.5).
+
+Both ends hold the baseline, and whether an element changes in an optimizer step depends
+strongly on its old value: a step moves a weight by about the learning rate, so a weight
+whose bf16 spacing (set by its exponent) is small changes far more often than one whose
+spacing is large. This coding splits a tensor's elements into ``K <= 16`` *classes* by the
+exponent field of their **old** bits (``clamp(e - base, 0, K - 1)``, ``base`` and ``K`` in
+the stream) and codes, per class, the changed elements' ranks in that class's own index
+sequence as Rice gaps with the class's own parameter. Decoding needs the old bits (the
+reader's resident tensor, which an ``xor`` entry requires to be exact anyway).
+
+Only float dtypes have classes (bfloat16, float16, float32, float64). The numpy code here
+is the reference; it makes a few passes over the tensor's elements (one per class), so it
+is an opt-in for tensors whose positions are worth more than that pass.
+"""
+
+from __future__ import annotations
+
+import struct
+from types import ModuleType
+
+import numpy as np
+
+from dcr_format.codec import positions as _positions
+from dcr_format.errors import PositionsError
+
+CLASSED = "classed"
+POSITIONS_CLASSED_FEATURE = "positions-classed"
+MAX_CLASSES = 16
+# (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
+EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
+    "bfloat16": (7, 0xFF),
+    "float16": (10, 0x1F),
+    "float32": (23, 0xFF),
+    "float64": (52, 0x7FF),
+}
+_HEADER = struct.Struct("<BH")  # K, base
+_RICE_HEADER = struct.Struct("<BQQ")  # the §6.2 header a class's body is decoded under
+
+
+def exponents(old_bits: np.ndarray, dtype: str) -> np.ndarray:
+    """The exponent field of every old element (unsigned bits of a float dtype), as int64."""
+    fields = EXPONENT_FIELDS.get(dtype)
+    if fields is None:
+        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    shift, mask = fields
+    wide = old_bits.reshape(-1).astype(np.uint64)
+    out: np.ndarray = ((wide >> np.uint64(shift)) & np.uint64(mask)).astype(np.int64)
+    return out
+
+
+def classes_of(old_bits: np.ndarray, dtype: str, base: int, count: int) -> np.ndarray:
+    """Each element's class: ``clamp(exponent - base, 0, count - 1)`` (uint8)."""
+    out: np.ndarray = np.clip(exponents(old_bits, dtype) - base, 0, count - 1).astype(np.uint8)
+    return out
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
+def _read_varint(buf: memoryview, offset: int) -> tuple[int, int]:
+    value = 0
+    for i in range(10):
+        if offset + i >= len(buf):
+            raise PositionsError("classed positions stream is truncated; the shard is corrupt")
+        byte = buf[offset + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if byte == 0 and i:
+                raise PositionsError("classed positions stream has an overlong varint")
+            return value, offset + i + 1
+    raise PositionsError("classed positions stream has a varint over 10 bytes; shard is corrupt")
+
+
+def _rice_bits(total: np.ndarray, changed: np.ndarray) -> np.ndarray:
+    """About the bits Rice coding takes for ``changed`` of ``total`` ranks (an estimate)."""
+    t = np.maximum(total.astype(np.float64), 1.0)
+    p = np.clip(changed / t, 1e-300, 1.0)
+    q = np.clip(1.0 - p, 1e-300, 1.0)
+    entropy = -(p * np.log2(p) + q * np.log2(q)) * t
+    partial = 1.03 * entropy + 24.0
+    return np.where(changed == 0, 0.0, np.where(changed == total, 8.0, partial))
+
+
+def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, int]:
+    """The reference writer's ``(base, K)`` (FORMAT.md §6.5) from the histograms of the old
+    exponents over all elements and over the changed ones: ``K = min(16, top - low + 1)``
+    over the exponents present, and the ``base`` in ``[low, top - K + 1]`` of least estimate
+    (the smallest on ties)."""
+    present = np.flatnonzero(everything)
+    low, top = int(present[0]), int(present[-1])
+    count = min(MAX_CLASSES, top - low + 1)
+    all_cum = np.concatenate(([0], np.cumsum(everything)))
+    chg_cum = np.concatenate(([0], np.cumsum(changed)))
+    end = everything.size
+    bases = np.arange(low, top - count + 2)
+    cost = np.zeros(bases.size)
+    for c in range(count):
+        lo = bases + c if c else np.zeros_like(bases)
+        hi = bases + c + 1 if c < count - 1 else np.full_like(bases, end)
+        cost += _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo])
+    return int(bases[int(np.argmin(cost))]), count
+
+
+def _native() -> ModuleType | None:
+    if _positions.native_kernels() is None:
+        return None
+    try:
+        from dcr_format.codec import _native_classes
+    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+        return None
+    return _native_classes
+
+
+def encode_classed(positions: np.ndarray, old_bits: np.ndarray, dtype: str) -> bytes:
+    """The ``classed`` stream of sorted unique ``positions`` (at least one) against the old
+    bits of the tensor (its unsigned bits, flat)."""
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    old_bits = np.ascontiguousarray(old_bits).reshape(-1)
+    native = _native()
+    if dtype not in EXPONENT_FIELDS:
+        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    shift, mask = EXPONENT_FIELDS[dtype]
+    if native is not None:
+        everything, changed = native.exponent_histograms(old_bits, positions, shift, mask)
+    else:
+        exps = exponents(old_bits, dtype)
+        everything = np.bincount(exps, minlength=mask + 1)
+        changed = np.bincount(exps[positions], minlength=mask + 1)
+    base, count = choose_classes(everything, changed)
+    if native is not None:
+        changed_classes, all_ranks = native.class_ranks(
+            old_bits, positions, shift, mask, base, count
+        )
+    else:
+        classes = classes_of(old_bits, dtype, base, count)
+        changed_classes = classes[positions].astype(np.int64)
+        all_ranks = np.empty(positions.size, dtype=np.int64)
+        for c in range(count):
+            chosen = changed_classes == c
+            if chosen.any():
+                cums = np.cumsum(classes == c, dtype=np.int64) - 1
+                all_ranks[chosen] = cums[positions[chosen]]
+    counts = np.bincount(changed_classes, minlength=count)
+    out = [_HEADER.pack(count, base), *(_varint(int(c)) for c in counts)]
+    for c in range(count):
+        if not counts[c]:
+            continue
+        ranks = all_ranks[changed_classes == c]
+        rice = _positions.encode_rice(ranks)
+        k, _, unary_len = _RICE_HEADER.unpack_from(rice)
+        out += [bytes([k]), _varint(unary_len), rice[_RICE_HEADER.size :]]
+    return b"".join(out)
+
+
+def decode_classed(
+    data: bytes | memoryview, old_bits: np.ndarray, dtype: str, *, count: int, numel: int
+) -> np.ndarray:
+    """Decode a ``classed`` stream against the old bits into ``count`` strictly increasing
+    positions in ``[0, numel)``; every malformed stream is a :class:`PositionsError`."""
+    buf = memoryview(data)
+    if old_bits.size != numel:
+        raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
+    if count < 1 or count > numel:
+        raise PositionsError(f"entry declares {count} changed positions for {numel} elements")
+    if len(buf) < _HEADER.size:
+        raise PositionsError("classed positions stream is truncated (no header)")
+    classes_count, base = _HEADER.unpack_from(buf)
+    if not 1 <= classes_count <= MAX_CLASSES:
+        raise PositionsError(f"classed positions stream declares {classes_count} classes")
+    offset = _HEADER.size
+    counts = []
+    for _ in range(classes_count):
+        value, offset = _read_varint(buf, offset)
+        counts.append(value)
+    if sum(counts) != count:
+        raise PositionsError(f"classed positions stream codes {sum(counts)} positions, not {count}")
+    if dtype not in EXPONENT_FIELDS:
+        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    shift, mask = EXPONENT_FIELDS[dtype]
+    old_bits = np.ascontiguousarray(old_bits).reshape(-1)
+    native = _native()
+    classes = None
+    if native is not None:
+        sizes = native.class_sizes(old_bits, shift, mask, base, classes_count)
+    else:
+        classes = classes_of(old_bits, dtype, base, classes_count)
+        sizes = np.bincount(classes, minlength=classes_count)
+    found = []
+    for c, wanted in enumerate(counts):
+        if not wanted:
+            continue
+        if wanted > int(sizes[c]):
+            raise PositionsError("classed positions stream codes more positions than a class has")
+        if offset >= len(buf):
+            raise PositionsError("classed positions stream is truncated; the shard is corrupt")
+        k = buf[offset]
+        unary_len, offset = _read_varint(buf, offset + 1)
+        body_len = unary_len + (wanted * k + 7) // 8
+        if k > _positions.MAX_RICE_K or offset + body_len > len(buf):
+            raise PositionsError("classed positions stream is truncated; the shard is corrupt")
+        header = _RICE_HEADER.pack(k, wanted, unary_len)
+        ranks = _positions.decode_rice(
+            header + bytes(buf[offset : offset + body_len]), count=wanted, numel=int(sizes[c])
+        )
+        offset += body_len
+        found.append(ranks)
+    if offset != len(buf):
+        raise PositionsError("classed positions stream has trailing bytes; the shard is corrupt")
+    if native is not None:
+        starts = np.zeros(classes_count + 1, dtype=np.int64)
+        starts[1:] = np.cumsum(counts)
+        ranks = np.concatenate(found)
+        return native.positions_of_ranks(  # type: ignore[no-any-return]
+            old_bits, shift, mask, base, classes_count, ranks, starts, count
+        )
+    assert classes is not None
+    picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
+    return np.sort(np.concatenate([members[r] for members, r in zip(picked, found, strict=True)]))
+
+
+__all__ = [
+    "CLASSED",
+    "EXPONENT_FIELDS",
+    "MAX_CLASSES",
+    "POSITIONS_CLASSED_FEATURE",
+    "choose_classes",
+    "classes_of",
+    "decode_classed",
+    "encode_classed",
+]

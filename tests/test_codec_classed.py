@@ -1,0 +1,128 @@
+"""The ``classed`` position coding (FORMAT.md §6.5): exact round trips against the old bits,
+the compiled kernels equal to the numpy reference byte for byte, hostile streams refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dcr_format.codec import classed
+from dcr_format.codec.positions import encode_positions
+from dcr_format.errors import PositionsError
+
+
+def masters(seed: int, count: int) -> np.ndarray:
+    """fp32 master weights, N(0, 0.02)."""
+    return (np.random.default_rng(seed).standard_normal(count) * 0.02).astype(np.float32)
+
+
+def bf16(master: np.ndarray) -> np.ndarray:
+    """The bf16 bits a trainer publishes (truncated)."""
+    return (master.view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def weights(seed: int, count: int) -> np.ndarray:
+    """bf16 bits of N(0, 0.02) weights (old values)."""
+    return bf16(masters(seed, count))
+
+
+def step_positions(old: np.ndarray, seed: int, lr: float = 1e-6) -> np.ndarray:
+    """Where a step of ``lr`` on fp32 masters (the old bits plus a random fraction of an ulp)
+    changes the bf16 bits: more often for small weights, whose spacing is finer."""
+    rng = np.random.default_rng(seed)
+    low = rng.integers(0, 1 << 16, old.size, dtype=np.uint32)
+    master = ((old.astype(np.uint32) << np.uint32(16)) | low).view(np.float32)
+    moved = master + (lr * rng.choice([-1.0, 1.0], old.size)).astype(np.float32)
+    return np.flatnonzero(bf16(moved) != old)
+
+
+@pytest.fixture(params=["native", "reference"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "reference":
+        monkeypatch.setenv("DCR_KERNELS", "torch")
+    return str(request.param)
+
+
+def test_round_trip_and_smaller_than_plain_positions(kernels: str) -> None:
+    old = weights(1, 200_000)
+    positions = step_positions(old, 2)
+    assert 0.005 < positions.size / old.size < 0.2
+    stream = classed.encode_classed(positions, old, "bfloat16")
+    _, plain = encode_positions(positions)
+    assert len(stream) < 0.9 * len(plain)  # the old value predicts the change
+    back = classed.decode_classed(stream, old, "bfloat16", count=positions.size, numel=old.size)
+    assert back.dtype == np.int64 and np.array_equal(back, positions)
+
+
+def test_compiled_kernels_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    old = weights(3, 50_000)
+    for seed, positions in enumerate(
+        (step_positions(old, 4), np.array([0]), np.array([49_999]), np.arange(0, 50_000, 7))
+    ):
+        native = classed.encode_classed(positions, old, "bfloat16")
+        monkeypatch.setenv("DCR_KERNELS", "torch")
+        reference = classed.encode_classed(positions, old, "bfloat16")
+        monkeypatch.delenv("DCR_KERNELS")
+        assert native == reference, seed
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_other_float_widths(dtype: str, kernels: str) -> None:
+    rng = np.random.default_rng(5)
+    width = {"float16": 2, "float32": 4, "float64": 8}[dtype]
+    values = (rng.standard_normal(5000) * 0.02).astype(f"<f{width}")
+    old = values.view(f"<u{width}")
+    positions = np.sort(rng.choice(5000, 300, replace=False))
+    stream = classed.encode_classed(positions, old, dtype)
+    back = classed.decode_classed(stream, old, dtype, count=300, numel=5000)
+    assert np.array_equal(back, positions)
+
+
+def test_only_float_dtypes_have_classes() -> None:
+    with pytest.raises(PositionsError):
+        classed.encode_classed(np.array([1]), np.zeros(4, "<u2"), "int16")
+    with pytest.raises(PositionsError):
+        classed.decode_classed(b"\x01\x00\x00\x01", np.zeros(4, "<u2"), "int16", count=1, numel=4)
+
+
+def _good() -> tuple[bytes, np.ndarray, np.ndarray]:
+    old = weights(6, 4000)
+    positions = step_positions(old, 7)
+    return classed.encode_classed(positions, old, "bfloat16"), old, positions
+
+
+def test_hostile_streams_are_refused(kernels: str) -> None:
+    stream, old, positions = _good()
+    count, numel = int(positions.size), int(old.size)
+
+    def refused(data: bytes, *, n: int = count, bits: np.ndarray = old) -> None:
+        with pytest.raises(PositionsError):
+            classed.decode_classed(data, bits, "bfloat16", count=n, numel=numel)
+
+    refused(b"")
+    refused(b"\x00" + stream[1:])  # no classes
+    refused(b"\x11" + stream[1:])  # 17 classes
+    refused(stream[:-1])  # truncated body
+    refused(stream + b"\x00")  # trailing bytes
+    refused(stream, n=count + 1)  # counts do not add up
+    refused(stream, n=0)
+    refused(stream, bits=old[:-1])  # not the tensor's old bits
+    refused(stream[:3] + b"\x80" * 11 + stream[3:])  # a varint over 10 bytes
+    rng = np.random.default_rng(8)
+    for _ in range(200):  # random damage: a PositionsError or the right number of positions
+        data = bytearray(stream)
+        data[int(rng.integers(0, len(data)))] ^= 1 << int(rng.integers(0, 8))
+        try:
+            out = classed.decode_classed(bytes(data), old, "bfloat16", count=count, numel=numel)
+        except PositionsError:
+            continue
+        assert out.size == count and bool(np.all(np.diff(out) > 0)) and int(out[-1]) < numel
+
+
+def test_a_class_cannot_hold_more_positions_than_elements(kernels: str) -> None:
+    old = np.array([0x3F80] * 4 + [0x4080] * 4, dtype="<u2")  # exponents 127 and 129
+    stream = classed.encode_classed(np.array([1, 5]), old, "bfloat16")
+    assert stream[:6] == b"\x03\x7f\x00\x01\x00\x01"  # K = 3, base 127, counts 1, 0, 1
+    forged = stream[:3] + b"\x05" + stream[4:]  # 5 positions in the first class of 4
+    with pytest.raises(PositionsError, match="more positions than a class"):
+        classed.decode_classed(forged, old, "bfloat16", count=6, numel=8)
