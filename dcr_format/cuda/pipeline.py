@@ -28,7 +28,7 @@ what :func:`dcr_format.codec.delta.encode_tensor` returns for each item.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -76,10 +76,19 @@ class DeviceDiffPipeline:
 
     ``op`` ``overwrite`` sends new bits, anything else (``None``, ``xor``) XOR bits;
     ``full`` and incomparable baselines pass through with ``diff=None``.
+
+    With ``advanced``, the CPU's fused pass also brings each (contiguous) ``old`` to
+    ``new`` in place and calls ``advanced(key, diff)`` right then; the diff holds the XOR
+    bits, so ``old[positions] ^= xor_values`` undoes it. Device tensors are not advanced.
     """
 
-    def __init__(self, items: Iterable[tuple[Any, ...]]) -> None:
+    def __init__(
+        self,
+        items: Iterable[tuple[Any, ...]],
+        advanced: Callable[[Any, Diff], None] | None = None,
+    ) -> None:
         self.items = items
+        self.advanced = advanced
         self._streams: list[Any] = []
         self._turn = 0
 
@@ -103,7 +112,13 @@ class DeviceDiffPipeline:
         want_xor = op != OVERWRITE
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
-            state.diff, state.lane_deltas = diff_with_lanes(old_bits, new_bits, want_xor=want_xor)
+            advance = self.advanced is not None and old_bits.is_contiguous()
+            state.diff, state.lane_deltas = diff_with_lanes(
+                old_bits, new_bits, want_xor=want_xor or advance, advance=advance
+            )
+            if advance:
+                assert self.advanced is not None
+                self.advanced(key, state.diff)  # at once: whatever fails later can undo it
             return state
         # the inputs come from the consumer's stream; the allocator must not recycle them
         # while the side stream still reads them
@@ -169,8 +184,13 @@ class DeviceDiffPipeline:
 
 def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
+    advanced: Callable[[Any, Diff], None] | None = None,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
-    """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined."""
+    """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined.
+
+    ``advanced``: CPU baselines ``old`` are brought to ``new`` in the diff's own pass, and
+    ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`).
+    """
     from dcr_format.codec.delta import OPS, encode_diff, encode_tensor
 
     held: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, str | None]] = {}
@@ -182,7 +202,11 @@ def encode_stream(
             held[index] = (key, new, old, op)
             yield index, new, old, op
 
-    for result in DeviceDiffPipeline(feed()):
+    def tell(index: Any, found: Diff) -> None:
+        assert advanced is not None
+        advanced(held[index][0], found)
+
+    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell):
         key, new, old, op = held.pop(result.key)
         if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
             yield key, encode_tensor(new, old, op=op)

@@ -150,6 +150,9 @@ class Written:
     manifest: Manifest
     advance: Callable[[], None]
     """Brings the part's baseline to the written bits; called once the commit exists."""
+    revert: Callable[[], None] = lambda: None
+    """Puts back the baseline's bits where writing advanced them early (the CPU diff's own
+    pass does); called when the version does not commit."""
 
 
 class Part(Protocol):

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -39,10 +39,22 @@ from dcr_format.chain import (
     timestamp,
     utc_now,
 )
-from dcr_format.codec.delta import FULL, OPS, OVERWRITE, DecodedDelta, EncodedTensor, apply_delta
+from dcr_format.codec.delta import (
+    FULL,
+    OPS,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    EncodedTensor,
+    apply_delta,
+    comparable,
+)
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import ZSTD_LEVEL
+from dcr_format.codec.values import features_for, within_codings, writer_features
+from dcr_format.cuda import dispatch
 from dcr_format.cuda.pipeline import encode_stream
+from dcr_format.cuda.reference import Diff
 from dcr_format.errors import (
     ArgumentError,
     ChainBrokenError,
@@ -179,8 +191,11 @@ class DeltaWriter:
         ids: Callable[[], str] = new_id,
         reader_records: bool = True,
         layout: Layout | None = None,
+        features: Iterable[str] = (),
     ) -> None:
         _check_options(rank, world_size, base_every, coordinator, ops)
+        # codec features (FORMAT.md §12) canonical entries may use where they are smaller
+        self.features = writer_features(features)
         if layout is not None and cache_dir is not None:
             raise ArgumentError(
                 "a writer with a layout keeps no baseline cache; leave cache_dir unset"
@@ -209,6 +224,7 @@ class DeltaWriter:
                 device=self.baseline_device,
                 ops=self.ops,
                 cache=cache,
+                features=self.features,
             )
         else:
             self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
@@ -287,12 +303,16 @@ class DeltaWriter:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
         encoded = clock()
-        own = self._upload_manifest(written.manifest, attempt)
-        if self.rank == 0:
-            loaded, table = self._commit(attempt, step, own)
-        else:
-            loaded = await_commit(self.chain, attempt.version, attempt.id, self.commit_timeout)
-            table = {}
+        try:
+            own = self._upload_manifest(written.manifest, attempt)
+            if self.rank == 0:
+                loaded, table = self._commit(attempt, step, own)
+            else:
+                loaded = await_commit(self.chain, attempt.version, attempt.id, self.commit_timeout)
+                table = {}
+        except BaseException:
+            written.revert()  # not committed (or not known to be): the baseline stays
+            raise
         committed = clock()
         self._advance(written, loaded, table)
         self.timings = {
@@ -498,9 +518,11 @@ class CanonicalPart:
         device: torch.device,
         ops: Mapping[str, str],
         cache: _BaselineCache | None,
+        features: frozenset[str] = frozenset(),
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.device, self.ops, self.cache = device, ops, cache
+        self.features = features  # codec features its entries may use (values-rans)
         self._baseline: dict[str, torch.Tensor] = {}
         self._fingerprints: dict[str, str] = {}
         self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
@@ -565,10 +587,18 @@ class CanonicalPart:
         shards = attempt.shards()
         entries: list[Entry] = []
         pending: dict[str, _Pending] = {}
+        moved: dict[str, Diff] = {}  # baselines the diff's own pass already advanced (CPU)
+
+        def advanced(item: _Item, found: Diff) -> None:
+            moved[item[0]] = found
+
         try:
             # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
             # a full shard uploads on a background thread while the next tensors are coded
-            for (name, tensor, old), encoded in encode_stream(self._owned(tensors, attempt)):
+            items = self._owned(tensors, attempt)
+            for (name, tensor, old), encoded in within_codings(
+                self.features, encode_stream(items, advanced)
+            ):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
                 entries.append(
@@ -585,14 +615,19 @@ class CanonicalPart:
                     f"(first: {missing[0]!r}); pass every tensor each step"
                 )
             shards.finish()
+            manifest = attempt.manifest(
+                shards, entries, features_for(e.values.coding for e in entries if e.values)
+            )
+        except BaseException:
+            self._revert(moved)
+            raise
         finally:
             shards.close()
-        manifest = attempt.manifest(shards, entries)
 
         def advance() -> None:
-            self._advance(pending, attempt)
+            self._advance(pending, attempt, moved)
 
-        return Written(manifest, advance)
+        return Written(manifest, advance, lambda: self._revert(moved))
 
     def _owned(
         self, tensors: Tensors, attempt: Attempt
@@ -610,6 +645,9 @@ class CanonicalPart:
             info_for(tensor.dtype)  # refuses dtypes the format cannot carry
             old = self._baseline.get(name)
             op = FULL if attempt.base else self._op_for(name, tensor, old, attempt.overwrite)
+            if op != FULL and comparable(tensor, old) and name not in self._lanes:
+                assert old is not None  # lanes of the old bits, before the diff advances them
+                self._lanes[name] = tensor_lanes(old)
             yield (name, tensor, old), tensor, old, op
 
     def _op_for(
@@ -678,13 +716,24 @@ class CanonicalPart:
 
     # --- advance --------------------------------------------------------------------------
 
-    def _advance(self, pending: dict[str, _Pending], attempt: Attempt) -> None:
+    def _revert(self, moved: dict[str, Diff]) -> None:
+        """Undo the in-place advance of baselines whose version did not commit (XOR bits
+        again at the same positions)."""
+        while moved:
+            name, found = moved.popitem()
+            assert found.xor_values is not None
+            flat = bits_view(self._baseline[name]).reshape(-1)
+            dispatch.scatter(flat, found.positions, found.xor_values, op=XOR)
+
+    def _advance(
+        self, pending: dict[str, _Pending], attempt: Attempt, moved: dict[str, Diff]
+    ) -> None:
         """The commit exists: bring the baseline to the committed bits, then cache it."""
         for name in set(self._baseline) - set(pending):
             del self._baseline[name]  # only a base may drop tensors (checked before)
         for name, change in pending.items():
             delta = change.delta
-            if delta is None:
+            if delta is None or name in moved:  # no change, or the diff's pass made it
                 continue
             if delta.op == FULL:
                 self._baseline[name] = (
@@ -692,6 +741,7 @@ class CanonicalPart:
                 )
             else:
                 apply_delta(self._baseline[name], delta)
+        moved.clear()  # committed: nothing to revert any more
         self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
         self._lanes = {name: change.lanes for name, change in pending.items()}
         if self.cache is None:
