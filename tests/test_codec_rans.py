@@ -4,6 +4,7 @@ coder, strict on hostile streams, used only where allowed, and gated by its feat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -167,6 +168,19 @@ def test_planes_unless_rans_is_allowed() -> None:
     assert values.encode_values(data)[0] == "planes"  # the block ended
     out = values.decode_values(coding, stream, count=data.size, width=2)
     assert np.array_equal(out, data)
+
+
+def test_within_codings_enables_rans_only_while_items_are_produced() -> None:
+    data = ulp_like(9, 2000)
+
+    def produce() -> Iterator[str]:
+        for _ in range(2):
+            yield values.encode_values(data)[0]
+
+    seen = []
+    for coding in values.within_codings(["values-rans"], produce()):
+        seen.append((coding, values.encode_values(data)[0]))  # the caller's own encoding
+    assert seen == [("rans", "planes"), ("rans", "planes")]
 
 
 def test_planes_where_rans_does_not_pay() -> None:

@@ -13,11 +13,23 @@ import torch
 import zstandard
 from safetensors.torch import load_file
 
-from dcr_format import DeltaReader, StateDictTarget, replay, state_fingerprint, tensor_fingerprint
+from dcr_format import (
+    DeltaReader,
+    StateDictTarget,
+    replay,
+    schema,
+    state_fingerprint,
+    tensor_fingerprint,
+)
+from dcr_format.chain import Chain
+from dcr_format.codec import rans
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import decode_shard
+from dcr_format.errors import UnsupportedFeatureError
+from dcr_format.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-NAMES = ("base-only", "xor-deltas", "mixed")
+NAMES = ("base-only", "xor-deltas", "mixed", "values-rans")
 
 
 def expected_of(name: str) -> dict:
@@ -159,3 +171,38 @@ def test_generator_reproduces_every_object_byte_for_byte(tmp_path: Path) -> None
             f"{zstandard.__version__}; manifests and commit records embed shard hashes)"
         )
     assert not problems, "regenerated vectors differ from spec/vectors:\n" + "\n".join(problems)
+
+
+def test_values_rans_vector_covers_escapes_and_a_one_symbol_table() -> None:
+    store = open_store(VECTORS_DIR / "values-rans" / "store")
+    chain = Chain(store)
+    seen = set()
+    for version in expected_of("values-rans")["versions"]:
+        loaded = chain.record(version["version"])
+        assert "values-rans" in loaded.record.required_features
+        for manifest in chain.manifests(loaded):
+            assert "values-rans" in manifest.required_features
+            for entry in manifest.entries:
+                if entry.values is None or entry.values.coding != "rans":
+                    continue
+                shard = manifest.shards[entry.values.shard]
+                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
+                data = bytes(streams[entry.values.key])
+                width = info_for(entry.dtype).width
+                parsed = rans._parse(data, count=entry.changed, width=width)
+                seen.add(f"width {width}")
+                if parsed.escape_count:
+                    seen.add("escapes")
+                if parsed.table.size == 1:
+                    seen.add("one-symbol table")
+                if parsed.words.size == 0:
+                    seen.add("no words")
+    assert seen >= {"width 1", "width 2", "width 4", "escapes", "one-symbol table", "no words"}
+
+
+def test_a_reader_without_values_rans_refuses_the_vector(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", frozenset({schema.PIECES_FEATURE}))
+    target = StateDictTarget({})
+    with pytest.raises(UnsupportedFeatureError, match="values-rans"):
+        DeltaReader(VECTORS_DIR / "values-rans" / "store", target).sync(to=0)
+    assert dict(target.tensors) == {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 import numpy as np
 import zstandard
@@ -34,6 +35,7 @@ VALUE_CODINGS = (PLANES, RANS)
 CODING_FEATURES: dict[str, str] = {RANS: rans.VALUES_RANS_FEATURE}
 """The ``required_features`` entry each value coding beyond ``planes`` needs (FORMAT.md §12)."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
+T = TypeVar("T")
 _ESTIMATE_LEVEL = 1  # zstd level of the planes estimate a rans stream is compared with
 
 _ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
@@ -53,6 +55,20 @@ def allowed_codings(features: Iterable[str]) -> Iterator[None]:
         yield
     finally:
         _ALLOWED.reset(token)
+
+
+def within_codings(features: Iterable[str], items: Iterable[T]) -> Iterator[T]:
+    """Iterate ``items`` with :func:`allowed_codings` of ``features`` active while each item
+    is produced (not while the caller handles it): a writer wraps its encoding generator
+    (``for x in within_codings(self.features, encode_stream(...))``) without re-indenting."""
+    iterator = iter(items)
+    while True:
+        with allowed_codings(features):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
 
 
 def writer_features(features: Iterable[str]) -> frozenset[str]:

@@ -112,6 +112,20 @@ def flip(bits: np.ndarray, positions: np.ndarray, seed: int, mask: int) -> np.nd
     return out
 
 
+def nudge(bits: np.ndarray, positions: np.ndarray, seed: int) -> np.ndarray:
+    """A copy of ``bits`` (16-bit floats) with each listed element moved by one or two ulps
+    up or down (magnitude bits plus or minus 1 or 2, sign kept): an optimizer step's change."""
+    out = bits.copy()
+    r = raw(seed, positions.size)
+    step = ((r & np.uint64(3)) % np.uint64(3)).astype(np.int64)  # 0, 1, 2, 0: mostly 1 ulp
+    step = np.where(step == 0, 1, step) * np.where((r >> np.uint64(8)) & np.uint64(1), 1, -1)
+    magnitude = (out[positions] & 0x7FFF).astype(np.int64)
+    moved = np.clip(magnitude + step, 1, 0x7F7F)
+    moved = np.where(moved == magnitude, magnitude - step, moved)
+    out[positions] = (out[positions] & 0x8000) | moved.astype(out.dtype)
+    return out
+
+
 def put(bits: np.ndarray, positions: np.ndarray | list[int], values: list[int]) -> np.ndarray:
     """A copy of ``bits`` with explicit bit patterns at ``positions``."""
     out = bits.copy()
@@ -170,6 +184,7 @@ class Vector:
     base_every: int | None = None
     ops: dict[str, str] = field(default_factory=dict)
     shard_bytes: int | None = None
+    features: tuple[str, ...] = ()  # codec features the writer may use (FORMAT.md §12)
 
     def ids(self) -> list[str]:
         """The id source's outputs: the chain id, then one attempt id per publish."""
@@ -434,7 +449,53 @@ def mixed() -> Vector:
     )
 
 
-VECTORS: tuple[Callable[[], Vector], ...] = (base_only, xor_deltas, mixed)
+def values_rans() -> Vector:
+    """Entropy-coded values (feature ``values-rans``, FORMAT.md §7.3)."""
+    a0 = weights(401, "bfloat16", 64 * 64)
+    b0 = weights(402, "bfloat16", 32 * 32)
+    c0 = uniform_bits(403, "int8", 512) & np.uint8(0x03)  # four values: rans even in a base
+    d0 = weights(404, "float32", 256)
+    e0 = weights(405, "bfloat16", 64)
+
+    def state(a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray, e: np.ndarray) -> State:
+        return {
+            "model.layers.0.mlp.gate_proj.weight": Spec("bfloat16", (64, 64), a),
+            "model.layers.0.self_attn.k_proj.weight": Spec("bfloat16", (32, 32), b),
+            "model.layers.0.mask": Spec("int8", (512,), c),
+            "model.norm.weight": Spec("float32", (256,), d),
+            "lm_head.bias": Spec("bfloat16", (64,), e),
+        }
+
+    # v1: one- and two-ulp steps in a (~3%) and b (~2%, plus XORs no table holds: escapes),
+    # a few changes of c, and of e (too few for rans: planes in the same manifest)
+    a1 = nudge(a0, scattered(411, 4096, 120), 412)
+    b1 = flip(nudge(b0, scattered(413, 1024, 20), 414), scattered(415, 1024, 4), 416, 0x7FFF)
+    c1 = put(c0, scattered(417, 512, 30), [int(v) for v in raw(418, 30) % np.uint64(4)])
+    e1 = flip(e0, np.array([5, 40]), 419, 0x7F)
+    # v2: every changed element of a moves by the same XOR (one table symbol, no escape)
+    pos = scattered(421, 4096, 50)
+    a2 = put(a1, pos, [int(v) ^ 0x0001 for v in a1[pos]])
+    # v3: float32 steps (width 4) and a second step of a
+    d3 = d0.copy()
+    dpos = scattered(431, 256, 40)
+    d3[dpos] = d3[dpos] ^ ((raw(432, 40) % np.uint64(3)).astype("<u4") + np.uint32(1))
+    a3 = nudge(a2, scattered(433, 4096, 80), 434)
+    return Vector(
+        "values-rans",
+        "rans values (feature values-rans): bfloat16 ulp steps, escapes, a one-symbol table, "
+        "an int8 base, float32 steps, planes next to rans in one manifest",
+        4,
+        [
+            (0, state(a0, b0, c0, d0, e0)),
+            (1, state(a1, b1, c1, d0, e1)),
+            (2, state(a2, b1, c1, d0, e1)),
+            (3, state(a3, b1, c1, d3, e1)),
+        ],
+        features=("values-rans",),
+    )
+
+
+VECTORS: tuple[Callable[[], Vector], ...] = (base_only, xor_deltas, mixed, values_rans)
 
 # ------------------------------------------------------------------------------------------
 # writing
@@ -513,6 +574,8 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
     options: dict[str, object] = {}
     if vector.shard_bytes is not None:
         options["shard_bytes"] = vector.shard_bytes
+    if vector.features:
+        options["features"] = vector.features
     writer = DeltaWriter(
         store_dir, base_every=vector.base_every, ops=vector.ops, clock=clock, ids=ids, **options
     )
@@ -562,6 +625,7 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
             "ops": vector.ops,
             "shard_bytes": writer.shard_bytes,
             "zstd_level": writer.zstd_level,
+            **({"features": list(vector.features)} if vector.features else {}),
             "ids": ids.ids,
             "clock": [_stamp(m) for m in clock.readings],
         },
@@ -575,7 +639,7 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
 
 def check_coverage(expected: list[dict[str, object]]) -> None:
     """The vectors must keep covering what spec/vectors/README.md promises."""
-    ops, codings, dtypes, kinds = set(), set(), set(), set()
+    ops, codings, dtypes, kinds, value_codings = set(), set(), set(), set(), set()
     facts = set()
     for vector in expected:
         bases = 0
@@ -586,8 +650,15 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
                 e["changed"] == 0 for e in version["entries"].values()
             ):
                 facts.add("version without changes")
+            used = {e["values"] for e in version["entries"].values() if e["values"]}
+            if used >= {"planes", "rans"}:
+                facts.add("planes next to rans")
             for name, entry in version["entries"].items():
                 tensor = version["tensors"][name]
+                if entry["values"]:
+                    value_codings.add(entry["values"])
+                if entry["values"] == "rans" and entry["op"] == "full":
+                    facts.add("rans in a base")
                 dtypes.add(tensor["dtype"])
                 ops.add(entry["op"])
                 if entry["positions"]:
@@ -607,6 +678,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
     missing = []
     missing += sorted({"xor", "overwrite", "full"} - ops)
     missing += sorted({"rice", "ranges"} - codings)
+    missing += sorted({"planes", "rans"} - value_codings)
     missing += sorted(set(BY_NAME) - dtypes)
     missing += sorted({"base", "delta"} - kinds)
     missing += sorted(
@@ -618,6 +690,8 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "0-d tensor",
             "empty tensor",
             "second base",
+            "planes next to rans",
+            "rans in a base",
         }
         - facts
     )
