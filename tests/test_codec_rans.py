@@ -283,3 +283,13 @@ def test_the_feature_gates_the_coding(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(schema, "KNOWN_FEATURES", frozenset({schema.PIECES_FEATURE}))
     with pytest.raises(UnsupportedFeatureError, match="values-rans"):
         _parse(["values-rans"])
+
+
+def test_table_sizes_of_every_candidate_at_once_equal_one_by_one() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(100):
+        distinct = np.unique(rng.integers(0, 1 << int(rng.integers(4, 64)), 200, dtype=np.uint64))
+        rng.shuffle(distinct)  # most frequent first, in any value order
+        sizes = np.unique(rng.integers(1, distinct.size + 1, 6))
+        one_by_one = [rans._table_bytes(distinct[:s]) for s in sizes]
+        assert rans._tables_bytes(distinct, sizes).tolist() == one_by_one

@@ -24,7 +24,6 @@ words left, state back at zero) is refused. Every failure is a :class:`ValuesErr
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +94,32 @@ def _read_varint(
     raise ValuesError(f"rans values stream has a {what} varint too long; the shard is corrupt")
 
 
+def _read_varints(
+    buf: memoryview, offset: int, count: int, limit: int, what: str
+) -> tuple[np.ndarray, int]:
+    """``count`` minimal varints of at most ``limit`` bytes from ``offset`` (uint64 values,
+    checked to fit 64 bits), and the offset after them."""
+    window = np.frombuffer(buf[offset : offset + count * limit], dtype=np.uint8)
+    ends = np.flatnonzero(window < 0x80)[:count]
+    if ends.size < count:
+        raise ValuesError(f"rans values stream is truncated in its {what}; the shard is corrupt")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if int(lengths.max(initial=1)) > limit:
+        raise ValuesError(f"rans values stream has a {what} varint too long; the shard is corrupt")
+    if bool(np.any((lengths > 1) & (window[ends] == 0))):
+        raise ValuesError(f"rans values stream has an overlong {what}; the shard is corrupt")
+    used = int(ends[-1]) + 1 if count else 0
+    group = np.repeat(np.arange(count), lengths)
+    shifts = (np.arange(used) - starts[group]) * 7
+    parts = (window[:used] & np.uint8(0x7F)).astype(np.uint64)
+    if bool(np.any((shifts == 63) & (parts > 1))):  # a 10th byte beyond bit 63
+        raise ValuesError(f"rans values stream has a {what} over 64 bits; the shard is corrupt")
+    values = np.zeros(count, dtype=np.uint64)
+    np.add.at(values, group, parts << shifts.astype(np.uint64))
+    return values, offset + used
+
+
 def quantize(counts: np.ndarray, bits: int) -> np.ndarray:
     """Integer frequencies (each >= 1, summing to ``2**bits``) of ``counts`` (FORMAT.md §7.3):
     ``1 + floor(c * (2**bits - n) / total)``, the remainder added to the first largest count."""
@@ -122,51 +147,78 @@ def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     return distinct[order].astype(UNSIGNED_NP[width]), counts[order].astype(np.int64)
 
 
+_VARINT_STEPS = np.array([1 << shift for shift in range(7, 64, 7)], dtype=np.uint64)
+
+
+def _varint_bytes(values: np.ndarray) -> int:
+    """Total bytes of the varints of ``values`` (unsigned)."""
+    wide = values.astype(np.uint64)
+    return int(wide.size + np.searchsorted(_VARINT_STEPS, wide, side="right").sum())
+
+
 def _table_bytes(table: np.ndarray) -> int:
     """Bytes of the table's varints (FORMAT.md §7.3): the first value, then each step less 1."""
     ordered = np.sort(table.astype(np.uint64))
     steps = np.diff(ordered, prepend=np.uint64(0))
     steps[1:] -= np.uint64(1)
-    lengths = np.ones(steps.size, dtype=np.int64)
-    for shift in range(7, 64, 7):
-        lengths += steps >= np.uint64(1 << shift)
-    return int(lengths.sum())
+    return _varint_bytes(steps)
 
 
-def _cost_bits(
-    distinct: np.ndarray, counts: np.ndarray, total: int, table_size: int, width: int, bits: int
-) -> tuple[float, np.ndarray]:
-    """Estimated stream bits with the ``table_size`` most frequent values, and the freqs."""
-    table_counts = counts[:table_size]
-    escapes = total - int(table_counts.sum())
-    freqs = quantize(np.append(table_counts, escapes), bits)
-    all_counts = np.append(table_counts, escapes).astype(np.float64)
-    coded = float((all_counts * (bits - np.log2(freqs.astype(np.float64)))).sum())
-    varints = sum(len(_varint(int(f))) for f in freqs[:-1])
-    words = math.ceil(coded / 32) + 1  # the final state takes one word or two
-    header = 2 + _table_bytes(distinct[:table_size]) + varints + len(_varint(words))
-    return 8.0 * (header + 4 * words + width * escapes), freqs
+def _tables_bytes(distinct: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """:func:`_table_bytes` of ``distinct[:s]`` for every ``s`` in ``sizes``, at once."""
+    order = np.argsort(distinct, kind="stable")
+    ordered = distinct[order].astype(np.uint64)
+    chosen = order[None, :] < sizes[:, None]  # in value order: is it among the first s?
+    index = np.where(chosen, np.arange(order.size)[None, :], -1)
+    previous = np.maximum.accumulate(index, axis=1)
+    previous = np.concatenate((np.full((sizes.size, 1), -1), previous[:, :-1]), axis=1)
+    before = np.where(previous >= 0, ordered[np.maximum(previous, 0)] + np.uint64(1), 0)
+    steps = ordered[None, :] - before.astype(np.uint64)
+    lengths = 1 + np.searchsorted(_VARINT_STEPS, steps, side="right")
+    return np.where(chosen, lengths, 0).sum(axis=1)
 
 
 def choose_model(values: np.ndarray) -> tuple[Model, float]:
-    """The reference writer's model for ``values`` (FORMAT.md §7.3) and its estimated size in
-    bytes: the table size of least estimated cost among the candidates, the smaller on ties."""
+    """The reference writer's model for ``values`` (FORMAT.md §7.4) and its estimated size in
+    bytes: the table size of least estimated cost among the candidates, the smaller on ties
+    (every candidate evaluated at once, as arrays)."""
     width = values.dtype.itemsize
     distinct, counts = _histogram(values, width)
     total = int(values.size)
-    sizes = sorted({s for s in _TABLE_SIZES if s <= distinct.size} | {min(distinct.size, 255)})
-    best: tuple[float, int, np.ndarray, int] | None = None
-    for size in sizes:
-        bits = _model_bits(total, size)
-        cost, freqs = _cost_bits(distinct, counts, total, size, width, bits)
-        if best is None or cost < best[0]:
-            best = (cost, size, freqs, bits)
-    assert best is not None
-    cost, size, freqs, bits = best
+    sizes = np.array(
+        sorted({s for s in _TABLE_SIZES if s <= distinct.size} | {min(distinct.size, MAX_TABLE)})
+    )
+    bits = np.array([_model_bits(total, int(size)) for size in sizes], dtype=np.int64)
+    rows, cols = np.arange(sizes.size), np.arange(int(sizes.max()) + 1)
+    in_table = cols[None, :] < sizes[:, None]
+    padded = np.zeros(cols.size, dtype=np.int64)
+    padded[: counts.size] = counts[: cols.size]
+    table_counts = np.where(in_table, padded[None, :], 0)
+    escapes = total - table_counts.sum(axis=1)
+    all_counts = table_counts.copy()
+    all_counts[rows, sizes] = escapes
+    used = cols[None, :] <= sizes[:, None]
+    free = (np.int64(1) << bits) - (sizes + 1)
+    freqs = np.where(used, 1 + (all_counts * free[:, None]) // total, 0)
+    first_max = np.argmax(np.where(used, all_counts, -1), axis=1)
+    freqs[rows, first_max] += (np.int64(1) << bits) - freqs.sum(axis=1)
+    logs = np.log2(np.maximum(freqs, 1).astype(np.float64))
+    coded = np.where(all_counts > 0, all_counts * (bits[:, None] - logs), 0.0).sum(axis=1)
+    words = np.ceil(coded / 32).astype(np.int64) + 1  # the final state takes one or two
+    freq_bytes = in_table.sum(axis=1) + np.where(
+        in_table, np.searchsorted(_VARINT_STEPS, freqs.astype(np.uint64), side="right"), 0
+    ).sum(axis=1)
+    table_bytes = _tables_bytes(distinct, sizes)
+    word_bytes = 1 + np.searchsorted(_VARINT_STEPS, words.astype(np.uint64), side="right")
+    estimate = 2 + table_bytes + freq_bytes + word_bytes + 4 * words + width * escapes
+    best = int(np.argmin(estimate))
+    size, chosen_bits = int(sizes[best]), int(bits[best])
+    chosen = quantize(all_counts[best, : size + 1], chosen_bits)
     order = np.argsort(distinct[:size], kind="stable")
     table = distinct[:size][order]
-    freqs = np.append(freqs[:-1][order], freqs[-1])
-    return Model(table, freqs, bits), cost / 8
+    return Model(table, np.append(chosen[:-1][order], chosen[-1]), chosen_bits), float(
+        estimate[best]
+    )
 
 
 def worth_trying(values: np.ndarray) -> bool:
@@ -257,24 +309,19 @@ def _parse(data: bytes | memoryview, *, count: int, width: int) -> _Parsed:
         raise ValuesError(
             f"rans values stream declares {size} symbols at {bits} bits; the shard is corrupt"
         )
-    offset, entries, value = 2, [], -1
-    for _ in range(size):
-        step, offset = _read_varint(buf, offset, "table", _MAX_TABLE_VARINT_BYTES)
-        value += step + 1
-        entries.append(value)
-    if value >= 1 << (8 * width):
+    steps, offset = _read_varints(buf, 2, size, _MAX_TABLE_VARINT_BYTES, "table")
+    if sum(int(v) + 1 for v in steps.tolist()) - 1 >= 1 << (8 * width):  # exact: Python ints
         raise ValuesError(f"rans value table holds a value over {width} bytes; shard is corrupt")
-    table = np.array(entries, dtype=np.uint64).astype(UNSIGNED_NP[width])
-    freqs = np.empty(size + 1, dtype=np.int64)
-    total = 0
-    for i in range(size):
-        freqs[i], offset = _read_varint(buf, offset, "frequencies")
-        if freqs[i] < 1:
-            raise ValuesError("rans model has a zero frequency; the shard is corrupt")
-        total += int(freqs[i])
+    table = (np.cumsum(steps + np.uint64(1), dtype=np.uint64) - np.uint64(1)).astype(
+        UNSIGNED_NP[width]
+    )
+    coded, offset = _read_varints(buf, offset, size, _MAX_VARINT_BYTES, "frequencies")
+    if int(coded.min()) < 1:
+        raise ValuesError("rans model has a zero frequency; the shard is corrupt")
+    total = int(coded.sum())  # each < 2**28, at most 255 of them: no wrap
     if total >= 1 << bits:
         raise ValuesError("rans model frequencies leave nothing for the escape; shard is corrupt")
-    freqs[size] = (1 << bits) - total
+    freqs = np.append(coded.astype(np.int64), (1 << bits) - total)
     words_count, offset = _read_varint(buf, offset, "word count")
     if words_count > max_words(count) or offset + 4 * words_count > len(buf):
         raise ValuesError("rans values stream has more words than it holds or can need")
