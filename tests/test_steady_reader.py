@@ -361,20 +361,20 @@ def test_sync_plans_again_when_another_reader_moves_the_target(chain, monkeypatc
     reader.sync()
     _step(state, gen)
     writer.publish(state)
-    prepare = reader.prepare
+    prepare = reader._prepare_for  # what sync() prepares with (prepare() without staging)
     calls = 0
 
-    def prepare_then_race(to=None):
+    def prepare_then_race(to=None, *, stage):
         nonlocal calls
         calls += 1
-        prepared = prepare(to)
+        prepared = prepare(to, stage=stage)
         if calls == 1:
             other.sync()  # moves the target under the version just prepared
             _step(state, gen)
             writer.publish(state)
         return prepared
 
-    monkeypatch.setattr(reader, "prepare", prepare_then_race)
+    monkeypatch.setattr(reader, "_prepare_for", prepare_then_race)
     result = reader.sync()
     assert calls == 2 and result.version == writer.version and result.applied_versions == (2,)
     assert_same_bits(tensors, state)

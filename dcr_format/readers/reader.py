@@ -13,9 +13,9 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -31,7 +31,7 @@ from dcr_format.chain import (
     utc_now,
 )
 from dcr_format.codec.budget import DecodeBudget
-from dcr_format.codec.delta import FULL, DecodedDelta
+from dcr_format.codec.delta import FULL, DecodedDelta, stage_change
 from dcr_format.codec.dtypes import info_for
 from dcr_format.errors import (
     ApplyError,
@@ -70,7 +70,7 @@ from dcr_format.readers._plan import (
 )
 from dcr_format.readers._plan import _check_continuity as _check_continuity  # tools/_verify.py
 from dcr_format.readers.group import ReaderGroup
-from dcr_format.readers.targets import Applied, Change, Resident, Target, Transaction
+from dcr_format.readers.targets import Applied, Change, Resident, Staged, Target, Transaction
 from dcr_format.schema import Entry, Manifest, ReaderRecord
 from dcr_format.store import Store, open_store
 
@@ -123,6 +123,8 @@ class PreparedVersion:
     _resident: Resident | None = field(repr=False)
     _steps: tuple[FetchedStep, ...] = field(repr=False, default=())
     _sync_plan: SyncPlan | None = field(repr=False, default=None)
+    # changes of a one-step plan read against the live tensors (Target.staging), by name
+    _staged: Mapping[str, Staged] = field(repr=False, default_factory=dict)
 
     @property
     def _incremental(self) -> bool:
@@ -283,7 +285,7 @@ class DeltaReader:
         """
         for attempt in range(3 if self.group.alone else 1):
             try:
-                return self.apply(self.prepare(to), audit=audit)
+                return self.apply(self._prepare_for(to, stage=False), audit=audit)
             except (StalePreparedError, TargetChangedError):
                 # another sync moved the target between planning and applying: plan again
                 if attempt == 2 or not self.group.alone:
@@ -296,15 +298,45 @@ class DeltaReader:
 
         A rollout engine keeps generating while this runs. A prepared version that is not
         applied is simply dropped. In a reader group every rank prepares together.
+
+        For a single version, the changes to tensors the target offers for staging
+        (:meth:`Target.staging`: a dict target's own tensors) are also read against the
+        live tensors now (the bits before and after, and their fingerprint lane deltas), so
+        that :meth:`apply` only writes them.
         """
+        return self._prepare_for(to, stage=True)
+
+    def _prepare_for(self, to: int | None, *, stage: bool) -> PreparedVersion:
         committed = self.chain.versions()
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)
         started = time.perf_counter()
         with self.group.stage("fetching and verifying"):
             prepared = self._prepare(goal, committed, started)
+            if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
+                staged = self._stage(prepared._steps[0])
+                prepared = replace(
+                    prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
+                )
             self._record_overwrites()  # what the target learnt while staging (FORMAT.md §3.6)
         return prepared
+
+    def _stage(self, step: FetchedStep) -> dict[str, Staged]:
+        """Read each xor/overwrite change against the live tensor it lands in (nothing is
+        written); a change that does not fit its tensor is left to :meth:`apply`, which
+        refuses it with the usual error."""
+        wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
+        staged: dict[str, Staged] = {}
+        for name, tensor in self.target.staging(wanted).items():
+            entry, delta = wanted[name]
+            spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
+            if (tensor.dtype, tuple(tensor.shape)) != spec:
+                continue
+            try:
+                staged[name] = Staged(tensor, stage_change(tensor, delta))
+            except (IndexError, DcrError):
+                continue
+        return staged
 
     def apply(self, prepared: PreparedVersion, *, audit: bool = False) -> SyncResult:
         """Apply a version made by :meth:`prepare`: check the target, change it, verify.
@@ -668,7 +700,8 @@ class DeltaReader:
             if entry.op != FULL and entry.changed == 0:
                 continue
             info = info_for(entry.dtype)
-            applied = txn.change(Change(entry.name, info.torch_dtype, tuple(entry.shape), delta))
+            change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
+            applied = txn.change(change, sync.prepared._staged.get(entry.name))
             if entry.op == FULL:
                 sync.lanes[entry.name] = applied.lanes
                 if entry.changed == 0:

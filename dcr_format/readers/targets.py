@@ -18,13 +18,22 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from dcr_format.codec.delta import FULL, XOR, DecodedDelta, apply_change, undo_delta
+from dcr_format.codec.delta import (
+    FULL,
+    XOR,
+    DecodedDelta,
+    StagedChange,
+    apply_change,
+    put_staged,
+    undo_delta,
+    unput_staged,
+)
 from dcr_format.codec.dtypes import bits_view
 from dcr_format.errors import (
     AliasedTensorError,
@@ -88,6 +97,16 @@ class Applied:
     lane_deltas: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A change read, not written, against a live tensor while a version was prepared
+    (:meth:`Target.staging`): its bits before and after and its lane deltas. Applying it is
+    then the write alone (:meth:`Transaction.put`)."""
+
+    tensor: torch.Tensor  # the live tensor it was read from
+    bits: StagedChange
+
+
 class Transaction(ABC):
     """Mutable access to a target's tensors for one sync.
 
@@ -134,11 +153,35 @@ class Transaction(ABC):
         journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
         return journal
 
-    def change(self, change: Change) -> Applied:
-        """Apply one change (:meth:`apply`) and keep its undo for :meth:`undo`."""
-        applied = self.apply(change)
+    def change(self, change: Change, staged: Staged | None = None) -> Applied:
+        """Apply one change (:meth:`put` of what was staged for it where that still holds,
+        else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        applied = None if staged is None else self.put(change, staged)
+        if applied is None:
+            applied = self.apply(change)
         self._journal().append(applied.undo)
         return applied
+
+    def put(self, change: Change, staged: Staged) -> Applied | None:
+        """Write a change staged while preparing: its ``after`` bits, where the tensor it
+        lands in is still the one it was read from (else None: :meth:`apply` it instead).
+
+        The bits and lane deltas are those read at staging. Positions of the change edited
+        since then get the version's bits anyway; an edit made before staging is caught by
+        the lanes as with :meth:`apply`, any other by an audit (FORMAT.md §11.3).
+        """
+        tensor = self.tensor(change.name)
+        if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
+            return None
+        bits = staged.bits
+        put_staged(tensor, bits)
+        return Applied(
+            lambda: unput_staged(tensor, bits),
+            bits.positions,
+            bits.before,
+            bits.after,
+            lane_deltas=bits.lane_deltas,
+        )
 
     def undo(self) -> None:
         """Revert every change made through :meth:`change`, newest first; the bits the
@@ -235,6 +278,12 @@ class Target(ABC):
         path transforms them); the reader records them for writers (FORMAT.md §3.6)."""
         return frozenset()
 
+    def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+        """The live canonical tensors among ``names`` that :meth:`DeltaReader.prepare` may
+        read (never write) while the target stays in use, so that the apply is only the
+        write; the default stages nothing."""
+        return {}
+
 
 _ViewKey = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
 
@@ -323,6 +372,13 @@ class _DictTransaction(Transaction):
 
     def tensor(self, name: str) -> torch.Tensor | None:
         return self._tensors.get(name)
+
+    def put(self, change: Change, staged: Staged) -> Applied | None:
+        """As :meth:`Transaction.put`, except for tied tensors (they take a change once,
+        through :meth:`apply`)."""
+        if change.name in self._aliases:
+            return None
+        return super().put(change, staged)
 
     def apply(self, change: Change) -> Applied:
         """As :meth:`Transaction.apply`, but a change arriving through every name of a group
@@ -455,6 +511,16 @@ class StateDictTarget(Target):
         return _DictTransaction(
             self.tensors, self.device, self._set_resident, _alias_groups(self.tensors)
         )
+
+    def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+        """The dict's contiguous tensors among ``names`` that no other name ties to."""
+        tied = {n for group in _alias_groups(self.tensors).values() for n in group}
+        found = {}
+        for name in names:
+            tensor = self.tensors.get(name)
+            if tensor is not None and tensor.is_contiguous() and name not in tied:
+                found[name] = tensor
+        return found
 
     def _set_resident(self, resident: Resident) -> None:
         self._resident = resident
