@@ -293,3 +293,27 @@ def test_table_sizes_of_every_candidate_at_once_equal_one_by_one() -> None:
         sizes = np.unique(rng.integers(1, distinct.size + 1, 6))
         one_by_one = [rans._table_bytes(distinct[:s]) for s in sizes]
         assert rans._tables_bytes(distinct, sizes).tolist() == one_by_one
+
+
+def test_the_constriction_decoder_agrees_with_the_compiled_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    streams = [(stream, count) for _, stream, count in _mutations()]
+    for width in (1, 2, 4):
+        data = ulp_like(width + 20, 3000, width)
+        model, _ = rans.choose_model(data)
+        streams.append((rans.encode_rans(data, model), data.size))
+    results = []
+    for kernels in ("", "torch"):  # compiled, then constriction's AnsCoder
+        monkeypatch.setenv("DCR_KERNELS", kernels)
+        outcome = []
+        for stream, count in streams:
+            width = 2 if len(stream) == len(bytes.fromhex(SPEC_STREAM)) else None
+            for w in (width,) if width else (1, 2, 4):
+                try:
+                    outcome.append(rans.decode_rans(stream, count=count, width=w).tolist())
+                except ValuesError:
+                    outcome.append("refused")
+        results.append(outcome)
+    assert results[0] == results[1]
+    assert results[0].count("refused") >= len(_mutations())

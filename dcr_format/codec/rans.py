@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -115,9 +116,8 @@ def _read_varints(
     parts = (window[:used] & np.uint8(0x7F)).astype(np.uint64)
     if bool(np.any((shifts == 63) & (parts > 1))):  # a 10th byte beyond bit 63
         raise ValuesError(f"rans values stream has a {what} over 64 bits; the shard is corrupt")
-    values = np.zeros(count, dtype=np.uint64)
-    np.add.at(values, group, parts << shifts.astype(np.uint64))
-    return values, offset + used
+    values = np.add.reduceat(parts << shifts.astype(np.uint64), starts) if count else parts[:0]
+    return values.astype(np.uint64), offset + used
 
 
 def quantize(counts: np.ndarray, bits: int) -> np.ndarray:
@@ -354,12 +354,37 @@ def _assemble(parsed: _Parsed, symbols: np.ndarray, count: int, width: int) -> n
     return out
 
 
+def _native() -> ModuleType | None:
+    from dcr_format.codec.positions import native_kernels
+
+    if native_kernels() is None:
+        return None
+    try:
+        from dcr_format.codec import _native_rans
+    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+        return None
+    return _native_rans
+
+
 def decode_rans(data: bytes | memoryview, *, count: int, width: int) -> np.ndarray:
     """Decode a ``rans`` stream into ``count`` unsigned values of ``width`` bytes; refuses
     every malformed stream with :class:`ValuesError` (FORMAT.md §7.3)."""
     import constriction
 
     parsed = _parse(data, count=count, width=width)
+    native = _native()
+    if native is not None:
+        scaled = parsed.freqs.astype(np.uint64) << np.uint64(PRECISION - parsed.bits)
+        starts = np.concatenate(([0], np.cumsum(scaled)[:-1])).astype(np.uint64)
+        lookup = np.repeat(np.arange(parsed.freqs.size, dtype=np.int32), parsed.freqs)
+        symbols, left, nonzero = native.decode(
+            parsed.words, scaled, starts, lookup, PRECISION - parsed.bits, count
+        )
+        if left or nonzero:
+            raise ValuesError(
+                "rans values stream has words left after its values; shard is corrupt"
+            )
+        return _assemble(parsed, symbols, count, width)
     try:
         if parsed.words.size:
             coder = constriction.stream.stack.AnsCoder(parsed.words)
