@@ -27,7 +27,7 @@ def decode(
     lookup: np.ndarray,
     shift: int,
     count: int,
-) -> tuple[np.ndarray, int, int]:  # pragma: no cover - compiled
+) -> tuple[np.ndarray, int, np.int64]:  # pragma: no cover - compiled
     """``count`` symbols of the words (uint32, read from the end); returns the symbols, the
     number of words left unread and the final state (both 0 for a well-formed stream)."""
     out = np.empty(count, dtype=np.int32)

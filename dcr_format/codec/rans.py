@@ -175,7 +175,8 @@ def _tables_bytes(distinct: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     before = np.where(previous >= 0, ordered[np.maximum(previous, 0)] + np.uint64(1), 0)
     steps = ordered[None, :] - before.astype(np.uint64)
     lengths = 1 + np.searchsorted(_VARINT_STEPS, steps, side="right")
-    return np.where(chosen, lengths, 0).sum(axis=1)
+    total: np.ndarray = np.where(chosen, lengths, 0).sum(axis=1)
+    return total
 
 
 def choose_model(values: np.ndarray) -> tuple[Model, float]:
