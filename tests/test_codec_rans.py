@@ -317,3 +317,26 @@ def test_the_constriction_decoder_agrees_with_the_compiled_one(
         results.append(outcome)
     assert results[0] == results[1]
     assert results[0].count("refused") >= len(_mutations())
+
+
+def test_compiled_and_numpy_varint_readers_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(12)
+    cases = [
+        bytes(rng.integers(0, 256, int(rng.integers(0, 30)), dtype=np.uint8)) for _ in range(300)
+    ]
+    cases += [b"\x80" * 9 + b"\x01", b"\x80" * 9 + b"\x02", b"\x81\x00", b"\x7f"]
+
+    def read_all() -> list[object]:
+        out: list[object] = []
+        for data in cases:
+            for count, limit in ((1, 4), (3, 10), (2, 1)):
+                try:
+                    values, end = rans._read_varints(memoryview(data), 0, count, limit, "table")
+                    out.append((values.tolist(), end))
+                except ValuesError:  # (the messages may name different first faults)
+                    out.append("refused")
+        return out
+
+    compiled = read_all()
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    assert read_all() == compiled

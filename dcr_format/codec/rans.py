@@ -95,11 +95,28 @@ def _read_varint(
     raise ValuesError(f"rans values stream has a {what} varint too long; the shard is corrupt")
 
 
+_VARINT_ERRORS = {
+    1: "is truncated in its {what}",
+    2: "has a {what} varint too long",
+    3: "has an overlong {what}",
+    4: "has a {what} over 64 bits",
+}
+
+
 def _read_varints(
     buf: memoryview, offset: int, count: int, limit: int, what: str
 ) -> tuple[np.ndarray, int]:
     """``count`` minimal varints of at most ``limit`` bytes from ``offset`` (uint64 values,
     checked to fit 64 bits), and the offset after them."""
+    native = _native()
+    if native is not None:
+        values, end, error = native.read_varints(
+            np.frombuffer(buf, dtype=np.uint8), offset, count, limit
+        )
+        if error:
+            problem = _VARINT_ERRORS[error].format(what=what)
+            raise ValuesError(f"rans values stream {problem}; the shard is corrupt")
+        return values, int(end)
     window = np.frombuffer(buf[offset : offset + count * limit], dtype=np.uint8)
     ends = np.flatnonzero(window < 0x80)[:count]
     if ends.size < count:
