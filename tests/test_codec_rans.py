@@ -191,6 +191,12 @@ def test_planes_where_rans_does_not_pay() -> None:
         assert values.encode_values(data, codings=("planes", "rans"))[0] == "planes"
 
 
+def test_arrays_past_the_word_count_limit_stay_planes() -> None:
+    huge = np.broadcast_to(np.uint16(1), (rans.MAX_VALUES + 1,))  # no memory: a view
+    assert not rans.worth_trying(huge)
+    assert rans.max_words(rans.MAX_VALUES) < 1 << 28  # its word count fits a 4-byte varint
+
+
 def test_large_arrays_are_sampled_first() -> None:
     rng = np.random.default_rng(4)
     weights = rng.integers(0x3000, 0x4000, rans.SAMPLE_ABOVE + 5, dtype=np.uint64).astype("<u2")

@@ -40,6 +40,7 @@ MAX_TABLE = 255
 MAX_MODEL_BITS = 24  # readers: Q in [1, 24]
 WRITER_MODEL_BITS = 16  # the reference writer's largest Q (frequencies of 1-3 varint bytes)
 MIN_VALUES = 16  # fewer values: the reference writer keeps ``planes`` (the header dominates)
+MAX_VALUES = 1 << 28  # more: the word count could pass the 4-byte varint (FORMAT.md §7.4)
 SAMPLE_ABOVE = 1 << 20  # more values: a strided sample decides whether to try rANS at all
 _SAMPLE_SIZE = 1 << 16
 _TABLE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 255)
@@ -154,7 +155,7 @@ def _model_bits(count: int, table_size: int) -> int:
 
 def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values and their counts, most frequent first (smaller value on ties)."""
-    if width <= 2:
+    if width <= 2 and values.size >= 1 << (8 * width - 3):  # else sorting the values is less
         counts = np.bincount(values, minlength=1 << (8 * width))
         distinct = np.flatnonzero(counts)
         counts = counts[distinct]
@@ -223,11 +224,11 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
     logs = np.log2(np.maximum(freqs, 1).astype(np.float64))
     coded = np.where(all_counts > 0, all_counts * (bits[:, None] - logs), 0.0).sum(axis=1)
     words = np.ceil(coded / 32).astype(np.int64) + 1  # the final state takes one or two
-    freq_bytes = in_table.sum(axis=1) + np.where(
-        in_table, np.searchsorted(_VARINT_STEPS, freqs.astype(np.uint64), side="right"), 0
-    ).sum(axis=1)
+    # frequencies are below 2**24: a varint of 1 to 4 bytes
+    extra = (freqs >= 1 << 7).astype(np.int64) + (freqs >= 1 << 14) + (freqs >= 1 << 21)
+    freq_bytes = in_table.sum(axis=1) + np.where(in_table, extra, 0).sum(axis=1)
     table_bytes = _tables_bytes(distinct, sizes)
-    word_bytes = 1 + np.searchsorted(_VARINT_STEPS, words.astype(np.uint64), side="right")
+    word_bytes = 1 + (words >= 1 << 7).astype(np.int64) + (words >= 1 << 14) + (words >= 1 << 21)
     estimate = 2 + table_bytes + freq_bytes + word_bytes + 4 * words + width * escapes
     best = int(np.argmin(estimate))
     size, chosen_bits = int(sizes[best]), int(bits[best])
@@ -240,10 +241,10 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
 
 
 def worth_trying(values: np.ndarray) -> bool:
-    """Whether rANS may beat byte planes: at least :data:`MIN_VALUES` values and, above
+    """Whether rANS may beat byte planes: :data:`MIN_VALUES` to :data:`MAX_VALUES` values and, above
     :data:`SAMPLE_ABOVE` values, a strided sample whose estimate is under 85% of the raw
     planes (full tensors of weights are not; deltas of an optimizer step are)."""
-    if values.size < MIN_VALUES:
+    if not MIN_VALUES <= values.size <= MAX_VALUES:
         return False
     if values.size <= SAMPLE_ABOVE:
         return True
