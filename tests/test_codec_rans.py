@@ -346,3 +346,15 @@ def test_compiled_and_numpy_varint_readers_agree(monkeypatch: pytest.MonkeyPatch
     compiled = read_all()
     monkeypatch.setenv("DCR_KERNELS", "torch")
     assert read_all() == compiled
+
+
+def test_vectorised_varints_equal_one_by_one() -> None:
+    rng = np.random.default_rng(13)
+    values_ = np.concatenate(
+        (
+            np.array([0, 127, 128, 16383, 16384, (1 << 64) - 1], dtype=np.uint64),
+            rng.integers(0, 1 << 63, 200, dtype=np.uint64)
+            >> rng.integers(0, 63, 200).astype(np.uint64),
+        )
+    )
+    assert rans._varints(values_) == b"".join(rans._varint(int(v)) for v in values_)

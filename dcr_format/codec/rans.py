@@ -23,7 +23,6 @@ words left, state back at zero) is refused. Every failure is a :class:`ValuesErr
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -61,11 +60,11 @@ class Model:
 
     def header(self, width: int) -> bytes:
         """The stream's model part: S, Q, the table and the table frequencies."""
-        table = [int(v) for v in self.table]
-        steps = [table[0]] + [b - a - 1 for a, b in itertools.pairwise(table)]
-        coded = b"".join(_varint(v) for v in steps)
-        freqs = b"".join(_varint(int(f)) for f in self.freqs[:-1])
-        return bytes((len(self.table), self.bits)) + coded + freqs
+        table = self.table.astype(np.uint64)
+        steps = np.diff(table, prepend=np.uint64(0))
+        steps[1:] -= np.uint64(1)
+        coded = _varints(np.concatenate((steps, self.freqs[:-1].astype(np.uint64))))
+        return bytes((len(self.table), self.bits)) + coded
 
 
 def _varint(value: int) -> bytes:
@@ -78,6 +77,18 @@ def _varint(value: int) -> bytes:
         else:
             out.append(byte)
             return bytes(out)
+
+
+def _varints(values: np.ndarray) -> bytes:
+    """The varints of ``values`` (uint64), concatenated (vectorised :func:`_varint`)."""
+    lengths = 1 + np.searchsorted(_VARINT_STEPS, values, side="right")
+    offsets = np.arange(int(lengths.max(initial=1)))
+    groups = (values[:, None] >> (np.uint64(7) * offsets.astype(np.uint64))[None, :]) & np.uint64(
+        0x7F
+    )
+    more = offsets[None, :] < (lengths[:, None] - 1)
+    coded = (groups | np.where(more, np.uint64(0x80), np.uint64(0))).astype(np.uint8)
+    return coded[offsets[None, :] < lengths[:, None]].tobytes()
 
 
 def _read_varint(
@@ -256,7 +267,7 @@ def worth_trying(values: np.ndarray) -> bool:
 def _symbols(values: np.ndarray, table: np.ndarray, width: int) -> np.ndarray:
     """Each value's table index, or ``len(table)`` (the escape) when it is not in the table."""
     escape = table.size
-    if width <= 2:
+    if width <= 2 and values.size >= 1 << (8 * width - 3):  # else searching is less work
         lut = np.full(1 << (8 * width), escape, dtype=np.int32)
         lut[table.astype(np.int64)] = np.arange(escape, dtype=np.int32)
         symbols: np.ndarray = lut[values]
