@@ -88,7 +88,8 @@ def _varints(values: np.ndarray) -> bytes:
     )
     more = offsets[None, :] < (lengths[:, None] - 1)
     coded = (groups | np.where(more, np.uint64(0x80), np.uint64(0))).astype(np.uint8)
-    return coded[offsets[None, :] < lengths[:, None]].tobytes()
+    out: bytes = coded[offsets[None, :] < lengths[:, None]].tobytes()
+    return out
 
 
 def _read_varint(
