@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from dcr_format import schema
+from dcr_format.chain import Chain
 from dcr_format.codec import rans, values
 from dcr_format.codec.delta import XOR, apply_delta, decode_delta
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.shard import stream_limits
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
+from dcr_format.store import open_store
 
 SPEC_VALUES = [1, 1, 3, 1, 1, 7, 1, 1, 3, 1, 0x8001, 1, 1, 1, 3, 1]
 SPEC_STREAM = "02050101160602000020b5a900000000800701"
@@ -358,3 +361,23 @@ def test_vectorised_varints_equal_one_by_one() -> None:
         )
     )
     assert rans._varints(values_) == b"".join(rans._varint(int(v)) for v in values_)
+
+
+def test_writer_features_are_checked_and_used(tmp_path: Path) -> None:
+    from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+
+    with pytest.raises(ArgumentError):
+        DeltaWriter(tmp_path / "bad", features=["values-ranz"])
+    writer = DeltaWriter(tmp_path / "store", features=["values-rans"])
+    base = torch.arange(8192, dtype=torch.int16).view(torch.bfloat16).reshape(64, 128)
+    writer.publish({"w": base})
+    step = base.clone()
+    flat = step.view(torch.int16).reshape(-1)
+    picked = torch.from_numpy(np.random.default_rng(14).choice(8192, 400, replace=False))
+    flat[picked] ^= torch.from_numpy(ulp_like(14, 400).astype(np.int16))
+    info = writer.publish({"w": step})
+    target = StateDictTarget({})
+    DeltaReader(tmp_path / "store", target).sync(to=info.version)
+    assert torch.equal(target.tensors["w"].view(torch.int16), step.view(torch.int16))
+    record = Chain(open_store(tmp_path / "store")).record(info.version).record
+    assert record.required_features == ("values-rans",)
