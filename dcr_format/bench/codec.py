@@ -19,7 +19,18 @@ as a writer would, then reports:
 - encode and decode+apply throughput relative to a plain ``torch.clone`` of the
   same dense bf16 bytes, timed in the same run (median of several repetitions);
 - for information, the order-0 entropy of the signed difference in ulps (bf16
-  bits mapped to ordered integers) next to the XOR entropy.
+  bits mapped to ordered integers) next to the XOR entropy;
+- issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3) and, on top,
+  ``classed`` positions (§6.5, draft); what a reader downloads for the version (shard,
+  manifest and commit record) and the manifest's share of it; the conditional bound
+  (positions and values given the class of the old value, its bf16 exponent) next to
+  the iid bound; NeMo RL's sparse layout (narrowest-uint gaps or runs, raw XOR values,
+  zstd-1) as the nearest peer; encode and decode+apply speed with ``values-rans``.
+
+Models: the toy transformer (``--size tiny|small|medium``) or a transformers
+``LlamaForCausalLM`` built from a config, no hub (``--size llama-small`` (4 layers,
+hidden 256, 5.3M parameters) or ``llama-21m`` (21.2M)), trained with AdamW at
+:data:`LLAMA_TARGETS`' learning rates.
 
 Entry points: ``benchmarks/codec_bench.py`` (this module's :func:`main`) and
 the suite (``dcr bench``, :mod:`dcr_format.bench.suite`), which reuses
@@ -756,6 +767,9 @@ def format_table(result: dict[str, object]) -> str:
         "optimal static prefix code of the 16-bit XOR symbols",
         "H xor b / H ulp b: order-0 entropy per changed element of XOR values vs signed "
         "ulp differences",
+        "rans: values-rans (FORMAT.md §7.3); cls: classed positions (§6.5) on top; dl: what a "
+        "reader downloads (shard + manifest + commit record); cond: the bound given the old "
+        "value's exponent; nemo/rans: NeMo RL's layout over our download",
         "",
         f"goal at {float(goal['target_rate']):.0%} change: vs bound "  # type: ignore[arg-type]
         f"{float(goal['vs_bound']):.3f} (<= {GOAL_VS_BOUND}: "  # type: ignore[arg-type]
