@@ -381,3 +381,23 @@ def test_writer_features_are_checked_and_used(tmp_path: Path) -> None:
     assert torch.equal(target.tensors["w"].view(torch.int16), step.view(torch.int16))
     record = Chain(open_store(tmp_path / "store")).record(info.version).record
     assert record.required_features == ("values-rans",)
+
+
+def test_compiled_model_choice_equals_the_numpy_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(15)
+    arrays = [
+        ulp_like(int(seed), int(rng.integers(16, 6000)), int(w))
+        for seed, w in zip(range(40), rng.choice([1, 2, 4, 8], 40), strict=True)
+    ]
+    arrays += [rng.integers(0, 300, 2000).astype("<u2"), np.full(100, 7, dtype="<u4")]
+
+    def choices() -> list[tuple[list[int], list[int], int, float]]:
+        out = []
+        for data in arrays:
+            model, estimate = rans.choose_model(data)
+            out.append((model.table.tolist(), model.freqs.tolist(), model.bits, estimate))
+        return out
+
+    compiled = choices()
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    assert choices() == compiled

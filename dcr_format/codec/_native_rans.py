@@ -80,3 +80,67 @@ def read_varints(
                 break
         out[j] = value
     return out, pos, 0
+
+
+@njit(cache=True, nogil=True)
+def _varint_len(value: np.uint64) -> int:  # pragma: no cover - compiled
+    length = 1
+    while value >= np.uint64(128):
+        value >>= np.uint64(7)
+        length += 1
+    return length
+
+
+@njit(cache=True, nogil=True)
+def estimates(
+    distinct: np.ndarray,
+    counts: np.ndarray,
+    total: int,
+    width: int,
+    sizes: np.ndarray,
+    bits: np.ndarray,
+) -> np.ndarray:  # pragma: no cover - compiled
+    """The estimated stream size in bytes of every candidate table size (FORMAT.md §7.4),
+    as :func:`dcr_format.codec.rans.choose_model` computes them with arrays."""
+    out = np.empty(sizes.size, dtype=np.int64)
+    for r in range(sizes.size):
+        size = sizes[r]
+        q = bits[r]
+        one = np.int64(1) << q
+        free = one - (size + 1)
+        all_counts = np.empty(size + 1, dtype=np.int64)
+        table_sum = np.int64(0)
+        for j in range(size):
+            all_counts[j] = counts[j]
+            table_sum += counts[j]
+        all_counts[size] = total - table_sum
+        freqs = np.empty(size + 1, dtype=np.int64)
+        first_max = 0
+        fsum = np.int64(0)
+        for j in range(size + 1):
+            freqs[j] = 1 + (all_counts[j] * free) // total
+            fsum += freqs[j]
+            if all_counts[j] > all_counts[first_max]:
+                first_max = j
+        freqs[first_max] += one - fsum
+        coded = 0.0
+        for j in range(size + 1):
+            if all_counts[j] > 0:
+                coded += all_counts[j] * (q - np.log2(np.float64(freqs[j])))
+        words = np.int64(np.ceil(coded / 32)) + 1
+        freq_bytes = 0
+        for j in range(size):
+            freq_bytes += _varint_len(np.uint64(freqs[j]))
+        ordered = np.sort(distinct[:size])
+        table_bytes = _varint_len(ordered[0])
+        for j in range(1, size):
+            table_bytes += _varint_len(ordered[j] - ordered[j - 1] - np.uint64(1))
+        out[r] = (
+            2
+            + table_bytes
+            + freq_bytes
+            + _varint_len(np.uint64(words))
+            + 4 * words
+            + width * all_counts[size]
+        )
+    return out

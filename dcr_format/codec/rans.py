@@ -220,6 +220,12 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
         sorted({s for s in _TABLE_SIZES if s <= distinct.size} | {min(distinct.size, MAX_TABLE)})
     )
     bits = np.array([_model_bits(total, int(size)) for size in sizes], dtype=np.int64)
+    native = _native()
+    if native is not None:
+        estimate = native.estimates(
+            distinct.astype(np.uint64), counts, total, width, sizes.astype(np.int64), bits
+        )
+        return _chosen(distinct, counts, total, sizes, bits, estimate)
     rows, cols = np.arange(sizes.size), np.arange(int(sizes.max()) + 1)
     in_table = cols[None, :] < sizes[:, None]
     padded = np.zeros(cols.size, dtype=np.int64)
@@ -242,9 +248,22 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
     table_bytes = _tables_bytes(distinct, sizes)
     word_bytes = 1 + (words >= 1 << 7).astype(np.int64) + (words >= 1 << 14) + (words >= 1 << 21)
     estimate = 2 + table_bytes + freq_bytes + word_bytes + 4 * words + width * escapes
+    return _chosen(distinct, counts, total, sizes, bits, estimate)
+
+
+def _chosen(
+    distinct: np.ndarray,
+    counts: np.ndarray,
+    total: int,
+    sizes: np.ndarray,
+    bits: np.ndarray,
+    estimate: np.ndarray,
+) -> tuple[Model, float]:
+    """The model of the candidate of least estimate (the first, so the smallest, on ties)."""
     best = int(np.argmin(estimate))
     size, chosen_bits = int(sizes[best]), int(bits[best])
-    chosen = quantize(all_counts[best, : size + 1], chosen_bits)
+    table_counts = counts[:size].astype(np.int64)
+    chosen = quantize(np.append(table_counts, total - int(table_counts.sum())), chosen_bits)
     order = np.argsort(distinct[:size], kind="stable")
     table = distinct[:size][order]
     return Model(table, np.append(chosen[:-1][order], chosen[-1]), chosen_bits), float(
