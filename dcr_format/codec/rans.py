@@ -287,7 +287,7 @@ def worth_trying(values: np.ndarray) -> bool:
 def _symbols(values: np.ndarray, table: np.ndarray, width: int) -> np.ndarray:
     """Each value's table index, or ``len(table)`` (the escape) when it is not in the table."""
     escape = table.size
-    if width <= 2 and values.size >= 1 << (8 * width - 3):  # else searching is less work
+    if width <= 2 and values.size >= 1 << (8 * width - 6):  # else searching is less work
         lut = np.full(1 << (8 * width), escape, dtype=np.int32)
         lut[table.astype(np.int64)] = np.arange(escape, dtype=np.int32)
         symbols: np.ndarray = lut[values]
