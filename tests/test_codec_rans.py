@@ -401,3 +401,15 @@ def test_compiled_model_choice_equals_the_numpy_one(monkeypatch: pytest.MonkeyPa
     compiled = choices()
     monkeypatch.setenv("DCR_KERNELS", "torch")
     assert choices() == compiled
+
+
+@pytest.mark.parametrize("bits", [17, 24])
+def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
+    data = ulp_like(16, 4000)
+    model, _ = rans.choose_model(data)
+    counts = np.array([int((data == v).sum()) for v in model.table] + [0]) + 1
+    precise = rans.Model(model.table, rans.quantize(counts, bits), bits)
+    stream = rans.encode_rans(data, precise)
+    assert stream == rans._encode_reference(data, precise) and stream[1] == bits
+    assert np.array_equal(rans.decode_rans(stream, count=data.size, width=2), data)
+    assert np.array_equal(rans._decode_reference(stream, count=data.size, width=2), data)

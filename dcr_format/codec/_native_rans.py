@@ -144,3 +144,173 @@ def estimates(
             + width * all_counts[size]
         )
     return out
+
+
+@njit(cache=True, nogil=True)
+def _varint_at(buf: np.ndarray, pos: int, limit: int) -> tuple[np.uint64, int, int]:
+    """One varint: (value, next position, error as in :func:`read_varints`)."""  # pragma: no cover
+    value = np.uint64(0)
+    length = 0
+    while True:
+        if pos >= buf.size:
+            return value, pos, 1
+        if length == limit:
+            return value, pos, 2
+        byte = np.uint64(buf[pos])
+        part = byte & np.uint64(0x7F)
+        if length == 9 and part > np.uint64(1):
+            return value, pos, 4
+        value |= part << np.uint64(7 * length)
+        pos += 1
+        length += 1
+        if byte < np.uint64(0x80):
+            if byte == np.uint64(0) and length > 1:
+                return value, pos, 3
+            return value, pos, 0
+
+
+@njit(cache=True, nogil=True)
+def decode_stream(
+    buf: np.ndarray, count: int, width: int, out: np.ndarray
+) -> int:  # pragma: no cover - compiled
+    """A whole ``rans`` stream (FORMAT.md §7.3) into ``out`` (``count`` unsigned values of
+    ``width`` bytes); returns 0, or the number of the rule the stream breaks (the messages
+    are in :data:`dcr_format.codec.rans.STREAM_ERRORS`), in the order the numpy parser
+    checks them."""
+    n = buf.size
+    if count < 1:
+        return 1
+    if n >= count * width:
+        return 2
+    if n < 2:
+        return 3
+    size = int(buf[0])
+    bits = int(buf[1])
+    if size < 1 or size > 255 or bits < 1 or bits > 24 or (np.int64(1) << bits) <= size:
+        return 4
+    pos = 2
+    table = np.empty(size, dtype=np.uint64)
+    value = np.uint64(0)
+    wide = 0  # whether a running value passed 2**64 (a table step's sum)
+    for j in range(size):
+        step, pos, err = _varint_at(buf, pos, 10)
+        if err:
+            return 10 + err
+        if j == 0:
+            value = step
+        else:
+            following = value + step + np.uint64(1)
+            if following <= value:
+                wide = 1
+            value = following
+        table[j] = value
+    if wide or (width < 8 and value >= (np.uint64(1) << np.uint64(8 * width))):
+        return 5
+    freqs = np.empty(size + 1, dtype=np.uint64)
+    total = np.uint64(0)
+    for j in range(size):
+        f, pos, err = _varint_at(buf, pos, 4)
+        if err:
+            return 20 + err
+        freqs[j] = f
+    for j in range(size):
+        if freqs[j] == np.uint64(0):
+            return 6
+        total += freqs[j]
+    one = np.uint64(1) << np.uint64(bits)
+    if total >= one:
+        return 7
+    freqs[size] = one - total
+    words, pos, err = _varint_at(buf, pos, 4)
+    if err:
+        return 30 + err
+    nwords = int(words)
+    if nwords > (24 * count + 64 + 31) // 32 or pos + 4 * nwords > n:
+        return 8
+    base = pos
+    if nwords:
+        last = base + 4 * (nwords - 1)
+        if buf[last] == 0 and buf[last + 1] == 0 and buf[last + 2] == 0 and buf[last + 3] == 0:
+            return 9
+    escapes_at = base + 4 * nwords
+    rest = n - escapes_at
+    if rest % width:
+        return 10
+    escape_count = rest // width
+    if escape_count > count:
+        return 11
+    # decode
+    shift = np.uint64(24 - bits)
+    scaled = np.empty(size + 1, dtype=np.uint64)
+    starts = np.empty(size + 1, dtype=np.uint64)
+    acc = np.uint64(0)
+    for j in range(size + 1):
+        scaled[j] = freqs[j] << shift
+        starts[j] = acc
+        acc += scaled[j]
+    small = bits <= 16  # a lookup table of 2**Q symbols; above, a search (64 KiB at most)
+    lookup = np.empty(np.int64(one) if small else 1, dtype=np.int32)
+    if small:
+        k = 0
+        for j in range(size + 1):
+            for _ in range(np.int64(freqs[j])):
+                lookup[k] = j
+                k += 1
+    nxt = nwords - 1
+    x = np.uint64(0)
+
+    def word(i: int) -> np.uint64:
+        p = base + 4 * i
+        return (
+            np.uint64(buf[p])
+            | (np.uint64(buf[p + 1]) << np.uint64(8))
+            | (np.uint64(buf[p + 2]) << np.uint64(16))
+            | (np.uint64(buf[p + 3]) << np.uint64(24))
+        )
+
+    if nxt >= 0:
+        x = word(nxt)
+        nxt -= 1
+        if nxt >= 0:
+            x = (x << _S32) | word(nxt)
+            nxt -= 1
+    escaped = 0
+    symbols = np.empty(count, dtype=np.int32)
+    for i in range(count):
+        q = x & _MASK24
+        if small:
+            s = lookup[np.int64(q >> shift)]
+        else:
+            lo, hi = 0, size  # the last j with starts[j] <= q
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] <= q:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            s = lo
+        x = (x >> _S24) * scaled[s] + q - starts[s]
+        if x < _LOW and nxt >= 0:
+            x = (x << _S32) | word(nxt)
+            nxt -= 1
+        symbols[i] = s
+        if s == size:
+            escaped += 1
+    if nxt >= 0 or x != np.uint64(0):
+        return 12
+    if escaped != escape_count:
+        return 13
+    e = 0
+    for i in range(count):
+        s = symbols[i]
+        if s < size:
+            out[i] = table[s]
+        else:
+            v = np.uint64(0)
+            for t in range(width):  # plane t holds byte width-1-t of every escaped value
+                v |= np.uint64(buf[escapes_at + t * escape_count + e]) << np.uint64(
+                    8 * (width - 1 - t)
+                )
+            out[i] = v
+            e += 1
+    return 0

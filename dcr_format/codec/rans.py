@@ -416,25 +416,47 @@ def _native() -> ModuleType | None:
     return _native_rans
 
 
+STREAM_ERRORS: dict[int, str] = {
+    1: "is for an entry of no values",
+    2: "is not shorter than its planes",
+    3: "is truncated (no header)",
+    4: "declares a table size or precision out of range",
+    5: "has a table value over the width",
+    6: "has a zero frequency",
+    7: "has frequencies that leave nothing for the escape",
+    8: "has more words than it holds or can need",
+    9: "ends in a zero word",
+    10: "has escaped values that are not whole values",
+    11: "holds more escapes than values",
+    12: "has words left after its values",
+    13: "codes another number of escapes than it holds",
+    **{
+        base + code: f"{problem} in its {what}"
+        for base, what in ((10, "table"), (20, "frequencies"), (30, "word count"))
+        for code, problem in (
+            (1, "is truncated"),
+            (2, "has a varint too long"),
+            (3, "has an overlong varint"),
+            (4, "has a varint over 64 bits"),
+        )
+    },
+}
+"""What each error number of the compiled stream decoder means (FORMAT.md §7.3's rules)."""
+
+
 def decode_rans(data: bytes | memoryview, *, count: int, width: int) -> np.ndarray:
     """Decode a ``rans`` stream into ``count`` unsigned values of ``width`` bytes; refuses
     every malformed stream with :class:`ValuesError` (FORMAT.md §7.3)."""
     import constriction
 
-    parsed = _parse(data, count=count, width=width)
     native = _native()
-    if native is not None:
-        scaled = parsed.freqs.astype(np.uint64) << np.uint64(PRECISION - parsed.bits)
-        starts = np.concatenate(([0], np.cumsum(scaled)[:-1])).astype(np.uint64)
-        lookup = np.repeat(np.arange(parsed.freqs.size, dtype=np.int32), parsed.freqs)
-        symbols, left, nonzero = native.decode(
-            parsed.words, scaled, starts, lookup, PRECISION - parsed.bits, count
-        )
-        if left or nonzero:
-            raise ValuesError(
-                "rans values stream has words left after its values; shard is corrupt"
-            )
-        return _assemble(parsed, symbols, count, width)
+    if native is not None and count >= 0:
+        out = np.empty(count, dtype=UNSIGNED_NP[width])
+        error = native.decode_stream(np.frombuffer(data, dtype=np.uint8), count, width, out)
+        if error:
+            raise ValuesError(f"rans values stream {STREAM_ERRORS[error]}; the shard is corrupt")
+        return out
+    parsed = _parse(data, count=count, width=width)
     try:
         if parsed.words.size:
             coder = constriction.stream.stack.AnsCoder(parsed.words)
