@@ -351,7 +351,7 @@ def test_compiled_and_numpy_varint_readers_agree(monkeypatch: pytest.MonkeyPatch
     assert read_all() == compiled
 
 
-def test_vectorised_varints_equal_one_by_one() -> None:
+def test_vectorised_varints_equal_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(13)
     values_ = np.concatenate(
         (
@@ -360,7 +360,14 @@ def test_vectorised_varints_equal_one_by_one() -> None:
             >> rng.integers(0, 63, 200).astype(np.uint64),
         )
     )
-    assert rans._varints(values_) == b"".join(rans._varint(int(v)) for v in values_)
+    one_by_one = b"".join(rans._varint(int(v)) for v in values_)
+    assert rans._varints(values_) == one_by_one
+    monkeypatch.setenv("DCR_KERNELS", "torch")  # the numpy version
+    assert rans._varints(values_) == one_by_one
+    sizes = np.arange(1, 256)
+    assert [rans._model_bits(m, int(s)) for m in (16, 5000, 1 << 30) for s in sizes] == [
+        int(b) for m in (16, 5000, 1 << 30) for b in rans._sizes_bits(m, sizes)
+    ]
 
 
 def test_writer_features_are_checked_and_used(tmp_path: Path) -> None:

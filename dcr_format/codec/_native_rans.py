@@ -314,3 +314,19 @@ def decode_stream(
             out[i] = v
             e += 1
     return 0
+
+
+@njit(cache=True, nogil=True)
+def write_varints(values: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """The varints of ``values`` (uint64), concatenated, as bytes (uint8)."""
+    out = np.empty(values.size * 10, dtype=np.uint8)
+    k = 0
+    for j in range(values.size):
+        v = values[j]
+        while v >= np.uint64(0x80):
+            out[k] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+            v >>= np.uint64(7)
+            k += 1
+        out[k] = np.uint8(v)
+        k += 1
+    return out[:k]

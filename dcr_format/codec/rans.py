@@ -81,6 +81,10 @@ def _varint(value: int) -> bytes:
 
 def _varints(values: np.ndarray) -> bytes:
     """The varints of ``values`` (uint64), concatenated (vectorised :func:`_varint`)."""
+    native = _native()
+    if native is not None:
+        written: bytes = native.write_varints(values.astype(np.uint64)).tobytes()
+        return written
     lengths = 1 + np.searchsorted(_VARINT_STEPS, values, side="right")
     offsets = np.arange(int(lengths.max(initial=1)))
     groups = (values[:, None] >> (np.uint64(7) * offsets.astype(np.uint64))[None, :]) & np.uint64(
@@ -165,6 +169,14 @@ def _model_bits(count: int, table_size: int) -> int:
     return min(WRITER_MODEL_BITS, max(count.bit_length(), (table_size + 1).bit_length() + 1))
 
 
+def _sizes_bits(total: int, sizes: np.ndarray) -> np.ndarray:
+    """:func:`_model_bits` of every table size (``bitlen(s + 1) + 1`` is ``2 + floor(log2(s +
+    1))``, exact for these small integers)."""
+    lengths = np.floor(np.log2(sizes + 1)).astype(np.int64) + 2
+    bits: np.ndarray = np.minimum(WRITER_MODEL_BITS, np.maximum(total.bit_length(), lengths))
+    return bits
+
+
 def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values and their counts, most frequent first (smaller value on ties)."""
     if width <= 2 and values.size >= 1 << (8 * width - 3):  # else sorting the values is less
@@ -219,7 +231,7 @@ def choose_model(values: np.ndarray) -> tuple[Model, float]:
     sizes = np.array(
         sorted({s for s in _TABLE_SIZES if s <= distinct.size} | {min(distinct.size, MAX_TABLE)})
     )
-    bits = np.array([_model_bits(total, int(size)) for size in sizes], dtype=np.int64)
+    bits = _sizes_bits(total, sizes)
     native = _native()
     if native is not None:
         estimate = native.estimates(
