@@ -328,23 +328,13 @@ def test_fused_diff_matches_the_reference(width, rate, monkeypatch):
     assert fp.apply_lane_deltas(fp.tensor_lanes(old), deltas) == fp.tensor_lanes(new)
 
 
-def _scan_indices(scan) -> np.ndarray:
-    """The flat positions a DiffScan found, block by block."""
-    found = [
-        b * native.BLOCK
-        + scan.local[
-            b * native.BLOCK : b * native.BLOCK + scan.offsets[b + 1] - scan.offsets[b]
-        ].astype(np.int64)
-        for b in range(scan.offsets.shape[0] - 1)
-    ]
-    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
-
-
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 65536, 65539, 2 * 65536 + 2050, 3 * 65536 + 101])
 @pytest.mark.parametrize("pattern", ["sparse", "dense", "bursts", "ends"])
 def test_two_byte_scan_takes_words_or_elements_alike(n, pattern):
     """The word loop (sparse steps), the element loop (dense steps) and the switch between
-    them find exactly the differing positions, in order, whatever the layout."""
+    them find exactly the differing positions, in order, whatever the layout; the one-pass
+    outputs are the bits there, and ``advance`` makes ``old`` equal ``new``."""
+    table = fp.native_table(2)
     rng = np.random.default_rng(n + len(pattern))
     old = rng.integers(0, 1 << 16, n + 8, dtype=np.uint64).astype(np.uint16)
     new = old.copy()
@@ -368,7 +358,13 @@ def test_two_byte_scan_takes_words_or_elements_alike(n, pattern):
         a, b = old[start : start + n], new[start : start + n]
         assert n == 0 or native._word_aligned(a, b) == (start % 4 == 0)  # numpy: 16-byte aligned
         want = np.flatnonzero(a != b)
-        assert np.array_equal(_scan_indices(native.DiffScan(a, b)), want)
+        (positions, new_bits, xor_bits), deltas = native.diff(a, b, 0, (True, True), table, 2)
+        assert np.array_equal(positions, want)
+        assert np.array_equal(new_bits, b[want]) and np.array_equal(xor_bits, a[want] ^ b[want])
+        moved = a.copy()
+        again, again_deltas = native.diff(moved, b, 7, (False, False), table, 2, advance=True)
+        assert np.array_equal(again[0], want + 7) and again[1].size == again[2].size == 0
+        assert np.array_equal(moved, b) and len(again_deltas) == len(deltas) == 2
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float32", "float64", "uint8"])

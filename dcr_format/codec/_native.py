@@ -237,69 +237,9 @@ def position_lanes(
 
 # --- fused diff ------------------------------------------------------------------------
 
-
-@njit(cache=True, nogil=True, parallel=True)
-def _diff_scan(old, new, local, counts):  # type: ignore[no-untyped-def]
-    """Per block: the number of differing elements, their in-block indices into ``local``."""
-    n = old.shape[0]
-    for b in prange(counts.shape[0]):
-        lo = b * BLOCK
-        hi = min(lo + BLOCK, n)
-        count = 0
-        old_b, new_b, local_b = old[lo:hi], new[lo:hi], local[lo:hi]
-        for j in range(old_b.shape[0]):
-            local_b[count] = j  # branch-free: kept only where the elements differ
-            count += old_b[j] != new_b[j]
-        counts[b] = count
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _diff_fill(  # type: ignore[no-untyped-def]
-    old, new, local, offsets, base, pos_out, new_out, xor_out, lanes, table, lane_out, advance
-):
-    want_new = new_out.shape[0] != 0
-    want_xor = xor_out.shape[0] != 0
-    for b in prange(offsets.shape[0] - 1):
-        first = offsets[b]
-        lo = b * BLOCK
-        a0 = _ZERO
-        a1 = _ZERO
-        a2 = _ZERO
-        local_b, old_b, new_b = local[lo : lo + BLOCK], old[lo:], new[lo:]
-        for i in range(offsets[b + 1] - first):
-            t = np.uint64(local_b[i])  # unsigned: no wrap-around check on the gathers
-            j = lo + np.int64(t)
-            k = first + i
-            o = old_b[t]
-            w = new_b[t]
-            pos_out[k] = base + j
-            if want_new:
-                new_out[k] = w
-            if want_xor:
-                xor_out[k] = o ^ w
-            if advance:
-                old_b[t] = w  # the baseline takes the new bits while the line is at hand
-            if lanes:
-                r = np.uint64((base + j) & _MASK30) + _ONE
-                ou = np.uint64(o)
-                wu = np.uint64(w)
-                a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
-                if a0 >= _HIGH:
-                    a0 %= _P0
-                a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
-                if a1 >= _HIGH:
-                    a1 %= _P1
-                if lanes == 3:
-                    a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
-                    if a2 >= _HIGH:
-                        a2 %= _P2
-        lane_out[b, 0] = a0 % _P0
-        lane_out[b, 1] = a1 % _P1
-        lane_out[b, 2] = a2 % _P2
-
-
 _SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
 _W16 = np.uint64(0xFFFF)
+_CHUNK_BLOCKS = 16  # blocks per parallel task of the fused diff (1M elements)
 
 
 @njit(cache=True, inline="always")
@@ -346,72 +286,113 @@ def _scan_elements(old, new, local_b, count, lo, hi, first):  # type: ignore[no-
     return count + found
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _diff_scan16(old, new, old64, new64, local, counts):  # type: ignore[no-untyped-def]
-    """:func:`_diff_scan` of 2-byte elements whose whole words ``old64``/``new64`` view.
+@njit(cache=True, inline="always")
+def _scan_block(old, new, old64, new64, words, local_b, lo, hi):  # type: ignore[no-untyped-def]
+    """In-block indices of the elements ``lo``..``hi`` that differ, into ``local_b``.
 
-    Each block goes in steps of ``_SUB`` elements; a step after one that found few
-    changes (at most 1 in 64) compares 8-byte words (:func:`_scan_words16`), which is
-    near memory speed when changes are sparse; a step after a denser one goes element by
-    element, which does not mispredict. Either loop gives the same indices.
+    With ``words`` (2-byte elements viewed as 8-byte words ``old64``/``new64``), the block
+    goes in steps of ``_SUB`` elements: a step after one that found few changes (at most
+    1 in 64) compares whole words (:func:`_scan_words16`), near memory speed when changes
+    are sparse; a step after a denser one goes element by element, which does not
+    mispredict. Elements past the last whole word, and other widths, go element by
+    element. Every loop gives the same indices.
     """
-    words = old64.shape[0]
-    for b in prange(counts.shape[0]):
-        first = b * (BLOCK // 4)
-        stop = min(first + BLOCK // 4, words)
-        local_b = local[b * BLOCK : (b + 1) * BLOCK]
-        count = 0
+    count = 0
+    j = lo
+    if words:
+        stop = min(hi, 4 * old64.shape[0])
         sparse = True
-        k = first
-        while k < stop:
-            end = min(k + _SUB // 4, stop)
+        while j < stop:
+            end = min(j + _SUB, stop)
             before = count
             if sparse:
-                count = _scan_words16(old64, new64, local_b, count, k, end, first)
+                count = _scan_words16(old64, new64, local_b, count, j // 4, end // 4, lo // 4)
             else:
-                count = _scan_elements(old, new, local_b, count, 4 * k, 4 * end, 4 * first)
-            sparse = (count - before) * 64 <= 4 * (end - k)
-            k = end
-        counts[b] = count
+                count = _scan_elements(old, new, local_b, count, j, end, lo)
+            sparse = (count - before) * 64 <= end - j
+            j = end
+    return _scan_elements(old, new, local_b, count, j, hi, lo)
 
 
-class DiffScan:
-    """The first pass of a fused diff: per-block counts (as exclusive prefix sums) and the
-    in-block indices of the differing elements.
+@njit(cache=True, inline="always")
+def _fill_block(  # type: ignore[no-untyped-def]
+    old, new, local_b, count, lo, k, base, pos_out, new_out, xor_out, lanes, table, advance
+):
+    """Outputs ``k``.. of one block's ``count`` changes (read while the block is in cache),
+    the new bits into ``old`` with ``advance``; returns the block's lane sums."""
+    want_new = new_out.shape[0] != 0
+    want_xor = xor_out.shape[0] != 0
+    a0 = _ZERO
+    a1 = _ZERO
+    a2 = _ZERO
+    old_b, new_b = old[lo:], new[lo:]
+    for i in range(count):
+        t = np.uint64(local_b[i])  # unsigned: no wrap-around check on the gathers
+        j = lo + np.int64(t)
+        o = old_b[t]
+        w = new_b[t]
+        pos_out[k + i] = base + j
+        if want_new:
+            new_out[k + i] = w
+        if want_xor:
+            xor_out[k + i] = o ^ w
+        if advance:
+            old_b[t] = w  # the baseline takes the new bits while the line is at hand
+        if lanes:
+            r = np.uint64((base + j) & _MASK30) + _ONE
+            ou = np.uint64(o)
+            wu = np.uint64(w)
+            a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
+            if a0 >= _HIGH:
+                a0 %= _P0
+            a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
+            if a1 >= _HIGH:
+                a1 %= _P1
+            if lanes == 3:
+                a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
+                if a2 >= _HIGH:
+                    a2 %= _P2
+    return a0 % _P0, a1 % _P1, a2 % _P2
 
-    2-byte elements (bf16, fp16) that start on an 8-byte boundary on a little-endian
-    machine (whole tensors, and slices at multiples of 4 elements) go through
-    :func:`_diff_scan16`; anything else through the element loop :func:`_diff_scan`.
-    Both give the same indices (``tests/test_native.py``).
-    """
 
-    def __init__(self, old: np.ndarray, new: np.ndarray) -> None:
-        n = old.shape[0]
-        blocks = -(-n // BLOCK)
-        counts = np.zeros(blocks, dtype=np.int64)
-        # pages are touched only up to each block's count: a few per block at low change
-        self.local = np.empty(n, dtype=np.uint16)
-        if blocks and old.itemsize == 2 and _word_aligned(old, new):
-            whole = n - n % 4
-            with _LOCK:
-                _diff_scan16(
-                    old,
-                    new,
-                    old[:whole].view(np.uint64),
-                    new[:whole].view(np.uint64),
-                    self.local,
-                    counts,
-                )
-            for j in range(whole, n):  # up to 3 elements past the last word: the last block
-                if old[j] != new[j]:
-                    self.local[(blocks - 1) * BLOCK + int(counts[-1])] = j % BLOCK
-                    counts[-1] += 1
-        elif blocks:
-            with _LOCK:
-                _diff_scan(old, new, self.local, counts)
-        self.offsets = np.zeros(blocks + 1, dtype=np.int64)
-        np.cumsum(counts, out=self.offsets[1:])
-        self.total = int(self.offsets[-1])
+@njit(cache=True, nogil=True, parallel=True)
+def _diff(  # type: ignore[no-untyped-def]
+    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
+):
+    """One pass per block: scan it, then fill its outputs and lane sums while it is in
+    cache. Task ``c`` (``_CHUNK_BLOCKS`` blocks) writes its outputs from index
+    ``c * _CHUNK_BLOCKS * BLOCK`` of ``outs`` (as long as the tensor: only the pages
+    written are touched); ``counts`` gets each block's count."""
+    n = old.shape[0]
+    blocks = counts.shape[0]
+    pos_out, new_out, xor_out = outs
+    for c in prange(-(-blocks // _CHUNK_BLOCKS)):
+        k = c * _CHUNK_BLOCKS * BLOCK
+        for b in range(c * _CHUNK_BLOCKS, min((c + 1) * _CHUNK_BLOCKS, blocks)):
+            lo = b * BLOCK
+            local_b = local[lo : lo + BLOCK]
+            count = _scan_block(old, new, old64, new64, words, local_b, lo, min(lo + BLOCK, n))
+            sums = _fill_block(
+                old,
+                new,
+                local_b,
+                count,
+                lo,
+                k,
+                base,
+                pos_out,
+                new_out,
+                xor_out,
+                lanes,
+                table,
+                advance,
+            )
+            s0, s1, s2 = sums
+            lane_out[b, 0] = s0
+            lane_out[b, 1] = s1
+            lane_out[b, 2] = s2
+            counts[b] = count
+            k += count
 
 
 def _word_aligned(old: np.ndarray, new: np.ndarray) -> bool:
@@ -426,40 +407,77 @@ def _word_aligned(old: np.ndarray, new: np.ndarray) -> bool:
     )
 
 
-def diff_fill(
+def diff(
     old: np.ndarray,
     new: np.ndarray,
-    scan: DiffScan,
     base: int,
-    out: tuple[np.ndarray, np.ndarray, np.ndarray],
+    want: tuple[bool, bool],
     table: np.ndarray,
     lanes: int,
     advance: bool = False,
-) -> tuple[int, ...]:
-    """Fill ``out`` = (positions + ``base``, new bits, old ^ new bits), ``scan.total`` long.
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
+    """Where ``old`` and ``new`` differ: (positions + ``base``, new bits, old ^ new bits),
+    the last two empty unless ``want`` (new, xor) asks for them, and the lane deltas
+    ``sum (g(new) - g(old)) * r`` (``lanes`` 0: none), all from one pass over the inputs.
 
-    An empty new or xor array is skipped. Returns the lane deltas ``sum (g(new) - g(old))
-    * r`` (``lanes`` 0: none). ``advance``: also write the new bits into ``old`` at the
-    changed positions, in the same pass (``old`` then equals ``new``).
+    ``advance``: also write the new bits into ``old`` at the changed positions, in the
+    same pass (``old`` then equals ``new``). 2-byte inputs on 8-byte boundaries (whole
+    tensors, slices at multiples of 4 elements) on a little-endian machine are compared
+    a word at a time where changes are sparse; the result does not depend on it.
     """
-    lane_out = np.zeros((scan.offsets.shape[0] - 1, 3), dtype=np.uint64)
-    if scan.total:
+    n = old.shape[0]
+    blocks = -(-n // BLOCK)
+    counts = np.zeros(blocks, dtype=np.int64)
+    lane_out = np.zeros((blocks, 3), dtype=np.uint64)
+    # as long as the tensor, but only each task's written prefix is ever touched
+    local = np.empty(n, dtype=np.uint16)
+    scratch = (
+        np.empty(n, dtype=np.int64),
+        np.empty(n if want[0] else 0, dtype=old.dtype),
+        np.empty(n if want[1] else 0, dtype=old.dtype),
+    )
+    words = old.itemsize == 2 and _word_aligned(old, new)
+    whole = n - n % 4 if words else 0
+    empty = np.empty(0, dtype=np.uint64)
+    if blocks:
         with _LOCK:
-            _diff_fill(
+            _diff(
                 old,
                 new,
-                scan.local,
-                scan.offsets,
+                old[:whole].view(np.uint64) if words else empty,
+                new[:whole].view(np.uint64) if words else empty,
+                words,
+                local,
                 base,
-                out[0],
-                out[1],
-                out[2],
+                scratch,
                 lanes,
                 table,
                 lane_out,
                 advance,
+                counts,
             )
-    return _finish_lanes(lane_out, lanes) if lanes else ()
+    found = _gather_tasks(scratch, counts)
+    return found, (_finish_lanes(lane_out, lanes) if lanes else ())
+
+
+def _gather_tasks(
+    scratch: tuple[np.ndarray, np.ndarray, np.ndarray], counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tasks' outputs, each at its task's first index of ``scratch``, side by side."""
+    if counts.shape[0] == 0:
+        per_task = counts
+    else:
+        per_task = np.add.reduceat(counts, np.arange(0, counts.shape[0], _CHUNK_BLOCKS))
+    total = int(per_task.sum())
+    out = tuple(np.empty(total if a.shape[0] else 0, dtype=a.dtype) for a in scratch)
+    at = 0
+    for c, size in enumerate(per_task.tolist()):
+        start = c * _CHUNK_BLOCKS * BLOCK
+        for source, target in zip(scratch, out, strict=True):
+            if source.shape[0]:
+                target[at : at + size] = source[start : start + size]
+        at += size
+    return out[0], out[1], out[2]
 
 
 # --- fused apply -----------------------------------------------------------------------

@@ -253,23 +253,19 @@ def _native_diff(
     from dcr_format.fingerprint import native_table
 
     old, new = old.reshape(-1).contiguous(), new.reshape(-1).contiguous()
-    old_np, new_np = _unsigned(old), _unsigned(new)
-    scan = native.DiffScan(old_np, new_np)
-    total = scan.total
-    positions = torch.empty(total, dtype=torch.int64)
-    new_values = torch.empty(total if want_new else 0, dtype=old.dtype)
-    xor_values = torch.empty(total if want_xor else 0, dtype=old.dtype)
     width = old.element_size()
-    deltas = native.diff_fill(
-        old_np,
-        new_np,
-        scan,
+    (positions, new_bits, xor_bits), deltas = native.diff(
+        _unsigned(old),
+        _unsigned(new),
         base,
-        (positions.numpy(), _unsigned(new_values), _unsigned(xor_values)),
+        (want_new, want_xor),
         native_table(width),
         _lane_count(width) if lanes else 0,
         advance,
     )
+    new_values = torch.from_numpy(new_bits).view(old.dtype)
+    xor_values = torch.from_numpy(xor_bits).view(old.dtype)
+    positions = torch.from_numpy(positions)
     found = Diff(positions, new_values if want_new else None, xor_values if want_xor else None)
     return found, deltas
 
