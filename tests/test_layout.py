@@ -18,18 +18,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcr_format import (
-    ChainBrokenError,
     DeltaReader,
     DeltaWriter,
-    IncompleteVersionError,
     ProjectionWriter,
-    SchemaError,
     StateDictTarget,
     ThreadCoordinator,
-    UnsupportedFeatureError,
     schema,
 )
 from dcr_format.chain import Chain
+from dcr_format.errors import (
+    ChainBrokenError,
+    IncompleteVersionError,
+    SchemaError,
+    UnsupportedFeatureError,
+)
 from dcr_format.layout import (
     Layout,
     Piece,
@@ -421,7 +423,7 @@ def test_layout_refuses_unknown_and_missing_local_tensors(tmp_path):
     writer = ProjectionWriter(str(tmp_path / "s"), layout)
     with pytest.raises(ValueError, match="not in the layout"):
         writer.publish({"a": torch.zeros(2, 2), "b": torch.zeros(1)})
-    from dcr_format import MissingTensorError
+    from dcr_format.errors import MissingTensorError
 
     with pytest.raises(MissingTensorError):
         writer.publish({})
