@@ -672,7 +672,7 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 @click.option(
     "--shard-mb",
     type=click.IntRange(min=1),
-    default=256,
+    default=32,
     show_default=True,
     help="Shard size limit before compression.",
 )

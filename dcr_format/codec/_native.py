@@ -614,30 +614,46 @@ def stage(
 
 @njit(cache=True, nogil=True)
 def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
-    """One pass over sorted positions: sum(gap >> k) for k in [klo, khi], and the runs."""
+    """One pass over sorted positions: sum(gap >> k) for k in [klo, khi] (at most six
+    values of k, summed in registers), and the runs."""
     n = pos.shape[0]
     prev = -1
     runs = 0
     run = 0
     longest = 0
     widest = 0
+    s0 = s1 = s2 = s3 = s4 = s5 = 0
     for i in range(n):
         gap = pos[i] - prev - 1
         prev = pos[i]
-        for k in range(klo, khi + 1):
-            sums[k - klo] += gap >> k
-        if i == 0 or gap != 0:
+        g = gap >> klo
+        s0 += g
+        s1 += g >> 1
+        s2 += g >> 2
+        s3 += g >> 3
+        s4 += g >> 4
+        s5 += g >> 5
+        if gap != 0:
             runs += 1
+            longest = max(longest, run)
             run = 1
         else:
             run += 1
-        longest = max(longest, run)
         widest = max(widest, gap)
+    if n and pos[0] == 0:  # a first gap of 0 starts a run too
+        runs += 1
+    longest = max(longest, run)
+    found = (s0, s1, s2, s3, s4, s5)
+    for k in range(klo, khi + 1):
+        sums[k - klo] = found[k - klo]
     return runs, widest, longest
 
 
 def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, int, int]:
-    """(sum of gap >> k for k in [klo, khi], runs, largest gap, longest run) of positions."""
+    """(sum of gap >> k for k in [klo, khi], runs, largest gap, longest run) of positions;
+    at most six values of k."""
+    if not 0 <= khi - klo <= 5:
+        raise ValueError(f"rice_stats sums at most six values of k, not [{klo}, {khi}]")
     sums = np.zeros(khi - klo + 1, dtype=np.int64)
     runs, widest, longest = _rice_stats(pos, klo, khi, sums)
     return sums, int(runs), int(widest), int(longest)

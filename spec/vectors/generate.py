@@ -183,7 +183,9 @@ class Vector:
     versions: list[tuple[int, State]]  # (step, state) per version, in publish order
     base_every: int | None = None
     ops: dict[str, str] = field(default_factory=dict)
-    shard_bytes: int | None = None
+    # the writer's shard size limit; 256 MiB, the reference default when the vectors were
+    # made (expected.json records it), unless a vector sets its own
+    shard_bytes: int = 256 << 20
     features: tuple[str, ...] = ()  # codec features the writer may use (FORMAT.md §12)
 
     def ids(self) -> list[str]:
@@ -572,8 +574,7 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
     folder.mkdir(parents=True, exist_ok=True)
     clock, ids = _Clock(), _Ids(vector.ids())
     options: dict[str, object] = {}
-    if vector.shard_bytes is not None:
-        options["shard_bytes"] = vector.shard_bytes
+    options["shard_bytes"] = vector.shard_bytes
     if vector.features:
         options["features"] = vector.features
     writer = DeltaWriter(
