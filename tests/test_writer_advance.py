@@ -85,3 +85,30 @@ def test_a_version_that_does_not_commit_puts_every_baseline_back(kernels, tmp_pa
         b.publish(loser)  # b's diff advanced its baselines before the commit failed
     assert b.version == 0
     assert_same_bits(b.baseline, at_zero)
+
+
+def test_shards_are_cut_at_a_quarter_of_the_last_publish(tmp_path, monkeypatch):
+    """A long-lived writer cuts about four shards a version (at least MIN_SHARD_BYTES, at
+    most shard_bytes), so uploads overlap the coding of the rest; readers get the same."""
+    import dcr_format.writers.writer as writer_module
+
+    monkeypatch.setattr(writer_module, "MIN_SHARD_BYTES", 1 << 10)
+    store = Store(str(tmp_path))
+    gen = torch.Generator().manual_seed(6)
+    state = {f"w{i}": torch.randn(256, 256, generator=gen).to(torch.bfloat16) for i in range(16)}
+    writer = DeltaWriter(store)
+    writer.publish(state)  # a base: one 2 MiB shard (nothing known yet)
+    assert len(writer.chain.manifests(writer.chain.record(0))[0].shards) == 1
+    for step in (1, 2):  # the first delta is cut at a quarter of the (larger) base
+        for tensor in state.values():
+            tensor.view(-1)[step::7] += 1
+        writer.publish(state)
+    first, second = (writer.chain.manifests(writer.chain.record(v))[0] for v in (1, 2))
+    assert len(first.shards) == 1 and 4 <= len(second.shards) <= 5
+    assert writer._shard_limit() == sum(r.decoded_size for r in second.shards) // 4
+    small = DeltaWriter(str(tmp_path / "capped"), shard_bytes=1 << 20)
+    small._last_streams = 1 << 40
+    assert small._shard_limit() == 1 << 20  # never above shard_bytes
+    target: dict[str, torch.Tensor] = {}
+    DeltaReader(store, StateDictTarget(target)).sync()
+    assert_same_bits(target, state)

@@ -99,11 +99,12 @@ from dcr_format.writers._projection import ProjectionPart
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
-# coded, so the last shard is the only upload a publish waits for: 32 MiB keeps that wait
-# short at any payload (a 256 MiB default left a whole 1-5% step of a 1 GB model, or a rank's
-# share of a large one, in one shard uploaded after all the coding) while a version of a
-# 1T-parameter model at 1% is still only ~500 objects across its ranks.
+# coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a
+# quarter of its previous publish (DeltaWriter._shard_limit), at most shard_bytes (default
+# 32 MiB: a version of a 1T-parameter model at 1% is then ~500 objects across its ranks) and
+# at least MIN_SHARD_BYTES.
 DEFAULT_SHARD_BYTES = 32 << 20
+MIN_SHARD_BYTES = 4 << 20  # the smallest shard a writer cuts by itself (see _shard_limit)
 _log = logging.getLogger(__name__)
 
 
@@ -214,6 +215,7 @@ class DeltaWriter:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.baseline_device = torch.device(baseline_device)
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
+        self._last_streams: int | None = None  # stream bytes this rank wrote last publish
         self.commit_timeout = commit_timeout
         self.clock, self.ids = clock, ids
         self.reader_records = reader_records
@@ -319,6 +321,7 @@ class DeltaWriter:
             written.revert()  # not committed (or not known to be): the baseline stays
             raise
         committed = clock()
+        self._last_streams = sum(ref.decoded_size for ref in written.manifest.shards)
         self._advance(written, loaded, table)
         self.timings = {
             "encode_upload_s": encoded - started,
@@ -326,6 +329,17 @@ class DeltaWriter:
             "advance_s": clock() - committed,
         }
         return CommitInfo.from_record(loaded.record)
+
+    def _shard_limit(self) -> int:
+        """Where this publish cuts shards: a quarter of what the rank's last publish wrote
+        (steps of one run are alike), between ``MIN_SHARD_BYTES`` and ``shard_bytes``. Each
+        shard uploads while the next is coded, so the last shard is all a publish waits
+        for; a quarter keeps that wait to about a quarter of the upload."""
+        if self._last_streams is None:
+            return self.shard_bytes
+        return max(
+            min(self._last_streams // 4, self.shard_bytes), min(MIN_SHARD_BYTES, self.shard_bytes)
+        )
 
     def _begin(self) -> Attempt:
         """The attempt of the next version; rank 0 picks its id and reads the reader records
@@ -345,7 +359,7 @@ class DeltaWriter:
             id=attempt,
             rank=self.rank,
             world_size=self.world_size,
-            shard_bytes=self.shard_bytes,
+            shard_bytes=self._shard_limit(),
             zstd_level=self.zstd_level,
             overwrite=frozenset(overwrite),
         )
