@@ -87,8 +87,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-# The old name, kept while tests/test_crash.py and tests/crash_workers.py import it.
-_TEMP_PREFIX = TEMP_PREFIX
 _BACKEND_METHODS = (
     "probe_conditional_writes",
     "get",

@@ -91,7 +91,7 @@ def _store(url: str, storage_options: dict[str, Any] | None):
 def _writer_hooks(stage: str, s3: bool) -> None:
     import dcr_format.writers.writer as writer_module
     from dcr_format import Store
-    from dcr_format.store import _TEMP_PREFIX
+    from dcr_format.store import TEMP_PREFIX
 
     put, put_if_absent = Store.put, Store.put_if_absent
     if stage == "mid-shard" and not s3:
@@ -102,7 +102,7 @@ def _writer_hooks(stage: str, s3: bool) -> None:
                 root = self.url[len("file://") :]
                 directory = Path(root, key).parent
                 directory.mkdir(parents=True, exist_ok=True)
-                (directory / f"{_TEMP_PREFIX}{uuid.uuid4().hex}").write_bytes(
+                (directory / f"{TEMP_PREFIX}{uuid.uuid4().hex}").write_bytes(
                     data[: len(data) // 2]
                 )
                 die()

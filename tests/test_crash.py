@@ -28,7 +28,7 @@ from conftest import assert_same_bits, dir_snapshot
 
 from dcr_format import DcrError, DeltaReader, SafetensorsDirTarget, StateDictTarget, Store
 from dcr_format.chain import Chain
-from dcr_format.store import _TEMP_PREFIX
+from dcr_format.store import TEMP_PREFIX
 from dcr_format.testing.faultproxy import FaultProxy, Rule
 from dcr_format.tools import gc, verify
 
@@ -131,7 +131,7 @@ def _orphans(store: Store) -> list[str]:
 def _temp_files(url: str) -> list[Path]:
     if url.startswith("s3://"):
         return []
-    return sorted(p for p in Path(url).rglob(_TEMP_PREFIX + "*"))
+    return sorted(p for p in Path(url).rglob(TEMP_PREFIX + "*"))
 
 
 @pytest.mark.parametrize("stage", list(WRITER_STAGES))
@@ -292,8 +292,8 @@ def test_gc_removes_only_stale_temporary_files(store_url, reliability):
     directory = Path(store_url) / "objects" / "00000000000000000001" / ("a" * 32)
     directory.mkdir(parents=True)
     stale, fresh = (
-        directory / f"{_TEMP_PREFIX}{'1' * 32}",
-        Path(store_url) / f"{_TEMP_PREFIX}{'2' * 32}",
+        directory / f"{TEMP_PREFIX}{'1' * 32}",
+        Path(store_url) / f"{TEMP_PREFIX}{'2' * 32}",
     )
     stale.write_bytes(b"half a shard")
     fresh.write_bytes(b"in flight")

@@ -18,7 +18,7 @@ import s3fs
 import torch
 from conftest import assert_same_bits, flip_bits, make_state, snapshot
 
-import dcr_format._s3 as s3
+import dcr_format._stores._s3 as s3
 from dcr_format import DcrError, DeltaReader, DeltaWriter, StateDictTarget, Store, StoreError
 from dcr_format.chain import Chain, attempt_prefix
 from dcr_format.errors import CommitConflictError, CommitStateUnknownError, ObjectExistsError

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("cuda", "cuda.reference", "cuda.triton_kernels", "cuda.dispatch", "cuda.*", "fingerprint"),
     ),
     ("tensor change", ("codec.delta", "cuda.pipeline", "cuda.positions")),
-    ("schema and store", ("schema", "store", "store.*", "_s3", "_stores", "_stores.*")),
+    ("schema and store", ("schema", "store", "store.*", "_stores", "_stores.*")),
     ("chain", ("chain", "bases", "layout")),
     (
         "targets",

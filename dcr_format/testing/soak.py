@@ -43,7 +43,7 @@ from typing import Any
 
 __all__ = ["SoakReport", "run", "worker_context"]
 
-PRELOAD = ["dcr_format", "dcr_format.readers.reader", "dcr_format.tools", "dcr_format._s3"]
+PRELOAD = ["dcr_format", "dcr_format.readers.reader", "dcr_format.tools", "dcr_format._stores._s3"]
 FAULT_MENU = (
     ("500", False),
     ("500", True),
