@@ -572,3 +572,30 @@ def test_staged_change_then_put_is_apply_change(name, op):
     assert torch.equal(bits_view(live), old)
     with pytest.raises(ValueError, match="full"):
         dl.stage_change(live, dl.DecodedDelta("full", None, new))
+
+
+def _stats_reference(pos: np.ndarray, klo: int, khi: int):
+    gaps = np.diff(pos, prepend=-1) - 1
+    sums = [int((gaps >> k).sum()) for k in range(klo, khi + 1)]
+    starts = np.flatnonzero((gaps != 0) | (np.arange(pos.size) == 0))
+    lengths = np.diff(np.append(starts, pos.size))
+    return sums, len(starts), int(gaps.max()), int(lengths.max())
+
+
+@pytest.mark.parametrize("layout", ["spread", "runs across tasks", "one run"])
+def test_rice_stats_merge_runs_across_parallel_tasks(layout):
+    """Sums, runs, the largest gap and the longest run match a numpy reference when runs
+    cross the parallel tasks' boundaries (2^20 positions each), even a whole task long."""
+    rng = np.random.default_rng(70)
+    task = 1 << 20
+    if layout == "spread":
+        pos = np.unique(rng.integers(0, 1 << 32, 3 * task + 17, dtype=np.int64))
+    elif layout == "runs across tasks":  # runs of ~1000 with random gaps, one spanning a task
+        gaps = np.where(rng.random(3 * task + 5) < 0.001, rng.integers(1, 50, 3 * task + 5), 0)
+        gaps[task - 10 : 2 * task + 10] = 0
+        pos = np.cumsum(gaps + 1) - 1
+    else:
+        pos = np.arange(5, 5 + 2 * task + 3, dtype=np.int64)
+    sums, runs, widest, longest = native.rice_stats(pos, 2, 7)
+    want = _stats_reference(pos, 2, 7)
+    assert (sums.tolist(), runs, widest, longest) == want

@@ -612,41 +612,79 @@ def stage(
 # --- Rice ------------------------------------------------------------------------------
 
 
-@njit(cache=True, nogil=True)
+_STATS_CHUNK = 1 << 20  # positions per parallel task of the Rice statistics
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
     """One pass over sorted positions: sum(gap >> k) for k in [klo, khi] (at most six
-    values of k, summed in registers), and the runs."""
+    values of k, summed in registers), the runs, the largest gap and the longest run.
+
+    Tasks of ``_STATS_CHUNK`` positions run in parallel; a run (an element whose gap is
+    not 0, or the first, and the zero-gap elements after it) may cross tasks, so each
+    task reports the zero-gap elements it starts with and its last run, merged in order.
+    """
     n = pos.shape[0]
-    prev = -1
-    runs = 0
-    run = 0
+    tasks = -(-n // _STATS_CHUNK)
+    part = np.zeros((tasks, 6), dtype=np.int64)
+    runs_t = np.zeros(tasks, dtype=np.int64)
+    widest_t = np.zeros(tasks, dtype=np.int64)
+    head_t = np.zeros(tasks, dtype=np.int64)  # leading elements continuing the last run
+    tail_t = np.zeros(tasks, dtype=np.int64)  # length of the task's last run (0: none)
+    best_t = np.zeros(tasks, dtype=np.int64)  # longest run that ends before the task's last
+    for t in prange(tasks):
+        lo = t * _STATS_CHUNK
+        hi = min(lo + _STATS_CHUNK, n)
+        prev = pos[lo - 1] if lo > 0 else -1
+        s0 = s1 = s2 = s3 = s4 = s5 = 0
+        runs = 0
+        run = 0
+        best = 0
+        head = 0
+        widest = 0
+        for i in range(lo, hi):
+            gap = pos[i] - prev - 1
+            prev = pos[i]
+            g = gap >> klo
+            s0 += g
+            s1 += g >> 1
+            s2 += g >> 2
+            s3 += g >> 3
+            s4 += g >> 4
+            s5 += g >> 5
+            if gap != 0 or i == 0:
+                if runs:
+                    best = max(best, run)
+                runs += 1
+                run = 1
+            elif runs:
+                run += 1
+            else:
+                head += 1
+            widest = max(widest, gap)
+        part[t, 0] = s0
+        part[t, 1] = s1
+        part[t, 2] = s2
+        part[t, 3] = s3
+        part[t, 4] = s4
+        part[t, 5] = s5
+        runs_t[t] = runs
+        widest_t[t] = widest
+        head_t[t] = head
+        best_t[t] = best
+        tail_t[t] = run if runs else 0
     longest = 0
-    widest = 0
-    s0 = s1 = s2 = s3 = s4 = s5 = 0
-    for i in range(n):
-        gap = pos[i] - prev - 1
-        prev = pos[i]
-        g = gap >> klo
-        s0 += g
-        s1 += g >> 1
-        s2 += g >> 2
-        s3 += g >> 3
-        s4 += g >> 4
-        s5 += g >> 5
-        if gap != 0:
-            runs += 1
-            longest = max(longest, run)
-            run = 1
+    carry = 0  # length of the run open at the end of the tasks so far
+    for t in range(tasks):
+        if runs_t[t]:
+            longest = max(longest, max(carry + head_t[t], best_t[t]))
+            carry = tail_t[t]
         else:
-            run += 1
-        widest = max(widest, gap)
-    if n and pos[0] == 0:  # a first gap of 0 starts a run too
-        runs += 1
-    longest = max(longest, run)
-    found = (s0, s1, s2, s3, s4, s5)
+            carry += head_t[t]
+    longest = max(longest, carry)
     for k in range(klo, khi + 1):
-        sums[k - klo] = found[k - klo]
-    return runs, widest, longest
+        sums[k - klo] = part[:, k - klo].sum()
+    return runs_t.sum(), widest_t.max() if tasks else 0, longest
 
 
 def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, int, int]:
@@ -655,7 +693,8 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
     if not 0 <= khi - klo <= 5:
         raise ValueError(f"rice_stats sums at most six values of k, not [{klo}, {khi}]")
     sums = np.zeros(khi - klo + 1, dtype=np.int64)
-    runs, widest, longest = _rice_stats(pos, klo, khi, sums)
+    with _LOCK:
+        runs, widest, longest = _rice_stats(pos, klo, khi, sums)
     return sums, int(runs), int(widest), int(longest)
 
 
