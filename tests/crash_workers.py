@@ -102,9 +102,7 @@ def _writer_hooks(stage: str, s3: bool) -> None:
                 root = self.url[len("file://") :]
                 directory = Path(root, key).parent
                 directory.mkdir(parents=True, exist_ok=True)
-                (directory / f"{TEMP_PREFIX}{uuid.uuid4().hex}").write_bytes(
-                    data[: len(data) // 2]
-                )
+                (directory / f"{TEMP_PREFIX}{uuid.uuid4().hex}").write_bytes(data[: len(data) // 2])
                 die()
             return put(self, key, data)
 

@@ -131,7 +131,7 @@ class _Plan:
 
 
 def _encode_rice_planned(positions: np.ndarray, plan: _Plan) -> bytes:
-    body = plan.native.rice_encode(positions, plan.k, plan.unary_len, plan.rem_len)
+    body: bytes = plan.native.rice_encode(positions, plan.k, plan.unary_len, plan.rem_len)
     return _RICE_HEADER.pack(plan.k, int(positions.size), plan.unary_len) + body
 
 
@@ -200,7 +200,8 @@ def _rice_native(
     if count == 0:
         return np.empty(0, dtype=np.int64 if positions else np.uint64)
     array = np.frombuffer(body, dtype=np.uint8)
-    return native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+    decoded: np.ndarray = native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+    return decoded
 
 
 def rice_gaps(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
@@ -238,7 +239,8 @@ def _rice_gaps_reference(data: bytes | memoryview, *, count: int, numel: int) ->
     remainders = (rem_bits.reshape(count, k).astype(np.uint64) * weights).sum(
         axis=1, dtype=np.uint64
     )
-    return (quotients << np.uint64(k)) | remainders
+    gaps: np.ndarray = (quotients << np.uint64(k)) | remainders
+    return gaps
 
 
 def decode_rice(data: bytes | memoryview, *, count: int, numel: int) -> np.ndarray:
