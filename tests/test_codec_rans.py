@@ -16,8 +16,8 @@ from dcr_format.chain import Chain
 from dcr_format.codec import rans, values
 from dcr_format.codec.delta import XOR, apply_delta, decode_delta
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.shard import stream_limits
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
+from dcr_format.readers._plan import stream_limits
 from dcr_format.store import open_store
 
 SPEC_VALUES = [1, 1, 3, 1, 1, 7, 1, 1, 3, 1, 0x8001, 1, 1, 1, 3, 1]

@@ -36,9 +36,9 @@ from dcr_format.codec.shard import (
     pack_streams,
     positions_bound,
     shard_decoded_bound,
-    stream_limits,
 )
 from dcr_format.errors import SchemaError, ShardError
+from dcr_format.readers._plan import stream_limits
 from dcr_format.schema import CommitRecord, Manifest, parse
 
 pytestmark = pytest.mark.multiprocess

@@ -73,11 +73,7 @@ NOT_FOR_CORE = ("bench", "bench.*", "testing", "testing.*")
 
 # (importer, imported) pairs allowed for now, each with the file that must change.
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    # dcr_format/codec/shard.py names schema.Manifest for typing only (TYPE_CHECKING): the
-    # shard container should take the entries it needs, not the manifest model.
-    ("codec.shard", "schema"): "dcr_format/codec/shard.py",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def module_files(package_dir: Path) -> dict[str, tuple[Path, bool]]:

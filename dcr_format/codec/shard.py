@@ -21,15 +21,11 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 import zstandard
 
 from dcr_format._jsonscan import scan
-from dcr_format.errors import SchemaError, ShardError
-
-if TYPE_CHECKING:
-    from dcr_format.schema import Manifest
+from dcr_format.errors import ShardError
 
 SHARD_FORMAT = "dcr-shard-1"
 ZSTD_LEVEL = 3
@@ -182,48 +178,6 @@ def positions_bound(coding: str, changed: int, numel: int) -> int:
     if coding == "rice":
         return rice
     return max(ranges, rice)  # a coding the schema does not know is refused later
-
-
-def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
-    """For each shard index of ``manifest``: every stream key its entries name, and the most
-    bytes that stream can hold (values exactly ``changed * width``; positions
-    :func:`positions_bound`). Feed ``limits=stream_limits(m)[index]`` to :func:`decode_shard`.
-
-    Every entry counts, wanted or not: the shard holds them all. A key named twice (a
-    hostile manifest) gets the larger bound; the decoders check each use. (A ``rans``
-    values stream is shorter than its ``planes`` would be, FORMAT.md §7.3, so the same
-    bound holds.) An entry whose value coding needs a feature the manifest does not list
-    in ``required_features`` is refused (:class:`SchemaError`, FORMAT.md §7.3).
-    """
-    from dcr_format.codec.dtypes import info_for
-    from dcr_format.codec.values import CODING_FEATURES
-
-    limits: dict[int, dict[str, int]] = {}
-    for entry in manifest.entries:
-        if entry.values is not None:
-            feature = CODING_FEATURES.get(entry.values.coding)
-            if feature is not None and feature not in manifest.required_features:
-                raise SchemaError(
-                    f"entry {entry.name[:256]!r} uses value coding {entry.values.coding!r} but "
-                    f"its manifest does not require {feature!r}; the manifest is corrupt"
-                )
-        if entry.changed == 0:
-            continue
-        numel = 1
-        for dim in entry.shape:
-            numel *= dim
-        width = info_for(entry.dtype).width
-        for ref, bound in (
-            (entry.positions, None),
-            (entry.values, entry.changed * width),
-        ):
-            if ref is None:
-                continue
-            if bound is None:
-                bound = positions_bound(ref.coding, entry.changed, numel)
-            shard = limits.setdefault(ref.shard, {})
-            shard[ref.key] = max(shard.get(ref.key, 0), bound)
-    return limits
 
 
 def header_allowance(keys: Iterable[str]) -> int:

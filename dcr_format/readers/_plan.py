@@ -15,8 +15,10 @@ from typing import Literal
 
 from dcr_format.chain import LoadedRecord, TensorState, table_fingerprint, tensor_changes
 from dcr_format.codec.delta import FULL
-from dcr_format.codec.shard import shard_decoded_bound, stream_limits
-from dcr_format.errors import ChainBrokenError, ShardError, VersionNotFoundError
+from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.shard import positions_bound, shard_decoded_bound
+from dcr_format.codec.values import CODING_FEATURES
+from dcr_format.errors import ChainBrokenError, SchemaError, ShardError, VersionNotFoundError
 from dcr_format.schema import Entry, Manifest
 
 # what a plan needs to know about the target: does it take this tensor at all?
@@ -362,3 +364,43 @@ def _check_continuity(
                 f"version {version} changes tensor {name!r} from bits its parent does not "
                 "hold; the store is corrupt: run `dcr verify`"
             )
+
+
+def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
+    """For each shard index of ``manifest``: every stream key its entries name, and the most
+    bytes that stream can hold (values exactly ``changed * width``; positions
+    :func:`~dcr_format.codec.shard.positions_bound`). Feed ``limits=stream_limits(m)[index]``
+    to :func:`~dcr_format.codec.shard.decode_shard`.
+
+    Every entry counts, wanted or not: the shard holds them all. A key named twice (a
+    hostile manifest) gets the larger bound; the decoders check each use. (A ``rans``
+    values stream is shorter than its ``planes`` would be, FORMAT.md §7.3, so the same
+    bound holds.) An entry whose value coding needs a feature the manifest does not list
+    in ``required_features`` is refused (:class:`SchemaError`, FORMAT.md §7.3).
+    """
+    limits: dict[int, dict[str, int]] = {}
+    for entry in manifest.entries:
+        if entry.values is not None:
+            feature = CODING_FEATURES.get(entry.values.coding)
+            if feature is not None and feature not in manifest.required_features:
+                raise SchemaError(
+                    f"entry {entry.name[:256]!r} uses value coding {entry.values.coding!r} but "
+                    f"its manifest does not require {feature!r}; the manifest is corrupt"
+                )
+        if entry.changed == 0:
+            continue
+        numel = 1
+        for dim in entry.shape:
+            numel *= dim
+        width = info_for(entry.dtype).width
+        for ref, bound in (
+            (entry.positions, None),
+            (entry.values, entry.changed * width),
+        ):
+            if ref is None:
+                continue
+            if bound is None:
+                bound = positions_bound(ref.coding, entry.changed, numel)
+            shard = limits.setdefault(ref.shard, {})
+            shard[ref.key] = max(shard.get(ref.key, 0), bound)
+    return limits
