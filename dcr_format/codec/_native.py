@@ -235,6 +235,23 @@ def position_lanes(
     return _finish_lanes(out, lanes)
 
 
+@njit(cache=True, inline="always")
+def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped-def]
+    """The accumulators after adding ``(g(new) - g(old)) * r`` per lane (each reduced
+    before it can reach 2^64)."""
+    a0 += (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r
+    if a0 >= _HIGH:
+        a0 %= _P0
+    a1 += (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r
+    if a1 >= _HIGH:
+        a1 %= _P1
+    if lanes == 3:
+        a2 += (_g(new, 2, table) + _P2 - _g(old, 2, table)) * r
+        if a2 >= _HIGH:
+            a2 %= _P2
+    return a0, a1, a2
+
+
 # --- fused diff ------------------------------------------------------------------------
 
 _SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
@@ -340,18 +357,7 @@ def _fill_block(  # type: ignore[no-untyped-def]
             old_b[t] = w  # the baseline takes the new bits while the line is at hand
         if lanes:
             r = np.uint64((base + j) & _MASK30) + _ONE
-            ou = np.uint64(o)
-            wu = np.uint64(w)
-            a0 += (_g(wu, 0, table) + _P0 - _g(ou, 0, table)) * r
-            if a0 >= _HIGH:
-                a0 %= _P0
-            a1 += (_g(wu, 1, table) + _P1 - _g(ou, 1, table)) * r
-            if a1 >= _HIGH:
-                a1 %= _P1
-            if lanes == 3:
-                a2 += (_g(wu, 2, table) + _P2 - _g(ou, 2, table)) * r
-                if a2 >= _HIGH:
-                    a2 %= _P2
+            a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(o), np.uint64(w), r, lanes, table)
     return a0 % _P0, a1 % _P1, a2 % _P2
 
 
@@ -484,9 +490,12 @@ def _gather_tasks(
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+def _change(flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+    """Per chunk of positions: the bits before (into ``before``) and after (into ``after``
+    unless it is empty), written into ``flat`` with ``write``, and the lane sums."""
     n = flat.shape[0]
     m = pos.shape[0]
+    want_after = after.shape[0] != 0
     for c in prange(lane_out.shape[0]):
         lo = c * _CHUNK
         hi = min(lo + _CHUNK, m)
@@ -494,6 +503,7 @@ def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
         a1 = _ZERO
         a2 = _ZERO
         pos_c, values_c, before_c = pos[lo:hi], values[lo:hi], before[lo:hi]
+        after_c = after[lo:hi] if want_after else after
         for j in range(pos_c.shape[0]):
             p = pos_c[j]
             if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
@@ -502,22 +512,14 @@ def _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
             i = np.uint64(p - base)
             b = flat[i]
             a = b ^ values_c[j] if is_xor else values_c[j]
-            flat[i] = a
+            if write:
+                flat[i] = a
             before_c[j] = b
+            if want_after:
+                after_c[j] = a
             if lanes:
                 r = np.uint64(p & _MASK30) + _ONE
-                bu = np.uint64(b)
-                au = np.uint64(flat[i])
-                a0 += (_g(au, 0, table) + _P0 - _g(bu, 0, table)) * r
-                if a0 >= _HIGH:
-                    a0 %= _P0
-                a1 += (_g(au, 1, table) + _P1 - _g(bu, 1, table)) * r
-                if a1 >= _HIGH:
-                    a1 %= _P1
-                if lanes == 3:
-                    a2 += (_g(au, 2, table) + _P2 - _g(bu, 2, table)) * r
-                    if a2 >= _HIGH:
-                        a2 %= _P2
+                a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(b), np.uint64(a), r, lanes, table)
         lane_out[c, 0] = a0 % _P0
         lane_out[c, 1] = a1 % _P1
         lane_out[c, 2] = a2 % _P2
@@ -538,54 +540,29 @@ def apply(
     Returns (all positions were in range, lane deltas). Out-of-range positions are
     skipped, never written.
     """
+    return _run_change(flat, pos, values, base, is_xor, True, (before, before[:0]), table, lanes)
+
+
+def _run_change(
+    flat: np.ndarray,
+    pos: np.ndarray,
+    values: np.ndarray,
+    base: int,
+    is_xor: bool,
+    write: bool,
+    out: tuple[np.ndarray, np.ndarray],
+    table: np.ndarray,
+    lanes: int,
+) -> tuple[bool, tuple[int, ...]]:
     chunks = -(-pos.shape[0] // _CHUNK)
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
     if chunks:
         with _LOCK:
-            _apply(flat, pos, values, base, is_xor, before, lanes, table, lane_out, bad)
+            _change(
+                flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad
+            )
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _stage(flat, pos, values, base, is_xor, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
-    """:func:`_apply` without the write: the bits before and after, and the lane deltas."""
-    n = flat.shape[0]
-    m = pos.shape[0]
-    for c in prange(lane_out.shape[0]):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, m)
-        a0 = _ZERO
-        a1 = _ZERO
-        a2 = _ZERO
-        pos_c, values_c = pos[lo:hi], values[lo:hi]
-        before_c, after_c = before[lo:hi], after[lo:hi]
-        for j in range(pos_c.shape[0]):
-            p = pos_c[j]
-            if p - base < 0 or p - base >= n:
-                bad[c] = 1
-                continue
-            b = flat[np.uint64(p - base)]
-            a = b ^ values_c[j] if is_xor else values_c[j]
-            before_c[j] = b
-            after_c[j] = a
-            if lanes:
-                r = np.uint64(p & _MASK30) + _ONE
-                bu = np.uint64(b)
-                au = np.uint64(a)
-                a0 += (_g(au, 0, table) + _P0 - _g(bu, 0, table)) * r
-                if a0 >= _HIGH:
-                    a0 %= _P0
-                a1 += (_g(au, 1, table) + _P1 - _g(bu, 1, table)) * r
-                if a1 >= _HIGH:
-                    a1 %= _P1
-                if lanes == 3:
-                    a2 += (_g(au, 2, table) + _P2 - _g(bu, 2, table)) * r
-                    if a2 >= _HIGH:
-                        a2 %= _P2
-        lane_out[c, 0] = a0 % _P0
-        lane_out[c, 1] = a1 % _P1
-        lane_out[c, 2] = a2 % _P2
 
 
 def stage(
@@ -600,13 +577,7 @@ def stage(
 ) -> tuple[bool, tuple[int, ...]]:
     """Read, never write: ``out`` = (bits of ``flat`` at ``pos - base``, those bits ``^ v``
     or ``v``), and the lane deltas of that change. Returns (all positions in range, deltas)."""
-    chunks = -(-pos.shape[0] // _CHUNK)
-    lane_out = np.zeros((chunks, 3), dtype=np.uint64)
-    bad = np.zeros(chunks, dtype=np.uint8)
-    if chunks:
-        with _LOCK:
-            _stage(flat, pos, values, base, is_xor, out[0], out[1], lanes, table, lane_out, bad)
-    return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
+    return _run_change(flat, pos, values, base, is_xor, False, out, table, lanes)
 
 
 # --- Rice ------------------------------------------------------------------------------
