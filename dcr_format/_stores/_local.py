@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import PurePath
 
+from dcr_format._fsync import fsync
 from dcr_format._stores._base import (
     TEMP_PREFIX,
     Capabilities,
@@ -54,20 +55,6 @@ def local_root(url: str | os.PathLike[str]) -> str | None:
 
 def _is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _fsync_dir(path: str) -> None:
-    """Persist a directory's entries; best effort (some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> None:
@@ -154,7 +141,7 @@ class LocalBackend:
                         errno.ENOTDIR, "a parent of the key is an object", directory
                     ) from None
             else:
-                _fsync_dir(os.path.dirname(directory))
+                fsync(os.path.dirname(directory))
 
     def _write_temp(self, directory: str, data: bytes) -> str:
         """Write ``data`` durably to a new temporary file in ``directory``; return its path."""
@@ -184,7 +171,7 @@ class LocalBackend:
         except BaseException:
             _unlink_quietly(temp)
             raise
-        _fsync_dir(directory)
+        fsync(directory)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         path = self._resolve(key)
@@ -201,7 +188,7 @@ class LocalBackend:
             raise
         finally:
             _unlink_quietly(temp)
-        _fsync_dir(directory)
+        fsync(directory)
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._resolve(key))

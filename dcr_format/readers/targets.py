@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from dcr_format._fsync import fsync
 from dcr_format.codec.delta import (
     FULL,
     XOR,
@@ -869,7 +870,7 @@ class SafetensorsDirTarget(Target):
             save_file(
                 {n: tensors[n].contiguous() for n in names}, str(path), metadata={"format": "pt"}
             )
-            _fsync(path)
+            fsync(path, strict=True)
         if len(files) > 1:
             index = {
                 "metadata": {
@@ -949,7 +950,7 @@ def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> N
         os.link(src, dst, follow_symlinks=False)
     except OSError:
         shutil.copy2(src, dst, follow_symlinks=False)
-        _fsync(Path(dst))
+        fsync(Path(dst), strict=True)
 
 
 def _carry_forward(live: Path, fresh: Path) -> None:
@@ -973,19 +974,9 @@ def _carry_forward(live: Path, fresh: Path) -> None:
             _link_or_copy(item, destination)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
-    try:
-        _fsync(path)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories
+    """Flush a directory's entries, best effort (around the link swap: tests hook it)."""
+    fsync(path)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

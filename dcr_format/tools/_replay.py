@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
+from dcr_format._fsync import fsync
 from dcr_format.bases import read_base_record
 from dcr_format.chain import Chain
 from dcr_format.errors import IntegrityError, TargetError
@@ -251,26 +252,13 @@ def _clone(source: Path, dest: Path) -> None:
                 os.link(item, fresh / item.name)
             except OSError:
                 shutil.copy2(item, fresh / item.name)
-    _fsync(fresh)
+    fsync(fresh)
     old = dest.resolve() if dest.is_symlink() else None
     if dest.is_dir() and not dest.is_symlink():
         dest.rmdir()  # empty (the target checked it)
     link = store_dir / f"link-{uuid.uuid4().hex[:8]}"
     os.symlink(os.path.relpath(fresh, dest.parent), link)
     os.replace(link, dest)
-    _fsync(dest.parent)
+    fsync(dest.parent)
     if old is not None and old != fresh.resolve():
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
