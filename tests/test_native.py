@@ -599,3 +599,20 @@ def test_rice_stats_merge_runs_across_parallel_tasks(layout):
     sums, runs, widest, longest = native.rice_stats(pos, 2, 7)
     want = _stats_reference(pos, 2, 7)
     assert (sums.tolist(), runs, widest, longest) == want
+
+
+@pytest.mark.parametrize("width", [1, 2, 8])
+def test_long_tensors_are_diffed_a_slab_at_a_time(width, monkeypatch):
+    """Past SLAB elements the diff goes slab by slab (bounded scratch) with the same
+    positions, bits, lane deltas and advance as one pass."""
+    rng = np.random.default_rng(80 + width)
+    old, new = changed_pair(5 * 65536 + 3, width, 0.01, rng)
+    table = fp.native_table(width)
+    lanes = 3 if width == 8 else 2
+    o, w = old.numpy().view(UNSIGNED_NP[width]), new.numpy().view(UNSIGNED_NP[width])
+    whole = native.diff(o, w, 11, (True, True), table, lanes)
+    monkeypatch.setattr(native, "SLAB", 2 * 65536)  # three slabs, the last a short one
+    moved = o.copy()
+    slabs = native.diff(moved, w, 11, (True, True), table, lanes, advance=True)
+    assert all(np.array_equal(a, b) for a, b in zip(whole[0], slabs[0], strict=True))
+    assert whole[1] == slabs[1] and np.array_equal(moved, w)

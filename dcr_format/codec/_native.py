@@ -257,6 +257,7 @@ def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped
 _SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
 _W16 = np.uint64(0xFFFF)
 _CHUNK_BLOCKS = 16  # blocks per parallel task of the fused diff (1M elements)
+SLAB = 1 << 26  # elements per pass of the fused diff (a multiple of BLOCK: words stay aligned)
 
 
 @njit(cache=True, inline="always")
@@ -430,7 +431,32 @@ def diff(
     same pass (``old`` then equals ``new``). 2-byte inputs on 8-byte boundaries (whole
     tensors, slices at multiples of 4 elements) on a little-endian machine are compared
     a word at a time where changes are sparse; the result does not depend on it.
+
+    Tensors longer than ``SLAB`` elements go a slab at a time (the scratch each pass
+    reserves is about seven times its slab's bytes, touched only where changes land).
     """
+    n = old.shape[0]
+    if n <= SLAB:
+        return _diff_slab(old, new, base, want, table, lanes, advance)
+    parts = [
+        _diff_slab(old[lo : lo + SLAB], new[lo : lo + SLAB], base + lo, want, table, lanes, advance)
+        for lo in range(0, n, SLAB)
+    ]
+    found = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(3))
+    primes = (int(_P0), int(_P1), int(_P2))
+    sums = tuple(sum(part[1][lane] for part in parts) % primes[lane] for lane in range(lanes))
+    return (found[0], found[1], found[2]), sums
+
+
+def _diff_slab(
+    old: np.ndarray,
+    new: np.ndarray,
+    base: int,
+    want: tuple[bool, bool],
+    table: np.ndarray,
+    lanes: int,
+    advance: bool,
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
     n = old.shape[0]
     blocks = -(-n // BLOCK)
     counts = np.zeros(blocks, dtype=np.int64)
