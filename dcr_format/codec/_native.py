@@ -261,6 +261,16 @@ SLAB = 1 << 26  # elements per pass of the fused diff (a multiple of BLOCK: word
 
 
 @njit(cache=True, inline="always")
+def _take_word(out, found, x, j):  # type: ignore[no-untyped-def]
+    """The in-block indices ``j``.. of the 2-byte lanes of the XOR word ``x`` that are not
+    zero, into ``out`` from ``found`` without branches; returns the new count."""
+    for e in range(4):
+        out[found] = j + e
+        found += ((x >> np.uint64(16 * e)) & _W16) != _ZERO
+    return found
+
+
+@njit(cache=True, inline="always")
 def _scan_words16(old, new, local_b, count, k, stop, first):  # type: ignore[no-untyped-def]
     """Words ``k``..``stop`` of a 2-byte scan, two at a time: a pair that does not differ
     costs two loads and a compare; one that does is taken apart without branches."""
@@ -274,20 +284,11 @@ def _scan_words16(old, new, local_b, count, k, stop, first):  # type: ignore[no-
         x0 = old_s[i] ^ new_s[i]
         x1 = old_s[i + 1] ^ new_s[i + 1]
         if (x0 | x1) != _ZERO:
-            j = j0 + 4 * i
-            for e in range(4):
-                out[found] = j + e
-                found += ((x0 >> np.uint64(16 * e)) & _W16) != _ZERO
-            for e in range(4):
-                out[found] = j + 4 + e
-                found += ((x1 >> np.uint64(16 * e)) & _W16) != _ZERO
+            found = _take_word(out, found, x0, j0 + 4 * i)
+            found = _take_word(out, found, x1, j0 + 4 * i + 4)
         i += 2
     if i < words:
-        x0 = old_s[i] ^ new_s[i]
-        j = j0 + 4 * i
-        for e in range(4):
-            out[found] = j + e
-            found += ((x0 >> np.uint64(16 * e)) & _W16) != _ZERO
+        found = _take_word(out, found, old_s[i] ^ new_s[i], j0 + 4 * i)
     return count + found
 
 
