@@ -687,9 +687,7 @@ class CanonicalPart:
         delta = encoded.advance
         if old is None or (delta is not None and delta.op == FULL):
             return tensor_lanes(tensor)
-        base = self._lanes.get(name)
-        if base is None:
-            base = self._lanes[name] = tensor_lanes(old)
+        base = self._lanes[name]  # _owned read it before the diff could advance ``old``
         if delta is None:  # no bit changed
             return base
         if encoded.lane_deltas is not None:  # the diff's own pass summed them
