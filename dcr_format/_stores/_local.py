@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import PurePath
 
@@ -60,6 +60,23 @@ def _is_within(path: str, root: str) -> bool:
 def _unlink_quietly(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
+
+
+def _link_new(temp: str, path: str) -> None:
+    """Hard-link ``temp`` to the new name ``path``, then remove ``temp``.
+
+    link(2) fails if the name exists: the create is atomic, never check-then-write.
+    """
+    try:
+        os.link(temp, path)
+    except FileExistsError:
+        raise ObjectExists from None
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise NoHardLinks from exc
+        raise
+    finally:
+        _unlink_quietly(temp)
 
 
 def _read_fd(fd: int, expected: int, limit: int | None) -> bytes:
@@ -162,33 +179,24 @@ class LocalBackend:
         os.close(fd)
         return path
 
-    def put(self, key: str, data: bytes) -> None:
+    def _place(self, key: str, data: bytes, move: Callable[[str, str], None]) -> None:
+        """Write ``data`` durably to a temporary file next to ``key``'s path, ``move`` it to
+        that path and make the move durable (the temporary file is gone in every case)."""
         path = self._resolve(key)
         directory = os.path.dirname(path)
         temp = self._write_temp(directory, data)
         try:
-            os.replace(temp, path)
+            move(temp, path)
         except BaseException:
             _unlink_quietly(temp)
             raise
         fsync(directory)
 
+    def put(self, key: str, data: bytes) -> None:
+        self._place(key, data, os.replace)
+
     def put_if_absent(self, key: str, data: bytes) -> None:
-        path = self._resolve(key)
-        directory = os.path.dirname(path)
-        temp = self._write_temp(directory, data)
-        try:
-            # link(2) fails if the name exists: the create is atomic, never check-then-write.
-            os.link(temp, path)
-        except FileExistsError:
-            raise ObjectExists from None
-        except OSError as exc:
-            if exc.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise NoHardLinks from exc
-            raise
-        finally:
-            _unlink_quietly(temp)
-        fsync(directory)
+        self._place(key, data, _link_new)
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._resolve(key))
