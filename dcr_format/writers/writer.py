@@ -142,21 +142,9 @@ class CommitInfo(BaseModel):
 
     @classmethod
     def from_record(cls, record: CommitRecord) -> CommitInfo:
-        """Summarise a commit record."""
-        s = record.stats
-        return cls(
-            version=record.version,
-            kind=record.kind,
-            step=record.step,
-            attempt=record.attempt,
-            created=record.created,
-            tensors=s.tensors,
-            changed_elements=s.changed_elements,
-            total_elements=s.total_elements,
-            payload_bytes=s.payload_bytes,
-            dense_bytes=s.dense_bytes,
-            state_fingerprint=record.state_fingerprint,
-        )
+        """Summarise a commit record: each field is the record's or its stats' of that name."""
+        fields = record.model_dump(include=set(cls.model_fields)) | record.stats.model_dump()
+        return cls.model_validate(fields)
 
 
 class DeltaWriter:
