@@ -24,6 +24,7 @@ from dcr_format.errors import (
 )
 from dcr_format.schema import Manifest, ReaderRecord
 from dcr_format.writers import _commit
+from dcr_format.writers._part import Attempt
 
 
 @pytest.fixture
@@ -119,19 +120,18 @@ def _manifest(chain_id: str, attempt: str, rank: int, world: int) -> bytes:
     ).to_json()
 
 
-def _gather(store: Store, chain_id: str, attempt: str, own: bytes, **kwargs: Any) -> Any:
-    options: dict[str, Any] = {"world_size": 2, "rank": 0, "timeout": 5.0}
-    options.update(kwargs)
-    return _commit.gather_manifests(
-        store,
-        chain_id=chain_id,
-        version=4,
-        kind="delta",
-        attempt=attempt,
-        own=own,
-        check=options.pop("check", lambda manifest, rank, key: None),
-        **options,
-    )
+def _gather(
+    store: Store,
+    chain_id: str,
+    attempt: str,
+    own: bytes,
+    *,
+    world_size: int = 2,
+    timeout: float = 5.0,
+    check: _commit.ManifestCheck = lambda manifest, rank, key: None,
+) -> Any:
+    shares = Attempt(store, chain_id, 4, "delta", attempt, 0, world_size, 1 << 20, 3, frozenset())
+    return _commit.gather_manifests(shares, own=own, timeout=timeout, check=check)
 
 
 def test_the_committer_gathers_every_rank_in_order_and_names_their_bytes(store):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from dcr_format.chain import (
     HEAD_KEY,
@@ -41,6 +41,7 @@ from dcr_format.errors import (
 )
 from dcr_format.schema import Manifest, ManifestRef, ReaderRecord, parse
 from dcr_format.store import Capabilities, Store
+from dcr_format.writers._part import Attempt
 
 ABORT_MARKER = "ABORTED"
 READERS_PREFIX = "readers/"
@@ -94,34 +95,24 @@ def abort(store: Store, version: int, attempt: str) -> None:
 
 
 def gather_manifests(
-    store: Store,
-    *,
-    chain_id: str,
-    version: int,
-    kind: Literal["base", "delta"],
-    attempt: str,
-    world_size: int,
-    rank: int,
-    own: bytes,
-    timeout: float,
-    check: ManifestCheck,
+    attempt: Attempt, *, own: bytes, timeout: float, check: ManifestCheck
 ) -> list[tuple[Manifest, ManifestRef]]:
     """Wait for every rank's manifest of the attempt and validate each; in rank order.
 
-    ``own``: the bytes of rank ``rank``'s manifest as uploaded. A manifest read back is
-    what the record's sha256 will name, so bytes altered in transit (an S3 ranged GET
-    carries no checksum) must not be taken: ours must equal ``own``, another rank's
-    must read the same twice; otherwise it is read again. Raises
+    ``own``: the bytes of this rank's (``attempt.rank``) manifest as uploaded. A manifest
+    read back is what the record's sha256 will name, so bytes altered in transit (an S3
+    ranged GET carries no checksum) must not be taken: ours must equal ``own``, another
+    rank's must read the same twice; otherwise it is read again. Raises
     :class:`IncompleteVersionError` when a rank abandoned the attempt or the wait timed out.
     """
+    store, version, world_size = attempt.store, attempt.version, attempt.world_size
     found: dict[int, tuple[Manifest, ManifestRef]] = {}
-    marker = abort_key(version, attempt)
+    marker = abort_key(version, attempt.id)
 
-    def read(other: int) -> bytes | None:
-        key = manifest_key(version, attempt, other)
+    def read(other: int, key: str) -> bytes | None:
         try:
             data = store.get(key, max_size=MAX_MANIFEST_BYTES)
-            again = own if other == rank else store.get(key, max_size=MAX_MANIFEST_BYTES)
+            again = own if other == attempt.rank else store.get(key, max_size=MAX_MANIFEST_BYTES)
         except ObjectNotFoundError:
             if store.exists(marker):
                 raise IncompleteVersionError(
@@ -135,12 +126,21 @@ def gather_manifests(
         for other in range(world_size):
             if other in found:
                 continue
-            data = read(other)
+            key = manifest_key(version, attempt.id, other)
+            data = read(other, key)
             if data is None:
                 return None
-            key = manifest_key(version, attempt, other)
             manifest = parse(Manifest, data, what=key)
-            check_manifest(manifest, chain_id, version, kind, attempt, other, world_size, key)
+            check_manifest(
+                manifest,
+                attempt.chain_id,
+                version,
+                attempt.kind,
+                attempt.id,
+                other,
+                world_size,
+                key,
+            )
             check(manifest, other, key)
             found[other] = (
                 manifest,

@@ -375,16 +375,7 @@ class DeltaWriter:
         version = attempt.version
         try:
             found = gather_manifests(
-                self.store,
-                chain_id=attempt.chain_id,
-                version=version,
-                kind=attempt.kind,
-                attempt=attempt.id,
-                world_size=self.world_size,
-                rank=self.rank,
-                own=own,
-                timeout=self.commit_timeout,
-                check=self._part.check_manifest,
+                attempt, own=own, timeout=self.commit_timeout, check=self._part.check_manifest
             )
             table = self._check_version([m for m, _ in found], attempt)
         except Exception:
