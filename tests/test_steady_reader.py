@@ -208,7 +208,11 @@ def test_prepare_does_not_touch_the_target_and_apply_makes_the_version(chain):
     with pytest.raises(StalePreparedError):  # applied once: the target moved on
         reader.apply(prepared)
     again = reader.prepare()
-    assert again.plan == () and reader.apply(again).applied_versions == ()
+    assert again.plan == ()
+    noop = reader.apply(again)  # already there: no versions, no bytes, only the check's pause
+    assert (noop.version, noop.previous, noop.applied_versions) == (2, 2, ())
+    assert (noop.payload_bytes, noop.audited, noop.unverified) == (0, False, ())
+    assert noop.fetch_seconds == again.fetch_seconds and noop.apply_seconds >= 0
 
 
 def test_a_prepared_version_can_be_abandoned_or_go_stale(chain):

@@ -348,21 +348,15 @@ class DeltaReader:
             raise StalePreparedError(
                 "this version was prepared by another DeltaReader; prepare it with this one"
             )
-        if not prepared._steps:  # already there; still take part in the group's stages
+        started = time.perf_counter()
+        if prepared._steps:
+            unverified, audited = self._apply(prepared, audit)
+        else:  # already there (no versions, no bytes); still take part in the group's stages
             with self.group.stage("checking its target"):
                 self._check_fresh(prepared)
             with self.group.stage("applying"):
                 pass
-            return SyncResult(
-                version=prepared.version,
-                previous=prepared.previous,
-                applied_versions=(),
-                payload_bytes=0,
-                fetch_seconds=prepared.fetch_seconds,
-                apply_seconds=0.0,
-            )
-        started = time.perf_counter()
-        unverified, audited = self._apply(prepared, audit)
+            unverified, audited = set(), False
         return SyncResult(
             version=prepared.version,
             previous=prepared.previous,
