@@ -1,14 +1,27 @@
 """Checks of ``dcr`` command-line values shared by the commands: each bad value is a click
-usage error (exit status 2, one line), found before any work starts."""
+usage error (exit status 2, one line), found before any work starts; and the options that
+``dcr_format.cli`` and ``dcr_format.cli_bench`` both declare."""
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+FORMAT_OPTION = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["human", "json"]),
+    default="human",
+    show_default=True,
+    help="Output for people or for programs.",
+)
 
 
 def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -28,6 +41,18 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
             f"directory {parent} does not exist; create it or write the file elsewhere"
         )
     return value
+
+
+def output_option(name: str, *, help: str, required: bool = False) -> Callable[[F], F]:
+    """An option naming a file to write, checked by :func:`output_file` (None: not given)."""
+    return click.option(
+        name,
+        type=click.Path(dir_okay=False),
+        callback=output_file,
+        required=required,
+        default=None,
+        help=help,
+    )
 
 
 def endpoint_url(value: str) -> str:

@@ -9,12 +9,19 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import click
 from pydantic import BaseModel
 
-from dcr_format._cli_params import endpoint_url, finite, one_line, output_file
+from dcr_format._cli_params import (
+    FORMAT_OPTION,
+    F,
+    endpoint_url,
+    finite,
+    one_line,
+    output_option,
+)
 from dcr_format.cli_bench import bench, project
 from dcr_format.errors import DcrError, VersionNotFoundError
 from dcr_format.store import Store
@@ -22,16 +29,8 @@ from dcr_format.store import Store
 if TYPE_CHECKING:
     from dcr_format.tools._inspect import ShowSort
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-FORMAT_OPTION = click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["human", "json"]),
-    default="human",
-    show_default=True,
-    help="Output for people or for programs.",
-)
+VERSION = click.IntRange(min=0)
+"""The type of every argument and option that names a version of the chain."""
 
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
@@ -110,6 +109,11 @@ def STORE_OPTION(command: F) -> F:
         callback=_remember,
         help="Write to a server that ignores conditional writes: only one writer may run.",
     )(command)
+
+
+def _version_option(*names: str, help: str, required: bool = False) -> Callable[[F], F]:
+    """An option naming a version of the chain (None: not given)."""
+    return click.option(*names, type=VERSION, default=None, required=required, help=help)
 
 
 def _default_cache() -> Path:
@@ -301,13 +305,7 @@ def publish(
     type=click.Path(file_okay=False),
     help="Checkpoint directory to keep.",
 )
-@click.option(
-    "--version",
-    "version",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Target version (default newest).",
-)
+@_version_option("--version", "version", help="Target version (default newest).")
 @click.option(
     "--wait",
     "wait",
@@ -434,7 +432,7 @@ def _gc_notes(report: Any) -> None:
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="Show only the newest N versions."
 )
-@click.option("--since", type=click.IntRange(min=0), default=None, help="Show versions from N on.")
+@_version_option("--since", help="Show versions from N on.")
 @FORMAT_OPTION
 def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> None:
     """One row per committed version (kind "delta+base": compacted, it has an alternative base)."""
@@ -477,7 +475,7 @@ def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> Non
 
 
 @cli.command()
-@click.argument("version", type=click.IntRange(min=0))
+@click.argument("version", type=VERSION)
 @STORE_OPTION
 @click.option("--top", type=click.IntRange(min=0), default=None, help="Only the N first rows.")
 @click.option(
@@ -528,8 +526,8 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
 
 
 @cli.command()
-@click.argument("a", type=click.IntRange(min=0))
-@click.argument("b", type=click.IntRange(min=0))
+@click.argument("a", type=VERSION)
+@click.argument("b", type=VERSION)
 @STORE_OPTION
 @click.option(
     "--exact",
@@ -576,7 +574,7 @@ def diff(
 
 
 @cli.command()
-@click.argument("version", type=click.IntRange(min=0))
+@click.argument("version", type=VERSION)
 @STORE_OPTION
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option(
@@ -612,12 +610,8 @@ def replay(
 
 @cli.command()
 @STORE_OPTION
-@click.option(
-    "--from", "start", type=click.IntRange(min=0), default=None, help="First version to check."
-)
-@click.option(
-    "--to", "end", type=click.IntRange(min=0), default=None, help="Last version to check."
-)
+@_version_option("--from", "start", help="First version to check.")
+@_version_option("--to", "end", help="Last version to check.")
 @click.option(
     "--deep",
     is_flag=True,
@@ -662,13 +656,7 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 
 @cli.command()
 @STORE_OPTION
-@click.option(
-    "--at",
-    "at",
-    type=click.IntRange(min=0),
-    required=True,
-    help="The version to write a base of.",
-)
+@_version_option("--at", "at", required=True, help="The version to write a base of.")
 @click.option(
     "--shard-mb",
     type=click.IntRange(min=1),
@@ -775,14 +763,8 @@ def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
 
 @cli.command()
 @STORE_OPTION
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(dir_okay=False),
-    callback=output_file,
-    help="PNG file to write.",
-)
-@click.option("--since", type=click.IntRange(min=0), default=None, help="Plot versions from N on.")
+@output_option("--out", required=True, help="PNG file to write.")
+@_version_option("--since", help="Plot versions from N on.")
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="Plot only the newest N versions."
 )

@@ -5,6 +5,7 @@ Both are plain click commands; ``dcr_format.cli`` adds them to the ``dcr`` group
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -16,16 +17,8 @@ from typing import Any
 
 import click
 
-from dcr_format._cli_params import finite, output_file
-
-_FORMAT = click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["human", "json"]),
-    default="human",
-    show_default=True,
-    help="Output for people or for programs.",
-)
+from dcr_format._cli_params import FORMAT_OPTION, F, finite, output_option
+from dcr_format.bench.projection import Scenario
 
 
 def _progress() -> Callable[[str], None]:
@@ -67,6 +60,43 @@ def _rates(
         return tuple(parse_rate(item) for item in value.split(","))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
+
+
+_AT_LEAST_ONE = click.IntRange(min=1)
+_POSITIVE = click.FloatRange(min=0, min_open=True)
+_CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
+    ("rollout_nodes", _AT_LEAST_ONE, None),
+    ("link_gbps", _POSITIVE, "Network limit of every node, each direction."),
+    ("trainer_nodes", _AT_LEAST_ONE, "Nodes that publish, each its share."),
+    (
+        "workers",
+        _AT_LEAST_ONE,
+        "Processes per node encoding or applying a share each (one per GPU).",
+    ),
+    ("store_gbps", click.FloatRange(min=0), "Aggregate object store bandwidth (0: no limit)."),
+    ("group_size", _AT_LEAST_ONE, None),
+    ("fanout", _AT_LEAST_ONE, None),
+    ("bytes_per_param", _POSITIVE, None),
+)
+"""``dcr project``'s options for the cluster, in ``--help`` order: (:class:`Scenario` field,
+type, help)."""
+
+
+def _cluster_options(command: F) -> F:
+    """An option per :data:`_CLUSTER` entry, named and defaulted as its Scenario field (a
+    float is also refused when not finite)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Scenario)}
+    for field, kind, text in reversed(_CLUSTER):  # the last decorator applied is listed first
+        command = click.option(
+            "--" + field.replace("_", "-"),
+            field,
+            type=kind,
+            callback=finite if isinstance(kind, click.FloatRange) else None,
+            default=defaults[field],
+            show_default=True,
+            help=text,
+        )(command)
+    return command
 
 
 PLOT_NAME = "dcr-bench.png"
@@ -119,28 +149,10 @@ def plot_path(out: str | None, png: str | None) -> str:
     help="Directory for the plot (dcr-bench.png); created if missing. "
     "Default: a new temporary directory, printed with the table.",
 )
-@click.option(
-    "--png",
-    type=click.Path(dir_okay=False),
-    callback=output_file,
-    default=None,
-    help="Write the plot to this file instead of OUT/dcr-bench.png.",
-)
-@click.option(
-    "--json-out",
-    type=click.Path(dir_okay=False),
-    callback=output_file,
-    default=None,
-    help="Also write the full result as JSON to this file.",
-)
-@click.option(
-    "--save-costs",
-    type=click.Path(dir_okay=False),
-    callback=output_file,
-    default=None,
-    help="Write the measured costs for `dcr project --costs`.",
-)
-@_FORMAT
+@output_option("--png", help="Write the plot to this file instead of OUT/dcr-bench.png.")
+@output_option("--json-out", help="Also write the full result as JSON to this file.")
+@output_option("--save-costs", help="Write the measured costs for `dcr project --costs`.")
+@FORMAT_OPTION
 def bench(
     sizes: tuple[float, ...] | None,
     rates: tuple[float, ...] | None,
@@ -196,46 +208,7 @@ def bench(
 @click.command()
 @click.option("--params", required=True, help="Model parameters: 1T, 120B, 7e9, ...")
 @click.option("--change", default="3%", show_default=True, help="Change rate per step.")
-@click.option("--rollout-nodes", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option(
-    "--link-gbps",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=finite,
-    default=5.0,
-    show_default=True,
-    help="Network limit of every node, each direction.",
-)
-@click.option(
-    "--trainer-nodes",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Nodes that publish, each its share.",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Processes per node encoding or applying a share each (one per GPU).",
-)
-@click.option(
-    "--store-gbps",
-    type=click.FloatRange(min=0),
-    callback=finite,
-    default=0.0,
-    show_default=True,
-    help="Aggregate object store bandwidth (0: no limit).",
-)
-@click.option("--group-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--fanout", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option(
-    "--bytes-per-param",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=finite,
-    default=2.0,
-    show_default=True,
-)
+@_cluster_options
 @click.option(
     "--costs",
     "costs_file",
@@ -243,26 +216,18 @@ def bench(
     default=None,
     help="Costs from `dcr bench --save-costs` (default: a short measurement now).",
 )
-@_FORMAT
+@FORMAT_OPTION
 def project(
     params: str,
     change: str,
-    rollout_nodes: int,
-    link_gbps: float,
-    trainer_nodes: int,
-    workers: int,
-    store_gbps: float,
-    group_size: int,
-    fanout: int,
-    bytes_per_param: float,
     costs_file: str | None,
     fmt: str,
+    **cluster: Any,
 ) -> None:
     """Project refit time (dense, dcr over S3, dcr relay tree) to a model and cluster size from
     measured costs, next to published reference points."""
     from dcr_format.bench.costs import Costs, quick_costs
     from dcr_format.bench.projection import (
-        Scenario,
         format_projection,
         parse_count,
         parse_rate,
@@ -283,18 +248,7 @@ def project(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="'--change'") from None
     try:
-        scenario = Scenario(
-            params=count,
-            change=rate,
-            rollout_nodes=rollout_nodes,
-            link_gbps=link_gbps,
-            trainer_nodes=trainer_nodes,
-            workers=workers,
-            store_gbps=store_gbps,
-            group_size=group_size,
-            fanout=fanout,
-            bytes_per_param=bytes_per_param,
-        )
+        scenario = Scenario(params=count, change=rate, **cluster)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     if costs_file is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -233,6 +234,35 @@ def test_projection_model():
     report = projection_report(Scenario(1e12, 0.2), costs)
     assert report["rate_outside_measured"] is True
     assert all(math.isfinite(e["total_s"]) for e in report["estimates"])
+
+
+def test_project_cluster_options_are_the_scenario_fields(tmp_path):
+    costs = tmp_path / "costs.json"
+    costs.write_text(_costs().to_json())
+    runner = CliRunner()
+
+    def scenario(*options: str) -> dict:
+        args = ["--params", "1T", *options, "--costs", str(costs), "--format", "json"]
+        result = runner.invoke(project_cmd, args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["scenario"]
+
+    assert scenario() == dataclasses.asdict(Scenario(params=1e12, change=0.03))
+    given = {
+        "rollout_nodes": 3,
+        "link_gbps": 2.5,
+        "trainer_nodes": 4,
+        "workers": 5,
+        "store_gbps": 6.5,
+        "group_size": 7,
+        "fanout": 3,
+        "bytes_per_param": 1.5,
+    }
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in given.items()]
+    assert scenario(*options) == dataclasses.asdict(Scenario(1e12, 0.03, **given))
+    for bad in ("--workers=0", "--link-gbps=0", "--link-gbps=nan", "--store-gbps=inf"):
+        result = runner.invoke(project_cmd, ["--params", "1T", bad, "--costs", str(costs)])
+        assert result.exit_code == 2, bad
 
 
 def test_codec_and_refit_scripts_are_thin_entry_points():
