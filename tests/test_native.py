@@ -616,3 +616,19 @@ def test_long_tensors_are_diffed_a_slab_at_a_time(width, monkeypatch):
     slabs = native.diff(moved, w, 11, (True, True), table, lanes, advance=True)
     assert all(np.array_equal(a, b) for a, b in zip(whole[0], slabs[0], strict=True))
     assert whole[1] == slabs[1] and np.array_equal(moved, w)
+
+
+@pytest.mark.parametrize("want", [(True, True), (False, True), (False, False)])
+def test_diff_gathers_the_outputs_of_many_tasks(want):
+    """Tensors past one task (16 blocks of 2^16 elements) are scanned by parallel tasks
+    that each write from their own offset; the gathered outputs are numpy's, in order,
+    with a task that found nothing in the middle."""
+    rng = np.random.default_rng(91)
+    old, new = changed_pair(3 * (16 << 16) + 777, 2, 0.01, rng)
+    new[(16 << 16) : 2 * (16 << 16)] = old[(16 << 16) : 2 * (16 << 16)]  # task 1: no change
+    o, w = old.numpy().view(np.uint16), new.numpy().view(np.uint16)
+    (pos, new_bits, xor_bits), _ = native.diff(o, w, 5, want, fp.native_table(2), 2)
+    where = np.flatnonzero(o != w)
+    assert np.array_equal(pos, where + 5)
+    assert np.array_equal(new_bits, w[where] if want[0] else w[:0])
+    assert np.array_equal(xor_bits, (o ^ w)[where] if want[1] else w[:0])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -107,21 +107,26 @@ def _combine(s0, s1, start, p):  # type: ignore[no-untyped-def]
 # --- full fingerprint pass --------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _row_span(r, first, n):  # type: ignore[no-untyped-def]
+    """Row ``r`` of a symbol run starting at flat index ``first``, ``n`` symbols long.
+
+    Returns the row's first flat index, the run's slice [lo, hi) inside the row and the
+    column of the slice's first symbol.
+    """
+    start = (first // _ROW + r) * _ROW
+    lo = max(start - first, 0)
+    hi = min(start + _ROW - first, n)
+    return start, lo, hi, lo + first - start
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
     """Per row of 2^16 flat indices: both lanes of 1- and 2-byte symbols, by table."""
-    n = sym.shape[0]
-    row0 = first // _ROW
     for r in prange(out.shape[0]):
-        start = (row0 + r) * _ROW
-        lo = max(start - first, 0)
-        hi = min(start + _ROW - first, n)
-        a0 = _ZERO
-        a1 = _ZERO
-        b0 = _ZERO
-        b1 = _ZERO
+        start, lo, hi, skip = _row_span(r, first, sym.shape[0])
         seg = sym[lo:hi]  # indices from range(len): numba drops its wrap-around checks
-        skip = lo + first - start
+        a0 = a1 = b0 = b1 = _ZERO
         for j in range(seg.shape[0]):
             t = np.uint64(seg[j])
             col = np.uint64(j + skip)
@@ -138,20 +143,10 @@ def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, parallel=True)
 def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
     """Per row of 2^16 flat indices: the lanes of 4- and 8-byte symbols, g computed."""
-    n = sym.shape[0]
-    row0 = first // _ROW
     for r in prange(out.shape[0]):
-        start = (row0 + r) * _ROW
-        lo = max(start - first, 0)
-        hi = min(start + _ROW - first, n)
-        a0 = _ZERO
-        a1 = _ZERO
-        b0 = _ZERO
-        b1 = _ZERO
-        c0 = _ZERO
-        c1 = _ZERO
+        start, lo, hi, skip = _row_span(r, first, sym.shape[0])
         seg = sym[lo:hi]
-        skip = lo + first - start
+        a0 = a1 = b0 = b1 = c0 = c1 = _ZERO
         for j in range(seg.shape[0]):
             v = np.uint64(seg[j])
             col = np.uint64(j + skip)
@@ -436,11 +431,12 @@ def diff(
     Tensors longer than ``SLAB`` elements go a slab at a time (the scratch each pass
     reserves is about seven times its slab's bytes, touched only where changes land).
     """
+    asked = _Asked(want, table, lanes, advance)
     n = old.shape[0]
     if n <= SLAB:
-        return _diff_slab(old, new, base, want, table, lanes, advance)
+        return _diff_slab(old, new, base, asked)
     parts = [
-        _diff_slab(old[lo : lo + SLAB], new[lo : lo + SLAB], base + lo, want, table, lanes, advance)
+        _diff_slab(old[lo : lo + SLAB], new[lo : lo + SLAB], base + lo, asked)
         for lo in range(0, n, SLAB)
     ]
     found = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(3))
@@ -449,15 +445,19 @@ def diff(
     return (found[0], found[1], found[2]), sums
 
 
+class _Asked(NamedTuple):
+    """What a diff computes besides the positions (the arguments of :func:`diff`)."""
+
+    want: tuple[bool, bool]
+    table: np.ndarray
+    lanes: int
+    advance: bool
+
+
 def _diff_slab(
-    old: np.ndarray,
-    new: np.ndarray,
-    base: int,
-    want: tuple[bool, bool],
-    table: np.ndarray,
-    lanes: int,
-    advance: bool,
+    old: np.ndarray, new: np.ndarray, base: int, asked: _Asked
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
+    want, table, lanes, advance = asked
     n = old.shape[0]
     blocks = -(-n // BLOCK)
     counts = np.zeros(blocks, dtype=np.int64)
@@ -493,23 +493,33 @@ def _diff_slab(
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _gather(source, target, starts, sizes, at):  # type: ignore[no-untyped-def]
+    """``target[at[c] : at[c] + sizes[c]] = source[starts[c] : starts[c] + sizes[c]]``,
+    the tasks copied in parallel."""
+    for c in prange(sizes.shape[0]):
+        target[at[c] : at[c] + sizes[c]] = source[starts[c] : starts[c] + sizes[c]]
+
+
 def _gather_tasks(
     scratch: tuple[np.ndarray, np.ndarray, np.ndarray], counts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The tasks' outputs, each at its task's first index of ``scratch``, side by side."""
     if counts.shape[0] == 0:
-        per_task = counts
+        sizes = counts
     else:
-        per_task = np.add.reduceat(counts, np.arange(0, counts.shape[0], _CHUNK_BLOCKS))
-    total = int(per_task.sum())
+        sizes = np.add.reduceat(counts, np.arange(0, counts.shape[0], _CHUNK_BLOCKS))
+    at = np.zeros(sizes.shape[0], dtype=np.int64)
+    np.cumsum(sizes[:-1], out=at[1:])
+    starts = np.arange(sizes.shape[0], dtype=np.int64) * (_CHUNK_BLOCKS * BLOCK)
+    total = int(sizes.sum())
+    if sizes.shape[0] == 1:  # one task wrote from index 0: its outputs are in place
+        return scratch[0][:total], scratch[1][:total], scratch[2][:total]
     out = tuple(np.empty(total if a.shape[0] else 0, dtype=a.dtype) for a in scratch)
-    at = 0
-    for c, size in enumerate(per_task.tolist()):
-        start = c * _CHUNK_BLOCKS * BLOCK
-        for source, target in zip(scratch, out, strict=True):
-            if source.shape[0]:
-                target[at : at + size] = source[start : start + size]
-        at += size
+    for source, target in zip(scratch, out, strict=True):
+        if target.shape[0]:
+            with _LOCK:
+                _gather(source, target, starts, sizes, at)
     return out[0], out[1], out[2]
 
 
@@ -629,20 +639,25 @@ def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
     widest_t = np.zeros(tasks, dtype=np.int64)
     head_t = np.zeros(tasks, dtype=np.int64)  # leading elements continuing the last run
     tail_t = np.zeros(tasks, dtype=np.int64)  # length of the task's last run (0: none)
-    best_t = np.zeros(tasks, dtype=np.int64)  # longest run that ends before the task's last
+    best_t = np.zeros(tasks, dtype=np.int64)  # longest run seen inside the task
     for t in prange(tasks):
         lo = t * _STATS_CHUNK
         hi = min(lo + _STATS_CHUNK, n)
         prev = pos[lo - 1] if lo > 0 else -1
+        i = lo
+        head = 0
+        while lo > 0 and i < hi and pos[i] == prev + 1:  # the run open before the task
+            prev = pos[i]
+            head += 1
+            i += 1
         s0 = s1 = s2 = s3 = s4 = s5 = 0
         runs = 0
         run = 0
-        best = 0
-        head = 0
+        best = 0  # may include the task's last run: the merge takes maxima, so that is safe
         widest = 0
-        for i in range(lo, hi):
-            gap = pos[i] - prev - 1
-            prev = pos[i]
+        for j in range(i, hi):  # branch-free: runs start at random places
+            gap = pos[j] - prev - 1
+            prev = pos[j]
             g = gap >> klo
             s0 += g
             s1 += g >> 1
@@ -650,15 +665,10 @@ def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
             s3 += g >> 3
             s4 += g >> 4
             s5 += g >> 5
-            if gap != 0 or i == 0:
-                if runs:
-                    best = max(best, run)
-                runs += 1
-                run = 1
-            elif runs:
-                run += 1
-            else:
-                head += 1
+            start = (gap != 0) | (j == 0)
+            runs += start
+            run = 1 if start else run + 1
+            best = max(best, run)
             widest = max(widest, gap)
         part[t, 0] = s0
         part[t, 1] = s1
@@ -670,7 +680,7 @@ def _rice_stats(pos, klo, khi, sums):  # type: ignore[no-untyped-def]
         widest_t[t] = widest
         head_t[t] = head
         best_t[t] = best
-        tail_t[t] = run if runs else 0
+        tail_t[t] = run
     longest = 0
     carry = 0  # length of the run open at the end of the tasks so far
     for t in range(tasks):
