@@ -62,6 +62,7 @@ from dcr_format._stores._base import (
     OutsideRoot,
     key_problem,
     retrying,
+    temporary_key_problem,
 )
 from dcr_format.errors import (
     CapabilityError,
@@ -98,6 +99,8 @@ _BACKEND_METHODS = (
     "list_info",
     "delete",
     "delete_many",
+    "list_temporary",
+    "delete_temporary",
 )
 
 
@@ -417,6 +420,49 @@ class Store:
         for key in checked:
             with self._translated(key, "delete"):
                 self._retried(functools.partial(self._backend.delete, key))
+
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        """The temporary files of writes that never finished (FORMAT.md §2.5), sorted by key.
+
+        Keys are relative to the root, their last segment starts with :data:`TEMP_PREFIX`;
+        sizes and times are the store's, as in :meth:`list_info`. A local store's are the
+        files a write killed before its rename leaves; an ``s3://`` store's the probe keys
+        of a process killed during :meth:`probe_conditional_writes`; other stores write none
+        (``[]``). Such keys are not object keys: only :meth:`delete_temporary` takes them.
+        """
+        self._require("listing", "listing")
+        with self._translated("", "list temporary files in", where=f"store {self.url}"):
+            found = self._retried(self._backend.list_temporary)
+        for info in found:
+            problem = temporary_key_problem(info.key)
+            if problem is not None:
+                raise StoreError(
+                    f"store {self.url} listed temporary file {info.key!r}, whose key is not "
+                    f"valid ({problem}); check the store backend"
+                )
+        return found
+
+    def delete_temporary(self, keys: Iterable[str]) -> None:
+        """Delete the named temporary files (keys from :meth:`list_temporary`; all are checked
+        before any is deleted). A missing one is not an error; a key that is not a temporary
+        file's raises ``InvalidKeyError``. Name no live write's file: pick files older than
+        any write takes (gc waits for its grace period)."""
+        checked = []
+        for key in keys:
+            problem = temporary_key_problem(key)
+            if problem is not None:
+                raise InvalidKeyError(
+                    f"invalid temporary file key {key!r} for store {self.url}: {problem}; "
+                    "pass keys that list_temporary returned"
+                )
+            checked.append(key)
+        if not checked:
+            return
+        self._writable("delete temporary files")
+        self._require("delete", "delete")
+        where = f"{len(checked)} temporary files in store {self.url}"
+        with self._translated(checked[0], "delete", where=where):
+            self._retried(lambda: self._backend.delete_temporary(checked))
 
 
 def open_store(store: Store | str | os.PathLike[str]) -> Store:

@@ -19,7 +19,7 @@ from dcr_format import DeltaWriter, Store
 from dcr_format.chain import Chain, attempt_prefix, utc_now
 from dcr_format.cli import cli
 from dcr_format.errors import InvalidKeyError, StoreError
-from dcr_format.store import ObjectInfo
+from dcr_format.store import TEMP_PREFIX, ObjectInfo
 from dcr_format.tools import _gc, gc
 
 pytestmark = pytest.mark.s3
@@ -96,6 +96,59 @@ def test_list_info_refuses_a_hostile_listing(
             store.list_info()
     finally:
         _GenericMemoryFileSystem.store.clear()
+
+
+# --- Store.list_temporary / delete_temporary ---------------------------------------------
+
+
+def test_every_backend_answers_for_its_temporary_files(any_store: Store) -> None:
+    any_store.put("a/b", b"1")
+    assert any_store.list_temporary() == []  # no write left one (an S3 probe deletes its own)
+    any_store.delete_temporary([f"a/{TEMP_PREFIX}gone"])  # none there: not an error
+    with pytest.raises(InvalidKeyError, match="not a temporary file"):
+        any_store.delete_temporary(["a/b"])
+    assert any_store.list() == ["a/b"]
+
+
+def test_local_temporary_files_are_the_regular_files_crashed_writes_left(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = Store(root)
+    store.put("a/x", b"1")
+    crashed = root / "a" / f"{TEMP_PREFIX}{'1' * 32}"
+    crashed.write_bytes(b"half")
+    os.utime(crashed, (1000.0, 1000.0))
+    (root / f"{TEMP_PREFIX}dir").mkdir()  # not a file of ours: never entered
+    (root / f"{TEMP_PREFIX}dir" / f"{TEMP_PREFIX}y").write_bytes(b"no")
+    outside = tmp_path / f"{TEMP_PREFIX}outside"
+    outside.write_bytes(b"not the store's")
+    (root / f"{TEMP_PREFIX}link").symlink_to(outside)  # a link is never one of ours
+    (root / "out").symlink_to(tmp_path)
+    when = datetime.fromtimestamp(1000, timezone.utc)
+    assert store.list_temporary() == [ObjectInfo(f"a/{crashed.name}", 4, when)]
+    store.delete_temporary([f"{TEMP_PREFIX}link"])
+    assert (root / f"{TEMP_PREFIX}link").is_symlink() and outside.exists()
+    with pytest.raises(InvalidKeyError, match="outside"):
+        store.delete_temporary([f"out/{outside.name}"])
+    with pytest.raises(InvalidKeyError, match="reserved for temporary files"):
+        store.delete_temporary([f"{TEMP_PREFIX}dir/{TEMP_PREFIX}y"])
+    store.delete_temporary([f"a/{crashed.name}"])
+    assert not crashed.exists() and outside.exists() and store.list_temporary() == []
+    assert store.list() == ["a/x"]
+
+
+def test_s3_reports_and_deletes_the_probe_keys_a_crashed_process_left(
+    moto_server: Any, moto_root: str
+) -> None:
+    store = Store(moto_root, storage_options=moto_server.storage_options())
+    store.put("a/b", b"1")
+    left = f"{TEMP_PREFIX}probe-{'0' * 32}"  # what a probe killed before its delete leaves
+    backend: Any = store._backend  # the S3 backend: its s3fs client writes past the Store
+    backend.fs.pipe_file(f"{backend.bucket}/{backend.root}{left}", b"1")
+    found = store.list_temporary()
+    assert [(i.key, i.size) for i in found] == [(left, 1)] and found[0].modified is not None
+    assert store.list() == ["a/b"]
+    store.delete_temporary([left])
+    assert store.list_temporary() == [] and store.list() == ["a/b"]
 
 
 # --- gc on the store's clock ---------------------------------------------------------------

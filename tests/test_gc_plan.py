@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from click.testing import CliRunner
@@ -20,11 +21,12 @@ from conftest import make_state, step_state
 from pydantic import ValidationError
 
 from dcr_format import DeltaWriter, Store
+from dcr_format._stores._memory import MemoryBackend
 from dcr_format.chain import Chain, attempt_prefix, commit_key
 from dcr_format.cli import cli
-from dcr_format.errors import ArgumentError, ChainBrokenError
+from dcr_format.errors import ArgumentError, ChainBrokenError, InvalidKeyError
 from dcr_format.store import TEMP_PREFIX, ObjectInfo
-from dcr_format.tools import verify
+from dcr_format.tools import gc, verify
 from dcr_format.tools._gc import (
     CLOCK_PROBE_PREFIX,
     GcOptions,
@@ -323,13 +325,46 @@ def test_execute_deletes_only_temporary_files_inside_a_local_store(tmp_path: Pat
     outside = tmp_path / f"{TEMP_PREFIX}outside"
     outside.write_bytes(b"not the store's")
     for key in (f"../{outside.name}", "objects/shard-00000-00000.dcrs"):
-        with pytest.raises(ArgumentError, match="not a temporary file"):
+        with pytest.raises(InvalidKeyError, match="invalid temporary file key"):
             execute(store, plan.model_copy(update={"temp_files": [key]}))
     execute(store, plan)
     assert not stale.exists() and outside.exists() and verify(store).ok
     memory = Store(f"memory://gc-plan-{uuid.uuid4().hex}")
     _publish(memory, 1)
     assert survey(Chain(memory), GcOptions(keep_last=1), StoreClock(NOW, "given")).temporary == ()
+
+
+class _LeftTemporaries(MemoryBackend):
+    """A memory backend that reports temporary files, as a local or S3 one does."""
+
+    def __init__(self, url: str, temporaries: Iterable[ObjectInfo]) -> None:
+        fs, path = fsspec.core.url_to_fs(url)
+        super().__init__(fs, path, single_writer=False)
+        self.temporaries = {i.key: i for i in temporaries}
+        self.deleted: list[str] = []
+
+    def list_temporary(self) -> list[ObjectInfo]:
+        return sorted(self.temporaries.values())
+
+    def delete_temporary(self, keys: list[str]) -> None:
+        self.deleted += keys
+        for key in keys:
+            self.temporaries.pop(key, None)
+
+
+def test_gc_finds_and_deletes_temporary_files_through_the_store_interface_alone() -> None:
+    now = datetime.now(timezone.utc)
+    stale = ObjectInfo(f"objects/{TEMP_PREFIX}{'1' * 32}", 4, now - 2 * HOUR)
+    young = ObjectInfo(f"{TEMP_PREFIX}probe-{'2' * 32}", 1, now - HOUR / 2)
+    backend = _LeftTemporaries(f"memory://gc-temporaries-{uuid.uuid4().hex}", [stale, young])
+    store = Store(backend)
+    assert store.local_root is None  # no directory to walk: only the interface knows them
+    _publish(store, 1)
+    report = gc(store, keep_last=1, dry_run=True, now=now)
+    assert report.temp_files == [stale.key] and backend.deleted == []
+    report = gc(store, keep_last=1, now=now)
+    assert report.temp_files == [stale.key] and backend.deleted == [stale.key]
+    assert store.list_temporary() == [young] and Chain(store).versions() == [0]
 
 
 def _paused_publish(store: Store) -> tuple[threading.Event, threading.Event, threading.Thread]:

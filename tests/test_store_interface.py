@@ -18,11 +18,13 @@ from test_store import _GenericMemoryFileSystem  # noqa: F401 (registers dcrtest
 
 import dcr_format
 from dcr_format._stores._base import (
+    TEMP_PREFIX,
     Backend,
     ObjectExists,
     ObjectInfo,
     ObjectTooLarge,
     RetryPolicy,
+    temporary_key_problem,
 )
 from dcr_format.errors import (
     CapabilityError,
@@ -79,6 +81,7 @@ def test_every_backend_implements_the_protocol(tmp_path: Path) -> None:
     data, methods = _protocol_members()
     assert data == ["kind", "local_root", "single_writer", "url"]
     assert {"capabilities", "retry", "list_info", "delete_many"} <= set(methods)
+    assert {"list_temporary", "delete_temporary"} <= set(methods)
     for kind, backend in _backends(tmp_path).items():
         assert backend.kind == kind
         for name in data:
@@ -165,6 +168,7 @@ class _DictBackend:
     def __init__(self, retry: RetryPolicy | None = None, failures: int = 0) -> None:
         self.url = "memory://dict"
         self.objects: dict[str, bytes] = {}
+        self.temporaries: dict[str, bytes] = {}  # what list_temporary reports
         self.retry = retry
         self.failures = failures  # the next requests that fail with ConnectionResetError
         self.calls: list[str] = []
@@ -218,6 +222,15 @@ class _DictBackend:
         for key in keys:
             self.delete(key)
 
+    def list_temporary(self) -> list[ObjectInfo]:
+        self._request("list_temporary")
+        return sorted(ObjectInfo(k, len(v), None) for k, v in self.temporaries.items())
+
+    def delete_temporary(self, keys: list[str]) -> None:
+        self._request("delete_temporary")
+        for key in keys:
+            self.temporaries.pop(key, None)
+
 
 def test_a_store_over_any_backend_checks_keys_limits_and_translates_errors() -> None:
     backend = _DictBackend()
@@ -236,6 +249,47 @@ def test_a_store_over_any_backend_checks_keys_limits_and_translates_errors() -> 
     assert store.list("a") == ["a/b"]
     store.delete_many(["a/b"])
     assert backend.objects == {}
+
+
+def test_temporary_files_go_through_the_store_with_their_own_key_rules() -> None:
+    backend = _DictBackend()
+    store = Store(backend)
+    stale, other = f"a/{TEMP_PREFIX}1", f"{TEMP_PREFIX}2"
+    backend.temporaries = {stale: b"half", other: b"x"}
+    assert store.list_temporary() == [ObjectInfo(other, 1, None), ObjectInfo(stale, 4, None)]
+    for key in ("a/b", f"{TEMP_PREFIX}d/x", f"../{TEMP_PREFIX}3", f"a//{TEMP_PREFIX}4", ""):
+        with pytest.raises(InvalidKeyError, match="invalid temporary file key"):
+            store.delete_temporary([stale, key])  # every key is checked before any deletion
+    assert set(backend.temporaries) == {stale, other}
+    with pytest.raises(InvalidKeyError):
+        store.get(stale)  # not an object key
+    backend.calls = []
+    store.delete_temporary([])
+    assert backend.calls == []  # nothing to delete: no request
+    store.delete_temporary([stale, f"b/{TEMP_PREFIX}gone"])  # a missing one is no error
+    assert backend.calls == ["delete_temporary"] and set(backend.temporaries) == {other}
+    backend.temporaries["a/b"] = b"not a temporary file"  # a broken or hostile backend
+    with pytest.raises(StoreError, match="listed temporary file 'a/b'"):
+        store.list_temporary()
+
+
+def test_temporary_key_rules() -> None:
+    assert temporary_key_problem(f"{TEMP_PREFIX}x") is None
+    assert temporary_key_problem(f"objects/1/{TEMP_PREFIX}{'0' * 32}") is None
+    assert "not a temporary file" in str(temporary_key_problem("objects/x"))
+    assert "not a temporary file" in str(temporary_key_problem(f"{TEMP_PREFIX}dir/x"))
+    assert temporary_key_problem(f"{TEMP_PREFIX}dir/{TEMP_PREFIX}x") is not None
+    assert temporary_key_problem(f"/{TEMP_PREFIX}x") is not None
+    assert temporary_key_problem(f"a/../{TEMP_PREFIX}x") is not None
+    assert temporary_key_problem(f"{TEMP_PREFIX}\x00") is not None
+    assert temporary_key_problem(3) is not None
+
+
+def test_a_relay_has_no_temporary_files_and_deletes_none(tmp_path: Path) -> None:
+    relay = RelayStore(Store(tmp_path / "r"), _one_member_group())
+    assert relay.list_temporary() == []
+    with pytest.raises(StoreError, match="read-only"):
+        relay.delete_temporary([f"{TEMP_PREFIX}x"])
 
 
 def test_the_store_retries_what_the_backends_policy_calls_transient() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "key_problem",
     "listed_size",
     "retrying",
+    "temporary_key_problem",
     "utc",
 ]
 
@@ -84,6 +85,21 @@ def key_problem(key: object) -> str | None:
         if segment.startswith(TEMP_PREFIX):
             return f"segments starting with {TEMP_PREFIX!r} are reserved for temporary files"
     return None
+
+
+def temporary_key_problem(key: object) -> str | None:
+    """Say what is wrong with ``key`` as a temporary file's key, or return None when it is one.
+
+    A temporary file's key is a valid key but for its last segment, which starts with
+    :data:`TEMP_PREFIX` (FORMAT.md §2.5): only temporary files are named so.
+    """
+    if not isinstance(key, str):
+        return key_problem(key)
+    name = key.rpartition("/")[2]
+    if not name.startswith(TEMP_PREFIX):
+        return f"its last segment does not start with {TEMP_PREFIX!r}: it is not a temporary file"
+    # every other rule is the key rules': the same key with a plain last segment must be valid
+    return key_problem(f"{key[: len(key) - len(name)]}t{name}")
 
 
 # --- what a backend can do and what it lists -----------------------------------------------
@@ -196,6 +212,13 @@ class Backend(Protocol):
 
     Keys are valid (checked by the Store); a listing ``prefix`` is '' or ends in '/'.
     Outcomes are reported with built-in exceptions or the signals of this module.
+
+    Temporary files (names starting with :data:`TEMP_PREFIX`, FORMAT.md §2.5) are not
+    objects: no key names one and no listing reports one. A backend that writes them (a
+    local store's write-then-rename, S3's conditional-write probe) reports the ones left
+    behind by writes that never finished in :meth:`list_temporary` and deletes them in
+    :meth:`delete_temporary`; a backend that writes none answers ``[]`` and deletes nothing.
+    gc finds and removes stale temporary files through these two alone.
     """
 
     url: str
@@ -256,6 +279,16 @@ class Backend(Protocol):
 
     def delete_many(self, keys: builtins.list[str]) -> None:
         """Delete every key (one request per batch where ``batch_delete``)."""
+        ...
+
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        """The temporary files under the root, sorted, with sizes and the store's times; keys
+        relative to the root, each valid by :func:`temporary_key_problem` ([] if none)."""
+        ...
+
+    def delete_temporary(self, keys: builtins.list[str]) -> None:
+        """Delete the named temporary files (keys valid by :func:`temporary_key_problem`);
+        a missing one is not an error, and nothing but a temporary file is deleted."""
         ...
 
 

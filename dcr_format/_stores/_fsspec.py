@@ -185,3 +185,9 @@ class FsspecBackend:
     def delete_many(self, keys: builtins.list[str]) -> None:
         for key in keys:
             self.delete(key)
+
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        return []  # every write is one pipe_file: no temporary file is ever left
+
+    def delete_temporary(self, keys: builtins.list[str]) -> None:
+        pass  # there are none (see list_temporary)

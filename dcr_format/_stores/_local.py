@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import PurePath
 
@@ -31,6 +31,7 @@ from dcr_format._stores._base import (
     OutsideRoot,
     RetryPolicy,
     key_problem,
+    temporary_key_problem,
 )
 
 __all__ = ["LocalBackend", "local_root"]
@@ -93,6 +94,21 @@ def _read_fd(fd: int, expected: int, limit: int | None) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _infos(found: Iterable[tuple[str, os.DirEntry[str]]]) -> builtins.list[ObjectInfo]:
+    """Sorted listing entries with each file's size and modification time (a symlink's:
+    its target's); entries deleted since their directory was read are left out."""
+    infos = []
+    for key, entry in found:
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            continue
+        when = datetime.fromtimestamp(st.st_mtime_ns / 1e9, timezone.utc)
+        infos.append(ObjectInfo(key, st.st_size, when))
+    infos.sort()
+    return infos
 
 
 class LocalBackend:
@@ -208,11 +224,11 @@ class LocalBackend:
             raise FileNotFoundError(errno.ENOENT, "not a regular file", path)
         return st.st_size
 
-    def _walk(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
-        """(key, entry) of every object under ``prefix``, in no particular order."""
-        real_root = self._real_root()
+    def _entries(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """(key, entry) of every entry under ``prefix`` that is not a directory, in no
+        particular order; symlinked directories and temporary-named ones are not entered."""
         start = os.path.join(self.root, prefix) if prefix else self.root
-        if prefix and not _is_within(os.path.realpath(start), real_root):
+        if prefix and not _is_within(os.path.realpath(start), self._real_root()):
             raise OutsideRoot
         pending = [(start, prefix)]
         while pending:
@@ -223,47 +239,63 @@ class LocalBackend:
                 continue
             with entries:
                 for entry in entries:
-                    if entry.name.startswith(TEMP_PREFIX):
-                        continue
                     key = rel + entry.name
                     # Symlinked directories are not followed (no loops, no escapes).
-                    if entry.is_dir(follow_symlinks=False):
-                        pending.append((entry.path, key + "/"))
-                        continue
-                    if not entry.is_file(follow_symlinks=False):
-                        if not entry.is_symlink():
-                            continue
-                        target = os.path.realpath(entry.path)
-                        if not (_is_within(target, real_root) and os.path.isfile(target)):
-                            continue
-                    if key_problem(key) is None:
+                    if not entry.is_dir(follow_symlinks=False):
                         yield key, entry
+                    elif not entry.name.startswith(TEMP_PREFIX):
+                        pending.append((entry.path, key + "/"))
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """(key, entry) of every object under ``prefix``, in no particular order."""
+        real_root = self._real_root()
+        for key, entry in self._entries(prefix):
+            if entry.name.startswith(TEMP_PREFIX):
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                if not entry.is_symlink():
+                    continue
+                target = os.path.realpath(entry.path)
+                if not (_is_within(target, real_root) and os.path.isfile(target)):
+                    continue
+            if key_problem(key) is None:
+                yield key, entry
 
     def list(self, prefix: str) -> builtins.list[str]:
         return sorted(key for key, _ in self._walk(prefix))
 
     def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
-        infos = []
-        for key, entry in self._walk(prefix):
-            try:
-                st = entry.stat()  # a symlink inside the root: its target's size and time
-            except FileNotFoundError:
-                continue  # deleted since the directory was read
-            when = datetime.fromtimestamp(st.st_mtime_ns / 1e9, timezone.utc)
-            infos.append(ObjectInfo(key, st.st_size, when))
-        infos.sort()
-        return infos
+        return _infos(self._walk(prefix))
 
-    def delete(self, key: str) -> None:
-        # Resolve only the parent: deleting a symlink removes the link, not its target.
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        """Temporary files of writes that never finished: regular files only (a symlink is
+        never one of ours), in directories that hold objects."""
+        return _infos(
+            (key, entry)
+            for key, entry in self._entries("")
+            if entry.is_file(follow_symlinks=False) and temporary_key_problem(key) is None
+        )
+
+    def _lexical(self, key: str) -> str:
+        """The path of ``key`` in its real parent directory (the last segment not resolved,
+        so a symlink there is the link itself); :class:`OutsideRoot` outside the root."""
         lexical = os.path.join(self.root, key)
         parent = os.path.realpath(os.path.dirname(lexical))
         if not _is_within(parent, self._real_root()):
             raise OutsideRoot
-        try:
-            os.unlink(os.path.join(parent, os.path.basename(lexical)))
-        except (FileNotFoundError, NotADirectoryError):
-            pass
+        return os.path.join(parent, os.path.basename(lexical))
+
+    def delete(self, key: str) -> None:
+        # Resolve only the parent: deleting a symlink removes the link, not its target.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(self._lexical(key))
+
+    def delete_temporary(self, keys: builtins.list[str]) -> None:
+        for key in keys:
+            path = self._lexical(key)
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                if stat.S_ISREG(os.lstat(path).st_mode):  # never a link or a directory
+                    os.unlink(path)
 
     def delete_many(self, keys: builtins.list[str]) -> None:
         for key in keys:

@@ -60,6 +60,7 @@ from dcr_format._stores._base import (
     key_problem,
     listed_size,
     retrying,
+    temporary_key_problem,
     utc,
 )
 
@@ -475,12 +476,23 @@ class S3Backend:
         return int(response["ContentLength"])
 
     def list(self, prefix: str) -> builtins.list[str]:
-        return [info.key for info in self._run(self._list, prefix)]
+        return [info.key for info in self._run(self._list, prefix, key_problem)]
 
     def list_info(self, prefix: str) -> builtins.list[ObjectInfo]:
-        return self._run(self._list, prefix)
+        return self._run(self._list, prefix, key_problem)
 
-    async def _list(self, prefix: str) -> builtins.list[ObjectInfo]:
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        """Probe keys of a process that died between its probe's writes and its delete (the
+        probe is the only temporary object, and it lies at the root)."""
+        return self._run(self._list, _PROBE_PREFIX, temporary_key_problem)
+
+    def delete_temporary(self, keys: builtins.list[str]) -> None:
+        self.delete_many(keys)
+
+    async def _list(
+        self, prefix: str, problem: Callable[[str], str | None]
+    ) -> builtins.list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` and ``problem`` finds valid."""
         # Straight from the server: no client-side listing cache can hide new objects.
         client = await self._client()
         under = self.root + prefix
@@ -493,7 +505,7 @@ class S3Backend:
                 if not name.startswith(under) or name.endswith("/"):
                     continue  # directory markers are not objects
                 key = name[len(self.root) :]
-                if key_problem(key) is None:
+                if problem(key) is None:
                     # The server's own clock: LastModified is set by S3, not by the writer.
                     modified = utc(item.get("LastModified"))
                     infos.append(ObjectInfo(key, listed_size(item.get("Size")), modified))

@@ -15,9 +15,11 @@ Two kinds of garbage:
   flight. Where the probe cannot be written, "now" is the newest time of any
   object gc listed (ages then err short: gc deletes less, never more). An
   object without a time is never deleted.
-- **temporary files of crashed writes** in a local store (``.dcr-tmp-*``, FORMAT.md
-  §2.5; a process killed while writing an object leaves one behind), when older
-  than the grace period.
+- **temporary files of crashed writes** (``.dcr-tmp-*``, FORMAT.md §2.5: a local
+  store's process killed while writing an object, an S3 store's killed during its
+  conditional-write probe), when older than the grace period. gc asks the store for
+  them (:meth:`Store.list_temporary`, :meth:`Store.delete_temporary`) and never
+  looks at a directory itself.
 - **the oldest versions**: gc keeps the newest ``keep_last`` versions, the
   newest base (a base version or an alternative base) at or before the oldest
   of them, ``keep_bases`` older bases, and every version after the oldest base
@@ -41,7 +43,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import Field
@@ -49,7 +51,7 @@ from pydantic import Field
 from dcr_format.bases import base_record_key, load_base, read_base_record
 from dcr_format.chain import Chain, commit_key, utc_now
 from dcr_format.errors import ArgumentError, CapabilityError, ChainBrokenError, DcrError
-from dcr_format.store import TEMP_PREFIX, ObjectInfo, Store, open_store
+from dcr_format.store import ObjectInfo, Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
 DEFAULT_GRACE = timedelta(hours=1)
@@ -100,8 +102,9 @@ class GcReport(Row):
     deleted_objects: int
     deleted_bytes: int
     temp_files: list[str] = Field(default_factory=list)
-    """Local stores: temporary files of crashed writes deleted (paths relative to the root;
-    with ``dry_run``: that would be), older than the grace period."""
+    """Temporary files of crashed writes deleted (keys relative to the root, from
+    :meth:`Store.list_temporary`; with ``dry_run``: that would be), older than the grace
+    period."""
     now: datetime | None = None
     """The store's time that ages were measured against (None: unknown, no age known)."""
     clock: ClockSource = "store"
@@ -282,7 +285,7 @@ def survey(chain: Chain, options: GcOptions, clock: StoreClock) -> GcSurvey:
         base_commits=frozenset(base_commits),
         committed_attempts=_committed_attempts(chain, versions, objects),
         base_records=_base_attempts(chain, alternatives),
-        temporary=tuple(_temporaries(store)),
+        temporary=tuple(store.list_temporary()),
         clock=clock,
     )
 
@@ -590,8 +593,7 @@ def execute(store: Store, plan: GcPlan) -> None:
     objects = [k for i in plan.deleted if i.kind not in ("version", "base") for k in i.keys]
     if objects:
         store.delete_many(objects)
-    if plan.temp_files:
-        _delete_temporaries(store, plan.temp_files)
+    store.delete_temporary(plan.temp_files)
 
 
 # --- the store's clock -------------------------------------------------------------------------
@@ -632,45 +634,3 @@ def _quietly(delete: Callable[..., None], keys: str | list[str]) -> None:
         delete(keys)
     except DcrError:
         pass
-
-
-# --- temporary files of crashed local writes ---------------------------------------------------
-# Store.list and check_key leave temporary files out of the key space, so gc finds and deletes
-# them in the local store's directory (Store.local_root; None for every other kind of store).
-
-
-def _temporaries(store: Store) -> list[ObjectInfo]:
-    """The temporary files (FORMAT.md §2.5) of a local store with their times; [] elsewhere."""
-    root = store.local_root
-    if root is None:
-        return []
-    found = []
-    for directory, _, names in os.walk(root):  # symlinked directories are not followed
-        for name in (n for n in names if n.startswith(TEMP_PREFIX)):
-            path = os.path.join(directory, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue  # renamed or removed by its writer meanwhile
-            key = os.path.relpath(path, root).replace(os.sep, "/")
-            when = datetime.fromtimestamp(st.st_mtime, timezone.utc)
-            found.append(ObjectInfo(key, st.st_size, when))
-    return sorted(found)
-
-
-def _delete_temporaries(store: Store, keys: Iterable[str]) -> None:
-    """Delete the named temporary files of a local store (nothing else, nothing outside it)."""
-    root = store.local_root
-    if root is None:
-        return
-    for key in keys:
-        parts = key.split("/")
-        if not parts[-1].startswith(TEMP_PREFIX) or {"", ".", ".."} & set(parts):
-            raise ArgumentError(f"{key!r} is not a temporary file's key; plan gc again")
-        path = os.path.join(root, *parts)
-        if os.path.islink(path):
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass  # renamed or removed by its writer meanwhile
