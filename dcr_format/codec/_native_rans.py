@@ -51,6 +51,31 @@ def decode(
     return out, nxt + 1, np.int64(x != np.uint64(0))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _varint_at(
+    buf: np.ndarray, pos: int, limit: int
+) -> tuple[np.uint64, int, int]:  # pragma: no cover - compiled
+    """One varint at ``pos``: (value, next position, error as in :func:`read_varints`)."""
+    value = np.uint64(0)
+    length = 0
+    while True:
+        if pos >= buf.size:
+            return value, pos, 1
+        if length == limit:
+            return value, pos, 2
+        byte = np.uint64(buf[pos])
+        part = byte & np.uint64(0x7F)
+        if length == 9 and part > np.uint64(1):
+            return value, pos, 4
+        value |= part << np.uint64(7 * length)
+        pos += 1
+        length += 1
+        if byte < np.uint64(0x80):
+            if byte == np.uint64(0) and length > 1:
+                return value, pos, 3
+            return value, pos, 0
+
+
 @njit(cache=True, nogil=True)
 def read_varints(
     buf: np.ndarray, offset: int, count: int, limit: int
@@ -60,24 +85,9 @@ def read_varints(
     out = np.zeros(count, dtype=np.uint64)
     pos = offset
     for j in range(count):
-        value = np.uint64(0)
-        length = 0
-        while True:
-            if pos >= buf.size:
-                return out, pos, 1
-            if length == limit:
-                return out, pos, 2
-            byte = np.uint64(buf[pos])
-            part = byte & np.uint64(0x7F)
-            if length == 9 and part > np.uint64(1):
-                return out, pos, 4
-            value |= part << np.uint64(7 * length)
-            pos += 1
-            length += 1
-            if byte < np.uint64(0x80):
-                if byte == np.uint64(0) and length > 1:
-                    return out, pos, 3
-                break
+        value, pos, err = _varint_at(buf, pos, limit)
+        if err:
+            return out, pos, err
         out[j] = value
     return out, pos, 0
 
@@ -144,29 +154,6 @@ def estimates(
             + width * all_counts[size]
         )
     return out
-
-
-@njit(cache=True, nogil=True)
-def _varint_at(buf: np.ndarray, pos: int, limit: int) -> tuple[np.uint64, int, int]:
-    """One varint: (value, next position, error as in :func:`read_varints`)."""  # pragma: no cover
-    value = np.uint64(0)
-    length = 0
-    while True:
-        if pos >= buf.size:
-            return value, pos, 1
-        if length == limit:
-            return value, pos, 2
-        byte = np.uint64(buf[pos])
-        part = byte & np.uint64(0x7F)
-        if length == 9 and part > np.uint64(1):
-            return value, pos, 4
-        value |= part << np.uint64(7 * length)
-        pos += 1
-        length += 1
-        if byte < np.uint64(0x80):
-            if byte == np.uint64(0) and length > 1:
-                return value, pos, 3
-            return value, pos, 0
 
 
 @njit(cache=True, nogil=True)
