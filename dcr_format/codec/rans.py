@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
 
 RANS = "rans"
@@ -319,11 +320,6 @@ def _constriction_model(freqs: np.ndarray, bits: int) -> Any:  # constriction ha
     return constriction.stream.model.Categorical((scaled - 1).astype(np.float64), perfect=False)
 
 
-def _planes(values: np.ndarray, width: int) -> bytes:
-    as_bytes = np.ascontiguousarray(values, dtype=UNSIGNED_NP[width]).view(np.uint8)
-    return np.ascontiguousarray(as_bytes.reshape(-1, width)[:, ::-1].T).tobytes()
-
-
 def encode_rans(values: np.ndarray, model: Model) -> bytes:
     """The ``rans`` stream of ``values`` (unsigned, at least one) under ``model``."""
     import constriction
@@ -335,7 +331,7 @@ def encode_rans(values: np.ndarray, model: Model) -> bytes:
     words = np.ascontiguousarray(coder.get_compressed(), dtype="<u4")
     escaped = values[symbols == model.table.size]
     return b"".join(
-        (model.header(width), _varint(int(words.size)), words.tobytes(), _planes(escaped, width))
+        (model.header(width), _varint(int(words.size)), words.tobytes(), to_planes(escaped))
     )
 
 
@@ -410,9 +406,7 @@ def _assemble(parsed: _Parsed, symbols: np.ndarray, count: int, width: int) -> n
         )
     out: np.ndarray = parsed.table[np.minimum(symbols, escape - 1)]
     if escaped:
-        planes = np.frombuffer(parsed.escapes, dtype=np.uint8).reshape(width, escaped)
-        raw = np.array(planes[::-1].T, order="C").view(UNSIGNED_NP[width]).reshape(escaped)
-        out[is_escape] = raw
+        out[is_escape] = from_planes(parsed.escapes, escaped, width)
     return out
 
 
@@ -513,7 +507,7 @@ def _encode_reference(values: np.ndarray, model: Model) -> bytes:
         words.append(state)
     escaped = values[np.asarray(symbols, dtype=np.int64) == model.table.size]
     packed = np.asarray(words, dtype="<u4").tobytes()
-    return model.header(width) + _varint(len(words)) + packed + _planes(escaped, width)
+    return model.header(width) + _varint(len(words)) + packed + to_planes(escaped)
 
 
 def _decode_reference(data: bytes | memoryview, *, count: int, width: int) -> np.ndarray:

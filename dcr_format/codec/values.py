@@ -27,6 +27,7 @@ import zstandard
 
 from dcr_format.codec import rans
 from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.errors import ArgumentError, ValuesError
 
 PLANES = "planes"
@@ -89,13 +90,6 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
     return tuple(sorted({CODING_FEATURES[c] for c in codings if c in CODING_FEATURES}))
 
 
-def _planes(bits: np.ndarray) -> bytes:
-    width = bits.dtype.itemsize
-    as_bytes = np.ascontiguousarray(bits, dtype=UNSIGNED_NP[width]).view(np.uint8)
-    planes = as_bytes.reshape(-1, width)[:, ::-1].T
-    return np.ascontiguousarray(planes).tobytes()
-
-
 def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> tuple[str, bytes]:
     """Encode an unsigned integer array (the exact bits); returns (coding, stream).
 
@@ -112,7 +106,7 @@ def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> 
     if width not in UNSIGNED_NP:
         raise ArgumentError(f"value width {width} is not one of 1, 2, 4, 8")
     bits = np.ascontiguousarray(bits).reshape(-1).view(UNSIGNED_NP[width])
-    planes = _planes(bits)
+    planes = to_planes(bits)
     if RANS in allowed and rans.worth_trying(bits):
         model, estimate = rans.choose_model(bits)
         if estimate < len(planes):
@@ -140,6 +134,4 @@ def decode_values(coding: str, data: bytes | memoryview, *, count: int, width: i
         raise ValuesError(
             f"value stream holds {len(data)} bytes, expected {count} values of {width} bytes"
         )
-    planes = np.frombuffer(data, dtype=np.uint8).reshape(width, count)
-    # np.array copies: for width 1 a contiguous view would alias the (read-only) input
-    return np.array(planes[::-1].T, order="C").view(UNSIGNED_NP[width]).reshape(count)
+    return from_planes(data, count, width)
