@@ -143,7 +143,7 @@ def test_edited_state_dict_is_refused_before_anything_changes(store_url, tmp_pat
     flip_bits(setup.target.tensors[name], torch.Generator().manual_seed(99), 1)
     before = setup.capture()
     applies = _count_applies(monkeypatch)
-    with pytest.raises(BaselineMismatchError):
+    with pytest.raises(BaselineMismatchError, match="not the bits of version 2; it was changed"):
         setup.reader().sync()
     assert applies == [0]
     setup.assert_unchanged(before)
@@ -171,7 +171,7 @@ def test_edited_unchanged_tensor_is_caught_by_verify_all(store_url, tmp_path):
     assert quiet, "the chain changed every tensor; pick another seed"
     flip_bits(setup.target.tensors[quiet[0]], torch.Generator().manual_seed(99), 1)
     before = setup.capture()
-    with pytest.raises(BaselineMismatchError):
+    with pytest.raises(BaselineMismatchError, match="not the bits of version 2; it was changed"):
         setup.reader(verify="all").sync(to=3)
     setup.assert_unchanged(before)
 
@@ -376,7 +376,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     # fingerprint_from_lanes
     monkeypatch.setattr(targets_module, "apply_change", apply_and_note)
     monkeypatch.setattr(reader_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
-    with pytest.raises(FingerprintMismatchError):
+    with pytest.raises(FingerprintMismatchError, match="after applying; the target was rolled"):
         setup.reader(verify=verify).sync()
     assert applied
     setup.assert_unchanged(before)

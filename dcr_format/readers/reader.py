@@ -713,27 +713,24 @@ class DeltaReader:
         # tensors a later base removed are gone, not checked
         selected = {n for n, row in final.items() if self._wants(n, row.dtype, row.shape)}
         check = selected if self.verify == "all" else sync.touched & selected
-        mismatch = "after applying; the target was rolled back: run `dcr verify` on the store"
+
+        def mismatch(name: str) -> FingerprintMismatchError:
+            return FingerprintMismatchError(
+                f"tensor {name!r} does not match version {version} after applying; the target "
+                "was rolled back: run `dcr verify` on the store"
+            )
+
         found: dict[str, tuple[int, ...]] = {}
         for name in sorted(check):
             row = final[name]
             if txn.spec(name) != (info_for(row.dtype).torch_dtype, row.shape):
-                raise FingerprintMismatchError(
-                    f"tensor {name!r} does not match version {version} {mismatch}"
-                )
+                raise mismatch(name)
             raw = txn.lanes(name) if self.verify == "all" else sync.lanes.get(name)
             if raw is None:
                 sync.unverified.add(name)  # the target cannot read it back (FORMAT.md §8.4)
             else:
                 found[name] = raw
-        bad, incomplete = _mismatches(txn, found, lambda n: _expected(final[n]))
-        if bad:
-            raise FingerprintMismatchError(
-                f"tensor {bad[0]!r} does not match version {version} {mismatch}"
-            )
-        sync.unverified |= incomplete
-        for name in incomplete:
-            del found[name]
+        sync.unverified |= _check_lanes(txn, found, final, mismatch)
         self._check_no_extra(txn, final, version)
         return found
 
@@ -805,15 +802,7 @@ class DeltaReader:
                 unverified.add(name)
             else:
                 raw[name] = value
-        bad, incomplete = _mismatches(txn, raw, lambda n: _expected(table[n]))
-        if bad:
-            raise BaselineMismatchError(
-                f"tensor {bad[0]!r} in the target is not the bits of version {version}; "
-                "it was changed outside dcr: pull into a fresh target"
-            )
-        unverified |= incomplete
-        for name in incomplete:
-            del raw[name]
+        unverified |= _check_lanes(txn, raw, table, lambda name: _not_resident(name, version))
         return raw, unverified
 
     def _check_baseline(
@@ -840,10 +829,7 @@ class DeltaReader:
         )
         first = plan.steps[0].version
         if bad:
-            raise BaselineMismatchError(
-                f"tensor {bad[0]!r} in the target is not the bits of version {first - 1}; "
-                "it was changed outside dcr: pull into a fresh target"
-            )
+            raise _not_resident(bad[0], first - 1)
         sync.unverified |= incomplete
         if audit_table is not None and plan.incremental:
             held = sync.txn.names()
@@ -880,6 +866,31 @@ def _check_spec(txn: Transaction, name: str, dtype: str, shape: tuple[int, ...])
 
 def _expected(row: TensorState) -> tuple[str, tuple[int, ...], str | None]:
     return row.dtype, row.shape, row.fingerprint
+
+
+def _not_resident(name: str, version: int) -> BaselineMismatchError:
+    """Tensor ``name`` in the target differs from resident version ``version``."""
+    return BaselineMismatchError(
+        f"tensor {name!r} in the target is not the bits of version {version}; "
+        "it was changed outside dcr: pull into a fresh target"
+    )
+
+
+def _check_lanes(
+    txn: Transaction,
+    raw: dict[str, tuple[int, ...]],
+    table: dict[str, TensorState],
+    mismatch: Callable[[str], IntegrityError],
+) -> set[str]:
+    """Check the lanes the target read (``raw``) against the fingerprints of ``table``;
+    raises ``mismatch(name)`` for the first tensor that differs. The names whose lanes
+    could not be completed are dropped from ``raw`` and returned (unverified)."""
+    bad, incomplete = _mismatches(txn, raw, lambda n: _expected(table[n]))
+    if bad:
+        raise mismatch(bad[0])
+    for name in incomplete:
+        del raw[name]
+    return incomplete
 
 
 def _mismatches(
