@@ -654,21 +654,7 @@ class Layout:
         """Local tensors cut from canonical tensors (what each local tensor holds of them;
         elements no piece places are zero). Locals whose canonical tensors are absent are
         left out. Conversions' outputs are included under their own names."""
-        out: dict[str, torch.Tensor] = {}
-        for piece in self.pieces:
-            source = canonical.get(piece.canonical)
-            if source is None:
-                continue
-            target = out.get(piece.local)
-            if target is None:
-                target = out[piece.local] = torch.zeros(
-                    piece.local_shape, dtype=source.dtype, device=source.device
-                )
-            local_idx, canonical_idx = piece.region()
-            dst = bits_view(target).reshape(-1)
-            src = bits_view(source.contiguous()).reshape(-1)
-            dst[local_idx.to(dst.device)] = src[canonical_idx.to(src.device)]
-        return out
+        return self._copy_pieces(canonical, {}, to_canonical=False)
 
     def gather(
         self, local: Mapping[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None
@@ -677,18 +663,33 @@ class Layout:
         :meth:`scatter`; gather every rank's locals into one dict to rebuild the full
         canonical state). Conversions are applied."""
         placed = self.local_tensors(local) if self.conversions else dict(local)
-        out = {} if into is None else into
+        return self._copy_pieces(placed, {} if into is None else into, to_canonical=True)
+
+    def _copy_pieces(
+        self,
+        sources: Mapping[str, torch.Tensor],
+        out: dict[str, torch.Tensor],
+        *,
+        to_canonical: bool,
+    ) -> dict[str, torch.Tensor]:
+        """Copy the bits of every piece whose tensor is in ``sources`` into its tensor on the
+        other side in ``out`` (made, as zeros, where absent): local to canonical tensors
+        (``to_canonical``) or canonical to local ones."""
         for piece in self.pieces:
-            tensor = placed.get(piece.local)
-            if tensor is None:
+            if to_canonical:
+                source, name, shape = sources.get(piece.local), piece.canonical, piece.shape
+            else:
+                source, name, shape = sources.get(piece.canonical), piece.local, piece.local_shape
+            if source is None:
                 continue
-            target = out.get(piece.canonical)
+            target = out.get(name)
             if target is None:
-                target = out[piece.canonical] = torch.zeros(
-                    piece.shape, dtype=tensor.dtype, device=tensor.device
-                )
+                target = out[name] = torch.zeros(shape, dtype=source.dtype, device=source.device)
             local_idx, canonical_idx = piece.region()
+            into_idx, from_idx = (
+                (canonical_idx, local_idx) if to_canonical else (local_idx, canonical_idx)
+            )
             dst = bits_view(target).reshape(-1)
-            src = bits_view(tensor.contiguous()).reshape(-1)
-            dst[canonical_idx.to(dst.device)] = src[local_idx.to(src.device)]
+            src = bits_view(source.contiguous()).reshape(-1)
+            dst[into_idx.to(dst.device)] = src[from_idx.to(src.device)]
         return out
