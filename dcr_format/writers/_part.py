@@ -18,8 +18,10 @@ from typing import Literal, Protocol
 import torch
 
 from dcr_format.chain import Chain, LoadedRecord, TensorState, sha256_hex, shard_key
+from dcr_format.codec.delta import EncodedTensor
+from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.shard import encode_shard
-from dcr_format.schema import Entry, Manifest, ShardRef
+from dcr_format.schema import Entry, Manifest, PositionsRef, ShardRef, ValuesRef
 from dcr_format.store import Store
 
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -32,6 +34,43 @@ def pairs(tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
         yield from tensors.items()
     else:
         yield from tensors
+
+
+def encoded_entry(
+    name: str,
+    tensor: torch.Tensor,
+    encoded: EncodedTensor,
+    index: int,
+    add: Callable[[str, bytes], int],
+    fingerprint: str,
+    parent_fingerprint: str | None,
+) -> Entry:
+    """The manifest entry of tensor ``name`` coded as ``encoded``, the ``index``-th entry of
+    its manifest: ``add(key, stream)`` queues each of its streams and returns the index of
+    the shard it lands in (:meth:`ShardWriter.add`)."""
+    positions = values = None
+    if encoded.positions is not None:
+        assert encoded.positions_coding is not None
+        key = f"{index}.p"
+        positions = PositionsRef(
+            shard=add(key, encoded.positions), key=key, coding=encoded.positions_coding
+        )
+    if encoded.values is not None:
+        assert encoded.values_coding is not None
+        key = f"{index}.v"
+        values = ValuesRef(shard=add(key, encoded.values), key=key, coding=encoded.values_coding)
+    return Entry(
+        name=name,
+        dtype=info_for(tensor.dtype).name,
+        shape=tuple(tensor.shape),
+        op=encoded.op,
+        changed=encoded.changed,
+        positions=positions,
+        values=values,
+        encoded_bytes=encoded.nbytes,
+        fingerprint=fingerprint,
+        parent_fingerprint=parent_fingerprint,
+    )
 
 
 class ShardWriter:

@@ -80,9 +80,7 @@ from dcr_format.schema import (
     Entry,
     Manifest,
     ManifestRef,
-    PositionsRef,
     Stats,
-    ValuesRef,
     check_tensor_name,
 )
 from dcr_format.store import Store, open_store
@@ -94,7 +92,14 @@ from dcr_format.writers._commit import (
     read_reader_records,
     require_atomic_create,
 )
-from dcr_format.writers._part import Attempt, Part, ShardWriter, Tensors, Written, pairs
+from dcr_format.writers._part import (
+    Attempt,
+    Part,
+    Tensors,
+    Written,
+    encoded_entry,
+    pairs,
+)
 from dcr_format.writers._projection import ProjectionPart
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
@@ -599,8 +604,11 @@ class CanonicalPart:
             ):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
+                parent = self._fingerprints.get(name) if encoded.op != FULL else None
                 entries.append(
-                    self._entry(name, tensor, encoded, fingerprint, len(entries), shards)
+                    encoded_entry(
+                        name, tensor, encoded, len(entries), shards.add, fingerprint, parent
+                    )
                 )
                 shards.maybe_flush()
                 pending[name] = _Pending(
@@ -674,41 +682,6 @@ class CanonicalPart:
         assert delta.positions is not None
         old_bits = bits_view(old).reshape(-1)[delta.positions]
         return lanes_after_change(base, delta.positions, old_bits, delta.values)
-
-    def _entry(
-        self,
-        name: str,
-        tensor: torch.Tensor,
-        encoded: EncodedTensor,
-        fingerprint: str,
-        index: int,
-        shards: ShardWriter,
-    ) -> Entry:
-        positions = values = None
-        if encoded.positions is not None:
-            assert encoded.positions_coding is not None
-            key = f"{index}.p"
-            positions = PositionsRef(
-                shard=shards.add(key, encoded.positions), key=key, coding=encoded.positions_coding
-            )
-        if encoded.values is not None:
-            assert encoded.values_coding is not None
-            key = f"{index}.v"
-            values = ValuesRef(
-                shard=shards.add(key, encoded.values), key=key, coding=encoded.values_coding
-            )
-        return Entry(
-            name=name,
-            dtype=info_for(tensor.dtype).name,
-            shape=tuple(tensor.shape),
-            op=encoded.op,
-            changed=encoded.changed,
-            positions=positions,
-            values=values,
-            encoded_bytes=encoded.nbytes,
-            fingerprint=fingerprint,
-            parent_fingerprint=self._fingerprints.get(name) if encoded.op != FULL else None,
-        )
 
     # --- advance --------------------------------------------------------------------------
 
