@@ -14,12 +14,14 @@ import click
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+SHOW_DEFAULTS: dict[str, Any] = {"show_default": True}
+"""The context settings of every ``dcr`` command: ``--help`` shows each option's default."""
+
 FORMAT_OPTION = click.option(
     "--format",
     "fmt",
     type=click.Choice(["human", "json"]),
     default="human",
-    show_default=True,
     help="Output for people or for programs.",
 )
 
@@ -41,6 +43,13 @@ def output_file(ctx: click.Context, param: click.Parameter, value: str | None) -
             f"directory {parent} does not exist; create it or write the file elsewhere"
         )
     return value
+
+
+def directory_option(name: str, *, help: str, required: bool = False) -> Callable[[F], F]:
+    """An option naming a directory (one that need not exist yet; None: not given)."""
+    return click.option(
+        name, type=click.Path(file_okay=False), required=required, default=None, help=help
+    )
 
 
 def output_option(name: str, *, help: str, required: bool = False) -> Callable[[F], F]:

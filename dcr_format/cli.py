@@ -16,7 +16,9 @@ from pydantic import BaseModel
 
 from dcr_format._cli_params import (
     FORMAT_OPTION,
+    SHOW_DEFAULTS,
     F,
+    directory_option,
     endpoint_url,
     finite,
     one_line,
@@ -239,7 +241,7 @@ class _Group(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=_Group, name="dcr")
+@click.group(cls=_Group, name="dcr", context_settings=SHOW_DEFAULTS)
 @click.version_option(package_name="dcr-format")
 def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
@@ -259,10 +261,8 @@ cli.add_command(project)
     default=None,
     help="Write a full base every K versions.",
 )
-@click.option(
+@directory_option(
     "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
     help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
 )
 @FORMAT_OPTION
@@ -298,20 +298,13 @@ def publish(
 
 @cli.command()
 @STORE_OPTION
-@click.option(
-    "--into",
-    "into",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Checkpoint directory to keep.",
-)
+@directory_option("--into", required=True, help="Checkpoint directory to keep.")
 @_version_option("--version", "version", help="Target version (default newest).")
 @click.option(
     "--wait",
     "wait",
     type=click.FloatRange(min=0),
     default=300.0,
-    show_default=True,
     help="Seconds to wait while another sync holds the directory (0: refuse at once).",
 )
 @FORMAT_OPTION
@@ -483,7 +476,6 @@ def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> Non
     "sort_key",
     type=click.Choice(["bytes", "changed", "name"]),
     default="bytes",
-    show_default=True,
     help="Order of the tensor rows.",
 )
 @FORMAT_OPTION
@@ -576,11 +568,9 @@ def diff(
 @cli.command()
 @click.argument("version", type=VERSION)
 @STORE_OPTION
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
-@click.option(
+@directory_option("--out", required=True, help="Directory to write.")
+@directory_option(
     "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
     help="Replay cache (default: $DCR_CACHE_DIR or ~/.cache/dcr); it keeps the newest version "
     "replayed, so a later version starts from it.",
 )
@@ -661,7 +651,6 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
     "--shard-mb",
     type=click.IntRange(min=1),
     default=32,
-    show_default=True,
     help="Shard size limit before compression.",
 )
 @FORMAT_OPTION
@@ -696,13 +685,11 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     "--keep-bases",
     type=click.IntRange(min=0),
     default=0,
-    show_default=True,
     help="Also keep B older bases (and the versions after them) for late replays.",
 )
 @click.option(
     "--grace",
     default="1h",
-    show_default=True,
     callback=_duration,
     help="Delete uncommitted attempts only when their newest object is older (30s, 15m, 2h, "
     "7d); keep it well above the writers' commit timeout.",
@@ -768,7 +755,7 @@ def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="Plot only the newest N versions."
 )
-@click.option("--dpi", type=click.IntRange(min=10), default=100, show_default=True)
+@click.option("--dpi", type=click.IntRange(min=10), default=100)
 @FORMAT_OPTION
 def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""
@@ -792,14 +779,11 @@ def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int,
     default=None,
     help="Store to publish into (default: a new temporary directory).",
 )
-@click.option(
-    "--steps", type=click.IntRange(min=1), default=10, show_default=True, help="Training steps."
-)
+@click.option("--steps", type=click.IntRange(min=1), default=10, help="Training steps.")
 @click.option(
     "--size",
     type=click.Choice(["tiny", "small", "medium"]),
     default="small",
-    show_default=True,
     help="Model size.",
 )
 @click.option(

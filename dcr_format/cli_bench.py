@@ -17,7 +17,14 @@ from typing import Any
 
 import click
 
-from dcr_format._cli_params import FORMAT_OPTION, F, finite, output_option
+from dcr_format._cli_params import (
+    FORMAT_OPTION,
+    SHOW_DEFAULTS,
+    F,
+    directory_option,
+    finite,
+    output_option,
+)
 from dcr_format.bench.projection import Scenario
 
 
@@ -93,7 +100,6 @@ def _cluster_options(command: F) -> F:
             type=kind,
             callback=finite if isinstance(kind, click.FloatRange) else None,
             default=defaults[field],
-            show_default=True,
             help=text,
         )(command)
     return command
@@ -120,7 +126,7 @@ def plot_path(out: str | None, png: str | None) -> str:
     return str(Path(out) / PLOT_NAME)
 
 
-@click.command()
+@click.command(context_settings=SHOW_DEFAULTS)
 @click.option(
     "--sizes",
     callback=_sizes,
@@ -142,10 +148,8 @@ def plot_path(out: str | None, png: str | None) -> str:
 @click.option("--reps", type=click.IntRange(min=1), default=None, help="Timing repetitions (3).")
 @click.option("--quick", is_flag=True, help="CI smoke run: an 8 MB model, about a minute.")
 @click.option("--no-s3", is_flag=True, help="Skip the JuiceFS S3 gateway (local store only).")
-@click.option(
+@directory_option(
     "--out",
-    type=click.Path(file_okay=False),
-    default=None,
     help="Directory for the plot (dcr-bench.png); created if missing. "
     "Default: a new temporary directory, printed with the table.",
 )
@@ -205,9 +209,9 @@ def bench(
         sys.exit(1)
 
 
-@click.command()
+@click.command(context_settings=SHOW_DEFAULTS)
 @click.option("--params", required=True, help="Model parameters: 1T, 120B, 7e9, ...")
-@click.option("--change", default="3%", show_default=True, help="Change rate per step.")
+@click.option("--change", default="3%", help="Change rate per step.")
 @_cluster_options
 @click.option(
     "--costs",

@@ -168,3 +168,18 @@ def test_pull_waits_for_or_refuses_a_directory_another_sync_holds(tmp_path):
     assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1
     assert "is being synced by another process" in result.output
     assert "is at version 0" in _run("pull", "--store", store, "--into", str(into))
+
+
+def test_help_shows_the_default_of_every_option_that_has_one() -> None:
+    import click
+
+    from dcr_format.cli_bench import project
+
+    runs = [(command, cli, [name, "--help"]) for name, command in cli.commands.items()]
+    runs.append((project, project, ["--help"]))  # also when run on its own, outside the group
+    for command, entry, args in runs:
+        text = " ".join(CliRunner().invoke(entry, args).output.split())
+        options = [p for p in command.params if isinstance(p, click.Option) and not p.hidden]
+        given = [p.to_info_dict()["default"] for p in options]
+        defaults = [d for d in given if d is not None and d is not False]  # 0.0 is a default
+        assert text.count("[default: ") == len(defaults) > 0, (args, text)
