@@ -320,27 +320,16 @@ def shard(
     replicas: int = 1,
 ) -> list[Piece]:
     """Tensor-parallel shard ``rank`` of ``size`` along ``dim`` (column-parallel: dim 0 of a
-    weight; row-parallel: dim 1)."""
-    shape = tuple(shape)
-    dim = dim % len(shape)
-    chunk = _split(shape[dim], size, name)
-    local_shape = (*shape[:dim], chunk, *shape[dim + 1 :])
-    start = [0] * len(shape)
-    start[dim] = rank * chunk
-    return [
-        block(
-            local or name,
-            local_shape,
-            name,
-            shape,
-            sizes=local_shape,
-            canonical_start=start,
-            part=rank if size > 1 else 0,
-            parts=size,
-            replica=replica,
-            replicas=replicas,
-        )
-    ]
+    weight; row-parallel: dim 1): a :func:`fused` local tensor of one canonical tensor."""
+    return fused(
+        local or name,
+        [(name, shape)],
+        dim=dim,
+        rank=rank,
+        size=size,
+        replica=replica,
+        replicas=replicas,
+    )
 
 
 def fused(
