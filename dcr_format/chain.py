@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
+    DcrError,
     ObjectExistsError,
     ObjectNotFoundError,
     SchemaError,
@@ -137,15 +138,20 @@ class Chain:
     def header(self) -> StoreHeader:
         """The store header (``dcr.json``); raises if the store holds no chain."""
         if self._header is None:
-            try:
-                data = self.store.get(HEADER_KEY, max_size=MAX_HEADER_BYTES)
-            except ObjectNotFoundError:
-                raise StoreNotInitializedError(
-                    f"{self.store.url} holds no dcr chain (no dcr.json); publish to it first "
-                    "or check the store URL"
-                ) from None
+            missing = StoreNotInitializedError(
+                f"{self.store.url} holds no dcr chain (no dcr.json); publish to it first "
+                "or check the store URL"
+            )
+            data = self._get(HEADER_KEY, MAX_HEADER_BYTES, missing)
             self._header = parse(StoreHeader, data, what=f"{self.store.url}/{HEADER_KEY}")
         return self._header
+
+    def _get(self, key: str, max_size: int, missing: DcrError) -> bytes:
+        """The bytes of ``key``; ``missing`` is raised when the store has no such object."""
+        try:
+            return self.store.get(key, max_size=max_size)
+        except ObjectNotFoundError:
+            raise missing from None
 
     def exists(self) -> bool:
         """Whether the store holds a chain header."""
@@ -191,13 +197,11 @@ class Chain:
     def record(self, version: int) -> LoadedRecord:
         """Load and validate version ``version``'s commit record."""
         key = commit_key(version)
-        try:
-            data = self.store.get(key, max_size=MAX_RECORD_BYTES)
-        except ObjectNotFoundError:
-            raise VersionNotFoundError(
-                f"version {version} is not committed in {self.store.url}; "
-                "run `dcr log` to see the committed versions"
-            ) from None
+        missing = VersionNotFoundError(
+            f"version {version} is not committed in {self.store.url}; "
+            "run `dcr log` to see the committed versions"
+        )
+        data = self._get(key, MAX_RECORD_BYTES, missing)
         record = parse(CommitRecord, data, what=key)
         self.check_record(record, version)
         return LoadedRecord(record, sha256_hex(data), len(data))

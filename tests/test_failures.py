@@ -402,7 +402,7 @@ def test_store_without_chain_is_refused(tmp_path, root):
     if root == "empty":
         url.mkdir()
     target = StateDictTarget({})
-    with pytest.raises(StoreNotInitializedError):
+    with pytest.raises(StoreNotInitializedError, match=r"no dcr chain \(no dcr.json\); publish"):
         DeltaReader(url, target).sync()
     assert target.tensors == {} and target.resident() is None
 
@@ -411,6 +411,8 @@ def test_chain_without_commits_is_refused(store_url):
     assert DeltaWriter(store_url).version is None  # opening creates the header only
     with pytest.raises(VersionNotFoundError):
         DeltaReader(store_url, StateDictTarget({})).sync()
+    with pytest.raises(VersionNotFoundError, match=r"version 0 is not committed in .*dcr log"):
+        Chain(Store(store_url)).record(0)
 
 
 def test_target_of_another_chain_is_refused(store_url, tmp_path, kind):
