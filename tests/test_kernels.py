@@ -41,7 +41,6 @@ from dcr_format.codec.dtypes import info_for  # noqa: E402
 from dcr_format.cuda import dispatch, reference  # noqa: E402
 from dcr_format.cuda.pipeline import DeviceDiffPipeline, encode_stream  # noqa: E402
 from dcr_format.cuda.positions import (  # noqa: E402
-    decode_delta_to,
     decode_positions_split,
     decode_positions_to,
 )
@@ -396,7 +395,7 @@ def test_split_position_decoding_refuses_what_the_host_refuses(monkeypatch):
         assert got == want, (coding, data.hex(), count, numel)
 
 
-def test_decode_delta_to_matches_decode_delta(triton_mode):
+def test_decode_delta_onto_a_device_matches_the_host_decode(triton_mode):
     gen = torch.Generator().manual_seed(3)
     old = torch.randn(4000, generator=gen).bfloat16()
     new = old.clone()
@@ -410,7 +409,7 @@ def test_decode_delta_to_matches_decode_delta(triton_mode):
             "values": (enc.values_coding, enc.values),
         }
         host = decode_delta(enc.op, info, new.numel(), enc.changed, **streams)
-        dev = decode_delta_to(DEVICE, enc.op, info, new.numel(), enc.changed, **streams)
+        dev = decode_delta(enc.op, info, new.numel(), enc.changed, **streams, device=DEVICE)
         assert dev.op == host.op
         assert _same(dev.positions, host.positions) and _same(dev.values, host.values)
         target = old.clone().to(DEVICE)

@@ -22,9 +22,10 @@ import torch
 import zstandard
 
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
-from dcr_format.codec.positions import decode_positions, encode_positions
+from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.values import decode_values, encode_values
 from dcr_format.cuda import dispatch
+from dcr_format.cuda.positions import decode_positions_to
 from dcr_format.cuda.reference import Diff
 from dcr_format.errors import TargetError
 
@@ -160,18 +161,27 @@ def decode_delta(
     *,
     positions: tuple[str, bytes | memoryview] | None,
     values: tuple[str, bytes | memoryview] | None,
+    device: torch.device | str = "cpu",
 ) -> DecodedDelta:
-    """Decode an entry's streams (both already checked to exist); hostile input is refused."""
+    """Decode an entry's streams (both already checked to exist) onto ``device``; hostile
+    input is refused.
+
+    The streams are parsed and checked on the host. For another device the value planes
+    are copied over (pinned, asynchronously on CUDA) and the positions are expanded there
+    (:func:`dcr_format.cuda.positions.decode_positions_to`).
+    """
+    device = torch.device(device)
     if changed == 0:
-        empty = torch.empty(0, dtype=info.bits_dtype)
-        return DecodedDelta(op, torch.empty(0, dtype=torch.int64), empty)
+        empty = torch.empty(0, dtype=info.bits_dtype, device=device)
+        return DecodedDelta(op, torch.empty(0, dtype=torch.int64, device=device), empty)
     assert values is not None
-    vals = numpy_to_bits(decode_values(values[0], values[1], count=changed, width=info.width), info)
+    host = numpy_to_bits(decode_values(values[0], values[1], count=changed, width=info.width), info)
+    vals = dispatch.to_device(host, device)
     if op == FULL:
         return DecodedDelta(op, None, vals)
     assert positions is not None
-    pos = decode_positions(positions[0], positions[1], count=changed, numel=numel)
-    return DecodedDelta(op, torch.from_numpy(pos), vals)
+    pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
+    return DecodedDelta(op, pos, vals)
 
 
 @dataclass(frozen=True)

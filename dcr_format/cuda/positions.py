@@ -11,8 +11,8 @@ the checks that need the running sum of gaps run on the device before the
 positions are returned. The result equals ``decode_positions`` bit for bit, and both
 refuse the same streams with :class:`~dcr_format.errors.PositionsError`.
 
-:func:`decode_delta_to` is :func:`dcr_format.codec.delta.decode_delta` with the
-change decoded straight onto a device (a reader whose target lives on a GPU).
+:func:`dcr_format.codec.delta.decode_delta` decodes an entry onto a device through
+:func:`decode_positions_to` (a reader whose target lives on a GPU).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dcr_format.codec.delta import FULL, DecodedDelta
-from dcr_format.codec.dtypes import DtypeInfo, numpy_to_bits
 from dcr_format.codec.positions import (
     RANGES,
     RICE,
@@ -29,7 +27,6 @@ from dcr_format.codec.positions import (
     ranges_runs,
     rice_gaps,
 )
-from dcr_format.codec.values import decode_values
 from dcr_format.cuda import dispatch
 from dcr_format.errors import PositionsError
 
@@ -90,37 +87,7 @@ def decode_positions_to(
     return decode_positions_split(coding, data, count=count, numel=numel, device=device)
 
 
-def decode_delta_to(
-    device: torch.device | str,
-    op: str,
-    info: DtypeInfo,
-    numel: int,
-    changed: int,
-    *,
-    positions: tuple[str, bytes | memoryview] | None,
-    values: tuple[str, bytes | memoryview] | None,
-) -> DecodedDelta:
-    """:func:`~dcr_format.codec.delta.decode_delta` with positions and values on ``device``.
-
-    The value planes are decoded on the host and copied over (pinned, asynchronously
-    on CUDA); positions are expanded on the device (see the module docstring).
-    """
-    device = torch.device(device)
-    if changed == 0:
-        empty = torch.empty(0, dtype=info.bits_dtype, device=device)
-        return DecodedDelta(op, torch.empty(0, dtype=torch.int64, device=device), empty)
-    assert values is not None
-    host = numpy_to_bits(decode_values(values[0], values[1], count=changed, width=info.width), info)
-    vals = dispatch.to_device(host, device)
-    if op == FULL:
-        return DecodedDelta(op, None, vals)
-    assert positions is not None
-    pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
-    return DecodedDelta(op, pos, vals)
-
-
 __all__ = [
-    "decode_delta_to",
     "decode_positions_split",
     "decode_positions_to",
 ]
