@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from dcr_format.bases import alternative_bases
 from dcr_format.chain import Chain, LoadedRecord
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row
+from dcr_format.writers.writer import CommitInfo
 
 
 class LogRow(Row):
@@ -31,25 +34,32 @@ class LogRow(Row):
     """Whether an alternative base of this version exists (``dcr compact``)."""
 
 
+def fields_from(model: type[BaseModel], source: object) -> dict[str, Any]:
+    """The fields of ``model`` that ``source`` has too, with ``source``'s values: a row made
+    from a summary that exists already (a commit's :class:`CommitInfo`, a manifest entry)
+    takes them from it instead of copying them one by one."""
+    return {name: getattr(source, name) for name in model.model_fields if hasattr(source, name)}
+
+
 def log_row(loaded: LoadedRecord, *, compacted: bool = False) -> LogRow:
-    """Summarise one commit record."""
-    r = loaded.record
-    s = r.stats
+    """Summarise one commit record: its :class:`CommitInfo`, its parent and writer ranks."""
+    record = loaded.record
     return LogRow(
-        version=r.version,
-        kind=r.kind,
-        parent=r.parent,
-        step=r.step,
-        created=r.created,
-        change_rate=s.changed_elements / s.total_elements if s.total_elements else 0.0,
-        changed_elements=s.changed_elements,
-        total_elements=s.total_elements,
-        payload_bytes=s.payload_bytes,
-        dense_bytes=s.dense_bytes,
-        ratio=s.payload_bytes / s.dense_bytes if s.dense_bytes else 0.0,
-        writer_ranks=r.world_size,
+        **fields_from(LogRow, CommitInfo.from_record(record)),
+        parent=record.parent,
+        writer_ranks=record.world_size,
         compacted=compacted,
     )
+
+
+def records(chain: Chain, *, since: int | None, limit: int | None) -> list[LoadedRecord]:
+    """The commit records of the committed versions ``>= since``, then of the newest
+    ``limit`` of those, oldest first (one small GET each, 8 at a time)."""
+    versions = [v for v in chain.versions() if since is None or v >= since]
+    if limit is not None:
+        versions = versions[-limit:] if limit > 0 else []
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(chain.record, versions))
 
 
 def log(
@@ -61,13 +71,9 @@ def log(
     """
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # a store without a chain is an error, not an empty log
-    versions = [v for v in chain.versions() if since is None or v >= since]
-    if limit is not None:
-        versions = versions[-limit:] if limit > 0 else []
-    compacted = set(alternative_bases(chain.store)) if versions else set()
-    with ThreadPoolExecutor(8) as pool:  # one small GET per version
-        records = list(pool.map(chain.record, versions))
-    return [log_row(r, compacted=r.record.version in compacted) for r in records]
+    loaded = records(chain, since=since, limit=limit)
+    compacted = set(alternative_bases(chain.store)) if loaded else set()
+    return [log_row(r, compacted=r.record.version in compacted) for r in loaded]
 
 
 class TensorRow(Row):
@@ -138,15 +144,7 @@ def show(
                 )
                 continue
             merged[e.name] = TensorRow(
-                name=e.name,
-                dtype=e.dtype,
-                shape=tuple(e.shape),
-                op=e.op,
-                changed=e.changed,
-                encoded_bytes=e.encoded_bytes,
-                share=e.encoded_bytes / total,
-                rank=manifest.rank,
-                pieces=1,
+                **fields_from(TensorRow, e), share=e.encoded_bytes / total, rank=manifest.rank
             )
     rows = list(merged.values())
     rows.sort(key=_SORT_KEYS[sort])

@@ -12,6 +12,8 @@ from dcr_format.chain import Chain
 from dcr_format.errors import CapabilityError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
+from dcr_format.tools._inspect import fields_from, records
+from dcr_format.writers.writer import CommitInfo
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
 
@@ -50,24 +52,14 @@ def plot_data(
     """Per version sizes and change rates, and change rate by layer (reads every manifest)."""
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
-    versions = [v for v in chain.versions() if since is None or v >= since]
-    if limit is not None:
-        versions = versions[-limit:] if limit > 0 else []
+    loaded_records = records(chain, since=since, limit=limit)
     with ThreadPoolExecutor(8) as pool:
-        records = list(pool.map(chain.record, versions))
-        manifests = list(pool.map(chain.manifests, records))
+        manifests = list(pool.map(chain.manifests, loaded_records))
     columns = []
     per_row: list[dict[str, tuple[int, int]]] = []
-    for loaded, version_manifests in zip(records, manifests, strict=True):
-        r, s = loaded.record, loaded.record.stats
+    for loaded, version_manifests in zip(loaded_records, manifests, strict=True):
         columns.append(
-            PlotVersion(
-                version=r.version,
-                kind=r.kind,
-                payload_bytes=s.payload_bytes,
-                dense_bytes=s.dense_bytes,
-                change_rate=s.changed_elements / s.total_elements if s.total_elements else 0.0,
-            )
+            PlotVersion(**fields_from(PlotVersion, CommitInfo.from_record(loaded.record)))
         )
         changed: dict[str, int] = defaultdict(int)
         shapes: dict[str, tuple[int, ...]] = {}
