@@ -40,13 +40,26 @@ EXPAND_BLOCK = 1024
 _WARPS = 4
 
 
-@triton.jit(do_not_specialize=["n"])
-def _count_kernel(old_ptr, new_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+@triton.jit
+def _block(n, BLOCK: tl.constexpr):
+    """This program's block: its id, its ``BLOCK`` int64 element indices, and which are < n."""
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inside = offs < n
+    return pid, offs, offs < n
+
+
+@triton.jit
+def _load_pair(old_ptr, new_ptr, n, BLOCK: tl.constexpr):
+    """:func:`_block`, and the old and new bits of its elements (0 past ``n``)."""
+    pid, offs, inside = _block(n, BLOCK)
     a = tl.load(old_ptr + offs, mask=inside, other=0)
     b = tl.load(new_ptr + offs, mask=inside, other=0)
+    return pid, offs, a, b
+
+
+@triton.jit(do_not_specialize=["n"])
+def _count_kernel(old_ptr, new_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+    pid, _, a, b = _load_pair(old_ptr, new_ptr, n, BLOCK)
     count = tl.sum((a != b).to(tl.int32), axis=0)
     tl.store(counts_ptr + pid, count)
 
@@ -65,11 +78,7 @@ def _compact_kernel(
     WRITE_NEW: tl.constexpr,
     WRITE_XOR: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inside = offs < n
-    a = tl.load(old_ptr + offs, mask=inside, other=0)
-    b = tl.load(new_ptr + offs, mask=inside, other=0)
+    pid, offs, a, b = _load_pair(old_ptr, new_ptr, n, BLOCK)
     changed = a != b
     flags = changed.to(tl.int32)
     dest = tl.load(starts_ptr + pid) + (tl.cumsum(flags, axis=0) - flags).to(tl.int64)
@@ -92,9 +101,7 @@ def _scatter_kernel(
     IS_XOR: tl.constexpr,
     SAVE: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offs = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inside = offs < m
+    _, offs, inside = _block(m, BLOCK)
     index = tl.load(pos_ptr + offs, mask=inside, other=0) - base
     values = tl.load(val_ptr + offs, mask=inside, other=0)
     if IS_XOR or SAVE:
@@ -108,9 +115,7 @@ def _scatter_kernel(
 
 @triton.jit(do_not_specialize=["count", "runs", "steps"])
 def _expand_kernel(starts_ptr, firsts_ptr, out_ptr, count, runs, steps, BLOCK: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    inside = i < count
+    _, i, inside = _block(count, BLOCK)
     # the run of output i: the last r with firsts[r] <= i (firsts[0] == 0), by binary search
     lo = tl.zeros([BLOCK], dtype=tl.int64)
     hi = tl.zeros([BLOCK], dtype=tl.int64) + runs
