@@ -388,22 +388,19 @@ class TensorChange:
     """One tensor of a version as its manifests give it: a whole entry, or its pieces combined.
 
     ``fingerprint`` is the whole tensor's (for pieces: from the summed lanes),
-    ``parent_fingerprint`` likewise (None when the tensor is written ``full``).
+    ``parent_fingerprint`` likewise (None when the tensor is written ``full``), ``changed``
+    the elements the version writes (summed over pieces).
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     full: bool
+    changed: int
     fingerprint: str
     parent_fingerprint: str | None
     rank: int
     pieces: tuple[tuple[int, Entry], ...]  # (rank, entry) in piece order; () for a whole entry
-
-    @property
-    def changed(self) -> int:
-        """Elements the version writes (summed over pieces)."""
-        return sum(e.changed for _, e in self.pieces)
 
 
 def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
@@ -430,6 +427,7 @@ def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
                     entry.dtype,
                     tuple(entry.shape),
                     entry.op == "full",
+                    entry.changed,
                     entry.fingerprint,
                     entry.parent_fingerprint if entry.op != "full" else None,
                     manifest.rank,
@@ -469,10 +467,11 @@ def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
         numel = 1
         for dim in shape:
             numel *= dim
-        if full and sum(e.changed for _, e in ordered) != numel:
+        changed = sum(e.changed for _, e in ordered)
+        if full and changed != numel:
             raise SchemaError(
-                f"the full pieces of tensor {name!r} hold {sum(e.changed for _, e in ordered)} "
-                f"elements, not its {numel}: the writers' regions overlap or leave a gap"
+                f"the full pieces of tensor {name!r} hold {changed} elements, not its "
+                f"{numel}: the writers' regions overlap or leave a gap"
             )
         after = add_lanes(*(e.piece.lanes_after for _, e in ordered if e.piece is not None))
         before = None
@@ -487,6 +486,7 @@ def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
             first.dtype,
             shape,
             full,
+            changed,
             fingerprint_from_lanes(torch_dtype, shape, after),
             before,
             ordered[0][0],

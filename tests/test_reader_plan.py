@@ -7,6 +7,7 @@ plan made, so nothing in it can come from a store.
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import pytest
@@ -139,6 +140,17 @@ def test_a_step_lists_every_shard_with_its_size_and_sha256():
     assert changed[NORM] == 3 and changed["model.layers.1.mlp.up_proj.weight"] == 3
     assert changed["lm_head.weight"] == 0
     assert all(not t.full for t in step.tensors)
+
+
+def test_a_base_step_lists_each_wanted_tensor_once_as_a_full_change():
+    _, metadata = _published(2)
+    step = _plan(metadata, 0, base=True)
+    entries = [e for m in metadata[0][1] for e in m.entries]
+    assert [t.name for t in step.tensors] == [e.name for e in entries]
+    for tensor, entry in zip(step.tensors, entries, strict=True):
+        assert tensor.full and tensor.parent_fingerprint is None
+        assert (tensor.changed, tensor.fingerprint) == (math.prod(entry.shape), entry.fingerprint)
+    assert plan_checks([step]).baseline == {}
 
 
 def test_a_target_that_takes_nothing_fetches_nothing():

@@ -13,8 +13,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
-from dcr_format.chain import LoadedRecord, TensorState, table_fingerprint, tensor_changes
-from dcr_format.codec.delta import FULL
+from dcr_format.chain import (
+    LoadedRecord,
+    TensorChange,
+    TensorState,
+    table_fingerprint,
+    tensor_changes,
+)
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.shard import positions_bound, shard_decoded_bound
 from dcr_format.codec.values import CODING_FEATURES
@@ -60,18 +65,6 @@ class DecodeJob:
 
 
 @dataclass(frozen=True)
-class TensorPlan:
-    """One target tensor's change in one version, pieces combined (FORMAT.md §4.8)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    full: bool
-    changed: int  # elements a non-full change touches (0: the tensor is unchanged)
-    parent_fingerprint: str | None
-
-
-@dataclass(frozen=True)
 class FetchPlan:
     """What one version fetches for a target: the entries it takes (manifest order) and
     the decode jobs of their shards."""
@@ -94,7 +87,7 @@ class StepPlan:
     table: dict[str, TensorState]
     base: bool  # a full snapshot: a base version, or the alternative base of a delta version
     fetch: FetchPlan
-    tensors: tuple[TensorPlan, ...]  # each wanted tensor's change, pieces combined
+    tensors: tuple[TensorChange, ...]  # each wanted tensor's change, pieces combined
     metadata_bytes: int  # the manifests' stored bytes
 
     @property
@@ -117,7 +110,7 @@ class Checks:
     a delta changes before any full write of them (those deltas land on the resident bits).
     """
 
-    baseline: dict[str, TensorPlan]
+    baseline: dict[str, TensorChange]
     changing: frozenset[str]
 
 
@@ -221,7 +214,7 @@ def plan_fetch(manifests: list[Manifest], *, wants: Wants, max_shard_bytes: int)
 
 def plan_checks(steps: Collection[StepPlan]) -> Checks:
     """The baseline checks of a plan (see :class:`Checks`)."""
-    baseline: dict[str, TensorPlan] = {}
+    baseline: dict[str, TensorChange] = {}
     changing: set[str] = set()
     rewritten: set[str] = set()
     for step in steps:
@@ -236,34 +229,10 @@ def plan_checks(steps: Collection[StepPlan]) -> Checks:
 
 def _tensors(
     wanted: tuple[tuple[Manifest, Entry], ...], manifests: list[Manifest]
-) -> tuple[TensorPlan, ...]:
-    """Each wanted tensor once, in order of first listing, pieces combined."""
-    pieced = any(entry.piece is not None for _, entry in wanted)
-    combined = tensor_changes(manifests) if pieced else {}
-    changed: dict[str, int] = {}
-    order: list[Entry] = []
-    for _, entry in wanted:
-        if entry.name not in changed:
-            order.append(entry)
-            changed[entry.name] = 0
-        if entry.op != FULL:
-            changed[entry.name] += entry.changed
-    out: list[TensorPlan] = []
-    for entry in order:
-        whole = combined.get(entry.name) if entry.piece is not None else None
-        full = whole.full if whole is not None else entry.op == FULL
-        parent = whole.parent_fingerprint if whole is not None else entry.parent_fingerprint
-        out.append(
-            TensorPlan(
-                entry.name,
-                entry.dtype,
-                tuple(entry.shape),
-                full,
-                changed[entry.name],
-                None if full else parent,
-            )
-        )
-    return tuple(out)
+) -> tuple[TensorChange, ...]:
+    """Each wanted tensor's change once, in order of first listing, pieces combined."""
+    changes = tensor_changes(manifests)
+    return tuple(changes[name] for name in dict.fromkeys(entry.name for _, entry in wanted))
 
 
 def _jobs(
