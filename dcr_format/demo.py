@@ -12,6 +12,7 @@ from dcr_format.codec.dtypes import bits_view
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.store import Store
+from dcr_format.tools._inspect import fields_from
 from dcr_format.toymodel import Trainer
 from dcr_format.writers.writer import DeltaWriter
 
@@ -19,7 +20,8 @@ DEFAULT_LR = 1e-6  # an RL-like rate: about 1% of bf16 elements change per step
 
 
 class DemoRow(BaseModel):
-    """One published and pulled version of the demo."""
+    """One published and pulled version of the demo (the fields it shares with
+    :class:`~dcr_format.CommitInfo` are the publish's)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -73,12 +75,8 @@ def run_demo(
         result = reader.sync()
         rows.append(
             DemoRow(
-                version=info.version,
-                kind=info.kind,
-                change_rate=info.change_rate,
+                **fields_from(DemoRow, info),
                 delta_bytes=info.payload_bytes,
-                dense_bytes=info.dense_bytes,
-                ratio=info.ratio,
                 publish_s=published - started,
                 pull_s=result.fetch_seconds,
                 apply_s=result.apply_seconds,
