@@ -253,6 +253,9 @@ def test_verify_reports_missing_versions_and_a_truncated_start(local: Store) -> 
     local.delete(commit_key(3))
     report = verify(local)
     assert [(p.version, p.error) for p in report.problems] == [(3, "VersionNotFoundError")]
+    (missing,) = report.problems
+    assert (missing.key, missing.check) == (commit_key(3), "link")
+    assert missing.message.startswith("version 3 is missing from the chain")
     local.delete(commit_key(0))
     local.delete(commit_key(1))
     local.delete(commit_key(2))
@@ -260,6 +263,9 @@ def test_verify_reports_missing_versions_and_a_truncated_start(local: Store) -> 
     local.delete(commit_key(4))
     truncated = verify(local)  # 5 is left alone, a delta without a base: nothing can start
     assert [(p.version, p.check) for p in truncated.problems] == [(5, "link")]
+    (start,) = truncated.problems
+    assert (start.key, start.error) == (commit_key(5), "ChainBrokenError")
+    assert "neither a base nor has an alternative base" in start.message
 
 
 # --- replay -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dcr_format.chain import (
     state_table,
     table_fingerprint,
 )
-from dcr_format.errors import ChainBrokenError, DcrError
+from dcr_format.errors import ChainBrokenError, DcrError, VersionNotFoundError
 from dcr_format.readers.reader import DeltaReader, _check_continuity
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Manifest
@@ -88,16 +88,11 @@ def verify(
         high = min(committed[-1], end if end is not None else committed[-1])
         for v in range(low, high + 1):
             if v not in have:
-                problems.append(
-                    Problem(
-                        version=v,
-                        key=commit_key(v),
-                        error="VersionNotFoundError",
-                        message=f"version {v} is missing from the chain (versions after it "
-                        "cannot be replayed from an older base); restore it",
-                        check="link",
-                    )
+                missing = VersionNotFoundError(
+                    f"version {v} is missing from the chain (versions after it cannot be "
+                    "replayed from an older base); restore it"
                 )
+                problems.append(Problem.of(v, commit_key(v), missing, "link"))
     previous: LoadedRecord | None = None
     previous_table: dict[str, TensorState] | None = None
     if versions and versions[0] - 1 in have:  # the first version's link into the range
@@ -110,17 +105,12 @@ def verify(
         if loaded is not None and version == committed[0] and version > 0:
             # the oldest remaining version of a truncated chain: readers start there
             if loaded.record.kind != "base" and version not in alternatives:
-                problems.append(
-                    Problem(
-                        version=version,
-                        key=commit_key(version),
-                        error="ChainBrokenError",
-                        message=f"version {version} is the oldest left in the chain but is "
-                        "neither a base nor has an alternative base: no reader can start "
-                        "there; restore the older versions or compact it",
-                        check="link",
-                    )
+                unreachable = ChainBrokenError(
+                    f"version {version} is the oldest left in the chain but is neither a base "
+                    "nor has an alternative base: no reader can start there; restore the older "
+                    "versions or compact it"
                 )
+                problems.append(Problem.of(version, commit_key(version), unreachable, "link"))
         if loaded is not None and version in alternatives:
             _check_alternative(chain, loaded, problems, counts)
         previous, previous_table = loaded, table
