@@ -493,28 +493,24 @@ def experts(
     per_rank = _split(len(names), size, local)
     inner = (shape[1], shape[0]) if transpose else shape
     local_shape = (per_rank, *inner)
-    pieces = []
-    for i in range(per_rank):
-        name = names[rank * per_rank + i]
-        local_strides = _row_major(local_shape)
-        strides = local_strides[1:]
-        if transpose:
-            strides = (strides[1], strides[0])
-        pieces.append(
-            Piece(
-                local,
-                local_shape,
-                name,
-                shape,
-                View(i * local_strides[0], shape, strides),
-                View(0, shape, _row_major(shape)),
-                0,
-                1,
-                replica,
-                replicas,
-            )
+    local_strides = _row_major(local_shape)
+    strides = local_strides[1:]
+    if transpose:
+        strides = (strides[1], strides[0])
+    canonical_view = View(0, shape, _row_major(shape))  # each expert's tensor, whole
+    return [
+        Piece(
+            local,
+            local_shape,
+            name,
+            shape,
+            View(i * local_strides[0], shape, strides),
+            canonical_view,
+            replica=replica,
+            replicas=replicas,
         )
-    return pieces
+        for i, name in enumerate(names[rank * per_rank : (rank + 1) * per_rank])
+    ]
 
 
 def converted(
