@@ -22,19 +22,35 @@ class DtypeInfo:
     safetensors: str  # the safetensors dtype code of a checkpoint holding this dtype
 
 
-_INFOS = (
-    DtypeInfo("bool", torch.bool, 1, torch.uint8, "BOOL"),
-    DtypeInfo("uint8", torch.uint8, 1, torch.uint8, "U8"),
-    DtypeInfo("int8", torch.int8, 1, torch.uint8, "I8"),
-    DtypeInfo("int16", torch.int16, 2, torch.int16, "I16"),
-    DtypeInfo("int32", torch.int32, 4, torch.int32, "I32"),
-    DtypeInfo("int64", torch.int64, 8, torch.int64, "I64"),
-    DtypeInfo("float16", torch.float16, 2, torch.int16, "F16"),
-    DtypeInfo("bfloat16", torch.bfloat16, 2, torch.int16, "BF16"),
-    DtypeInfo("float32", torch.float32, 4, torch.int32, "F32"),
-    DtypeInfo("float64", torch.float64, 8, torch.int64, "F64"),
-    DtypeInfo("float8_e4m3fn", torch.float8_e4m3fn, 1, torch.uint8, "F8_E4M3"),
-    DtypeInfo("float8_e5m2", torch.float8_e5m2, 1, torch.uint8, "F8_E5M2"),
+_BITS_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer view of each width that xor and compare work on (signed but for bytes)."""
+
+_SAFETENSORS = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+"""Every dtype the format carries, with its safetensors code; its format name is torch's
+(``torch.bfloat16``: ``bfloat16``), its width torch's item size."""
+
+_INFOS = tuple(
+    DtypeInfo(
+        str(dtype).removeprefix("torch."),
+        dtype,
+        dtype.itemsize,
+        _BITS_DTYPES[dtype.itemsize],
+        code,
+    )
+    for dtype, code in _SAFETENSORS.items()
 )
 
 BY_NAME: dict[str, DtypeInfo] = {info.name: info for info in _INFOS}
