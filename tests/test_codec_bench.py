@@ -60,3 +60,28 @@ def test_table_renders(quick_result: dict) -> None:
     table = _load_bench().format_table(quick_result)
     assert "vs bound" in table and "xor/ovw" in table
     assert len(table.splitlines()) > len(quick_result["rows"]) + 2
+
+
+def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None:
+    import torch
+
+    from dcr_format import DeltaWriter, Store
+    from dcr_format.bench.codec import _encode_all, _shard_streams, manifest_bytes
+    from dcr_format.chain import Chain
+    from dcr_format.codec.shard import encode_shard
+
+    gen = torch.Generator().manual_seed(0)
+    old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}
+    new = {name: t.clone() for name, t in old.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        where = torch.randint(0, flat.numel(), (200,), generator=gen)
+        flat[where] = (flat[where].float() * 1.01).bfloat16()
+    store = Store("memory://codec-bench-manifest-bytes")
+    writer = DeltaWriter(store)
+    writer.publish(old)
+    writer.publish(new)
+    (uploaded,) = Chain(store).record(1).record.manifests  # one rank, one shard
+    encoded = _encode_all(old, new, "xor")
+    stored, decoded = encode_shard(_shard_streams(encoded))
+    assert manifest_bytes(encoded, new, stored=len(stored), decoded=decoded) == uploaded.size

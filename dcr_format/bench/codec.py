@@ -60,6 +60,7 @@ import zstandard
 
 from dcr_format.codec.classed import EXPONENT_FIELDS, decode_classed, encode_classed
 from dcr_format.codec.delta import (
+    FULL,
     OVERWRITE,
     XOR,
     EncodedTensor,
@@ -70,9 +71,10 @@ from dcr_format.codec.delta import (
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.rans import VALUES_RANS_FEATURE
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
-from dcr_format.codec.values import allowed_codings
-from dcr_format.schema import Entry, Manifest, PositionsRef, ShardRef, ValuesRef
+from dcr_format.codec.values import allowed_codings, features_for
+from dcr_format.schema import Manifest, ShardRef
 from dcr_format.toymodel import Trainer
+from dcr_format.writers._part import encoded_entry
 
 # (target change rate, AdamW learning rate). Calibrated on the toy models at the
 # measured steps (after WARMUP steps; Adam's first steps move weights the most).
@@ -327,36 +329,21 @@ def manifest_bytes(
 ) -> int:
     """Exact length of the manifest a writer rank uploads for ``encoded`` in one shard (the
     fingerprints, ids and hashes are fixed-width hex, so placeholders give the same length)."""
-    entries = []
-    features: set[str] = set()
-    for i, (name, enc) in enumerate(encoded):
-        tensor = new[name]
-        positions = values = None
-        if enc.positions is not None:
-            assert enc.positions_coding is not None
-            positions = PositionsRef(shard=0, key=f"{i}.p", coding=enc.positions_coding)
-        if enc.values is not None:
-            assert enc.values_coding is not None
-            values = ValuesRef(shard=0, key=f"{i}.v", coding=enc.values_coding)
-            if enc.values_coding == "rans":
-                features.add(VALUES_RANS_FEATURE)
-        entries.append(
-            Entry(
-                name=name,
-                dtype=info_for(tensor.dtype).name,
-                shape=tuple(tensor.shape),
-                op=enc.op,
-                changed=enc.changed,
-                positions=positions,
-                values=values,
-                encoded_bytes=enc.nbytes,
-                fingerprint="0" * 32,
-                parent_fingerprint=None if enc.op == "full" else "0" * 32,
-            )
+    entries = [
+        encoded_entry(
+            name,
+            new[name],
+            enc,
+            i,
+            lambda key, stream: 0,  # every stream in the one shard
+            "0" * 32,
+            None if enc.op == FULL else "0" * 32,
         )
+        for i, (name, enc) in enumerate(encoded)
+    ]
     shard = ShardRef(path=_SHARD_PATH, sha256="0" * 64, size=stored, decoded_size=decoded)
     manifest = Manifest(
-        required_features=tuple(sorted(features)),
+        required_features=features_for(e.values.coding for e in entries if e.values),
         chain_id="0" * 32,
         version=1,
         kind="delta",
