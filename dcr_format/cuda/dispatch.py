@@ -354,13 +354,11 @@ def scatter(
     Returns the old bits at the positions when ``save`` (else None). ``flat`` must be a
     contiguous flat view; ``positions`` and ``values`` on its device.
     """
-    if op not in (XOR, OVERWRITE):
-        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    native = _native_apply_for(flat, positions, values, op)
+    if native is not None:
+        old = _native_apply(native, flat, positions, values, op=op, base=base, lanes=False)[0]
+        return old if save else None
     if backend_for(flat, positions, values) == TORCH:
-        native = _native_apply_for(flat, positions, values)
-        if native is not None:
-            old = _native_apply(native, flat, positions, values, op=op, base=base, lanes=False)[0]
-            return old if save else None
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
     if not flat.is_contiguous():
         raise ValueError("the scatter target must be contiguous")
@@ -386,9 +384,14 @@ def scatter(
 
 
 def _native_apply_for(
-    flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+    flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: str
 ) -> ModuleType | None:
-    """The compiled kernels where they can apply this change in place, else None."""
+    """The compiled kernels where they can apply this change in place, else None (the
+    backend is Triton, or the tensors are not theirs); ``ValueError`` for an unknown op."""
+    if op not in (XOR, OVERWRITE):
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    if backend_for(flat, positions, values) != TORCH:
+        return None
     if positions.dtype != torch.int64 or values.dtype != flat.dtype:
         return None
     if not flat.is_contiguous() or flat.dim() != 1 or values.numel() != positions.numel():
@@ -465,11 +468,7 @@ def apply_with_lanes(
     ``flat`` a contiguous flat bit view. On the CPU this is one pass over the positions;
     out-of-range positions raise :class:`IndexError`.
     """
-    if op not in (XOR, OVERWRITE):
-        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
-    native = None
-    if backend_for(flat, positions, values) == TORCH:
-        native = _native_apply_for(flat, positions, values)
+    native = _native_apply_for(flat, positions, values, op)
     if native is not None:
         return _native_apply(native, flat, positions, values, op=op, base=base, lanes=lanes)
     before = scatter(flat, positions, values, op=op, save=True, base=base)
@@ -497,11 +496,7 @@ def stage_change(
     ``overwrite`` of the same positions) makes the change. Same input rules and errors as
     :func:`apply_with_lanes`.
     """
-    if op not in (XOR, OVERWRITE):
-        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
-    native = None
-    if backend_for(flat, positions, values) == TORCH:
-        native = _native_apply_for(flat, positions, values)
+    native = _native_apply_for(flat, positions, values, op)
     if native is None:
         count = positions.numel()
         if count and (int(positions.min()) < base or int(positions.max()) >= base + flat.numel()):
