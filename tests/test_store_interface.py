@@ -367,6 +367,15 @@ def test_nothing_outside_the_store_modules_reaches_into_a_backend() -> None:
     assert offenders == []
 
 
+def test_tools_find_temporary_files_through_the_store_never_in_a_directory() -> None:
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in sorted((PACKAGE / "tools").rglob("*.py"))
+        if any(name in path.read_text() for name in ("local_root", "TEMP_PREFIX", "os.walk"))
+    ]
+    assert offenders == []  # Store.list_temporary / delete_temporary answer for every backend
+
+
 # --- imports only downward --------------------------------------------------------------------
 
 
