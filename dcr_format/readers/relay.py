@@ -262,6 +262,12 @@ class _Relay:
     def delete_many(self, keys: builtins.list[str]) -> None:
         raise self._refuse("delete objects")
 
+    def list_temporary(self) -> builtins.list[ObjectInfo]:
+        return []  # a relay writes nothing, so it leaves no temporary files
+
+    def delete_temporary(self, keys: builtins.list[str]) -> None:
+        raise self._refuse("delete temporary files")
+
     # --- epochs ---------------------------------------------------------------------------------
 
     def end_epoch(self) -> None:
