@@ -25,7 +25,13 @@ from dcr_format._cli_params import (
     finite,
     output_option,
 )
-from dcr_format.bench.projection import Scenario
+from dcr_format.bench.projection import (
+    Scenario,
+    format_projection,
+    parse_count,
+    parse_rate,
+    projection_report,
+)
 
 
 def _progress() -> Callable[[str], None]:
@@ -59,8 +65,6 @@ def _sizes(
 def _rates(
     ctx: click.Context, param: click.Parameter, value: str | None
 ) -> tuple[float, ...] | None:
-    from dcr_format.bench.projection import parse_rate
-
     if value is None:
         return None
     try:
@@ -69,20 +73,16 @@ def _rates(
         raise click.BadParameter(str(exc)) from None
 
 
-_AT_LEAST_ONE = click.IntRange(min=1)
+_COUNT = click.IntRange(min=1)  # of nodes, processes, members
 _POSITIVE = click.FloatRange(min=0, min_open=True)
 _CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
-    ("rollout_nodes", _AT_LEAST_ONE, None),
+    ("rollout_nodes", _COUNT, None),
     ("link_gbps", _POSITIVE, "Network limit of every node, each direction."),
-    ("trainer_nodes", _AT_LEAST_ONE, "Nodes that publish, each its share."),
-    (
-        "workers",
-        _AT_LEAST_ONE,
-        "Processes per node encoding or applying a share each (one per GPU).",
-    ),
+    ("trainer_nodes", _COUNT, "Nodes that publish, each its share."),
+    ("workers", _COUNT, "Processes per node encoding or applying a share each (one per GPU)."),
     ("store_gbps", click.FloatRange(min=0), "Aggregate object store bandwidth (0: no limit)."),
-    ("group_size", _AT_LEAST_ONE, None),
-    ("fanout", _AT_LEAST_ONE, None),
+    ("group_size", _COUNT, None),
+    ("fanout", _COUNT, None),
     ("bytes_per_param", _POSITIVE, None),
 )
 """``dcr project``'s options for the cluster, in ``--help`` order: (:class:`Scenario` field,
@@ -231,12 +231,6 @@ def project(
     """Project refit time (dense, dcr over S3, dcr relay tree) to a model and cluster size from
     measured costs, next to published reference points."""
     from dcr_format.bench.costs import Costs, quick_costs
-    from dcr_format.bench.projection import (
-        format_projection,
-        parse_count,
-        parse_rate,
-        projection_report,
-    )
 
     try:
         count = parse_count(params)
