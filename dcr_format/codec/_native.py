@@ -494,11 +494,18 @@ def _diff_slab(
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather(source, target, starts, sizes, at):  # type: ignore[no-untyped-def]
-    """``target[at[c] : at[c] + sizes[c]] = source[starts[c] : starts[c] + sizes[c]]``,
-    the tasks copied in parallel."""
+def _gather(scratch, out, starts, sizes, at):  # type: ignore[no-untyped-def]
+    """``out[i][at[c] : at[c] + sizes[c]] = scratch[i][starts[c] : starts[c] + sizes[c]]``
+    for each of the three arrays that is not empty, the tasks copied in parallel."""
     for c in prange(sizes.shape[0]):
-        target[at[c] : at[c] + sizes[c]] = source[starts[c] : starts[c] + sizes[c]]
+        src, dst = starts[c], at[c]
+        size = sizes[c]
+        if out[0].shape[0]:
+            out[0][dst : dst + size] = scratch[0][src : src + size]
+        if out[1].shape[0]:
+            out[1][dst : dst + size] = scratch[1][src : src + size]
+        if out[2].shape[0]:
+            out[2][dst : dst + size] = scratch[2][src : src + size]
 
 
 def _gather_tasks(
@@ -509,17 +516,16 @@ def _gather_tasks(
         sizes = counts
     else:
         sizes = np.add.reduceat(counts, np.arange(0, counts.shape[0], _CHUNK_BLOCKS))
-    at = np.zeros(sizes.shape[0], dtype=np.int64)
-    np.cumsum(sizes[:-1], out=at[1:])
-    starts = np.arange(sizes.shape[0], dtype=np.int64) * (_CHUNK_BLOCKS * BLOCK)
     total = int(sizes.sum())
     if sizes.shape[0] == 1:  # one task wrote from index 0: its outputs are in place
         return scratch[0][:total], scratch[1][:total], scratch[2][:total]
+    at = np.zeros(sizes.shape[0], dtype=np.int64)
+    np.cumsum(sizes[:-1], out=at[1:])
+    starts = np.arange(sizes.shape[0], dtype=np.int64) * (_CHUNK_BLOCKS * BLOCK)
     out = tuple(np.empty(total if a.shape[0] else 0, dtype=a.dtype) for a in scratch)
-    for source, target in zip(scratch, out, strict=True):
-        if target.shape[0]:
-            with _LOCK:
-                _gather(source, target, starts, sizes, at)
+    if total:
+        with _LOCK:
+            _gather(scratch, out, starts, sizes, at)
     return out[0], out[1], out[2]
 
 
