@@ -12,7 +12,7 @@ from dcr_format.codec.dtypes import bits_view
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.store import Store
-from dcr_format.tools._inspect import fields_from
+from dcr_format.tools._inspect import row_from
 from dcr_format.toymodel import Trainer
 from dcr_format.writers.writer import DeltaWriter
 
@@ -74,8 +74,9 @@ def run_demo(
         published = time.perf_counter()
         result = reader.sync()
         rows.append(
-            DemoRow(
-                **fields_from(DemoRow, info),
+            row_from(
+                DemoRow,
+                info,
                 delta_bytes=info.payload_bytes,
                 publish_s=published - started,
                 pull_s=result.fetch_seconds,

@@ -123,6 +123,21 @@ def test_show_rows_sort_and_top(local: Store) -> None:
         show(local, 7)
 
 
+def test_a_row_takes_the_fields_its_summary_has_and_the_rest_as_given(local: Store) -> None:
+    from pydantic import ValidationError
+
+    from dcr_format.tools._inspect import LogRow, row_from
+
+    _chain(local, 2)
+    info = DeltaWriter(local).publish(make_state(1))
+    row = row_from(LogRow, info, parent=1, writer_ranks=1, kind="given wins")
+    assert (row.version, row.step, row.created) == (info.version, info.step, info.created)
+    assert (row.change_rate, row.ratio) == (info.change_rate, info.ratio)
+    assert (row.parent, row.kind, row.compacted) == (1, "given wins", False)
+    with pytest.raises(ValidationError, match="writer_ranks"):  # neither has it
+        row_from(LogRow, info, parent=1)
+
+
 # --- diff -------------------------------------------------------------------------------------
 
 

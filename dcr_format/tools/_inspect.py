@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -13,6 +13,8 @@ from dcr_format.chain import Chain, LoadedRecord
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row
 from dcr_format.writers.writer import CommitInfo
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class LogRow(Row):
@@ -34,18 +36,20 @@ class LogRow(Row):
     """Whether an alternative base of this version exists (``dcr compact``)."""
 
 
-def fields_from(model: type[BaseModel], source: object) -> dict[str, Any]:
-    """The fields of ``model`` that ``source`` has too, with ``source``'s values: a row made
-    from a summary that exists already (a commit's :class:`CommitInfo`, a manifest entry)
-    takes them from it instead of copying them one by one."""
-    return {name: getattr(source, name) for name in model.model_fields if hasattr(source, name)}
+def row_from(model: type[M], source: object, **given: Any) -> M:
+    """A ``model`` made from a summary that exists already (a commit's :class:`CommitInfo`,
+    a manifest entry): each field ``source`` has too comes from it, the others from
+    ``given`` (which wins where both have one)."""
+    shared = {name: getattr(source, name) for name in model.model_fields if hasattr(source, name)}
+    return model(**(shared | given))
 
 
 def log_row(loaded: LoadedRecord, *, compacted: bool = False) -> LogRow:
     """Summarise one commit record: its :class:`CommitInfo`, its parent and writer ranks."""
     record = loaded.record
-    return LogRow(
-        **fields_from(LogRow, CommitInfo.from_record(record)),
+    return row_from(
+        LogRow,
+        CommitInfo.from_record(record),
         parent=record.parent,
         writer_ranks=record.world_size,
         compacted=compacted,
@@ -143,8 +147,8 @@ def show(
                     }
                 )
                 continue
-            merged[e.name] = TensorRow(
-                **fields_from(TensorRow, e), share=e.encoded_bytes / total, rank=manifest.rank
+            merged[e.name] = row_from(
+                TensorRow, e, share=e.encoded_bytes / total, rank=manifest.rank
             )
     rows = list(merged.values())
     rows.sort(key=_SORT_KEYS[sort])

@@ -12,7 +12,7 @@ from dcr_format.chain import Chain
 from dcr_format.errors import CapabilityError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
-from dcr_format.tools._inspect import fields_from, records
+from dcr_format.tools._inspect import records, row_from
 from dcr_format.writers.writer import CommitInfo
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
@@ -58,9 +58,7 @@ def plot_data(
     columns = []
     per_row: list[dict[str, tuple[int, int]]] = []
     for loaded, version_manifests in zip(loaded_records, manifests, strict=True):
-        columns.append(
-            PlotVersion(**fields_from(PlotVersion, CommitInfo.from_record(loaded.record)))
-        )
+        columns.append(row_from(PlotVersion, CommitInfo.from_record(loaded.record)))
         changed: dict[str, int] = defaultdict(int)
         shapes: dict[str, tuple[int, ...]] = {}
         for manifest in version_manifests:
