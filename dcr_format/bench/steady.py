@@ -7,10 +7,10 @@ order (interleaved, so every figure of a row shares the machine's state):
 - ``copy_``: the dense bytes copied into preallocated tensors (memory bandwidth):
   the reference every other figure is divided by;
 - dense: safetensors save, ``put``, ``get``, load and copy into a resident replica,
-  then a settle (``os.sync`` and a pause, untimed) so that the dense path's dirty pages
-  and a gateway's background work after a 2 GB round trip are not billed to the publish
-  that follows (measured on the JuiceFS gateway: a publish right after the dense round
-  trip took up to 3x its time after a 3 s pause);
+  then, on a server, an untimed pause so that the server's own work after a 2 GB round
+  trip is not billed to the publish that follows (measured on the JuiceFS gateway: a
+  publish right after the dense round trip took up to 3x its time after a 3 s pause;
+  ``os.sync`` made it worse, on the local store too, so it is not called);
 - publish (by stage: diff + coding + shard uploads, manifest + commit, baseline advance);
 - prepare then apply on one reader (apply is the pause of generation);
 - sync on a second reader (the one-call form).
@@ -42,7 +42,7 @@ from dcr_format.bench.refit import RATES, SyntheticTrainer, dense_refit, lr_for,
 from dcr_format.store import Store
 
 STEPS = 5
-SETTLE_S = {"local": 0.25, "memory": 0.0}  # seconds to wait after the dense trip, by kind
+SETTLE_S = {"local": 0.0, "memory": 0.0}  # seconds to wait after the dense trip, by kind
 SETTLE_DEFAULT_S = 3.0  # servers (the JuiceFS gateway keeps writing after a put returns)
 LINKS_GBIT = (1.0, 5.0)
 
@@ -61,9 +61,10 @@ def _copy_seconds(weights: dict[str, torch.Tensor], buffers: dict[str, torch.Ten
 
 
 def _settle(store: Store) -> None:
-    """Let the dense round trip's writes land before the next timed stage (untimed)."""
-    os.sync()
-    time.sleep(SETTLE_S.get(store.kind, SETTLE_DEFAULT_S))
+    """Let a server finish the dense round trip's work before the next timed stage."""
+    pause = SETTLE_S.get(store.kind, SETTLE_DEFAULT_S)
+    if pause:
+        time.sleep(pause)
 
 
 def steady_series(
