@@ -585,9 +585,9 @@ def _stats_reference(pos: np.ndarray, klo: int, khi: int):
 @pytest.mark.parametrize("layout", ["spread", "runs across tasks", "one run"])
 def test_rice_stats_merge_runs_across_parallel_tasks(layout):
     """Sums, runs, the largest gap and the longest run match a numpy reference when runs
-    cross the parallel tasks' boundaries (2^20 positions each), even a whole task long."""
+    cross the parallel tasks' boundaries (_STATS_CHUNK positions each), even a whole task long."""
     rng = np.random.default_rng(70)
-    task = 1 << 20
+    task = native._STATS_CHUNK
     if layout == "spread":
         pos = np.unique(rng.integers(0, 1 << 32, 3 * task + 17, dtype=np.int64))
     elif layout == "runs across tasks":  # runs of ~1000 with random gaps, one spanning a task

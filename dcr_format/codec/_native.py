@@ -626,7 +626,7 @@ def stage(
 # --- Rice ------------------------------------------------------------------------------
 
 
-_STATS_CHUNK = 1 << 20  # positions per parallel task of the Rice statistics
+_STATS_CHUNK = 1 << 18  # positions per parallel task of the Rice statistics
 
 
 @njit(cache=True, nogil=True, parallel=True)
