@@ -632,3 +632,16 @@ def test_diff_gathers_the_outputs_of_many_tasks(want):
     assert np.array_equal(pos, where + 5)
     assert np.array_equal(new_bits, w[where] if want[0] else w[:0])
     assert np.array_equal(xor_bits, (o ^ w)[where] if want[1] else w[:0])
+
+
+@pytest.mark.parametrize("n", [0, 5, (1 << 22) // 8 + 3])
+def test_sparse_scratch_is_a_writable_array_of_its_length(n):
+    """The diff's scratch (private maps without huge pages past 4 MiB) behaves as an
+    np.empty array: its length and dtype, writable, each one its own memory."""
+    a = native._sparse_empty(n, np.dtype(np.int64))
+    b = native._sparse_empty(n, np.dtype(np.int64))
+    assert a.shape == (n,) and a.dtype == np.int64 and a.flags.writeable
+    if n:
+        a[-1], b[-1] = 7, 9
+        a[0] = 1
+        assert (a[0], a[-1], b[-1]) == (1, 7, 9)

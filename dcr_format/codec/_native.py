@@ -24,6 +24,7 @@ launch parallel kernels at once, so every launch here holds one process-wide loc
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -252,6 +253,7 @@ def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped
 _SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
 _W16 = np.uint64(0xFFFF)
 _CHUNK_BLOCKS = 16  # blocks per parallel task of the fused diff (1M elements)
+_SPARSE_MIN_BYTES = 1 << 22  # numpy's own threshold for huge-page advice (4 MiB)
 SLAB = 1 << 26  # elements per pass of the fused diff (a multiple of BLOCK: words stay aligned)
 
 
@@ -398,6 +400,27 @@ def _diff(  # type: ignore[no-untyped-def]
             k += count
 
 
+def _sparse_empty(n: int, dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised array for scratch that is written only here and there.
+
+    numpy advises the kernel to back large arrays with 2 MiB huge pages; where the kernel
+    honours that (transparent huge pages in ``madvise`` mode, a common default), each
+    first write into a 2 MiB region faults in and zeroes a whole huge page, after direct
+    compaction if memory is fragmented. The fused diff's tasks write a few KB each at
+    offsets a task apart in arrays as long as the tensor: measured on an 8M-element
+    tensor at 1% change, 40-137 ms a call with huge pages against 4.5-6 ms without. So
+    on POSIX these arrays are private anonymous maps advised against huge pages: only
+    the 4 KiB pages written are ever faulted in.
+    """
+    nbytes = n * dtype.itemsize
+    if nbytes < _SPARSE_MIN_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
+        return np.empty(n, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # even where huge pages are always on
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(pages, dtype=dtype, count=n)  # keeps the map alive
+
+
 def _word_aligned(old: np.ndarray, new: np.ndarray) -> bool:
     """Whether both (contiguous) arrays can be read as uint64 words from their first
     element, in the element order of a little-endian machine."""
@@ -463,11 +486,11 @@ def _diff_slab(
     counts = np.zeros(blocks, dtype=np.int64)
     lane_out = np.zeros((blocks, 3), dtype=np.uint64)
     # as long as the tensor, but only each task's written prefix is ever touched
-    local = np.empty(n, dtype=np.uint16)
+    local = _sparse_empty(n, np.dtype(np.uint16))
     scratch = (
-        np.empty(n, dtype=np.int64),
-        np.empty(n if want[0] else 0, dtype=old.dtype),
-        np.empty(n if want[1] else 0, dtype=old.dtype),
+        _sparse_empty(n, np.dtype(np.int64)),
+        _sparse_empty(n if want[0] else 0, old.dtype),
+        _sparse_empty(n if want[1] else 0, old.dtype),
     )
     words = old.itemsize == 2 and _word_aligned(old, new)
     whole = n - n % 4 if words else 0
