@@ -360,44 +360,66 @@ def _fill_block(  # type: ignore[no-untyped-def]
     return a0 % _P0, a1 % _P1, a2 % _P2
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _diff(  # type: ignore[no-untyped-def]
-    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
+@njit(cache=True, inline="always")
+def _diff_task(  # type: ignore[no-untyped-def]
+    c, old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
 ):
-    """One pass per block: scan it, then fill its outputs and lane sums while it is in
-    cache. Task ``c`` (``_CHUNK_BLOCKS`` blocks) writes its outputs from index
-    ``c * _CHUNK_BLOCKS * BLOCK`` of ``outs`` (as long as the tensor: only the pages
+    """Task ``c`` of the fused diff: its ``_CHUNK_BLOCKS`` blocks, each scanned, then its
+    outputs and lane sums filled while it is in cache. The task writes its outputs from
+    index ``c * _CHUNK_BLOCKS * BLOCK`` of ``outs`` (as long as the tensor: only the pages
     written are touched); ``counts`` gets each block's count."""
     n = old.shape[0]
     blocks = counts.shape[0]
     pos_out, new_out, xor_out = outs
-    for c in prange(-(-blocks // _CHUNK_BLOCKS)):
-        k = c * _CHUNK_BLOCKS * BLOCK
-        for b in range(c * _CHUNK_BLOCKS, min((c + 1) * _CHUNK_BLOCKS, blocks)):
-            lo = b * BLOCK
-            local_b = local[lo : lo + BLOCK]
-            count = _scan_block(old, new, old64, new64, words, local_b, lo, min(lo + BLOCK, n))
-            sums = _fill_block(
-                old,
-                new,
-                local_b,
-                count,
-                lo,
-                k,
-                base,
-                pos_out,
-                new_out,
-                xor_out,
-                lanes,
-                table,
-                advance,
-            )
-            s0, s1, s2 = sums
-            lane_out[b, 0] = s0
-            lane_out[b, 1] = s1
-            lane_out[b, 2] = s2
-            counts[b] = count
-            k += count
+    k = c * _CHUNK_BLOCKS * BLOCK
+    for b in range(c * _CHUNK_BLOCKS, min((c + 1) * _CHUNK_BLOCKS, blocks)):
+        lo = b * BLOCK
+        local_b = local[lo : lo + BLOCK]
+        count = _scan_block(old, new, old64, new64, words, local_b, lo, min(lo + BLOCK, n))
+        sums = _fill_block(
+            old, new, local_b, count, lo, k, base, pos_out, new_out, xor_out, lanes, table, advance
+        )
+        s0, s1, s2 = sums
+        lane_out[b, 0] = s0
+        lane_out[b, 1] = s1
+        lane_out[b, 2] = s2
+        counts[b] = count
+        k += count
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _diff(  # type: ignore[no-untyped-def]
+    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
+):
+    """The fused diff, its tasks in parallel."""
+    for c in prange(-(-counts.shape[0] // _CHUNK_BLOCKS)):
+        _diff_task(
+            c,
+            old,
+            new,
+            old64,
+            new64,
+            words,
+            local,
+            base,
+            outs,
+            lanes,
+            table,
+            lane_out,
+            advance,
+            counts,
+        )
+
+
+@njit(cache=True, nogil=True)
+def _diff_one(  # type: ignore[no-untyped-def]
+    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
+):
+    """The fused diff of a slab of one task: no parallel region to launch (~0.15 ms each
+    under numba's ``workqueue`` layer, more than a small tensor's whole diff)."""
+    _diff_task(
+        0, old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
+    )
 
 
 def _sparse_empty(n: int, dtype: np.dtype[Any]) -> np.ndarray:
@@ -496,22 +518,26 @@ def _diff_slab(
     whole = n - n % 4 if words else 0
     empty = np.empty(0, dtype=np.uint64)
     if blocks:
-        with _LOCK:
-            _diff(
-                old,
-                new,
-                old[:whole].view(np.uint64) if words else empty,
-                new[:whole].view(np.uint64) if words else empty,
-                words,
-                local,
-                base,
-                scratch,
-                lanes,
-                table,
-                lane_out,
-                advance,
-                counts,
-            )
+        args = (
+            old,
+            new,
+            old[:whole].view(np.uint64) if words else empty,
+            new[:whole].view(np.uint64) if words else empty,
+            words,
+            local,
+            base,
+            scratch,
+            lanes,
+            table,
+            lane_out,
+            advance,
+            counts,
+        )
+        if blocks <= _CHUNK_BLOCKS:
+            _diff_one(*args)
+        else:
+            with _LOCK:
+                _diff(*args)
     found = _gather_tasks(scratch, counts)
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
 
@@ -555,40 +581,57 @@ def _gather_tasks(
 # --- fused apply -----------------------------------------------------------------------
 
 
+@njit(cache=True, inline="always")
+def _change_task(  # type: ignore[no-untyped-def]
+    c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+):
+    """Chunk ``c`` of the positions: the bits before (into ``before``) and after (into
+    ``after`` unless it is empty), written into ``flat`` with ``write``, and the lane sums."""
+    n = flat.shape[0]
+    want_after = after.shape[0] != 0
+    lo = c * _CHUNK
+    hi = min(lo + _CHUNK, pos.shape[0])
+    a0 = _ZERO
+    a1 = _ZERO
+    a2 = _ZERO
+    pos_c, values_c, before_c = pos[lo:hi], values[lo:hi], before[lo:hi]
+    after_c = after[lo:hi] if want_after else after
+    for j in range(pos_c.shape[0]):
+        p = pos_c[j]
+        if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
+            bad[c] = 1  # never written
+            continue
+        i = np.uint64(p - base)
+        b = flat[i]
+        a = b ^ values_c[j] if is_xor else values_c[j]
+        if write:
+            flat[i] = a
+        before_c[j] = b
+        if want_after:
+            after_c[j] = a
+        if lanes:
+            r = np.uint64(p & _MASK30) + _ONE
+            a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(b), np.uint64(a), r, lanes, table)
+    lane_out[c, 0] = a0 % _P0
+    lane_out[c, 1] = a1 % _P1
+    lane_out[c, 2] = a2 % _P2
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _change(flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
-    """Per chunk of positions: the bits before (into ``before``) and after (into ``after``
-    unless it is empty), written into ``flat`` with ``write``, and the lane sums."""
-    n = flat.shape[0]
-    m = pos.shape[0]
-    want_after = after.shape[0] != 0
+    """Apply or stage a change, its chunks of positions in parallel."""
     for c in prange(lane_out.shape[0]):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, m)
-        a0 = _ZERO
-        a1 = _ZERO
-        a2 = _ZERO
-        pos_c, values_c, before_c = pos[lo:hi], values[lo:hi], before[lo:hi]
-        after_c = after[lo:hi] if want_after else after
-        for j in range(pos_c.shape[0]):
-            p = pos_c[j]
-            if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
-                bad[c] = 1  # never written
-                continue
-            i = np.uint64(p - base)
-            b = flat[i]
-            a = b ^ values_c[j] if is_xor else values_c[j]
-            if write:
-                flat[i] = a
-            before_c[j] = b
-            if want_after:
-                after_c[j] = a
-            if lanes:
-                r = np.uint64(p & _MASK30) + _ONE
-                a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(b), np.uint64(a), r, lanes, table)
-        lane_out[c, 0] = a0 % _P0
-        lane_out[c, 1] = a1 % _P1
-        lane_out[c, 2] = a2 % _P2
+        _change_task(
+            c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+        )
+
+
+@njit(cache=True, nogil=True)
+def _change_one(flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+    """A change of one chunk of positions, without a parallel region to launch."""
+    _change_task(
+        0, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+    )
 
 
 def apply(
@@ -623,11 +666,12 @@ def _run_change(
     chunks = -(-pos.shape[0] // _CHUNK)
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
-    if chunks:
+    args = (flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad)
+    if chunks == 1:
+        _change_one(*args)
+    elif chunks:
         with _LOCK:
-            _change(
-                flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad
-            )
+            _change(*args)
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
@@ -652,6 +696,52 @@ def stage(
 _STATS_CHUNK = 1 << 18  # positions per parallel task of the Rice statistics
 
 
+@njit(cache=True, inline="always")
+def _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
+    """Task ``t`` of the Rice statistics: its ``_STATS_CHUNK`` positions."""
+    n = pos.shape[0]
+    lo = t * _STATS_CHUNK
+    hi = min(lo + _STATS_CHUNK, n)
+    prev = pos[lo - 1] if lo > 0 else -1
+    i = lo
+    head = 0
+    while lo > 0 and i < hi and pos[i] == prev + 1:  # the run open before the task
+        prev = pos[i]
+        head += 1
+        i += 1
+    s0 = s1 = s2 = s3 = s4 = s5 = 0
+    runs = 0
+    run = 0
+    best = 0  # may include the task's last run: the merge takes maxima, so that is safe
+    widest = 0
+    for j in range(i, hi):  # branch-free: runs start at random places
+        gap = pos[j] - prev - 1
+        prev = pos[j]
+        g = gap >> klo
+        s0 += g
+        s1 += g >> 1
+        s2 += g >> 2
+        s3 += g >> 3
+        s4 += g >> 4
+        s5 += g >> 5
+        start = (gap != 0) | (j == 0)
+        runs += start
+        run = 1 if start else run + 1
+        best = max(best, run)
+        widest = max(widest, gap)
+    part[t, 0] = s0
+    part[t, 1] = s1
+    part[t, 2] = s2
+    part[t, 3] = s3
+    part[t, 4] = s4
+    part[t, 5] = s5
+    runs_t[t] = runs
+    widest_t[t] = widest
+    head_t[t] = head
+    best_t[t] = best
+    tail_t[t] = run
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
     """One pass over sorted positions, a task per ``_STATS_CHUNK`` of them in parallel:
@@ -663,48 +753,14 @@ def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # ty
     each parallel region costs ~0.15 ms to launch, so allocations and reductions are the
     caller's (they were fourteen regions, 2 ms a call).
     """
-    n = pos.shape[0]
     for t in prange(part.shape[0]):
-        lo = t * _STATS_CHUNK
-        hi = min(lo + _STATS_CHUNK, n)
-        prev = pos[lo - 1] if lo > 0 else -1
-        i = lo
-        head = 0
-        while lo > 0 and i < hi and pos[i] == prev + 1:  # the run open before the task
-            prev = pos[i]
-            head += 1
-            i += 1
-        s0 = s1 = s2 = s3 = s4 = s5 = 0
-        runs = 0
-        run = 0
-        best = 0  # may include the task's last run: the merge takes maxima, so that is safe
-        widest = 0
-        for j in range(i, hi):  # branch-free: runs start at random places
-            gap = pos[j] - prev - 1
-            prev = pos[j]
-            g = gap >> klo
-            s0 += g
-            s1 += g >> 1
-            s2 += g >> 2
-            s3 += g >> 3
-            s4 += g >> 4
-            s5 += g >> 5
-            start = (gap != 0) | (j == 0)
-            runs += start
-            run = 1 if start else run + 1
-            best = max(best, run)
-            widest = max(widest, gap)
-        part[t, 0] = s0
-        part[t, 1] = s1
-        part[t, 2] = s2
-        part[t, 3] = s3
-        part[t, 4] = s4
-        part[t, 5] = s5
-        runs_t[t] = runs
-        widest_t[t] = widest
-        head_t[t] = head
-        best_t[t] = best
-        tail_t[t] = run
+        _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
+
+
+@njit(cache=True, nogil=True)
+def _rice_stats_one(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
+    """The statistics of positions that fit one task, without a parallel region."""
+    _stats_task(0, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
 
 
 @njit(cache=True, nogil=True)
@@ -732,8 +788,11 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
         return np.zeros(khi - klo + 1, dtype=np.int64), 0, 0, 0
     part = np.zeros((tasks, 6), dtype=np.int64)
     runs_t, widest_t, head_t, tail_t, best_t = np.zeros((5, tasks), dtype=np.int64)
-    with _LOCK:
-        _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
+    if tasks == 1:
+        _rice_stats_one(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
+    else:
+        with _LOCK:
+            _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
     longest = _longest_run(runs_t, head_t, tail_t, best_t)
     sums = part.sum(axis=0)[: khi - klo + 1]
     return sums, int(runs_t.sum()), int(widest_t.max()), int(longest)
