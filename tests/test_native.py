@@ -620,12 +620,13 @@ def test_long_tensors_are_diffed_a_slab_at_a_time(width, monkeypatch):
 
 @pytest.mark.parametrize("want", [(True, True), (False, True), (False, False)])
 def test_diff_gathers_the_outputs_of_many_tasks(want):
-    """Tensors past one task (16 blocks of 2^16 elements) are scanned by parallel tasks
-    that each write from their own offset; the gathered outputs are numpy's, in order,
-    with a task that found nothing in the middle."""
+    """Tensors past one task (_CHUNK_BLOCKS blocks of 2^16 elements) are scanned by
+    parallel tasks that each write from their own offset; the gathered outputs are
+    numpy's, in order, with a task that found nothing in the middle."""
     rng = np.random.default_rng(91)
-    old, new = changed_pair(3 * (16 << 16) + 777, 2, 0.01, rng)
-    new[(16 << 16) : 2 * (16 << 16)] = old[(16 << 16) : 2 * (16 << 16)]  # task 1: no change
+    task = native._CHUNK_BLOCKS * native.BLOCK
+    old, new = changed_pair(3 * task + 777, 2, 0.01, rng)
+    new[task : 2 * task] = old[task : 2 * task]  # task 1: no change
     o, w = old.numpy().view(np.uint16), new.numpy().view(np.uint16)
     (pos, new_bits, xor_bits), _ = native.diff(o, w, 5, want, fp.native_table(2), 2)
     where = np.flatnonzero(o != w)

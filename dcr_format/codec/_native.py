@@ -252,7 +252,7 @@ def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped
 
 _SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
 _W16 = np.uint64(0xFFFF)
-_CHUNK_BLOCKS = 16  # blocks per parallel task of the fused diff (1M elements)
+_CHUNK_BLOCKS = 4  # blocks per parallel task of the fused diff (256K elements: 1M spans both cores)
 _SPARSE_MIN_BYTES = 1 << 22  # numpy's own threshold for huge-page advice (4 MiB)
 SLAB = 1 << 26  # elements per pass of the fused diff (a multiple of BLOCK: words stay aligned)
 
