@@ -12,7 +12,7 @@ from dcr_format.store import Store
 from dcr_format.writers.writer import DeltaWriter
 
 
-def test_every_dense_round_trip_settles_before_the_next_publish(tmp_path, monkeypatch):
+def test_the_dense_round_trip_comes_last_in_a_step_and_settles(tmp_path, monkeypatch):
     events: list[str] = []
     real_dense, real_publish = steady.dense_refit, DeltaWriter.publish
 
@@ -31,7 +31,7 @@ def test_every_dense_round_trip_settles_before_the_next_publish(tmp_path, monkey
         Store(str(tmp_path / "store")), {"w": (64, 64)}, (0.01,), steps=2, label="t"
     )
     assert len(rows) == 3 and all(r["bit_exact"] for r in rows)
-    assert events == ["publish"] + ["dense", "settle local", "publish"] * 3
+    assert events == ["publish"] + ["publish", "dense", "settle local"] * 3
 
 
 @pytest.mark.parametrize(("kind", "waits"), [("local", []), ("memory", []), ("s3", [3.0])])

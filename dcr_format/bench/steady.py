@@ -6,14 +6,16 @@ order (interleaved, so every figure of a row shares the machine's state):
 
 - ``copy_``: the dense bytes copied into preallocated tensors (memory bandwidth):
   the reference every other figure is divided by;
-- dense: safetensors save, ``put``, ``get``, load and copy into a resident replica,
-  then, on a server, an untimed pause so that the server's own work after a 2 GB round
-  trip is not billed to the publish that follows (measured on the JuiceFS gateway: a
-  publish right after the dense round trip took up to 3x its time after a 3 s pause;
-  ``os.sync`` made it worse, on the local store too, so it is not called);
 - publish (by stage: diff + coding + shard uploads, manifest + commit, baseline advance);
 - prepare then apply on one reader (apply is the pause of generation);
-- sync on a second reader (the one-call form).
+- sync on a second reader (the one-call form);
+- dense: safetensors save, ``put``, ``get``, load and copy into a resident replica, last
+  (the trainer's next step then stands between its 2 GB of writes and the next publish,
+  as an optimizer step does in a run), then, on a server, an untimed pause so that the
+  server's own work after the round trip is not billed to the next step (measured on the
+  JuiceFS gateway: a publish right after the dense round trip took up to 3x its time
+  after a 3 s pause; ``os.sync`` made it worse, on the local store too, so it is not
+  called).
 
 Stores: a local directory, the JuiceFS S3 gateway on 127.0.0.1, and that gateway
 behind a shaped link: the benchmark creates a network namespace (``ip netns``), puts a
@@ -104,8 +106,6 @@ def steady_series(
             weights = trainer.export()
             progress(f"steady {label}: {rate:.1%} step {index + 1}")
             copy_s = _copy_seconds(weights, buffers)
-            dense = dense_refit(store, weights, replica)
-            _settle(store)
             started = time.perf_counter()
             info = writer.publish(weights, step=step)
             published = time.perf_counter()
@@ -115,6 +115,8 @@ def steady_series(
             done = time.perf_counter()
             result = syncer.sync()
             finished = time.perf_counter()
+            dense = dense_refit(store, weights, replica)
+            _settle(store)
             row: dict[str, Any] = {
                 "store": label,
                 "target_rate": rate,
