@@ -47,3 +47,33 @@ def test_settle_waits_only_for_servers(kind, waits, monkeypatch):
     store.kind = kind  # type: ignore[attr-defined]
     steady._settle(store)  # type: ignore[arg-type]
     assert calls == waits
+
+
+def test_costs_come_from_the_steady_rows(tmp_path, monkeypatch):
+    """--save-costs: the projection's per-byte publish and sync costs are the steady rows'
+    (a long-lived writer and reader), requests measured on the local store when no
+    gateway runs."""
+    from dcr_format.bench import _gateway, costs
+
+    rows = steady.steady_series(
+        Store(str(tmp_path / "store")), {"w": (64, 64)}, (0.01,), steps=2, label="local"
+    )
+    measured = [r for r in rows if not r["warmup"]]
+    monkeypatch.setattr(_gateway, "s3_available", lambda: "no gateway in this test")
+    monkeypatch.setattr(
+        costs, "relay_costs", lambda **kw: {"relay_hop_bytes_per_s": 1e9, "relay_round_s": 1e-3}
+    )
+    monkeypatch.setattr(costs, "sha256_rate", lambda nbytes: 1e9)
+    got = steady.steady_costs(measured)
+    assert got.request_store == "local" and got.source.startswith("benchmarks/steady_bench.py")
+    (rate,) = got.rates
+    want = sum(r["publish_s"] / r["dense_bytes"] for r in measured) / len(measured)
+    assert rate.publish_s_per_byte == pytest.approx(want)
+    want = sum(r["sync_s"] / r["dense_bytes"] for r in measured) / len(measured)
+    assert rate.sync_s_per_byte == pytest.approx(want)
+
+
+def test_save_costs_needs_the_local_store(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        steady.main(["--stores", "", "--links", "", "--save-costs", str(tmp_path / "c.json")])
+    assert "--save-costs needs the local store" in capsys.readouterr().err

@@ -36,12 +36,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dcr_format.bench.refit import RATES, SyntheticTrainer, dense_refit, lr_for, model_shapes
 from dcr_format.store import Store
+
+if TYPE_CHECKING:
+    from dcr_format.bench.costs import Costs
 
 STEPS = 5
 SETTLE_S = {"local": 0.0, "memory": 0.0}  # seconds to wait after the dense trip, by kind
@@ -280,6 +283,41 @@ def run(
     return {"rows": rows, "summary": summarise(rows), "skipped": skipped, "model_mb": mb}
 
 
+def steady_costs(
+    rows: Sequence[dict[str, Any]], *, progress: Callable[[str], None] = lambda message: None
+) -> Costs:
+    """``dcr project`` costs from a long-lived writer's and reader's steady rows (the per-byte
+    publish and sync costs of RL's steady state), the JuiceFS gateway's request latency and
+    throughput where the gateway runs here (else the local store's), one relay hop and
+    sha256."""
+    from dcr_format.bench._gateway import juicefs_store, s3_available
+    from dcr_format.bench.costs import derive_costs, relay_costs, sha256_rate, store_costs
+    from dcr_format.readers.relay import DEFAULT_CHUNK_BYTES
+    from dcr_format.writers.writer import DEFAULT_SHARD_BYTES
+
+    large = 32 << 20
+    progress("store requests, relay hop, sha256")
+    with tempfile.TemporaryDirectory(prefix="dcr-steady-costs-") as work:
+        if s3_available() is None:
+            with juicefs_store(Path(work)) as (store, _):
+                measured, request_store = store_costs(store, large_bytes=large), "s3"
+        else:
+            measured, request_store = (
+                store_costs(Store(Path(work) / "s"), large_bytes=large),
+                "local",
+            )
+    return derive_costs(
+        rows,
+        source="benchmarks/steady_bench.py --save-costs",
+        store=measured,
+        request_store=request_store,
+        relay=relay_costs(nbytes=large * 2, chunk_bytes=DEFAULT_CHUNK_BYTES),
+        sha256_bytes_per_s=sha256_rate(large * 2),
+        shard_bytes=DEFAULT_SHARD_BYTES,
+        chunk_bytes=DEFAULT_CHUNK_BYTES,
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``benchmarks/steady_bench.py``: long-lived writer and readers, medians over steps."""
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -292,6 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
     parser.add_argument("--json", type=Path, help="also write every row and the summary here")
+    parser.add_argument(
+        "--save-costs",
+        type=Path,
+        help="write `dcr project --costs` costs from the local-store rows (requests measured "
+        "on the JuiceFS gateway where it runs, else on the local store)",
+    )
     parser.add_argument("--inside", type=Path, help=argparse.SUPPRESS)  # shaped-namespace child
     parser.add_argument("--label", default="s3", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -323,6 +367,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.save_costs is not None:
+        local = [r for r in result["rows"] if r["store"] == "local" and not r["warmup"]]
+        if not local:
+            parser.error("--save-costs needs the local store's rows (--stores local)")
+        costs = steady_costs(local, progress=lambda message: print(message, file=sys.stderr))
+        args.save_costs.write_text(costs.model_dump_json(indent=2))
     return 0 if all(r["bit_exact"] for r in result["rows"]) else 1
 
 
