@@ -235,8 +235,10 @@ def test_probe_key_is_reserved(moto_store: Store) -> None:
 # --- conditional writes on moto ------------------------------------------------------------
 
 
-def test_put_if_absent_after_a_resent_request_is_unknown_not_exists(moto_store: Store) -> None:
-    """The first PUT lands but its answer is lost; the re-sent PUT gets 412: outcome unknown."""
+def test_put_if_absent_after_a_resent_request_is_its_own_create(moto_store: Store) -> None:
+    """The first PUT lands but its answer is lost; botocore re-sends it and gets 412: the
+    object carries this call's nonce, so the create succeeded (it was an unknown outcome,
+    a StoreError, before nonces; a CI probe failed on it)."""
     assert moto_store.capabilities.atomic_create
     client = _client(moto_store)
     resent: list[int] = []
@@ -249,13 +251,16 @@ def test_put_if_absent_after_a_resent_request_is_unknown_not_exists(moto_store: 
 
     client.meta.events.register("needs-retry.s3.PutObject", lose_first_answer)
     try:
-        with pytest.raises(StoreError, match="outcome is unknown") as info:
-            moto_store.put_if_absent("commits/1.json", b"mine")
-        assert not isinstance(info.value, ObjectExistsError)
+        moto_store.put_if_absent("commits/1.json", b"mine")  # no error: it is ours
+        moto_store.put("other/x", b"theirs")
+        resent.clear()
+        with pytest.raises(ObjectExistsError):  # re-sent too, but another writer's object
+            moto_store.put_if_absent("other/x", b"mine")
     finally:
         client.meta.events.unregister("needs-retry.s3.PutObject", lose_first_answer)
-    assert resent == [1]
-    assert moto_store.get("commits/1.json") == b"mine"  # it had landed
+    assert resent == []  # the second call's first answer was a 412, not a lost 200
+    assert moto_store.get("commits/1.json") == b"mine"
+    assert moto_store.get("other/x") == b"theirs"
 
 
 def test_conflict_409_is_retried(moto_store: Store, monkeypatch: pytest.MonkeyPatch) -> None:

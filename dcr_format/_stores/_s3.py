@@ -6,19 +6,18 @@ multipart upload of large objects; every other request is made here on s3fs's
 aiobotocore client so that this module decides what is retried and what an
 answer means:
 
-- ``put_if_absent`` is a ``PUT`` with ``If-None-Match: *``. HTTP 412 means the
-  key exists, unless the client had re-sent the request (``RetryAttempts`` in
-  the response metadata): then our own first attempt may be the object that
-  exists, so the outcome is reported as unknown (an ``OSError``, which the
-  Store turns into ``StoreError`` and the writer into a re-read). HTTP 409
-  ``ConditionalRequestConflict`` is a definite refusal (AWS: another
-  conditional write to the key was in flight), so it is retried a few times.
-  It is never retried after a timeout or a 5xx: those outcomes are unknown.
-  Each conditional PUT carries a fresh nonce in its user metadata
-  (``x-amz-meta-dcr-nonce``): aiohttp re-sends a PUT once, below botocore and
-  invisibly to ``RetryAttempts``, when the connection drops, so a 412 is taken
-  as "exists" only after a HEAD shows another writer's nonce (ours: the create
-  landed; no HEAD answer: unknown).
+- ``put_if_absent`` is a ``PUT`` with ``If-None-Match: *``, carrying a fresh nonce
+  in its user metadata (``x-amz-meta-dcr-nonce``). A request may have been re-sent,
+  by botocore (``RetryAttempts`` in the response metadata) or by aiohttp (once,
+  below botocore and invisibly to it, when the connection drops), so our own
+  first attempt may be the object that exists: a 412 is taken as "exists" only
+  after a HEAD shows another writer's nonce (ours: the create landed; no HEAD
+  answer: unknown, an ``OSError``, which the Store turns into ``StoreError`` and
+  the writer into a re-read). Any other error of a re-sent request is unknown
+  too. HTTP 409 ``ConditionalRequestConflict`` is a definite refusal (AWS:
+  another conditional write to the key was in flight), so it is retried a few
+  times. It is never retried after a timeout or a 5xx: those outcomes are
+  unknown.
 - whether the server honours ``If-None-Match`` at all is found by a probe
   (:meth:`S3Backend.probe`): some S3-compatible servers ignore the header and
   overwrite. The answer is cached per process for each endpoint and bucket.
@@ -424,14 +423,9 @@ class S3Backend:
             except botocore.exceptions.ClientError as exc:
                 if _status(exc) == 501 or _code(exc) == "NotImplemented":
                     return "unsupported"
-                if _resent(exc):
-                    raise OSError(
-                        errno.EIO,
-                        f"{_describe_client_error(exc)} after the request was re-sent; "
-                        "an earlier try may have created the object, so the outcome is unknown",
-                    ) from exc
                 if _status(exc) == 412:
-                    # aiohttp may have re-sent the PUT unseen: the object can be our own
+                    # botocore (RetryAttempts) or aiohttp (unseen) may have re-sent the PUT:
+                    # the object can be our own, which its nonce tells
                     try:
                         landed = await self._nonce_of(client, key)
                     except Exception as head_exc:
@@ -441,6 +435,12 @@ class S3Backend:
                             f"be read back ({type(head_exc).__name__}); the outcome is unknown",
                         ) from head_exc
                     return "created" if landed == nonce else "exists"
+                if _resent(exc):
+                    raise OSError(
+                        errno.EIO,
+                        f"{_describe_client_error(exc)} after the request was re-sent; "
+                        "an earlier try may have created the object, so the outcome is unknown",
+                    ) from exc
                 if _status(exc) != 409 or attempt + 1 == CONFLICT_ATTEMPTS:
                     raise
             await asyncio.sleep(_policy().backoff(attempt))
