@@ -61,6 +61,17 @@ BLOCK = 1 << 16  # elements per block of the fused diff (in-block indices are ui
 _LOCK = threading.Lock()  # held around every parallel kernel launch
 
 
+def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
+    """Run a kernel over ``tasks`` tasks: one task with its ``serial`` twin (no parallel
+    region: ~0.15 ms to launch under ``workqueue``, more than a small input's whole
+    kernel), more with ``parallel`` under the process-wide launch lock, none not at all."""
+    if tasks == 1:
+        serial(*args)
+    elif tasks:
+        with _LOCK:
+            parallel(*args)
+
+
 # --- g = (s + c)^5 mod p --------------------------------------------------------------
 
 
@@ -533,11 +544,7 @@ def _diff_slab(
             advance,
             counts,
         )
-        if blocks <= _CHUNK_BLOCKS:
-            _diff_one(*args)
-        else:
-            with _LOCK:
-                _diff(*args)
+        _launch(_diff, _diff_one, -(-blocks // _CHUNK_BLOCKS), *args)
     found = _gather_tasks(scratch, counts)
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
 
@@ -667,11 +674,7 @@ def _run_change(
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad)
-    if chunks == 1:
-        _change_one(*args)
-    elif chunks:
-        with _LOCK:
-            _change(*args)
+    _launch(_change, _change_one, chunks, *args)
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
@@ -788,11 +791,19 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
         return np.zeros(khi - klo + 1, dtype=np.int64), 0, 0, 0
     part = np.zeros((tasks, 6), dtype=np.int64)
     runs_t, widest_t, head_t, tail_t, best_t = np.zeros((5, tasks), dtype=np.int64)
-    if tasks == 1:
-        _rice_stats_one(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
-    else:
-        with _LOCK:
-            _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
+    _launch(
+        _rice_stats,
+        _rice_stats_one,
+        tasks,
+        pos,
+        klo,
+        part,
+        runs_t,
+        widest_t,
+        head_t,
+        tail_t,
+        best_t,
+    )
     longest = _longest_run(runs_t, head_t, tail_t, best_t)
     sums = part.sum(axis=0)[: khi - klo + 1]
     return sums, int(runs_t.sum()), int(widest_t.max()), int(longest)
