@@ -57,7 +57,8 @@ class EncodedTensor:
     positions: bytes | None
     values_coding: str | None
     values: bytes | None
-    # the change as new bits (overwrite or full), to advance a writer's baseline
+    # the change as new bits (overwrite or full), or as XOR bits where the diff's own pass
+    # already advanced the writer's baseline: what brings a baseline to the new bits
     advance: DecodedDelta | None = None
     # fingerprint lane deltas of the change, when the diff computed them (FORMAT.md §9.1)
     lane_deltas: tuple[int, ...] | None = None
@@ -116,13 +117,13 @@ def encode_diff(
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
-    ``found`` holds the positions and new bits, and the XOR bits unless ``op`` is
-    ``overwrite``, on the tensors' device. ``host`` optionally carries CPU copies of
+    ``found`` holds the positions and the XOR bits (``op`` overwrite: the new bits), and
+    may hold both, on the tensors' device; the result's ``advance`` carries the new bits
+    where it has them, else the XOR bits. ``host`` optionally carries CPU copies of
     the positions and of the values to encode (already fetched, e.g. by a pipeline);
     ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer.
     """
     positions, new_values = found.positions, found.new_values
-    assert new_values is not None
     changed = int(positions.numel())
     if changed == 0:
         return EncodedTensor(op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas)
@@ -132,7 +133,11 @@ def encode_diff(
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
     pos_coding, pos_bytes = encode_positions(host[0].numpy())
     val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
-    advance = DecodedDelta(OVERWRITE, positions, new_values)
+    if new_values is not None:
+        advance = DecodedDelta(OVERWRITE, positions, new_values)
+    else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
+        assert found.xor_values is not None
+        advance = DecodedDelta(XOR, positions, found.xor_values)
     delta = EncodedTensor(
         op or XOR, changed, pos_coding, pos_bytes, val_coding, val_bytes, advance, lane_deltas
     )

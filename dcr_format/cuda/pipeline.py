@@ -79,7 +79,8 @@ class DeviceDiffPipeline:
 
     With ``advanced``, the CPU's fused pass also brings each (contiguous) ``old`` to
     ``new`` in place and calls ``advanced(key, diff)`` right then; the diff holds the XOR
-    bits, so ``old[positions] ^= xor_values`` undoes it. Device tensors are not advanced.
+    bits, so ``old[positions] ^= xor_values`` undoes it, and the new bits only when the
+    op is ``overwrite`` (they are what it sends). Device tensors are not advanced.
     """
 
     def __init__(
@@ -113,8 +114,12 @@ class DeviceDiffPipeline:
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
             advance = self.advanced is not None and old_bits.is_contiguous()
-            state.diff, state.lane_deltas = diff_with_lanes(
-                old_bits, new_bits, want_xor=want_xor or advance, advance=advance
+            state.diff, state.lane_deltas = diff_with_lanes(  # advanced: the XOR bits suffice
+                old_bits,
+                new_bits,
+                want_new=not (advance and want_xor),
+                want_xor=want_xor or advance,
+                advance=advance,
             )
             if advance:
                 assert self.advanced is not None

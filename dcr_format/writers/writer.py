@@ -679,7 +679,8 @@ class CanonicalPart:
             return base
         if encoded.lane_deltas is not None:  # the diff's own pass summed them
             return apply_lane_deltas(base, encoded.lane_deltas)
-        assert delta.positions is not None
+        # (a diff that advanced ``old`` in its pass always sums them: ``old`` is not read)
+        assert delta.positions is not None and delta.op == OVERWRITE
         old_bits = bits_view(old).reshape(-1)[delta.positions]
         return lanes_after_change(base, delta.positions, old_bits, delta.values)
 
