@@ -305,7 +305,7 @@ def changed_pair(n: int, width: int, rate: float, rng: np.random.Generator):
 @pytest.mark.parametrize("rate", [0.0, 0.003, 0.2, 1.0])
 def test_fused_diff_matches_the_reference(width, rate, monkeypatch):
     rng = np.random.default_rng(int(rate * 1000) + width)
-    old, new = changed_pair(3 * 65536 + 101, width, rate, rng)
+    old, new = changed_pair(native.TASK + 3 * 65536 + 101, width, rate, rng)  # two tasks
     for base in (0, (1 << 30) - 100_000):
         for want_new, want_xor in ((True, True), (True, False), (False, True), (False, False)):
             got = dispatch.diff(old, new, want_new=want_new, want_xor=want_xor, base=base)
@@ -328,43 +328,46 @@ def test_fused_diff_matches_the_reference(width, rate, monkeypatch):
     assert fp.apply_lane_deltas(fp.tensor_lanes(old), deltas) == fp.tensor_lanes(new)
 
 
-@pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 65536, 65539, 2 * 65536 + 2050, 3 * 65536 + 101])
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 129, 65539, native.TASK + 70])
 @pytest.mark.parametrize("pattern", ["sparse", "dense", "bursts", "ends"])
-def test_two_byte_scan_takes_words_or_elements_alike(n, pattern):
-    """The word loop (sparse steps), the element loop (dense steps) and the switch between
-    them find exactly the differing positions, in order, whatever the layout; the one-pass
-    outputs are the bits there, and ``advance`` makes ``old`` equal ``new``."""
-    table = fp.native_table(2)
-    rng = np.random.default_rng(n + len(pattern))
-    old = rng.integers(0, 1 << 16, n + 8, dtype=np.uint64).astype(np.uint16)
+def test_masked_scan_finds_every_change_in_order(width, n, pattern):
+    """The 64-element masks (and the element loop of a last partial group) find exactly
+    the differing positions, in order, at any offset; the one-pass outputs are the bits
+    there, and ``advance`` makes ``old`` equal ``new``."""
+    kind = UNSIGNED_NP[width]
+    table = fp.native_table(width)
+    lanes = 3 if width == 8 else 2
+    rng = np.random.default_rng(n + len(pattern) + width)
+    old = rng.integers(0, 1 << 16, n + 8, dtype=np.uint64).astype(kind)
     new = old.copy()
     if pattern == "sparse":
         mask = rng.random(n + 8) < 0.004
     elif pattern == "dense":
         mask = rng.random(n + 8) < 0.3
-    elif pattern == "bursts":  # dense stretches between empty ones: the loop switches
+    elif pattern == "bursts":  # dense stretches between empty ones
         mask = (np.arange(n + 8) // 3000) % 2 == 1
         mask &= rng.random(n + 8) < 0.5
-    else:  # only the first and last elements of each word and of the array
+    else:  # the first and last elements of each group of 64 and of the array
         mask = np.zeros(n + 8, dtype=bool)
-        mask[::4] = True
-        mask[3::4] = True
+        mask[::64] = True
+        mask[63::64] = True
         mask[n - 1 : n] = True
-    # every bit pattern of a change, one lane at a time, including the top bit alone
-    flips = rng.integers(1, 1 << 16, int(mask.sum()), dtype=np.uint64).astype(np.uint16)
-    flips[::7] = 0x8000
+    # every bit of a change, the top bit alone included
+    flips = rng.integers(1, 1 << 16, int(mask.sum()), dtype=np.uint64).astype(kind)
+    flips[flips == 0] = 1  # (1-byte lanes: a multiple of 256 would be no change)
+    flips[::7] = np.array(1 << (8 * width - 1), dtype=np.uint64).astype(kind)
     new[mask] ^= flips
-    for start in (0, 1, 2, 4):  # aligned to 8 bytes (0, 4) and not (1, 2: element loop)
+    for start in (0, 1, 2, 4):
         a, b = old[start : start + n], new[start : start + n]
-        assert n == 0 or native._word_aligned(a, b) == (start % 4 == 0)  # numpy: 16-byte aligned
         want = np.flatnonzero(a != b)
-        (positions, new_bits, xor_bits), deltas = native.diff(a, b, 0, (True, True), table, 2)
+        (positions, new_bits, xor_bits), deltas = native.diff(a, b, 0, (True, True), table, lanes)
         assert np.array_equal(positions, want)
         assert np.array_equal(new_bits, b[want]) and np.array_equal(xor_bits, a[want] ^ b[want])
         moved = a.copy()
-        again, again_deltas = native.diff(moved, b, 7, (False, False), table, 2, advance=True)
+        again, again_deltas = native.diff(moved, b, 7, (False, False), table, lanes, advance=True)
         assert np.array_equal(again[0], want + 7) and again[1].size == again[2].size == 0
-        assert np.array_equal(moved, b) and len(again_deltas) == len(deltas) == 2
+        assert np.array_equal(moved, b) and len(again_deltas) == len(deltas) == lanes
 
 
 @pytest.mark.parametrize("name", ["bfloat16", "float32", "float64", "uint8"])
@@ -449,28 +452,44 @@ def test_apply_refuses_positions_out_of_range():
 
 
 FORK_CHILD = """
-import os, sys, torch
+import os, sys, numba, numpy as np, torch
 from dcr_format import fingerprint as fp
 from dcr_format.codec import positions as pc
-assert pc.native_kernels() is not None
+from dcr_format.cuda import dispatch
+native = pc.native_kernels()
+assert native is not None
 x = torch.arange(1 << 18, dtype=torch.int32)
-parent = fp.tensor_lanes(x)  # a parallel kernel before the fork
+old = torch.zeros(3 * native.TASK, dtype=torch.int16)
+new = old.clone()
+new[::97] = 1
+parent = fp.tensor_lanes(x), dispatch.diff_with_lanes(old, new)  # parallel kernels
+layer = numba.threading_layer()
 pid = os.fork()
 if pid == 0:
-    os._exit(0 if fp.tensor_lanes(x) == parent else 3)
+    # no parallel region in a child of a process that ran one under OpenMP
+    assert native._Launches.serial_only == (layer == "omp"), layer
+    found, deltas = dispatch.diff_with_lanes(old, new)
+    same = fp.tensor_lanes(x) == parent[0] and deltas == parent[1][1]
+    os._exit(0 if same and torch.equal(found.positions, parent[1][0].positions) else 3)
 _, status = os.waitpid(pid, 0)
 sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def test_forked_children_can_run_parallel_kernels():
-    """With GNU OpenMP numba terminates a forked child at its first parallel kernel; the
-    module asks for a fork-safe layer instead."""
+def test_forked_children_can_run_kernels():
+    """With GNU OpenMP numba terminates a forked child at its first parallel kernel: a
+    child forked after one ran gets the same results from the serial twins."""
     env = {k: v for k, v in os.environ.items() if k not in ("DCR_KERNELS", "NUMBA_THREADING_LAYER")}
-    result = subprocess.run(
-        [sys.executable, "-c", FORK_CHILD], env=env, timeout=120, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    for layer in (None, "workqueue"):
+        run_env = env if layer is None else {**env, "NUMBA_THREADING_LAYER": layer}
+        result = subprocess.run(
+            [sys.executable, "-c", FORK_CHILD],
+            env=run_env,
+            timeout=120,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_parallel_kernels_from_many_threads():
@@ -620,11 +639,11 @@ def test_long_tensors_are_diffed_a_slab_at_a_time(width, monkeypatch):
 
 @pytest.mark.parametrize("want", [(True, True), (False, True), (False, False)])
 def test_diff_gathers_the_outputs_of_many_tasks(want):
-    """Tensors past one task (_CHUNK_BLOCKS blocks of 2^16 elements) are scanned by
-    parallel tasks that each write from their own offset; the gathered outputs are
-    numpy's, in order, with a task that found nothing in the middle."""
+    """Tensors past one task (TASK elements) are scanned by parallel tasks that each
+    write from their own offset; the gathered outputs are numpy's, in order, with a task
+    that found nothing in the middle."""
     rng = np.random.default_rng(91)
-    task = native._CHUNK_BLOCKS * native.BLOCK
+    task = native.TASK
     old, new = changed_pair(3 * task + 777, 2, 0.01, rng)
     new[task : 2 * task] = old[task : 2 * task]  # task 1: no change
     o, w = old.numpy().view(np.uint16), new.numpy().view(np.uint16)

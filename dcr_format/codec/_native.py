@@ -14,29 +14,28 @@ mixed signed/unsigned 64-bit arithmetic into float64, so every constant is typed
 every fingerprint sum is reduced before it can reach 2^64.
 
 Every kernel releases the GIL (``nogil``), so reader threads decode streams at the same
-time. Unless ``NUMBA_THREADING_LAYER`` says otherwise, this module asks numba for a
-fork-safe threading layer (``forksafe``: TBB, a non-GNU OpenMP, else ``workqueue``):
-with GNU OpenMP, numba's usual pick on Linux, a process forked from one that ran a
-parallel kernel is terminated by its first parallel kernel (a trainer's or a reader's
-``multiprocessing`` workers). ``workqueue`` aborts the process when two threads
-launch parallel kernels at once, so every launch here holds one process-wide lock.
+time. numba picks its threading layer as usual (TBB, else OpenMP, else its own
+``workqueue``). Each parallel kernel has a serial twin over the same tasks (one body,
+two loops), and :func:`_launch` runs the twin for one task (no parallel region to
+start: ~3 us under OpenMP, ~0.2 ms under ``workqueue`` on a 2-core VM) and in any
+process forked after this one launched a parallel kernel under OpenMP: GNU OpenMP is
+not fork-safe, and numba terminates such a child at its first parallel kernel (a
+trainer's or a reader's ``multiprocessing`` workers would die). ``workqueue`` aborts
+the process when two threads launch parallel kernels at once, so every launch holds
+one process-wide lock.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 from typing import Any, NamedTuple
 
 import numba
 import numpy as np
 from numba import njit, prange
-
-_CONFIG: Any = numba.config  # its settings are module attributes made at import time
-if "NUMBA_THREADING_LAYER" not in os.environ and _CONFIG.THREADING_LAYER == "default":
-    _CONFIG.THREADING_LAYER = "forksafe"  # chosen at the first parallel launch
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 # --- fingerprint constants (dcr_format.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -56,19 +55,41 @@ _HIGH = np.uint64(1 << 63)  # accumulators are reduced once they reach 2^63
 _MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
 _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
 _CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
-BLOCK = 1 << 16  # elements per block of the fused diff (in-block indices are uint16)
 
 _LOCK = threading.Lock()  # held around every parallel kernel launch
+_NUMBA: Any = numba  # threading_layer() is numba's API, not in its stubs' exports
+_TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
+
+
+class _Launches:
+    """Whether this process launched a parallel kernel, and whether it may (see the module
+    docstring: not in a child forked after one under OpenMP)."""
+
+    launched = False
+    serial_only = False
+
+
+def _forked() -> None:
+    """In a forked child: a fresh launch lock (another thread of the parent may have held
+    it), and parallel kernels off if the parent launched one under OpenMP."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    if _Launches.launched and _NUMBA.threading_layer() == "omp":
+        _Launches.serial_only = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
-    """Run a kernel over ``tasks`` tasks: one task with its ``serial`` twin (no parallel
-    region: ~0.15 ms to launch under ``workqueue``, more than a small input's whole
-    kernel), more with ``parallel`` under the process-wide launch lock, none not at all."""
-    if tasks == 1:
+    """Run a kernel over ``tasks`` tasks: with its ``serial`` twin for one task, or where
+    parallel kernels are off; else with ``parallel`` under the process-wide launch lock."""
+    if tasks == 1 or (tasks and _Launches.serial_only):
         serial(*args)
     elif tasks:
         with _LOCK:
+            _Launches.launched = True
             parallel(*args)
 
 
@@ -132,50 +153,72 @@ def _row_span(r, first, n):  # type: ignore[no-untyped-def]
     return start, lo, hi, lo + first - start
 
 
+@njit(cache=True, inline="always")
+def _rows_table_task(r, sym, table, first, out):  # type: ignore[no-untyped-def]
+    """Row ``r`` of 2^16 flat indices: both lanes of 1- and 2-byte symbols, by table."""
+    start, lo, hi, skip = _row_span(r, first, sym.shape[0])
+    seg = sym[lo:hi]  # indices from range(len): numba drops its wrap-around checks
+    a0 = a1 = b0 = b1 = _ZERO
+    for j in range(seg.shape[0]):
+        t = np.uint64(seg[j])
+        col = np.uint64(j + skip)
+        ga = np.uint64(table[t, 0])
+        gb = np.uint64(table[t, 1])
+        a0 += ga
+        a1 += ga * col  # sum g*col < 2^31 * 2^32 / 2: no overflow
+        b0 += gb
+        b1 += gb * col
+    out[r, 0] = _combine(a0, a1, start, _P0)
+    out[r, 1] = _combine(b0, b1, start, _P1)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
-    """Per row of 2^16 flat indices: both lanes of 1- and 2-byte symbols, by table."""
     for r in prange(out.shape[0]):
-        start, lo, hi, skip = _row_span(r, first, sym.shape[0])
-        seg = sym[lo:hi]  # indices from range(len): numba drops its wrap-around checks
-        a0 = a1 = b0 = b1 = _ZERO
-        for j in range(seg.shape[0]):
-            t = np.uint64(seg[j])
-            col = np.uint64(j + skip)
-            ga = np.uint64(table[t, 0])
-            gb = np.uint64(table[t, 1])
-            a0 += ga
-            a1 += ga * col  # sum g*col < 2^31 * 2^32 / 2: no overflow
-            b0 += gb
-            b1 += gb * col
-        out[r, 0] = _combine(a0, a1, start, _P0)
-        out[r, 1] = _combine(b0, b1, start, _P1)
+        _rows_table_task(r, sym, table, first, out)
+
+
+@njit(cache=True, nogil=True)
+def _rows_table_serial(sym, table, first, out):  # type: ignore[no-untyped-def]
+    for r in range(out.shape[0]):
+        _rows_table_task(r, sym, table, first, out)
+
+
+@njit(cache=True, inline="always")
+def _rows_power_task(r, sym, lanes, first, out):  # type: ignore[no-untyped-def]
+    """Row ``r`` of 2^16 flat indices: the lanes of 4- and 8-byte symbols, g computed."""
+    start, lo, hi, skip = _row_span(r, first, sym.shape[0])
+    seg = sym[lo:hi]
+    a0 = a1 = b0 = b1 = c0 = c1 = _ZERO
+    for j in range(seg.shape[0]):
+        v = np.uint64(seg[j])
+        col = np.uint64(j + skip)
+        g = _pow5(_residue(v, _P0, _M0), _P0, _C0)
+        a0 += g
+        a1 += g * col
+        g = _pow5(_residue(v, _P1, _M1), _P1, _C1)
+        b0 += g
+        b1 += g * col
+        if lanes == 3:
+            g = _pow5(_residue(v, _P2, _M2), _P2, _C2)
+            c0 += g
+            c1 += g * col
+    out[r, 0] = _combine(a0, a1, start, _P0)
+    out[r, 1] = _combine(b0, b1, start, _P1)
+    if lanes == 3:
+        out[r, 2] = _combine(c0, c1, start, _P2)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
-    """Per row of 2^16 flat indices: the lanes of 4- and 8-byte symbols, g computed."""
     for r in prange(out.shape[0]):
-        start, lo, hi, skip = _row_span(r, first, sym.shape[0])
-        seg = sym[lo:hi]
-        a0 = a1 = b0 = b1 = c0 = c1 = _ZERO
-        for j in range(seg.shape[0]):
-            v = np.uint64(seg[j])
-            col = np.uint64(j + skip)
-            g = _pow5(_residue(v, _P0, _M0), _P0, _C0)
-            a0 += g
-            a1 += g * col
-            g = _pow5(_residue(v, _P1, _M1), _P1, _C1)
-            b0 += g
-            b1 += g * col
-            if lanes == 3:
-                g = _pow5(_residue(v, _P2, _M2), _P2, _C2)
-                c0 += g
-                c1 += g * col
-        out[r, 0] = _combine(a0, a1, start, _P0)
-        out[r, 1] = _combine(b0, b1, start, _P1)
-        if lanes == 3:
-            out[r, 2] = _combine(c0, c1, start, _P2)
+        _rows_power_task(r, sym, lanes, first, out)
+
+
+@njit(cache=True, nogil=True)
+def _rows_power_serial(sym, lanes, first, out):  # type: ignore[no-untyped-def]
+    for r in range(out.shape[0]):
+        _rows_power_task(r, sym, lanes, first, out)
 
 
 def _row_count(n: int, first: int) -> int:
@@ -196,38 +239,46 @@ def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -
     ``table`` is the (65536, 2) uint32 g table for 1- and 2-byte symbols; unused otherwise.
     """
     out = np.zeros((_row_count(sym.shape[0], first), 3), dtype=np.uint64)
-    if out.shape[0]:
-        with _LOCK:
-            if sym.dtype.itemsize <= 2:
-                _rows_table(sym, table, first, out)
-            else:
-                _rows_power(sym, lanes, first, out)
+    if sym.dtype.itemsize <= 2:
+        _launch(_rows_table, _rows_table_serial, out.shape[0], sym, table, first, out)
+    else:
+        _launch(_rows_power, _rows_power_serial, out.shape[0], sym, lanes, first, out)
     return _finish_lanes(out, lanes)
 
 
 # --- lanes of elements at positions (lanes_at, lanes_after_change, apply) ----------------
 
 
+@njit(cache=True, inline="always")
+def _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
+    """Chunk ``c`` of the positions: sum (g(new) - g(old)) * r mod p (g(old) = 0 without
+    ``old``)."""
+    m = pos.shape[0]
+    lo = c * _CHUNK
+    hi = min(lo + _CHUNK, m)
+    for lane in range(lanes):
+        p = _prime(lane)
+        acc = _ZERO
+        pos_c, old_c, new_c = pos[lo:hi], old[lo:hi], new[lo:hi]
+        for j in range(pos_c.shape[0]):
+            r = np.uint64(pos_c[j] & _MASK30) + _ONE
+            g = _g(np.uint64(new_c[j]), lane, table)
+            if has_old:
+                g = g + p - _g(np.uint64(old_c[j]), lane, table)  # < 2^32
+            acc += g * r % p  # below 2^63 for 2^32 terms
+        out[c, lane] = acc % p
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
-    """Per chunk of positions: sum (g(new) - g(old)) * r mod p (g(old) = 0 without ``old``)."""
-    m = pos.shape[0]
     for c in prange(out.shape[0]):
-        lo = c * _CHUNK
-        hi = min(lo + _CHUNK, m)
-        for lane in range(lanes):
-            p = _prime(lane)
-            acc = _ZERO
-            pos_c, old_c, new_c = pos[lo:hi], old[lo:hi], new[lo:hi]
-            for j in range(pos_c.shape[0]):
-                r = np.uint64(pos_c[j] & _MASK30) + _ONE
-                g = _g(np.uint64(new_c[j]), lane, table)
-                if has_old:
-                    g = g + p - _g(np.uint64(old_c[j]), lane, table)  # < 2^32
-                acc += g * r  # < 2^62 per term
-                if acc >= _HIGH:
-                    acc %= p
-            out[c, lane] = acc % p
+        _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
+
+
+@njit(cache=True, nogil=True)
+def _pair_lanes_serial(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
+    for c in range(out.shape[0]):
+        _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
 
 
 def position_lanes(
@@ -236,9 +287,8 @@ def position_lanes(
     """``sum (g(new) - g(old)) * r`` per lane over int64 ``pos`` (``old`` None: g(old) = 0)."""
     chunks = -(-pos.shape[0] // _CHUNK)
     out = np.zeros((chunks, 3), dtype=np.uint64)
-    if chunks:
-        with _LOCK:
-            _pair_lanes(pos, new if old is None else old, new, old is not None, lanes, table, out)
+    args = (pos, new if old is None else old, new, old is not None, lanes, table, out)
+    _launch(_pair_lanes, _pair_lanes_serial, chunks, *args)
     return _finish_lanes(out, lanes)
 
 
@@ -246,191 +296,99 @@ def position_lanes(
 def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped-def]
     """The accumulators after adding ``(g(new) - g(old)) * r`` per lane (each reduced
     before it can reach 2^64)."""
-    a0 += (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r
-    if a0 >= _HIGH:
-        a0 %= _P0
-    a1 += (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r
-    if a1 >= _HIGH:
-        a1 %= _P1
+    a0 += (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r % _P0
+    a1 += (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r % _P1
     if lanes == 3:
-        a2 += (_g(new, 2, table) + _P2 - _g(old, 2, table)) * r
-        if a2 >= _HIGH:
-            a2 %= _P2
+        a2 += (_g(new, 2, table) + _P2 - _g(old, 2, table)) * r % _P2
     return a0, a1, a2
 
 
 # --- fused diff ------------------------------------------------------------------------
 
-_SUB = 2048  # elements per step of the 2-byte scan's choice between word and element loops
-_W16 = np.uint64(0xFFFF)
-_CHUNK_BLOCKS = 4  # blocks per parallel task of the fused diff (256K elements: 1M spans both cores)
+TASK = 1 << 18  # elements per parallel task of the fused diff (a 1M tensor spans both cores)
+_GROUP = 64  # elements compared into one 64-bit mask
 _SPARSE_MIN_BYTES = 1 << 22  # numpy's own threshold for huge-page advice (4 MiB)
-SLAB = 1 << 26  # elements per pass of the fused diff (a multiple of BLOCK: words stay aligned)
+_POOL_BYTES = 1 << 26  # scratch a thread keeps faulted in between diffs (64 MiB)
+_SERIAL_GATHER_BYTES = 1 << 20  # outputs below this are gathered without a parallel region
+SLAB = 1 << 26  # elements per pass of the fused diff
 
 
 @njit(cache=True, inline="always")
-def _take_word(out, found, x, j):  # type: ignore[no-untyped-def]
-    """The in-block indices ``j``.. of the 2-byte lanes of the XOR word ``x`` that are not
-    zero, into ``out`` from ``found`` without branches; returns the new count."""
-    for e in range(4):
-        out[found] = j + e
-        found += ((x >> np.uint64(16 * e)) & _W16) != _ZERO
-    return found
+def _take(old, new, t, p, k, pos_out, new_out, xor_out, lanes, table, advance, acc):  # type: ignore[no-untyped-def]
+    """Output ``k`` of a diff: the change at ``old[t]``/``new[t]`` (flat position ``p``),
+    its lane terms added to ``acc``; the baseline takes the new bits with ``advance``."""
+    o = old[t]
+    w = new[t]
+    pos_out[k] = p
+    if new_out.shape[0] != 0:
+        new_out[k] = w
+    if xor_out.shape[0] != 0:
+        xor_out[k] = o ^ w
+    if advance:
+        old[t] = w  # while the line is at hand
+    if lanes:
+        r = np.uint64(p & _MASK30) + _ONE
+        return _lane_add(acc[0], acc[1], acc[2], np.uint64(o), np.uint64(w), r, lanes, table)
+    return acc
 
 
 @njit(cache=True, inline="always")
-def _scan_words16(old, new, local_b, count, k, stop, first):  # type: ignore[no-untyped-def]
-    """Words ``k``..``stop`` of a 2-byte scan, two at a time: a pair that does not differ
-    costs two loads and a compare; one that does is taken apart without branches."""
-    out = local_b[count:]  # a fresh counter for the loop: LLVM keeps it in a register
-    found = 0
-    old_s, new_s = old[k:stop], new[k:stop]
-    j0 = (k - first) * 4
-    words = old_s.shape[0]
-    i = 0
-    while i + 2 <= words:
-        x0 = old_s[i] ^ new_s[i]
-        x1 = old_s[i + 1] ^ new_s[i + 1]
-        if (x0 | x1) != _ZERO:
-            found = _take_word(out, found, x0, j0 + 4 * i)
-            found = _take_word(out, found, x1, j0 + 4 * i + 4)
-        i += 2
-    if i < words:
-        found = _take_word(out, found, old_s[i] ^ new_s[i], j0 + 4 * i)
-    return count + found
+def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
+    """Task ``c`` of the fused diff: elements ``c * TASK``.. up to the next task, written
+    (see :func:`_take`) from output index ``c * TASK`` of ``outs`` (as long as the input:
+    only the pages written are touched); ``counts[c]`` gets how many, ``lane_out[c]`` the
+    lane sums.
 
-
-@njit(cache=True, inline="always")
-def _scan_elements(old, new, local_b, count, lo, hi, first):  # type: ignore[no-untyped-def]
-    """Elements ``lo``..``hi`` (in-block index ``j - first``), one at a time, branch-free."""
-    out = local_b[count:]
-    found = 0
-    old_s, new_s = old[lo:hi], new[lo:hi]
-    j0 = lo - first
-    for j in range(old_s.shape[0]):
-        out[found] = j0 + j
-        found += old_s[j] != new_s[j]
-    return count + found
-
-
-@njit(cache=True, inline="always")
-def _scan_block(old, new, old64, new64, words, local_b, lo, hi):  # type: ignore[no-untyped-def]
-    """In-block indices of the elements ``lo``..``hi`` that differ, into ``local_b``.
-
-    With ``words`` (2-byte elements viewed as 8-byte words ``old64``/``new64``), the block
-    goes in steps of ``_SUB`` elements: a step after one that found few changes (at most
-    1 in 64) compares whole words (:func:`_scan_words16`), near memory speed when changes
-    are sparse; a step after a denser one goes element by element, which does not
-    mispredict. Elements past the last whole word, and other widths, go element by
-    element. Every loop gives the same indices.
+    The elements go 64 at a time: a branch-free loop, which the compiler turns into
+    vector compares, makes a 64-bit mask of those that differ, and only its set bits are
+    visited, lowest first (near memory speed when changes are sparse, and no mispredicted
+    branch per element when they are not). The last partial group goes element by
+    element.
     """
-    count = 0
-    j = lo
-    if words:
-        stop = min(hi, 4 * old64.shape[0])
-        sparse = True
-        while j < stop:
-            end = min(j + _SUB, stop)
-            before = count
-            if sparse:
-                count = _scan_words16(old64, new64, local_b, count, j // 4, end // 4, lo // 4)
-            else:
-                count = _scan_elements(old, new, local_b, count, j, end, lo)
-            sparse = (count - before) * 64 <= end - j
-            j = end
-    return _scan_elements(old, new, local_b, count, j, hi, lo)
-
-
-@njit(cache=True, inline="always")
-def _fill_block(  # type: ignore[no-untyped-def]
-    old, new, local_b, count, lo, k, base, pos_out, new_out, xor_out, lanes, table, advance
-):
-    """Outputs ``k``.. of one block's ``count`` changes (read while the block is in cache),
-    the new bits into ``old`` with ``advance``; returns the block's lane sums."""
-    want_new = new_out.shape[0] != 0
-    want_xor = xor_out.shape[0] != 0
-    a0 = _ZERO
-    a1 = _ZERO
-    a2 = _ZERO
-    old_b, new_b = old[lo:], new[lo:]
-    for i in range(count):
-        t = np.uint64(local_b[i])  # unsigned: no wrap-around check on the gathers
-        j = lo + np.int64(t)
-        o = old_b[t]
-        w = new_b[t]
-        pos_out[k + i] = base + j
-        if want_new:
-            new_out[k + i] = w
-        if want_xor:
-            xor_out[k + i] = o ^ w
-        if advance:
-            old_b[t] = w  # the baseline takes the new bits while the line is at hand
-        if lanes:
-            r = np.uint64((base + j) & _MASK30) + _ONE
-            a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(o), np.uint64(w), r, lanes, table)
-    return a0 % _P0, a1 % _P1, a2 % _P2
-
-
-@njit(cache=True, inline="always")
-def _diff_task(  # type: ignore[no-untyped-def]
-    c, old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
-):
-    """Task ``c`` of the fused diff: its ``_CHUNK_BLOCKS`` blocks, each scanned, then its
-    outputs and lane sums filled while it is in cache. The task writes its outputs from
-    index ``c * _CHUNK_BLOCKS * BLOCK`` of ``outs`` (as long as the tensor: only the pages
-    written are touched); ``counts`` gets each block's count."""
     n = old.shape[0]
-    blocks = counts.shape[0]
-    pos_out, new_out, xor_out = outs
-    k = c * _CHUNK_BLOCKS * BLOCK
-    for b in range(c * _CHUNK_BLOCKS, min((c + 1) * _CHUNK_BLOCKS, blocks)):
-        lo = b * BLOCK
-        local_b = local[lo : lo + BLOCK]
-        count = _scan_block(old, new, old64, new64, words, local_b, lo, min(lo + BLOCK, n))
-        sums = _fill_block(
-            old, new, local_b, count, lo, k, base, pos_out, new_out, xor_out, lanes, table, advance
-        )
-        s0, s1, s2 = sums
-        lane_out[b, 0] = s0
-        lane_out[b, 1] = s1
-        lane_out[b, 2] = s2
-        counts[b] = count
-        k += count
+    pos_out, new_out, xor_out = outs  # unpacked here: inside _take numba lost the writes
+    lo = c * TASK
+    hi = min(lo + TASK, n)
+    k = lo
+    acc = (_ZERO, _ZERO, _ZERO)
+    groups = (hi - lo) // _GROUP
+    old_s, new_s = old[lo : lo + _GROUP * groups], new[lo : lo + _GROUP * groups]
+    for g in range(groups):
+        mask = _ZERO
+        for q in range(_GROUP):
+            e = np.uint64(_GROUP * g + q)  # unsigned: no wrap-around check
+            mask |= np.uint64(old_s[e] != new_s[e]) << np.uint64(q)
+        while mask != _ZERO:
+            t = np.uint64(lo + _GROUP * g) + np.uint64(_TRAILING_ZEROS(mask))
+            mask &= mask - _ONE
+            p = base + np.int64(t)
+            acc = _take(old, new, t, p, k, pos_out, new_out, xor_out, lanes, table, advance, acc)
+            k += 1
+    for i in range(lo + _GROUP * groups, hi):
+        t = np.uint64(i)
+        if old[t] != new[t]:
+            acc = _take(
+                old, new, t, base + i, k, pos_out, new_out, xor_out, lanes, table, advance, acc
+            )
+            k += 1
+    counts[c] = k - lo
+    lane_out[c, 0] = acc[0] % _P0
+    lane_out[c, 1] = acc[1] % _P1
+    lane_out[c, 2] = acc[2] % _P2
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _diff(  # type: ignore[no-untyped-def]
-    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
-):
+def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
     """The fused diff, its tasks in parallel."""
-    for c in prange(-(-counts.shape[0] // _CHUNK_BLOCKS)):
-        _diff_task(
-            c,
-            old,
-            new,
-            old64,
-            new64,
-            words,
-            local,
-            base,
-            outs,
-            lanes,
-            table,
-            lane_out,
-            advance,
-            counts,
-        )
+    for c in prange(counts.shape[0]):
+        _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
 
 
 @njit(cache=True, nogil=True)
-def _diff_one(  # type: ignore[no-untyped-def]
-    old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
-):
-    """The fused diff of a slab of one task: no parallel region to launch (~0.15 ms each
-    under numba's ``workqueue`` layer, more than a small tensor's whole diff)."""
-    _diff_task(
-        0, old, new, old64, new64, words, local, base, outs, lanes, table, lane_out, advance, counts
-    )
+def _diff_serial(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
+    """The fused diff in this thread (see :func:`_launch`)."""
+    for c in range(counts.shape[0]):
+        _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
 
 
 def _sparse_empty(n: int, dtype: np.dtype[Any]) -> np.ndarray:
@@ -454,16 +412,41 @@ def _sparse_empty(n: int, dtype: np.dtype[Any]) -> np.ndarray:
     return np.frombuffer(pages, dtype=dtype, count=n)  # keeps the map alive
 
 
-def _word_aligned(old: np.ndarray, new: np.ndarray) -> bool:
-    """Whether both (contiguous) arrays can be read as uint64 words from their first
-    element, in the element order of a little-endian machine."""
-    return (
-        sys.byteorder == "little"
-        and old.flags.c_contiguous
-        and new.flags.c_contiguous
-        and old.ctypes.data % 8 == 0
-        and new.ctypes.data % 8 == 0
-    )
+class _Pool(threading.local):
+    """Each thread's diff scratch, kept between calls so that its pages, once faulted in,
+    are not faulted in (and zeroed by the kernel) again on every tensor of every step:
+    at 5% change that was a third of the diff.
+
+    ``arrays`` maps an output slot (positions, new bits, XOR bits) and its dtype to an
+    array at least as long as the longest input seen; ``reach``
+    holds, per task, the most outputs any call wrote there (the pages that stay
+    resident). Once they pass ``_POOL_BYTES`` the pool is dropped after the call, so a
+    rare dense change does not keep its scratch for the life of the process.
+    """
+
+    def __init__(self) -> None:
+        self.arrays: dict[tuple[int, np.dtype[Any]], np.ndarray] = {}
+        self.reach = np.zeros(0, dtype=np.int64)
+
+    def get(self, slot: int, n: int, dtype: np.dtype[Any]) -> np.ndarray:
+        held = self.arrays.get((slot, dtype))
+        if held is None or held.shape[0] < n:
+            held = self.arrays[slot, dtype] = _sparse_empty(n, dtype)
+        return held[:n]
+
+    def keep(self, counts: np.ndarray, nbytes: int) -> None:
+        """Note the outputs a call wrote (``nbytes`` per output); drop the pool past its cap."""
+        if self.reach.shape[0] < counts.shape[0]:
+            self.reach = np.concatenate(
+                [self.reach, np.zeros(counts.shape[0] - self.reach.shape[0], np.int64)]
+            )
+        np.maximum(self.reach[: counts.shape[0]], counts, out=self.reach[: counts.shape[0]])
+        if int(self.reach.sum()) * nbytes > _POOL_BYTES:
+            self.arrays.clear()
+            self.reach = np.zeros(0, dtype=np.int64)
+
+
+_POOL = _Pool()
 
 
 def diff(
@@ -480,12 +463,10 @@ def diff(
     ``sum (g(new) - g(old)) * r`` (``lanes`` 0: none), all from one pass over the inputs.
 
     ``advance``: also write the new bits into ``old`` at the changed positions, in the
-    same pass (``old`` then equals ``new``). 2-byte inputs on 8-byte boundaries (whole
-    tensors, slices at multiples of 4 elements) on a little-endian machine are compared
-    a word at a time where changes are sparse; the result does not depend on it.
+    same pass (``old`` then equals ``new``).
 
     Tensors longer than ``SLAB`` elements go a slab at a time (the scratch each pass
-    reserves is about seven times its slab's bytes, touched only where changes land).
+    uses is as long as its slab, touched only where changes land).
     """
     asked = _Asked(want, table, lanes, advance)
     n = old.shape[0]
@@ -515,73 +496,62 @@ def _diff_slab(
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
     want, table, lanes, advance = asked
     n = old.shape[0]
-    blocks = -(-n // BLOCK)
-    counts = np.zeros(blocks, dtype=np.int64)
-    lane_out = np.zeros((blocks, 3), dtype=np.uint64)
-    # as long as the tensor, but only each task's written prefix is ever touched
-    local = _sparse_empty(n, np.dtype(np.uint16))
+    tasks = -(-n // TASK)
+    counts = np.zeros(tasks, dtype=np.int64)
+    lane_out = np.zeros((tasks, 3), dtype=np.uint64)
+    # as long as the input, but only each task's written prefix is ever touched
     scratch = (
-        _sparse_empty(n, np.dtype(np.int64)),
-        _sparse_empty(n if want[0] else 0, old.dtype),
-        _sparse_empty(n if want[1] else 0, old.dtype),
+        _POOL.get(0, n, np.dtype(np.int64)),
+        _POOL.get(1, n if want[0] else 0, old.dtype),
+        _POOL.get(2, n if want[1] else 0, old.dtype),
     )
-    words = old.itemsize == 2 and _word_aligned(old, new)
-    whole = n - n % 4 if words else 0
-    empty = np.empty(0, dtype=np.uint64)
-    if blocks:
-        args = (
-            old,
-            new,
-            old[:whole].view(np.uint64) if words else empty,
-            new[:whole].view(np.uint64) if words else empty,
-            words,
-            local,
-            base,
-            scratch,
-            lanes,
-            table,
-            lane_out,
-            advance,
-            counts,
-        )
-        _launch(_diff, _diff_one, -(-blocks // _CHUNK_BLOCKS), *args)
+    args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
+    _launch(_diff, _diff_serial, tasks, *args)
     found = _gather_tasks(scratch, counts)
+    _POOL.keep(counts, sum(a.itemsize for a in scratch if a.shape[0]))
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
+@njit(cache=True, inline="always")
+def _gather_task(c, scratch, out, sizes, at):  # type: ignore[no-untyped-def]
+    src, dst = c * TASK, at[c]
+    size = sizes[c]
+    if out[0].shape[0]:
+        out[0][dst : dst + size] = scratch[0][src : src + size]
+    if out[1].shape[0]:
+        out[1][dst : dst + size] = scratch[1][src : src + size]
+    if out[2].shape[0]:
+        out[2][dst : dst + size] = scratch[2][src : src + size]
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _gather(scratch, out, starts, sizes, at):  # type: ignore[no-untyped-def]
-    """``out[i][at[c] : at[c] + sizes[c]] = scratch[i][starts[c] : starts[c] + sizes[c]]``
-    for each of the three arrays that is not empty, the tasks copied in parallel."""
+def _gather(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
+    """``out[i][at[c] : at[c] + sizes[c]] = scratch[i][c * TASK :][: sizes[c]]`` for each
+    of the three arrays that is not empty, the tasks copied in parallel."""
     for c in prange(sizes.shape[0]):
-        src, dst = starts[c], at[c]
-        size = sizes[c]
-        if out[0].shape[0]:
-            out[0][dst : dst + size] = scratch[0][src : src + size]
-        if out[1].shape[0]:
-            out[1][dst : dst + size] = scratch[1][src : src + size]
-        if out[2].shape[0]:
-            out[2][dst : dst + size] = scratch[2][src : src + size]
+        _gather_task(c, scratch, out, sizes, at)
+
+
+@njit(cache=True, nogil=True)
+def _gather_serial(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
+    """:func:`_gather` in this thread: for outputs too small to pay for a parallel region."""
+    for c in range(sizes.shape[0]):
+        _gather_task(c, scratch, out, sizes, at)
 
 
 def _gather_tasks(
     scratch: tuple[np.ndarray, np.ndarray, np.ndarray], counts: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The tasks' outputs, each at its task's first index of ``scratch``, side by side."""
-    if counts.shape[0] == 0:
-        sizes = counts
-    else:
-        sizes = np.add.reduceat(counts, np.arange(0, counts.shape[0], _CHUNK_BLOCKS))
-    total = int(sizes.sum())
-    if sizes.shape[0] == 1:  # one task wrote from index 0: its outputs are in place
-        return scratch[0][:total], scratch[1][:total], scratch[2][:total]
-    at = np.zeros(sizes.shape[0], dtype=np.int64)
-    np.cumsum(sizes[:-1], out=at[1:])
-    starts = np.arange(sizes.shape[0], dtype=np.int64) * (_CHUNK_BLOCKS * BLOCK)
+    """The tasks' outputs, each at its task's first index of ``scratch``, side by side in
+    new arrays (the scratch is kept for the next call)."""
+    total = int(counts.sum())
+    at = np.zeros(counts.shape[0], dtype=np.int64)
+    np.cumsum(counts[:-1], out=at[1:])
     out = tuple(np.empty(total if a.shape[0] else 0, dtype=a.dtype) for a in scratch)
+    nbytes = total * sum(a.itemsize for a in scratch if a.shape[0])
     if total:
-        with _LOCK:
-            _gather(scratch, out, starts, sizes, at)
+        tasks = counts.shape[0] if nbytes >= _SERIAL_GATHER_BYTES else 1
+        _launch(_gather, _gather_serial, tasks, scratch, out, counts, at)
     return out[0], out[1], out[2]
 
 
@@ -634,11 +604,14 @@ def _change(flat, pos, values, base, is_xor, write, before, after, lanes, table,
 
 
 @njit(cache=True, nogil=True)
-def _change_one(flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
-    """A change of one chunk of positions, without a parallel region to launch."""
-    _change_task(
-        0, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
-    )
+def _change_serial(  # type: ignore[no-untyped-def]
+    flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+):
+    """Apply or stage a change in this thread (see :func:`_launch`)."""
+    for c in range(lane_out.shape[0]):
+        _change_task(
+            c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+        )
 
 
 def apply(
@@ -674,7 +647,7 @@ def _run_change(
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad)
-    _launch(_change, _change_one, chunks, *args)
+    _launch(_change, _change_serial, chunks, *args)
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
@@ -761,9 +734,10 @@ def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # ty
 
 
 @njit(cache=True, nogil=True)
-def _rice_stats_one(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """The statistics of positions that fit one task, without a parallel region."""
-    _stats_task(0, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
+def _rice_stats_serial(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
+    """The statistics in this thread (see :func:`_launch`)."""
+    for t in range(part.shape[0]):
+        _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
 
 
 @njit(cache=True, nogil=True)
@@ -793,7 +767,7 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
     runs_t, widest_t, head_t, tail_t, best_t = np.zeros((5, tasks), dtype=np.int64)
     _launch(
         _rice_stats,
-        _rice_stats_one,
+        _rice_stats_serial,
         tasks,
         pos,
         klo,
