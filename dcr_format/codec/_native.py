@@ -51,7 +51,6 @@ _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
-_HIGH = np.uint64(1 << 63)  # accumulators are reduced once they reach 2^63
 _MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
 _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
 _CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
@@ -74,8 +73,12 @@ def _forked() -> None:
     it), and parallel kernels off if the parent launched one under OpenMP."""
     global _LOCK
     _LOCK = threading.Lock()
-    if _Launches.launched and _NUMBA.threading_layer() == "omp":
-        _Launches.serial_only = True
+    if _Launches.launched:
+        try:
+            layer = _NUMBA.threading_layer()
+        except ValueError:  # no layer was loaded after all: take no chance
+            layer = "omp"
+        _Launches.serial_only = layer == "omp"
 
 
 if hasattr(os, "register_at_fork"):
@@ -294,8 +297,9 @@ def position_lanes(
 
 @njit(cache=True, inline="always")
 def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped-def]
-    """The accumulators after adding ``(g(new) - g(old)) * r`` per lane (each reduced
-    before it can reach 2^64)."""
+    """The accumulators after adding ``(g(new) - g(old)) * r`` per lane, each term reduced
+    mod p (below 2^31: 2^32 terms stay below 2^63; tasks sum at most 2^18). A branch on
+    the sum instead would be taken every few terms, unpredictably."""
     a0 += (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r % _P0
     a1 += (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r % _P1
     if lanes == 3:
