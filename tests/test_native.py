@@ -665,3 +665,32 @@ def test_sparse_scratch_is_a_writable_array_of_its_length(n):
         a[-1], b[-1] = 7, 9
         a[0] = 1
         assert (a[0], a[-1], b[-1]) == (1, 7, 9)
+
+
+def test_diff_scratch_is_kept_per_thread_and_dropped_past_its_cap(monkeypatch):
+    """The diff's scratch stays with its thread between calls (its pages stay faulted in),
+    other threads get their own, and a call that leaves more than _POOL_BYTES resident
+    drops it; the results never depend on it."""
+    rng = np.random.default_rng(12)
+    table = fp.native_table(2)
+    old, new = changed_pair(2 * native.TASK + 9, 2, 0.01, rng)
+    o, w = old.numpy().view(np.uint16), new.numpy().view(np.uint16)
+    want = np.flatnonzero(o != w)
+    assert np.array_equal(native.diff(o, w, 0, (True, True), table, 2)[0][0], want)
+    held = dict(native._POOL.arrays)
+    assert held and all(a.shape[0] >= o.shape[0] for a in held.values())
+    again = native.diff(o, w, 0, (True, True), table, 2)
+    assert np.array_equal(again[0][0], want)
+    assert all(native._POOL.arrays[key] is held[key] for key in held)  # reused, not remade
+    seen: list[dict[object, np.ndarray]] = []
+    thread = threading.Thread(target=lambda: seen.append(dict(native._POOL.arrays)))
+    thread.start()
+    thread.join()
+    assert seen == [{}]  # a thread that has not diffed holds nothing
+    monkeypatch.setattr(native, "_POOL_BYTES", 1000)
+    dense = w ^ np.uint16(1)
+    (positions, _, xor_bits), _ = native.diff(o, dense, 0, (False, True), table, 2)
+    assert np.array_equal(positions, np.flatnonzero(o != dense))
+    assert np.array_equal(xor_bits, (o ^ dense)[positions])
+    assert native._POOL.arrays == {}  # past the cap: dropped after the call
+    assert np.array_equal(native.diff(o, w, 0, (True, True), table, 2)[0][0], want)
