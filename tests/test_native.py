@@ -677,11 +677,12 @@ def test_diff_scratch_is_kept_per_thread_and_dropped_past_its_cap(monkeypatch):
     o, w = old.numpy().view(np.uint16), new.numpy().view(np.uint16)
     want = np.flatnonzero(o != w)
     assert np.array_equal(native.diff(o, w, 0, (True, True), table, 2)[0][0], want)
-    held = dict(native._POOL.arrays)
-    assert held and all(a.shape[0] >= o.shape[0] for a in held.values())
+    keys = [(0, np.dtype(np.int64)), (1, np.dtype(np.uint16)), (2, np.dtype(np.uint16))]
+    held = {key: native._POOL.arrays[key] for key in keys}  # (earlier tests may add others)
+    assert all(a.shape[0] >= o.shape[0] for a in held.values())
     again = native.diff(o, w, 0, (True, True), table, 2)
     assert np.array_equal(again[0][0], want)
-    assert all(native._POOL.arrays[key] is held[key] for key in held)  # reused, not remade
+    assert all(native._POOL.arrays[key] is held[key] for key in keys)  # reused, not remade
     seen: list[dict[object, np.ndarray]] = []
     thread = threading.Thread(target=lambda: seen.append(dict(native._POOL.arrays)))
     thread.start()
