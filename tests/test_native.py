@@ -452,7 +452,7 @@ def test_apply_refuses_positions_out_of_range():
 
 
 FORK_CHILD = """
-import os, sys, numba, numpy as np, torch
+import os, sys, numba, torch
 from dcr_format import fingerprint as fp
 from dcr_format.codec import positions as pc
 from dcr_format.cuda import dispatch

@@ -252,9 +252,10 @@ def test_put_if_absent_after_a_resent_request_is_its_own_create(moto_store: Stor
     client.meta.events.register("needs-retry.s3.PutObject", lose_first_answer)
     try:
         moto_store.put_if_absent("commits/1.json", b"mine")  # no error: it is ours
+        assert resent == [1]  # its first answer was lost and botocore re-sent it
         moto_store.put("other/x", b"theirs")
         resent.clear()
-        with pytest.raises(ObjectExistsError):  # re-sent too, but another writer's object
+        with pytest.raises(ObjectExistsError):  # a 412 at once: another writer's nonce
             moto_store.put_if_absent("other/x", b"mine")
     finally:
         client.meta.events.unregister("needs-retry.s3.PutObject", lose_first_answer)
