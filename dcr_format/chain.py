@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from dcr_format.codec.classed import CLASSED, EXPONENT_FIELDS
+from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -341,9 +343,27 @@ def check_manifest(
             raise SchemaError(
                 f"{where}: tensor {entry.name!r} changes no element but its fingerprint differs"
             )
+        if entry.positions is not None and entry.positions.coding == CLASSED:
+            _check_classed(manifest, entry, where)
         for ref in (entry.positions, entry.values):
             if ref is not None and ref.shard >= len(manifest.shards):
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
+
+
+def _check_classed(manifest: Manifest, entry: Entry, where: str) -> None:
+    """A ``classed`` positions stream (FORMAT.md §6.5): feature listed, an ``xor`` entry of a
+    whole tensor of a float dtype (the reader decodes it against the exact old bits)."""
+    name = entry.name
+    if POSITIONS_CLASSED_FEATURE not in manifest.required_features:
+        raise SchemaError(
+            f"{where}: tensor {name!r} has classed positions but the manifest does not "
+            f"require the {POSITIONS_CLASSED_FEATURE!r} feature"
+        )
+    if entry.op != "xor" or entry.piece is not None or entry.dtype not in EXPONENT_FIELDS:
+        raise SchemaError(
+            f"{where}: tensor {name!r} has classed positions, which only xor entries of "
+            "whole float tensors may use"
+        )
 
 
 def _check_piece(manifest: Manifest, entry: Entry, where: str) -> None:

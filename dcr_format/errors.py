@@ -188,6 +188,12 @@ class OverwriteRequiredError(TargetError):
     that tensor as ``xor``; writers must send it as ``overwrite`` (FORMAT.md §8.4)."""
 
 
+class BaselineCodingError(TargetError):
+    """A version codes a tensor's positions against its old bits (feature
+    ``positions-classed``), and this target cannot read those bits in canonical coordinates
+    (a module behind its loader): its reader record asks writers not to."""
+
+
 class ApplyError(DcrError, RuntimeError):
     """Applying a version failed; the target was rolled back to its previous version."""
 

@@ -28,8 +28,10 @@ from pydantic import (
 )
 
 from dcr_format._jsonscan import scan
+from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
+from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE, VALUES_RANS_FEATURE
 from dcr_format.codec.positions import POSITION_CODINGS
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
@@ -42,9 +44,9 @@ from dcr_format.errors import (
 FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
-# values entropy-coded with a static model in the stream (FORMAT.md §7.3)
-VALUES_RANS_FEATURE = "values-rans"
-KNOWN_FEATURES: frozenset[str] = frozenset({PIECES_FEATURE, VALUES_RANS_FEATURE})
+KNOWN_FEATURES: frozenset[str] = frozenset(
+    {PIECES_FEATURE, VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE}
+)
 MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
@@ -112,7 +114,7 @@ if TYPE_CHECKING:  # the names are tuples known at run time only: a checker sees
 else:
     DType = Literal[DTYPE_NAMES]
     Op = Literal[OPS]
-    PositionCoding = Literal[POSITION_CODINGS]
+    PositionCoding = Literal[(*POSITION_CODINGS, CLASSED)]
     ValueCoding = Literal[VALUE_CODINGS]
 
 
@@ -274,6 +276,9 @@ class ReaderRecord(_Model):
     reader_id: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]{1,128}$")]
     updated: Timestamp
     overwrite: Annotated[tuple[TensorName, ...], FailFast()] = ()
+    reads_baseline: bool = True
+    """Whether the reader reads the exact old bits of the tensors it holds before applying, so
+    it decodes positions coded against them (``classed``, FORMAT.md §6.5)."""
 
 
 M = TypeVar("M", bound=BaseModel)

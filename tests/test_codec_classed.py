@@ -126,3 +126,31 @@ def test_a_class_cannot_hold_more_positions_than_elements(kernels: str) -> None:
     forged = stream[:3] + b"\x05" + stream[4:]  # 5 positions in the first class of 4
     with pytest.raises(PositionsError, match="more positions than a class"):
         classed.decode_classed(forged, old, "bfloat16", count=6, numel=8)
+
+
+def test_new_bits_and_xor_code_the_same_stream_as_the_old_bits(kernels: str) -> None:
+    """A writer whose diff advanced its baseline holds the new bits and the XOR bits only."""
+    old = weights(9, 30_000)
+    positions = step_positions(old, 10, lr=3e-6)
+    new = old.copy()
+    rng = np.random.default_rng(11)
+    # flip exponent bits too, so that a change moves elements between classes
+    xor = rng.choice(np.array([1, 2, 3, 0x80, 0x100], dtype=np.uint16), positions.size)
+    new[positions] ^= xor
+    from_old = classed.encode_classed(positions, old, "bfloat16")
+    assert classed.encode_classed(positions, new, "bfloat16", xor=xor) == from_old
+    assert np.array_equal(classed.old_bits_of(new, positions, xor), old)
+
+
+def test_layout_is_checked_without_the_old_bits() -> None:
+    stream, old, positions = _good()
+    parsed = classed.parse_classed(stream, count=positions.size, dtype="bfloat16")
+    assert sum(parsed.counts) == positions.size and parsed.data == stream
+    back = classed.decode_classed(parsed, old, "bfloat16", count=positions.size, numel=old.size)
+    assert np.array_equal(back, positions)
+    for bad in (stream[:-1], stream + b"\x00", b"\x00" + stream[1:]):
+        with pytest.raises(PositionsError):
+            classed.parse_classed(bad, count=positions.size, dtype="bfloat16")
+    with pytest.raises(PositionsError):
+        classed.parse_classed(stream, count=positions.size, dtype="int16")
+    assert len(stream) <= classed.classed_bound(positions.size, old.size)

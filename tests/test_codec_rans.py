@@ -13,7 +13,7 @@ import torch
 
 from dcr_format import schema
 from dcr_format.chain import Chain
-from dcr_format.codec import rans, values
+from dcr_format.codec import features, rans, values
 from dcr_format.codec.delta import XOR, apply_delta, decode_delta
 from dcr_format.codec.dtypes import info_for
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
@@ -166,7 +166,7 @@ def test_planes_unless_rans_is_allowed() -> None:
     assert values.encode_values(data)[0] == "planes"
     coding, stream = values.encode_values(data, codings=("planes", "rans"))
     assert coding == "rans" and len(stream) < 0.3 * data.size * 2
-    with values.allowed_codings(["values-rans", "pieces"]):
+    with features.allowed_codings(["values-rans", "pieces"]):
         assert values.encode_values(data)[0] == "rans"
     assert values.encode_values(data)[0] == "planes"  # the block ended
     out = values.decode_values(coding, stream, count=data.size, width=2)
@@ -181,7 +181,7 @@ def test_within_codings_enables_rans_only_while_items_are_produced() -> None:
             yield values.encode_values(data)[0]
 
     seen = []
-    for coding in values.within_codings(["values-rans"], produce()):
+    for coding in features.within_codings(["values-rans"], produce()):
         seen.append((coding, values.encode_values(data)[0]))  # the caller's own encoding
     assert seen == [("rans", "planes"), ("rans", "planes")]
 
@@ -211,10 +211,15 @@ def test_bad_codings_and_features_are_argument_errors() -> None:
     with pytest.raises(ArgumentError):
         values.encode_values(np.zeros(4, "<u2"), codings=("huffman",))
     with pytest.raises(ArgumentError):
-        values.writer_features(["positions-classed-typo"])
-    assert values.writer_features(["values-rans"]) == {"values-rans"}
-    assert values.features_for(["planes", None, "rans"]) == ("values-rans",)
-    assert values.features_for(["planes"]) == ()
+        features.writer_features(["positions-classed-typo"])
+    assert features.writer_features(["values-rans"]) == {"values-rans"}
+    assert features.writer_features(["positions-classed"]) == {"positions-classed"}
+    assert features.features_for(["planes", None, "rans"]) == ("values-rans",)
+    assert features.features_for(["classed", "rice", "rans"]) == (
+        "positions-classed",
+        "values-rans",
+    )
+    assert features.features_for(["planes"]) == ()
 
 
 def test_decode_delta_applies_a_rans_entry() -> None:
@@ -280,7 +285,7 @@ def _parse(features: list[str], coding: str = "rans") -> schema.Manifest:
 
 
 def test_the_feature_gates_the_coding(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert schema.VALUES_RANS_FEATURE == rans.VALUES_RANS_FEATURE == "values-rans"
+    assert schema.VALUES_RANS_FEATURE == features.VALUES_RANS_FEATURE == "values-rans"
     manifest = _parse(["values-rans"])
     assert manifest.entries[0].values is not None
     assert stream_limits(manifest)[0]["0.v"] == 40  # the planes bound: rans is shorter

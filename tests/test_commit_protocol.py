@@ -230,21 +230,27 @@ def test_an_abort_that_cannot_be_written_is_not_an_error(store, monkeypatch):
 # --- reader records ---------------------------------------------------------------------------
 
 
-def _reader(reader_id: str, *names: str) -> bytes:
+def _reader(reader_id: str, *names: str, reads_baseline: bool = True) -> bytes:
     return ReaderRecord(
-        reader_id=reader_id, updated="2026-01-01T00:00:00Z", overwrite=names
+        reader_id=reader_id,
+        updated="2026-01-01T00:00:00Z",
+        overwrite=names,
+        reads_baseline=reads_baseline,
     ).to_json()
 
 
 def test_reader_records_are_requests_that_a_bad_record_never_breaks(store):
-    assert _commit.read_reader_records(store) == frozenset()
+    assert _commit.read_reader_records(store) == _commit.ReaderWishes(frozenset(), True)
     store.put("readers/a.json", _reader("a", "x", "y"))
     store.put("readers/b.json", _reader("b", "z"))
-    store.put("readers/c.json", _reader("not-c", "spoofed"))  # names another reader
+    store.put("readers/c.json", _reader("not-c", "spoofed", reads_baseline=False))
     store.put("readers/d.json", b"{not json")
-    store.put("readers/e.txt", _reader("e", "wrong-key"))
+    store.put("readers/e.txt", _reader("e", "wrong-key", reads_baseline=False))
     store.put("readers/sub/f.json", _reader("f", "nested"))
-    assert _commit.read_reader_records(store) == {"x", "y", "z"}
+    wishes = _commit.read_reader_records(store)
+    assert wishes.overwrite == {"x", "y", "z"} and wishes.reads_baseline
+    store.put("readers/g.json", _reader("g", reads_baseline=False))
+    assert not _commit.read_reader_records(store).reads_baseline
 
 
 def test_reader_records_that_cannot_be_listed_are_none(store, monkeypatch):
@@ -252,4 +258,4 @@ def test_reader_records_that_cannot_be_listed_are_none(store, monkeypatch):
         raise StoreError("down")
 
     monkeypatch.setattr(store, "list", broken)
-    assert _commit.read_reader_records(store) == frozenset()
+    assert _commit.read_reader_records(store) == _commit.ReaderWishes()

@@ -69,9 +69,8 @@ from dcr_format.codec.delta import (
     encode_tensor,
 )
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.rans import VALUES_RANS_FEATURE
+from dcr_format.codec.features import VALUES_RANS_FEATURE, allowed_codings, features_for
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
-from dcr_format.codec.values import allowed_codings, features_for
 from dcr_format.schema import Manifest, ShardRef
 from dcr_format.toymodel import Trainer
 from dcr_format.writers._part import encoded_entry

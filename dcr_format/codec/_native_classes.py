@@ -16,32 +16,52 @@ from numba import njit
 
 @njit(cache=True, nogil=True)
 def exponent_histograms(
-    bits: np.ndarray, positions: np.ndarray, shift: int, mask: int
+    bits: np.ndarray, positions: np.ndarray, xor: np.ndarray, shift: int, mask: int
 ) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Counts of every exponent value over all elements and over the changed ones."""
+    """Counts of every old exponent value over all elements and over the changed ones. The
+    old bits are ``bits``, or with a non-empty ``xor`` (one per position) ``bits ^ xor`` at
+    the positions (``bits`` then being the new bits)."""
     everything = np.zeros(mask + 1, dtype=np.int64)
     changed = np.zeros(mask + 1, dtype=np.int64)
     for i in range(bits.size):
         everything[(np.int64(bits[i]) >> shift) & mask] += 1
+    flip = xor.size > 0
     for j in range(positions.size):
-        changed[(np.int64(bits[positions[j]]) >> shift) & mask] += 1
+        value = bits[positions[j]]
+        if flip:
+            everything[(np.int64(value) >> shift) & mask] -= 1
+            value ^= xor[j]
+            everything[(np.int64(value) >> shift) & mask] += 1
+        changed[(np.int64(value) >> shift) & mask] += 1
     return everything, changed
 
 
 @njit(cache=True, nogil=True)
 def class_ranks(
-    bits: np.ndarray, positions: np.ndarray, shift: int, mask: int, base: int, count: int
+    bits: np.ndarray,
+    positions: np.ndarray,
+    xor: np.ndarray,
+    shift: int,
+    mask: int,
+    base: int,
+    count: int,
 ) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Each changed position's class and its rank among the elements of that class."""
+    """Each changed position's class and its rank among the elements of that class (old
+    bits as in :func:`exponent_histograms`)."""
     seen = np.zeros(count, dtype=np.int64)
     classes = np.empty(positions.size, dtype=np.int64)
     ranks = np.empty(positions.size, dtype=np.int64)
+    flip = xor.size > 0
     j = 0
     end = positions[positions.size - 1] + 1 if positions.size else 0
     for i in range(end):
-        c = int((np.int64(bits[i]) >> shift) & mask) - base
+        value = bits[i]
+        hit = j < positions.size and positions[j] == i
+        if hit and flip:
+            value ^= xor[j]
+        c = int((np.int64(value) >> shift) & mask) - base
         c = 0 if c < 0 else (count - 1 if c > count - 1 else c)
-        if j < positions.size and positions[j] == i:
+        if hit:
             classes[j] = c
             ranks[j] = seen[c]
             j += 1

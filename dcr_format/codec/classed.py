@@ -17,6 +17,7 @@ is an opt-in for tensors whose positions are worth more than that pass.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -25,7 +26,6 @@ from dcr_format.codec import positions as _positions
 from dcr_format.errors import PositionsError
 
 CLASSED = "classed"
-POSITIONS_CLASSED_FEATURE = "positions-classed"
 MAX_CLASSES = 16
 # (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
 EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
@@ -120,29 +120,49 @@ def _native() -> ModuleType | None:
     return _native_classes
 
 
-def encode_classed(positions: np.ndarray, old_bits: np.ndarray, dtype: str) -> bytes:
+def old_bits_of(bits: np.ndarray, positions: np.ndarray, xor: np.ndarray | None) -> np.ndarray:
+    """The old bits of a tensor: ``bits`` itself, or (``xor`` given: ``bits`` are the new
+    bits) the new bits with ``xor`` applied back at ``positions`` (a copy)."""
+    if xor is None:
+        return bits
+    old = bits.copy()
+    old[positions] ^= xor.astype(old.dtype, copy=False)
+    return old
+
+
+def encode_classed(
+    positions: np.ndarray, bits: np.ndarray, dtype: str, *, xor: np.ndarray | None = None
+) -> bytes:
     """The ``classed`` stream of sorted unique ``positions`` (at least one) against the old
-    bits of the tensor (its unsigned bits, flat)."""
+    bits of the tensor (its unsigned bits, flat). With ``xor`` (the XOR bits at
+    ``positions``), ``bits`` are the **new** bits and the old ones are ``bits ^ xor`` at the
+    positions (a writer whose diff already advanced its baseline holds only those)."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
-    old_bits = np.ascontiguousarray(old_bits).reshape(-1)
-    native = _native()
+    bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
         raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    if positions.size == 0:
+        raise PositionsError("a classed positions stream codes at least one position")
     shift, mask = EXPONENT_FIELDS[dtype]
+    native = _native()
     if native is not None:
-        everything, changed = native.exponent_histograms(old_bits, positions, shift, mask)
-    else:
-        exps = exponents(old_bits, dtype)
-        everything = np.bincount(exps, minlength=mask + 1)
-        changed = np.bincount(exps[positions], minlength=mask + 1)
-    base, count = choose_classes(everything, changed)
-    if native is not None:
+        flips = (
+            np.zeros(0, dtype=bits.dtype)
+            if xor is None
+            else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
+        )
+        everything, changed = native.exponent_histograms(bits, positions, flips, shift, mask)
+        base, count = choose_classes(everything, changed)
         changed_classes, all_ranks = native.class_ranks(
-            old_bits, positions, shift, mask, base, count
+            bits, positions, flips, shift, mask, base, count
         )
     else:
-        classes = classes_of(old_bits, dtype, base, count)
-        changed_classes = classes[positions].astype(np.int64)
+        exps = exponents(old_bits_of(bits, positions, xor), dtype)
+        everything = np.bincount(exps, minlength=mask + 1)
+        changed = np.bincount(exps[positions], minlength=mask + 1)
+        base, count = choose_classes(everything, changed)
+        classes = np.clip(exps - base, 0, count - 1)
+        changed_classes = classes[positions]
         all_ranks = np.empty(positions.size, dtype=np.int64)
         for c in range(count):
             chosen = changed_classes == c
@@ -161,16 +181,27 @@ def encode_classed(positions: np.ndarray, old_bits: np.ndarray, dtype: str) -> b
     return b"".join(out)
 
 
-def decode_classed(
-    data: bytes | memoryview, old_bits: np.ndarray, dtype: str, *, count: int, numel: int
-) -> np.ndarray:
-    """Decode a ``classed`` stream against the old bits into ``count`` strictly increasing
-    positions in ``[0, numel)``; every malformed stream is a :class:`PositionsError`."""
+@dataclass(frozen=True)
+class ClassedStream:
+    """The layout of a ``classed`` stream, checked as far as it can be without the old bits
+    (:func:`parse_classed`): header, counts and each class's Rice part."""
+
+    data: bytes
+    classes: int  # K
+    base: int
+    counts: tuple[int, ...]  # changed positions per class
+    parts: tuple[tuple[int, int, int, int], ...]  # per class with positions: (class, k, U, offset)
+
+
+def parse_classed(data: bytes | memoryview, *, count: int, dtype: str) -> ClassedStream:
+    """Check a ``classed`` stream's layout for ``count`` changed positions (FORMAT.md §6.5:
+    every rule that does not need the old bits); a malformed stream is a
+    :class:`PositionsError`. The result keeps a copy of the bytes."""
     buf = memoryview(data)
-    if old_bits.size != numel:
-        raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
-    if count < 1 or count > numel:
-        raise PositionsError(f"entry declares {count} changed positions for {numel} elements")
+    if dtype not in EXPONENT_FIELDS:
+        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    if count < 1:
+        raise PositionsError(f"a classed positions stream codes at least one position, not {count}")
     if len(buf) < _HEADER.size:
         raise PositionsError("classed positions stream is truncated (no header)")
     classes_count, base = _HEADER.unpack_from(buf)
@@ -183,23 +214,10 @@ def decode_classed(
         counts.append(value)
     if sum(counts) != count:
         raise PositionsError(f"classed positions stream codes {sum(counts)} positions, not {count}")
-    if dtype not in EXPONENT_FIELDS:
-        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
-    shift, mask = EXPONENT_FIELDS[dtype]
-    old_bits = np.ascontiguousarray(old_bits).reshape(-1)
-    native = _native()
-    classes = None
-    if native is not None:
-        sizes = native.class_sizes(old_bits, shift, mask, base, classes_count)
-    else:
-        classes = classes_of(old_bits, dtype, base, classes_count)
-        sizes = np.bincount(classes, minlength=classes_count)
-    found = []
+    parts = []
     for c, wanted in enumerate(counts):
         if not wanted:
             continue
-        if wanted > int(sizes[c]):
-            raise PositionsError("classed positions stream codes more positions than a class has")
         if offset >= len(buf):
             raise PositionsError("classed positions stream is truncated; the shard is corrupt")
         k = buf[offset]
@@ -207,14 +225,56 @@ def decode_classed(
         body_len = unary_len + (wanted * k + 7) // 8
         if k > _positions.MAX_RICE_K or offset + body_len > len(buf):
             raise PositionsError("classed positions stream is truncated; the shard is corrupt")
-        header = _RICE_HEADER.pack(k, wanted, unary_len)
-        ranks = _positions.decode_rice(
-            header + bytes(buf[offset : offset + body_len]), count=wanted, numel=int(sizes[c])
-        )
+        parts.append((c, k, unary_len, offset))
         offset += body_len
-        found.append(ranks)
     if offset != len(buf):
         raise PositionsError("classed positions stream has trailing bytes; the shard is corrupt")
+    return ClassedStream(bytes(buf), classes_count, base, tuple(counts), tuple(parts))
+
+
+def decode_classed(
+    data: bytes | memoryview | ClassedStream,
+    old_bits: np.ndarray,
+    dtype: str,
+    *,
+    count: int,
+    numel: int,
+) -> np.ndarray:
+    """Decode a ``classed`` stream (or its :func:`parse_classed` layout) against the old bits
+    into ``count`` strictly increasing positions in ``[0, numel)``; every malformed stream
+    is a :class:`PositionsError`."""
+    if old_bits.size != numel:
+        raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
+    if count < 1 or count > numel:
+        raise PositionsError(f"entry declares {count} changed positions for {numel} elements")
+    stream = (
+        data if isinstance(data, ClassedStream) else parse_classed(data, count=count, dtype=dtype)
+    )
+    if sum(stream.counts) != count:
+        raise PositionsError(
+            f"classed positions stream codes {sum(stream.counts)} positions, not {count}"
+        )
+    shift, mask = EXPONENT_FIELDS[dtype]
+    old_bits = np.ascontiguousarray(old_bits).reshape(-1)
+    native = _native()
+    classes_count, base, counts = stream.classes, stream.base, stream.counts
+    classes = None
+    if native is not None:
+        sizes = native.class_sizes(old_bits, shift, mask, base, classes_count)
+    else:
+        classes = classes_of(old_bits, dtype, base, classes_count)
+        sizes = np.bincount(classes, minlength=classes_count)
+    found = []
+    for c, k, unary_len, offset in stream.parts:
+        wanted = counts[c]
+        if wanted > int(sizes[c]):
+            raise PositionsError("classed positions stream codes more positions than a class has")
+        body_len = unary_len + (wanted * k + 7) // 8
+        header = _RICE_HEADER.pack(k, wanted, unary_len)
+        ranks = _positions.decode_rice(
+            header + stream.data[offset : offset + body_len], count=wanted, numel=int(sizes[c])
+        )
+        found.append(ranks)
     if native is not None:
         starts = np.zeros(classes_count + 1, dtype=np.int64)
         starts[1:] = np.cumsum(counts)
@@ -227,13 +287,23 @@ def decode_classed(
     return np.sort(np.concatenate([members[r] for members, r in zip(picked, found, strict=True)]))
 
 
+def classed_bound(changed: int, numel: int) -> int:
+    """The most bytes a ``classed`` stream of ``changed`` of ``numel`` positions can hold
+    and still decode: header and counts, and per class its parameter, unary length and a
+    Rice body (unary bits at most the class's size, remainders at most 62 bits a rank)."""
+    return _HEADER.size + MAX_CLASSES * (10 + 1 + 10 + 2) + (numel + 62 * changed + 7) // 8
+
+
 __all__ = [
     "CLASSED",
     "EXPONENT_FIELDS",
     "MAX_CLASSES",
-    "POSITIONS_CLASSED_FEATURE",
+    "ClassedStream",
     "choose_classes",
+    "classed_bound",
     "classes_of",
     "decode_classed",
     "encode_classed",
+    "old_bits_of",
+    "parse_classed",
 ]

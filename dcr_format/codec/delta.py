@@ -7,6 +7,11 @@ Ops (spec/FORMAT.md, "Ops"):
 - ``overwrite``: the same positions and the new bits. Safe to re-apply.
 - ``full``: every element's bits, no positions.
 
+An ``xor`` entry's positions may be coded against the old bits (``classed``, feature
+``positions-classed``, FORMAT.md §6.5): where the writer is allowed that coding and it is
+shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change whose
+positions :func:`resolve` finds against the tensor it is about to be applied to.
+
 Diffing and applying run on the tensors' own device, through the kernel
 dispatcher of :mod:`dcr_format.cuda.dispatch` (Triton kernels for CUDA tensors,
 their torch reference elsewhere: the results are bit-identical); stream coding
@@ -21,13 +26,22 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
+from dcr_format.codec import features
+from dcr_format.codec.classed import (
+    CLASSED,
+    EXPONENT_FIELDS,
+    ClassedStream,
+    decode_classed,
+    encode_classed,
+    parse_classed,
+)
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.values import decode_values, encode_values
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
 from dcr_format.cuda.reference import Diff
-from dcr_format.errors import TargetError
+from dcr_format.errors import PositionsError, TargetError
 
 XOR = "xor"
 OVERWRITE = "overwrite"
@@ -43,8 +57,10 @@ class DecodedDelta:
     """One tensor's decoded change, ready to apply on the host (``positions`` None for full)."""
 
     op: str
-    positions: torch.Tensor | None  # int64, strictly increasing
+    positions: torch.Tensor | None  # int64, strictly increasing (None: full, or not resolved)
     values: torch.Tensor  # the dtype's integer bits view
+    # xor positions coded against the old bits, until :func:`resolve` finds them
+    classed: ClassedStream | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +148,15 @@ def encode_diff(
         assert picked is not None
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
     pos_coding, pos_bytes = encode_positions(host[0].numpy())
+    if op in (None, XOR) and _classed_wanted(new):  # host[1] holds the XOR bits then
+        coded = encode_classed(
+            host[0].numpy(),
+            bits_to_numpy(bits_view(new).reshape(-1)),
+            info_for(new.dtype).name,
+            xor=bits_to_numpy(host[1]),
+        )
+        if len(coded) < len(pos_bytes):
+            pos_coding, pos_bytes = CLASSED, coded
     val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
@@ -147,6 +172,16 @@ def encode_diff(
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
             return full
     return delta
+
+
+def _classed_wanted(new: torch.Tensor) -> bool:
+    """Whether ``classed`` positions are allowed here and can apply to ``new`` (a float
+    tensor in host memory: the class pass reads every element's bits on the CPU)."""
+    return (
+        CLASSED in features.allowed()
+        and new.device.type == "cpu"
+        and info_for(new.dtype).name in EXPONENT_FIELDS
+    )
 
 
 def _encode_full(new: torch.Tensor) -> EncodedTensor:
@@ -185,8 +220,33 @@ def decode_delta(
     if op == FULL:
         return DecodedDelta(op, None, vals)
     assert positions is not None
+    if positions[0] == CLASSED:
+        if op != XOR:
+            raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
+        return DecodedDelta(
+            op, None, vals, parse_classed(positions[1], count=changed, dtype=info.name)
+        )
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
     return DecodedDelta(op, pos, vals)
+
+
+def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
+    """``delta`` with its positions, found against ``target`` where they were coded against
+    the old bits (``classed``): ``target`` must hold exactly the bits the entry was made
+    against (its parent's), as any ``xor`` entry needs. Other deltas come back as they are.
+    A stream that does not decode against these bits is a :class:`PositionsError`."""
+    stream = delta.classed
+    if stream is None:
+        return delta
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    info = info_for(target.dtype)
+    old = bits_to_numpy(bits_view(target).reshape(-1).cpu())
+    found = decode_classed(
+        stream, old, info.name, count=int(delta.values.numel()), numel=int(target.numel())
+    )
+    positions = torch.from_numpy(found).to(delta.values.device)
+    return DecodedDelta(delta.op, positions, delta.values)
 
 
 @dataclass(frozen=True)
@@ -300,6 +360,7 @@ __all__ = [
     "encode_diff",
     "encode_tensor",
     "put_staged",
+    "resolve",
     "stage_change",
     "undo_delta",
     "unput_staged",

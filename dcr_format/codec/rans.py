@@ -34,7 +34,6 @@ from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
 
 RANS = "rans"
-VALUES_RANS_FEATURE = "values-rans"
 PRECISION = 24  # constriction's default model precision (probabilities of 24 bits)
 MAX_TABLE = 255
 MAX_MODEL_BITS = 24  # readers: Q in [1, 24]
@@ -537,7 +536,6 @@ def _decode_reference(data: bytes | memoryview, *, count: int, width: int) -> np
 __all__ = [
     "MAX_TABLE",
     "RANS",
-    "VALUES_RANS_FEATURE",
     "Model",
     "choose_model",
     "decode_rans",

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 import zstandard
 
 from dcr_format._jsonscan import scan
+from dcr_format.codec.classed import CLASSED, classed_bound
 from dcr_format.errors import ShardError
 
 SHARD_FORMAT = "dcr-shard-1"
@@ -170,14 +171,18 @@ def positions_bound(coding: str, changed: int, numel: int) -> int:
     """The most bytes a positions stream of ``changed`` of ``numel`` positions can hold and
     still decode (FORMAT.md §6): ``ranges`` at most 16 bytes a run and a run per position;
     ``rice`` at most ``max(numel, 63 * changed + 1)`` bits over any k (its unary bits sum the
-    gaps, which a valid stream keeps under ``numel``), plus its header."""
+    gaps, which a valid stream keeps under ``numel``), plus its header; ``classed``
+    :func:`~dcr_format.codec.classed.classed_bound`."""
     ranges = _RANGES_HEADER_BYTES + 16 * changed
     rice = _RICE_HEADER_BYTES + (max(numel, 63 * changed + 1) + 7) // 8 + 2
     if coding == "ranges":
         return ranges
     if coding == "rice":
         return rice
-    return max(ranges, rice)  # a coding the schema does not know is refused later
+    classed = classed_bound(changed, numel)
+    if coding == CLASSED:
+        return classed
+    return max(ranges, rice, classed)  # a coding the schema does not know is refused later
 
 
 def header_allowance(keys: Iterable[str]) -> int:

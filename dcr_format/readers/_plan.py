@@ -21,8 +21,8 @@ from dcr_format.chain import (
     tensor_changes,
 )
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.features import CODING_FEATURES
 from dcr_format.codec.shard import positions_bound, shard_decoded_bound
-from dcr_format.codec.values import CODING_FEATURES
 from dcr_format.errors import ChainBrokenError, SchemaError, ShardError, VersionNotFoundError
 from dcr_format.schema import Entry, Manifest
 
@@ -344,16 +344,20 @@ def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
     Every entry counts, wanted or not: the shard holds them all. A key named twice (a
     hostile manifest) gets the larger bound; the decoders check each use. (A ``rans``
     values stream is shorter than its ``planes`` would be, FORMAT.md §7.3, so the same
-    bound holds.) An entry whose value coding needs a feature the manifest does not list
-    in ``required_features`` is refused (:class:`SchemaError`, FORMAT.md §7.3).
+    bound holds.) An entry whose coding needs a feature the manifest does not list
+    in ``required_features`` is refused (:class:`SchemaError`, FORMAT.md §6.5, §7.3).
     """
     limits: dict[int, dict[str, int]] = {}
     for entry in manifest.entries:
-        if entry.values is not None:
-            feature = CODING_FEATURES.get(entry.values.coding)
-            if feature is not None and feature not in manifest.required_features:
+        for ref in (entry.positions, entry.values):
+            feature = None if ref is None else CODING_FEATURES.get(ref.coding)
+            if (
+                ref is not None
+                and feature is not None
+                and feature not in manifest.required_features
+            ):
                 raise SchemaError(
-                    f"entry {entry.name[:256]!r} uses value coding {entry.values.coding!r} but "
+                    f"entry {entry.name[:256]!r} uses the {ref.coding!r} coding but "
                     f"its manifest does not require {feature!r}; the manifest is corrupt"
                 )
         if entry.changed == 0:

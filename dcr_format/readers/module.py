@@ -53,7 +53,14 @@ from dcr_format.codec.dtypes import BY_TORCH, bits_view
 from dcr_format.errors import OverwriteRequiredError, TargetError
 from dcr_format.fingerprint import LANE_PRIMES, lanes_at, tensor_lanes
 from dcr_format.layout import View
-from dcr_format.readers.targets import Applied, Change, Resident, Target, Transaction
+from dcr_format.readers.targets import (
+    Applied,
+    Change,
+    Resident,
+    Target,
+    Transaction,
+    baseline_coding_error,
+)
 
 __all__ = ["LoaderPlan", "ModuleTarget", "all_reduce_lanes"]
 
@@ -407,6 +414,10 @@ class ModuleTarget(Target):
         """Whether the loader places ``name`` in this module (prewarms it on first sight)."""
         return self.plan(name, dtype, shape).kind != "absent"
 
+    def reads_baseline(self) -> bool:
+        """False: the module's tensors are reached through its loader, not as canonical bits."""
+        return False
+
     def overwrite_names(self) -> frozenset[str]:
         """Names whose load path is not bit-preserving (they need ``overwrite``)."""
         return frozenset(p.name for p in self._plans.values() if p.kind == "overwrite")
@@ -757,6 +768,8 @@ class _ModuleTransaction(Transaction):
                 continue
             if change.delta.positions is not None and change.delta.positions.numel() == 0:
                 continue
+            if change.delta.classed is not None:  # no canonical old bits to decode against
+                raise baseline_coding_error(change.name)
             plan = self.target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":
                 raise TargetError(

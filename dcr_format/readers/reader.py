@@ -31,7 +31,7 @@ from dcr_format.chain import (
     utc_now,
 )
 from dcr_format.codec.budget import DecodeBudget
-from dcr_format.codec.delta import FULL, DecodedDelta, stage_change
+from dcr_format.codec.delta import FULL, DecodedDelta, resolve, stage_change
 from dcr_format.codec.dtypes import info_for
 from dcr_format.errors import (
     ApplyError,
@@ -253,7 +253,8 @@ class DeltaReader:
         self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
         self._verified: _Verified | None = None
         self.reader_id = reader_id
-        self._recorded: tuple[str, frozenset[str]] | None = None  # last reader record written
+        # the last reader record written: (reader id, overwrite names, reads_baseline)
+        self._recorded: tuple[str, frozenset[str], bool] | None = None
 
     def versions(self) -> list[int]:
         """Committed versions of the chain, ascending."""
@@ -332,8 +333,8 @@ class DeltaReader:
             spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
             if (tensor.dtype, tuple(tensor.shape)) != spec:
                 continue
-            try:
-                staged[name] = Staged(tensor, stage_change(tensor, delta))
+            try:  # classed positions are found against the live tensor's bits first
+                staged[name] = Staged(tensor, stage_change(tensor, resolve(delta, tensor)))
             except (IndexError, DcrError):
                 continue
         return staged
@@ -420,23 +421,30 @@ class DeltaReader:
 
         Written when the set changes (an explicit ``reader_id`` also records an empty
         set once, so a stale list is cleared); without a ``reader_id`` the record is named
-        after its content, so readers that need the same names share one record.
+        after its content, so readers that need the same names share one record. A target
+        that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
+        (``reads_baseline`` false: writers then code no positions against the old bits).
         """
         names = self.target.overwrite_names()
-        if self.reader_id is None and not names:
+        reads_baseline = self.target.reads_baseline()
+        if self.reader_id is None and not names and reads_baseline:
             return
-        reader_id = self.reader_id or "auto-" + sha256_hex("\n".join(sorted(names)).encode())[:16]
-        if self._recorded == (reader_id, names):
+        content = "\n".join(sorted(names)) + ("" if reads_baseline else "\n(no baseline)")
+        reader_id = self.reader_id or "auto-" + sha256_hex(content.encode())[:16]
+        if self._recorded == (reader_id, names, reads_baseline):
             return
         record = ReaderRecord(
-            reader_id=reader_id, updated=timestamp(utc_now()), overwrite=tuple(sorted(names))
+            reader_id=reader_id,
+            updated=timestamp(utc_now()),
+            overwrite=tuple(sorted(names)),
+            reads_baseline=reads_baseline,
         )
         try:
             self.store.put(f"readers/{reader_id}.json", record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
             _log.warning("could not write reader record readers/%s.json: %s", reader_id, exc)
             return
-        self._recorded = (reader_id, names)
+        self._recorded = (reader_id, names, reads_baseline)
 
     def _resident(self) -> Resident | None:
         """The target's resident version; any failure to read it is a :class:`TargetError`."""

@@ -32,12 +32,16 @@ from dcr_format.codec.delta import (
     StagedChange,
     apply_change,
     put_staged,
+    resolve,
     undo_delta,
     unput_staged,
 )
 from dcr_format.codec.dtypes import bits_view
 from dcr_format.errors import (
     AliasedTensorError,
+    BaselineCodingError,
+    BaselineMismatchError,
+    PositionsError,
     TargetBusyError,
     TargetChangedError,
     TargetError,
@@ -159,7 +163,7 @@ class Transaction(ABC):
         else :meth:`apply`) and keep its undo for :meth:`undo`."""
         applied = None if staged is None else self.put(change, staged)
         if applied is None:
-            applied = self.apply(change)
+            applied = self.apply(self.resolved(change))
         self._journal().append(applied.undo)
         return applied
 
@@ -183,6 +187,23 @@ class Transaction(ABC):
             bits.after,
             lane_deltas=bits.lane_deltas,
         )
+
+    def resolved(self, change: Change) -> Change:
+        """``change`` with its positions found against the tensor it lands in, where the
+        writer coded them against the old bits (``classed``, FORMAT.md §6.5); the tensor
+        then holds exactly those bits (changes apply in version order)."""
+        if change.delta.classed is None:
+            return change
+        tensor = self.tensor(change.name)
+        if tensor is None:
+            raise baseline_coding_error(change.name)
+        try:
+            return replace(change, delta=resolve(change.delta, tensor))
+        except PositionsError as exc:  # the stream checked out: the bits are not the parent's
+            raise BaselineMismatchError(
+                f"tensor {change.name!r} in the target is not the bits its positions were "
+                "coded against; it was changed outside dcr: pull into a fresh target"
+            ) from exc
 
     def undo(self) -> None:
         """Revert every change made through :meth:`change`, newest first; the bits the
@@ -210,6 +231,8 @@ class Transaction(ABC):
             if change.delta.op == FULL:
                 continue
             tensor = self.tensor(change.name)
+            if tensor is None and change.delta.classed is not None:
+                raise baseline_coding_error(change.name)
             if tensor is not None and not tensor.is_contiguous():
                 raise TargetError(
                     f"target tensor {change.name!r} is not contiguous; pass contiguous tensors"
@@ -272,6 +295,13 @@ class Target(ABC):
     def accepts(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         """Whether this canonical tensor lands in the target at all (False: it belongs to
         another rank's shard or expert). The reader neither fetches nor checks the rest."""
+        return True
+
+    def reads_baseline(self) -> bool:
+        """Whether the reader can read the exact canonical bits of the tensors this target
+        holds (:meth:`Transaction.tensor`) before applying, so it decodes positions coded
+        against them (``classed``, FORMAT.md §6.5). A target answering False tells writers
+        through its reader record."""
         return True
 
     def overwrite_names(self) -> frozenset[str]:
@@ -351,6 +381,16 @@ class _Shared:
     delta: DecodedDelta
     waiting: set[str]
     applied: Applied
+
+
+def baseline_coding_error(name: str) -> BaselineCodingError:
+    """The error of a ``classed`` change reaching a target that cannot read ``name``'s
+    canonical old bits."""
+    return BaselineCodingError(
+        f"this version codes the positions of {name!r} against its old bits "
+        "(positions-classed), which this target cannot read; its reader record asks writers "
+        "not to from the next version: sync to that one, or from a base"
+    )
 
 
 class _DictTransaction(Transaction):

@@ -11,7 +11,8 @@ Computed from the chain without materialising either version:
   position is non-zero (exact: elements that changed back are not counted);
   positions an ``overwrite`` wrote are counted as differing (an upper bound: the
   value at A is not in the chain there); a ``full`` entry in between makes every
-  element count (an upper bound).
+  element count (an upper bound); a tensor whose positions some entry codes against
+  its old bits (``classed``) counts the changes its entries declare (an upper bound).
 
 ``exact=True`` resolves the upper bounds by replaying only the affected tensors
 (through a reader restricted to them) to A and to B and comparing their bits.
@@ -30,6 +31,7 @@ from typing import Literal
 import torch
 
 from dcr_format.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
+from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import FULL, XOR, DecodedDelta
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
@@ -184,9 +186,18 @@ def diff(
         else:
             pending[name] = new
     touched = _combine(chain, versions[1:], pending, max_workers)
+    bounds: Counter[str] = Counter()  # changes in all, of tensors whose positions are not read
+    for version in versions[1:]:
+        for manifest in version.manifests:
+            for entry in manifest.entries:
+                if entry.name in pending and entry.name not in touched:
+                    bounds[entry.name] += entry.changed
     for name, state in pending.items():
         found = touched.get(name)
-        count, is_exact = (numel(state.shape), False) if found is None else found.result()
+        if found is None:
+            count, is_exact = min(numel(state.shape), bounds[name]), False
+        else:
+            count, is_exact = found.result()
         rows[name] = _row(state, "changed", count, is_exact, changed_in[name])
     if exact:
         inexact = [n for n in pending if not rows[n].exact]
@@ -235,13 +246,16 @@ def _combine(
 
     Tensors that a whole ``full`` entry rewrote in between are left out (every element
     counts); a ``full`` piece (FORMAT.md §4.8) writes its region like an ``overwrite``.
+    So are tensors with ``classed`` positions (FORMAT.md §6.5): they decode only against
+    the tensor's bits, which this report does not materialise (``exact`` does).
     """
     rewritten = {
         e.name
         for v in versions
         for m in v.manifests
         for e in m.entries
-        if e.op == FULL and e.piece is None
+        if (e.op == FULL and e.piece is None)
+        or (e.positions is not None and e.positions.coding == CLASSED)
     } & set(pending)
     wanted = set(pending) - rewritten
     touched = {

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from dcr_format.chain import (
@@ -229,8 +230,17 @@ def await_commit(chain: Chain, version: int, attempt: str, timeout: float) -> Lo
     return loaded
 
 
-def read_reader_records(store: Store) -> frozenset[str]:
-    """Union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6).
+@dataclass(frozen=True)
+class ReaderWishes:
+    """What the reader records ask of writers, together (FORMAT.md §3.6)."""
+
+    overwrite: frozenset[str] = frozenset()  # the union of their ``overwrite`` lists
+    reads_baseline: bool = True  # no record says its reader cannot decode ``classed``
+
+
+def read_reader_records(store: Store) -> ReaderWishes:
+    """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), and
+    whether all of them read the old bits (``reads_baseline``).
 
     One listing plus one small get per record. A record that cannot be read or does not
     validate (or names another reader than its key) is skipped: records are requests,
@@ -239,8 +249,9 @@ def read_reader_records(store: Store) -> frozenset[str]:
     try:
         keys = store.list(READERS_PREFIX)
     except StoreError:
-        return frozenset()
+        return ReaderWishes()
     names: set[str] = set()
+    reads_baseline = True
     for key in keys:
         match = _READER_KEY.match(key)
         if match is None:
@@ -252,4 +263,5 @@ def read_reader_records(store: Store) -> frozenset[str]:
             continue
         if record.reader_id == match.group(1):
             names.update(record.overwrite)
-    return frozenset(names)
+            reads_baseline = reads_baseline and record.reads_baseline
+    return ReaderWishes(frozenset(names), reads_baseline)

@@ -150,6 +150,8 @@ class Attempt:
     zstd_level: int
     overwrite: frozenset[str]
     """Tensors readers asked to receive as ``overwrite`` (reader records, FORMAT.md §3.6)."""
+    reads_baseline: bool = True
+    """Whether every reader record says its reader decodes codings against the old bits."""
 
     @property
     def base(self) -> bool:

@@ -50,8 +50,13 @@ from dcr_format.codec.delta import (
     comparable,
 )
 from dcr_format.codec.dtypes import bits_view, info_for
+from dcr_format.codec.features import (
+    POSITIONS_CLASSED_FEATURE,
+    features_for,
+    within_codings,
+    writer_features,
+)
 from dcr_format.codec.shard import ZSTD_LEVEL
-from dcr_format.codec.values import features_for, within_codings, writer_features
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.pipeline import encode_stream
 from dcr_format.cuda.reference import Diff
@@ -80,11 +85,14 @@ from dcr_format.schema import (
     Entry,
     Manifest,
     ManifestRef,
+    PositionsRef,
     Stats,
+    ValuesRef,
     check_tensor_name,
 )
 from dcr_format.store import Store, open_store
 from dcr_format.writers._commit import (
+    ReaderWishes,
     abort,
     await_commit,
     create_commit,
@@ -342,8 +350,8 @@ class DeltaWriter:
         mine = None
         if self.rank == 0:
             records = self.reader_records and not base
-            mine = (self.ids(), read_reader_records(self.store) if records else frozenset())
-        attempt, overwrite = self.coordinator.broadcast(mine, rank=self.rank)
+            mine = (self.ids(), read_reader_records(self.store) if records else ReaderWishes())
+        attempt, wishes = self.coordinator.broadcast(mine, rank=self.rank)
         return Attempt(
             store=self.store,
             chain_id=self.chain.header.chain_id,
@@ -354,7 +362,8 @@ class DeltaWriter:
             world_size=self.world_size,
             shard_bytes=self._shard_limit(),
             zstd_level=self.zstd_level,
-            overwrite=frozenset(overwrite),
+            overwrite=wishes.overwrite,
+            reads_baseline=wishes.reads_baseline,
         )
 
     def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> bytes:
@@ -599,8 +608,11 @@ class CanonicalPart:
             # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
             # a full shard uploads on a background thread while the next tensors are coded
             items = self._owned(tensors, attempt)
+            features = self.features
+            if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
+                features -= {POSITIONS_CLASSED_FEATURE}
             for (name, tensor, old), encoded in within_codings(
-                self.features, encode_stream(items, advanced)
+                features, encode_stream(items, advanced)
             ):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
@@ -622,7 +634,7 @@ class CanonicalPart:
                 )
             shards.finish()
             manifest = attempt.manifest(
-                shards, entries, features_for(e.values.coding for e in entries if e.values)
+                shards, entries, features_for(r.coding for e in entries for r in _streams(e))
             )
         except BaseException:
             self._revert(moved)
@@ -783,6 +795,11 @@ class _BaselineCache:
         except Exception:
             return None  # an unreadable cache is just a miss
         return StateDictTarget(tensors, version=version, chain_id=chain_id)
+
+
+def _streams(entry: Entry) -> Iterator[PositionsRef | ValuesRef]:
+    """The stream references of an entry."""
+    yield from (ref for ref in (entry.positions, entry.values) if ref is not None)
 
 
 def _cached_fingerprint(tensor: torch.Tensor) -> str | None:

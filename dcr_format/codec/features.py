@@ -1,0 +1,98 @@
+"""Codec features (spec/FORMAT.md §12): codings beyond the ones every reader has.
+
+A writer is allowed a set of features (``DeltaWriter(features=...)``); each names one
+coding (``values-rans``: the ``rans`` value coding, ``positions-classed``: the ``classed``
+position coding). Encoders use an allowed coding only where it is smaller, and a manifest
+lists in ``required_features`` the feature of every coding its entries use, so a reader
+without it refuses the version instead of misreading it.
+
+What is allowed travels by context rather than by argument: a writer opens an
+:func:`allowed_codings` block (or wraps its encoding generator in :func:`within_codings`)
+and the encoders below it read :func:`allowed`, so no layer in between passes it down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from dcr_format.errors import ArgumentError
+
+VALUES_RANS_FEATURE = "values-rans"
+POSITIONS_CLASSED_FEATURE = "positions-classed"
+CODING_FEATURES: dict[str, str] = {
+    "rans": VALUES_RANS_FEATURE,
+    "classed": POSITIONS_CLASSED_FEATURE,
+}
+"""The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
+FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
+T = TypeVar("T")
+
+_ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "dcr_codings", default=frozenset()
+)
+
+
+def allowed() -> frozenset[str]:
+    """The feature codings the innermost :func:`allowed_codings` block allows (none outside)."""
+    return _ALLOWED.get()
+
+
+@contextlib.contextmanager
+def allowed_codings(features: Iterable[str]) -> Iterator[None]:
+    """Within the block (this thread, or this context), encoders may use the codings of
+    ``features`` (e.g. ``("values-rans",)``). Features that name no coding are ignored (a
+    writer passes all its features)."""
+    token = _ALLOWED.set(frozenset(FEATURE_CODINGS[f] for f in features if f in FEATURE_CODINGS))
+    try:
+        yield
+    finally:
+        _ALLOWED.reset(token)
+
+
+def within_codings(features: Iterable[str], items: Iterable[T]) -> Iterator[T]:
+    """Iterate ``items`` with :func:`allowed_codings` of ``features`` active while each item
+    is produced (not while the caller handles it): a writer wraps its encoding generator
+    (``for x in within_codings(self.features, encode_stream(...))``) without re-indenting."""
+    features = tuple(features)
+    iterator = iter(items)
+    while True:
+        with allowed_codings(features):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
+
+
+def writer_features(features: Iterable[str]) -> frozenset[str]:
+    """Check the codec features a writer is allowed: each must name a coding of
+    :data:`CODING_FEATURES`; raises :class:`ArgumentError` otherwise."""
+    chosen = frozenset(features)
+    unknown = sorted(chosen - set(FEATURE_CODINGS))
+    if unknown:
+        raise ArgumentError(
+            f"writer features {unknown} are not codec features; "
+            f"use any of {sorted(FEATURE_CODINGS)}"
+        )
+    return chosen
+
+
+def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
+    """The sorted ``required_features`` that streams of ``codings`` need (for a manifest)."""
+    return tuple(sorted({CODING_FEATURES[c] for c in codings if c in CODING_FEATURES}))
+
+
+__all__ = [
+    "CODING_FEATURES",
+    "FEATURE_CODINGS",
+    "POSITIONS_CLASSED_FEATURE",
+    "VALUES_RANS_FEATURE",
+    "allowed",
+    "allowed_codings",
+    "features_for",
+    "within_codings",
+    "writer_features",
+]
