@@ -32,10 +32,7 @@ class Trainer:
 
     def __init__(self, seed: int, shapes: dict[str, tuple[int, ...]], lr: float = 2e-6) -> None:
         self.gen = torch.Generator().manual_seed(seed)
-        self.masters = {
-            n: torch.randn(*s, generator=self.gen) * 0.02
-            for n, s in shapes.items()
-        }
+        self.masters = {n: torch.randn(*s, generator=self.gen) * 0.02 for n, s in shapes.items()}
         self.lr = lr
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import zstandard
@@ -22,14 +23,14 @@ from dcr_format import (
     tensor_fingerprint,
 )
 from dcr_format.chain import Chain
-from dcr_format.codec import rans
-from dcr_format.codec.dtypes import info_for
+from dcr_format.codec import classed, rans
+from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import UnsupportedFeatureError
 from dcr_format.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-NAMES = ("base-only", "xor-deltas", "mixed", "values-rans")
+NAMES = ("base-only", "xor-deltas", "mixed", "values-rans", "positions-classed")
 
 
 def expected_of(name: str) -> dict:
@@ -206,3 +207,51 @@ def test_a_reader_without_values_rans_refuses_the_vector(monkeypatch: pytest.Mon
     with pytest.raises(UnsupportedFeatureError, match="values-rans"):
         DeltaReader(VECTORS_DIR / "values-rans" / "store", target).sync(to=0)
     assert dict(target.tensors) == {}
+
+
+def test_positions_classed_vector_decodes_against_the_old_bits_of_each_version() -> None:
+    """Every classed stream of the vector parses, names all four float widths, and decodes
+    against the bits the previous version left to exactly the positions whose bits differ;
+    an element whose class changed in v2 is found in v3 by its new class."""
+    store = open_store(VECTORS_DIR / "positions-classed" / "store")
+    chain = Chain(store)
+    versions = expected_of("positions-classed")["versions"]
+    previous: dict[str, torch.Tensor] = {}
+    target = StateDictTarget({})
+    widths = set()
+    for version in versions:
+        loaded = chain.record(version["version"])
+        for manifest in chain.manifests(loaded):
+            for entry in manifest.entries:
+                if entry.positions is None or entry.positions.coding != "classed":
+                    continue
+                assert "positions-classed" in manifest.required_features
+                shard = manifest.shards[entry.positions.shard]
+                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
+                old = bits_view(previous[entry.name]).reshape(-1).numpy()
+                info = info_for(entry.dtype)
+                found = classed.decode_classed(
+                    bytes(streams[entry.positions.key]),
+                    old.view(f"<u{info.width}"),
+                    entry.dtype,
+                    count=entry.changed,
+                    numel=old.size,
+                )
+                DeltaReader(store, target).sync(to=version["version"])
+                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
+                assert np.array_equal(found, np.flatnonzero(new != old))
+                widths.add(info.width)
+        DeltaReader(store, target).sync(to=version["version"])
+        previous = {n: t.clone() for n, t in target.tensors.items()}
+    assert widths == {2, 4, 8}
+
+
+def test_a_reader_without_positions_classed_refuses_the_vector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = StateDictTarget({})
+    DeltaReader(VECTORS_DIR / "positions-classed" / "store", target).sync(to=0)
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"positions-classed"})
+    with pytest.raises(UnsupportedFeatureError, match="positions-classed"):
+        DeltaReader(VECTORS_DIR / "positions-classed" / "store", target).sync(to=1)
+    assert target.resident() is not None and target.resident().version == 0

@@ -196,7 +196,7 @@ class Transaction(ABC):
             return change
         tensor = self.tensor(change.name)
         if tensor is None:
-            raise baseline_coding_error(change.name)
+            raise TargetError(f"the target lacks tensor {change.name!r}")
         try:
             return replace(change, delta=resolve(change.delta, tensor))
         except PositionsError as exc:  # the stream checked out: the bits are not the parent's
@@ -231,8 +231,6 @@ class Transaction(ABC):
             if change.delta.op == FULL:
                 continue
             tensor = self.tensor(change.name)
-            if tensor is None and change.delta.classed is not None:
-                raise baseline_coding_error(change.name)
             if tensor is not None and not tensor.is_contiguous():
                 raise TargetError(
                     f"target tensor {change.name!r} is not contiguous; pass contiguous tensors"

@@ -497,7 +497,74 @@ def values_rans() -> Vector:
     )
 
 
-VECTORS: tuple[Callable[[], Vector], ...] = (base_only, xor_deltas, mixed, values_rans)
+def below(bits: np.ndarray, dtype: str, exponent: int, seed: int, one_in: int) -> np.ndarray:
+    """Positions (sorted) of about one in ``one_in`` of the elements whose exponent field
+    is below ``exponent``: an optimizer step moves small weights (fine spacing) most."""
+    shift, mask = {"bfloat16": (7, 0xFF), "float16": (10, 0x1F), "float32": (23, 0xFF)}.get(
+        dtype, (52, 0x7FF)
+    )
+    field = (bits.astype(np.uint64) >> np.uint64(shift)) & np.uint64(mask)
+    picked = (raw(seed, bits.size) % np.uint64(one_in)) == 0
+    return np.flatnonzero((field < np.uint64(exponent)) & picked).astype(np.int64)
+
+
+def positions_classed() -> Vector:
+    """Positions coded against the old bits (feature ``positions-classed``, FORMAT.md §6.5)."""
+    a0 = weights(501, "bfloat16", 64 * 64)
+    b0 = weights(502, "float32", 32 * 64)
+    c0 = weights(503, "float16", 1024)
+    d0 = weights(504, "float64", 512)
+    e0 = uniform_bits(505, "int16", 1024)
+    f0 = weights(506, "bfloat16", 256)
+
+    def state(*t: np.ndarray) -> State:
+        a, b, c, d, e, f = t
+        return {
+            "model.layers.0.mlp.up_proj.weight": Spec("bfloat16", (64, 64), a),
+            "model.layers.0.self_attn.q_proj.weight": Spec("float32", (32, 64), b),
+            "model.layers.0.mlp.down_proj.weight": Spec("float16", (1024,), c),
+            "model.layers.0.master": Spec("float64", (512,), d),
+            "model.layers.0.counts": Spec("int16", (1024,), e),
+            "model.norm.weight": Spec("bfloat16", (256,), f),
+        }
+
+    # v1: small weights move (classed wins); int16 changes (no classes: rice next to classed);
+    # two changes of f (too few for classed to pay: rice)
+    a1 = nudge(a0, below(a0, "bfloat16", 0x79, 511, 3), 512)
+    b1 = flip(b0, below(b0, "float32", 0x78, 513, 2), 514, 0xFF)
+    c1 = nudge(c0, below(c0, "float16", 0x09, 515, 3), 516)
+    d1 = flip(d0, below(d0, "float64", 0x3F8, 517, 2), 518, 0xFFFF)
+    e1 = flip(e0, scattered(519, 1024, 60), 520, 0xFF)
+    f1 = flip(f0, np.array([3, 255]), 521, 0x7F)
+    # v2: a again, and its exponent's low bit flipped in a few large weights, so that those
+    # elements change class: v3 is decoded against the classes v2 left
+    a2 = nudge(a1, below(a1, "bfloat16", 0x79, 531, 3), 532)
+    moved = scattered(533, 4096, 12)
+    a2[moved] ^= np.uint16(0x0080)
+    a3 = nudge(a2, below(a2, "bfloat16", 0x7A, 541, 4), 542)
+    return Vector(
+        "positions-classed",
+        "classed positions (feature positions-classed): bfloat16, float32, float16 and float64 "
+        "steps of small weights, rice next to classed in one manifest, class changes decoded "
+        "by the next version",
+        5,
+        [
+            (0, state(a0, b0, c0, d0, e0, f0)),
+            (1, state(a1, b1, c1, d1, e1, f1)),
+            (2, state(a2, b1, c1, d1, e1, f1)),
+            (3, state(a3, b1, c1, d1, e1, f1)),
+        ],
+        features=("positions-classed",),
+    )
+
+
+VECTORS: tuple[Callable[[], Vector], ...] = (
+    base_only,
+    xor_deltas,
+    mixed,
+    values_rans,
+    positions_classed,
+)
 
 # ------------------------------------------------------------------------------------------
 # writing
@@ -654,6 +721,9 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             used = {e["values"] for e in version["entries"].values() if e["values"]}
             if used >= {"planes", "rans"}:
                 facts.add("planes next to rans")
+            placed = {e["positions"] for e in version["entries"].values() if e["positions"]}
+            if placed >= {"rice", "classed"}:
+                facts.add("rice next to classed")
             for name, entry in version["entries"].items():
                 tensor = version["tensors"][name]
                 if entry["values"]:
@@ -678,7 +748,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             facts.add("second base")
     missing = []
     missing += sorted({"xor", "overwrite", "full"} - ops)
-    missing += sorted({"rice", "ranges"} - codings)
+    missing += sorted({"rice", "ranges", "classed"} - codings)
     missing += sorted({"planes", "rans"} - value_codings)
     missing += sorted(set(BY_NAME) - dtypes)
     missing += sorted({"base", "delta"} - kinds)
@@ -693,6 +763,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "second base",
             "planes next to rans",
             "rans in a base",
+            "rice next to classed",
         }
         - facts
     )
