@@ -11,6 +11,7 @@ __all__ = [
     "AliasedTensorError",
     "ApplyError",
     "ArgumentError",
+    "BaselineCodingError",
     "BaselineMismatchError",
     "CapabilityError",
     "ChainBrokenError",

@@ -154,3 +154,29 @@ def test_layout_is_checked_without_the_old_bits() -> None:
     with pytest.raises(PositionsError):
         classed.parse_classed(stream, count=positions.size, dtype="int16")
     assert len(stream) <= classed.classed_bound(positions.size, old.size)
+
+
+def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three tasks of the compiled passes (one without positions), a partial last group, and
+    changes on task and group edges, with the XOR form: the same bytes and positions."""
+    from dcr_format.codec._native import TASK
+
+    n = 2 * TASK + 1000 + 37
+    old = weights(12, n)
+    positions = step_positions(old, 13, lr=2e-6)
+    positions = positions[(positions < TASK // 2) | (positions >= TASK + 5)]  # a gap
+    edges = np.array([0, 63, 64, TASK - 1, TASK + 5, 2 * TASK, n - 1], dtype=np.int64)
+    positions = np.union1d(positions, edges)
+    xor = np.random.default_rng(14).choice(np.array([1, 0x80, 0x101], np.uint16), positions.size)
+    new = old.copy()
+    new[positions] ^= xor
+    native = classed.encode_classed(positions, new, "bfloat16", xor=xor)
+    back = classed.decode_classed(native, old, "bfloat16", count=positions.size, numel=n)
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    reference = classed.encode_classed(positions, old, "bfloat16")
+    assert native == reference
+    assert np.array_equal(back, positions)
+    assert np.array_equal(
+        classed.decode_classed(reference, old, "bfloat16", count=positions.size, numel=n),
+        positions,
+    )

@@ -21,7 +21,7 @@ as a writer would, then reports:
 - for information, the order-0 entropy of the signed difference in ulps (bf16
   bits mapped to ordered integers) next to the XOR entropy;
 - issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3) and, on top,
-  ``classed`` positions (§6.5, draft); what a reader downloads for the version (shard,
+  ``classed`` positions (§6.5); what a reader downloads for the version (shard,
   manifest and commit record) and the manifest's share of it; the conditional bound
   (positions and values given the class of the old value, its bf16 exponent) next to
   the iid bound; NeMo RL's sparse layout (narrowest-uint gaps or runs, raw XOR values,
@@ -58,7 +58,7 @@ import numpy as np
 import torch
 import zstandard
 
-from dcr_format.codec.classed import EXPONENT_FIELDS, decode_classed, encode_classed
+from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import (
     FULL,
     OVERWRITE,
@@ -67,9 +67,15 @@ from dcr_format.codec.delta import (
     apply_delta,
     decode_delta,
     encode_tensor,
+    resolve,
 )
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.features import VALUES_RANS_FEATURE, allowed_codings, features_for
+from dcr_format.codec.features import (
+    POSITIONS_CLASSED_FEATURE,
+    VALUES_RANS_FEATURE,
+    allowed_codings,
+    features_for,
+)
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
 from dcr_format.schema import Manifest, ShardRef
 from dcr_format.toymodel import Trainer
@@ -263,7 +269,7 @@ def _decode_apply(
             positions=(enc.positions_coding, streams[f"{i}.p"]),
             values=(enc.values_coding, streams[f"{i}.v"]),
         )
-        apply_delta(target, delta)
+        apply_delta(target, resolve(delta, target))  # classed: positions from the old bits
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,7 @@ def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
 
 
 COMMIT_RECORD_BYTES = 720
+BOTH_FEATURES = (VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE)
 """What a reader fetches besides manifests and shards per version: the commit record of one
 writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 _SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
@@ -342,7 +349,9 @@ def manifest_bytes(
     ]
     shard = ShardRef(path=_SHARD_PATH, sha256="0" * 64, size=stored, decoded_size=decoded)
     manifest = Manifest(
-        required_features=features_for(e.values.coding for e in entries if e.values),
+        required_features=features_for(
+            r.coding for e in entries for r in (e.positions, e.values) if r is not None
+        ),
         chain_id="0" * 32,
         version=1,
         kind="delta",
@@ -406,36 +415,6 @@ def nemo_bytes(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> in
             parts[-1] = np.stack([starts, lengths], axis=1).astype("<u4").tobytes()
         parts.append((o[positions] ^ n[positions]).astype("<u2").tobytes())
     return len(zstandard.ZstdCompressor(level=1).compress(b"".join(parts)))
-
-
-def classed_streams(
-    old: dict[str, torch.Tensor], encoded: list[tuple[str, EncodedTensor]]
-) -> tuple[dict[str, bytes], int, float, float]:
-    """The shard streams of ``encoded`` with each float tensor's positions in the ``classed``
-    coding (FORMAT.md §6.5) where that is smaller; returns the streams, how many entries
-    switched, and the seconds classed encoding and decoding took (all tensors)."""
-    streams = _shard_streams(encoded)
-    switched, enc_s, dec_s = 0, 0.0, 0.0
-    for i, (name, enc) in enumerate(encoded):
-        dtype = info_for(old[name].dtype).name
-        if not enc.changed or enc.advance is None or dtype not in EXPONENT_FIELDS:
-            continue
-        assert enc.advance.positions is not None and enc.positions is not None
-        positions = enc.advance.positions.numpy()
-        bits = old[name].view(info_for(old[name].dtype).bits_dtype).reshape(-1).numpy()
-        bits = bits.view(f"<u{bits.dtype.itemsize}")
-        start = time.perf_counter()
-        coded = encode_classed(positions, bits, dtype)
-        enc_s += time.perf_counter() - start
-        start = time.perf_counter()
-        back = decode_classed(coded, bits, dtype, count=enc.changed, numel=bits.size)
-        dec_s += time.perf_counter() - start
-        if not np.array_equal(back, positions):
-            raise AssertionError(f"classed positions of {name} do not round-trip")
-        if len(coded) < len(enc.positions):
-            streams[f"{i}.p"] = coded
-            switched += 1
-    return streams, switched, enc_s, dec_s
 
 
 def measure_speed(
@@ -535,11 +514,14 @@ def measure_step(
     rans_entries = sum(enc.values_coding == "rans" for _, enc in rans_enc)
     peer = nemo_bytes(old, new)
     rans_speed = measure_speed(old, new, reps=reps, features=(VALUES_RANS_FEATURE,))
-    cls_streams, cls_entries, cls_enc_s, cls_dec_s = classed_streams(old, rans_enc)
-    cls_stored, _ = encode_shard(cls_streams)
-    # the manifest names "classed" (7 characters) instead of "rice"/"ranges" where switched
-    cls_download = len(cls_stored) + rans_manifest + 3 * cls_entries + COMMIT_RECORD_BYTES
-    cls_pos = sum(len(v) for k, v in cls_streams.items() if k.endswith(".p"))
+    # on top: positions coded against the old bits where shorter (the writer's own choice)
+    cls_enc = _encode_all(old, new, XOR, BOTH_FEATURES)
+    cls_stored, cls_decoded = encode_shard(_shard_streams(cls_enc))
+    cls_manifest = manifest_bytes(cls_enc, new, stored=len(cls_stored), decoded=cls_decoded)
+    cls_download = len(cls_stored) + cls_manifest + COMMIT_RECORD_BYTES
+    cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
+    cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
+    cls_speed = measure_speed(old, new, reps=reps, features=BOTH_FEATURES)
 
     per = max(changed, 1)
     return {
@@ -602,10 +584,11 @@ def measure_step(
         "classed_download_vs_dense": cls_download / dense_bytes,
         "classed_download_vs_bound": cls_download / bound_bytes if bound_bytes else math.nan,
         "classed_download_vs_cond_bound": cls_download / cond_bytes if cond_bytes else math.nan,
-        "classed_encode_s": cls_enc_s,
-        "classed_decode_s": cls_dec_s,
-        "classed_encode_vs_clone": speed["clone_s"] / cls_enc_s if cls_enc_s else math.nan,
-        "classed_decode_vs_clone": speed["clone_s"] / cls_dec_s if cls_dec_s else math.nan,
+        "classed_manifest_bytes": cls_manifest,
+        "classed_encode_s": cls_speed["encode_s"],
+        "classed_decode_apply_s": cls_speed["decode_apply_s"],
+        "classed_encode_vs_clone": cls_speed["encode_vs_clone"],
+        "classed_decode_apply_vs_clone": cls_speed["decode_apply_vs_clone"],
         "rans_encode_vs_clone": rans_speed["encode_vs_clone"],
         "rans_decode_apply_vs_clone": rans_speed["decode_apply_vs_clone"],
         "rans_encode_s": rans_speed["encode_s"],

@@ -1,42 +1,264 @@
 """Compiled (numba) kernels of the ``classed`` position coding (:mod:`dcr_format.codec.classed`).
 
 Private, imported on first use like :mod:`dcr_format.codec._native` (numba missing or
-``DCR_KERNELS=torch``: the numpy reference in :mod:`~dcr_format.codec.classed` runs). Each
-kernel is one sequential pass over the tensor's old bits with a counter per class, so no
-temporary as large as the tensor is made; they reproduce the reference exactly
-(``tests/test_codec_classed.py``). Classes are ``clamp(((bits >> shift) & mask) - base, 0,
-count - 1)``; arithmetic is int64 (the bits arrive as uint64-compatible unsigned arrays).
+``DCR_KERNELS=torch``: the numpy reference in :mod:`~dcr_format.codec.classed` runs); they
+reproduce the reference exactly (``tests/test_codec_classed.py``).
+
+Both ends make two passes over the tensor's old bits, in tasks of
+:data:`~dcr_format.codec._native.TASK` elements that run in parallel (through
+:func:`~dcr_format.codec._native._launch`, with serial twins):
+
+1. :func:`histograms`: each task's histogram of the exponent field (four interleaved
+   counter rows, so that equal neighbours do not wait on one counter). The writer picks
+   ``base`` and ``K`` from their sum; each task's count per class, and so the class counts
+   before it, follow from its own row.
+2. :func:`class_ranks` (writer) and :func:`positions_of_ranks` (reader): each task takes
+   its elements 64 at a time, computes their classes and counts them per class with a
+   branch-free sum of one byte per class (no counter in memory, vectorised). A changed
+   element's rank is the count of its class before the group plus the elements of its
+   class below it (a 64-bit mask of the class, made only for groups that hold a change); a
+   wanted rank lies in the group when the count before plus the group's passes it, and its
+   element is the matching set bit of the class's mask.
+
+Classes are ``clamp(((bits >> shift) & mask) - base, 0, count - 1)``; a writer whose diff
+advanced its baseline passes the new bits and the XOR bits at the positions (the old bits
+there are their XOR).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
+
+from dcr_format.codec._native import _TRAILING_ZEROS, TASK, _launch
+
+_GROUP = 64
+_ZERO, _ONE = np.uint64(0), np.uint64(1)
+_NONE = np.uint8(255)  # the class of a slot past the tensor's end (no mask takes it)
+
+
+def tasks_of(n: int) -> int:
+    """How many tasks cover ``n`` elements."""
+    return (n + TASK - 1) // TASK
+
+
+@njit(cache=True, inline="always")
+def _exponent(value, shift, mask):  # type: ignore[no-untyped-def]
+    return (np.int64(value) >> shift) & mask
+
+
+@njit(cache=True, inline="always")
+def _class_of(value, shift, mask, base, count):  # type: ignore[no-untyped-def]
+    c = ((np.int64(value) >> shift) & mask) - base
+    return 0 if c < 0 else (count - 1 if c > count - 1 else c)
+
+
+# --- pass 1: exponent histograms per task -----------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _histogram_task(t, bits, shift, mask, out):  # type: ignore[no-untyped-def]
+    lo = t * TASK
+    hi = min(lo + TASK, bits.shape[0])
+    width = np.uint64(mask + 1)
+    rows = np.zeros(4 * (mask + 1), dtype=np.int64)
+    ushift, umask = np.uint64(shift), np.uint64(mask)
+    i = lo
+    while i + 4 <= hi:
+        u = np.uint64(i)
+        rows[(np.uint64(bits[u]) >> ushift) & umask] += 1
+        rows[width + ((np.uint64(bits[u + _ONE]) >> ushift) & umask)] += 1
+        rows[np.uint64(2) * width + ((np.uint64(bits[u + np.uint64(2)]) >> ushift) & umask)] += 1
+        rows[np.uint64(3) * width + ((np.uint64(bits[u + np.uint64(3)]) >> ushift) & umask)] += 1
+        i += 4
+    while i < hi:
+        rows[(np.uint64(bits[np.uint64(i)]) >> ushift) & umask] += 1
+        i += 1
+    for e in range(mask + 1):
+        out[t, e] = (
+            rows[e] + rows[e + mask + 1] + rows[e + 2 * (mask + 1)] + rows[e + 3 * (mask + 1)]
+        )
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _histograms(bits, shift, mask, out):  # type: ignore[no-untyped-def]
+    for t in prange(out.shape[0]):
+        _histogram_task(t, bits, shift, mask, out)
 
 
 @njit(cache=True, nogil=True)
-def exponent_histograms(
-    bits: np.ndarray, positions: np.ndarray, xor: np.ndarray, shift: int, mask: int
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Counts of every old exponent value over all elements and over the changed ones. The
-    old bits are ``bits``, or with a non-empty ``xor`` (one per position) ``bits ^ xor`` at
-    the positions (``bits`` then being the new bits)."""
-    everything = np.zeros(mask + 1, dtype=np.int64)
-    changed = np.zeros(mask + 1, dtype=np.int64)
-    for i in range(bits.size):
-        everything[(np.int64(bits[i]) >> shift) & mask] += 1
+def _histograms_serial(bits, shift, mask, out):  # type: ignore[no-untyped-def]
+    for t in range(out.shape[0]):
+        _histogram_task(t, bits, shift, mask, out)
+
+
+@njit(cache=True, nogil=True)
+def _flip_histograms(bits, positions, xor, shift, mask, out, changed):  # type: ignore[no-untyped-def]
+    """Move each changed element from its new exponent to its old one (``bits ^ xor``) in
+    its task's row of ``out``, and count the old exponents of the changed elements."""
     flip = xor.size > 0
     for j in range(positions.size):
-        value = bits[positions[j]]
+        p = positions[j]
+        value = bits[p]
         if flip:
-            everything[(np.int64(value) >> shift) & mask] -= 1
+            t = p // TASK
+            out[t, _exponent(value, shift, mask)] -= 1
             value ^= xor[j]
-            everything[(np.int64(value) >> shift) & mask] += 1
-        changed[(np.int64(value) >> shift) & mask] += 1
-    return everything, changed
+            out[t, _exponent(value, shift, mask)] += 1
+        changed[_exponent(value, shift, mask)] += 1
+
+
+def histograms(
+    bits: np.ndarray, positions: np.ndarray, xor: np.ndarray, shift: int, mask: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each task's histogram of the old exponents (rows, ``tasks x (mask + 1)``) and the
+    histogram over the changed elements (old bits: ``bits``, or ``bits ^ xor`` at the
+    positions where ``xor`` is not empty)."""
+    out = np.zeros((tasks_of(bits.shape[0]), mask + 1), dtype=np.int64)
+    _launch(_histograms, _histograms_serial, out.shape[0], bits, shift, mask, out)
+    changed = np.zeros(mask + 1, dtype=np.int64)
+    _flip_histograms(bits, positions, xor, shift, mask, out, changed)
+    return out, changed
+
+
+def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
+    """Per task and class, how many elements of the class come before the task
+    (``(tasks + 1) x count``; the last row holds the class sizes)."""
+    classes = np.clip(np.arange(rows.shape[1]) - base, 0, count - 1)
+    per_task = np.zeros((rows.shape[0], count), dtype=np.int64)
+    np.add.at(per_task.T, classes, rows.T)
+    starts = np.zeros((rows.shape[0] + 1, count), dtype=np.int64)
+    np.cumsum(per_task, axis=0, out=starts[1:])
+    return starts
+
+
+# --- pass 2, writer: each changed element's class and rank -------------------------------
+
+
+@njit(cache=True, inline="always")
+def _group_classes(bits, lo, size, shift, mask, base, count, cls):  # type: ignore[no-untyped-def]
+    """The classes of elements ``lo .. lo + size`` (``size <= 64``) into ``cls`` (the rest of
+    it :data:`_NONE`), and their count per class, one byte per class in two words (classes
+    0-7, 8-15). Unsigned indices, selects and a sum in registers: the loop vectorises."""
+    ushift, umask = np.uint64(shift), np.uint64(mask)
+    top = np.int64(count - 1)
+    start, usize = np.uint64(lo), np.uint64(size)
+    low, high = _ZERO, _ZERO
+    for q in range(_GROUP):
+        u = np.uint64(q)
+        e = np.int64((np.uint64(bits[start + min(u, usize - _ONE)]) >> ushift) & umask)
+        c = np.uint64(min(max(e - base, np.int64(0)), top))
+        inside = np.uint64(u < usize)
+        cls[u] = np.uint8(c) if u < usize else _NONE
+        one = _ONE << (np.uint64(8) * (c & np.uint64(7)))
+        low += one * (inside & np.uint64(c < np.uint64(8)))
+        high += one * (inside & np.uint64(c >= np.uint64(8)))
+    return low, high
+
+
+@njit(cache=True, inline="always")
+def _classes_at(bits, lo, n, shift, mask, base, count, cls):  # type: ignore[no-untyped-def]
+    """:func:`_group_classes` of the group at ``lo`` of a tensor of ``n`` elements (a whole
+    group through its own inlined copy, whose constant size lets the loop vectorise)."""
+    if lo + _GROUP <= n:
+        return _group_classes(bits, lo, _GROUP, shift, mask, base, count, cls)
+    return _group_classes(bits, lo, n - lo, shift, mask, base, count, cls)
+
+
+@njit(cache=True, inline="always")
+def _moved(low, high, was, now):  # type: ignore[no-untyped-def]
+    """The per-class counts of :func:`_group_classes` after one element moved class."""
+    if was < 8:
+        low -= _ONE << np.uint64(8 * was)
+    else:
+        high -= _ONE << np.uint64(8 * (was - 8))
+    if now < 8:
+        low += _ONE << np.uint64(8 * now)
+    else:
+        high += _ONE << np.uint64(8 * (now - 8))
+    return low, high
+
+
+@njit(cache=True, inline="always")
+def _count_of(low, high, c):  # type: ignore[no-untyped-def]
+    word = low if c < 8 else high
+    return np.int64((word >> np.uint64(8 * (c & 7))) & np.uint64(0xFF))
+
+
+@njit(cache=True, inline="always")
+def _class_mask(cls, c):  # type: ignore[no-untyped-def]
+    """The bits of the group's elements of class ``c``."""
+    m = _ZERO
+    cc = np.uint8(c)
+    for q in range(_GROUP):
+        m |= np.uint64(cls[np.uint64(q)] == cc) << np.uint64(q)
+    return m
+
+
+_M1 = np.uint64(0x5555555555555555)
+_M2 = np.uint64(0x3333333333333333)
+_M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
+_H01 = np.uint64(0x0101010101010101)
+
+
+@njit(cache=True, inline="always")
+def _popcount(m):  # type: ignore[no-untyped-def]
+    """Set bits of a 64-bit word (branch-free)."""
+    m = m - ((m >> _ONE) & _M1)
+    m = (m & _M2) + ((m >> np.uint64(2)) & _M2)
+    m = (m + (m >> np.uint64(4))) & _M4
+    return np.int64((m * _H01) >> np.uint64(56))
+
+
+@njit(cache=True, inline="always")
+def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+    j, end = bounds[t], bounds[t + 1]
+    if j == end:
+        return
+    lo = t * TASK
+    last = positions[end - 1]
+    seen = before[t].copy()
+    cls = np.empty(_GROUP, dtype=np.uint8)
+    flip = xor.size > 0
+    g0 = lo
+    while g0 <= last:
+        low, high = _classes_at(bits, g0, bits.shape[0], shift, mask, base, count, cls)
+        first = j
+        while j < end and positions[j] < g0 + _GROUP:
+            if flip:
+                b = positions[j] - g0
+                was = np.int64(cls[b])
+                now = _class_of(bits[positions[j]] ^ xor[j], shift, mask, base, count)
+                if now != was:
+                    cls[b] = np.uint8(now)
+                    low, high = _moved(low, high, was, now)
+            j += 1
+        for k in range(first, j):
+            b = np.uint64(positions[k] - g0)
+            c = np.int64(cls[b])
+            classes[k] = c
+            ranks[k] = seen[c] + _popcount(_class_mask(cls, c) & ((_ONE << b) - _ONE))
+        for c in range(count):
+            seen[c] += _count_of(low, high, c)
+        g0 += _GROUP
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _ranks(bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+    for t in prange(bounds.shape[0] - 1):
+        _ranks_task(
+            t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks
+        )
 
 
 @njit(cache=True, nogil=True)
+def _ranks_serial(bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+    for t in range(bounds.shape[0] - 1):
+        _ranks_task(
+            t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks
+        )
+
+
 def class_ranks(
     bits: np.ndarray,
     positions: np.ndarray,
@@ -45,68 +267,113 @@ def class_ranks(
     mask: int,
     base: int,
     count: int,
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Each changed position's class and its rank among the elements of that class (old
-    bits as in :func:`exponent_histograms`)."""
-    seen = np.zeros(count, dtype=np.int64)
+    starts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each changed position's class and its rank among the elements of that class
+    (``starts``: :func:`class_starts` of the tasks' histograms)."""
+    tasks = starts.shape[0] - 1
+    bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     classes = np.empty(positions.size, dtype=np.int64)
     ranks = np.empty(positions.size, dtype=np.int64)
-    flip = xor.size > 0
-    j = 0
-    end = positions[positions.size - 1] + 1 if positions.size else 0
-    for i in range(end):
-        value = bits[i]
-        hit = j < positions.size and positions[j] == i
-        if hit and flip:
-            value ^= xor[j]
-        c = int((np.int64(value) >> shift) & mask) - base
-        c = 0 if c < 0 else (count - 1 if c > count - 1 else c)
-        if hit:
-            classes[j] = c
-            ranks[j] = seen[c]
-            j += 1
-        seen[c] += 1
+    args = (bits, positions, xor, shift, mask, base, count, starts, bounds, classes, ranks)
+    _launch(_ranks, _ranks_serial, tasks, *args)
     return classes, ranks
 
 
-@njit(cache=True, nogil=True)
-def class_sizes(
-    bits: np.ndarray, shift: int, mask: int, base: int, count: int
-) -> np.ndarray:  # pragma: no cover - compiled
-    """How many elements each class has."""
-    sizes = np.zeros(count, dtype=np.int64)
-    for i in range(bits.size):
-        c = int((np.int64(bits[i]) >> shift) & mask) - base
-        c = 0 if c < 0 else (count - 1 if c > count - 1 else c)
-        sizes[c] += 1
-    return sizes
+# --- pass 2, reader: the positions of the wanted ranks -----------------------------------
+
+
+@njit(cache=True, inline="always")
+def _select(m, k):  # type: ignore[no-untyped-def]
+    """The index of the ``k``-th (from 0) set bit of ``m``."""
+    for _ in range(k):
+        m &= m - _ONE
+    return np.int64(_TRAILING_ZEROS(m))
+
+
+@njit(cache=True, inline="always")
+def _positions_task(t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+    o = offsets[t]
+    if o == offsets[t + 1]:
+        return
+    lo = t * TASK
+    hi = min(lo + TASK, bits.shape[0])
+    seen = before[t].copy()
+    ptr = cursor[t].copy()
+    cls = np.empty(_GROUP, dtype=np.uint8)
+    g0 = lo
+    while g0 < hi and o < offsets[t + 1]:
+        low, high = _classes_at(bits, g0, hi, shift, mask, base, count, cls)
+        hits = _ZERO
+        for c in range(count):
+            n = _count_of(low, high, c)
+            if ptr[c] < ends[c] and ranks[ptr[c]] < seen[c] + n:
+                m = _class_mask(cls, c)
+                while ptr[c] < ends[c] and ranks[ptr[c]] < seen[c] + n:
+                    hits |= _ONE << np.uint64(_select(m, ranks[ptr[c]] - seen[c]))
+                    ptr[c] += 1
+            seen[c] += n
+        while hits != _ZERO:
+            out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
+            hits &= hits - _ONE
+            o += 1
+        g0 += _GROUP
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _positions(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+    for t in prange(offsets.shape[0] - 1):
+        _positions_task(
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out
+        )
 
 
 @njit(cache=True, nogil=True)
+def _positions_serial(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+    for t in range(offsets.shape[0] - 1):
+        _positions_task(
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out
+        )
+
+
 def positions_of_ranks(
     bits: np.ndarray,
     shift: int,
     mask: int,
     base: int,
     count: int,
-    ranks: np.ndarray,
     starts: np.ndarray,
-    total: int,
-) -> np.ndarray:  # pragma: no cover - compiled
+    ranks: np.ndarray,
+    first: np.ndarray,
+) -> np.ndarray:
     """Flat positions, increasing, of the listed ranks: class ``c``'s ranks are
-    ``ranks[starts[c]:starts[c + 1]]`` (strictly increasing, each below the class size)."""
-    out = np.empty(total, dtype=np.int64)
-    seen = np.zeros(count, dtype=np.int64)
-    cursor = starts[:count].copy()
-    k = 0
-    for i in range(bits.size):
-        if k == total:
-            break
-        c = int((np.int64(bits[i]) >> shift) & mask) - base
-        c = 0 if c < 0 else (count - 1 if c > count - 1 else c)
-        if cursor[c] < starts[c + 1] and ranks[cursor[c]] == seen[c]:
-            out[k] = i
-            k += 1
-            cursor[c] += 1
-        seen[c] += 1
-    return out[:k]
+    ``ranks[first[c]:first[c + 1]]``, strictly increasing and each below the class size
+    (``starts[-1, c]``); ``starts``: :func:`class_starts` of the tasks' histograms."""
+    tasks = starts.shape[0] - 1
+    cursor = np.empty((tasks + 1, count), dtype=np.int64)
+    for c in range(count):
+        mine = ranks[first[c] : first[c + 1]]
+        cursor[:, c] = first[c] + np.searchsorted(mine, starts[:, c])
+    offsets = (cursor - first[:count]).sum(axis=1)
+    out = np.empty(ranks.size, dtype=np.int64)
+    args = (bits, shift, mask, base, count, starts, ranks, cursor, first[1:], offsets, out)
+    _launch(_positions, _positions_serial, tasks, *args)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def by_class(
+    classes: np.ndarray, ranks: np.ndarray, count: int
+) -> np.ndarray:  # pragma: no cover - compiled
+    """The ranks grouped by class, each class's in their order (a counting sort)."""
+    cursor = np.zeros(count + 1, dtype=np.int64)
+    for j in range(classes.size):
+        cursor[classes[j] + 1] += 1
+    for c in range(count):
+        cursor[c + 1] += cursor[c]
+    out = np.empty(ranks.size, dtype=np.int64)
+    for j in range(classes.size):
+        c = classes[j]
+        out[cursor[c]] = ranks[j]
+        cursor[c] += 1
+    return out

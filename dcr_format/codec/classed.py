@@ -151,10 +151,11 @@ def encode_classed(
             if xor is None
             else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
         )
-        everything, changed = native.exponent_histograms(bits, positions, flips, shift, mask)
-        base, count = choose_classes(everything, changed)
+        rows, changed = native.histograms(bits, positions, flips, shift, mask)
+        base, count = choose_classes(rows.sum(axis=0), changed)
+        starts = native.class_starts(rows, base, count)
         changed_classes, all_ranks = native.class_ranks(
-            bits, positions, flips, shift, mask, base, count
+            bits, positions, flips, shift, mask, base, count, starts
         )
     else:
         exps = exponents(old_bits_of(bits, positions, xor), dtype)
@@ -170,12 +171,16 @@ def encode_classed(
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
     counts = np.bincount(changed_classes, minlength=count)
+    if native is not None:
+        by_class = native.by_class(changed_classes, all_ranks, count)
+    else:  # each class's ranks, increasing
+        by_class = all_ranks[np.argsort(changed_classes, kind="stable")]
+    ends = np.cumsum(counts)
     out = [_HEADER.pack(count, base), *(_varint(int(c)) for c in counts)]
     for c in range(count):
         if not counts[c]:
             continue
-        ranks = all_ranks[changed_classes == c]
-        rice = _positions.encode_rice(ranks)
+        rice = _positions.encode_rice(by_class[ends[c] - counts[c] : ends[c]])
         k, _, unary_len = _RICE_HEADER.unpack_from(rice)
         out += [bytes([k]), _varint(unary_len), rice[_RICE_HEADER.size :]]
     return b"".join(out)
@@ -260,7 +265,10 @@ def decode_classed(
     classes_count, base, counts = stream.classes, stream.base, stream.counts
     classes = None
     if native is not None:
-        sizes = native.class_sizes(old_bits, shift, mask, base, classes_count)
+        none = np.zeros(0, dtype=np.int64)
+        rows, _ = native.histograms(old_bits, none, none.astype(old_bits.dtype), shift, mask)
+        starts = native.class_starts(rows, base, classes_count)
+        sizes = starts[-1]
     else:
         classes = classes_of(old_bits, dtype, base, classes_count)
         sizes = np.bincount(classes, minlength=classes_count)
@@ -276,11 +284,10 @@ def decode_classed(
         )
         found.append(ranks)
     if native is not None:
-        starts = np.zeros(classes_count + 1, dtype=np.int64)
-        starts[1:] = np.cumsum(counts)
-        ranks = np.concatenate(found)
+        first = np.zeros(classes_count + 1, dtype=np.int64)
+        first[1:] = np.cumsum(counts)
         return native.positions_of_ranks(  # type: ignore[no-any-return]
-            old_bits, shift, mask, base, classes_count, ranks, starts, count
+            old_bits, shift, mask, base, classes_count, starts, np.concatenate(found), first
         )
     assert classes is not None
     picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
