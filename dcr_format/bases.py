@@ -47,6 +47,7 @@ from dcr_format.schema import (
     Timestamp,
     Version,
     parse,
+    parse_manifest,
 )
 from dcr_format.store import Store
 
@@ -147,7 +148,7 @@ def _base_manifest(chain: Chain, record: BaseRecord, ref: ManifestRef) -> Manife
             "manifest limit; the base record is corrupt or hostile"
         )
     data = get_verified(chain.store, ref.path, size=ref.size, sha256=ref.sha256)
-    manifest = parse(Manifest, data, what=ref.path)
+    manifest = parse_manifest(data, what=ref.path)
     for index, shard in enumerate(manifest.shards):
         expected = base_shard_key(record.version, record.attempt, ref.rank, index)
         if shard.path != expected:

@@ -38,6 +38,7 @@ from dcr_format.schema import (
     ShardRef,
     StoreHeader,
     parse,
+    parse_manifest,
 )
 from dcr_format.store import Store
 
@@ -256,7 +257,7 @@ class Chain:
                 "manifest limit; the commit record is corrupt or hostile"
             )
         data = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
-        manifest = parse(Manifest, data, what=ref.path)
+        manifest = parse_manifest(data, what=ref.path)
         check_manifest(
             manifest,
             record.chain_id,

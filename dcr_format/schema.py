@@ -15,6 +15,7 @@ import typing
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
 import pydantic_core
+import zstandard
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,7 +32,11 @@ from dcr_format._jsonscan import scan
 from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
-from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE, VALUES_RANS_FEATURE
+from dcr_format.codec.features import (
+    MANIFEST_ZSTD_FEATURE,
+    POSITIONS_CLASSED_FEATURE,
+    VALUES_RANS_FEATURE,
+)
 from dcr_format.codec.positions import POSITION_CODINGS
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
@@ -45,8 +50,10 @@ FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
 KNOWN_FEATURES: frozenset[str] = frozenset(
-    {PIECES_FEATURE, VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE}
+    {PIECES_FEATURE, VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE, MANIFEST_ZSTD_FEATURE}
 )
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+MANIFEST_ZSTD_LEVEL = 19  # a manifest is small and read by every reader: compress it hard
 MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
@@ -382,6 +389,48 @@ def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
         first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
         return None, f"{where[:_MAX_MESSAGE]}: {first['msg'][:_MAX_MESSAGE]}"
+
+
+def stored_manifest(manifest: Manifest) -> bytes:
+    """The bytes a writer stores for ``manifest``: its JSON, or one zstd frame of it (with
+    its content size) when it lists ``manifest-zstd`` (FORMAT.md §3.5)."""
+    text = manifest.to_json()
+    if MANIFEST_ZSTD_FEATURE not in manifest.required_features:
+        return text
+    compressor = zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_content_size=True)
+    return compressor.compress(text)
+
+
+def parse_manifest(data: bytes, *, what: str) -> Manifest:
+    """Validate a stored manifest (:func:`stored_manifest`): plain JSON, or a zstd frame of
+    it that declares its content size (at most the manifest limit, checked before anything is
+    inflated) and lists ``manifest-zstd``; a plain manifest must not list it."""
+    if data[:4] != _ZSTD_MAGIC:
+        manifest = parse(Manifest, data, what=what)
+        if MANIFEST_ZSTD_FEATURE in manifest.required_features:
+            raise SchemaError(f"{what} lists {MANIFEST_ZSTD_FEATURE!r} but is not compressed")
+        return manifest
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as exc:
+        raise SchemaError(f"{what} is not a zstd frame ({exc}); the object is corrupt") from None
+    if not 0 <= declared <= MAX_MANIFEST_JSON_BYTES:
+        raise SchemaError(
+            f"{what} declares {declared} decoded bytes (the limit is {MAX_MANIFEST_JSON_BYTES} "
+            "and the size must be declared); the object is corrupt or hostile"
+        )
+    try:
+        text = zstandard.ZstdDecompressor().decompress(
+            data, max_output_size=declared, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:
+        raise SchemaError(f"{what} does not decompress ({exc}); the object is corrupt") from None
+    if len(text) != declared:
+        raise SchemaError(f"{what} decoded to {len(text)} bytes, not the {declared} it declares")
+    manifest = parse(Manifest, text, what=what)
+    if MANIFEST_ZSTD_FEATURE not in manifest.required_features:
+        raise SchemaError(f"{what} is compressed but does not list {MANIFEST_ZSTD_FEATURE!r}")
+    return manifest
 
 
 def parse(model: type[M], data: bytes | str, *, what: str, max_bytes: int | None = None) -> M:

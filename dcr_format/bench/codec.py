@@ -71,13 +71,14 @@ from dcr_format.codec.delta import (
 )
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.features import (
+    MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
     allowed_codings,
     features_for,
 )
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
-from dcr_format.schema import Manifest, ShardRef
+from dcr_format.schema import Manifest, ShardRef, stored_manifest
 from dcr_format.toymodel import Trainer
 from dcr_format.writers._part import encoded_entry
 
@@ -326,15 +327,22 @@ writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tenso
 _SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
 
 
+def _hex(seed: int, digits: int) -> str:
+    return np.random.default_rng(seed).bytes(digits // 2).hex()
+
+
 def manifest_bytes(
     encoded: list[tuple[str, EncodedTensor]],
     new: dict[str, torch.Tensor],
     *,
     stored: int,
     decoded: int,
+    compressed: bool = False,
 ) -> int:
-    """Exact length of the manifest a writer rank uploads for ``encoded`` in one shard (the
-    fingerprints, ids and hashes are fixed-width hex, so placeholders give the same length)."""
+    """Exact length of the manifest a writer rank uploads for ``encoded`` in one shard:
+    plain JSON, or (``compressed``) stored as the ``manifest-zstd`` feature stores it. The
+    fingerprints, ids and hashes are fixed-width hex; random hex stands for them, so the
+    compressed size is that of real ones (incompressible)."""
     entries = [
         encoded_entry(
             name,
@@ -342,26 +350,31 @@ def manifest_bytes(
             enc,
             i,
             lambda key, stream: 0,  # every stream in the one shard
-            "0" * 32,
-            None if enc.op == FULL else "0" * 32,
+            _hex(2 * i, 32),
+            None if enc.op == FULL else _hex(2 * i + 1, 32),
         )
         for i, (name, enc) in enumerate(encoded)
     ]
-    shard = ShardRef(path=_SHARD_PATH, sha256="0" * 64, size=stored, decoded_size=decoded)
+    shard = ShardRef(
+        path=_SHARD_PATH, sha256=_hex(-1 % 2**32, 64), size=stored, decoded_size=decoded
+    )
+    features = features_for(
+        r.coding for e in entries for r in (e.positions, e.values) if r is not None
+    )
     manifest = Manifest(
-        required_features=features_for(
-            r.coding for e in entries for r in (e.positions, e.values) if r is not None
-        ),
-        chain_id="0" * 32,
+        required_features=tuple(sorted({*features, MANIFEST_ZSTD_FEATURE}))
+        if compressed
+        else features,
+        chain_id=_hex(2**31, 32),
         version=1,
         kind="delta",
-        attempt="0" * 32,
+        attempt=_hex(2**31 + 1, 32),
         rank=0,
         world_size=1,
         shards=(shard,),
         entries=tuple(entries),
     )
-    return len(manifest.to_json())
+    return len(stored_manifest(manifest))
 
 
 def conditional_bound(
@@ -517,7 +530,13 @@ def measure_step(
     # on top: positions coded against the old bits where shorter (the writer's own choice)
     cls_enc = _encode_all(old, new, XOR, BOTH_FEATURES)
     cls_stored, cls_decoded = encode_shard(_shard_streams(cls_enc))
-    cls_manifest = manifest_bytes(cls_enc, new, stored=len(cls_stored), decoded=cls_decoded)
+    cls_manifest = manifest_bytes(
+        cls_enc, new, stored=len(cls_stored), decoded=cls_decoded, compressed=True
+    )
+    rans_zmanifest = manifest_bytes(
+        rans_enc, new, stored=len(rans_stored), decoded=rans_decoded, compressed=True
+    )
+    rans_zdownload = len(rans_stored) + rans_zmanifest + COMMIT_RECORD_BYTES
     cls_download = len(cls_stored) + cls_manifest + COMMIT_RECORD_BYTES
     cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
@@ -567,6 +586,11 @@ def measure_step(
         "planes_download_vs_bound": planes_download / bound_bytes if bound_bytes else math.nan,
         "rans_download_vs_bound": rans_download / bound_bytes if bound_bytes else math.nan,
         "rans_download_per_changed": rans_download / per,
+        "rans_zmanifest_bytes": rans_zmanifest,
+        "rans_zdownload_bytes": rans_zdownload,
+        "rans_zdownload_vs_bound": rans_zdownload / bound_bytes if bound_bytes else math.nan,
+        "rans_zdownload_vs_dense": rans_zdownload / dense_bytes,
+        "zmanifest_share": rans_zmanifest / rans_zdownload,
         "rans_download_vs_dense": rans_download / dense_bytes,
         "planes_download_vs_dense": planes_download / dense_bytes,
         "cond_pos_bound_bytes": cond_pos_bits / 8,
@@ -691,6 +715,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("dl rans %dense", "rans_download_vs_dense", "{:.3%}"),
     ("cond %dense", "cond_bound_vs_dense", "{:.3%}"),
     ("manifest share", "manifest_share", "{:.1%}"),
+    ("dl rans+z/bound", "rans_zdownload_vs_bound", "{:.3f}"),
+    ("zmanifest share", "zmanifest_share", "{:.1%}"),
     ("nemo/rans", "nemo_vs_rans_download", "{:.3f}"),
     ("cls pos b/chg", "classed_pos_bits_per_changed", "{:.2f}"),
     ("cls pos/cond", "classed_pos_vs_cond_bound", "{:.3f}"),
@@ -699,6 +725,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("dl cls/cond", "classed_download_vs_cond_bound", "{:.3f}"),
     ("rans enc/clone", "rans_encode_vs_clone", "{:.4f}"),
     ("rans dec/clone", "rans_decode_apply_vs_clone", "{:.4f}"),
+    ("cls enc/clone", "classed_encode_vs_clone", "{:.4f}"),
+    ("cls dec/clone", "classed_decode_apply_vs_clone", "{:.4f}"),
 )
 
 
@@ -736,9 +764,10 @@ def format_table(result: dict[str, object]) -> str:
         "optimal static prefix code of the 16-bit XOR symbols",
         "H xor b / H ulp b: order-0 entropy per changed element of XOR values vs signed "
         "ulp differences",
-        "rans: values-rans (FORMAT.md §7.3); cls: classed positions (§6.5) on top; dl: what a "
-        "reader downloads (shard + manifest + commit record); cond: the bound given the old "
-        "value's exponent; nemo/rans: NeMo RL's layout over our download",
+        "rans: values-rans (FORMAT.md §7.3); +z: and manifest-zstd (§3.5); cls: all three, with "
+        "classed positions (§6.5); dl: what a reader downloads (shard + manifest + commit "
+        "record); cond: the bound given the old value's exponent; nemo/rans: NeMo RL's layout "
+        "over our download",
         "",
         f"goal at {float(goal['target_rate']):.0%} change: vs bound "  # type: ignore[arg-type]
         f"{float(goal['vs_bound']):.3f} (<= {GOAL_VS_BOUND}: "  # type: ignore[arg-type]

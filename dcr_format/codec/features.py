@@ -1,4 +1,5 @@
-"""Codec features (spec/FORMAT.md §12): codings beyond the ones every reader has.
+"""Codec features (spec/FORMAT.md §12): codings beyond the ones every reader has, and
+manifests stored compressed (``manifest-zstd``).
 
 A writer is allowed a set of features (``DeltaWriter(features=...)``); each names one
 coding (``values-rans``: the ``rans`` value coding, ``positions-classed``: the ``classed``
@@ -22,12 +23,16 @@ from dcr_format.errors import ArgumentError
 
 VALUES_RANS_FEATURE = "values-rans"
 POSITIONS_CLASSED_FEATURE = "positions-classed"
+MANIFEST_ZSTD_FEATURE = "manifest-zstd"
+"""Manifests stored as one zstd frame of their JSON (FORMAT.md §3.5), not a coding."""
 CODING_FEATURES: dict[str, str] = {
     "rans": VALUES_RANS_FEATURE,
     "classed": POSITIONS_CLASSED_FEATURE,
 }
 """The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
+WRITER_FEATURES: frozenset[str] = frozenset({*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE})
+"""Every feature a writer may be allowed."""
 T = TypeVar("T")
 
 _ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
@@ -68,14 +73,14 @@ def within_codings(features: Iterable[str], items: Iterable[T]) -> Iterator[T]:
 
 
 def writer_features(features: Iterable[str]) -> frozenset[str]:
-    """Check the codec features a writer is allowed: each must name a coding of
-    :data:`CODING_FEATURES`; raises :class:`ArgumentError` otherwise."""
+    """Check the features a writer is allowed: each must be one of
+    :data:`WRITER_FEATURES`; raises :class:`ArgumentError` otherwise."""
     chosen = frozenset(features)
-    unknown = sorted(chosen - set(FEATURE_CODINGS))
+    unknown = sorted(chosen - WRITER_FEATURES)
     if unknown:
         raise ArgumentError(
-            f"writer features {unknown} are not codec features; "
-            f"use any of {sorted(FEATURE_CODINGS)}"
+            f"writer features {unknown} are not features a writer can use; "
+            f"use any of {sorted(WRITER_FEATURES)}"
         )
     return chosen
 
@@ -88,8 +93,10 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
 __all__ = [
     "CODING_FEATURES",
     "FEATURE_CODINGS",
+    "MANIFEST_ZSTD_FEATURE",
     "POSITIONS_CLASSED_FEATURE",
     "VALUES_RANS_FEATURE",
+    "WRITER_FEATURES",
     "allowed",
     "allowed_codings",
     "features_for",

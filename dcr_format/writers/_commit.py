@@ -40,7 +40,7 @@ from dcr_format.errors import (
     ObjectNotFoundError,
     StoreError,
 )
-from dcr_format.schema import Manifest, ManifestRef, ReaderRecord, parse
+from dcr_format.schema import Manifest, ManifestRef, ReaderRecord, parse, parse_manifest
 from dcr_format.store import Capabilities, Store
 from dcr_format.writers._part import Attempt
 
@@ -131,7 +131,7 @@ def gather_manifests(
             data = read(other, key)
             if data is None:
                 return None
-            manifest = parse(Manifest, data, what=key)
+            manifest = parse_manifest(data, what=key)
             check_manifest(
                 manifest,
                 attempt.chain_id,

@@ -51,6 +51,7 @@ from dcr_format.codec.delta import (
 )
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import (
+    MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     features_for,
     within_codings,
@@ -89,6 +90,7 @@ from dcr_format.schema import (
     Stats,
     ValuesRef,
     check_tensor_name,
+    stored_manifest,
 )
 from dcr_format.store import Store, open_store
 from dcr_format.writers._commit import (
@@ -367,14 +369,19 @@ class DeltaWriter:
         )
 
     def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> bytes:
-        """Upload this rank's manifest; returns its bytes as uploaded."""
-        own = manifest.to_json()
-        if len(own) > MAX_MANIFEST_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
+        """Upload this rank's manifest (compressed when the writer is allowed
+        ``manifest-zstd``); returns its bytes as uploaded."""
+        if MANIFEST_ZSTD_FEATURE in self.features:
+            features = tuple(sorted({*manifest.required_features, MANIFEST_ZSTD_FEATURE}))
+            manifest = manifest.model_copy(update={"required_features": features})
+        text = manifest.to_json()
+        if len(text) > MAX_MANIFEST_BYTES:  # readers would refuse it (FORMAT.md Appendix C)
             self._abort(attempt.version, attempt.id)
             raise ObjectTooLargeError(
-                f"the manifest of rank {self.rank} would be {len(own)} bytes, over the "
+                f"the manifest of rank {self.rank} would be {len(text)} bytes, over the "
                 f"{MAX_MANIFEST_BYTES}-byte limit readers enforce; publish with more writer ranks"
             )
+        own = stored_manifest(manifest)  # compressed where it lists manifest-zstd
         # a manifest upload that fails may still have landed, so it must not mark the attempt
         # abandoned (the committer may commit it)
         self.store.put(manifest_key(attempt.version, attempt.id, self.rank), own)
