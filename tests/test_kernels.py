@@ -317,6 +317,38 @@ def test_expand_ranges_matches_the_reference(tk, runs, long, first):
         assert int(got[0]) == first
 
 
+# --- classed positions: classes and ranks on the device -------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 1023, 1024, 1025, 3 * 1024 + 17, 20000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
+    """The Triton class kernels (count per block, rank per change) against the torch
+    reference, and the stream built from them equal to the host coding's bytes."""
+    from dcr_format.codec import classed
+    from dcr_format.codec.delta import _device_classed
+
+    gen = torch.Generator().manual_seed(size)
+    old = (torch.randn(size, generator=gen) * 0.02).to(dtype)
+    old.view(-1)[::7] *= 300  # a wide range of exponents: the clamped classes at both ends
+    bits = old.view(info_for(dtype).bits_dtype).reshape(-1).to(DEVICE)
+    rate = torch.rand(size, generator=gen) < (0.3 if size < 100 else 0.02)
+    rate[size - 1] = True  # the last element, in the last (partial) block
+    positions = torch.nonzero(rate).reshape(-1).to(DEVICE)
+    name = info_for(dtype).name
+    shift, mask = classed.EXPONENT_FIELDS[name]
+    for base, count in ((0x70, 12), (0x7A, 1), (0, 16)):
+        got = tk.class_ranks(bits, positions, shift, mask, base, count)
+        want = reference.class_ranks(bits, positions, shift, mask, base, count)
+        assert _same(got[0], want[0]) and _same(got[1], want[1]), (base, count)
+    host = bits.cpu().numpy().view(f"<u{info_for(dtype).width}")
+    expected = classed.encode_classed(positions.cpu().numpy(), host, name)
+    for backend in ("torch", "triton"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("DCR_KERNELS", backend)
+            assert _device_classed(bits, positions, dtype) == expected, backend
+
+
 # --- positions decoded onto a device ----------------------------------------------------------
 
 

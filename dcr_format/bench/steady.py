@@ -80,15 +80,17 @@ def steady_series(
     steps: int = STEPS,
     label: str,
     seed: int = 0,
+    features: Sequence[str] = (),
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict[str, Any]]:
-    """One row per step: every stage's seconds, bytes moved, and whether all ends are exact."""
+    """One row per step: every stage's seconds, bytes moved, and whether all ends are exact
+    (``features``: the writer's, FORMAT.md §12)."""
     from dcr_format.readers.reader import DeltaReader
     from dcr_format.readers.targets import StateDictTarget
     from dcr_format.writers.writer import DeltaWriter
 
     trainer = SyntheticTrainer(shapes, seed=seed)
-    writer = DeltaWriter(store)
+    writer = DeltaWriter(store, features=features)
     staged: dict[str, torch.Tensor] = {}
     synced: dict[str, torch.Tensor] = {}
     preparer = DeltaReader(store, StateDictTarget(staged))
@@ -252,6 +254,7 @@ def run(
     steps: int,
     stores: Sequence[str],
     links: Sequence[float],
+    features: Sequence[str] = (),
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Every store configuration in turn; the shaped ones in their own namespace."""
@@ -263,7 +266,13 @@ def run(
         with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
             with _store(kind, Path(work)) as store:
                 rows += steady_series(
-                    store, shapes, rates, steps=steps, label=kind, progress=progress
+                    store,
+                    shapes,
+                    rates,
+                    steps=steps,
+                    label=kind,
+                    features=features,
+                    progress=progress,
                 )
     if links:
         why = _netns_available()
@@ -276,11 +285,18 @@ def run(
                     "ip", "netns", "exec", name, sys.executable, "-m", "dcr_format.bench.steady",
                     "--inside", str(target), "--label", f"s3 {gbit:g} Gbps", "--mb", str(mb),
                     "--steps", str(steps), "--rates", ",".join(str(r) for r in rates),
+                    "--features", ",".join(features),
                 ]  # fmt: skip
                 progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
                 subprocess.run(command, check=True)
                 rows += json.loads(target.read_text())
-    return {"rows": rows, "summary": summarise(rows), "skipped": skipped, "model_mb": mb}
+    return {
+        "rows": rows,
+        "summary": summarise(rows),
+        "skipped": skipped,
+        "model_mb": mb,
+        "features": list(features),
+    }
 
 
 def steady_costs(
@@ -328,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--links", default=",".join(f"{g:g}" for g in LINKS_GBIT), help="Gbit/s; '' for none"
     )
+    parser.add_argument(
+        "--features", default="", help="the writer's features, comma-separated (FORMAT.md §12)"
+    )
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
     parser.add_argument("--json", type=Path, help="also write every row and the summary here")
     parser.add_argument(
@@ -342,11 +361,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 1 or args.mb <= 0:
         parser.error("--steps and --mb must be positive")
     rates = [float(r) for r in args.rates.split(",") if r]
+    features = [f for f in args.features.split(",") if f]
     if args.inside is not None:  # already inside a shaped namespace: the gateway only
         with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
             with _store("s3", Path(work)) as store:
                 rows = steady_series(
-                    store, model_shapes(args.mb), rates, steps=args.steps, label=args.label
+                    store,
+                    model_shapes(args.mb),
+                    rates,
+                    steps=args.steps,
+                    label=args.label,
+                    features=features,
                 )
         args.inside.write_text(json.dumps(rows))
         return 0
@@ -359,9 +384,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         stores=[s for s in args.stores.split(",") if s],
         links=[float(g) for g in args.links.split(",") if g],
+        features=features,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
-    print(f"steady-state refit, {result['model_mb']:.0f} MB bf16 model, medians of each rate")
+    print(
+        f"steady-state refit, {result['model_mb']:.0f} MB bf16 model, medians of each rate"
+        + (f", writer features {','.join(features)}" if features else "")
+    )
     print(format_table(result["summary"]))
     for line in result["skipped"]:
         print(line)

@@ -235,9 +235,9 @@ def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bound
             j += 1
         for k in range(first, j):
             b = np.uint64(positions[k] - g0)
-            c = np.int64(cls[b])
-            classes[k] = c
-            ranks[k] = seen[c] + _popcount(_class_mask(cls, c) & ((_ONE << b) - _ONE))
+            mine = np.int64(cls[b])
+            classes[k] = mine
+            ranks[k] = seen[mine] + _popcount(_class_mask(cls, mine) & ((_ONE << b) - _ONE))
         for c in range(count):
             seen[c] += _count_of(low, high, c)
         g0 += _GROUP

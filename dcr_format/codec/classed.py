@@ -170,11 +170,20 @@ def encode_classed(
             if chosen.any():
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
-    counts = np.bincount(changed_classes, minlength=count)
+    return classed_stream(base, count, changed_classes, all_ranks)
+
+
+def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray) -> bytes:
+    """The ``classed`` stream of changed positions given as their classes and ranks (in
+    position order; as :func:`encode_classed` finds them, or a device kernel does)."""
+    classes = np.ascontiguousarray(classes, dtype=np.int64)
+    ranks = np.ascontiguousarray(ranks, dtype=np.int64)
+    native = _native()
+    counts = np.bincount(classes, minlength=count)
     if native is not None:
-        by_class = native.by_class(changed_classes, all_ranks, count)
+        by_class = native.by_class(classes, ranks, count)
     else:  # each class's ranks, increasing
-        by_class = all_ranks[np.argsort(changed_classes, kind="stable")]
+        by_class = ranks[np.argsort(classes, kind="stable")]
     ends = np.cumsum(counts)
     out = [_HEADER.pack(count, base), *(_varint(int(c)) for c in counts)]
     for c in range(count):
@@ -308,6 +317,7 @@ __all__ = [
     "ClassedStream",
     "choose_classes",
     "classed_bound",
+    "classed_stream",
     "classes_of",
     "decode_classed",
     "encode_classed",

@@ -31,6 +31,8 @@ from dcr_format.codec.classed import (
     CLASSED,
     EXPONENT_FIELDS,
     ClassedStream,
+    choose_classes,
+    classed_stream,
     decode_classed,
     encode_classed,
     parse_classed,
@@ -130,6 +132,7 @@ def encode_diff(
     op: str | None = None,
     host: tuple[torch.Tensor, torch.Tensor] | None = None,
     lane_deltas: tuple[int, ...] | None = None,
+    baseline: torch.Tensor | None = None,
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
@@ -137,7 +140,9 @@ def encode_diff(
     may hold both, on the tensors' device; the result's ``advance`` carries the new bits
     where it has them, else the XOR bits. ``host`` optionally carries CPU copies of
     the positions and of the values to encode (already fetched, e.g. by a pipeline);
-    ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer.
+    ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer;
+    ``baseline`` the old tensor where it still holds the old bits on a device (there the
+    ``classed`` classes and ranks are computed, :func:`dcr_format.cuda.dispatch.class_ranks`).
     """
     positions, new_values = found.positions, found.new_values
     changed = int(positions.numel())
@@ -148,13 +153,17 @@ def encode_diff(
         assert picked is not None
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
     pos_coding, pos_bytes = encode_positions(host[0].numpy())
-    if op in (None, XOR) and _classed_wanted(new):  # host[1] holds the XOR bits then
-        coded = encode_classed(
-            host[0].numpy(),
-            bits_to_numpy(bits_view(new).reshape(-1)),
-            info_for(new.dtype).name,
-            xor=bits_to_numpy(host[1]),
-        )
+    if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
+        if new.device.type == "cpu":
+            coded = encode_classed(
+                host[0].numpy(),
+                bits_to_numpy(bits_view(new).reshape(-1)),
+                info_for(new.dtype).name,
+                xor=bits_to_numpy(host[1]),
+            )
+        else:
+            assert baseline is not None
+            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
         if len(coded) < len(pos_bytes):
             pos_coding, pos_bytes = CLASSED, coded
     val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
@@ -174,14 +183,26 @@ def encode_diff(
     return delta
 
 
-def _classed_wanted(new: torch.Tensor) -> bool:
-    """Whether ``classed`` positions are allowed here and can apply to ``new`` (a float
-    tensor in host memory: the class pass reads every element's bits on the CPU)."""
+def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
+    """Whether ``classed`` positions are allowed here and can apply to ``new``: a float
+    tensor in host memory (its new bits and the XOR bits give the old ones), or on a device
+    next to its old bits (``baseline``)."""
     return (
         CLASSED in features.allowed()
-        and new.device.type == "cpu"
         and info_for(new.dtype).name in EXPONENT_FIELDS
+        and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
     )
+
+
+def _device_classed(old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """The ``classed`` stream with the class passes on the tensors' device (the histograms
+    and the classes and ranks of the changes come to the host, not the tensor)."""
+    name = info_for(dtype).name
+    shift, mask = EXPONENT_FIELDS[name]
+    everything, changed = dispatch.exponent_histograms(old, positions, shift, mask)
+    base, count = choose_classes(everything.cpu().numpy(), changed.cpu().numpy())
+    classes, ranks = dispatch.class_ranks(old, positions, shift, mask, base, count)
+    return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
 
 
 def _encode_full(new: torch.Tensor) -> EncodedTensor:

@@ -539,6 +539,27 @@ def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> to
     return expanded
 
 
+def exponent_histograms(
+    old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exponent histograms of flat integer bits over all elements and over ``positions``
+    (torch's bincount on the tensors' own device, every backend)."""
+    return reference.exponent_histograms(old, positions, shift, mask)
+
+
+def class_ranks(
+    old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int, base: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's class and rank for the ``classed`` coding (FORMAT.md §6.5), on the
+    tensors' device: Triton kernels for CUDA tensors, the torch reference elsewhere."""
+    if backend_for(old, positions) == TORCH:
+        return reference.class_ranks(old, positions, shift, mask, base, count)
+    found: tuple[torch.Tensor, torch.Tensor] = _kernels().class_ranks(
+        old.contiguous(), positions.contiguous(), shift, mask, base, count
+    )
+    return found
+
+
 def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
     """Positions from zero-based gaps (a torch cumulative sum on every backend)."""
     return reference.prefix_positions(gaps)

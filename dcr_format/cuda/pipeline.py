@@ -219,7 +219,13 @@ def encode_stream(
             yield (
                 key,
                 encode_diff(
-                    new, result.diff, op=op, host=result.host, lane_deltas=result.lane_deltas
+                    new,
+                    result.diff,
+                    op=op,
+                    host=result.host,
+                    lane_deltas=result.lane_deltas,
+                    # a device baseline still holds the old bits (the CPU pass advanced its own)
+                    baseline=None if new.device.type == "cpu" else old,
                 ),
             )
 

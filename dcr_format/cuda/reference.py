@@ -91,6 +91,44 @@ def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> to
     return shifts + torch.arange(count, dtype=torch.int64, device=starts.device)
 
 
+_EXPONENT_CHUNK = 1 << 26  # elements whose exponents are widened to int64 at a time
+
+
+def _exponents(bits: torch.Tensor, shift: int, mask: int) -> torch.Tensor:
+    """The exponent field ``(x >> shift) & mask`` of integer bits (int64; the arithmetic
+    shift of a negative value only sets bits the mask clears)."""
+    return (bits.to(torch.int64) >> shift) & mask
+
+
+def exponent_histograms(
+    old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Counts of every exponent value over all elements of ``old`` (flat integer bits) and
+    over those at ``positions``, on ``old``'s device (widened a chunk at a time)."""
+    everything = torch.zeros(mask + 1, dtype=torch.int64, device=old.device)
+    for start in range(0, old.numel(), _EXPONENT_CHUNK):
+        part = _exponents(old[start : start + _EXPONENT_CHUNK], shift, mask)
+        everything += torch.bincount(part, minlength=mask + 1)
+    changed = torch.bincount(_exponents(old[positions], shift, mask), minlength=mask + 1)
+    return everything, changed
+
+
+def class_ranks(
+    old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int, base: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's class ``clamp(e - base, 0, count - 1)`` of its old exponent ``e`` and
+    its rank among the elements of that class (int64, on ``old``'s device)."""
+    classes = (_exponents(old[positions], shift, mask) - base).clamp(0, count - 1)
+    ranks = torch.empty_like(positions)
+    for c in range(count):
+        chosen = classes == c
+        if not bool(chosen.any()):
+            continue
+        member = (_exponents(old, shift, mask) - base).clamp(0, count - 1) == c
+        ranks[chosen] = torch.cumsum(member, 0)[positions[chosen]] - 1
+    return classes, ranks
+
+
 def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
     """Positions from zero-based gaps: ``p[i] = sum(g[:i+1] + 1) - 1`` (int64 cumulative sum)."""
     return torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
@@ -102,8 +140,10 @@ __all__ = [
     "XOR",
     "Diff",
     "block_counts",
+    "class_ranks",
     "diff",
     "expand_ranges",
+    "exponent_histograms",
     "prefix_positions",
     "scatter",
 ]

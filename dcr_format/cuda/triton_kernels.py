@@ -16,6 +16,11 @@ Kernels (each has a torch reference in :mod:`dcr_format.cuda.reference`):
   positions, optionally saving the old bits first (for rollback).
 - ``_expand_kernel``: positions of runs (range coding): every output element
   binary-searches its run among the run's first output indices.
+- ``_class_count_kernel`` and ``_class_rank_kernel``: the ``classed`` position coding
+  (FORMAT.md §6.5) on the device. Per block, how many elements of each class it has
+  (``tl.histogram``); with the exclusive prefix sum of those over the blocks (torch),
+  each block then ranks its own changed positions: the count of the position's class
+  before the block plus the elements of that class before it in the block.
 
 All index arithmetic is int64 (the program id is widened before it is
 multiplied), and every kernel takes a ``base``: the flat index of element 0 of
@@ -137,6 +142,54 @@ INTERPRETED = "Interpreted" in type(_count_kernel).__name__
 _LAUNCH = threading.Lock() if INTERPRETED else contextlib.nullcontext()
 
 
+@triton.jit
+def _classes_of(x, shift, mask, base, count):
+    """Classes ``clamp(((x >> shift) & mask) - base, 0, count - 1)`` of integer bits."""
+    e = (x.to(tl.int64) >> shift) & mask
+    return tl.minimum(tl.maximum(e - base, 0), count - 1)
+
+
+@triton.jit(do_not_specialize=["n", "shift", "mask", "base", "count"])
+def _class_count_kernel(
+    old_ptr, counts_ptr, n, shift, mask, base, count, BLOCK: tl.constexpr, CLASSES: tl.constexpr
+):
+    pid, offs, inside = _block(n, BLOCK)
+    x = tl.load(old_ptr + offs, mask=inside, other=0)
+    c = _classes_of(x, shift, mask, base, count)
+    hist = tl.histogram(c.to(tl.int32), CLASSES, mask=inside)  # past the end: not counted
+    tl.store(counts_ptr + pid * CLASSES + tl.arange(0, CLASSES), hist.to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["n", "shift", "mask", "base", "count"])
+def _class_rank_kernel(
+    old_ptr,
+    pos_ptr,
+    firsts_ptr,
+    before_ptr,
+    classes_ptr,
+    ranks_ptr,
+    n,
+    shift,
+    mask,
+    base,
+    count,
+    BLOCK: tl.constexpr,
+    CLASSES: tl.constexpr,
+):
+    pid, offs, inside = _block(n, BLOCK)
+    x = tl.load(old_ptr + offs, mask=inside, other=0)
+    c = tl.where(inside, _classes_of(x, shift, mask, base, count), -1)
+    start = tl.load(firsts_ptr + pid)
+    end = tl.load(firsts_ptr + pid + 1)
+    for j in range(start, end):
+        p = tl.load(pos_ptr + j)
+        cp = _classes_of(tl.load(old_ptr + p), shift, mask, base, count)
+        below = tl.sum(((c == cp) & (offs < p)).to(tl.int64), axis=0)
+        prior = tl.load(before_ptr + pid * CLASSES + cp)
+        tl.store(classes_ptr + j, cp)
+        tl.store(ranks_ptr + j, prior + below)
+
+
 def _launch(kernel: Any, n: int, block: int, *args: Any, **meta: Any) -> None:
     with _LAUNCH:
         kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=_WARPS, **meta)
@@ -226,6 +279,32 @@ def scatter(
             SAVE=save,
         )
     return saved
+
+
+CLASS_BLOCK = 1024
+MAX_CLASSES = 16  # the coding's K <= 16 (FORMAT.md §6.5)
+
+
+def class_ranks(
+    old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int, base: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's class and its rank in that class (``old`` contiguous flat integer
+    bits, ``positions`` sorted int64 on its device), as the reference computes them."""
+    n, m = old.numel(), positions.numel()
+    classes = torch.empty(m, dtype=torch.int64, device=old.device)
+    ranks = torch.empty(m, dtype=torch.int64, device=old.device)
+    if m == 0:
+        return classes, ranks
+    blocks = triton.cdiv(n, CLASS_BLOCK)
+    counts = torch.empty((blocks, MAX_CLASSES), dtype=torch.int64, device=old.device)
+    meta = {"CLASSES": MAX_CLASSES}
+    _launch(_class_count_kernel, n, CLASS_BLOCK, old, counts, n, shift, mask, base, count, **meta)
+    before = torch.cumsum(counts, 0) - counts  # exclusive, per class
+    edges = torch.arange(blocks + 1, dtype=torch.int64, device=old.device) * CLASS_BLOCK
+    firsts = torch.searchsorted(positions, edges)
+    args = (old, positions, firsts, before, classes, ranks, n, shift, mask, base, count)
+    _launch(_class_rank_kernel, n, CLASS_BLOCK, *args, **meta)
+    return classes, ranks
 
 
 def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
