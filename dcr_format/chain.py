@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from dcr_format.codec.classed import CLASSED, EXPONENT_FIELDS
-from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE
+from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE
+from dcr_format.codec.ulp import ULP
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -345,25 +346,30 @@ def check_manifest(
                 f"{where}: tensor {entry.name!r} changes no element but its fingerprint differs"
             )
         if entry.positions is not None and entry.positions.coding == CLASSED:
-            _check_classed(manifest, entry, where)
+            _check_against_baseline(manifest, entry, where, POSITIONS_CLASSED_FEATURE, "positions")
+        if entry.values is not None and entry.values.coding == ULP:
+            _check_against_baseline(manifest, entry, where, VALUES_ULP_FEATURE, "values")
         for ref in (entry.positions, entry.values):
             if ref is not None and ref.shard >= len(manifest.shards):
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
 
 
-def _check_classed(manifest: Manifest, entry: Entry, where: str) -> None:
-    """A ``classed`` positions stream (FORMAT.md §6.5): feature listed, an ``xor`` entry of a
-    whole tensor of a float dtype (the reader decodes it against the exact old bits)."""
+def _check_against_baseline(
+    manifest: Manifest, entry: Entry, where: str, feature: str, stream: str
+) -> None:
+    """A stream coded against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp``
+    values, §7.5): feature listed, an ``xor`` entry of a whole tensor of a float dtype (the
+    reader decodes it against the exact old bits)."""
     name = entry.name
-    if POSITIONS_CLASSED_FEATURE not in manifest.required_features:
+    if feature not in manifest.required_features:
         raise SchemaError(
-            f"{where}: tensor {name!r} has classed positions but the manifest does not "
-            f"require the {POSITIONS_CLASSED_FEATURE!r} feature"
+            f"{where}: tensor {name!r} has {stream} coded against its old bits but the "
+            f"manifest does not require the {feature!r} feature"
         )
     if entry.op != "xor" or entry.piece is not None or entry.dtype not in EXPONENT_FIELDS:
         raise SchemaError(
-            f"{where}: tensor {name!r} has classed positions, which only xor entries of "
-            "whole float tensors may use"
+            f"{where}: tensor {name!r} has {stream} coded against its old bits, which only xor "
+            "entries of whole float tensors may use"
         )
 
 

@@ -36,8 +36,10 @@ from dcr_format.codec.features import (
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
+    VALUES_ULP_FEATURE,
 )
 from dcr_format.codec.positions import POSITION_CODINGS
+from dcr_format.codec.ulp import ULP
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
     ReservedNameError,
@@ -50,7 +52,13 @@ FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
 PIECES_FEATURE = "pieces"  # entries that carry one disjoint region of a tensor (FORMAT.md §4.8)
 KNOWN_FEATURES: frozenset[str] = frozenset(
-    {PIECES_FEATURE, VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE, MANIFEST_ZSTD_FEATURE}
+    {
+        PIECES_FEATURE,
+        VALUES_RANS_FEATURE,
+        POSITIONS_CLASSED_FEATURE,
+        MANIFEST_ZSTD_FEATURE,
+        VALUES_ULP_FEATURE,
+    }
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST_ZSTD_LEVEL = 19  # a manifest is small and read by every reader: compress it hard
@@ -122,7 +130,7 @@ else:
     DType = Literal[DTYPE_NAMES]
     Op = Literal[OPS]
     PositionCoding = Literal[(*POSITION_CODINGS, CLASSED)]
-    ValueCoding = Literal[VALUE_CODINGS]
+    ValueCoding = Literal[(*VALUE_CODINGS, ULP)]
 
 
 class _Model(BaseModel):

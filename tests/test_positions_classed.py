@@ -57,6 +57,17 @@ def entries(store: Path | str, version: int) -> dict[str, dict[str, object]]:
     }
 
 
+def against_old_bits(store: Path | str, version: int) -> bool:
+    """Whether some entry of ``version`` is coded against the old bits (classed or ulp)."""
+    chain = Chain(open_store(store))
+    return any(
+        (e.positions is not None and e.positions.coding == "classed")
+        or (e.values is not None and e.values.coding == "ulp")
+        for m in chain.manifests(chain.record(version))
+        for e in m.entries
+    )
+
+
 def shard_bytes(store: Path | str, version: int) -> int:
     chain = Chain(open_store(store))
     return sum(s.size for m in chain.manifests(chain.record(version)) for s in m.shards)
@@ -140,11 +151,15 @@ def test_an_edited_target_is_refused_and_left_as_it_was(tmp_path: Path, audit: b
     assert target.resident().version == 0
 
 
-def test_a_module_target_asks_for_plain_positions_and_refuses_classed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("feature", [FEATURE, "values-ulp"])
+def test_a_module_target_asks_for_plain_codings_and_refuses_the_others(
+    tmp_path: Path, feature: str
+) -> None:
     import test_module_target as tm  # the vLLM-like runtime and its checkpoint
 
     store = str(tmp_path / "store")
-    writer = DeltaWriter(store, features=[FEATURE])
+    features = [feature, "values-rans"]
+    writer = DeltaWriter(store, features=features)
     gen = torch.Generator().manual_seed(3)
     state = {n: (torch.randn(*s, generator=gen) * 0.02).bfloat16() for n, s in tm.SPECS.items()}
     state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -156,29 +171,30 @@ def test_a_module_target_asks_for_plain_positions_and_refuses_classed(tmp_path: 
     records = [json.loads(open_store(store).get(k)) for k in open_store(store).list("readers/")]
     assert [r["reads_baseline"] for r in records] == [False]
 
-    def stepped(scale: float) -> dict[str, torch.Tensor]:
+    def stepped(scale: float, everywhere: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for name, tensor in state.items():
             old = tensor.float()
             moved = old + scale * torch.randn(tensor.shape, generator=gen)
-            out[name] = torch.where(old.abs() < 0.01, moved, old).bfloat16()
+            small = old.abs() < 0.01
+            out[name] = torch.where(small | everywhere, moved, old).bfloat16()
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
 
-    # a writer reading the records sends the module plain positions
+    # a writer reading the records sends the module no coding against the old bits
     first = stepped(1e-3)
     writer.publish(first)
-    assert "classed" not in {e["positions"] for e in entries(store, 1).values()}
+    assert not against_old_bits(store, 1)
     assert reader.sync().version == 1
     tm.assert_module(module, first)
-    # one that ignores them (overwrite configured by hand) sends classed positions, which the
-    # module refuses before anything changes (it holds no canonical old bits to decode with)
+    # one that ignores them (overwrite configured by hand) sends such codings, which the module
+    # refuses before anything changes (it holds no canonical old bits to decode with)
     overwrite = {name: "overwrite" for name in tm.OVERWRITE_NAMES}
-    ignoring = DeltaWriter(store, features=[FEATURE], reader_records=False, ops=overwrite)
-    ignoring.publish(stepped(2e-3))
-    assert "classed" in {e["positions"] for e in entries(store, 2).values()}
+    ignoring = DeltaWriter(store, features=features, reader_records=False, ops=overwrite)
+    ignoring.publish(stepped(2e-3) if feature == FEATURE else stepped(2e-4, everywhere=True))
+    assert against_old_bits(store, 2)
     before = tm.bits_of(module)
-    with pytest.raises(BaselineCodingError, match="positions-classed"):
+    with pytest.raises(BaselineCodingError, match=feature):
         reader.sync()
     after = tm.bits_of(module)
     assert all(torch.equal(after[n], before[n]) for n in before)

@@ -74,6 +74,7 @@ from dcr_format.codec.features import (
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
+    VALUES_ULP_FEATURE,
     allowed_codings,
     features_for,
 )
@@ -321,7 +322,8 @@ def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
 
 
 COMMIT_RECORD_BYTES = 720
-BOTH_FEATURES = (VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE)
+# the codings of the last configuration: rans, and both codings against the old bits
+BASELINE_CODED = (VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE)
 """What a reader fetches besides manifests and shards per version: the commit record of one
 writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 _SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
@@ -528,7 +530,7 @@ def measure_step(
     peer = nemo_bytes(old, new)
     rans_speed = measure_speed(old, new, reps=reps, features=(VALUES_RANS_FEATURE,))
     # on top: positions coded against the old bits where shorter (the writer's own choice)
-    cls_enc = _encode_all(old, new, XOR, BOTH_FEATURES)
+    cls_enc = _encode_all(old, new, XOR, BASELINE_CODED)
     cls_stored, cls_decoded = encode_shard(_shard_streams(cls_enc))
     cls_manifest = manifest_bytes(
         cls_enc, new, stored=len(cls_stored), decoded=cls_decoded, compressed=True
@@ -540,7 +542,9 @@ def measure_step(
     cls_download = len(cls_stored) + cls_manifest + COMMIT_RECORD_BYTES
     cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
-    cls_speed = measure_speed(old, new, reps=reps, features=BOTH_FEATURES)
+    cls_val = sum(len(enc.values or b"") for _, enc in cls_enc)
+    ulp_entries = sum(enc.values_coding == "ulp" for _, enc in cls_enc)
+    cls_speed = measure_speed(old, new, reps=reps, features=BASELINE_CODED)
 
     per = max(changed, 1)
     return {
@@ -602,6 +606,8 @@ def measure_step(
         "nemo_vs_rans_download": peer / rans_download,
         "nemo_vs_rans_shard": peer / len(rans_stored),
         "classed_entries": cls_entries,
+        "ulp_entries": ulp_entries,
+        "classed_val_bits_per_changed": 8 * cls_val / per,
         "classed_pos_bits_per_changed": 8 * cls_pos / per,
         "classed_pos_vs_cond_bound": cls_pos / (cond_pos_bits / 8) if cond_pos_bits else math.nan,
         "classed_download_bytes": cls_download,
@@ -720,6 +726,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("nemo/rans", "nemo_vs_rans_download", "{:.3f}"),
     ("cls pos b/chg", "classed_pos_bits_per_changed", "{:.2f}"),
     ("cls pos/cond", "classed_pos_vs_cond_bound", "{:.3f}"),
+    ("cls val b/chg", "classed_val_bits_per_changed", "{:.2f}"),
     ("dl cls %dense", "classed_download_vs_dense", "{:.3%}"),
     ("dl cls/bound", "classed_download_vs_bound", "{:.3f}"),
     ("dl cls/cond", "classed_download_vs_cond_bound", "{:.3f}"),
@@ -764,10 +771,10 @@ def format_table(result: dict[str, object]) -> str:
         "optimal static prefix code of the 16-bit XOR symbols",
         "H xor b / H ulp b: order-0 entropy per changed element of XOR values vs signed "
         "ulp differences",
-        "rans: values-rans (FORMAT.md §7.3); +z: and manifest-zstd (§3.5); cls: all three, with "
-        "classed positions (§6.5); dl: what a reader downloads (shard + manifest + commit "
-        "record); cond: the bound given the old value's exponent; nemo/rans: NeMo RL's layout "
-        "over our download",
+        "rans: values-rans (FORMAT.md §7.3); +z: and manifest-zstd (§3.5); cls: those and the "
+        "codings against the old bits, classed positions (§6.5) and ulp values (§7.5); dl: "
+        "what a reader downloads (shard + manifest + commit record); cond: the bound given the "
+        "old value's exponent; nemo/rans: NeMo RL's layout over our download",
         "",
         f"goal at {float(goal['target_rate']):.0%} change: vs bound "  # type: ignore[arg-type]
         f"{float(goal['vs_bound']):.3f} (<= {GOAL_VS_BOUND}: "  # type: ignore[arg-type]

@@ -8,9 +8,10 @@ Ops (spec/FORMAT.md, "Ops"):
 - ``full``: every element's bits, no positions.
 
 An ``xor`` entry's positions may be coded against the old bits (``classed``, feature
-``positions-classed``, FORMAT.md §6.5): where the writer is allowed that coding and it is
-shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change whose
-positions :func:`resolve` finds against the tensor it is about to be applied to.
+``positions-classed``, FORMAT.md §6.5), and its values as ulp differences from them
+(``ulp``, feature ``values-ulp``, §7.5): where the writer is allowed a coding and it is
+shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change that
+:func:`resolve` completes against the tensor it is about to be applied to.
 
 Diffing and applying run on the tensors' own device, through the kernel
 dispatcher of :mod:`dcr_format.cuda.dispatch` (Triton kernels for CUDA tensors,
@@ -39,11 +40,13 @@ from dcr_format.codec.classed import (
 )
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import encode_positions
-from dcr_format.codec.values import decode_values, encode_values
+from dcr_format.codec.rans import decode_rans
+from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp
+from dcr_format.codec.values import RANS, decode_values, encode_values
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
 from dcr_format.cuda.reference import Diff
-from dcr_format.errors import PositionsError, TargetError
+from dcr_format.errors import PositionsError, TargetError, ValuesError
 
 XOR = "xor"
 OVERWRITE = "overwrite"
@@ -63,6 +66,14 @@ class DecodedDelta:
     values: torch.Tensor  # the dtype's integer bits view
     # xor positions coded against the old bits, until :func:`resolve` finds them
     classed: ClassedStream | None = None
+    # the values are zigzag ulp differences against the old bits (``ulp``), until
+    # :func:`resolve` turns them into XOR bits
+    ulp: bool = False
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether :func:`resolve` must read the target's old bits before this applies."""
+        return self.classed is not None or self.ulp
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,11 @@ def encode_diff(
         if len(coded) < len(pos_bytes):
             pos_coding, pos_bytes = CLASSED, coded
     val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
+    if op in (None, XOR) and ULP in features.allowed() and info_for(new.dtype).name in FLOAT_DTYPES:
+        differences = _ulp_values(new, positions, host, found.new_values)
+        cost = len(val_bytes) if val_coding == RANS else _estimate(val_bytes)
+        if differences is not None and len(differences) < cost:
+            val_coding, val_bytes = ULP, differences
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -181,6 +197,23 @@ def encode_diff(
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
             return full
     return delta
+
+
+def _ulp_values(
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    host: tuple[torch.Tensor, torch.Tensor],
+    new_values: torch.Tensor | None,
+) -> bytes | None:
+    """The ``ulp`` values stream of a change (``host``: positions and XOR bits on the host),
+    or None where rANS does not code the differences (too few, too spread)."""
+    if new_values is not None:
+        after = bits_to_numpy(dispatch.to_host(new_values))
+    else:  # gather the new bits at the positions (O(changed), on the tensor's device)
+        after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
+    before = after ^ bits_to_numpy(host[1])
+    coding, data = encode_values(to_ulp(before, after), codings=(RANS,))
+    return data if coding == RANS else None
 
 
 def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
@@ -236,38 +269,57 @@ def decode_delta(
         empty = torch.empty(0, dtype=info.bits_dtype, device=device)
         return DecodedDelta(op, torch.empty(0, dtype=torch.int64, device=device), empty)
     assert values is not None
-    host = numpy_to_bits(decode_values(values[0], values[1], count=changed, width=info.width), info)
-    vals = dispatch.to_device(host, device)
+    ulp = values[0] == ULP
+    if ulp and (op != XOR or info.name not in FLOAT_DTYPES):
+        raise ValuesError(f"ulp values belong to xor entries of float tensors, not {op!r}")
+    if ulp:  # zigzag differences, rANS-coded: XOR bits once resolve() reads the old ones
+        raw = decode_rans(values[1], count=changed, width=info.width)
+    else:
+        raw = decode_values(values[0], values[1], count=changed, width=info.width)
+    vals = dispatch.to_device(numpy_to_bits(raw, info), device)
     if op == FULL:
         return DecodedDelta(op, None, vals)
     assert positions is not None
     if positions[0] == CLASSED:
         if op != XOR:
             raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
-        return DecodedDelta(
-            op, None, vals, parse_classed(positions[1], count=changed, dtype=info.name)
-        )
+        stream = parse_classed(positions[1], count=changed, dtype=info.name)
+        return DecodedDelta(op, None, vals, stream, ulp)
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
-    return DecodedDelta(op, pos, vals)
+    return DecodedDelta(op, pos, vals, None, ulp)
 
 
 def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
-    """``delta`` with its positions, found against ``target`` where they were coded against
-    the old bits (``classed``): ``target`` must hold exactly the bits the entry was made
-    against (its parent's), as any ``xor`` entry needs. Other deltas come back as they are.
-    A stream that does not decode against these bits is a :class:`PositionsError`."""
-    stream = delta.classed
-    if stream is None:
+    """``delta`` completed against ``target`` where it was coded against the old bits: its
+    positions found (``classed``) and its values turned into XOR bits (``ulp``). ``target``
+    must hold exactly the bits the entry was made against (its parent's), as any ``xor``
+    entry needs. Other deltas come back as they are. A positions stream that does not decode
+    against these bits is a :class:`PositionsError`."""
+    if not delta.needs_target:
         return delta
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     info = info_for(target.dtype)
-    old = bits_to_numpy(bits_view(target).reshape(-1).cpu())
-    found = decode_classed(
-        stream, old, info.name, count=int(delta.values.numel()), numel=int(target.numel())
-    )
-    positions = torch.from_numpy(found).to(delta.values.device)
-    return DecodedDelta(delta.op, positions, delta.values)
+    flat = bits_view(target).reshape(-1)
+    positions = delta.positions
+    if delta.classed is not None:
+        found = decode_classed(
+            delta.classed,
+            bits_to_numpy(flat.cpu()),
+            info.name,
+            count=int(delta.values.numel()),
+            numel=int(target.numel()),
+        )
+        positions = torch.from_numpy(found).to(delta.values.device)
+    assert positions is not None
+    values = delta.values
+    if delta.ulp:
+        if positions.numel() and int(positions[-1]) >= flat.numel():
+            raise PositionsError("a position of the change is past the end of the tensor")
+        before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+        after = from_ulp(before, bits_to_numpy(dispatch.to_host(values)))
+        values = dispatch.to_device(numpy_to_bits(before ^ after, info), values.device)
+    return DecodedDelta(delta.op, positions, values)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,10 @@ manifests stored compressed (``manifest-zstd``).
 
 A writer is allowed a set of features (``DeltaWriter(features=...)``); each names one
 coding (``values-rans``: the ``rans`` value coding, ``positions-classed``: the ``classed``
-position coding). Encoders use an allowed coding only where it is smaller, and a manifest
-lists in ``required_features`` the feature of every coding its entries use, so a reader
-without it refuses the version instead of misreading it.
+position coding, ``values-ulp``: the ``ulp`` value coding; the last two are decoded against
+the old bits, :data:`BASELINE_FEATURES`). Encoders use an allowed coding only where it is
+smaller, and a manifest lists in ``required_features`` the feature of every coding its
+entries use, so a reader without it refuses the version instead of misreading it.
 
 What is allowed travels by context rather than by argument: a writer opens an
 :func:`allowed_codings` block (or wraps its encoding generator in :func:`within_codings`)
@@ -23,15 +24,19 @@ from dcr_format.errors import ArgumentError
 
 VALUES_RANS_FEATURE = "values-rans"
 POSITIONS_CLASSED_FEATURE = "positions-classed"
+VALUES_ULP_FEATURE = "values-ulp"
 MANIFEST_ZSTD_FEATURE = "manifest-zstd"
 """Manifests stored as one zstd frame of their JSON (FORMAT.md §3.5), not a coding."""
 CODING_FEATURES: dict[str, str] = {
     "rans": VALUES_RANS_FEATURE,
     "classed": POSITIONS_CLASSED_FEATURE,
+    "ulp": VALUES_ULP_FEATURE,
 }
 """The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
 WRITER_FEATURES: frozenset[str] = frozenset({*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE})
+BASELINE_FEATURES: frozenset[str] = frozenset({POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE})
+"""Features whose codings a reader decodes against the old bits it holds (FORMAT.md §3.6)."""
 """Every feature a writer may be allowed."""
 T = TypeVar("T")
 
@@ -91,11 +96,13 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
 
 
 __all__ = [
+    "BASELINE_FEATURES",
     "CODING_FEATURES",
     "FEATURE_CODINGS",
     "MANIFEST_ZSTD_FEATURE",
     "POSITIONS_CLASSED_FEATURE",
     "VALUES_RANS_FEATURE",
+    "VALUES_ULP_FEATURE",
     "WRITER_FEATURES",
     "allowed",
     "allowed_codings",

@@ -768,7 +768,7 @@ class _ModuleTransaction(Transaction):
                 continue
             if change.delta.positions is not None and change.delta.positions.numel() == 0:
                 continue
-            if change.delta.classed is not None:  # no canonical old bits to decode against
+            if change.delta.needs_target:  # no canonical old bits to decode against
                 raise baseline_coding_error(change.name)
             plan = self.target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":

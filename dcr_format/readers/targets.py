@@ -189,10 +189,10 @@ class Transaction(ABC):
         )
 
     def resolved(self, change: Change) -> Change:
-        """``change`` with its positions found against the tensor it lands in, where the
-        writer coded them against the old bits (``classed``, FORMAT.md §6.5); the tensor
-        then holds exactly those bits (changes apply in version order)."""
-        if change.delta.classed is None:
+        """``change`` completed against the tensor it lands in where the writer coded it
+        against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp`` values, §7.5);
+        the tensor then holds exactly those bits (changes apply in version order)."""
+        if not change.delta.needs_target:
             return change
         tensor = self.tensor(change.name)
         if tensor is None:
@@ -385,9 +385,9 @@ def baseline_coding_error(name: str) -> BaselineCodingError:
     """The error of a ``classed`` change reaching a target that cannot read ``name``'s
     canonical old bits."""
     return BaselineCodingError(
-        f"this version codes the positions of {name!r} against its old bits "
-        "(positions-classed), which this target cannot read; its reader record asks writers "
-        "not to from the next version: sync to that one, or from a base"
+        f"this version codes {name!r} against its old bits (positions-classed or "
+        "values-ulp), which this target cannot read; its reader record asks writers not to "
+        "from the next version: sync to that one, or from a base"
     )
 
 

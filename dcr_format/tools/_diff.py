@@ -11,8 +11,9 @@ Computed from the chain without materialising either version:
   position is non-zero (exact: elements that changed back are not counted);
   positions an ``overwrite`` wrote are counted as differing (an upper bound: the
   value at A is not in the chain there); a ``full`` entry in between makes every
-  element count (an upper bound); a tensor whose positions some entry codes against
-  its old bits (``classed``) counts the changes its entries declare (an upper bound).
+  element count (an upper bound); a tensor some entry codes against its old bits
+  (``classed`` positions, ``ulp`` values) counts the changes its entries declare (an
+  upper bound).
 
 ``exact=True`` resolves the upper bounds by replaying only the affected tensors
 (through a reader restricted to them) to A and to B and comparing their bits.
@@ -35,6 +36,7 @@ from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import FULL, XOR, DecodedDelta
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
+from dcr_format.codec.ulp import ULP
 from dcr_format.readers.reader import DeltaReader, _decode_entry
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Entry, Manifest
@@ -246,8 +248,9 @@ def _combine(
 
     Tensors that a whole ``full`` entry rewrote in between are left out (every element
     counts); a ``full`` piece (FORMAT.md §4.8) writes its region like an ``overwrite``.
-    So are tensors with ``classed`` positions (FORMAT.md §6.5): they decode only against
-    the tensor's bits, which this report does not materialise (``exact`` does).
+    So are tensors with ``classed`` positions or ``ulp`` values (FORMAT.md §6.5, §7.5): they
+    decode only against the tensor's bits, which this report does not materialise
+    (``exact`` does).
     """
     rewritten = {
         e.name
@@ -256,6 +259,7 @@ def _combine(
         for e in m.entries
         if (e.op == FULL and e.piece is None)
         or (e.positions is not None and e.positions.coding == CLASSED)
+        or (e.values is not None and e.values.coding == ULP)
     } & set(pending)
     wanted = set(pending) - rewritten
     touched = {

@@ -51,8 +51,8 @@ from dcr_format.codec.delta import (
 )
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import (
+    BASELINE_FEATURES,
     MANIFEST_ZSTD_FEATURE,
-    POSITIONS_CLASSED_FEATURE,
     features_for,
     within_codings,
     writer_features,
@@ -617,7 +617,7 @@ class CanonicalPart:
             items = self._owned(tensors, attempt)
             features = self.features
             if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
-                features -= {POSITIONS_CLASSED_FEATURE}
+                features -= BASELINE_FEATURES
             for (name, tensor, old), encoded in within_codings(
                 features, encode_stream(items, advanced)
             ):

@@ -1,0 +1,173 @@
+"""The ``values-ulp`` feature end to end (FORMAT.md §7.5): zigzag ulp differences against the
+old bits, rANS-coded, where that is shorter than the XOR values; readers turn them back into
+XOR bits against the tensor they apply to, and refuse what they cannot check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_positions_classed import SHAPES, Trainer, entries, equal, shard_bytes
+
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, schema
+from dcr_format.chain import Chain, check_manifest
+from dcr_format.codec import ulp
+from dcr_format.errors import (
+    BaselineMismatchError,
+    FingerprintMismatchError,
+    SchemaError,
+    UnsupportedFeatureError,
+    ValuesError,
+)
+from dcr_format.store import open_store
+
+FEATURES = ["values-rans", "values-ulp"]
+
+
+def value_codings(store: Path, version: int) -> dict[str, str | None]:
+    chain = Chain(open_store(store))
+    return {
+        e.name: e.values.coding if e.values else None
+        for m in chain.manifests(chain.record(version))
+        for e in m.entries
+    }
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_differences_are_a_bijection_of_every_pattern(width: int) -> None:
+    rng = np.random.default_rng(width)
+    kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    top = 1 << (8 * width - 1)
+    special = np.array([0, top, top - 1, 2 * top - 1, 1, top + 1], dtype=np.uint64).astype(kind)
+    old = np.concatenate([special, rng.integers(0, 2**63, 5000, dtype=np.uint64).astype(kind)])
+    new = np.concatenate(
+        [special[::-1], rng.integers(0, 2**63, 5000, dtype=np.uint64).astype(kind)]
+    )
+    z = ulp.to_ulp(old, new)
+    assert z.dtype == kind and np.array_equal(ulp.from_ulp(old, z), new)
+    # one step in value order is 1 (down) or 2 (up), whatever the sign; -0.0 and +0.0 are
+    # neighbours
+    floats = {2: np.float16, 4: np.float32, 8: np.float64}[width]
+    x = np.array([1.0, -1.0, 3e-5, -7.5, 65000.0], dtype=floats)
+    up = np.nextafter(x, floats(np.inf)).view(kind)
+    down = np.nextafter(x, floats(-np.inf)).view(kind)
+    assert set(ulp.to_ulp(x.view(kind), up).tolist()) == {2}
+    assert set(ulp.to_ulp(x.view(kind), down).tolist()) == {1}
+    zeros = np.array([-0.0, 0.0], dtype=floats).view(kind)
+    assert ulp.to_ulp(zeros[:1], zeros[1:]).tolist() == [2]
+    with pytest.raises(ValuesError):
+        ulp.to_ulp(np.zeros(2, np.uint8), np.zeros(2, np.uint8))
+
+
+def test_ulp_chain_is_smaller_and_reads_back_exactly(tmp_path: Path) -> None:
+    plain_store, ulp_store = tmp_path / "rans", tmp_path / "ulp"
+    plain = DeltaWriter(plain_store, features=["values-rans"])
+    coded = DeltaWriter(ulp_store, features=FEATURES)
+    trainer = Trainer(6, SHAPES)
+    states = [trainer.state()]
+    for writer in (plain, coded):
+        writer.publish(states[0])
+    reader = DeltaReader(ulp_store, target := StateDictTarget({}))
+    reader.sync()
+    for version in range(1, 4):
+        states.append(trainer.step())
+        for writer in (plain, coded):
+            writer.publish(states[-1])
+        if version == 2:
+            reader.apply(reader.prepare())  # staged: the differences resolved before the pause
+        else:
+            reader.sync()
+        assert equal(target.tensors, states[-1])
+    assert value_codings(ulp_store, 3)["a.weight"] == "ulp"
+    assert "values-ulp" in Chain(open_store(ulp_store)).record(3).record.required_features
+    assert shard_bytes(ulp_store, 3) < 0.95 * shard_bytes(plain_store, 3)
+    fresh = StateDictTarget({})
+    DeltaReader(ulp_store, fresh).sync(to=0)
+    assert DeltaReader(ulp_store, fresh).sync().applied_versions == (1, 2, 3)
+    assert equal(fresh.tensors, states[-1])
+
+
+def test_all_codings_against_the_old_bits_together(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=[*FEATURES, "positions-classed", "manifest-zstd"])
+    trainer = Trainer(7, SHAPES)
+    states = [trainer.state()]
+    writer.publish(states[0])
+    for _ in range(2):
+        states.append(trainer.step())
+        writer.publish(states[-1])
+    assert entries(store, 2)["a.weight"]["positions"] == "classed"
+    assert value_codings(store, 2)["a.weight"] == "ulp"
+    target = StateDictTarget({})
+    DeltaReader(store, target).sync()
+    assert equal(target.tensors, states[-1])
+
+
+@pytest.mark.parametrize("audit", [True, False])
+def test_an_edited_target_is_refused_and_left_as_it_was(tmp_path: Path, audit: bool) -> None:
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=FEATURES)
+    trainer = Trainer(8, SHAPES)
+    writer.publish(trainer.state())
+    target = StateDictTarget({})
+    reader = DeltaReader(store, target)
+    reader.sync()
+    writer.publish(trainer.step())
+    assert value_codings(store, 1)["a.weight"] == "ulp"
+    tensor = target.tensors["a.weight"]
+    tensor.view(-1)[:64] *= 2  # outside dcr
+    edited = tensor.clone()
+    with pytest.raises((BaselineMismatchError, FingerprintMismatchError)):
+        reader.sync(audit=audit)
+    assert torch.equal(target.tensors["a.weight"].view(torch.int16), edited.view(torch.int16))
+    assert target.resident().version == 0
+
+
+def test_manifests_that_break_the_rules_are_refused(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=FEATURES)
+    trainer = Trainer(9, {"a.weight": (64, 512)})
+    writer.publish(trainer.state())
+    writer.publish(trainer.step())
+    loaded = Chain(open_store(store)).record(1)
+    ref = loaded.record.manifests[0]
+    raw = json.loads(open_store(store).get(ref.path))
+    assert raw["entries"][0]["values"]["coding"] == "ulp"
+
+    def check(tree: dict[str, object]) -> None:
+        manifest = schema.parse(schema.Manifest, json.dumps(tree).encode(), what="m")
+        record = loaded.record
+        check_manifest(manifest, record.chain_id, 1, "delta", record.attempt, 0, 1, "m")
+
+    check(raw)
+    for field, value, match in (
+        ("required_features", ["values-rans"], "values-ulp"),
+        ("op", "overwrite", "only xor entries"),
+        ("dtype", "int16", "only xor entries"),
+    ):
+        broken = json.loads(json.dumps(raw))
+        if field == "required_features":
+            broken[field] = value
+        else:
+            broken["entries"][0][field] = value
+        with pytest.raises(SchemaError, match=match):
+            check(broken)
+
+
+def test_a_reader_without_the_feature_refuses_the_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=FEATURES)
+    trainer = Trainer(10, {"a.weight": (64, 512)})
+    writer.publish(trainer.state())
+    target = StateDictTarget({})
+    DeltaReader(store, target).sync()
+    writer.publish(trainer.step())
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
+    with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
+        DeltaReader(store, target).sync()
+    assert target.resident().version == 0
