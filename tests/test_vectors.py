@@ -23,14 +23,14 @@ from dcr_format import (
     tensor_fingerprint,
 )
 from dcr_format.chain import Chain
-from dcr_format.codec import classed, rans
+from dcr_format.codec import classed, rans, ulp
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import UnsupportedFeatureError
 from dcr_format.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-NAMES = ("base-only", "xor-deltas", "mixed", "values-rans", "positions-classed")
+NAMES = ("base-only", "xor-deltas", "mixed", "values-rans", "positions-classed", "values-ulp")
 
 
 def expected_of(name: str) -> dict:
@@ -255,3 +255,51 @@ def test_a_reader_without_positions_classed_refuses_the_vector(
     with pytest.raises(UnsupportedFeatureError, match="positions-classed"):
         DeltaReader(VECTORS_DIR / "positions-classed" / "store", target).sync(to=1)
     assert target.resident() is not None and target.resident().version == 0
+
+
+def test_values_ulp_vector_decodes_to_the_xor_of_each_step() -> None:
+    """Every ulp stream of the vector decodes (rANS) to zigzag differences that, against the
+    bits of the previous version, give exactly the next version's bits; all three float
+    widths and a step across zero are there."""
+    store = open_store(VECTORS_DIR / "values-ulp" / "store")
+    chain = Chain(store)
+    previous: dict[str, torch.Tensor] = {}
+    target = StateDictTarget({})
+    widths, crossed = set(), False
+    for version in expected_of("values-ulp")["versions"]:
+        number = version["version"]
+        before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
+        DeltaReader(store, target).sync(to=number)
+        loaded = chain.record(number)
+        for manifest in chain.manifests(loaded):
+            for entry in manifest.entries:
+                if entry.values is None or entry.values.coding != "ulp":
+                    continue
+                assert "values-ulp" in manifest.required_features
+                info = info_for(entry.dtype)
+                shard = manifest.shards[entry.values.shard]
+                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
+                z = rans.decode_rans(
+                    bytes(streams[entry.values.key]), count=entry.changed, width=info.width
+                )
+                old = before[entry.name].view(f"<u{info.width}")
+                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
+                new = new.view(f"<u{info.width}")
+                where = np.flatnonzero(old != new)
+                assert where.size == entry.changed
+                assert np.array_equal(ulp.from_ulp(old[where], z), new[where])
+                widths.add(info.width)
+                signs = (old[where] >> (8 * info.width - 1)) != (new[where] >> (8 * info.width - 1))
+                crossed |= bool(signs.any())
+        previous = {n: t.clone() for n, t in target.tensors.items()}
+    assert widths == {2, 4, 8} and crossed
+
+
+def test_a_reader_without_values_ulp_refuses_the_vector(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = StateDictTarget({})
+    DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=0)
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
+    with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
+        DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=1)
+    resident = target.resident()
+    assert resident is not None and resident.version == 0

@@ -558,12 +558,78 @@ def positions_classed() -> Vector:
     )
 
 
+def step_ulps(bits: np.ndarray, positions: np.ndarray, seed: int, width: int) -> np.ndarray:
+    """A copy of float ``bits`` with each listed element moved by one or two steps in value
+    order (up or down, across zero too): what an optimizer step does to most weights."""
+    kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    top, ones = kind(1) << kind(8 * width - 1), ~kind(0)
+    out = bits.astype(kind)
+    r = raw(seed, positions.size)
+    step = np.where(r & np.uint64(3), 1, 2).astype(np.int64)
+    step = np.where((r >> np.uint64(8)) & np.uint64(1), step, -step)
+    x = out[positions]
+    u = x ^ np.where(x & top, ones, top).astype(kind)
+    with np.errstate(over="ignore"):
+        u = (u.astype(np.uint64) + step.astype(np.uint64)).astype(kind)
+    out[positions] = u ^ np.where(u & top, top, ones).astype(kind)
+    return out.astype(bits.dtype)
+
+
+def values_ulp() -> Vector:
+    """Values as ulp differences from the old bits (feature ``values-ulp``, FORMAT.md §7.5)."""
+    a0 = weights(601, "bfloat16", 64 * 64)
+    b0 = weights(602, "float32", 32 * 32)
+    c0 = weights(603, "float16", 1024)
+    d0 = weights(604, "float64", 256)
+    e0 = weights(605, "bfloat16", 1024)
+    f0 = uniform_bits(606, "int16", 512)
+
+    def state(*t: np.ndarray) -> State:
+        a, b, c, d, e, f = t
+        return {
+            "model.layers.0.mlp.gate_proj.weight": Spec("bfloat16", (64, 64), a),
+            "model.layers.0.self_attn.v_proj.weight": Spec("float32", (32, 32), b),
+            "model.layers.0.mlp.up_proj.weight": Spec("float16", (1024,), c),
+            "model.layers.0.master": Spec("float64", (256,), d),
+            "model.layers.0.self_attn.o_proj.weight": Spec("bfloat16", (32, 32), e),
+            "model.layers.0.steps": Spec("int16", (512,), f),
+        }
+
+    # v1: one- and two-ulp steps of the four float dtypes (ulp wins); e changed by random
+    # XORs (ulp loses: rans or planes); f an integer tensor (never ulp)
+    a1 = step_ulps(a0, scattered(611, 4096, 200), 612, 2)
+    b1 = step_ulps(b0, scattered(613, 1024, 60), 614, 4)
+    c1 = step_ulps(c0, scattered(615, 1024, 50), 616, 2)
+    d1 = step_ulps(d0, scattered(617, 256, 40), 618, 8)
+    e1 = flip(e0, scattered(619, 1024, 40), 620, 0x7FFF)
+    f1 = flip(f0, scattered(621, 512, 30), 622, 0x3)
+    # v2: steps across zero: +0.0 and -0.0 and the smallest subnormals of a
+    a2 = put(a1, [0, 1, 2, 3], [0x0000, 0x8000, 0x0001, 0x8001])
+    a2 = step_ulps(a2, np.concatenate([np.arange(4), scattered(631, 4096, 100, lo=4)]), 632, 2)
+    # v3: a second step of b
+    b3 = step_ulps(b1, scattered(641, 1024, 80), 642, 4)
+    return Vector(
+        "values-ulp",
+        "ulp values (feature values-ulp): one- and two-ulp steps of bfloat16, float16, "
+        "float32 and float64 tensors, steps across zero, rans and planes next to ulp",
+        6,
+        [
+            (0, state(a0, b0, c0, d0, e0, f0)),
+            (1, state(a1, b1, c1, d1, e1, f1)),
+            (2, state(a2, b1, c1, d1, e1, f1)),
+            (3, state(a2, b3, c1, d1, e1, f1)),
+        ],
+        features=("values-rans", "values-ulp"),
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
     mixed,
     values_rans,
     positions_classed,
+    values_ulp,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -721,6 +787,8 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             used = {e["values"] for e in version["entries"].values() if e["values"]}
             if used >= {"planes", "rans"}:
                 facts.add("planes next to rans")
+            if "ulp" in used and used & {"planes", "rans"}:
+                facts.add("ulp next to rans or planes")
             placed = {e["positions"] for e in version["entries"].values() if e["positions"]}
             if placed >= {"rice", "classed"}:
                 facts.add("rice next to classed")
@@ -749,7 +817,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
     missing = []
     missing += sorted({"xor", "overwrite", "full"} - ops)
     missing += sorted({"rice", "ranges", "classed"} - codings)
-    missing += sorted({"planes", "rans"} - value_codings)
+    missing += sorted({"planes", "rans", "ulp"} - value_codings)
     missing += sorted(set(BY_NAME) - dtypes)
     missing += sorted({"base", "delta"} - kinds)
     missing += sorted(
@@ -764,6 +832,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "planes next to rans",
             "rans in a base",
             "rice next to classed",
+            "ulp next to rans or planes",
         }
         - facts
     )
