@@ -260,7 +260,7 @@ def test_a_reader_without_positions_classed_refuses_the_vector(
 def test_values_ulp_vector_decodes_to_the_xor_of_each_step() -> None:
     """Every ulp stream of the vector decodes (rANS) to zigzag differences that, against the
     bits of the previous version, give exactly the next version's bits; all three float
-    widths and a step across zero are there."""
+    widths and a step across zero are there; every manifest is a zstd frame."""
     store = open_store(VECTORS_DIR / "values-ulp" / "store")
     chain = Chain(store)
     previous: dict[str, torch.Tensor] = {}
@@ -271,6 +271,8 @@ def test_values_ulp_vector_decodes_to_the_xor_of_each_step() -> None:
         before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
         DeltaReader(store, target).sync(to=number)
         loaded = chain.record(number)
+        assert "manifest-zstd" in loaded.record.required_features
+        assert all(store.get(r.path)[:4] == b"\x28\xb5\x2f\xfd" for r in loaded.record.manifests)
         for manifest in chain.manifests(loaded):
             for entry in manifest.entries:
                 if entry.values is None or entry.values.coding != "ulp":

@@ -1,12 +1,13 @@
 """Codec features (spec/FORMAT.md §12): codings beyond the ones every reader has, and
 manifests stored compressed (``manifest-zstd``).
 
-A writer is allowed a set of features (``DeltaWriter(features=...)``); each names one
-coding (``values-rans``: the ``rans`` value coding, ``positions-classed``: the ``classed``
-position coding, ``values-ulp``: the ``ulp`` value coding; the last two are decoded against
-the old bits, :data:`BASELINE_FEATURES`). Encoders use an allowed coding only where it is
-smaller, and a manifest lists in ``required_features`` the feature of every coding its
-entries use, so a reader without it refuses the version instead of misreading it.
+A writer is allowed a set of features (``DeltaWriter(features=...)``). ``manifest-zstd``
+stores its manifests compressed; each other one names a coding (``values-rans``: the
+``rans`` value coding, ``positions-classed``: the ``classed`` position coding,
+``values-ulp``: the ``ulp`` value coding; the last two are decoded against the old bits,
+:data:`BASELINE_FEATURES`). Encoders use an allowed coding only where it is smaller, and a
+manifest lists in ``required_features`` the feature of every coding its entries use, so a
+reader without it refuses the version instead of misreading it.
 
 What is allowed travels by context rather than by argument: a writer opens an
 :func:`allowed_codings` block (or wraps its encoding generator in :func:`within_codings`)

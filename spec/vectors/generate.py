@@ -611,7 +611,8 @@ def values_ulp() -> Vector:
     return Vector(
         "values-ulp",
         "ulp values (feature values-ulp): one- and two-ulp steps of bfloat16, float16, "
-        "float32 and float64 tensors, steps across zero, rans and planes next to ulp",
+        "float32 and float64 tensors, steps across zero, rans and planes next to ulp; "
+        "manifests stored compressed (manifest-zstd)",
         6,
         [
             (0, state(a0, b0, c0, d0, e0, f0)),
@@ -619,7 +620,7 @@ def values_ulp() -> Vector:
             (2, state(a2, b1, c1, d1, e1, f1)),
             (3, state(a2, b3, c1, d1, e1, f1)),
         ],
-        features=("values-rans", "values-ulp"),
+        features=("values-rans", "values-ulp", "manifest-zstd"),
     )
 
 
