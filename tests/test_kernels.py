@@ -323,10 +323,11 @@ def test_expand_ranges_matches_the_reference(tk, runs, long, first):
 @pytest.mark.parametrize("size", [1, 1023, 1024, 1025, 3 * 1024 + 17, 20000])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
-    """The Triton class kernels (count per block, rank per change) against the torch
-    reference, and the stream built from them equal to the host coding's bytes."""
+    """The Triton class kernels (count per block, rank per change; select per wanted rank)
+    against the torch reference, the stream built from them equal to the host coding's
+    bytes, and the positions found from it on the device equal to the changes."""
     from dcr_format.codec import classed
-    from dcr_format.codec.delta import _device_classed
+    from dcr_format.codec.delta import _device_classed, _device_positions
 
     gen = torch.Generator().manual_seed(size)
     old = (torch.randn(size, generator=gen) * 0.02).to(dtype)
@@ -347,6 +348,10 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("DCR_KERNELS", backend)
             assert _device_classed(bits, positions, dtype) == expected, backend
+            # and back: the reader's class passes on the device find the same positions
+            stream = classed.parse_classed(expected, count=positions.numel(), dtype=name)
+            found = _device_positions(stream, bits, name)
+            assert _same(found.cpu(), positions.cpu()), backend
 
 
 # --- positions decoded onto a device ----------------------------------------------------------

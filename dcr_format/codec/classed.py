@@ -281,17 +281,7 @@ def decode_classed(
     else:
         classes = classes_of(old_bits, dtype, base, classes_count)
         sizes = np.bincount(classes, minlength=classes_count)
-    found = []
-    for c, k, unary_len, offset in stream.parts:
-        wanted = counts[c]
-        if wanted > int(sizes[c]):
-            raise PositionsError("classed positions stream codes more positions than a class has")
-        body_len = unary_len + (wanted * k + 7) // 8
-        header = _RICE_HEADER.pack(k, wanted, unary_len)
-        ranks = _positions.decode_rice(
-            header + stream.data[offset : offset + body_len], count=wanted, numel=int(sizes[c])
-        )
-        found.append(ranks)
+    found = class_ranks_of(stream, sizes)
     if native is not None:
         first = np.zeros(classes_count + 1, dtype=np.int64)
         first[1:] = np.cumsum(counts)
@@ -301,6 +291,24 @@ def decode_classed(
     assert classes is not None
     picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
     return np.sort(np.concatenate([members[r] for members, r in zip(picked, found, strict=True)]))
+
+
+def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> list[np.ndarray]:
+    """The ranks each class with changes codes (class order), decoded from its Rice part
+    with the class's size (``sizes``, from the old bits) as the range; a class coded with
+    more positions than it holds is a :class:`PositionsError`."""
+    found = []
+    for c, k, unary_len, offset in stream.parts:
+        wanted = stream.counts[c]
+        if wanted > int(sizes[c]):
+            raise PositionsError("classed positions stream codes more positions than a class has")
+        body_len = unary_len + (wanted * k + 7) // 8
+        header = _RICE_HEADER.pack(k, wanted, unary_len)
+        ranks = _positions.decode_rice(
+            header + stream.data[offset : offset + body_len], count=wanted, numel=int(sizes[c])
+        )
+        found.append(ranks)
+    return found
 
 
 def classed_bound(changed: int, numel: int) -> int:
@@ -316,6 +324,7 @@ __all__ = [
     "MAX_CLASSES",
     "ClassedStream",
     "choose_classes",
+    "class_ranks_of",
     "classed_bound",
     "classed_stream",
     "classes_of",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import zstandard
 
@@ -33,6 +34,7 @@ from dcr_format.codec.classed import (
     EXPONENT_FIELDS,
     ClassedStream,
     choose_classes,
+    class_ranks_of,
     classed_stream,
     decode_classed,
     encode_classed,
@@ -227,6 +229,21 @@ def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
     )
 
 
+def _device_positions(stream: ClassedStream, old: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The positions of a ``classed`` stream with the class passes on ``old``'s device (the
+    class sizes come to the host to decode the ranks, which go back)."""
+    shift, mask = EXPONENT_FIELDS[dtype]
+    base, count = stream.base, stream.classes
+    sizes = dispatch.class_sizes(old, shift, mask, base, count).cpu().numpy()
+    found = class_ranks_of(stream, sizes)
+    ranks = torch.from_numpy(np.concatenate(found)).to(old.device)
+    classes = torch.repeat_interleave(
+        torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
+        torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
+    ).to(old.device)
+    return dispatch.class_positions(old, shift, mask, base, count, classes, ranks)
+
+
 def _device_classed(old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> bytes:
     """The ``classed`` stream with the class passes on the tensors' device (the histograms
     and the classes and ranks of the changes come to the host, not the tensor)."""
@@ -302,15 +319,17 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     info = info_for(target.dtype)
     flat = bits_view(target).reshape(-1)
     positions = delta.positions
-    if delta.classed is not None:
+    if delta.classed is not None and flat.device.type == "cpu":
         found = decode_classed(
             delta.classed,
-            bits_to_numpy(flat.cpu()),
+            bits_to_numpy(flat),
             info.name,
             count=int(delta.values.numel()),
             numel=int(target.numel()),
         )
         positions = torch.from_numpy(found).to(delta.values.device)
+    elif delta.classed is not None:  # the class passes on the tensor's device
+        positions = _device_positions(delta.classed, flat, info.name).to(delta.values.device)
     assert positions is not None
     values = delta.values
     if delta.ulp:

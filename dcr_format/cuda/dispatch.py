@@ -560,6 +560,33 @@ def class_ranks(
     return found
 
 
+def class_sizes(old: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
+    """How many elements of flat integer bits ``old`` each ``classed`` class has (§6.5)."""
+    if backend_for(old) == TORCH:
+        return reference.class_sizes(old, shift, mask, base, count)
+    sizes: torch.Tensor = _kernels().class_sizes(old.contiguous(), shift, mask, base, count)
+    return sizes
+
+
+def class_positions(
+    old: torch.Tensor,
+    shift: int,
+    mask: int,
+    base: int,
+    count: int,
+    classes: torch.Tensor,
+    ranks: torch.Tensor,
+) -> torch.Tensor:
+    """The positions, increasing, of the given (class, rank) elements of ``old`` (§6.5),
+    on its device: Triton kernels for CUDA tensors, the torch reference elsewhere."""
+    if backend_for(old, classes, ranks) == TORCH:
+        return reference.class_positions(old, shift, mask, base, count, classes, ranks)
+    found: torch.Tensor = _kernels().class_positions(
+        old.contiguous(), shift, mask, base, count, classes.contiguous(), ranks.contiguous()
+    )
+    return found
+
+
 def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
     """Positions from zero-based gaps (a torch cumulative sum on every backend)."""
     return reference.prefix_positions(gaps)

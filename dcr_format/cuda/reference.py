@@ -129,6 +129,32 @@ def class_ranks(
     return classes, ranks
 
 
+def class_sizes(old: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
+    """How many elements of ``old`` each class has (int64, on its device)."""
+    classes = (_exponents(old, shift, mask) - base).clamp(0, count - 1)
+    return torch.bincount(classes, minlength=count)
+
+
+def class_positions(
+    old: torch.Tensor,
+    shift: int,
+    mask: int,
+    base: int,
+    count: int,
+    classes: torch.Tensor,
+    ranks: torch.Tensor,
+) -> torch.Tensor:
+    """The flat positions, increasing, of the elements of rank ``ranks[j]`` in class
+    ``classes[j]`` (each rank below its class's size, none twice), on ``old``'s device."""
+    members = (_exponents(old, shift, mask) - base).clamp(0, count - 1)
+    found = torch.empty_like(ranks)
+    for c in range(count):
+        chosen = classes == c
+        if bool(chosen.any()):
+            found[chosen] = torch.nonzero(members == c).reshape(-1)[ranks[chosen]]
+    return torch.sort(found).values
+
+
 def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
     """Positions from zero-based gaps: ``p[i] = sum(g[:i+1] + 1) - 1`` (int64 cumulative sum)."""
     return torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
@@ -140,7 +166,9 @@ __all__ = [
     "XOR",
     "Diff",
     "block_counts",
+    "class_positions",
     "class_ranks",
+    "class_sizes",
     "diff",
     "expand_ranges",
     "exponent_histograms",

@@ -16,11 +16,13 @@ Kernels (each has a torch reference in :mod:`dcr_format.cuda.reference`):
   positions, optionally saving the old bits first (for rollback).
 - ``_expand_kernel``: positions of runs (range coding): every output element
   binary-searches its run among the run's first output indices.
-- ``_class_count_kernel`` and ``_class_rank_kernel``: the ``classed`` position coding
-  (FORMAT.md §6.5) on the device. Per block, how many elements of each class it has
-  (``tl.histogram``); with the exclusive prefix sum of those over the blocks (torch),
-  each block then ranks its own changed positions: the count of the position's class
-  before the block plus the elements of that class before it in the block.
+- ``_class_count_kernel``, ``_class_rank_kernel`` and ``_class_select_kernel``: the
+  ``classed`` position coding (FORMAT.md §6.5) on the device. Per block, how many
+  elements of each class it has (``tl.histogram``); with the prefix sums of those over
+  the blocks (torch), the writer's kernel has each block rank its own changed positions
+  (the count of the position's class before the block plus the elements of that class
+  before it in the block), and the reader's finds each wanted rank's block (a torch
+  searchsorted) and selects the element there (a ``tl.cumsum`` of the class's members).
 
 All index arithmetic is int64 (the program id is widened before it is
 multiplied), and every kernel takes a ``base``: the flat index of element 0 of
@@ -190,6 +192,36 @@ def _class_rank_kernel(
         tl.store(ranks_ptr + j, prior + below)
 
 
+@triton.jit(do_not_specialize=["m", "shift", "mask", "base", "count"])
+def _class_select_kernel(
+    old_ptr,
+    blocks_ptr,
+    skips_ptr,
+    classes_ptr,
+    out_ptr,
+    m,
+    shift,
+    mask,
+    base,
+    count,
+    BLOCK: tl.constexpr,
+):
+    """Wanted element ``j``: the ``skips[j]``-th (from 0) element of class ``classes[j]`` in
+    block ``blocks[j]``."""
+    j = tl.program_id(0).to(tl.int64)
+    if j < m:
+        b = tl.load(blocks_ptr + j)
+        k = tl.load(skips_ptr + j)
+        cj = tl.load(classes_ptr + j)
+        offs = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = offs < tl.load(blocks_ptr + m)  # the tensor's size, after the last block
+        x = tl.load(old_ptr + offs, mask=inside, other=0)
+        member = (_classes_of(x, shift, mask, base, count) == cj) & inside
+        seen = tl.cumsum(member.to(tl.int64), axis=0)
+        hit = member & (seen == k + 1)
+        tl.store(out_ptr + j, tl.max(tl.where(hit, offs, -1), axis=0))
+
+
 def _launch(kernel: Any, n: int, block: int, *args: Any, **meta: Any) -> None:
     with _LAUNCH:
         kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=_WARPS, **meta)
@@ -305,6 +337,58 @@ def class_ranks(
     args = (old, positions, firsts, before, classes, ranks, n, shift, mask, base, count)
     _launch(_class_rank_kernel, n, CLASS_BLOCK, *args, **meta)
     return classes, ranks
+
+
+def _class_counts(old: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
+    """Per block of :data:`CLASS_BLOCK` elements, how many of each class (int64)."""
+    n = old.numel()
+    counts = torch.empty(
+        (triton.cdiv(n, CLASS_BLOCK), MAX_CLASSES), dtype=torch.int64, device=old.device
+    )
+    if n:
+        args = (old, counts, n, shift, mask, base, count)
+        _launch(_class_count_kernel, n, CLASS_BLOCK, *args, CLASSES=MAX_CLASSES)
+    return counts
+
+
+def class_sizes(old: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
+    """How many elements of ``old`` (contiguous) each class has."""
+    return _class_counts(old, shift, mask, base, count).sum(0)[:count]
+
+
+def class_positions(
+    old: torch.Tensor,
+    shift: int,
+    mask: int,
+    base: int,
+    count: int,
+    classes: torch.Tensor,
+    ranks: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`dcr_format.cuda.reference.class_positions` with the blocks' class counts and
+    one select per wanted element on the device (then one sort)."""
+    m = ranks.numel()
+    if m == 0:
+        return torch.empty(0, dtype=torch.int64, device=old.device)
+    counts = _class_counts(old, shift, mask, base, count)
+    ends = torch.cumsum(counts, 0).T.contiguous()  # [class, block]: inclusive
+    blocks = torch.empty(m + 1, dtype=torch.int64, device=old.device)
+    skips = torch.empty(m, dtype=torch.int64, device=old.device)
+    for c in range(count):
+        chosen = torch.nonzero(classes == c).reshape(-1)
+        if chosen.numel():
+            wanted = ranks[chosen]
+            where = torch.searchsorted(ends[c], wanted, right=True)
+            blocks[chosen] = where
+            skips[chosen] = wanted - (ends[c][where] - counts[where, c])
+    blocks[m] = old.numel()
+    out = torch.empty(m, dtype=torch.int64, device=old.device)
+    with _LAUNCH:
+        _class_select_kernel[(m,)](
+            old, blocks, skips, classes, out, m, shift, mask, base, count,
+            BLOCK=CLASS_BLOCK, num_warps=_WARPS,
+        )  # fmt: skip
+    return torch.sort(out).values
 
 
 def expand_ranges(starts: torch.Tensor, lengths: torch.Tensor, count: int) -> torch.Tensor:
