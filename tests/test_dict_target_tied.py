@@ -32,7 +32,14 @@ class _TiedLM(nn.Module):
         return self.lm_head(hidden)
 
 
-def _train_and_sync(store: str, trainer: nn.Module, policy: nn.Module, steps: int, verify: str):
+def _train_and_sync(
+    store: str,
+    trainer: nn.Module,
+    policy: nn.Module,
+    steps: int,
+    verify: str,
+    features: tuple[str, ...] = (),
+):
     """Publish ``trainer`` (bf16 export of fp32 masters) after each AdamW step and sync the
     policy's tied state dict; every sync must be bit-exact. Returns the number of syncs."""
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
@@ -41,7 +48,7 @@ def _train_and_sync(store: str, trainer: nn.Module, policy: nn.Module, steps: in
     def export() -> dict[str, torch.Tensor]:
         return {n: t.detach().bfloat16() for n, t in trainer.state_dict().items()}
 
-    writer = DeltaWriter(store)
+    writer = DeltaWriter(store, features=features)
     writer.publish(export(), step=0)
     state = policy.state_dict()
     tied = state["lm_head.weight"]
@@ -69,16 +76,37 @@ def _train_and_sync(store: str, trainer: nn.Module, policy: nn.Module, steps: in
     return syncs
 
 
+BASELINE_CODED = ("values-rans", "positions-classed", "values-ulp")
+
+
+@pytest.mark.parametrize("features", [(), BASELINE_CODED])
 @pytest.mark.parametrize("verify", ["touched", "all"])
-def test_tied_module_follows_adamw_steps_bit_exact(tmp_path, verify):
+def test_tied_module_follows_adamw_steps_bit_exact(tmp_path, verify, features):
+    """Also with codings against the old bits: the tie's second name must be completed
+    against the bits before the first name changed the shared storage."""
     torch.manual_seed(0)
     trainer = _TiedLM()
     torch.manual_seed(1)  # the policy's own init, overwritten by the base
     policy = _TiedLM().bfloat16()
-    assert _train_and_sync(str(tmp_path / "store"), trainer, policy, 5, verify) == 6
+    store = str(tmp_path / "store")
+    assert _train_and_sync(store, trainer, policy, 5, verify, features) == 6
+    if features:  # the tied tensors really were coded against their old bits
+        from dcr_format.chain import Chain
+        from dcr_format.store import open_store
+
+        chain = Chain(open_store(store))
+        codings = {
+            (e.positions.coding if e.positions else None, e.values.coding if e.values else None)
+            for v in range(1, 6)
+            for m in chain.manifests(chain.record(v))
+            for e in m.entries
+            if e.name == "embed_tokens.weight"
+        }
+        assert any(p == "classed" or v == "ulp" for p, v in codings), codings
 
 
-def test_tiny_llama_with_tied_embeddings_bit_exact(tmp_path):
+@pytest.mark.parametrize("features", [(), BASELINE_CODED])
+def test_tiny_llama_with_tied_embeddings_bit_exact(tmp_path, features):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
@@ -101,7 +129,7 @@ def test_tiny_llama_with_tied_embeddings_bit_exact(tmp_path):
     def export() -> dict[str, torch.Tensor]:
         return {n: t.detach().bfloat16() for n, t in trainer.state_dict().items()}
 
-    writer = DeltaWriter(store)
+    writer = DeltaWriter(store, features=features)
     writer.publish(export(), step=0)
     state = policy.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()

@@ -197,13 +197,7 @@ class Transaction(ABC):
         tensor = self.tensor(change.name)
         if tensor is None:
             raise TargetError(f"the target lacks tensor {change.name!r}")
-        try:
-            return replace(change, delta=resolve(change.delta, tensor))
-        except PositionsError as exc:  # the stream checked out: the bits are not the parent's
-            raise BaselineMismatchError(
-                f"tensor {change.name!r} in the target is not the bits its positions were "
-                "coded against; it was changed outside dcr: pull into a fresh target"
-            ) from exc
+        return _resolved(change, tensor)
 
     def undo(self) -> None:
         """Revert every change made through :meth:`change`, newest first; the bits the
@@ -381,6 +375,17 @@ class _Shared:
     applied: Applied
 
 
+def _resolved(change: Change, old: torch.Tensor) -> Change:
+    """``change`` completed against ``old`` (its tensor's bits before the change)."""
+    try:
+        return replace(change, delta=resolve(change.delta, old))
+    except PositionsError as exc:  # the stream checked out: the bits are not the parent's
+        raise BaselineMismatchError(
+            f"tensor {change.name!r} in the target is not the bits its positions were "
+            "coded against; it was changed outside dcr: pull into a fresh target"
+        ) from exc
+
+
 def baseline_coding_error(name: str) -> BaselineCodingError:
     """The error of a ``classed`` change reaching a target that cannot read ``name``'s
     canonical old bits."""
@@ -418,6 +423,23 @@ class _DictTransaction(Transaction):
         if change.name in self._aliases:
             return None
         return super().put(change, staged)
+
+    def resolved(self, change: Change) -> Change:
+        """As :meth:`Transaction.resolved`; a tied name whose storage the tie's first name
+        already changed is completed against the bits from before that change (a copy with
+        them put back), so that :meth:`apply` can compare it with the first's."""
+        tensor = self._tensors.get(change.name)
+        if change.delta.needs_target and tensor is not None and change.name in self._aliases:
+            key = _view_key(tensor)
+            shared = None if key is None else self._shared.get(key)
+            if shared is not None and change.name in shared.waiting:
+                done = shared.applied
+                assert done.positions is not None and done.before is not None
+                old = tensor.clone()
+                flat = bits_view(old).reshape(-1)
+                flat[done.positions.to(flat.device)] = done.before.to(flat.device)
+                return _resolved(change, old)
+        return super().resolved(change)
 
     def apply(self, change: Change) -> Applied:
         """As :meth:`Transaction.apply`, but a change arriving through every name of a group
