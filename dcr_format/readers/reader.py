@@ -333,7 +333,7 @@ class DeltaReader:
             spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
             if (tensor.dtype, tuple(tensor.shape)) != spec:
                 continue
-            try:  # classed positions are found against the live tensor's bits first
+            try:  # codings against the old bits are completed against the live tensor first
                 staged[name] = Staged(tensor, stage_change(tensor, resolve(delta, tensor)))
             except (IndexError, DcrError):
                 continue
@@ -423,7 +423,7 @@ class DeltaReader:
         set once, so a stale list is cleared); without a ``reader_id`` the record is named
         after its content, so readers that need the same names share one record. A target
         that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
-        (``reads_baseline`` false: writers then code no positions against the old bits).
+        (``reads_baseline`` false: writers then code nothing against the old bits).
         """
         names = self.target.overwrite_names()
         reads_baseline = self.target.reads_baseline()

@@ -235,7 +235,7 @@ class ReaderWishes:
     """What the reader records ask of writers, together (FORMAT.md §3.6)."""
 
     overwrite: frozenset[str] = frozenset()  # the union of their ``overwrite`` lists
-    reads_baseline: bool = True  # no record says its reader cannot decode ``classed``
+    reads_baseline: bool = True  # no record says its reader cannot read its old bits
 
 
 def read_reader_records(store: Store) -> ReaderWishes:
