@@ -349,8 +349,8 @@ def check_manifest(
             _check_against_baseline(manifest, entry, where, POSITIONS_CLASSED_FEATURE, "positions")
         if entry.values is not None and entry.values.coding == ULP:
             _check_against_baseline(manifest, entry, where, VALUES_ULP_FEATURE, "values")
-        for ref in (entry.positions, entry.values):
-            if ref is not None and ref.shard >= len(manifest.shards):
+        for ref in entry.streams:
+            if ref.shard >= len(manifest.shards):
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
 
 

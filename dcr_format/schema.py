@@ -223,6 +223,11 @@ class Entry(_Model):
     """Set on a piece of a tensor published by several ranks; absent (not null) otherwise,
     so whole-tensor entries serialise exactly as before the feature existed."""
 
+    @property
+    def streams(self) -> tuple[PositionsRef | ValuesRef, ...]:
+        """The entry's stream references (positions first), those it has."""
+        return tuple(ref for ref in (self.positions, self.values) if ref is not None)
+
     @model_serializer(mode="wrap")
     def _omit_absent_piece(self, handler: SerializerFunctionWrapHandler) -> Any:
         data = handler(self)
@@ -399,10 +404,11 @@ def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
         return None, f"{where[:_MAX_MESSAGE]}: {first['msg'][:_MAX_MESSAGE]}"
 
 
-def stored_manifest(manifest: Manifest) -> bytes:
-    """The bytes a writer stores for ``manifest``: its JSON, or one zstd frame of it (with
-    its content size) when it lists ``manifest-zstd`` (FORMAT.md §3.5)."""
-    text = manifest.to_json()
+def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:
+    """The bytes a writer stores for ``manifest``: its JSON (``text`` where the caller has
+    it already), or one zstd frame of it (with its content size) when it lists
+    ``manifest-zstd`` (FORMAT.md §3.5)."""
+    text = manifest.to_json() if text is None else text
     if MANIFEST_ZSTD_FEATURE not in manifest.required_features:
         return text
     compressor = zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_content_size=True)

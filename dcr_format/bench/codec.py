@@ -360,9 +360,7 @@ def manifest_bytes(
     shard = ShardRef(
         path=_SHARD_PATH, sha256=_hex(-1 % 2**32, 64), size=stored, decoded_size=decoded
     )
-    features = features_for(
-        r.coding for e in entries for r in (e.positions, e.values) if r is not None
-    )
+    features = features_for(r.coding for e in entries for r in e.streams)
     manifest = Manifest(
         required_features=tuple(sorted({*features, MANIFEST_ZSTD_FEATURE}))
         if compressed

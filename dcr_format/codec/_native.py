@@ -495,12 +495,17 @@ class _Asked(NamedTuple):
     advance: bool
 
 
+def tasks_of(n: int) -> int:
+    """How many tasks of :data:`TASK` elements cover ``n`` elements."""
+    return -(-n // TASK)
+
+
 def _diff_slab(
     old: np.ndarray, new: np.ndarray, base: int, asked: _Asked
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
     want, table, lanes, advance = asked
     n = old.shape[0]
-    tasks = -(-n // TASK)
+    tasks = tasks_of(n)
     counts = np.zeros(tasks, dtype=np.int64)
     lane_out = np.zeros((tasks, 3), dtype=np.uint64)
     # as long as the input, but only each task's written prefix is ever touched

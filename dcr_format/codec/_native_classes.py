@@ -30,16 +30,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.codec._native import _TRAILING_ZEROS, TASK, _launch
+from dcr_format.codec._native import _TRAILING_ZEROS, TASK, _launch, tasks_of
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
 _NONE = np.uint8(255)  # the class of a slot past the tensor's end (no mask takes it)
-
-
-def tasks_of(n: int) -> int:
-    """How many tasks cover ``n`` elements."""
-    return (n + TASK - 1) // TASK
 
 
 @njit(cache=True, inline="always")
@@ -49,7 +44,7 @@ def _exponent(value, shift, mask):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, inline="always")
 def _class_of(value, shift, mask, base, count):  # type: ignore[no-untyped-def]
-    c = ((np.int64(value) >> shift) & mask) - base
+    c = _exponent(value, shift, mask) - base
     return 0 if c < 0 else (count - 1 if c > count - 1 else c)
 
 

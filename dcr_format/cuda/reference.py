@@ -100,6 +100,11 @@ def _exponents(bits: torch.Tensor, shift: int, mask: int) -> torch.Tensor:
     return (bits.to(torch.int64) >> shift) & mask
 
 
+def _classes(bits: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
+    """Each element's class ``clamp(e - base, 0, count - 1)`` of its exponent ``e``."""
+    return (_exponents(bits, shift, mask) - base).clamp(0, count - 1)
+
+
 def exponent_histograms(
     old: torch.Tensor, positions: torch.Tensor, shift: int, mask: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,21 +123,19 @@ def class_ranks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's class ``clamp(e - base, 0, count - 1)`` of its old exponent ``e`` and
     its rank among the elements of that class (int64, on ``old``'s device)."""
-    classes = (_exponents(old[positions], shift, mask) - base).clamp(0, count - 1)
+    members = _classes(old, shift, mask, base, count)
+    classes = members[positions]
     ranks = torch.empty_like(positions)
     for c in range(count):
         chosen = classes == c
-        if not bool(chosen.any()):
-            continue
-        member = (_exponents(old, shift, mask) - base).clamp(0, count - 1) == c
-        ranks[chosen] = torch.cumsum(member, 0)[positions[chosen]] - 1
+        if bool(chosen.any()):
+            ranks[chosen] = torch.cumsum(members == c, 0)[positions[chosen]] - 1
     return classes, ranks
 
 
 def class_sizes(old: torch.Tensor, shift: int, mask: int, base: int, count: int) -> torch.Tensor:
     """How many elements of ``old`` each class has (int64, on its device)."""
-    classes = (_exponents(old, shift, mask) - base).clamp(0, count - 1)
-    return torch.bincount(classes, minlength=count)
+    return torch.bincount(_classes(old, shift, mask, base, count), minlength=count)
 
 
 def class_positions(
@@ -146,7 +149,7 @@ def class_positions(
 ) -> torch.Tensor:
     """The flat positions, increasing, of the elements of rank ``ranks[j]`` in class
     ``classes[j]`` (each rank below its class's size, none twice), on ``old``'s device."""
-    members = (_exponents(old, shift, mask) - base).clamp(0, count - 1)
+    members = _classes(old, shift, mask, base, count)
     found = torch.empty_like(ranks)
     for c in range(count):
         chosen = classes == c

@@ -287,7 +287,7 @@ def _linked_shards(
     for index, (manifest, entry) in enumerate(wanted):
         if entry.changed == 0:
             continue
-        shards = {ref.shard for ref in (entry.positions, entry.values) if ref is not None}
+        shards = {ref.shard for ref in entry.streams}
         if shards:
             by_rank.setdefault(manifest.rank, []).append((index, shards))
     return {rank: _join(items) for rank, items in by_rank.items()}
@@ -349,15 +349,11 @@ def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
     """
     limits: dict[int, dict[str, int]] = {}
     for entry in manifest.entries:
-        for ref in (entry.positions, entry.values):
-            feature = None if ref is None else CODING_FEATURES.get(ref.coding)
-            if (
-                ref is not None
-                and feature is not None
-                and feature not in manifest.required_features
-            ):
+        for stream in entry.streams:
+            feature = CODING_FEATURES.get(stream.coding)
+            if feature is not None and feature not in manifest.required_features:
                 raise SchemaError(
-                    f"entry {entry.name[:256]!r} uses the {ref.coding!r} coding but "
+                    f"entry {entry.name[:256]!r} uses the {stream.coding!r} coding but "
                     f"its manifest does not require {feature!r}; the manifest is corrupt"
                 )
         if entry.changed == 0:

@@ -291,9 +291,9 @@ class Target(ABC):
 
     def reads_baseline(self) -> bool:
         """Whether the reader can read the exact canonical bits of the tensors this target
-        holds (:meth:`Transaction.tensor`) before applying, so it decodes positions coded
-        against them (``classed``, FORMAT.md §6.5). A target answering False tells writers
-        through its reader record."""
+        holds (:meth:`Transaction.tensor`) before applying, so it decodes streams coded
+        against them (``classed`` positions, FORMAT.md §6.5; ``ulp`` values, §7.5). A target
+        answering False tells writers through its reader record."""
         return True
 
     def overwrite_names(self) -> frozenset[str]:
@@ -387,8 +387,8 @@ def _resolved(change: Change, old: torch.Tensor) -> Change:
 
 
 def baseline_coding_error(name: str) -> BaselineCodingError:
-    """The error of a ``classed`` change reaching a target that cannot read ``name``'s
-    canonical old bits."""
+    """The error of a change coded against the old bits (``classed`` or ``ulp``) reaching a
+    target that cannot read ``name``'s canonical old bits."""
     return BaselineCodingError(
         f"this version codes {name!r} against its old bits (positions-classed or "
         "values-ulp), which this target cannot read; its reader record asks writers not to "

@@ -281,7 +281,7 @@ def _decoded(
     jobs: list[tuple[Manifest, int]] = []
     for manifest in version.manifests:
         entries = [e for e in manifest.entries if e.name in wanted and e.changed > 0]
-        shards = sorted({r.shard for e in entries for r in (e.positions, e.values) if r})
+        shards = sorted({r.shard for e in entries for r in e.streams})
         jobs.extend((manifest, index) for index in shards)
 
     def load(job: tuple[Manifest, int]) -> tuple[tuple[int, int], dict[str, memoryview]]:

@@ -86,9 +86,7 @@ from dcr_format.schema import (
     Entry,
     Manifest,
     ManifestRef,
-    PositionsRef,
     Stats,
-    ValuesRef,
     check_tensor_name,
     stored_manifest,
 )
@@ -387,7 +385,7 @@ class DeltaWriter:
                 f"the manifest of rank {self.rank} would be {len(text)} bytes, over the "
                 f"{MAX_MANIFEST_BYTES}-byte limit readers enforce; publish with more writer ranks"
             )
-        own = stored_manifest(manifest)  # compressed where it lists manifest-zstd
+        own = stored_manifest(manifest, text)  # compressed where it lists manifest-zstd
         # a manifest upload that fails may still have landed, so it must not mark the attempt
         # abandoned (the committer may commit it)
         self.store.put(manifest_key(attempt.version, attempt.id, self.rank), own)
@@ -647,7 +645,7 @@ class CanonicalPart:
                 )
             shards.finish()
             manifest = attempt.manifest(
-                shards, entries, features_for(r.coding for e in entries for r in _streams(e))
+                shards, entries, features_for(r.coding for e in entries for r in e.streams)
             )
         except BaseException:
             self._revert(moved)
@@ -808,11 +806,6 @@ class _BaselineCache:
         except Exception:
             return None  # an unreadable cache is just a miss
         return StateDictTarget(tensors, version=version, chain_id=chain_id)
-
-
-def _streams(entry: Entry) -> Iterator[PositionsRef | ValuesRef]:
-    """The stream references of an entry."""
-    yield from (ref for ref in (entry.positions, entry.values) if ref is not None)
 
 
 def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
