@@ -48,6 +48,10 @@ def test_differences_are_a_bijection_of_every_pattern(width: int) -> None:
     )
     z = ulp.to_ulp(old, new)
     assert z.dtype == kind and np.array_equal(ulp.from_ulp(old, z), new)
+    # the compiled loops against the numpy reference, both ways (random z included)
+    assert np.array_equal(z, ulp._to_ulp_reference(old, new))
+    noise = rng.integers(0, 2**63, old.size, dtype=np.uint64).astype(kind)
+    assert np.array_equal(ulp.from_ulp(old, noise), ulp._from_ulp_reference(old, noise))
     # one step in value order is 1 (down) or 2 (up), whatever the sign; -0.0 and +0.0 are
     # neighbours
     floats = {2: np.float16, 4: np.float32, 8: np.float64}[width]

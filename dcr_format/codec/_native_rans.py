@@ -235,13 +235,15 @@ def decode_stream(
         scaled[j] = freqs[j] << shift
         starts[j] = acc
         acc += scaled[j]
-    small = bits <= 16  # a lookup table of 2**Q symbols; above, a search (64 KiB at most)
-    lookup = np.empty(np.int64(one) if small else 1, dtype=np.int32)
+    # a lookup table of the 2**Q quantiles' symbols, one byte each (S <= 255, so the escape
+    # is at most 255): 64 KiB at most, mostly in cache; above Q = 16, a search
+    small = bits <= 16
+    lookup = np.empty(np.int64(one) if small else 1, dtype=np.uint8)
     if small:
         k = 0
         for j in range(size + 1):
             for _ in range(np.int64(freqs[j])):
-                lookup[k] = j
+                lookup[k] = np.uint8(j)
                 k += 1
     nxt = nwords - 1
     x = np.uint64(0)
@@ -266,7 +268,7 @@ def decode_stream(
     for i in range(count):
         q = x & _MASK24
         if small:
-            s = lookup[np.int64(q >> shift)]
+            s = np.int64(lookup[np.int64(q >> shift)])
         else:
             lo, hi = 0, size  # the last j with starts[j] <= q
             while lo < hi:
@@ -315,5 +317,46 @@ def write_varints(values: np.ndarray) -> np.ndarray:  # pragma: no cover - compi
             v >>= np.uint64(7)
             k += 1
         out[k] = np.uint8(v)
+        k += 1
+    return out[:k]
+
+
+@njit(cache=True, nogil=True)
+def encode_symbols(
+    symbols: np.ndarray, freqs: np.ndarray, bits: int
+) -> np.ndarray:  # pragma: no cover - compiled
+    """The words (uint32, in stream order) of ``symbols`` (int32 indices into ``freqs``, the
+    model at precision ``bits``), coded last symbol first exactly as FORMAT.md §7.3 (and
+    ``constriction``'s ``AnsCoder.encode_reverse``) code them: the state ``x`` is pushed a
+    word when ``x >> 40 >= f`` and becomes ``(x // f) << 24 | (start + x % f)`` with the
+    frequency ``f`` and its start scaled to 24 bits; the final state follows (one word, or
+    two, low first; none when it is 0)."""
+    size = freqs.size
+    shift = np.uint64(24 - bits)
+    scaled = np.empty(size, dtype=np.uint64)
+    starts = np.empty(size, dtype=np.uint64)
+    acc = np.uint64(0)
+    for j in range(size):
+        scaled[j] = np.uint64(freqs[j]) << shift
+        starts[j] = acc
+        acc += scaled[j]
+    out = np.empty((24 * symbols.size + 64 + 31) // 32, dtype=np.uint32)
+    k = 0
+    x = np.uint64(0)
+    s40 = np.uint64(40)
+    for i in range(symbols.size - 1, -1, -1):
+        s = symbols[i]
+        f = scaled[s]
+        if (x >> s40) >= f:
+            out[k] = np.uint32(x & np.uint64(0xFFFFFFFF))
+            k += 1
+            x >>= _S32
+        x = ((x // f) << _S24) | (starts[s] + x % f)
+    if x >= _LOW:
+        out[k] = np.uint32(x & np.uint64(0xFFFFFFFF))
+        out[k + 1] = np.uint32(x >> _S32)
+        k += 2
+    elif x != np.uint64(0):
+        out[k] = np.uint32(x)
         k += 1
     return out[:k]

@@ -320,14 +320,20 @@ def _constriction_model(freqs: np.ndarray, bits: int) -> Any:  # constriction ha
 
 
 def encode_rans(values: np.ndarray, model: Model) -> bytes:
-    """The ``rans`` stream of ``values`` (unsigned, at least one) under ``model``."""
+    """The ``rans`` stream of ``values`` (unsigned, at least one) under ``model``: coded by
+    the compiled coder (:mod:`dcr_format.codec._native_rans`) where numba is usable, else by
+    ``constriction`` (the same words; tests compare both with :func:`_encode_reference`)."""
     import constriction
 
     width = values.dtype.itemsize
     symbols = _symbols(values, model.table, width)
-    coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(symbols, _constriction_model(model.freqs, model.bits))
-    words = np.ascontiguousarray(coder.get_compressed(), dtype="<u4")
+    native = _native()
+    if native is not None:
+        words = native.encode_symbols(symbols, model.freqs, model.bits).astype("<u4", copy=False)
+    else:
+        coder = constriction.stream.stack.AnsCoder()
+        coder.encode_reverse(symbols, _constriction_model(model.freqs, model.bits))
+        words = np.ascontiguousarray(coder.get_compressed(), dtype="<u4")
     escaped = values[symbols == model.table.size]
     return b"".join(
         (model.header(width), _varint(int(words.size)), words.tobytes(), to_planes(escaped))

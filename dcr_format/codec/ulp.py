@@ -16,6 +16,8 @@ Everything is elementwise over the changed elements only (O(changed)).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
 from dcr_format.errors import ValuesError
@@ -50,8 +52,47 @@ def _unorder(ordered: np.ndarray, width: int) -> np.ndarray:
     return out
 
 
+def _native() -> ModuleType | None:
+    from dcr_format.codec.positions import native_kernels
+
+    if native_kernels() is None:
+        return None
+    try:
+        from dcr_format.codec import _native_ulp
+    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+        return None
+    return _native_ulp
+
+
 def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """The zigzag ulp differences of ``new`` against ``old`` (unsigned arrays of one width)."""
+    """The zigzag ulp differences of ``new`` against ``old`` (unsigned arrays of one width):
+    one compiled loop where numba is usable, else :func:`_to_ulp_reference`."""
+    width = old.dtype.itemsize
+    kind = _consts(width)[0]
+    native = _native()
+    if native is None:
+        return _to_ulp_reference(old, new)
+    out = np.empty(old.shape, dtype=kind)
+    native.to_ulp(
+        np.ascontiguousarray(old).view(kind), np.ascontiguousarray(new).view(kind), out
+    )
+    return out
+
+
+def from_ulp(old: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The new bits from the old bits and their zigzag ulp differences (:func:`to_ulp`)."""
+    width = old.dtype.itemsize
+    kind = _consts(width)[0]
+    native = _native()
+    if native is None:
+        return _from_ulp_reference(old, z)
+    out = np.empty(old.shape, dtype=kind)
+    native.from_ulp(np.ascontiguousarray(old).view(kind), np.ascontiguousarray(z).view(kind), out)
+    return out
+
+
+def _to_ulp_reference(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """:func:`to_ulp` in numpy (the reference the tests compare the compiled loop with)."""
     width = old.dtype.itemsize
     kind, top, ones = _consts(width)
     with np.errstate(over="ignore"):
@@ -63,8 +104,8 @@ def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     return z
 
 
-def from_ulp(old: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """The new bits from the old bits and their zigzag ulp differences (:func:`to_ulp`)."""
+def _from_ulp_reference(old: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """:func:`from_ulp` in numpy (the reference)."""
     width = old.dtype.itemsize
     kind, _, ones = _consts(width)
     z = z.astype(kind, copy=False)
