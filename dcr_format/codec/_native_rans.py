@@ -268,7 +268,7 @@ def decode_stream(
     for i in range(count):
         q = x & _MASK24
         if small:
-            s = np.int64(lookup[np.int64(q >> shift)])
+            s = int(lookup[np.int64(q >> shift)])
         else:
             lo, hi = 0, size  # the last j with starts[j] <= q
             while lo < hi:

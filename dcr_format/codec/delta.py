@@ -44,7 +44,7 @@ from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_fo
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp
-from dcr_format.codec.values import RANS, decode_values, encode_values
+from dcr_format.codec.values import decode_values, encode_values, encode_xor_values
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
 from dcr_format.cuda.reference import Diff
@@ -179,12 +179,12 @@ def encode_diff(
             coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
         if len(coded) < len(pos_bytes):
             pos_coding, pos_bytes = CLASSED, coded
-    val_coding, val_bytes = encode_values(bits_to_numpy(host[1]))
+    xor_bits = bits_to_numpy(host[1])
     if op in (None, XOR) and ULP in features.allowed() and info_for(new.dtype).name in FLOAT_DTYPES:
-        differences = _ulp_values(new, positions, host, found.new_values)
-        cost = len(val_bytes) if val_coding == RANS else _estimate(val_bytes)
-        if differences is not None and len(differences) < cost:
-            val_coding, val_bytes = ULP, differences
+        differences = _ulp_differences(new, positions, xor_bits, found.new_values)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+    else:
+        val_coding, val_bytes = encode_values(xor_bits)
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -201,21 +201,18 @@ def encode_diff(
     return delta
 
 
-def _ulp_values(
+def _ulp_differences(
     new: torch.Tensor,
     positions: torch.Tensor,
-    host: tuple[torch.Tensor, torch.Tensor],
+    xor_bits: np.ndarray,
     new_values: torch.Tensor | None,
-) -> bytes | None:
-    """The ``ulp`` values stream of a change (``host``: positions and XOR bits on the host),
-    or None where rANS does not code the differences (too few, too spread)."""
+) -> np.ndarray:
+    """The zigzag ulp differences of a change (``xor_bits``: its XOR bits on the host)."""
     if new_values is not None:
         after = bits_to_numpy(dispatch.to_host(new_values))
     else:  # gather the new bits at the positions (O(changed), on the tensor's device)
         after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
-    before = after ^ bits_to_numpy(host[1])
-    coding, data = encode_values(to_ulp(before, after), codings=(RANS,))
-    return data if coding == RANS else None
+    return to_ulp(after ^ xor_bits, after)
 
 
 def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:

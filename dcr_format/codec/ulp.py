@@ -73,9 +73,7 @@ def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     if native is None:
         return _to_ulp_reference(old, new)
     out = np.empty(old.shape, dtype=kind)
-    native.to_ulp(
-        np.ascontiguousarray(old).view(kind), np.ascontiguousarray(new).view(kind), out
-    )
+    native.to_ulp(np.ascontiguousarray(old).view(kind), np.ascontiguousarray(new).view(kind), out)
     return out
 
 

@@ -24,6 +24,7 @@ import zstandard
 from dcr_format.codec import features, rans
 from dcr_format.codec.dtypes import UNSIGNED_NP
 from dcr_format.codec.planes import from_planes, to_planes
+from dcr_format.codec.ulp import ULP
 from dcr_format.errors import ArgumentError, ValuesError
 
 PLANES = "planes"
@@ -41,6 +42,35 @@ def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> 
     smaller than the raw planes and than the planes compressed at zstd level 1 (FORMAT.md
     §7.4).
     """
+    bits = _unsigned(bits)
+    return _encoded(bits, _rans_model(bits, _allowed(codings)))
+
+
+def encode_xor_values(xor: np.ndarray, differences: np.ndarray) -> tuple[str, bytes]:
+    """The values of an ``xor`` entry of a float tensor where the writer may use ``ulp``
+    (FORMAT.md §7.5): ``xor`` the XOR bits, ``differences`` the zigzag ulp differences of
+    the same elements (:func:`dcr_format.codec.ulp.to_ulp`). Returns (coding, stream), the
+    coding ``ulp`` or one :func:`encode_values` chooses for the XOR bits.
+
+    The models of both (§7.4 steps 1-2) are built and only the one of smaller estimate is
+    encoded: the estimates are exact to within a word, and coding both cost twice the rANS
+    time of a step. Where the XOR bits have no model (they would be ``planes``), the ulp
+    stream must also beat those planes compressed at zstd level 1.
+    """
+    xor, differences = _unsigned(xor), _unsigned(differences)
+    ulp_model = _rans_model(differences, frozenset((RANS,)))
+    xor_model = _rans_model(xor, _allowed(None))
+    if ulp_model is None or (xor_model is not None and xor_model[1] <= ulp_model[1]):
+        return _encoded(xor, xor_model)
+    coded = rans.encode_rans(differences, ulp_model[0])
+    if len(coded) < xor.size * xor.dtype.itemsize and (
+        xor_model is not None or len(coded) < _zstd_estimate(to_planes(xor))
+    ):
+        return ULP, coded
+    return _encoded(xor, xor_model)
+
+
+def _allowed(codings: Iterable[str] | None) -> frozenset[str]:
     if codings is None:
         allowed = frozenset((PLANES,)) | (features.allowed() & frozenset(VALUE_CODINGS))
     else:
@@ -48,19 +78,34 @@ def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> 
     unknown = allowed - set(VALUE_CODINGS)
     if unknown:
         raise ArgumentError(f"unknown value codings {sorted(unknown)}; use {VALUE_CODINGS}")
+    return allowed
+
+
+def _unsigned(bits: np.ndarray) -> np.ndarray:
     width = bits.dtype.itemsize
     if width not in UNSIGNED_NP:
         raise ArgumentError(f"value width {width} is not one of 1, 2, 4, 8")
-    bits = np.ascontiguousarray(bits).reshape(-1).view(UNSIGNED_NP[width])
+    return np.ascontiguousarray(bits).reshape(-1).view(UNSIGNED_NP[width])
+
+
+def _rans_model(bits: np.ndarray, allowed: frozenset[str]) -> tuple[rans.Model, float] | None:
+    """§7.4 steps 1-2: the model of ``bits`` and its estimate, where ``rans`` is allowed, the
+    sample (if any) says it may pay and the estimate is below the raw planes; else None."""
+    if RANS not in allowed or not rans.worth_trying(bits):
+        return None
+    model, estimate = rans.choose_model(bits)
+    return (model, estimate) if estimate < bits.size * bits.dtype.itemsize else None
+
+
+def _encoded(bits: np.ndarray, model: tuple[rans.Model, float] | None) -> tuple[str, bytes]:
+    """§7.4 step 3: the rANS stream under ``model`` where it is kept, else ``planes``."""
     planes = to_planes(bits)
-    if RANS in allowed and rans.worth_trying(bits):
-        model, estimate = rans.choose_model(bits)
-        if estimate < len(planes):
-            coded = rans.encode_rans(bits, model)
-            if 2 * len(coded) <= len(planes) or (
-                len(coded) < len(planes) and len(coded) < _zstd_estimate(planes)
-            ):
-                return RANS, coded
+    if model is not None:
+        coded = rans.encode_rans(bits, model[0])
+        if 2 * len(coded) <= len(planes) or (
+            len(coded) < len(planes) and len(coded) < _zstd_estimate(planes)
+        ):
+            return RANS, coded
     return PLANES, planes
 
 
