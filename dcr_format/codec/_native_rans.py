@@ -360,3 +360,25 @@ def encode_symbols(
         out[k] = np.uint32(x)
         k += 1
     return out[:k]
+
+
+@njit(cache=True, nogil=True)
+def histogram(
+    values: np.ndarray, bins: int
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The distinct values (increasing) of ``values`` (each below ``bins``) and their counts."""
+    counts = np.zeros(bins, dtype=np.int64)
+    for k in range(values.size):
+        counts[values[k]] += 1
+    used = 0
+    for b in range(bins):
+        used += counts[b] != 0
+    distinct = np.empty(used, dtype=np.uint64)
+    found = np.empty(used, dtype=np.int64)
+    j = 0
+    for b in range(bins):
+        if counts[b]:
+            distinct[j] = b
+            found[j] = counts[b]
+            j += 1
+    return distinct, found

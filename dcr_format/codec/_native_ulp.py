@@ -48,3 +48,38 @@ def from_ulp(old: np.ndarray, z: np.ndarray, out: np.ndarray) -> None:  # pragma
         d = (zk >> _ONE) ^ (ones if zk & _ONE else _ZERO)
         y = (_order(np.uint64(old[k]), top, ones) + d) & ones
         out[k] = y ^ (top if y & top else ones)
+
+
+@njit(cache=True, nogil=True)
+def ulp_of_change(
+    new: np.ndarray, positions: np.ndarray, xor: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The writer's side in one loop: ``out[k]`` = :func:`to_ulp` of the old bits
+    ``new[p] ^ xor[k]`` and the new bits ``new[p]`` at ``p = positions[k]`` (no gathered
+    copy of either)."""
+    width = np.uint64(8 * new.itemsize)
+    top = _ONE << (width - _ONE)
+    ones = (top - _ONE) | top
+    for k in range(positions.size):
+        after = np.uint64(new[positions[k]])
+        before = after ^ np.uint64(xor[k])
+        d = (_order(after, top, ones) - _order(before, top, ones)) & ones
+        flip = ones if d & top else _ZERO
+        out[k] = ((d << _ONE) ^ flip) & ones
+
+
+@njit(cache=True, nogil=True)
+def xor_of_ulp(
+    old: np.ndarray, positions: np.ndarray, z: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """The reader's side in one loop: ``out[k]`` = the XOR bits that take ``old[p]`` to
+    :func:`from_ulp` of it and ``z[k]``, at ``p = positions[k]`` (each below ``old.size``)."""
+    width = np.uint64(8 * old.itemsize)
+    top = _ONE << (width - _ONE)
+    ones = (top - _ONE) | top
+    for k in range(positions.size):
+        before = np.uint64(old[positions[k]])
+        zk = np.uint64(z[k])
+        d = (zk >> _ONE) ^ (ones if zk & _ONE else _ZERO)
+        y = (_order(before, top, ones) + d) & ones
+        out[k] = before ^ y ^ (top if y & top else ones)

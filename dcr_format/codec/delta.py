@@ -43,7 +43,7 @@ from dcr_format.codec.classed import (
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.rans import decode_rans
-from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp
+from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change, xor_of_ulp
 from dcr_format.codec.values import decode_values, encode_values, encode_xor_values
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
@@ -210,6 +210,9 @@ def _ulp_differences(
     """The zigzag ulp differences of a change (``xor_bits``: its XOR bits on the host)."""
     if new_values is not None:
         after = bits_to_numpy(dispatch.to_host(new_values))
+    elif new.device.type == "cpu":  # the new bits read at the positions in the same loop
+        flat = bits_to_numpy(bits_view(new).reshape(-1))
+        return ulp_of_change(flat, dispatch.to_host(positions).numpy(), xor_bits)
     else:  # gather the new bits at the positions (O(changed), on the tensor's device)
         after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
     return to_ulp(after ^ xor_bits, after)
@@ -332,9 +335,13 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     if delta.ulp:
         if positions.numel() and int(positions[-1]) >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
-        before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
-        after = from_ulp(before, bits_to_numpy(dispatch.to_host(values)))
-        values = dispatch.to_device(numpy_to_bits(before ^ after, info), values.device)
+        z = bits_to_numpy(dispatch.to_host(values))
+        if flat.device.type == "cpu":  # the old bits read at the positions in the same loop
+            xor = xor_of_ulp(bits_to_numpy(flat), positions.cpu().numpy(), z)
+        else:
+            before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+            xor = before ^ from_ulp(before, z)
+        values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
 
 

@@ -89,6 +89,34 @@ def from_ulp(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     return out
 
 
+def ulp_of_change(new: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np.ndarray:
+    """The zigzag ulp differences of a change the writer found: ``new`` the tensor's new bits
+    (flat, unsigned), ``positions`` the changed positions, ``xor`` their XOR bits (the old
+    bits are ``new ^ xor`` there)."""
+    kind = _consts(new.dtype.itemsize)[0]
+    native = _native()
+    if native is None:
+        after = new[positions]
+        return to_ulp(after ^ xor, after)
+    out = np.empty(positions.shape, dtype=kind)
+    native.ulp_of_change(new.view(kind), positions, np.ascontiguousarray(xor).view(kind), out)
+    return out
+
+
+def xor_of_ulp(old: np.ndarray, positions: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The XOR bits of a ``ulp`` change: ``old`` the bits it applies to (flat, unsigned),
+    ``positions`` its positions (each below ``old.size``), ``z`` its zigzag differences."""
+    kind = _consts(old.dtype.itemsize)[0]
+    native = _native()
+    if native is None:
+        before = old[positions]
+        out: np.ndarray = before ^ from_ulp(before, z)
+        return out
+    out = np.empty(positions.shape, dtype=kind)
+    native.xor_of_ulp(old.view(kind), positions, np.ascontiguousarray(z).view(kind), out)
+    return out
+
+
 def _to_ulp_reference(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """:func:`to_ulp` in numpy (the reference the tests compare the compiled loop with)."""
     width = old.dtype.itemsize
@@ -113,4 +141,4 @@ def _from_ulp_reference(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     return _unorder(ordered, width)
 
 
-__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp"]
+__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp", "ulp_of_change", "xor_of_ulp"]
