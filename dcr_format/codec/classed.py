@@ -102,11 +102,11 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     chg_cum = np.concatenate(([0], np.cumsum(changed)))
     end = everything.size
     bases = np.arange(low, top - count + 2)
-    cost = np.zeros(bases.size)
-    for c in range(count):
-        lo = bases + c if c else np.zeros_like(bases)
-        hi = bases + c + 1 if c < count - 1 else np.full_like(bases, end)
-        cost += _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo])
+    lo = bases[None, :] + np.arange(count)[:, None]  # classes x bases, all at once
+    hi = lo + 1
+    lo[0] = 0  # class 0 takes every exponent below the base, the last every one above
+    hi[-1] = end
+    cost = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]).sum(axis=0)
     return int(bases[int(np.argmin(cost))]), count
 
 
@@ -131,12 +131,19 @@ def old_bits_of(bits: np.ndarray, positions: np.ndarray, xor: np.ndarray | None)
 
 
 def encode_classed(
-    positions: np.ndarray, bits: np.ndarray, dtype: str, *, xor: np.ndarray | None = None
+    positions: np.ndarray,
+    bits: np.ndarray,
+    dtype: str,
+    *,
+    xor: np.ndarray | None = None,
+    after: np.ndarray | None = None,
 ) -> bytes:
     """The ``classed`` stream of sorted unique ``positions`` (at least one) against the old
     bits of the tensor (its unsigned bits, flat). With ``xor`` (the XOR bits at
     ``positions``), ``bits`` are the **new** bits and the old ones are ``bits ^ xor`` at the
-    positions (a writer whose diff already advanced its baseline holds only those)."""
+    positions (a writer whose diff already advanced its baseline holds only those).
+    ``after``, optional: ``bits`` at ``positions`` (the compiled passes then read them in
+    order instead of at the positions)."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
@@ -151,7 +158,7 @@ def encode_classed(
             if xor is None
             else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
         )
-        rows, changed = native.histograms(bits, positions, flips, shift, mask)
+        rows, changed = native.histograms(bits, positions, flips, shift, mask, after)
         base, count = choose_classes(rows.sum(axis=0), changed)
         starts = native.class_starts(rows, base, count)
         changed_classes, all_ranks = native.class_ranks(

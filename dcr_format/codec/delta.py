@@ -173,6 +173,7 @@ def encode_diff(
                 bits_to_numpy(bits_view(new).reshape(-1)),
                 info_for(new.dtype).name,
                 xor=bits_to_numpy(host[1]),
+                after=None if new_values is None else bits_to_numpy(new_values.cpu()),
             )
         else:
             assert baseline is not None

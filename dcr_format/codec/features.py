@@ -36,9 +36,11 @@ CODING_FEATURES: dict[str, str] = {
 """The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
 WRITER_FEATURES: frozenset[str] = frozenset({*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE})
+"""Every feature a writer may be allowed."""
 BASELINE_FEATURES: frozenset[str] = frozenset({POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE})
 """Features whose codings a reader decodes against the old bits it holds (FORMAT.md §3.6)."""
-"""Every feature a writer may be allowed."""
+BASELINE_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in BASELINE_FEATURES)
+"""Their codings (``classed``, ``ulp``): a writer codes them from the new bits of a change."""
 T = TypeVar("T")
 
 _ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
@@ -97,6 +99,7 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
 
 
 __all__ = [
+    "BASELINE_CODINGS",
     "BASELINE_FEATURES",
     "CODING_FEATURES",
     "FEATURE_CODINGS",

@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.codec.dtypes import bits_view, info_for
+from dcr_format.codec.features import BASELINE_CODINGS, allowed
+from dcr_format.codec.ulp import FLOAT_DTYPES
 from dcr_format.cuda.dispatch import PendingDiff, diff_with_lanes
 from dcr_format.cuda.reference import OVERWRITE, Diff
 
@@ -114,10 +116,19 @@ class DeviceDiffPipeline:
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
             advance = self.advanced is not None and old_bits.is_contiguous()
-            state.diff, state.lane_deltas = diff_with_lanes(  # advanced: the XOR bits suffice
+            # advanced, the XOR bits suffice, unless a coding against the old bits may be
+            # used (``ulp``, ``classed``): it needs the new bits at the positions too, best
+            # taken here while each line is at hand (a later gather at 1% change misses the
+            # cache on every element)
+            against_old = (
+                want_xor
+                and not allowed().isdisjoint(BASELINE_CODINGS)
+                and info_for(new.dtype).name in FLOAT_DTYPES
+            )
+            state.diff, state.lane_deltas = diff_with_lanes(
                 old_bits,
                 new_bits,
-                want_new=not (advance and want_xor),
+                want_new=not (advance and want_xor) or against_old,
                 want_xor=want_xor or advance,
                 advance=advance,
             )
