@@ -139,6 +139,8 @@ def test_new_bits_and_xor_code_the_same_stream_as_the_old_bits(kernels: str) -> 
     new[positions] ^= xor
     from_old = classed.encode_classed(positions, old, "bfloat16")
     assert classed.encode_classed(positions, new, "bfloat16", xor=xor) == from_old
+    after = new[positions]  # the new bits at the positions, as a writer's diff can give them
+    assert classed.encode_classed(positions, new, "bfloat16", xor=xor, after=after) == from_old
     assert np.array_equal(classed.old_bits_of(new, positions, xor), old)
 
 
@@ -171,6 +173,8 @@ def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatc
     new = old.copy()
     new[positions] ^= xor
     native = classed.encode_classed(positions, new, "bfloat16", xor=xor)
+    after = new[positions]
+    assert classed.encode_classed(positions, new, "bfloat16", xor=xor, after=after) == native
     back = classed.decode_classed(native, old, "bfloat16", count=positions.size, numel=n)
     monkeypatch.setenv("DCR_KERNELS", "torch")
     reference = classed.encode_classed(positions, old, "bfloat16")

@@ -14,7 +14,7 @@ from test_positions_classed import SHAPES, Trainer, entries, equal, shard_bytes
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, schema
 from dcr_format.chain import Chain, check_manifest
-from dcr_format.codec import ulp
+from dcr_format.codec import features, ulp, values
 from dcr_format.errors import (
     BaselineMismatchError,
     FingerprintMismatchError,
@@ -72,6 +72,33 @@ def test_differences_are_a_bijection_of_every_pattern(width: int) -> None:
     assert ulp.to_ulp(zeros[:1], zeros[1:]).tolist() == [2]
     with pytest.raises(ValuesError):
         ulp.to_ulp(np.zeros(2, np.uint8), np.zeros(2, np.uint8))
+
+
+def test_the_writer_codes_only_the_coding_of_smaller_estimate() -> None:
+    rng = np.random.default_rng(21)
+    old = (rng.normal(size=20_000).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    # one-ulp steps: the XOR bits carry through the mantissa (1, 3, 7, ...), the ulp
+    # differences are 1 and 2 only
+    steps = rng.choice(np.array([1, -1], dtype=np.int64), old.size)
+    stepped = ulp._unorder(
+        ((ulp._order(old, 2).astype(np.int64) + steps) % 65536).astype(np.uint16), 2
+    )
+    # the last bit flipped everywhere: one XOR value, ulp differences of both signs
+    flipped = old ^ np.uint16(1)
+    with features.allowed_codings(("values-rans", "values-ulp")):
+        for new, expected in ((stepped, "ulp"), (flipped, "rans")):
+            xor, z = old ^ new, ulp.to_ulp(old, new)
+            coding, stream = values.encode_xor_values(xor, z)
+            assert coding == expected
+            other = values.encode_values(z if expected == "rans" else xor, codings=("rans",))
+            assert other[0] == "rans" and len(stream) <= len(other[1])  # the shorter one
+            decoded = values.decode_values("rans", stream, count=old.size, width=2)
+            assert np.array_equal(decoded, z if expected == "ulp" else xor)
+    # without values-rans the XOR bits are planes: ulp must beat them compressed
+    with features.allowed_codings(("values-ulp",)):
+        assert values.encode_xor_values(old ^ stepped, ulp.to_ulp(old, stepped))[0] == "ulp"
+        planes = values.encode_xor_values(old ^ flipped, ulp.to_ulp(old, flipped))
+        assert planes[0] == "planes"
 
 
 def test_ulp_chain_is_smaller_and_reads_back_exactly(tmp_path: Path) -> None:
