@@ -30,7 +30,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.codec._native import _TRAILING_ZEROS, TASK, _launch, tasks_of
+from dcr_format.codec._native import (
+    _LZ8,
+    _TRAILING_ZEROS,
+    TASK,
+    _launch,
+    _rice_decode,
+    _rice_encode,
+    tasks_of,
+)
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
@@ -384,3 +392,107 @@ def by_class(
         out[cursor[c]] = ranks[j]
         cursor[c] += 1
     return out
+
+
+# --- every class's Rice part in one call -------------------------------------------------
+# (a tensor has up to 16 classes; one compiled call per class, with its checks and arrays,
+# cost ~40 us each: 0.15 s of a 254-tensor publish)
+
+
+@njit(cache=True, nogil=True)
+def rice_plans(
+    ranks: np.ndarray, ends: np.ndarray, guesses: np.ndarray, max_k: int
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Each class's Rice parameter and unary byte length (FORMAT.md §6.2's choice, as
+    :class:`dcr_format.codec.positions._Plan` makes it): class ``c``'s ranks are
+    ``ranks[ends[c]:ends[c + 1]]``, its k searched in ``[guess - 2, guess + 3]``."""
+    count = ends.size - 1
+    ks = np.zeros(count, dtype=np.int64)
+    unary = np.zeros(count, dtype=np.int64)
+    sums = np.zeros(6, dtype=np.int64)
+    for c in range(count):
+        n = ends[c + 1] - ends[c]
+        if n == 0:
+            continue
+        low = max(0, guesses[c] - 2)
+        high = min(max_k, guesses[c] + 3)
+        sums[:] = 0
+        prev = -1
+        for i in range(ends[c], ends[c + 1]):
+            gap = ranks[i] - prev - 1
+            prev = ranks[i]
+            for j in range(high - low + 1):
+                sums[j] += gap >> (low + j)
+        best, best_bits = low, sums[0] + n * (1 + low)
+        for k in range(low + 1, high + 1):
+            bits = sums[k - low] + n * (1 + k)
+            if bits < best_bits:
+                best, best_bits = k, bits
+        ks[c] = best
+        unary[c] = (sums[best - low] + n + 7) // 8
+    return ks, unary
+
+
+@njit(cache=True, nogil=True)
+def rice_parts(
+    ranks: np.ndarray, ends: np.ndarray, ks: np.ndarray, unary: np.ndarray, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Every class's part of a ``classed`` stream after its counts (FORMAT.md §6.5: ``k``,
+    the varint ``U``, the Rice body) into ``out`` (zeros, exactly as long)."""
+    at = 0
+    for c in range(ends.size - 1):
+        n = ends[c + 1] - ends[c]
+        if n == 0:
+            continue
+        out[at] = np.uint8(ks[c])
+        at += 1
+        v = unary[c]
+        while v >= 0x80:
+            out[at] = np.uint8((v & 0x7F) | 0x80)
+            v >>= 7
+            at += 1
+        out[at] = np.uint8(v)
+        at += 1
+        size = unary[c] + (n * ks[c] + 7) // 8
+        _rice_encode(ranks[ends[c] : ends[c + 1]], ks[c], unary[c], out[at : at + size])
+        at += size
+
+
+@njit(cache=True, nogil=True)
+def _rice_ranks(
+    data: np.ndarray,
+    ks: np.ndarray,
+    unary: np.ndarray,
+    offsets: np.ndarray,
+    counts: np.ndarray,
+    sizes: np.ndarray,
+    lz8: np.ndarray,
+    out: np.ndarray,
+) -> int:  # pragma: no cover - compiled
+    """Decode the Rice part of every class with positions (part ``j``: ``counts[j]`` ranks
+    below ``sizes[j]``, body at ``offsets[j]``) into ``out``, one after the other; -1, or
+    the first part that breaks a rule of §6.2 (the caller decodes it again for the error)."""
+    at = 0
+    none = np.empty(0, dtype=np.uint64)
+    for j in range(ks.size):
+        n, k, u = counts[j], ks[j], unary[j]
+        if u * 8 < n:
+            return j
+        body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
+        if _rice_decode(body, u, n, k, sizes[j], lz8, out[at : at + n], none, True):
+            return j
+        at += n
+    return -1
+
+
+def rice_ranks(
+    data: np.ndarray,
+    ks: np.ndarray,
+    unary: np.ndarray,
+    offsets: np.ndarray,
+    counts: np.ndarray,
+    sizes: np.ndarray,
+    out: np.ndarray,
+) -> int:
+    """:func:`_rice_ranks` (its bit-length table supplied)."""
+    return int(_rice_ranks(data, ks, unary, offsets, counts, sizes, _LZ8, out))

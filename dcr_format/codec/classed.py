@@ -193,6 +193,22 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
         by_class = ranks[np.argsort(classes, kind="stable")]
     ends = np.cumsum(counts)
     out = [_HEADER.pack(count, base), *(_varint(int(c)) for c in counts)]
+    if native is not None:  # every class's part in one compiled call
+        bounds = np.concatenate(([0], ends))
+        guesses = np.array(
+            [
+                _positions._rice_k_guess(float(int(by_class[e - 1]) - (n - 1)) / n) if n else 0
+                for n, e in zip(counts.tolist(), ends.tolist(), strict=True)
+            ],
+            dtype=np.int64,
+        )
+        ks, unary = native.rice_plans(by_class, bounds, guesses, _positions.MAX_RICE_K)
+        used = counts > 0
+        heads = 1 + np.array([len(_varint(int(u))) for u in unary], dtype=np.int64)
+        size = int((used * (heads + unary + (counts * ks + 7) // 8)).sum())
+        parts = np.zeros(size, dtype=np.uint8)
+        native.rice_parts(by_class, bounds, ks, unary, parts)
+        return b"".join(out) + parts.tobytes()
     for c in range(count):
         if not counts[c]:
             continue
@@ -304,6 +320,24 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> list[np.ndarray]
     """The ranks each class with changes codes (class order), decoded from its Rice part
     with the class's size (``sizes``, from the old bits) as the range; a class coded with
     more positions than it holds is a :class:`PositionsError`."""
+    native = _native()
+    if native is not None and stream.parts:  # every class at once; the loop below on errors
+        classes = np.array([part[0] for part in stream.parts], dtype=np.int64)
+        want = np.array([stream.counts[c] for c in classes.tolist()], dtype=np.int64)
+        limits = np.asarray(sizes, dtype=np.int64)[classes]
+        if bool(np.all(want <= limits)):
+            out = np.empty(int(want.sum()), dtype=np.int64)
+            bad = native.rice_ranks(
+                np.frombuffer(stream.data, dtype=np.uint8),
+                np.array([part[1] for part in stream.parts], dtype=np.int64),
+                np.array([part[2] for part in stream.parts], dtype=np.int64),
+                np.array([part[3] for part in stream.parts], dtype=np.int64),
+                want,
+                limits,
+                out,
+            )
+            if bad < 0:
+                return np.split(out, np.cumsum(want)[:-1])
     found = []
     for c, k, unary_len, offset in stream.parts:
         wanted = stream.counts[c]
