@@ -16,9 +16,10 @@ Both ends make two passes over the tensor's old bits, in tasks of
    its elements 64 at a time, computes their classes and counts them per class with a
    branch-free sum of one byte per class (no counter in memory, vectorised). A changed
    element's rank is the count of its class before the group plus the elements of its
-   class below it (a 64-bit mask of the class, made only for groups that hold a change); a
-   wanted rank lies in the group when the count before plus the group's passes it, and its
-   element is the matching set bit of the class's mask.
+   class below it (a 64-bit mask of the class, made only for groups that hold a change).
+   The reader adds each group's counts to 16-bit lanes and compares them, all classes at
+   once, with each class's distance to its next wanted rank: a class whose lane reaches it
+   holds a wanted element in the group, the matching set bit of the class's mask.
 
 Classes are ``clamp(((bits >> shift) & mask) - base, 0, count - 1)``; a writer whose diff
 advanced its baseline passes the new bits and the XOR bits at the positions (the old bits
@@ -298,41 +299,97 @@ def class_ranks(
 # --- pass 2, reader: the positions of the wanted ranks -----------------------------------
 
 
+_B16 = np.uint64(0x00FF00FF00FF00FF)  # the even bytes of a word, as 16-bit lanes
+_H16 = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
+_L16 = np.uint64(0xFFFF)
+_NEED_CAP = 32767  # lanes hold distances below 2**15 (so the lane compare cannot borrow)
+_FLUSH = 500  # groups between folds of the lanes into exact counts (500 * 64 < _NEED_CAP)
+
+
 @njit(cache=True, inline="always")
-def _select(m, k):  # type: ignore[no-untyped-def]
-    """The index of the ``k``-th (from 0) set bit of ``m``."""
-    for _ in range(k):
-        m &= m - _ONE
-    return np.int64(_TRAILING_ZEROS(m))
+def _lane_of(c):  # type: ignore[no-untyped-def]
+    """The word and bit shift of class ``c``'s 16-bit lane (words: classes 0 2 4 6, 1 3 5 7,
+    8 10 12 14, 9 11 13 15, as the even and odd bytes of the two count words spread)."""
+    return ((c >> 3) << 1) | (c & 1), np.uint64(16 * ((c & 7) >> 1))
+
+
+@njit(cache=True, inline="always")
+def _set_need(need, c, ranks, ptr, ends, seen):  # type: ignore[no-untyped-def]
+    """Lane ``c`` of ``need``: how many more elements of class ``c`` (counted from ``seen``)
+    reach its next wanted rank, plus one (capped; the cap when none is left)."""
+    value = _NEED_CAP
+    if ptr[c] < ends[c]:
+        value = min(ranks[ptr[c]] - seen[c] + 1, _NEED_CAP)
+    w, sh = _lane_of(c)
+    need[w] = (need[w] & ~(_L16 << sh)) | (np.uint64(value) << sh)
 
 
 @njit(cache=True, inline="always")
 def _positions_task(t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+    """Task ``t`` of the select pass. Per group, the classes' counts are added to 16-bit
+    lanes (four words, :func:`_lane_of`) and compared at once with each class's distance
+    to its next wanted rank (``need``): only a class whose lane reaches it holds a wanted
+    element in this group, and only those are looked at (16 classes one by one cost more
+    than the rest of the pass). Every :data:`_FLUSH` groups the lanes fold into the exact
+    counts ``seen``."""
     o = offsets[t]
     if o == offsets[t + 1]:
         return
     lo = t * TASK
     hi = min(lo + TASK, bits.shape[0])
-    seen = before[t].copy()
-    ptr = cursor[t].copy()
+    seen = np.zeros(16, dtype=np.int64)  # 16 long: classes past ``count`` want nothing
+    ptr = np.zeros(16, dtype=np.int64)
+    last = np.zeros(16, dtype=np.int64)
+    for c in range(count):
+        seen[c], ptr[c], last[c] = before[t, c], cursor[t, c], ends[c]
+    acc = np.zeros(4, dtype=np.uint64)
+    cnt = np.zeros(4, dtype=np.uint64)
+    need = np.zeros(4, dtype=np.uint64)
+    for c in range(16):
+        _set_need(need, c, ranks, ptr, last, seen)
     cls = np.empty(_GROUP, dtype=np.uint8)
     g0 = lo
+    groups = 0
     while g0 < hi and o < offsets[t + 1]:
         low, high = _classes_at(bits, g0, hi, shift, mask, base, count, cls)
+        cnt[0] = low & _B16
+        cnt[1] = (low >> np.uint64(8)) & _B16
+        cnt[2] = high & _B16
+        cnt[3] = (high >> np.uint64(8)) & _B16
         hits = _ZERO
-        for c in range(count):
-            n = _count_of(low, high, c)
-            if ptr[c] < ends[c] and ranks[ptr[c]] < seen[c] + n:
-                m = _class_mask(cls, c)
-                while ptr[c] < ends[c] and ranks[ptr[c]] < seen[c] + n:
-                    hits |= _ONE << np.uint64(_select(m, ranks[ptr[c]] - seen[c]))
-                    ptr[c] += 1
-            seen[c] += n
+        for w in range(4):
+            acc[w] += cnt[w]
+            flags = ((acc[w] | _H16) - need[w]) & _H16  # lanes whose count reached the need
+            while flags != _ZERO:
+                sh = np.uint64(_TRAILING_ZEROS(flags)) - np.uint64(15)
+                flags &= flags - _ONE
+                lane = np.int64(sh >> np.uint64(4))
+                h = ((w >> 1) << 3) + 2 * lane + (w & 1)  # the class of the lane
+                n = np.int64((cnt[w] >> sh) & _L16)
+                start = seen[h] + np.int64((acc[w] >> sh) & _L16) - n  # class h before g0
+                m = _class_mask(cls, h)
+                passed = 0  # members of the class cleared from the low end of m
+                while ptr[h] < last[h] and ranks[ptr[h]] < start + n:
+                    for _ in range(ranks[ptr[h]] - start - passed):  # ranks increase: walk on
+                        m &= m - _ONE
+                    passed = ranks[ptr[h]] - start
+                    hits |= m & (~m + _ONE)  # the lowest member left
+                    ptr[h] += 1
+                _set_need(need, h, ranks, ptr, last, seen)
         while hits != _ZERO:
             out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
             hits &= hits - _ONE
             o += 1
         g0 += _GROUP
+        groups += 1
+        if groups == _FLUSH:
+            for c in range(count):
+                w, sh = _lane_of(c)
+                seen[c] += np.int64((acc[w] >> sh) & _L16)
+            acc[:] = 0
+            for c in range(16):
+                _set_need(need, c, ranks, ptr, last, seen)
+            groups = 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
