@@ -34,6 +34,45 @@ def test_the_dense_round_trip_comes_last_in_a_step_and_settles(tmp_path, monkeyp
     assert events == ["publish"] + ["publish", "dense", "settle local"] * 3
 
 
+def test_writer_configurations_run_side_by_side(tmp_path, monkeypatch):
+    """compared_series: every step times each configuration in turn (its own copy_ first),
+    fed the same weights, and makes the dense round trip once, last."""
+    events: list[str] = []
+    real_dense, real_publish = steady.dense_refit, DeltaWriter.publish
+    real_copy = steady._copy_seconds
+
+    def dense(*args: Any, **kwargs: Any) -> dict[str, float]:
+        events.append("dense")
+        return real_dense(*args, **kwargs)
+
+    def publish(self: DeltaWriter, *args: Any, **kwargs: Any) -> Any:
+        events.append("publish " + (",".join(sorted(self.features)) or "none"))
+        return real_publish(self, *args, **kwargs)
+
+    def copy(*args: Any) -> float:
+        events.append("copy")
+        return real_copy(*args)
+
+    monkeypatch.setattr(steady, "dense_refit", dense)
+    monkeypatch.setattr(steady, "_copy_seconds", copy)
+    monkeypatch.setattr(DeltaWriter, "publish", publish)
+    configs = [
+        (Store(str(tmp_path / "a")), ()),
+        (Store(str(tmp_path / "b")), ("values-rans", "values-ulp")),
+    ]
+    rows = steady.compared_series(configs, {"w": (128, 64)}, (0.01, 0.05), steps=1, label="t")
+    assert len(rows) == 2 * 3 and all(r["bit_exact"] for r in rows)
+    assert [r["features"] for r in rows] == ["none", "values-rans,values-ulp"] * 3
+    step = ["copy", "publish none", "copy", "publish values-rans,values-ulp", "dense"]
+    assert events == ["publish none", "publish values-rans,values-ulp"] + step * 3
+    summary = steady.summarise(rows)
+    assert {(r["features"], r["target_rate"]) for r in summary} == {
+        (f, rate) for f in ("none", "values-rans,values-ulp") for rate in (0.01, 0.05)
+    }
+    table = steady.format_table(summary)
+    assert "features" in table.splitlines()[0] and "values-rans,values-ulp" in table
+
+
 @pytest.mark.parametrize(("kind", "waits"), [("local", []), ("memory", []), ("s3", [3.0])])
 def test_settle_waits_only_for_servers(kind, waits, monkeypatch):
     calls: list[object] = []

@@ -17,6 +17,11 @@ order (interleaved, so every figure of a row shares the machine's state):
   after a 3 s pause; ``os.sync`` made it worse, on the local store too, so it is not
   called).
 
+``--features`` given more than once runs a writer (and its two readers, each on its own
+store) per feature set: on the local store side by side, each timed in turn within the
+same step after its own ``copy_``, so that the sets compare at one moment of a noisy
+machine; the dense round trip runs once a step, after all of them.
+
 Stores: a local directory, the JuiceFS S3 gateway on 127.0.0.1, and that gateway
 behind a shaped link: the benchmark creates a network namespace (``ip netns``), puts a
 ``tbf`` qdisc on that namespace's own loopback, runs itself (servers and clients)
@@ -85,20 +90,84 @@ def steady_series(
 ) -> list[dict[str, Any]]:
     """One row per step: every stage's seconds, bytes moved, and whether all ends are exact
     (``features``: the writer's, FORMAT.md §12)."""
-    from dcr_format.readers.reader import DeltaReader
-    from dcr_format.readers.targets import StateDictTarget
-    from dcr_format.writers.writer import DeltaWriter
+    return compared_series(
+        [(store, features)],
+        shapes,
+        rates,
+        steps=steps,
+        label=label,
+        seed=seed,
+        progress=progress,
+    )
 
+
+class _Ends:
+    """One configuration's long-lived writer and two readers (prepare/apply, sync)."""
+
+    def __init__(self, store: Store, features: Sequence[str]) -> None:
+        from dcr_format.readers.reader import DeltaReader
+        from dcr_format.readers.targets import StateDictTarget
+        from dcr_format.writers.writer import DeltaWriter
+
+        self.store, self.features = store, ",".join(features) or "none"
+        self.writer = DeltaWriter(store, features=features)
+        self.staged: dict[str, torch.Tensor] = {}
+        self.synced: dict[str, torch.Tensor] = {}
+        self.preparer = DeltaReader(store, StateDictTarget(self.staged))
+        self.syncer = DeltaReader(store, StateDictTarget(self.synced))
+
+    def start(self, weights: dict[str, torch.Tensor]) -> None:
+        self.writer.publish(weights, step=0)
+        self.preparer.sync()
+        self.syncer.sync()
+
+    def step(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
+        """Publish ``weights``, prepare and apply on one reader, sync the other: timed."""
+        started = time.perf_counter()
+        info = self.writer.publish(weights, step=step)
+        published = time.perf_counter()
+        prepared = self.preparer.prepare()
+        ready = time.perf_counter()
+        applied = self.preparer.apply(prepared)
+        done = time.perf_counter()
+        result = self.syncer.sync()
+        finished = time.perf_counter()
+        return {
+            "features": self.features,
+            "change_rate": info.change_rate,
+            "dense_bytes": info.dense_bytes,
+            "delta_bytes": info.payload_bytes,
+            "publish_s": published - started,
+            **{f"publish_{k}": v for k, v in self.writer.timings.items()},
+            "prepare_s": ready - published,
+            "apply_s": done - ready,
+            "pause_s": applied.apply_seconds,
+            "sync_s": finished - done,
+            "sync_audited": result.audited,
+            "changed": info.changed_elements,
+            "dcr_bytes_moved": info.payload_bytes + result.payload_bytes,
+        }
+
+
+def compared_series(
+    configs: Sequence[tuple[Store, Sequence[str]]],
+    shapes: dict[str, tuple[int, ...]],
+    rates: Sequence[float] = RATES,
+    *,
+    steps: int = STEPS,
+    label: str,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[dict[str, Any]]:
+    """:func:`steady_series` for several writer configurations (a store and the writer's
+    features each) fed the same weights: every step times each in turn, each after its own
+    ``copy_``, so that their rows compare at the same moment of a shared machine; the dense
+    round trip, the same for all, runs once at the end of the step."""
     trainer = SyntheticTrainer(shapes, seed=seed)
-    writer = DeltaWriter(store, features=features)
-    staged: dict[str, torch.Tensor] = {}
-    synced: dict[str, torch.Tensor] = {}
-    preparer = DeltaReader(store, StateDictTarget(staged))
-    syncer = DeltaReader(store, StateDictTarget(synced))
+    ends = [_Ends(store, features) for store, features in configs]
     weights = trainer.export()
-    writer.publish(weights, step=0)
-    preparer.sync()
-    syncer.sync()
+    for end in ends:
+        end.start(weights)
     replica = {n: t.clone() for n, t in weights.items()}
     buffers = {n: torch.empty_like(t) for n, t in weights.items()}
     rows: list[dict[str, Any]] = []
@@ -110,44 +179,28 @@ def steady_series(
             trainer.step(lr)
             weights = trainer.export()
             progress(f"steady {label}: {rate:.1%} step {index + 1}")
-            copy_s = _copy_seconds(weights, buffers)
-            started = time.perf_counter()
-            info = writer.publish(weights, step=step)
-            published = time.perf_counter()
-            prepared = preparer.prepare()
-            ready = time.perf_counter()
-            applied = preparer.apply(prepared)
-            done = time.perf_counter()
-            result = syncer.sync()
-            finished = time.perf_counter()
-            dense = dense_refit(store, weights, replica)
-            _settle(store)
-            row: dict[str, Any] = {
-                "store": label,
-                "target_rate": rate,
-                "warmup": rate == rates[0] and index == 0,
-                "change_rate": info.change_rate,
-                "dense_bytes": info.dense_bytes,
-                "delta_bytes": info.payload_bytes,
-                "copy_s": copy_s,
-                "publish_s": published - started,
-                **{f"publish_{k}": v for k, v in writer.timings.items()},
-                "prepare_s": ready - published,
-                "apply_s": done - ready,
-                "pause_s": applied.apply_seconds,
-                "sync_s": finished - done,
-                "sync_audited": result.audited,
-                "changed": info.changed_elements,
-                "dense_s": dense["dense_s"],
-                "dense_serialise_s": dense["dense_serialise_s"],
-                "dense_load_s": dense["dense_load_s"],
-                "dcr_bytes_moved": info.payload_bytes + result.payload_bytes,
-                "dense_bytes_moved": dense["dense_bytes_moved"],
-                "bit_exact": _same_bits(staged, weights)
-                and _same_bits(synced, weights)
-                and _same_bits(replica, weights),
-            }
-            rows.append(row)
+            timed = []
+            for end in ends:
+                copy_s = _copy_seconds(weights, buffers)
+                timed.append({"copy_s": copy_s, **end.step(weights, step)})
+            dense = dense_refit(ends[0].store, weights, replica)
+            _settle(ends[0].store)
+            for end, row in zip(ends, timed, strict=True):
+                rows.append(
+                    {
+                        "store": label,
+                        "target_rate": rate,
+                        "warmup": rate == rates[0] and index == 0,
+                        **row,
+                        "dense_s": dense["dense_s"],
+                        "dense_serialise_s": dense["dense_serialise_s"],
+                        "dense_load_s": dense["dense_load_s"],
+                        "dense_bytes_moved": dense["dense_bytes_moved"],
+                        "bit_exact": _same_bits(end.staged, weights)
+                        and _same_bits(end.synced, weights)
+                        and _same_bits(replica, weights),
+                    }
+                )
     return rows
 
 
@@ -155,13 +208,15 @@ _STAGES = ("publish_s", "prepare_s", "apply_s", "sync_s", "dense_s")
 
 
 def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians per (store, rate) over the measured steps, each stage also over copy_."""
+    """Medians per (store, writer features, rate) over the measured steps, each stage also
+    over copy_."""
     out = []
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
     for row in rows:
         if not row["warmup"]:
-            groups.setdefault((row["store"], row["target_rate"]), []).append(row)
-    for (store, rate), group in groups.items():
+            key = (row["store"], row.get("features", "none"), row["target_rate"])
+            groups.setdefault(key, []).append(row)
+    for (store, features, rate), group in groups.items():
         med = {
             key: statistics.median(r[key] for r in group)
             for key in group[0]
@@ -171,6 +226,7 @@ def summarise(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         summary: dict[str, Any] = {
             "store": store,
+            "features": features,
             "target_rate": rate,
             "steps": len(group),
             **med,
@@ -190,9 +246,10 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
         "store", "rate", "copy_ s", "publish", "prepare", "apply", "sync", "dense",
         "dense/dcr", "delta %", "exact",
     )  # fmt: skip
-    lines = ["  ".join(f"{h:>11}" for h in header)]
+    several = len({r.get("features", "none") for r in summary}) > 1
+    lines = ["  ".join(f"{h:>11}" for h in header) + ("  features" if several else "")]
     for r in summary:
-        cells = (
+        cells: tuple[str, ...] = (
             r["store"],
             f"{r['change_rate']:.2%}",
             f"{r['copy_s']:.3f}",
@@ -201,7 +258,9 @@ def format_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{100 * r['delta_bytes'] / r['dense_bytes']:.2f}",
             "yes" if r["bit_exact"] else "NO",
         )
-        lines.append("  ".join(f"{c:>11}" for c in cells))
+        lines.append(
+            "  ".join(f"{c:>11}" for c in cells) + (f"  {r['features']}" if several else "")
+        )
     return "\n".join(lines)
 
 
@@ -254,48 +313,63 @@ def run(
     steps: int,
     stores: Sequence[str],
     links: Sequence[float],
-    features: Sequence[str] = (),
+    features: Sequence[Sequence[str]] = ((),),
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
-    """Every store configuration in turn; the shaped ones in their own namespace."""
+    """Every store configuration in turn; the shaped ones in their own namespace.
+    ``features``: the writer feature sets to run; on the local store they run side by
+    side (:func:`compared_series`, one store each), elsewhere one after the other."""
     torch.manual_seed(0)
     shapes = model_shapes(mb)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for kind in stores:
-        with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
-            with _store(kind, Path(work)) as store:
-                rows += steady_series(
-                    store,
-                    shapes,
-                    rates,
-                    steps=steps,
-                    label=kind,
-                    features=features,
-                    progress=progress,
+        if kind == "local":
+            with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
+                configs = [
+                    (Store(str(Path(work) / f"store-{i}")), wanted)
+                    for i, wanted in enumerate(features)
+                ]
+                rows += compared_series(
+                    configs, shapes, rates, steps=steps, label=kind, progress=progress
                 )
+            continue
+        for wanted in features:
+            with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
+                with _store(kind, Path(work)) as store:
+                    rows += steady_series(
+                        store,
+                        shapes,
+                        rates,
+                        steps=steps,
+                        label=kind,
+                        features=wanted,
+                        progress=progress,
+                    )
     if links:
         why = _netns_available()
         if why is not None:
             skipped.append(f"shaped links skipped: {why}")
         for gbit in links if why is None else ():
-            with shaped_namespace(gbit) as name, tempfile.TemporaryDirectory() as out:
-                target = Path(out) / "rows.json"
-                command = [
-                    "ip", "netns", "exec", name, sys.executable, "-m", "dcr_format.bench.steady",
-                    "--inside", str(target), "--label", f"s3 {gbit:g} Gbps", "--mb", str(mb),
-                    "--steps", str(steps), "--rates", ",".join(str(r) for r in rates),
-                    "--features", ",".join(features),
-                ]  # fmt: skip
-                progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
-                subprocess.run(command, check=True)
-                rows += json.loads(target.read_text())
+            for wanted in features:
+                with shaped_namespace(gbit) as name, tempfile.TemporaryDirectory() as out:
+                    target = Path(out) / "rows.json"
+                    command = [
+                        "ip", "netns", "exec", name, sys.executable, "-m",
+                        "dcr_format.bench.steady", "--inside", str(target), "--label",
+                        f"s3 {gbit:g} Gbps", "--mb", str(mb), "--steps", str(steps),
+                        "--rates", ",".join(str(r) for r in rates),
+                        "--features", ",".join(wanted),
+                    ]  # fmt: skip
+                    progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
+                    subprocess.run(command, check=True)
+                    rows += json.loads(target.read_text())
     return {
         "rows": rows,
         "summary": summarise(rows),
         "skipped": skipped,
         "model_mb": mb,
-        "features": list(features),
+        "features": [",".join(wanted) or "none" for wanted in features],
     }
 
 
@@ -345,7 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--links", default=",".join(f"{g:g}" for g in LINKS_GBIT), help="Gbit/s; '' for none"
     )
     parser.add_argument(
-        "--features", default="", help="the writer's features, comma-separated (FORMAT.md §12)"
+        "--features",
+        action="append",
+        help="the writer's features, comma-separated (FORMAT.md §12; '' or 'none' for none); "
+        "give it again for more writers, run side by side on the local store",
     )
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
     parser.add_argument("--json", type=Path, help="also write every row and the summary here")
@@ -361,7 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 1 or args.mb <= 0:
         parser.error("--steps and --mb must be positive")
     rates = [float(r) for r in args.rates.split(",") if r]
-    features = [f for f in args.features.split(",") if f]
+    feature_sets = [
+        [f for f in given.split(",") if f and f != "none"] for given in args.features or [""]
+    ]
+    features = feature_sets[0]
     if args.inside is not None:  # already inside a shaped namespace: the gateway only
         with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
             with _store("s3", Path(work)) as store:
@@ -384,12 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps=args.steps,
         stores=[s for s in args.stores.split(",") if s],
         links=[float(g) for g in args.links.split(",") if g],
-        features=features,
+        features=feature_sets,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     print(
         f"steady-state refit, {result['model_mb']:.0f} MB bf16 model, medians of each rate"
-        + (f", writer features {','.join(features)}" if features else "")
+        + (f", writer features {' | '.join(result['features'])}" if any(feature_sets) else "")
     )
     print(format_table(result["summary"]))
     for line in result["skipped"]:
@@ -397,7 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     if args.save_costs is not None:
-        local = [r for r in result["rows"] if r["store"] == "local" and not r["warmup"]]
+        first = result["features"][0]  # the first writer's rows (one per step)
+        local = [
+            r
+            for r in result["rows"]
+            if r["store"] == "local" and not r["warmup"] and r["features"] == first
+        ]
         if not local:
             parser.error("--save-costs needs the local store's rows (--stores local)")
         costs = steady_costs(local, progress=lambda message: print(message, file=sys.stderr))
