@@ -111,13 +111,7 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
 
 
 def _native() -> ModuleType | None:
-    if _positions.native_kernels() is None:
-        return None
-    try:
-        from dcr_format.codec import _native_classes
-    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-        return None
-    return _native_classes
+    return _positions.compiled("_native_classes")
 
 
 def old_bits_of(bits: np.ndarray, positions: np.ndarray, xor: np.ndarray | None) -> np.ndarray:

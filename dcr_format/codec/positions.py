@@ -20,6 +20,7 @@ the error (so both paths raise the same :class:`PositionsError`, message include
 
 from __future__ import annotations
 
+import importlib
 import os
 import struct
 from functools import lru_cache
@@ -48,6 +49,17 @@ def native_kernels() -> ModuleType | None:
     if os.environ.get("DCR_KERNELS", "").strip().lower() == "torch":
         return None
     return _load_native()
+
+
+def compiled(name: str) -> ModuleType | None:
+    """The compiled kernels module ``dcr_format.codec.<name>`` (e.g. ``_native_rans``),
+    imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""
+    if native_kernels() is None:
+        return None
+    try:
+        return importlib.import_module(f"dcr_format.codec.{name}")
+    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+        return None
 
 
 @lru_cache(maxsize=1)

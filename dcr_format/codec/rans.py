@@ -422,15 +422,9 @@ def _assemble(parsed: _Parsed, symbols: np.ndarray, count: int, width: int) -> n
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codec.positions import native_kernels
+    from dcr_format.codec.positions import compiled
 
-    if native_kernels() is None:
-        return None
-    try:
-        from dcr_format.codec import _native_rans
-    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-        return None
-    return _native_rans
+    return compiled("_native_rans")
 
 
 STREAM_ERRORS: dict[int, str] = {

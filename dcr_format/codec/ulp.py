@@ -16,6 +16,7 @@ Everything is elementwise over the changed elements only (O(changed)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -53,39 +54,37 @@ def _unorder(ordered: np.ndarray, width: int) -> np.ndarray:
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codec.positions import native_kernels
+    from dcr_format.codec.positions import compiled
 
-    if native_kernels() is None:
-        return None
-    try:
-        from dcr_format.codec import _native_ulp
-    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-        return None
-    return _native_ulp
+    return compiled("_native_ulp")
 
 
 def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """The zigzag ulp differences of ``new`` against ``old`` (unsigned arrays of one width):
     one compiled loop where numba is usable, else :func:`_to_ulp_reference`."""
-    width = old.dtype.itemsize
-    kind = _consts(width)[0]
-    native = _native()
-    if native is None:
-        return _to_ulp_reference(old, new)
-    out = np.empty(old.shape, dtype=kind)
-    native.to_ulp(np.ascontiguousarray(old).view(kind), np.ascontiguousarray(new).view(kind), out)
-    return out
+    return _elementwise("to_ulp", _to_ulp_reference, old, new)
 
 
 def from_ulp(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     """The new bits from the old bits and their zigzag ulp differences (:func:`to_ulp`)."""
-    width = old.dtype.itemsize
-    kind = _consts(width)[0]
+    return _elementwise("from_ulp", _from_ulp_reference, old, z)
+
+
+def _elementwise(
+    kernel: str,
+    reference: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    a: np.ndarray,
+    b: np.ndarray,
+) -> np.ndarray:
+    """``kernel`` of the compiled module over ``a`` and ``b`` (same width), else ``reference``."""
+    kind = _consts(a.dtype.itemsize)[0]
     native = _native()
     if native is None:
-        return _from_ulp_reference(old, z)
-    out = np.empty(old.shape, dtype=kind)
-    native.from_ulp(np.ascontiguousarray(old).view(kind), np.ascontiguousarray(z).view(kind), out)
+        return reference(a, b)
+    out = np.empty(a.shape, dtype=kind)
+    getattr(native, kernel)(
+        np.ascontiguousarray(a).view(kind), np.ascontiguousarray(b).view(kind), out
+    )
     return out
 
 
