@@ -62,6 +62,10 @@ KNOWN_FEATURES: frozenset[str] = frozenset(
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST_ZSTD_LEVEL = 19  # a manifest is small and read by every reader: compress it hard
+# ... unless its JSON is large: past 64 KiB level 19 took 4-13x the time of level 15 for
+# 0-11% less (130 ms a publish for a manifest of 1,000 tensors), so those use level 15
+MANIFEST_ZSTD_LARGE_LEVEL = 15
+MANIFEST_ZSTD_LARGE_BYTES = 64 << 10
 MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
@@ -411,7 +415,9 @@ def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:
     text = manifest.to_json() if text is None else text
     if MANIFEST_ZSTD_FEATURE not in manifest.required_features:
         return text
-    compressor = zstandard.ZstdCompressor(level=MANIFEST_ZSTD_LEVEL, write_content_size=True)
+    large = len(text) > MANIFEST_ZSTD_LARGE_BYTES
+    level = MANIFEST_ZSTD_LARGE_LEVEL if large else MANIFEST_ZSTD_LEVEL
+    compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return compressor.compress(text)
 
 

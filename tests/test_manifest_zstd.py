@@ -66,6 +66,25 @@ def test_compressed_manifests_read_back_and_are_smaller(tmp_path: Path) -> None:
     assert all(torch.equal(incremental.tensors[n], t) for n, t in versions[-1].items())
 
 
+def test_large_manifests_are_compressed_at_the_faster_level(tmp_path: Path) -> None:
+    """Past 64 KiB of JSON the reference uses level 15 (FORMAT.md §3.5); both read back."""
+    gen = torch.Generator().manual_seed(1)
+    many = {f"w.{i}": torch.randn(8, generator=gen).bfloat16() for i in range(400)}
+    writer = DeltaWriter(tmp_path / "s", features=[FEATURE])
+    writer.publish({"one": many["w.0"]})
+    [small] = stored_manifests(tmp_path / "s", 0)
+    writer2 = DeltaWriter(tmp_path / "t", features=[FEATURE])
+    writer2.publish(many)
+    [large] = stored_manifests(tmp_path / "t", 0)
+    for stored, level in ((small, 19), (large, 15)):
+        manifest = schema.parse_manifest(stored, what="m")
+        text = manifest.to_json()
+        assert (len(text) > schema.MANIFEST_ZSTD_LARGE_BYTES) == (level == 15)
+        frame = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(text)
+        assert stored == frame
+    assert len(schema.parse_manifest(large, what="m").entries) == 400
+
+
 def test_bad_frames_and_feature_lists_are_refused(tmp_path: Path) -> None:
     store = tmp_path / "store"
     DeltaWriter(store, features=[FEATURE]).publish(states(1)[0])
