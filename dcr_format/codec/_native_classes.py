@@ -516,14 +516,13 @@ def rice_parts(
 
 
 @njit(cache=True, nogil=True)
-def _rice_ranks(
+def rice_ranks(
     data: np.ndarray,
     ks: np.ndarray,
     unary: np.ndarray,
     offsets: np.ndarray,
     counts: np.ndarray,
     sizes: np.ndarray,
-    lz8: np.ndarray,
     out: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
     """Decode the Rice part of every class with positions (part ``j``: ``counts[j]`` ranks
@@ -536,20 +535,7 @@ def _rice_ranks(
         if u * 8 < n:
             return j
         body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
-        if _rice_decode(body, u, n, k, sizes[j], lz8, out[at : at + n], none, True):
+        if _rice_decode(body, u, n, k, sizes[j], _LZ8, out[at : at + n], none, True):
             return j
         at += n
     return -1
-
-
-def rice_ranks(
-    data: np.ndarray,
-    ks: np.ndarray,
-    unary: np.ndarray,
-    offsets: np.ndarray,
-    counts: np.ndarray,
-    sizes: np.ndarray,
-    out: np.ndarray,
-) -> int:
-    """:func:`_rice_ranks` (its bit-length table supplied)."""
-    return int(_rice_ranks(data, ks, unary, offsets, counts, sizes, _LZ8, out))

@@ -17,37 +17,55 @@ _ZERO = np.uint64(0)
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _limits(itemsize: int) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
+    """The top bit and all bits of an unsigned integer of ``itemsize`` bytes (as uint64)."""
+    top = _ONE << (np.uint64(8 * itemsize) - _ONE)
+    return top, (top - _ONE) | top
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _order(x: np.uint64, top: np.uint64, ones: np.uint64) -> np.uint64:  # pragma: no cover
     if x & top:
         return x ^ ones
     return x ^ top
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _zigzag(
+    before: np.uint64, after: np.uint64, top: np.uint64, ones: np.uint64
+) -> np.uint64:  # pragma: no cover - compiled
+    """The zigzag of ``u(after) - u(before)`` (FORMAT.md §7.5)."""
+    d = (_order(after, top, ones) - _order(before, top, ones)) & ones
+    return ((d << _ONE) ^ (ones if d & top else _ZERO)) & ones
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _stepped(
+    before: np.uint64, z: np.uint64, top: np.uint64, ones: np.uint64
+) -> np.uint64:  # pragma: no cover - compiled
+    """The bits whose zigzag difference from ``before`` is ``z`` (the inverse of
+    :func:`_zigzag`)."""
+    d = (z >> _ONE) ^ (ones if z & _ONE else _ZERO)
+    y = (_order(before, top, ones) + d) & ones
+    return y ^ (top if y & top else ones)
+
+
 @njit(cache=True, nogil=True)
 def to_ulp(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the zigzag of ``u(new[k]) - u(old[k])`` (FORMAT.md §7.5), all three
     unsigned arrays of one width."""
-    width = np.uint64(8 * old.itemsize)
-    top = _ONE << (width - _ONE)
-    ones = (top - _ONE) | top
+    top, ones = _limits(old.itemsize)
     for k in range(old.size):
-        d = (_order(np.uint64(new[k]), top, ones) - _order(np.uint64(old[k]), top, ones)) & ones
-        flip = ones if d & top else _ZERO
-        out[k] = ((d << _ONE) ^ flip) & ones
+        out[k] = _zigzag(np.uint64(old[k]), np.uint64(new[k]), top, ones)
 
 
 @njit(cache=True, nogil=True)
 def from_ulp(old: np.ndarray, z: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the new bits whose zigzag ulp difference from ``old[k]`` is ``z[k]``
     (the inverse of :func:`to_ulp`)."""
-    width = np.uint64(8 * old.itemsize)
-    top = _ONE << (width - _ONE)
-    ones = (top - _ONE) | top
+    top, ones = _limits(old.itemsize)
     for k in range(old.size):
-        zk = np.uint64(z[k])
-        d = (zk >> _ONE) ^ (ones if zk & _ONE else _ZERO)
-        y = (_order(np.uint64(old[k]), top, ones) + d) & ones
-        out[k] = y ^ (top if y & top else ones)
+        out[k] = _stepped(np.uint64(old[k]), np.uint64(z[k]), top, ones)
 
 
 @njit(cache=True, nogil=True)
@@ -57,15 +75,10 @@ def ulp_of_change(
     """The writer's side in one loop: ``out[k]`` = :func:`to_ulp` of the old bits
     ``new[p] ^ xor[k]`` and the new bits ``new[p]`` at ``p = positions[k]`` (no gathered
     copy of either)."""
-    width = np.uint64(8 * new.itemsize)
-    top = _ONE << (width - _ONE)
-    ones = (top - _ONE) | top
+    top, ones = _limits(new.itemsize)
     for k in range(positions.size):
         after = np.uint64(new[positions[k]])
-        before = after ^ np.uint64(xor[k])
-        d = (_order(after, top, ones) - _order(before, top, ones)) & ones
-        flip = ones if d & top else _ZERO
-        out[k] = ((d << _ONE) ^ flip) & ones
+        out[k] = _zigzag(after ^ np.uint64(xor[k]), after, top, ones)
 
 
 @njit(cache=True, nogil=True)
@@ -74,12 +87,7 @@ def xor_of_ulp(
 ) -> None:  # pragma: no cover - compiled
     """The reader's side in one loop: ``out[k]`` = the XOR bits that take ``old[p]`` to
     :func:`from_ulp` of it and ``z[k]``, at ``p = positions[k]`` (each below ``old.size``)."""
-    width = np.uint64(8 * old.itemsize)
-    top = _ONE << (width - _ONE)
-    ones = (top - _ONE) | top
+    top, ones = _limits(old.itemsize)
     for k in range(positions.size):
         before = np.uint64(old[positions[k]])
-        zk = np.uint64(z[k])
-        d = (zk >> _ONE) ^ (ones if zk & _ONE else _ZERO)
-        y = (_order(before, top, ones) + d) & ones
-        out[k] = before ^ y ^ (top if y & top else ones)
+        out[k] = before ^ _stepped(before, np.uint64(z[k]), top, ones)
