@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from dcr_format.codec.classed import CLASSED, EXPONENT_FIELDS
-from dcr_format.codec.features import POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE
+from dcr_format.codec.features import (
+    IMPLICIT_PARENTS_FEATURE,
+    POSITIONS_CLASSED_FEATURE,
+    VALUES_ULP_FEATURE,
+)
 from dcr_format.codec.ulp import ULP
 from dcr_format.errors import (
     ChainBrokenError,
@@ -313,6 +317,7 @@ def check_manifest(
                 f"{where} names shard {shard.path}, not {shard_key(version, attempt, rank, index)}"
             )
     names = set()
+    implicit = IMPLICIT_PARENTS_FEATURE in manifest.required_features
     for entry in manifest.entries:
         if entry.name in names:
             raise SchemaError(f"{where} lists tensor {entry.name!r} twice")
@@ -335,9 +340,15 @@ def check_manifest(
             entry.positions is not None
         ) != needs_positions:
             raise SchemaError(f"{where}: tensor {entry.name!r} has streams that do not fit its op")
-        if entry.op in ("xor", "overwrite") and entry.parent_fingerprint is None:
+        if implicit and entry.piece is None:  # the parent's table holds it (FORMAT.md §3.5.5)
+            if entry.parent_fingerprint is not None:
+                raise SchemaError(
+                    f"{where}: tensor {entry.name!r} has a parent_fingerprint, which a manifest "
+                    f"that requires {IMPLICIT_PARENTS_FEATURE!r} leaves null"
+                )
+        elif entry.op in ("xor", "overwrite") and entry.parent_fingerprint is None:
             raise SchemaError(f"{where}: tensor {entry.name!r} needs a parent_fingerprint")
-        if (
+        elif (
             entry.op != "full"
             and entry.changed == 0
             and entry.fingerprint != entry.parent_fingerprint
@@ -522,6 +533,52 @@ def tensor_changes(manifests: list[Manifest]) -> dict[str, TensorChange]:
     return whole
 
 
+def resolve_parents(
+    manifests: list[Manifest], parent: dict[str, TensorState] | None, version: int
+) -> list[Manifest]:
+    """``manifests`` of delta version ``version`` with the parent fingerprints that manifests
+    requiring ``implicit-parents`` leave null filled in from ``parent``, the state table of
+    version ``version - 1`` (FORMAT.md §3.5.5); the others as they are (no copy when no
+    manifest requires the feature).
+
+    An entry whose name ``parent`` lacks, or holds with another dtype or shape, stays null:
+    the continuity check refuses it. An entry that changes nothing must keep the parent's
+    fingerprint (§4.4 rule 9; with explicit parents the manifest's own validation checks it).
+    """
+    if not any(IMPLICIT_PARENTS_FEATURE in m.required_features for m in manifests):
+        return manifests
+    if parent is None:
+        raise ChainBrokenError(
+            f"version {version} leaves its parent fingerprints to version {version - 1}, "
+            "whose state table is not at hand; sync or verify from a base before it"
+        )
+    resolved = []
+    for manifest in manifests:
+        if IMPLICIT_PARENTS_FEATURE not in manifest.required_features:
+            resolved.append(manifest)
+            continue
+        entries = []
+        for entry in manifest.entries:
+            row = parent.get(entry.name)
+            if (
+                entry.piece is not None
+                or entry.op == "full"
+                or row is None
+                or (row.dtype, row.shape) != (entry.dtype, tuple(entry.shape))
+            ):
+                entries.append(entry)
+                continue
+            if entry.changed == 0 and entry.fingerprint != row.fingerprint:
+                raise ChainBrokenError(
+                    f"version {version} changes no element of tensor {entry.name!r} but gives "
+                    "it another fingerprint than its parent's; the store is corrupt: run "
+                    "`dcr verify`"
+                )
+            entries.append(entry.model_copy(update={"parent_fingerprint": row.fingerprint}))
+        resolved.append(manifest.model_copy(update={"entries": tuple(entries)}))
+    return resolved
+
+
 def state_table(manifests: list[Manifest]) -> dict[str, TensorState]:
     """Union of the manifests' entries, pieces combined; a name listed by two ranks is an error."""
     return {
@@ -546,6 +603,7 @@ __all__ = [
     "attempt_prefix",
     "commit_key",
     "manifest_key",
+    "resolve_parents",
     "shard_key",
     "state_table",
     "tensor_changes",

@@ -33,6 +33,7 @@ from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
 from dcr_format.codec.features import (
+    IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
@@ -58,6 +59,7 @@ KNOWN_FEATURES: frozenset[str] = frozenset(
         POSITIONS_CLASSED_FEATURE,
         MANIFEST_ZSTD_FEATURE,
         VALUES_ULP_FEATURE,
+        IMPLICIT_PARENTS_FEATURE,
     }
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -406,6 +408,18 @@ def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
         first = exc.errors(include_url=False, include_context=False, include_input=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "<root>"
         return None, f"{where[:_MAX_MESSAGE]}: {first['msg'][:_MAX_MESSAGE]}"
+
+
+def implicit_parents(manifest: Manifest) -> Manifest:
+    """``manifest`` (a delta's) as a writer allowed ``implicit-parents`` stores it: the
+    feature listed and every whole entry's ``parent_fingerprint`` null (readers take it from
+    the parent version's state table, FORMAT.md §3.5.5); pieces keep theirs."""
+    entries = tuple(
+        e if e.piece is not None else e.model_copy(update={"parent_fingerprint": None})
+        for e in manifest.entries
+    )
+    features = tuple(sorted({*manifest.required_features, IMPLICIT_PARENTS_FEATURE}))
+    return manifest.model_copy(update={"required_features": features, "entries": entries})
 
 
 def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:

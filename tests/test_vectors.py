@@ -22,7 +22,7 @@ from dcr_format import (
     state_fingerprint,
     tensor_fingerprint,
 )
-from dcr_format.chain import Chain
+from dcr_format.chain import Chain, resolve_parents, state_table
 from dcr_format.codec import classed, rans, ulp
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
@@ -30,7 +30,15 @@ from dcr_format.errors import UnsupportedFeatureError
 from dcr_format.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
-NAMES = ("base-only", "xor-deltas", "mixed", "values-rans", "positions-classed", "values-ulp")
+NAMES = (
+    "base-only",
+    "xor-deltas",
+    "mixed",
+    "values-rans",
+    "positions-classed",
+    "values-ulp",
+    "implicit-parents",
+)
 
 
 def expected_of(name: str) -> dict:
@@ -303,5 +311,42 @@ def test_a_reader_without_values_ulp_refuses_the_vector(monkeypatch: pytest.Monk
     monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
     with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
         DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=1)
+    resident = target.resident()
+    assert resident is not None and resident.version == 0
+
+
+def test_implicit_parents_vector_leaves_every_delta_parent_to_the_table() -> None:
+    """Every delta manifest of the vector lists the feature and leaves each parent
+    fingerprint null; resolved against the previous version's table they are the parents the
+    explicit ``xor-deltas`` vector (the same states) writes."""
+    chain = Chain(open_store(VECTORS_DIR / "implicit-parents" / "store"))
+    explicit = Chain(open_store(VECTORS_DIR / "xor-deltas" / "store"))
+    ops = set()
+    for version in expected_of("implicit-parents")["versions"][1:]:
+        number = version["version"]
+        loaded = chain.record(number)
+        assert "implicit-parents" in loaded.record.required_features
+        [manifest] = chain.manifests(loaded)
+        assert "implicit-parents" in manifest.required_features
+        assert all(e.parent_fingerprint is None for e in manifest.entries)
+        ops |= {e.op for e in manifest.entries}
+        parent = state_table(chain.manifests(chain.record(number - 1)))
+        [resolved] = resolve_parents([manifest], parent, number)
+        [theirs] = explicit.manifests(explicit.record(number))
+        assert {e.name: e.parent_fingerprint for e in resolved.entries} == {
+            e.name: e.parent_fingerprint for e in theirs.entries
+        }
+    assert ops == {"xor", "overwrite"}
+
+
+def test_a_reader_without_implicit_parents_refuses_the_vector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = VECTORS_DIR / "implicit-parents" / "store"
+    target = StateDictTarget({})
+    DeltaReader(store, target).sync(to=0)
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"implicit-parents"})
+    with pytest.raises(UnsupportedFeatureError, match="implicit-parents"):
+        DeltaReader(store, target).sync(to=1)
     resident = target.resident()
     assert resident is not None and resident.version == 0

@@ -20,9 +20,10 @@ as a writer would, then reports:
   same dense bf16 bytes, timed in the same run (median of several repetitions);
 - for information, the order-0 entropy of the signed difference in ulps (bf16
   bits mapped to ordered integers) next to the XOR entropy;
-- issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3) and, on top,
-  ``classed`` positions (§6.5); what a reader downloads for the version (shard,
-  manifest and commit record) and the manifest's share of it; the conditional bound
+- issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3), then with
+  the manifest features (``manifest-zstd``, ``implicit-parents``), then ``ulp`` values
+  (§7.5) and, on top, ``classed`` positions (§6.5); what a reader downloads for the
+  version (shard, manifest and commit record) and the manifest's share of it; the conditional bound
   (positions and values given the class of the old value, its bf16 exponent) next to
   the iid bound; NeMo RL's sparse layout (narrowest-uint gaps or runs, raw XOR values,
   zstd-1) as the nearest peer; encode and decode+apply speed with ``values-rans``.
@@ -79,7 +80,7 @@ from dcr_format.codec.features import (
     features_for,
 )
 from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
-from dcr_format.schema import Manifest, ShardRef, stored_manifest
+from dcr_format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
 from dcr_format.toymodel import Trainer
 from dcr_format.writers._part import encoded_entry
 
@@ -342,7 +343,8 @@ def manifest_bytes(
     compressed: bool = False,
 ) -> int:
     """Exact length of the manifest a writer rank uploads for ``encoded`` in one shard:
-    plain JSON, or (``compressed``) stored as the ``manifest-zstd`` feature stores it. The
+    plain JSON, or (``compressed``) as a writer allowed the manifest features stores it
+    (``implicit-parents``: no parent fingerprints; ``manifest-zstd``: one zstd frame). The
     fingerprints, ids and hashes are fixed-width hex; random hex stands for them, so the
     compressed size is that of real ones (incompressible)."""
     entries = [
@@ -374,7 +376,7 @@ def manifest_bytes(
         shards=(shard,),
         entries=tuple(entries),
     )
-    return len(stored_manifest(manifest))
+    return len(stored_manifest(implicit_parents(manifest) if compressed else manifest))
 
 
 def conditional_bound(
@@ -537,6 +539,14 @@ def measure_step(
         rans_enc, new, stored=len(rans_stored), decoded=rans_decoded, compressed=True
     )
     rans_zdownload = len(rans_stored) + rans_zmanifest + COMMIT_RECORD_BYTES
+    # ulp values (read against the old bits) but positions as without conditioning
+    ulp_enc = _encode_all(old, new, XOR, (VALUES_RANS_FEATURE, VALUES_ULP_FEATURE))
+    ulp_stored, ulp_decoded = encode_shard(_shard_streams(ulp_enc))
+    ulp_zdownload = (
+        len(ulp_stored)
+        + manifest_bytes(ulp_enc, new, stored=len(ulp_stored), decoded=ulp_decoded, compressed=True)
+        + COMMIT_RECORD_BYTES
+    )
     cls_download = len(cls_stored) + cls_manifest + COMMIT_RECORD_BYTES
     cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
@@ -593,6 +603,8 @@ def measure_step(
         "rans_zdownload_vs_bound": rans_zdownload / bound_bytes if bound_bytes else math.nan,
         "rans_zdownload_vs_dense": rans_zdownload / dense_bytes,
         "zmanifest_share": rans_zmanifest / rans_zdownload,
+        "ulp_zdownload_bytes": ulp_zdownload,
+        "ulp_zdownload_vs_bound": ulp_zdownload / bound_bytes,
         "rans_download_vs_dense": rans_download / dense_bytes,
         "planes_download_vs_dense": planes_download / dense_bytes,
         "cond_pos_bound_bytes": cond_pos_bits / 8,
@@ -721,6 +733,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("manifest share", "manifest_share", "{:.1%}"),
     ("dl rans+z/bound", "rans_zdownload_vs_bound", "{:.3f}"),
     ("zmanifest share", "zmanifest_share", "{:.1%}"),
+    ("dl ulp+z/bound", "ulp_zdownload_vs_bound", "{:.3f}"),
     ("nemo/rans", "nemo_vs_rans_download", "{:.3f}"),
     ("cls pos b/chg", "classed_pos_bits_per_changed", "{:.2f}"),
     ("cls pos/cond", "classed_pos_vs_cond_bound", "{:.3f}"),
@@ -769,8 +782,9 @@ def format_table(result: dict[str, object]) -> str:
         "optimal static prefix code of the 16-bit XOR symbols",
         "H xor b / H ulp b: order-0 entropy per changed element of XOR values vs signed "
         "ulp differences",
-        "rans: values-rans (FORMAT.md §7.3); +z: and manifest-zstd (§3.5); cls: those and the "
-        "codings against the old bits, classed positions (§6.5) and ulp values (§7.5); dl: "
+        "rans: values-rans (FORMAT.md §7.3); +z: and the manifest features, manifest-zstd "
+        "(§3.5) and implicit-parents (§3.5.5); ulp+z: those and ulp values (§7.5, read against "
+        "the old bits); cls: those and classed positions (§6.5, classes of the old bits); dl: "
         "what a reader downloads (shard + manifest + commit record); cond: the bound given the "
         "old value's exponent; nemo/rans: NeMo RL's layout over our download",
         "",

@@ -1,8 +1,9 @@
 """Codec features (spec/FORMAT.md §12): codings beyond the ones every reader has, and
-manifests stored compressed (``manifest-zstd``).
+leaner manifests (``manifest-zstd``, ``implicit-parents``).
 
 A writer is allowed a set of features (``DeltaWriter(features=...)``). ``manifest-zstd``
-stores its manifests compressed; each other one names a coding (``values-rans``: the
+stores its manifests compressed, ``implicit-parents`` leaves the parent fingerprints of its
+delta entries to the parent version's table; each other one names a coding (``values-rans``: the
 ``rans`` value coding, ``positions-classed``: the ``classed`` position coding,
 ``values-ulp``: the ``ulp`` value coding; the last two are decoded against the old bits,
 :data:`BASELINE_FEATURES`). Encoders use an allowed coding only where it is smaller, and a
@@ -28,6 +29,10 @@ POSITIONS_CLASSED_FEATURE = "positions-classed"
 VALUES_ULP_FEATURE = "values-ulp"
 MANIFEST_ZSTD_FEATURE = "manifest-zstd"
 """Manifests stored as one zstd frame of their JSON (FORMAT.md §3.5), not a coding."""
+IMPLICIT_PARENTS_FEATURE = "implicit-parents"
+"""Delta manifests whose whole entries leave ``parent_fingerprint`` null: readers take it from
+the parent version's state table, which they check every delta against anyway (FORMAT.md
+§3.5.5), not a coding."""
 CODING_FEATURES: dict[str, str] = {
     "rans": VALUES_RANS_FEATURE,
     "classed": POSITIONS_CLASSED_FEATURE,
@@ -35,7 +40,9 @@ CODING_FEATURES: dict[str, str] = {
 }
 """The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
-WRITER_FEATURES: frozenset[str] = frozenset({*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE})
+WRITER_FEATURES: frozenset[str] = frozenset(
+    {*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE, IMPLICIT_PARENTS_FEATURE}
+)
 """Every feature a writer may be allowed."""
 BASELINE_FEATURES: frozenset[str] = frozenset({POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE})
 """Features whose codings a reader decodes against the old bits it holds (FORMAT.md §3.6)."""
@@ -103,6 +110,7 @@ __all__ = [
     "BASELINE_FEATURES",
     "CODING_FEATURES",
     "FEATURE_CODINGS",
+    "IMPLICIT_PARENTS_FEATURE",
     "MANIFEST_ZSTD_FEATURE",
     "POSITIONS_CLASSED_FEATURE",
     "VALUES_RANS_FEATURE",

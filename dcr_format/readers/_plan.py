@@ -17,6 +17,7 @@ from dcr_format.chain import (
     LoadedRecord,
     TensorChange,
     TensorState,
+    resolve_parents,
     table_fingerprint,
     tensor_changes,
 )
@@ -175,17 +176,22 @@ def check_version(
     manifests: list[Manifest],
     table: dict[str, TensorState],
     parent_table: dict[str, TensorState] | None,
-) -> None:
+) -> list[Manifest]:
     """A version's manifests add up to its state fingerprint, and a delta continues from
-    its parent's table (when known)."""
+    its parent's table (when known). Returns the manifests with the parent fingerprints they
+    leave implicit filled in from that table (FORMAT.md §3.5.5)."""
     version = loaded.record.version
     if table_fingerprint(table) != loaded.record.state_fingerprint:
         raise ChainBrokenError(
             f"the manifests of version {version} do not add up to its state fingerprint; "
             "the store is corrupt: run `dcr verify`"
         )
-    if loaded.record.kind == "delta" and parent_table is not None:
+    if loaded.record.kind != "delta":
+        return manifests
+    manifests = resolve_parents(manifests, parent_table, version)
+    if parent_table is not None:
         _check_continuity(parent_table, manifests, version)
+    return manifests
 
 
 def plan_step(

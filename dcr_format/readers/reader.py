@@ -583,7 +583,7 @@ class DeltaReader:
             refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
             manifests = list(pool.map(lambda ref: self.chain.manifest(loaded, ref), refs))
             table = state_table(manifests)
-            check_version(loaded, manifests, table, parent_table)
+            manifests = check_version(loaded, manifests, table, parent_table)
             metadata = sum(ref.size for ref in loaded.record.manifests)
         return plan_step(
             loaded,

@@ -14,6 +14,7 @@ from dcr_format.chain import (
     TensorState,
     commit_key,
     get_verified,
+    resolve_parents,
     state_table,
     table_fingerprint,
 )
@@ -163,7 +164,8 @@ def _check_version(
             )
         if loaded.record.kind == "delta" and previous_table is not None:
             if previous is not None and previous.record.version == version - 1:
-                _check_continuity(previous_table, manifests, version)
+                resolved = resolve_parents(manifests, previous_table, version)
+                _check_continuity(previous_table, resolved, version)
     except DcrError as exc:
         problems.append(Problem.of(version, key, exc))
         return loaded, None

@@ -52,6 +52,7 @@ from dcr_format.codec.delta import (
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import (
     BASELINE_FEATURES,
+    IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
     features_for,
     within_codings,
@@ -88,6 +89,7 @@ from dcr_format.schema import (
     ManifestRef,
     Stats,
     check_tensor_name,
+    implicit_parents,
     stored_manifest,
 )
 from dcr_format.store import Store, open_store
@@ -374,7 +376,10 @@ class DeltaWriter:
 
     def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> bytes:
         """Upload this rank's manifest (compressed when the writer is allowed
-        ``manifest-zstd``); returns its bytes as uploaded."""
+        ``manifest-zstd``, a delta's parent fingerprints left to the parent's table when it
+        is allowed ``implicit-parents``); returns its bytes as uploaded."""
+        if IMPLICIT_PARENTS_FEATURE in self.features and manifest.kind == "delta":
+            manifest = implicit_parents(manifest)
         if MANIFEST_ZSTD_FEATURE in self.features:
             features = tuple(sorted({*manifest.required_features, MANIFEST_ZSTD_FEATURE}))
             manifest = manifest.model_copy(update={"required_features": features})

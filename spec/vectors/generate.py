@@ -624,6 +624,22 @@ def values_ulp() -> Vector:
     )
 
 
+def implicit_parents() -> Vector:
+    """The states of ``xor-deltas`` (unchanged tensors, a version without changes) with
+    the parent fingerprints left to the parent's table, an ``overwrite`` tensor among them."""
+    deltas = xor_deltas()
+    return Vector(
+        "implicit-parents",
+        "the versions of xor-deltas published with implicit parent fingerprints (feature "
+        "implicit-parents): every delta entry's parent_fingerprint null, the layer norm sent "
+        "as overwrite",
+        7,
+        deltas.versions,
+        ops={"model.layers.0.input_layernorm.weight": "overwrite"},
+        features=("implicit-parents",),
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -631,6 +647,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     values_rans,
     positions_classed,
     values_ulp,
+    implicit_parents,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -778,6 +795,10 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
     facts = set()
     for vector in expected:
         bases = 0
+        writer = vector["writer"]
+        assert isinstance(writer, dict)
+        if "implicit-parents" in writer.get("features", ()):
+            facts.add("implicit parents")
         for version in vector["versions"]:  # type: ignore[union-attr]
             kinds.add(version["kind"])
             bases += version["kind"] == "base"
@@ -834,6 +855,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "rans in a base",
             "rice next to classed",
             "ulp next to rans or planes",
+            "implicit parents",
         }
         - facts
     )
