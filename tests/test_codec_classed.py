@@ -3,6 +3,8 @@ the compiled kernels equal to the numpy reference byte for byte, hostile streams
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -121,8 +123,11 @@ def test_hostile_streams_are_refused(kernels: str) -> None:
 
 def test_a_class_cannot_hold_more_positions_than_elements(kernels: str) -> None:
     old = np.array([0x3F80] * 4 + [0x4080] * 4, dtype="<u2")  # exponents 127 and 129
-    stream = classed.encode_classed(np.array([1, 5]), old, "bfloat16")
+    # FORMAT.md §6.5's example: K = 3, base 127 (the writer would merge them: K = 1)
+    stream = classed.classed_stream(127, 3, np.array([0, 2]), np.array([1, 1]))
     assert stream[:6] == b"\x03\x7f\x00\x01\x00\x01"  # K = 3, base 127, counts 1, 0, 1
+    assert np.array_equal(classed.decode_classed(stream, old, "bfloat16", count=2, numel=8), [1, 5])
+    assert classed.encode_classed(np.array([1, 5]), old, "bfloat16")[:4] == b"\x01\x7f\x00\x02"
     forged = stream[:3] + b"\x05" + stream[4:]  # 5 positions in the first class of 4
     with pytest.raises(PositionsError, match="more positions than a class"):
         classed.decode_classed(forged, old, "bfloat16", count=6, numel=8)
@@ -184,3 +189,51 @@ def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatc
         classed.decode_classed(reference, old, "bfloat16", count=positions.size, numel=n),
         positions,
     )
+
+
+def _estimate(everything: np.ndarray, changed: np.ndarray, count: int, base: int) -> float:
+    """FORMAT.md §6.5's writer estimate of one (K, base), written out class by class."""
+    total = 0.0
+    for c in range(count):
+        lo = 0 if c == 0 else base + c
+        hi = everything.size if c == count - 1 else base + c + 1
+        n, k = int(everything[lo:hi].sum()), int(changed[lo:hi].sum())
+        total += 8.0
+        if k == n:
+            total += 0.0 if k == 0 else 8.0
+        elif k:
+            p = k / n
+            total += 1.03 * n * -(p * math.log2(p) + (1 - p) * math.log2(1 - p)) + 24.0
+    return total
+
+
+def test_the_writer_picks_the_classes_of_least_estimate() -> None:
+    """choose_classes (every candidate at once) is the rule of FORMAT.md §6.5 evaluated one
+    (K, base) at a time: least estimate, the smaller K and then the smaller base on ties."""
+    rng = np.random.default_rng(21)
+    ks = []
+    for trial in range(60):
+        width = int(rng.integers(1, 40))
+        low = int(rng.integers(0, 256 - width))
+        everything = np.zeros(256, dtype=np.int64)
+        everything[low : low + width] = rng.integers(0, 5000, width)
+        everything[low] = everything[low + width - 1] = max(1, int(rng.integers(1, 5000)))
+        rates = rng.uniform(0, 0.3, 256) * (rng.uniform(size=256) < 0.8)
+        changed = np.minimum(everything, rng.binomial(everything, rates))
+        if trial % 7 == 0:
+            changed = everything.copy()  # every element changes somewhere
+        top = low + width - 1
+        best = None
+        for count in range(1, min(16, top - low + 1) + 1):
+            for base in range(low, top - count + 2):
+                cost = _estimate(everything, changed, count, base)
+                if best is None or cost < best[0] - 1e-9:
+                    best = (cost, base, count)
+        assert best is not None
+        assert classed.choose_classes(everything, changed) == best[1:], trial
+        ks.append(best[2])
+    assert min(ks) == 1 and max(ks) > 4  # merged classes and kept ones both occur
+    # one class of unchanged elements next to the few that change: two classes pay
+    old = np.array([0x3F80] * 1000 + [0x4080] * 8, dtype="<u2")
+    stream = classed.encode_classed(np.array([1001, 1005]), old, "bfloat16")
+    assert stream[:3] == b"\x02\x7f\x00"  # K = 2, base 127

@@ -90,24 +90,37 @@ def _rice_bits(total: np.ndarray, changed: np.ndarray) -> np.ndarray:
     return np.where(changed == 0, 0.0, np.where(changed == total, 8.0, partial))
 
 
+CLASS_HEADER_BITS = 8.0
+"""What the writer's estimate counts for each class besides its Rice part: its count's varint
+(one byte below 128 changes), so a class that buys less than that is merged away."""
+
+
 def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, int]:
     """The reference writer's ``(base, K)`` (FORMAT.md §6.5) from the histograms of the old
-    exponents over all elements and over the changed ones: ``K = min(16, top - low + 1)``
-    over the exponents present, and the ``base`` in ``[low, top - K + 1]`` of least estimate
-    (the smallest on ties)."""
+    exponents over all elements and over the changed ones: over the exponents present
+    (``low`` to ``top``), every ``K`` from 1 to ``min(16, top - low + 1)`` and every
+    ``base`` in ``[low, top - K + 1]``, the one of least estimate (each class's
+    :func:`_rice_bits` plus :data:`CLASS_HEADER_BITS`), the smaller ``K`` and then the
+    smaller ``base`` on ties. Every candidate is evaluated at once, as one array."""
     present = np.flatnonzero(everything)
     low, top = int(present[0]), int(present[-1])
-    count = min(MAX_CLASSES, top - low + 1)
+    most = min(MAX_CLASSES, top - low + 1)
     all_cum = np.concatenate(([0], np.cumsum(everything)))
     chg_cum = np.concatenate(([0], np.cumsum(changed)))
     end = everything.size
-    bases = np.arange(low, top - count + 2)
-    lo = bases[None, :] + np.arange(count)[:, None]  # classes x bases, all at once
-    hi = lo + 1
-    lo[0] = 0  # class 0 takes every exponent below the base, the last every one above
-    hi[-1] = end
-    cost = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]).sum(axis=0)
-    return int(bases[int(np.argmin(cost))]), count
+    sizes = np.arange(1, most + 1)[:, None, None]  # K x class x base, all at once
+    cls = np.arange(most)[None, :, None]
+    bases = low + np.arange(top - low + 1)[None, None, :]
+    valid = (cls < sizes) & (bases <= top - sizes + 1)
+    lo = np.where(cls == 0, 0, bases + cls)  # class 0 takes every exponent below the base,
+    hi = np.where(cls == sizes - 1, end, bases + cls + 1)  # the last every one above
+    lo = np.clip(np.where(valid, lo, 0), 0, end)
+    hi = np.clip(np.where(valid, hi, 0), 0, end)
+    bits = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]) + CLASS_HEADER_BITS
+    cost = np.where(valid, bits, 0.0).sum(axis=1)
+    cost = np.where(valid.any(axis=1), cost, np.inf)  # K x base; bases past top - K + 1: none
+    k, b = np.unravel_index(int(np.argmin(cost)), cost.shape)  # the first: smaller K, then base
+    return low + int(b), int(k) + 1
 
 
 def _native() -> ModuleType | None:
@@ -355,6 +368,7 @@ def classed_bound(changed: int, numel: int) -> int:
 
 __all__ = [
     "CLASSED",
+    "CLASS_HEADER_BITS",
     "EXPONENT_FIELDS",
     "MAX_CLASSES",
     "ClassedStream",
