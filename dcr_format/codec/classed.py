@@ -114,8 +114,7 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     valid = (cls < sizes) & (bases <= top - sizes + 1)
     lo = np.where(cls == 0, 0, bases + cls)  # class 0 takes every exponent below the base,
     hi = np.where(cls == sizes - 1, end, bases + cls + 1)  # the last every one above
-    lo = np.clip(np.where(valid, lo, 0), 0, end)
-    hi = np.clip(np.where(valid, hi, 0), 0, end)
+    lo, hi = np.where(valid, lo, 0), np.where(valid, hi, 0)  # a valid class ends by top + 1
     bits = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]) + CLASS_HEADER_BITS
     cost = np.where(valid, bits, 0.0).sum(axis=1)
     cost = np.where(valid.any(axis=1), cost, np.inf)  # K x base; bases past top - K + 1: none
