@@ -19,8 +19,10 @@ from dcr_format.codec.features import (
     IMPLICIT_PARENTS_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_ULP_FEATURE,
+    VALUES_ULP_SHIFT_FEATURE,
 )
 from dcr_format.codec.ulp import ULP
+from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -360,6 +362,8 @@ def check_manifest(
             _check_against_baseline(manifest, entry, where, POSITIONS_CLASSED_FEATURE, "positions")
         if entry.values is not None and entry.values.coding == ULP:
             _check_against_baseline(manifest, entry, where, VALUES_ULP_FEATURE, "values")
+        if entry.values is not None and entry.values.coding == ULP_SHIFT:
+            _check_against_baseline(manifest, entry, where, VALUES_ULP_SHIFT_FEATURE, "values")
         for ref in entry.streams:
             if ref.shard >= len(manifest.shards):
                 raise SchemaError(f"{where}: tensor {entry.name!r} points at a missing shard")
@@ -369,8 +373,8 @@ def _check_against_baseline(
     manifest: Manifest, entry: Entry, where: str, feature: str, stream: str
 ) -> None:
     """A stream coded against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp``
-    values, §7.5): feature listed, an ``xor`` entry of a whole tensor of a float dtype (the
-    reader decodes it against the exact old bits)."""
+    and ``ulp-shift`` values, §7.5-7.6): feature listed, an ``xor`` entry of a whole tensor
+    of a float dtype (the reader decodes it against the exact old bits)."""
     name = entry.name
     if feature not in manifest.required_features:
         raise SchemaError(

@@ -38,9 +38,11 @@ from dcr_format.codec.features import (
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
     VALUES_ULP_FEATURE,
+    VALUES_ULP_SHIFT_FEATURE,
 )
 from dcr_format.codec.positions import POSITION_CODINGS
 from dcr_format.codec.ulp import ULP
+from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
     ReservedNameError,
@@ -60,6 +62,7 @@ KNOWN_FEATURES: frozenset[str] = frozenset(
         MANIFEST_ZSTD_FEATURE,
         VALUES_ULP_FEATURE,
         IMPLICIT_PARENTS_FEATURE,
+        VALUES_ULP_SHIFT_FEATURE,
     }
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -136,7 +139,7 @@ else:
     DType = Literal[DTYPE_NAMES]
     Op = Literal[OPS]
     PositionCoding = Literal[(*POSITION_CODINGS, CLASSED)]
-    ValueCoding = Literal[(*VALUE_CODINGS, ULP)]
+    ValueCoding = Literal[(*VALUE_CODINGS, ULP, ULP_SHIFT)]
 
 
 class _Model(BaseModel):

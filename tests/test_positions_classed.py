@@ -58,11 +58,12 @@ def entries(store: Path | str, version: int) -> dict[str, dict[str, object]]:
 
 
 def against_old_bits(store: Path | str, version: int) -> bool:
-    """Whether some entry of ``version`` is coded against the old bits (classed or ulp)."""
+    """Whether some entry of ``version`` is coded against the old bits (classed, ulp or
+    ulp-shift)."""
     chain = Chain(open_store(store))
     return any(
         (e.positions is not None and e.positions.coding == "classed")
-        or (e.values is not None and e.values.coding == "ulp")
+        or (e.values is not None and e.values.coding in ("ulp", "ulp-shift"))
         for m in chain.manifests(chain.record(version))
         for e in m.entries
     )
@@ -151,7 +152,7 @@ def test_an_edited_target_is_refused_and_left_as_it_was(tmp_path: Path, audit: b
     assert target.resident().version == 0
 
 
-@pytest.mark.parametrize("feature", [FEATURE, "values-ulp"])
+@pytest.mark.parametrize("feature", [FEATURE, "values-ulp", "values-ulp-shift"])
 def test_a_module_target_asks_for_plain_codings_and_refuses_the_others(
     tmp_path: Path, feature: str
 ) -> None:

@@ -1,6 +1,8 @@
 """The ``values-ulp`` feature end to end (FORMAT.md §7.5): zigzag ulp differences against the
 old bits, rANS-coded, where that is shorter than the XOR values; readers turn them back into
-XOR bits against the tensor they apply to, and refuse what they cannot check."""
+XOR bits against the tensor they apply to, and refuse what they cannot check. The refusals
+are checked for ``values-ulp-shift`` (§7.6) alike; its own tests are in
+``test_values_ulp_shift.py``."""
 
 from __future__ import annotations
 
@@ -145,19 +147,31 @@ def test_all_codings_against_the_old_bits_together(tmp_path: Path) -> None:
     assert equal(target.tensors, states[-1])
 
 
+# each coding against the old bits of values: its writer features, the coding, and a step
+# size that makes the writer pick it (one-ulp steps for ulp; larger ones, scaled by the old
+# exponent, for ulp-shift)
+CODINGS = [
+    pytest.param(tuple(FEATURES), "ulp", 2e-6, id="ulp"),
+    pytest.param((*FEATURES, "values-ulp-shift"), "ulp-shift", 1e-4, id="ulp-shift"),
+]
+
+
 @pytest.mark.parametrize("audit", [True, False])
-def test_an_edited_target_is_refused_and_left_as_it_was(tmp_path: Path, audit: bool) -> None:
+@pytest.mark.parametrize(("allowed", "coding", "lr"), CODINGS)
+def test_an_edited_target_is_refused_and_left_as_it_was(
+    tmp_path: Path, audit: bool, allowed: tuple[str, ...], coding: str, lr: float
+) -> None:
     store = tmp_path / "store"
-    writer = DeltaWriter(store, features=FEATURES)
-    trainer = Trainer(8, SHAPES)
+    writer = DeltaWriter(store, features=allowed)
+    trainer = Trainer(8, SHAPES, lr=lr)
     writer.publish(trainer.state())
     target = StateDictTarget({})
     reader = DeltaReader(store, target)
     reader.sync()
     writer.publish(trainer.step())
-    assert value_codings(store, 1)["a.weight"] == "ulp"
+    assert value_codings(store, 1)["a.weight"] == coding
     tensor = target.tensors["a.weight"]
-    tensor.view(-1)[:64] *= 2  # outside dcr
+    tensor.view(-1)[:4096] *= 8  # outside dcr (for ulp-shift: other exponents, so shifts)
     edited = tensor.clone()
     with pytest.raises((BaselineMismatchError, FingerprintMismatchError)):
         reader.sync(audit=audit)
@@ -165,16 +179,20 @@ def test_an_edited_target_is_refused_and_left_as_it_was(tmp_path: Path, audit: b
     assert target.resident().version == 0
 
 
-def test_manifests_that_break_the_rules_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("allowed", "coding", "lr"), CODINGS)
+def test_manifests_that_break_the_rules_are_refused(
+    tmp_path: Path, allowed: tuple[str, ...], coding: str, lr: float
+) -> None:
     store = tmp_path / "store"
-    writer = DeltaWriter(store, features=FEATURES)
-    trainer = Trainer(9, {"a.weight": (64, 512)})
+    writer = DeltaWriter(store, features=allowed)
+    trainer = Trainer(9, {"a.weight": (64, 512)}, lr=lr)
     writer.publish(trainer.state())
     writer.publish(trainer.step())
     loaded = Chain(open_store(store)).record(1)
     ref = loaded.record.manifests[0]
     raw = json.loads(open_store(store).get(ref.path))
-    assert raw["entries"][0]["values"]["coding"] == "ulp"
+    assert raw["entries"][0]["values"]["coding"] == coding
+    feature = features.CODING_FEATURES[coding]
 
     def check(tree: dict[str, object]) -> None:
         manifest = schema.parse(schema.Manifest, json.dumps(tree).encode(), what="m")
@@ -183,7 +201,7 @@ def test_manifests_that_break_the_rules_are_refused(tmp_path: Path) -> None:
 
     check(raw)
     for field, value, match in (
-        ("required_features", ["values-rans"], "values-ulp"),
+        ("required_features", [f for f in raw["required_features"] if f != feature], feature),
         ("op", "overwrite", "only xor entries"),
         ("dtype", "int16", "only xor entries"),
     ):
@@ -196,17 +214,24 @@ def test_manifests_that_break_the_rules_are_refused(tmp_path: Path) -> None:
             check(broken)
 
 
+@pytest.mark.parametrize(("allowed", "coding", "lr"), CODINGS)
 def test_a_reader_without_the_feature_refuses_the_version(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    allowed: tuple[str, ...],
+    coding: str,
+    lr: float,
 ) -> None:
     store = tmp_path / "store"
-    writer = DeltaWriter(store, features=FEATURES)
-    trainer = Trainer(10, {"a.weight": (64, 512)})
+    writer = DeltaWriter(store, features=allowed)
+    trainer = Trainer(10, {"a.weight": (64, 512)}, lr=lr)
     writer.publish(trainer.state())
     target = StateDictTarget({})
     DeltaReader(store, target).sync()
     writer.publish(trainer.step())
-    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
-    with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
+    assert value_codings(store, 1)["a.weight"] == coding
+    feature = features.CODING_FEATURES[coding]
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {feature})
+    with pytest.raises(UnsupportedFeatureError, match=feature):
         DeltaReader(store, target).sync()
     assert target.resident().version == 0

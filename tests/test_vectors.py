@@ -23,7 +23,7 @@ from dcr_format import (
     tensor_fingerprint,
 )
 from dcr_format.chain import Chain, resolve_parents, state_table
-from dcr_format.codec import classed, rans, ulp
+from dcr_format.codec import classed, rans, ulp, ulp_shift
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import UnsupportedFeatureError
@@ -38,6 +38,7 @@ NAMES = (
     "positions-classed",
     "values-ulp",
     "implicit-parents",
+    "values-ulp-shift",
 )
 
 
@@ -311,6 +312,66 @@ def test_a_reader_without_values_ulp_refuses_the_vector(monkeypatch: pytest.Monk
     monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
     with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
         DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=1)
+    resident = target.resident()
+    assert resident is not None and resident.version == 0
+
+
+def test_values_ulp_shift_vector_joins_to_the_differences_of_each_step() -> None:
+    """Every ulp-shift stream of the vector splits (origin, rANS part, low bits) and joins,
+    against the bits of the previous version, to the ulp differences that give exactly the
+    next version's bits; all three float widths, shifts at each dtype's cap and an ``ulp``
+    entry next to the shifted ones are there."""
+    store = open_store(VECTORS_DIR / "values-ulp-shift" / "store")
+    chain = Chain(store)
+    previous: dict[str, torch.Tensor] = {}
+    target = StateDictTarget({})
+    widths, capped, codings = set(), set(), set()
+    for version in expected_of("values-ulp-shift")["versions"]:
+        number = version["version"]
+        before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
+        DeltaReader(store, target).sync(to=number)
+        for manifest in chain.manifests(chain.record(number)):
+            codings |= {e.values.coding for e in manifest.entries if e.values and e.changed}
+            for entry in manifest.entries:
+                if entry.values is None or entry.values.coding != "ulp-shift":
+                    continue
+                assert "values-ulp-shift" in manifest.required_features
+                info = info_for(entry.dtype)
+                shard = manifest.shards[entry.values.shard]
+                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
+                parsed = ulp_shift.parse(
+                    bytes(streams[entry.values.key]),
+                    count=entry.changed,
+                    width=info.width,
+                    dtype=entry.dtype,
+                )
+                y = rans.decode_rans(parsed.coded, count=entry.changed, width=info.width)
+                old = before[entry.name].view(f"<u{info.width}")
+                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
+                new = new.view(f"<u{info.width}")
+                where = np.flatnonzero(old != new)
+                assert where.size == entry.changed
+                z = ulp_shift.join(old[where], y, parsed.origin, parsed.low, entry.dtype)
+                assert np.array_equal(ulp.from_ulp(old[where], z), new[where])
+                widths.add(info.width)
+                exponents = ulp_shift.exponents_of(old[where], entry.dtype)
+                shifts = ulp_shift.shifts_of(exponents, parsed.origin, entry.dtype)
+                if int(shifts.max()) == ulp_shift.shift_cap(entry.dtype):
+                    capped.add(entry.dtype)
+        previous = {n: t.clone() for n, t in target.tensors.items()}
+    assert widths == {2, 4, 8} and "bfloat16" in capped
+    assert codings >= {"ulp-shift", "ulp", "rans"}
+
+
+def test_a_reader_without_values_ulp_shift_refuses_the_vector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = StateDictTarget({})
+    DeltaReader(VECTORS_DIR / "values-ulp-shift" / "store", target).sync(to=0)
+    known = schema.KNOWN_FEATURES - {"values-ulp-shift"}
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", known)
+    with pytest.raises(UnsupportedFeatureError, match="values-ulp-shift"):
+        DeltaReader(VECTORS_DIR / "values-ulp-shift" / "store", target).sync(to=1)
     resident = target.resident()
     assert resident is not None and resident.version == 0
 

@@ -22,11 +22,12 @@ as a writer would, then reports:
   bits mapped to ordered integers) next to the XOR entropy;
 - issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3), then with
   the manifest features (``manifest-zstd``, ``implicit-parents``), then ``ulp`` values
-  (§7.5) and, on top, ``classed`` positions (§6.5); what a reader downloads for the
-  version (shard, manifest and commit record) and the manifest's share of it; the conditional bound
-  (positions and values given the class of the old value, its bf16 exponent) next to
-  the iid bound; NeMo RL's sparse layout (narrowest-uint gaps or runs, raw XOR values,
-  zstd-1) as the nearest peer; encode and decode+apply speed with ``values-rans``.
+  (§7.5) and, on top, ``ulp-shift`` values (§7.6) and ``classed`` positions (§6.5); what
+  a reader downloads for the version (shard, manifest and commit record) and the
+  manifest's share of it; the conditional bound (positions and values given the class of
+  the old value, its bf16 exponent) next to the iid bound; NeMo RL's sparse layout
+  (narrowest-uint gaps or runs, raw XOR values, zstd-1) as the nearest peer; encode and
+  decode+apply speed with ``values-rans``.
 
 Models: the toy transformer (``--size tiny|small|medium``) or a transformers
 ``LlamaForCausalLM`` built from a config, no hub (``--size llama-small`` (4 layers,
@@ -76,6 +77,7 @@ from dcr_format.codec.features import (
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
     VALUES_ULP_FEATURE,
+    VALUES_ULP_SHIFT_FEATURE,
     allowed_codings,
     features_for,
 )
@@ -324,7 +326,12 @@ def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
 
 COMMIT_RECORD_BYTES = 720
 # the codings of the last configuration: rans, and both codings against the old bits
-BASELINE_CODED = (VALUES_RANS_FEATURE, POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE)
+BASELINE_CODED = (
+    VALUES_RANS_FEATURE,
+    POSITIONS_CLASSED_FEATURE,
+    VALUES_ULP_FEATURE,
+    VALUES_ULP_SHIFT_FEATURE,
+)
 """What a reader fetches besides manifests and shards per version: the commit record of one
 writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 _SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
@@ -552,6 +559,7 @@ def measure_step(
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
     cls_val = sum(len(enc.values or b"") for _, enc in cls_enc)
     ulp_entries = sum(enc.values_coding == "ulp" for _, enc in cls_enc)
+    ulp_shift_entries = sum(enc.values_coding == "ulp-shift" for _, enc in cls_enc)
     cls_speed = measure_speed(old, new, reps=reps, features=BASELINE_CODED)
 
     per = max(changed, 1)
@@ -605,6 +613,8 @@ def measure_step(
         "zmanifest_share": rans_zmanifest / rans_zdownload,
         "ulp_zdownload_bytes": ulp_zdownload,
         "ulp_zdownload_vs_bound": ulp_zdownload / bound_bytes,
+        "ulp_val_bytes": sum(len(enc.values or b"") for _, enc in ulp_enc),
+        "classed_val_bytes": cls_val,
         "rans_download_vs_dense": rans_download / dense_bytes,
         "planes_download_vs_dense": planes_download / dense_bytes,
         "cond_pos_bound_bytes": cond_pos_bits / 8,
@@ -617,6 +627,7 @@ def measure_step(
         "nemo_vs_rans_shard": peer / len(rans_stored),
         "classed_entries": cls_entries,
         "ulp_entries": ulp_entries,
+        "ulp_shift_entries": ulp_shift_entries,
         "classed_val_bits_per_changed": 8 * cls_val / per,
         "classed_pos_bits_per_changed": 8 * cls_pos / per,
         "classed_pos_vs_cond_bound": cls_pos / (cond_pos_bits / 8) if cond_pos_bits else math.nan,
@@ -784,7 +795,8 @@ def format_table(result: dict[str, object]) -> str:
         "ulp differences",
         "rans: values-rans (FORMAT.md §7.3); +z: and the manifest features, manifest-zstd "
         "(§3.5) and implicit-parents (§3.5.5); ulp+z: those and ulp values (§7.5, read against "
-        "the old bits); cls: those and classed positions (§6.5, classes of the old bits); dl: "
+        "the old bits); cls: those, ulp-shift values (§7.6) and classed positions (§6.5, "
+        "classes of the old bits); dl: "
         "what a reader downloads (shard + manifest + commit record); cond: the bound given the "
         "old value's exponent; nemo/rans: NeMo RL's layout over our download",
         "",

@@ -9,7 +9,8 @@ Ops (spec/FORMAT.md, "Ops"):
 
 An ``xor`` entry's positions may be coded against the old bits (``classed``, feature
 ``positions-classed``, FORMAT.md §6.5), and its values as ulp differences from them
-(``ulp``, feature ``values-ulp``, §7.5): where the writer is allowed a coding and it is
+(``ulp``, feature ``values-ulp``, §7.5; ``ulp-shift``, feature ``values-ulp-shift``, §7.6,
+which also shifts them by the old value's exponent): where the writer is allowed a coding and it is
 shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change that
 :func:`resolve` completes against the tensor it is about to be applied to.
 
@@ -44,6 +45,7 @@ from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_fo
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change, xor_of_ulp
+from dcr_format.codec.ulp_shift import ULP_SHIFT, join, parse
 from dcr_format.codec.values import decode_values, encode_values, encode_xor_values
 from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
@@ -71,6 +73,9 @@ class DecodedDelta:
     # the values are zigzag ulp differences against the old bits (``ulp``), until
     # :func:`resolve` turns them into XOR bits
     ulp: bool = False
+    # ``ulp-shift``: the values are the shifted differences, and these the stream's origin
+    # and packed low bits (FORMAT.md §7.6), which :func:`resolve` joins them with
+    shift: tuple[int, bytes] | None = None
 
     @property
     def needs_target(self) -> bool:
@@ -181,7 +186,13 @@ def encode_diff(
         if len(coded) < len(pos_bytes):
             pos_coding, pos_bytes = CLASSED, coded
     xor_bits = bits_to_numpy(host[1])
-    if op in (None, XOR) and ULP in features.allowed() and info_for(new.dtype).name in FLOAT_DTYPES:
+    allowed = features.allowed()
+    dtype = info_for(new.dtype).name
+    if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
+        before = _old_of_change(new, positions, xor_bits, found.new_values)
+        differences = to_ulp(before, before ^ xor_bits)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences, old=before, dtype=dtype)
+    elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
         differences = _ulp_differences(new, positions, xor_bits, found.new_values)
         val_coding, val_bytes = encode_xor_values(xor_bits, differences)
     else:
@@ -217,6 +228,25 @@ def _ulp_differences(
     else:  # gather the new bits at the positions (O(changed), on the tensor's device)
         after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
     return to_ulp(after ^ xor_bits, after)
+
+
+def _old_of_change(
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    xor_bits: np.ndarray,
+    new_values: torch.Tensor | None,
+) -> np.ndarray:
+    """The old bits of a change (``xor_bits``: its XOR bits on the host), from its new bits
+    where the diff kept them, else read from ``new`` at the positions (O(changed))."""
+    if new_values is not None:
+        after = bits_to_numpy(dispatch.to_host(new_values))
+    elif new.device.type == "cpu":
+        flat = bits_to_numpy(bits_view(new).reshape(-1))
+        after = flat[dispatch.to_host(positions).numpy()]
+    else:
+        after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
+    out: np.ndarray = after ^ xor_bits
+    return out
 
 
 def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
@@ -287,10 +317,15 @@ def decode_delta(
         empty = torch.empty(0, dtype=info.bits_dtype, device=device)
         return DecodedDelta(op, torch.empty(0, dtype=torch.int64, device=device), empty)
     assert values is not None
-    ulp = values[0] == ULP
+    ulp = values[0] in (ULP, ULP_SHIFT)
     if ulp and (op != XOR or info.name not in FLOAT_DTYPES):
-        raise ValuesError(f"ulp values belong to xor entries of float tensors, not {op!r}")
-    if ulp:  # zigzag differences, rANS-coded: XOR bits once resolve() reads the old ones
+        raise ValuesError(f"{values[0]} values belong to xor entries of float tensors, not {op!r}")
+    shift: tuple[int, bytes] | None = None
+    if values[0] == ULP_SHIFT:  # shifted differences: joined with the low bits by resolve()
+        parsed = parse(values[1], count=changed, width=info.width, dtype=info.name)
+        raw = decode_rans(parsed.coded, count=changed, width=info.width)
+        shift = (parsed.origin, bytes(parsed.low))
+    elif ulp:  # zigzag differences, rANS-coded: XOR bits once resolve() reads the old ones
         raw = decode_rans(values[1], count=changed, width=info.width)
     else:
         raw = decode_values(values[0], values[1], count=changed, width=info.width)
@@ -302,17 +337,18 @@ def decode_delta(
         if op != XOR:
             raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
         stream = parse_classed(positions[1], count=changed, dtype=info.name)
-        return DecodedDelta(op, None, vals, stream, ulp)
+        return DecodedDelta(op, None, vals, stream, ulp, shift)
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
-    return DecodedDelta(op, pos, vals, None, ulp)
+    return DecodedDelta(op, pos, vals, None, ulp, shift)
 
 
 def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     """``delta`` completed against ``target`` where it was coded against the old bits: its
-    positions found (``classed``) and its values turned into XOR bits (``ulp``). ``target``
-    must hold exactly the bits the entry was made against (its parent's), as any ``xor``
-    entry needs. Other deltas come back as they are. A positions stream that does not decode
-    against these bits is a :class:`PositionsError`."""
+    positions found (``classed``) and its values turned into XOR bits (``ulp``,
+    ``ulp-shift``). ``target`` must hold exactly the bits the entry was made against (its
+    parent's), as any ``xor`` entry needs. Other deltas come back as they are. A positions
+    stream that does not decode against these bits is a :class:`PositionsError`; an
+    ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`."""
     if not delta.needs_target:
         return delta
     if not target.is_contiguous():
@@ -337,7 +373,15 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
         if positions.numel() and int(positions[-1]) >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
         z = bits_to_numpy(dispatch.to_host(values))
-        if flat.device.type == "cpu":  # the old bits read at the positions in the same loop
+        if delta.shift is not None:  # the shifts come from the old bits' exponents
+            if flat.device.type == "cpu":
+                before = bits_to_numpy(flat)[positions.cpu().numpy()]
+            else:
+                before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+            origin, low = delta.shift
+            z = join(before, z, origin, low, info.name)
+            xor = before ^ from_ulp(before, z)
+        elif flat.device.type == "cpu":  # the old bits read at the positions in the same loop
             xor = xor_of_ulp(bits_to_numpy(flat), positions.cpu().numpy(), z)
         else:
             before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))

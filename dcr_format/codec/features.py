@@ -5,10 +5,11 @@ A writer is allowed a set of features (``DeltaWriter(features=...)``). ``manifes
 stores its manifests compressed, ``implicit-parents`` leaves the parent fingerprints of its
 delta entries to the parent version's table; each other one names a coding (``values-rans``: the
 ``rans`` value coding, ``positions-classed``: the ``classed`` position coding,
-``values-ulp``: the ``ulp`` value coding; the last two are decoded against the old bits,
-:data:`BASELINE_FEATURES`). Encoders use an allowed coding only where it is smaller, and a
-manifest lists in ``required_features`` the feature of every coding its entries use, so a
-reader without it refuses the version instead of misreading it.
+``values-ulp``: the ``ulp`` value coding, ``values-ulp-shift``: the ``ulp-shift`` value
+coding; the last three are decoded against the old bits, :data:`BASELINE_FEATURES`).
+Encoders use an allowed coding only where it is smaller, and a manifest lists in
+``required_features`` the feature of every coding its entries use, so a reader without it
+refuses the version instead of misreading it.
 
 What is allowed travels by context rather than by argument: a writer opens an
 :func:`allowed_codings` block (or wraps its encoding generator in :func:`within_codings`)
@@ -27,6 +28,7 @@ from dcr_format.errors import ArgumentError
 VALUES_RANS_FEATURE = "values-rans"
 POSITIONS_CLASSED_FEATURE = "positions-classed"
 VALUES_ULP_FEATURE = "values-ulp"
+VALUES_ULP_SHIFT_FEATURE = "values-ulp-shift"
 MANIFEST_ZSTD_FEATURE = "manifest-zstd"
 """Manifests stored as one zstd frame of their JSON (FORMAT.md §3.5), not a coding."""
 IMPLICIT_PARENTS_FEATURE = "implicit-parents"
@@ -37,6 +39,7 @@ CODING_FEATURES: dict[str, str] = {
     "rans": VALUES_RANS_FEATURE,
     "classed": POSITIONS_CLASSED_FEATURE,
     "ulp": VALUES_ULP_FEATURE,
+    "ulp-shift": VALUES_ULP_SHIFT_FEATURE,
 }
 """The ``required_features`` entry each coding beyond ``rice``/``ranges``/``planes`` needs."""
 FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING_FEATURES.items()}
@@ -44,10 +47,13 @@ WRITER_FEATURES: frozenset[str] = frozenset(
     {*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE, IMPLICIT_PARENTS_FEATURE}
 )
 """Every feature a writer may be allowed."""
-BASELINE_FEATURES: frozenset[str] = frozenset({POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE})
+BASELINE_FEATURES: frozenset[str] = frozenset(
+    {POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE, VALUES_ULP_SHIFT_FEATURE}
+)
 """Features whose codings a reader decodes against the old bits it holds (FORMAT.md §3.6)."""
 BASELINE_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in BASELINE_FEATURES)
-"""Their codings (``classed``, ``ulp``): a writer codes them from the new bits of a change."""
+"""Their codings (``classed``, ``ulp``, ``ulp-shift``): a writer codes them from the new bits
+of a change."""
 T = TypeVar("T")
 
 _ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
@@ -115,6 +121,7 @@ __all__ = [
     "POSITIONS_CLASSED_FEATURE",
     "VALUES_RANS_FEATURE",
     "VALUES_ULP_FEATURE",
+    "VALUES_ULP_SHIFT_FEATURE",
     "WRITER_FEATURES",
     "allowed",
     "allowed_codings",

@@ -114,6 +114,23 @@ def _read_varint(
     raise ValuesError(f"rans values stream has a {what} varint too long; the shard is corrupt")
 
 
+_MAX_LENGTH_BYTES = 5  # a rANS part of 2**28 values of 8 bytes is below 2**31 bytes
+
+
+def length_bytes(value: int) -> bytes:
+    """The minimal varint of a length (at most 5 bytes, so below ``2**35``), as the streams
+    that carry a rANS part give its length (FORMAT.md §7.6)."""
+    if not 0 <= value < 1 << (7 * _MAX_LENGTH_BYTES):
+        raise ValueError(f"length {value} does not fit a varint of {_MAX_LENGTH_BYTES} bytes")
+    return _varint(value)
+
+
+def read_length(buf: memoryview, offset: int) -> tuple[int, int]:
+    """A length written by :func:`length_bytes` at ``offset``, and the offset after it;
+    a truncated, overlong or too long varint is a :class:`ValuesError`."""
+    return _read_varint(buf, offset, "length", _MAX_LENGTH_BYTES)
+
+
 _VARINT_ERRORS = {
     1: "is truncated in its {what}",
     2: "has a {what} varint too long",
@@ -546,7 +563,9 @@ __all__ = [
     "choose_model",
     "decode_rans",
     "encode_rans",
+    "length_bytes",
     "max_words",
     "quantize",
+    "read_length",
     "worth_trying",
 ]

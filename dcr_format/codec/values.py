@@ -16,15 +16,17 @@ innermost :func:`~dcr_format.codec.features.allowed_codings` block of the callin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import zstandard
 
-from dcr_format.codec import features, rans
+from dcr_format.codec import features, rans, ulp_shift
 from dcr_format.codec.dtypes import UNSIGNED_NP
 from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.codec.ulp import ULP
+from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.errors import ArgumentError, ValuesError
 
 PLANES = "planes"
@@ -46,28 +48,68 @@ def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> 
     return _encoded(bits, _rans_model(bits, _allowed(codings)))
 
 
-def encode_xor_values(xor: np.ndarray, differences: np.ndarray) -> tuple[str, bytes]:
-    """The values of an ``xor`` entry of a float tensor where the writer may use ``ulp``
-    (FORMAT.md §7.5): ``xor`` the XOR bits, ``differences`` the zigzag ulp differences of
-    the same elements (:func:`dcr_format.codec.ulp.to_ulp`). Returns (coding, stream), the
-    coding ``ulp`` or one :func:`encode_values` chooses for the XOR bits.
+def encode_xor_values(
+    xor: np.ndarray,
+    differences: np.ndarray,
+    *,
+    old: np.ndarray | None = None,
+    dtype: str | None = None,
+) -> tuple[str, bytes]:
+    """The values of an ``xor`` entry of a float tensor where the writer may use ``ulp`` or
+    ``ulp-shift`` (FORMAT.md §7.5-7.6): ``xor`` the XOR bits, ``differences`` the zigzag ulp
+    differences of the same elements (:func:`dcr_format.codec.ulp.to_ulp`), ``old`` their
+    old bits and ``dtype`` the tensor's dtype name (both needed for ``ulp-shift``). Returns
+    (coding, stream): ``ulp``, ``ulp-shift`` or what :func:`encode_values` chooses for the
+    XOR bits.
 
-    The models of both (§7.4 steps 1-2) are built and only the one of smaller estimate is
-    encoded: the estimates are exact to within a word, and coding both cost twice the rANS
-    time of a step. Where the XOR bits have no model (they would be ``planes``), the ulp
+    The models of every allowed coding are built (§7.4 steps 1-2) and only the one of least
+    estimate is encoded (the XOR bits, then ``ulp``, then ``ulp-shift`` on ties): the
+    estimates are exact to within a word, and coding each cost a step its rANS time again.
+    Where the XOR bits have no model (they would be ``planes``), a ``ulp`` or ``ulp-shift``
     stream must also beat those planes compressed at zstd level 1.
     """
     xor, differences = _unsigned(xor), _unsigned(differences)
-    ulp_model = _rans_model(differences, frozenset((RANS,)))
+    allowed = features.allowed()
     xor_model = _rans_model(xor, _allowed(None))
-    if ulp_model is None or (xor_model is not None and xor_model[1] <= ulp_model[1]):
+    best: tuple[float, str, Callable[[], bytes]] | None = None
+    if ULP in allowed:
+        ulp_model = _rans_model(differences, frozenset((RANS,)))
+        if ulp_model is not None:
+            model = ulp_model[0]
+            best = (ulp_model[1], ULP, lambda: rans.encode_rans(differences, model))
+    if ULP_SHIFT in allowed and old is not None and dtype is not None:
+        shifted = _shift_candidate(differences, _unsigned(old), dtype)
+        if shifted is not None and (best is None or shifted[0] < best[0]):
+            best = shifted
+    if best is None or (xor_model is not None and xor_model[1] <= best[0]):
         return _encoded(xor, xor_model)
-    coded = rans.encode_rans(differences, ulp_model[0])
+    coded = best[2]()
     if len(coded) < xor.size * xor.dtype.itemsize and (
         xor_model is not None or len(coded) < _zstd_estimate(to_planes(xor))
     ):
-        return ULP, coded
+        return best[1], coded
     return _encoded(xor, xor_model)
+
+
+def _shift_candidate(
+    differences: np.ndarray, old: np.ndarray, dtype: str
+) -> tuple[float, str, Callable[[], bytes]] | None:
+    """The ``ulp-shift`` candidate (FORMAT.md §7.6): its estimate and its encoder, or None
+    where no origin pays or the shifted differences have no model."""
+    origin = ulp_shift.choose_origin(old, differences, dtype)
+    if origin is None:
+        return None
+    y, low = ulp_shift.split(old, differences, origin, dtype)
+    model = _rans_model(y, frozenset((RANS,)))
+    if model is None:
+        return None
+    estimate = 2 + len(rans.length_bytes(math.ceil(model[1]))) + model[1] + len(low)
+    chosen = model[0]
+    return (
+        estimate,
+        ULP_SHIFT,
+        lambda: ulp_shift.assemble(origin, rans.encode_rans(y, chosen), low),
+    )
 
 
 def _allowed(codings: Iterable[str] | None) -> frozenset[str]:

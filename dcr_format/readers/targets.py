@@ -47,6 +47,7 @@ from dcr_format.errors import (
     TargetError,
     TargetLayoutError,
     TargetUnreadableError,
+    ValuesError,
 )
 from dcr_format.fingerprint import tensor_lanes
 
@@ -190,7 +191,8 @@ class Transaction(ABC):
 
     def resolved(self, change: Change) -> Change:
         """``change`` completed against the tensor it lands in where the writer coded it
-        against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp`` values, §7.5);
+        against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp`` and ``ulp-shift``
+        values, §7.5-7.6);
         the tensor then holds exactly those bits (changes apply in version order)."""
         if not change.delta.needs_target:
             return change
@@ -379,20 +381,21 @@ def _resolved(change: Change, old: torch.Tensor) -> Change:
     """``change`` completed against ``old`` (its tensor's bits before the change)."""
     try:
         return replace(change, delta=resolve(change.delta, old))
-    except PositionsError as exc:  # the stream checked out: the bits are not the parent's
+    except (PositionsError, ValuesError) as exc:  # the streams checked out: the bits are not
+        # the parent's (classed positions that do not decode, ulp-shift low bits that do not fit)
         raise BaselineMismatchError(
-            f"tensor {change.name!r} in the target is not the bits its positions were "
-            "coded against; it was changed outside dcr: pull into a fresh target"
+            f"tensor {change.name!r} in the target is not the bits its change was coded "
+            "against; it was changed outside dcr: pull into a fresh target"
         ) from exc
 
 
 def baseline_coding_error(name: str) -> BaselineCodingError:
-    """The error of a change coded against the old bits (``classed`` or ``ulp``) reaching a
-    target that cannot read ``name``'s canonical old bits."""
+    """The error of a change coded against the old bits (``classed``, ``ulp``, ``ulp-shift``)
+    reaching a target that cannot read ``name``'s canonical old bits."""
     return BaselineCodingError(
-        f"this version codes {name!r} against its old bits (positions-classed or "
-        "values-ulp), which this target cannot read; its reader record asks writers not to "
-        "from the next version: sync to that one, or from a base"
+        f"this version codes {name!r} against its old bits (positions-classed, "
+        "values-ulp or values-ulp-shift), which this target cannot read; its reader record "
+        "asks writers not to from the next version: sync to that one, or from a base"
     )
 
 

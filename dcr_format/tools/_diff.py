@@ -37,6 +37,7 @@ from dcr_format.codec.delta import FULL, XOR, DecodedDelta
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.codec.ulp import ULP
+from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.readers.reader import DeltaReader, _decode_entry
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Entry, Manifest
@@ -248,7 +249,8 @@ def _combine(
 
     Tensors that a whole ``full`` entry rewrote in between are left out (every element
     counts); a ``full`` piece (FORMAT.md §4.8) writes its region like an ``overwrite``.
-    So are tensors with ``classed`` positions or ``ulp`` values (FORMAT.md §6.5, §7.5): they
+    So are tensors with ``classed`` positions or ``ulp``/``ulp-shift`` values (FORMAT.md §6.5,
+    §7.5-7.6): they
     decode only against the tensor's bits, which this report does not materialise
     (``exact`` does).
     """
@@ -259,7 +261,7 @@ def _combine(
         for e in m.entries
         if (e.op == FULL and e.piece is None)
         or (e.positions is not None and e.positions.coding == CLASSED)
-        or (e.values is not None and e.values.coding == ULP)
+        or (e.values is not None and e.values.coding in (ULP, ULP_SHIFT))
     } & set(pending)
     wanted = set(pending) - rewritten
     touched = {

@@ -182,10 +182,11 @@ class DeltaWriter:
     they name as ``overwrite`` (readers whose load path casts or scales them).
 
     ``features`` (FORMAT.md §12; each makes the chain unreadable to readers without it):
-    ``values-rans`` (entropy-coded values), ``positions-classed`` and ``values-ulp``
-    (positions and values of ``xor`` entries coded against the old bits; not sent while a
-    reader record says its reader cannot read them), ``manifest-zstd`` (compressed
-    manifests). Each coding is used per tensor only where it is smaller.
+    ``values-rans`` (entropy-coded values), ``positions-classed``, ``values-ulp`` and
+    ``values-ulp-shift`` (positions and values of ``xor`` entries coded against the old
+    bits; not sent while a reader record says its reader cannot read them),
+    ``manifest-zstd`` (compressed manifests), ``implicit-parents`` (delta manifests without
+    parent fingerprints). Each coding is used per tensor only where it is smaller.
     """
 
     def __init__(

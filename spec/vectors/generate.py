@@ -575,6 +575,21 @@ def step_ulps(bits: np.ndarray, positions: np.ndarray, seed: int, width: int) ->
     return out.astype(bits.dtype)
 
 
+def float_family(*t: np.ndarray) -> State:
+    """The tensors of the ulp vectors: a bfloat16, float32, float16 and float64 tensor, a
+    second bfloat16 one and an int16 one (``t``: their bits; the float64 one's size is that
+    of its bits)."""
+    a, b, c, d, e, f = t
+    return {
+        "model.layers.0.mlp.gate_proj.weight": Spec("bfloat16", (64, 64), a),
+        "model.layers.0.self_attn.v_proj.weight": Spec("float32", (32, 32), b),
+        "model.layers.0.mlp.up_proj.weight": Spec("float16", (1024,), c),
+        "model.layers.0.master": Spec("float64", (d.size,), d),
+        "model.layers.0.self_attn.o_proj.weight": Spec("bfloat16", (32, 32), e),
+        "model.layers.0.steps": Spec("int16", (512,), f),
+    }
+
+
 def values_ulp() -> Vector:
     """Values as ulp differences from the old bits (feature ``values-ulp``, FORMAT.md §7.5)."""
     a0 = weights(601, "bfloat16", 64 * 64)
@@ -583,17 +598,6 @@ def values_ulp() -> Vector:
     d0 = weights(604, "float64", 256)
     e0 = weights(605, "bfloat16", 1024)
     f0 = uniform_bits(606, "int16", 512)
-
-    def state(*t: np.ndarray) -> State:
-        a, b, c, d, e, f = t
-        return {
-            "model.layers.0.mlp.gate_proj.weight": Spec("bfloat16", (64, 64), a),
-            "model.layers.0.self_attn.v_proj.weight": Spec("float32", (32, 32), b),
-            "model.layers.0.mlp.up_proj.weight": Spec("float16", (1024,), c),
-            "model.layers.0.master": Spec("float64", (256,), d),
-            "model.layers.0.self_attn.o_proj.weight": Spec("bfloat16", (32, 32), e),
-            "model.layers.0.steps": Spec("int16", (512,), f),
-        }
 
     # v1: one- and two-ulp steps of the four float dtypes (ulp wins); e changed by random
     # XORs (ulp loses: rans or planes); f an integer tensor (never ulp)
@@ -615,10 +619,10 @@ def values_ulp() -> Vector:
         "manifests stored compressed (manifest-zstd)",
         6,
         [
-            (0, state(a0, b0, c0, d0, e0, f0)),
-            (1, state(a1, b1, c1, d1, e1, f1)),
-            (2, state(a2, b1, c1, d1, e1, f1)),
-            (3, state(a2, b3, c1, d1, e1, f1)),
+            (0, float_family(a0, b0, c0, d0, e0, f0)),
+            (1, float_family(a1, b1, c1, d1, e1, f1)),
+            (2, float_family(a2, b1, c1, d1, e1, f1)),
+            (3, float_family(a2, b3, c1, d1, e1, f1)),
         ],
         features=("values-rans", "values-ulp", "manifest-zstd"),
     )
@@ -640,6 +644,84 @@ def implicit_parents() -> Vector:
     )
 
 
+_FIELDS = {
+    "bfloat16": (7, 0xFF),
+    "float16": (10, 0x1F),
+    "float32": (23, 0xFF),
+    "float64": (52, 0x7FF),
+}
+
+
+def step_scaled(
+    bits: np.ndarray, positions: np.ndarray, seed: int, dtype: str, origin: int
+) -> np.ndarray:
+    """A copy of float ``bits`` with each listed element moved by one update size: 1 to 3
+    units of ``2^s`` ulps plus ``s`` random low bits, up or down, ``s = min(mantissa + 1,
+    max(0, origin - e))`` for the old exponent ``e`` (the ulp distance of one step doubles
+    for each exponent below ``origin``)."""
+    width = BY_NAME[dtype].width
+    shift, mask = _FIELDS[dtype]
+    kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    top, ones = kind(1) << kind(8 * width - 1), ~kind(0)
+    out = bits.astype(kind)
+    x = out[positions]
+    e = ((x.astype(np.uint64) >> np.uint64(shift)) & np.uint64(mask)).astype(np.int64)
+    s = np.clip(origin - e, 0, shift + 1).astype(np.uint64)
+    r = raw(seed, positions.size)
+    units = np.uint64(1) + r % np.uint64(3)
+    low = (r >> np.uint64(8)) & ((np.uint64(1) << s) - np.uint64(1))
+    step = (units << s) + low
+    down = (r >> np.uint64(63)) == 1
+    u = (x ^ np.where(x & top, ones, top).astype(kind)).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        u = np.where(down, u - step, u + step).astype(kind)
+    out[positions] = u ^ np.where(u & top, top, ones).astype(kind)
+    return out.astype(bits.dtype)
+
+
+def values_ulp_shift() -> Vector:
+    """Values as ulp differences split by the old exponent (feature ``values-ulp-shift``,
+    FORMAT.md §7.6)."""
+    a0 = weights(701, "bfloat16", 64 * 64)
+    b0 = weights(702, "float32", 32 * 32)
+    c0 = weights(703, "float16", 1024)
+    d0 = weights(704, "float64", 512)
+    e0 = weights(705, "bfloat16", 1024)
+    f0 = uniform_bits(706, "int16", 512)
+
+    # v1: updates of one size in value for the four float dtypes (ulp-shift wins); one-ulp
+    # steps of e (no shift pays: ulp); f an integer tensor (rans)
+    a1 = step_scaled(a0, scattered(711, 4096, 300), 712, "bfloat16", 0x7C)
+    b1 = step_scaled(b0, scattered(713, 1024, 80), 714, "float32", 0x7C)
+    c1 = step_scaled(c0, scattered(715, 1024, 60), 716, "float16", 0x0C)
+    d1 = step_scaled(d0, scattered(717, 512, 60), 718, "float64", 0x3FC)
+    e1 = step_ulps(e0, scattered(719, 1024, 60), 720, 2)
+    f1 = flip(f0, scattered(721, 512, 30), 722, 0x3)
+    # v2: a again, with changes across zero, the smallest subnormals (shifts at the cap,
+    # 8 bits) and random XORs (large y beside the small ones)
+    a2 = put(a1, [0, 1, 2, 3], [0x0000, 0x8000, 0x0001, 0x8001])
+    a2 = step_scaled(
+        a2, np.concatenate([np.arange(4), scattered(731, 4096, 200, lo=8)]), 732, "bfloat16", 0x7C
+    )
+    a2 = flip(a2, np.array([4, 5, 6, 7]), 733, 0x7FFF)
+    # v3: a second step of d, decoded against the exponents v1 left
+    d3 = step_scaled(d1, scattered(741, 512, 90), 742, "float64", 0x3FB)
+    return Vector(
+        "values-ulp-shift",
+        "ulp-shift values (feature values-ulp-shift): updates of one size in value of "
+        "bfloat16, float16, float32 and float64 tensors, shifts at the cap and across zero, "
+        "ulp and rans next to ulp-shift",
+        8,
+        [
+            (0, float_family(a0, b0, c0, d0, e0, f0)),
+            (1, float_family(a1, b1, c1, d1, e1, f1)),
+            (2, float_family(a2, b1, c1, d1, e1, f1)),
+            (3, float_family(a2, b1, c1, d3, e1, f1)),
+        ],
+        features=("values-rans", "values-ulp", "values-ulp-shift"),
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -648,6 +730,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     positions_classed,
     values_ulp,
     implicit_parents,
+    values_ulp_shift,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -811,6 +894,8 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
                 facts.add("planes next to rans")
             if "ulp" in used and used & {"planes", "rans"}:
                 facts.add("ulp next to rans or planes")
+            if "ulp-shift" in used and used >= {"ulp", "rans"}:
+                facts.add("ulp-shift next to ulp and rans")
             placed = {e["positions"] for e in version["entries"].values() if e["positions"]}
             if placed >= {"rice", "classed"}:
                 facts.add("rice next to classed")
@@ -839,7 +924,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
     missing = []
     missing += sorted({"xor", "overwrite", "full"} - ops)
     missing += sorted({"rice", "ranges", "classed"} - codings)
-    missing += sorted({"planes", "rans", "ulp"} - value_codings)
+    missing += sorted({"planes", "rans", "ulp", "ulp-shift"} - value_codings)
     missing += sorted(set(BY_NAME) - dtypes)
     missing += sorted({"base", "delta"} - kinds)
     missing += sorted(
@@ -856,6 +941,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "rice next to classed",
             "ulp next to rans or planes",
             "implicit parents",
+            "ulp-shift next to ulp and rans",
         }
         - facts
     )

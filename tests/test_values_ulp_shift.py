@@ -1,0 +1,273 @@
+"""The ``values-ulp-shift`` feature (FORMAT.md §7.6): ulp differences whose low bits, the
+ones the old value's exponent adds, go raw; the rest rANS-coded. The compiled loops against
+the numpy reference, the writer's rules, hostile streams, and chains end to end (an edited
+target, manifests that break the rules and a reader without the feature are checked with
+``values-ulp``'s, in ``test_values_ulp.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_positions_classed import SHAPES, Trainer, equal, shard_bytes
+from test_values_ulp import value_codings
+
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format.chain import Chain
+from dcr_format.codec import features, rans, ulp, ulp_shift, values
+from dcr_format.codec.classed import EXPONENT_FIELDS
+from dcr_format.codec.delta import decode_delta, encode_tensor, resolve
+from dcr_format.codec.dtypes import info_for
+from dcr_format.errors import (
+    ValuesError,
+)
+from dcr_format.store import open_store
+
+FEATURES = ["values-rans", "values-ulp", "values-ulp-shift"]
+KINDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
+
+
+def scaled_change(
+    rng: np.random.Generator, dtype: str, n: int, origin: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Old bits of ``dtype`` over a range of exponents around ``origin`` (subnormals, zeros
+    and a few random patterns among them) and new bits one update size away: about
+    ``2^(origin - e)`` ulps, with random low bits, up or down (mostly one unit: one ulp at
+    and above ``origin``)."""
+    kind = KINDS[dtype]
+    width = np.dtype(kind).itemsize
+    shift, mask = EXPONENT_FIELDS[dtype]
+    exponents = np.clip(origin + rng.integers(-12, 4, n), 0, mask - 1).astype(np.uint64)
+    mantissa = rng.integers(0, 2**63, n, dtype=np.uint64) & np.uint64((1 << shift) - 1)
+    sign = rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(8 * width - 1)
+    old = (sign | (exponents << np.uint64(shift)) | mantissa).astype(kind)
+    old[:4] = np.array([0, 1 << (8 * width - 1), 1, (1 << (8 * width - 1)) + 1], dtype=kind)
+    s = np.clip(origin - exponents.astype(np.int64), 0, shift + 1).astype(np.uint64)
+    units = rng.choice(np.array([1, 1, 1, 1, 1, 2, 3], dtype=np.uint64), n)  # mostly 1
+    steps = (units << s) + (
+        rng.integers(0, 2**63, n, dtype=np.uint64) & ((np.uint64(1) << s) - np.uint64(1))
+    )
+    down = rng.integers(0, 2, n).astype(bool)
+    u = ulp._order(old, width).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        moved = np.where(down, u - steps, u + steps).astype(kind)
+    new = ulp._unorder(moved, width)
+    new[4:40] = rng.integers(0, 2**63, 36, dtype=np.uint64).astype(kind)  # any pattern
+    new[new == old] ^= kind(1)
+    return old, new
+
+
+@pytest.mark.parametrize("dtype", sorted(KINDS))
+def test_the_compiled_loops_equal_the_reference(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(len(dtype))
+    width = np.dtype(KINDS[dtype]).itemsize
+    origin = {"bfloat16": 120, "float16": 14, "float32": 120, "float64": 1015}[dtype]
+    old, new = scaled_change(rng, dtype, 20_000, origin)
+    z = ulp.to_ulp(old, new)
+    chosen = ulp_shift.choose_origin(old, z, dtype)
+    assert chosen is not None and abs(chosen - origin) <= 1
+    results = []
+    for kernels in ("", "torch"):  # compiled, then the numpy reference
+        monkeypatch.setenv("DCR_KERNELS", kernels)
+        for e0 in (chosen, 0, 1, EXPONENT_FIELDS[dtype][1] + 1):
+            y, low = ulp_shift.split(old, z, e0, dtype)
+            assert y.dtype == z.dtype
+            assert np.array_equal(ulp_shift.join(old, y, e0, low, dtype), z)
+            results.append((y.tobytes(), low, ulp_shift.choose_origin(old, z, dtype)))
+        shifts = ulp_shift.shifts_of(ulp_shift.exponents_of(old, dtype), chosen, dtype)
+        assert int(shifts.max()) == EXPONENT_FIELDS[dtype][0] + 1  # the cap is reached
+        y, low = ulp_shift.split(old, z, chosen, dtype)
+        assert len(low) == (int(shifts.sum()) + 7) // 8
+        assert int(y.astype(np.uint64).max()) < 1 << (8 * width)
+    assert results[:4] == results[4:]
+
+
+def test_the_spec_example() -> None:
+    """FORMAT.md §7.6's example: origin 125, shifts 0, 1 and 2."""
+    old = np.array([0x3E80, 0x3E00, 0x3D80], dtype=np.uint16)
+    new = np.array([0x3E82, 0x3E05, 0x3D7D], dtype=np.uint16)
+    z = ulp.to_ulp(old, new)
+    y, low = ulp_shift.split(old, z, 125, "bfloat16")
+    assert y.tolist() == [4, 4, 1] and low == b"\x03"
+    assert np.array_equal(ulp_shift.join(old, y, 125, low, "bfloat16"), z)
+
+
+def test_the_origin_is_the_rule_evaluated_one_origin_at_a_time() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(40):
+        dtype = ("bfloat16", "float16", "float32")[trial % 3]
+        shift, mask = EXPONENT_FIELDS[dtype]
+        n = int(rng.integers(1, 3000))
+        exponents = rng.integers(max(0, mask // 2 - 8), mask // 2 + 8, n).astype(np.uint64)
+        old = (exponents << np.uint64(shift)).astype(KINDS[dtype])
+        # below a random exponent the changes are mostly larger than one ulp
+        cut = int(rng.integers(mask // 2 - 6, mask // 2 + 6))
+        far = rng.random(n) < np.where(exponents.astype(np.int64) < cut, 0.8, 0.2)
+        z = np.where(far, rng.integers(3, 40, n), rng.integers(1, 3, n)).astype(KINDS[dtype])
+        gains = {}
+        for e0 in range(1, mask + 2):
+            below = exponents.astype(np.int64) < e0
+            gains[e0] = int(below.sum()) - 2 * int((below & (z <= 2)).sum())
+        best = max(gains.values())
+        expected = min(e for e, g in gains.items() if g == best) if best > 0 else None
+        assert ulp_shift.choose_origin(old, z, dtype) == expected
+    # every change one ulp away: no shift pays
+    old = np.full(100, 0x3C00, dtype=np.uint16)
+    assert ulp_shift.choose_origin(old, np.full(100, 2, np.uint16), "bfloat16") is None
+
+
+def test_the_writer_codes_the_candidate_of_least_estimate() -> None:
+    rng = np.random.default_rng(8)
+    old, new = scaled_change(rng, "bfloat16", 5000, 120)
+    one_ulp = ulp._unorder((ulp._order(old, 2) + np.uint16(1)).astype(np.uint16), 2)
+    for after, expected in ((new, "ulp-shift"), (one_ulp, "ulp")):
+        xor, z = old ^ after, ulp.to_ulp(old, after)
+        with features.allowed_codings(FEATURES):
+            coding, stream = values.encode_xor_values(xor, z, old=old, dtype="bfloat16")
+        assert coding == expected
+        with features.allowed_codings(("values-rans", "values-ulp")):
+            plain = values.encode_xor_values(xor, z)
+        assert len(stream) <= len(plain[1])
+        if expected == "ulp-shift":
+            assert len(stream) < 0.9 * len(plain[1])
+            parsed = ulp_shift.parse(stream, count=old.size, width=2, dtype="bfloat16")
+            y = rans.decode_rans(parsed.coded, count=old.size, width=2)
+            back = ulp_shift.join(old, y, parsed.origin, parsed.low, "bfloat16")
+            assert np.array_equal(back, z)
+    # not allowed, or no old bits given: never ulp-shift
+    xor, z = old ^ new, ulp.to_ulp(old, new)
+    with features.allowed_codings(("values-rans", "values-ulp")):
+        assert values.encode_xor_values(xor, z, old=old, dtype="bfloat16")[0] == "ulp"
+    with features.allowed_codings(FEATURES):
+        assert values.encode_xor_values(xor, z)[0] == "ulp"
+
+
+def _stream() -> tuple[np.ndarray, np.ndarray, bytes]:
+    rng = np.random.default_rng(13)
+    old, new = scaled_change(rng, "bfloat16", 400, 122)
+    z = ulp.to_ulp(old, new)
+    with features.allowed_codings(FEATURES):
+        coding, stream = values.encode_xor_values(old ^ new, z, old=old, dtype="bfloat16")
+    assert coding == "ulp-shift"
+    return old, z, stream
+
+
+def _decoded(old: np.ndarray, stream: bytes) -> np.ndarray:
+    parsed = ulp_shift.parse(stream, count=old.size, width=2, dtype="bfloat16")
+    y = rans.decode_rans(parsed.coded, count=old.size, width=2)
+    return ulp_shift.join(old, y, parsed.origin, parsed.low, "bfloat16")
+
+
+@pytest.mark.parametrize("kernels", ["", "torch"])
+def test_hostile_streams_are_refused(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DCR_KERNELS", kernels)
+    old, z, stream = _stream()
+    assert np.array_equal(_decoded(old, stream), z)
+    parsed = ulp_shift.parse(stream, count=old.size, width=2, dtype="bfloat16")
+    head = stream[: len(stream) - len(parsed.low)]
+    low = bytes(parsed.low)
+    origin = int.from_bytes(stream[:2], "little")
+    assert 0 < origin <= 256 and len(low) > 1
+    broken = {
+        "as long as planes": stream + bytes(2 * old.size - len(stream)),
+        "header cut": stream[:1],
+        "origin past the exponents": (257).to_bytes(2, "little") + stream[2:],
+        "length past the end": stream[:2] + rans.length_bytes(len(stream)) + stream[3:],
+        "overlong length": stream[:2] + b"\x80\x80\x80\x80\x80\x01" + stream[3:],
+        "low bits cut": head + low[:-1],
+        "a byte after the low bits": head + low + b"\x00",
+        "a padding bit set": head + low[:-1] + bytes([low[-1] | 0x80]),
+    }
+    total = int(
+        ulp_shift.shifts_of(ulp_shift.exponents_of(old, "bfloat16"), origin, "bfloat16").sum()
+    )
+    if total % 8 == 0:  # no padding bits to set: the last case says nothing
+        del broken["a padding bit set"]
+    for name, data in broken.items():
+        with pytest.raises(ValuesError):
+            _decoded(old, data)
+        assert name
+    # a shifted value too large for its element's shift (y >= 2^(16 - s))
+    y = rans.decode_rans(parsed.coded, count=old.size, width=2)
+    shifts = ulp_shift.shifts_of(ulp_shift.exponents_of(old, "bfloat16"), origin, "bfloat16")
+    k = int(np.argmax(shifts))
+    y = y.copy()
+    y[k] = np.uint16(0xFFFF)
+    with pytest.raises(ValuesError, match="too large"):
+        ulp_shift.join(old, y, origin, low, "bfloat16")
+
+
+def test_decode_refuses_ulp_shift_where_ulp_cannot_be() -> None:
+    stream = _stream()[2]
+    info = info_for(torch.bfloat16)
+    for op in ("overwrite", "full"):
+        with pytest.raises(ValuesError, match="xor entries"):
+            decode_delta(op, info, 400, 400, positions=None, values=("ulp-shift", stream))
+    with pytest.raises(ValuesError, match="xor entries"):
+        decode_delta(
+            "xor", info_for(torch.int16), 400, 400, positions=None, values=("ulp-shift", stream)
+        )
+
+
+def test_a_tensor_round_trips_through_encode_decode_and_resolve() -> None:
+    gen = torch.Generator().manual_seed(4)
+    for dtype, mantissa in ((torch.bfloat16, 7), (torch.float16, 10), (torch.float32, 23)):
+        old = (torch.randn(50_000, generator=gen) * 0.02).to(dtype)
+        step = 0.06 * 2.0**-mantissa  # a few ulps of the typical weight, more of small ones
+        moved = old.double() + step * torch.randn(50_000, generator=gen, dtype=torch.float64)
+        keep = torch.rand(50_000, generator=gen) < 0.97
+        new = torch.where(keep, old, moved.to(dtype))
+        with features.allowed_codings(FEATURES):
+            enc = encode_tensor(new, old)
+        assert enc.values_coding == "ulp-shift", dtype
+        assert enc.positions is not None and enc.values is not None
+        delta = decode_delta(
+            "xor",
+            info_for(dtype),
+            new.numel(),
+            enc.changed,
+            positions=(str(enc.positions_coding), enc.positions),
+            values=("ulp-shift", enc.values),
+        )
+        assert delta.needs_target and delta.shift is not None
+        target = old.clone()
+        done = resolve(delta, target)
+        assert done.shift is None and not done.needs_target
+        bits = info_for(dtype).bits_dtype
+        flat = target.view(bits).reshape(-1)
+        assert done.positions is not None
+        flat[done.positions] ^= done.values
+        assert torch.equal(target.view(bits), new.view(bits))
+
+
+def test_ulp_shift_chain_is_smaller_and_reads_back_exactly(tmp_path: Path) -> None:
+    plain_store, shift_store = tmp_path / "ulp", tmp_path / "shift"
+    plain = DeltaWriter(plain_store, features=["values-rans", "values-ulp"])
+    coded = DeltaWriter(shift_store, features=FEATURES)
+    trainer = Trainer(16, SHAPES, lr=1e-4)
+    states = [trainer.state()]
+    for writer in (plain, coded):
+        writer.publish(states[0])
+    reader = DeltaReader(shift_store, target := StateDictTarget({}))
+    reader.sync()
+    for version in range(1, 4):
+        states.append(trainer.step())
+        for writer in (plain, coded):
+            writer.publish(states[-1])
+        if version == 2:
+            reader.apply(reader.prepare())  # staged: the values joined before the pause
+        else:
+            reader.sync()
+        assert equal(target.tensors, states[-1])
+    assert value_codings(shift_store, 3)["a.weight"] == "ulp-shift"
+    record = Chain(open_store(shift_store)).record(3).record
+    assert "values-ulp-shift" in record.required_features
+    assert shard_bytes(shift_store, 3) < 0.95 * shard_bytes(plain_store, 3)
+    fresh = StateDictTarget({})
+    DeltaReader(shift_store, fresh).sync(to=0)
+    assert DeltaReader(shift_store, fresh).sync().applied_versions == (1, 2, 3)
+    assert equal(fresh.tensors, states[-1])
