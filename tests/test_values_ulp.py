@@ -235,3 +235,88 @@ def test_a_reader_without_the_feature_refuses_the_version(
     with pytest.raises(UnsupportedFeatureError, match=feature):
         DeltaReader(store, target).sync()
     assert target.resident().version == 0
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_the_fused_ulp_apply_equals_xor_bits_applied(width: int) -> None:
+    """On the CPU a ulp change is applied in one pass (old bits read, stepped, new bits
+    written, lanes summed): the same bits, before/after and lane deltas as turning the
+    differences into XOR bits first and applying those; staging gives the same too."""
+    from dcr_format.cuda import dispatch
+
+    torch_kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
+    rng = np.random.default_rng(30 + width)
+    old = rng.integers(0, 2**63, 50_000, dtype=np.uint64).astype(kind)
+    positions = np.sort(rng.choice(old.size, 900, replace=False)).astype(np.int64)
+    z = rng.integers(0, 2**63, positions.size, dtype=np.uint64).astype(kind)
+    z[:300] = rng.integers(1, 5, 300).astype(kind)  # small steps, and any pattern
+    flat = torch.from_numpy(old.copy()).view(torch_kind)
+    where = torch.from_numpy(positions)
+    values = torch.from_numpy(z.copy()).view(torch_kind)
+    assert dispatch.fuses_ulp(flat, where)
+    expected = flat.clone()
+    xor = torch.from_numpy(ulp.xor_of_ulp(old, positions, z)).view(torch_kind)
+    before_x, lanes_x = dispatch.apply_with_lanes(expected, where, xor, op="xor")
+    staged = dispatch.stage_change(flat, where, values, op="ulp")
+    before, after, lanes = dispatch.apply_ulp_with_lanes(flat, where, values)
+    assert torch.equal(flat, expected) and torch.equal(before, before_x)
+    assert torch.equal(after, before_x ^ xor) and lanes == lanes_x
+    assert torch.equal(staged[0], before) and torch.equal(staged[1], after)
+    assert staged[2] == lanes
+    for bad in (
+        lambda: dispatch.scatter(flat, where, values, op="ulp"),
+        lambda: dispatch.apply_with_lanes(flat, where, values, op="ulp"),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+    # a position past the end: refused, nothing applied
+    past = torch.cat([where[:-1], torch.tensor([old.size], dtype=torch.int64)])
+    kept = flat.clone()
+    with pytest.raises(IndexError):
+        dispatch.apply_ulp_with_lanes(flat, past, values)
+    assert torch.equal(flat, kept)
+
+
+@pytest.mark.parametrize("kernels", ["", "torch"])
+def test_a_resolved_ulp_change_applies_stages_and_undoes(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """resolve() leaves a ulp change as differences where the kernels fuse the step with the
+    write (else it gives XOR bits); apply_change, stage_change and undo_delta take either,
+    also a fused-ready change met where the kernels are off."""
+    from dcr_format.codec import delta as d
+    from dcr_format.codec.dtypes import info_for
+
+    monkeypatch.setenv("DCR_KERNELS", kernels)
+    gen = torch.Generator().manual_seed(2)
+    old = (torch.randn(40_000, generator=gen) * 0.02).bfloat16()
+    new = (old.float() + 1e-4 * torch.randn(40_000, generator=gen)).bfloat16()
+    new = torch.where(torch.rand(40_000, generator=gen) < 0.95, old, new)
+    with features.allowed_codings(FEATURES):
+        enc = d.encode_tensor(new, old)
+    assert enc.values_coding == "ulp" and enc.positions and enc.values
+    decoded = d.decode_delta(
+        "xor",
+        info_for(torch.bfloat16),
+        new.numel(),
+        enc.changed,
+        positions=(str(enc.positions_coding), enc.positions),
+        values=("ulp", enc.values),
+    )
+    resolved = d.resolve(decoded, old)
+    assert resolved.ulp == (kernels == "")
+    again = d.resolve(resolved, old)  # idempotent
+    assert torch.equal(again.values, resolved.values) and again.ulp == resolved.ulp
+    for mode in ("", "torch"):  # then with the kernels as resolve() found them, or not
+        monkeypatch.setenv("DCR_KERNELS", mode)
+        target = old.clone()
+        staged = d.stage_change(target, resolved)
+        assert torch.equal(target.view(torch.int16), old.view(torch.int16))
+        done = d.apply_change(target, resolved)
+        assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+        assert done.before is not None
+        assert torch.equal(d.after_bits(resolved, done.before), staged.after)
+        assert done.lane_deltas == staged.lane_deltas
+        d.undo_delta(target, resolved, done.saved)
+        assert torch.equal(target.view(torch.int16), old.view(torch.int16))

@@ -37,6 +37,9 @@ import numpy as np
 from numba import njit, prange
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
+from dcr_format.codec._native_ulp import limits as _ulp_limits
+from dcr_format.codec._native_ulp import stepped as _ulp_stepped
+
 # --- fingerprint constants (dcr_format.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
 _P1 = np.uint64(2147483629)
@@ -54,6 +57,7 @@ _ZERO = np.uint64(0)
 _MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
 _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
 _CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
+_GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of changing them
 
 _LOCK = threading.Lock()  # held around every parallel kernel launch
 _NUMBA: Any = numba  # threading_layer() is numba's API, not in its stubs' exports
@@ -567,13 +571,20 @@ def _gather_tasks(
 # --- fused apply -----------------------------------------------------------------------
 
 
+OVERWRITE_MODE, XOR_MODE, ULP_MODE = 0, 1, 2
+"""How a change's values make the new bits: they are the new bits, ``old ^ v``, or the
+zigzag ulp difference from the old bits (``values-ulp``, FORMAT.md §7.5)."""
+
+
 @njit(cache=True, inline="always")
 def _change_task(  # type: ignore[no-untyped-def]
-    c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+    c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
 ):
     """Chunk ``c`` of the positions: the bits before (into ``before``) and after (into
-    ``after`` unless it is empty), written into ``flat`` with ``write``, and the lane sums."""
+    ``after`` unless it is empty), written into ``flat`` with ``write``, and the lane sums;
+    ``mode`` says how the values make the bits after (:data:`XOR_MODE` ...)."""
     n = flat.shape[0]
+    top, ones = _ulp_limits(flat.itemsize)
     want_after = after.shape[0] != 0
     lo = c * _CHUNK
     hi = min(lo + _CHUNK, pos.shape[0])
@@ -582,44 +593,63 @@ def _change_task(  # type: ignore[no-untyped-def]
     a2 = _ZERO
     pos_c, values_c, before_c = pos[lo:hi], values[lo:hi], before[lo:hi]
     after_c = after[lo:hi] if want_after else after
-    for j in range(pos_c.shape[0]):
-        p = pos_c[j]
-        if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
-            bad[c] = 1  # never written
-            continue
-        i = np.uint64(p - base)
-        b = flat[i]
-        a = b ^ values_c[j] if is_xor else values_c[j]
-        if write:
-            flat[i] = a
-        before_c[j] = b
-        if want_after:
-            after_c[j] = a
-        if lanes:
-            r = np.uint64(p & _MASK30) + _ONE
-            a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(b), np.uint64(a), r, lanes, table)
+    m = pos_c.shape[0]
+    for s in range(0, m, _GATHER_BLOCK):
+        # a tight loop reads the old bits first: its cache misses overlap, where the loop
+        # below (lanes, ulp steps) keeps few loads in flight; the block's lines then stay
+        # in cache for the writes
+        e = min(s + _GATHER_BLOCK, m)
+        for j in range(s, e):
+            p = pos_c[j]
+            if p - base >= 0 and p - base < n:
+                before_c[j] = flat[np.uint64(p - base)]
+        for j in range(s, e):
+            p = pos_c[j]
+            if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
+                bad[c] = 1  # never written
+                continue
+            i = np.uint64(p - base)
+            b = before_c[j]
+            a = _after(b, values_c[j], mode, top, ones)
+            if write:
+                flat[i] = a
+            if want_after:
+                after_c[j] = a
+            if lanes:
+                r = np.uint64(p & _MASK30) + _ONE
+                a0, a1, a2 = _lane_add(a0, a1, a2, np.uint64(b), a, r, lanes, table)
     lane_out[c, 0] = a0 % _P0
     lane_out[c, 1] = a1 % _P1
     lane_out[c, 2] = a2 % _P2
 
 
+@njit(cache=True, inline="always")
+def _after(b, v, mode, top, ones):  # type: ignore[no-untyped-def]
+    """The bits (uint64) a change of ``mode`` with value ``v`` makes of the bits ``b``."""
+    if mode == XOR_MODE:
+        return np.uint64(b ^ v)
+    if mode == ULP_MODE:
+        return _ulp_stepped(np.uint64(b), np.uint64(v), top, ones)
+    return np.uint64(v)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _change(flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+def _change(flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
     """Apply or stage a change, its chunks of positions in parallel."""
     for c in prange(lane_out.shape[0]):
         _change_task(
-            c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+            c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
         )
 
 
 @njit(cache=True, nogil=True)
 def _change_serial(  # type: ignore[no-untyped-def]
-    flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+    flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
 ):
     """Apply or stage a change in this thread (see :func:`_launch`)."""
     for c in range(lane_out.shape[0]):
         _change_task(
-            c, flat, pos, values, base, is_xor, write, before, after, lanes, table, lane_out, bad
+            c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
         )
 
 
@@ -628,17 +658,18 @@ def apply(
     pos: np.ndarray,
     values: np.ndarray,
     base: int,
-    is_xor: bool,
-    before: np.ndarray,
+    mode: int,
+    out: tuple[np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
 ) -> tuple[bool, tuple[int, ...]]:
-    """In place ``flat[p - base] ^= v`` or ``= v``; the old bits into ``before``.
+    """In place ``flat[p - base] ^= v``, ``= v`` or one ulp difference ``v`` further
+    (``mode``); ``out`` = (the old bits, the new bits where that array is not empty).
 
     Returns (all positions were in range, lane deltas). Out-of-range positions are
     skipped, never written.
     """
-    return _run_change(flat, pos, values, base, is_xor, True, (before, before[:0]), table, lanes)
+    return _run_change(flat, pos, values, base, mode, True, out, table, lanes)
 
 
 def _run_change(
@@ -646,7 +677,7 @@ def _run_change(
     pos: np.ndarray,
     values: np.ndarray,
     base: int,
-    is_xor: bool,
+    mode: int,
     write: bool,
     out: tuple[np.ndarray, np.ndarray],
     table: np.ndarray,
@@ -655,7 +686,7 @@ def _run_change(
     chunks = -(-pos.shape[0] // _CHUNK)
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
-    args = (flat, pos, values, base, is_xor, write, out[0], out[1], lanes, table, lane_out, bad)
+    args = (flat, pos, values, base, mode, write, out[0], out[1], lanes, table, lane_out, bad)
     _launch(_change, _change_serial, chunks, *args)
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
@@ -665,14 +696,15 @@ def stage(
     pos: np.ndarray,
     values: np.ndarray,
     base: int,
-    is_xor: bool,
+    mode: int,
     out: tuple[np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
 ) -> tuple[bool, tuple[int, ...]]:
-    """Read, never write: ``out`` = (bits of ``flat`` at ``pos - base``, those bits ``^ v``
-    or ``v``), and the lane deltas of that change. Returns (all positions in range, deltas)."""
-    return _run_change(flat, pos, values, base, is_xor, False, out, table, lanes)
+    """Read, never write: ``out`` = (bits of ``flat`` at ``pos - base``, the bits the change
+    puts there under ``mode``), and the lane deltas of that change. Returns (all positions
+    in range, deltas)."""
+    return _run_change(flat, pos, values, base, mode, False, out, table, lanes)
 
 
 # --- Rice ------------------------------------------------------------------------------

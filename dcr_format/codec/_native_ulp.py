@@ -17,7 +17,7 @@ _ZERO = np.uint64(0)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _limits(itemsize: int) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
+def limits(itemsize: int) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
     """The top bit and all bits of an unsigned integer of ``itemsize`` bytes (as uint64)."""
     top = _ONE << (np.uint64(8 * itemsize) - _ONE)
     return top, (top - _ONE) | top
@@ -40,7 +40,7 @@ def _zigzag(
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _stepped(
+def stepped(
     before: np.uint64, z: np.uint64, top: np.uint64, ones: np.uint64
 ) -> np.uint64:  # pragma: no cover - compiled
     """The bits whose zigzag difference from ``before`` is ``z`` (the inverse of
@@ -54,7 +54,7 @@ def _stepped(
 def to_ulp(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the zigzag of ``u(new[k]) - u(old[k])`` (FORMAT.md §7.5), all three
     unsigned arrays of one width."""
-    top, ones = _limits(old.itemsize)
+    top, ones = limits(old.itemsize)
     for k in range(old.size):
         out[k] = _zigzag(np.uint64(old[k]), np.uint64(new[k]), top, ones)
 
@@ -63,9 +63,9 @@ def to_ulp(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> None:  # pragma
 def from_ulp(old: np.ndarray, z: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the new bits whose zigzag ulp difference from ``old[k]`` is ``z[k]``
     (the inverse of :func:`to_ulp`)."""
-    top, ones = _limits(old.itemsize)
+    top, ones = limits(old.itemsize)
     for k in range(old.size):
-        out[k] = _stepped(np.uint64(old[k]), np.uint64(z[k]), top, ones)
+        out[k] = stepped(np.uint64(old[k]), np.uint64(z[k]), top, ones)
 
 
 @njit(cache=True, nogil=True)
@@ -75,7 +75,7 @@ def ulp_of_change(
     """The writer's side in one loop: ``out[k]`` = :func:`to_ulp` of the old bits
     ``new[p] ^ xor[k]`` and the new bits ``new[p]`` at ``p = positions[k]`` (no gathered
     copy of either)."""
-    top, ones = _limits(new.itemsize)
+    top, ones = limits(new.itemsize)
     for k in range(positions.size):
         after = np.uint64(new[positions[k]])
         out[k] = _zigzag(after ^ np.uint64(xor[k]), after, top, ones)
@@ -87,10 +87,10 @@ def xor_of_ulp(
 ) -> None:  # pragma: no cover - compiled
     """The reader's side in one loop: ``out[k]`` = the XOR bits that take ``old[p]`` to
     :func:`from_ulp` of it and ``z[k]``, at ``p = positions[k]`` (each below ``old.size``)."""
-    top, ones = _limits(old.itemsize)
+    top, ones = limits(old.itemsize)
     for k in range(positions.size):
         before = np.uint64(old[positions[k]])
-        out[k] = before ^ _stepped(before, np.uint64(z[k]), top, ones)
+        out[k] = before ^ stepped(before, np.uint64(z[k]), top, ones)
 
 
 # --- ulp-shift (FORMAT.md §7.6): the writer's counts and split, the reader's join ---
@@ -136,7 +136,7 @@ def split_shifted(
     """``y[k] = zigzag(d_k >> s_k)`` and the ``s_k`` low bits of every ``d_k`` packed into
     ``low`` (uint8, at least ``ceil(sum(s_k) / 8)`` bytes) from the zigzag ulp differences
     ``z`` of the old bits ``old``; returns the bytes of ``low`` used."""
-    top, ones = _limits(old.itemsize)
+    top, ones = limits(old.itemsize)
     acc, held, used = _ZERO, _ZERO, 0
     for k in range(old.size):
         s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
@@ -176,7 +176,7 @@ def join_shifted(
     """The inverse of :func:`split_shifted`: ``z[k]`` the zigzag ulp differences. Returns 0,
     or 1 for a ``y_k`` too large for its shift, 2 for low bits that end early, 3 for bytes
     or nonzero padding bits after them (FORMAT.md §7.6)."""
-    top, ones = _limits(old.itemsize)
+    top, ones = limits(old.itemsize)
     width = np.uint64(8 * old.itemsize)
     acc, held, used = _ZERO, _ZERO, 0
     for k in range(old.size):

@@ -71,7 +71,9 @@ class DecodedDelta:
     # xor positions coded against the old bits, until :func:`resolve` finds them
     classed: ClassedStream | None = None
     # the values are zigzag ulp differences against the old bits (``ulp``), until
-    # :func:`resolve` turns them into XOR bits
+    # :func:`resolve` turns them into XOR bits; on the CPU with the compiled kernels it leaves
+    # them, and :func:`apply_change` and :func:`stage_change` read the old bits, step them and
+    # write the new ones in one pass
     ulp: bool = False
     # ``ulp-shift``: the values are the shifted differences, and these the stream's origin
     # and packed low bits (FORMAT.md §7.6), which :func:`resolve` joins them with
@@ -372,6 +374,8 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     if delta.ulp:
         if positions.numel() and int(positions[-1]) >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
+        if delta.shift is None and dispatch.fuses_ulp(flat, positions):
+            return DecodedDelta(delta.op, positions, values, ulp=True)  # applied as it is
         z = bits_to_numpy(dispatch.to_host(values))
         if delta.shift is not None:  # the shifts come from the old bits' exponents
             if flat.device.type == "cpu":
@@ -397,6 +401,37 @@ class AppliedBits:
     saved: torch.Tensor | None  # what :func:`undo_delta` needs (old bits for overwrite/full)
     before: torch.Tensor | None  # xor/overwrite: the bits at the positions before the change
     lane_deltas: tuple[int, ...] | None  # xor/overwrite: the change's fingerprint lane deltas
+    after: torch.Tensor | None = None  # ulp: the bits the change wrote (else see after_bits)
+
+
+def _ready_ulp(delta: DecodedDelta) -> torch.Tensor:
+    """The positions of a ``ulp`` change that applies as it is (resolved: no classes or
+    shifts left), refusing any other delta that still needs its target."""
+    if delta.classed is not None or delta.shift is not None or delta.positions is None:
+        raise ValueError("resolve() the change against its target before applying it")
+    return delta.positions
+
+
+def _as_xor(delta: DecodedDelta, flat: torch.Tensor) -> DecodedDelta:
+    """A resolved ``ulp`` change as XOR bits against ``flat`` (where the kernels do not fuse
+    the step with the write)."""
+    positions = _ready_ulp(delta)
+    before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+    z = bits_to_numpy(dispatch.to_host(delta.values))
+    xor = numpy_to_bits(before ^ from_ulp(before, z), info_for(flat.dtype))
+    return DecodedDelta(delta.op, positions, dispatch.to_device(xor, delta.values.device))
+
+
+def after_bits(delta: DecodedDelta, before: torch.Tensor) -> torch.Tensor:
+    """The bits a resolved ``xor``/``overwrite``/``ulp`` change puts at its positions, given
+    the bits ``before`` there."""
+    values = delta.values.to(before.device)
+    if delta.ulp:
+        z = bits_to_numpy(dispatch.to_host(values))
+        old = bits_to_numpy(dispatch.to_host(before))
+        new = numpy_to_bits(from_ulp(old, z), info_for(before.dtype))
+        return dispatch.to_device(new, before.device)
+    return before ^ values if delta.op == XOR else values
 
 
 def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True) -> AppliedBits:
@@ -406,6 +441,17 @@ def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = Tru
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
+    if delta.ulp:  # old bits read, stepped and written in one pass where the kernels can
+        positions = _ready_ulp(delta).to(flat.device)
+        if not dispatch.fuses_ulp(flat, positions):
+            xor = _as_xor(delta, flat)
+            done = apply_change(target, xor, lanes=lanes)
+            assert done.before is not None
+            after = done.before ^ xor.values.to(done.before.device)
+            return AppliedBits(done.before, done.before, done.lane_deltas, after)
+        z = dispatch.to_device(delta.values, flat.device)
+        before, after, lane_deltas = dispatch.apply_ulp_with_lanes(flat, positions, z, lanes=lanes)
+        return AppliedBits(before, before, lane_deltas if lanes else None, after)
     values = dispatch.to_device(delta.values, flat.device)
     if delta.op == FULL:
         if values.numel() != flat.numel():
@@ -444,10 +490,13 @@ def stage_change(target: torch.Tensor, delta: DecodedDelta) -> StagedChange:
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
+    if delta.ulp and not dispatch.fuses_ulp(flat, _ready_ulp(delta)):
+        delta = _as_xor(delta, flat)
     assert delta.positions is not None
     positions = dispatch.to_device(delta.positions, flat.device)
     values = dispatch.to_device(delta.values, flat.device)
-    before, after, lane_deltas = dispatch.stage_change(flat, positions, values, op=delta.op)
+    op = ULP if delta.ulp else delta.op
+    before, after, lane_deltas = dispatch.stage_change(flat, positions, values, op=op)
     return StagedChange(positions, before, after, lane_deltas)
 
 
@@ -477,7 +526,7 @@ def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | 
         return
     assert delta.positions is not None
     positions = dispatch.to_device(delta.positions, flat.device)
-    if delta.op == XOR:
+    if delta.op == XOR and not delta.ulp:  # (a ulp change saved the bits it replaced)
         dispatch.scatter(flat, positions, dispatch.to_device(delta.values, flat.device), op=XOR)
     else:
         assert saved is not None
@@ -493,6 +542,7 @@ __all__ = [
     "DecodedDelta",
     "EncodedTensor",
     "StagedChange",
+    "after_bits",
     "apply_change",
     "apply_delta",
     "changed_positions",

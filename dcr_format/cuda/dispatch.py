@@ -354,6 +354,8 @@ def scatter(
     Returns the old bits at the positions when ``save`` (else None). ``flat`` must be a
     contiguous flat view; ``positions`` and ``values`` on its device.
     """
+    if op == ULP:
+        raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
     native = _native_apply_for(flat, positions, values, op)
     if native is not None:
         old = _native_apply(native, flat, positions, values, op=op, base=base, lanes=False)[0]
@@ -387,9 +389,19 @@ def _native_apply_for(
     flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, op: str
 ) -> ModuleType | None:
     """The compiled kernels where they can apply this change in place, else None (the
-    backend is Triton, or the tensors are not theirs); ``ValueError`` for an unknown op."""
-    if op not in (XOR, OVERWRITE):
+    backend is Triton, or the tensors are not theirs); ``ValueError`` for an unknown op, or
+    for ``ulp`` where they cannot apply it (:func:`fuses_ulp`)."""
+    if op not in (XOR, OVERWRITE, ULP):
         raise ValueError(f"scatter op must be {XOR!r} or {OVERWRITE!r}, not {op!r}")
+    native = _native_apply_candidate(flat, positions, values)
+    if op == ULP and native is None:
+        raise ValueError("ulp changes apply only through the compiled CPU kernels (fuses_ulp)")
+    return native
+
+
+def _native_apply_candidate(
+    flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
+) -> ModuleType | None:
     if backend_for(flat, positions, values) != TORCH:
         return None
     if positions.dtype != torch.int64 or values.dtype != flat.dtype:
@@ -407,6 +419,20 @@ def _check_bounds(positions: torch.Tensor, base: int, numel: int) -> None:
         raise IndexError(f"position {bad} is out of range for {numel} elements at offset {base}")
 
 
+ULP = "ulp"
+"""The op of a change whose values are zigzag ulp differences from the old bits (FORMAT.md
+§7.5): only the compiled CPU kernels apply it (:func:`fuses_ulp`), reading the old bits,
+writing the new ones and summing the lane deltas in one pass."""
+_MODES = {OVERWRITE: 0, XOR: 1, ULP: 2}  # the compiled kernels' modes (codec/_native.py)
+
+
+def fuses_ulp(flat: torch.Tensor, positions: torch.Tensor) -> bool:
+    """Whether :func:`apply_with_lanes` and :func:`stage_change` take ``op="ulp"`` for these
+    tensors (the compiled CPU kernels apply them), so a reader need not turn ulp differences
+    into XOR bits first (a second pass over the positions)."""
+    return _native_for(flat, positions) is not None
+
+
 def _native_apply(
     native: ModuleType,
     flat: torch.Tensor,
@@ -416,14 +442,16 @@ def _native_apply(
     op: str,
     base: int,
     lanes: bool,
-) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """The fused CPU apply: old bits read, new bits written and lane deltas, one pass."""
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
+    """The fused CPU apply: old bits read, new bits written (returned too for ``ulp``) and
+    lane deltas, one pass."""
     from dcr_format.fingerprint import native_table
 
     positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
     count = positions.numel()
     _check_bounds(positions, base, flat.numel())
     before = torch.empty(count, dtype=flat.dtype)
+    after = torch.empty(count if op == ULP else 0, dtype=flat.dtype)
     width = flat.element_size()
     target, where = _unsigned(flat), positions.numpy()
     in_range, deltas = native.apply(
@@ -431,22 +459,22 @@ def _native_apply(
         where,
         _unsigned(values),
         base,
-        op == XOR,
-        _unsigned(before),
+        _MODES[op],
+        (_unsigned(before), _unsigned(after)),
         native_table(width),
         _lane_count(width) if lanes else 0,
     )
     if not in_range:
         # undo the in-range part (the kernel skips the same positions again): xor is its
-        # own inverse, overwrite puts back the bits it read
-        undo = _unsigned(values if op == XOR else before)
-        scratch = _unsigned(before.clone())
-        native.apply(target, where, undo, base, op == XOR, scratch, native_table(width), 0)
+        # own inverse, overwrite (and ulp) put back the bits it read
+        undo, mode = (values, _MODES[XOR]) if op == XOR else (before, _MODES[OVERWRITE])
+        scratch = (_unsigned(before.clone()), _unsigned(after[:0]))
+        native.apply(target, where, _unsigned(undo), base, mode, scratch, native_table(width), 0)
         raise IndexError(
             "positions are not strictly increasing and some are out of range; nothing was "
             "applied: pass the positions of a verified decoder"
         )
-    return before, deltas
+    return before, (after if op == ULP else None), deltas
 
 
 def apply_with_lanes(
@@ -468,15 +496,34 @@ def apply_with_lanes(
     ``flat`` a contiguous flat bit view. On the CPU this is one pass over the positions;
     out-of-range positions raise :class:`IndexError`.
     """
+    if op == ULP:
+        raise ValueError("apply ulp changes with apply_ulp_with_lanes")
     native = _native_apply_for(flat, positions, values, op)
     if native is not None:
-        return _native_apply(native, flat, positions, values, op=op, base=base, lanes=lanes)
+        old, _, deltas = _native_apply(
+            native, flat, positions, values, op=op, base=base, lanes=lanes
+        )
+        return old, deltas
     before = scatter(flat, positions, values, op=op, save=True, base=base)
     assert before is not None
     if not lanes:
         return before, ()
     after = before ^ values if op == XOR else values
     return before, _change_lanes(positions, before, after)
+
+
+def apply_ulp_with_lanes(
+    flat: torch.Tensor, positions: torch.Tensor, z: torch.Tensor, *, lanes: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """In place: each element at ``positions`` moved by its zigzag ulp difference ``z``
+    (FORMAT.md §7.5), in one pass that also sums the lane deltas. Returns the bits before
+    and after the change and its lane deltas (undo: put ``before`` back). Only where
+    :func:`fuses_ulp` (else ``ValueError``); the input rules of :func:`apply_with_lanes`."""
+    native = _native_apply_for(flat, positions, z, ULP)
+    assert native is not None
+    before, after, deltas = _native_apply(native, flat, positions, z, op=ULP, base=0, lanes=lanes)
+    assert after is not None
+    return before, after, deltas
 
 
 def stage_change(
@@ -490,7 +537,8 @@ def stage_change(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """What :func:`apply_with_lanes` would do, without writing: the bits at the positions
     now (``before``), the bits the change puts there (``after``: ``before ^ v`` for
-    ``xor``, ``v`` for ``overwrite``) and the lane deltas of that change.
+    ``xor``, ``v`` for ``overwrite``, ``v`` ulps from ``before`` for ``ulp``, where
+    :func:`fuses_ulp`) and the lane deltas of that change.
 
     ``flat`` is only read, so it can stay in use; writing ``after`` later (an
     ``overwrite`` of the same positions) makes the change. Same input rules and errors as
@@ -516,7 +564,7 @@ def stage_change(
         positions.numpy(),
         _unsigned(values),
         base,
-        op == XOR,
+        _MODES[op],
         (_unsigned(before), _unsigned(after)),
         native_table(width),
         _lane_count(width) if lanes else 0,

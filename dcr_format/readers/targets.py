@@ -27,9 +27,9 @@ import torch
 from dcr_format._fsync import fsync
 from dcr_format.codec.delta import (
     FULL,
-    XOR,
     DecodedDelta,
     StagedChange,
+    after_bits,
     apply_change,
     put_staged,
     resolve,
@@ -265,7 +265,7 @@ class Transaction(ABC):
         # one pass: old bits read, new bits written, and the change's lane deltas summed
         done = apply_change(tensor, delta)
         assert done.before is not None
-        after = done.before ^ delta.values if delta.op == XOR else delta.values
+        after = done.after if done.after is not None else after_bits(delta, done.before)
         return Applied(
             lambda: undo_delta(tensor, delta, done.saved),
             delta.positions,
@@ -470,8 +470,7 @@ class _DictTransaction(Transaction):
         assert done.positions is not None and done.before is not None and done.after is not None
         positions = change.delta.positions
         assert positions is not None
-        values = change.delta.values.to(done.after.device)
-        wanted = done.before ^ values if change.delta.op == XOR else values
+        wanted = after_bits(change.delta, done.before.to(done.after.device))
         if not (
             torch.equal(positions.to(done.positions.device), done.positions)
             and torch.equal(wanted, done.after)
