@@ -103,15 +103,36 @@ def test_the_writer_codes_only_the_coding_of_smaller_estimate() -> None:
         assert planes[0] == "planes"
 
 
-def test_ulp_chain_is_smaller_and_reads_back_exactly(tmp_path: Path) -> None:
-    plain_store, ulp_store = tmp_path / "rans", tmp_path / "ulp"
-    plain = DeltaWriter(plain_store, features=["values-rans"])
-    coded = DeltaWriter(ulp_store, features=FEATURES)
-    trainer = Trainer(6, SHAPES)
+@pytest.mark.parametrize(
+    ("smaller_than", "allowed", "coding", "lr", "seed"),
+    [
+        pytest.param(("values-rans",), tuple(FEATURES), "ulp", 2e-6, 6, id="ulp-vs-rans"),
+        pytest.param(
+            tuple(FEATURES),
+            (*FEATURES, "values-ulp-shift"),
+            "ulp-shift",
+            1e-4,
+            16,
+            id="ulp-shift-vs-ulp",
+        ),
+    ],
+)
+def test_the_chain_is_smaller_and_reads_back_exactly(
+    tmp_path: Path,
+    smaller_than: tuple[str, ...],
+    allowed: tuple[str, ...],
+    coding: str,
+    lr: float,
+    seed: int,
+) -> None:
+    plain_store, coded_store = tmp_path / "plain", tmp_path / "coded"
+    plain = DeltaWriter(plain_store, features=smaller_than)
+    coded = DeltaWriter(coded_store, features=allowed)
+    trainer = Trainer(seed, SHAPES, lr=lr)
     states = [trainer.state()]
     for writer in (plain, coded):
         writer.publish(states[0])
-    reader = DeltaReader(ulp_store, target := StateDictTarget({}))
+    reader = DeltaReader(coded_store, target := StateDictTarget({}))
     reader.sync()
     for version in range(1, 4):
         states.append(trainer.step())
@@ -122,12 +143,13 @@ def test_ulp_chain_is_smaller_and_reads_back_exactly(tmp_path: Path) -> None:
         else:
             reader.sync()
         assert equal(target.tensors, states[-1])
-    assert value_codings(ulp_store, 3)["a.weight"] == "ulp"
-    assert "values-ulp" in Chain(open_store(ulp_store)).record(3).record.required_features
-    assert shard_bytes(ulp_store, 3) < 0.95 * shard_bytes(plain_store, 3)
+    assert value_codings(coded_store, 3)["a.weight"] == coding
+    record = Chain(open_store(coded_store)).record(3).record
+    assert features.CODING_FEATURES[coding] in record.required_features
+    assert shard_bytes(coded_store, 3) < 0.95 * shard_bytes(plain_store, 3)
     fresh = StateDictTarget({})
-    DeltaReader(ulp_store, fresh).sync(to=0)
-    assert DeltaReader(ulp_store, fresh).sync().applied_versions == (1, 2, 3)
+    DeltaReader(coded_store, fresh).sync(to=0)
+    assert DeltaReader(coded_store, fresh).sync().applied_versions == (1, 2, 3)
     assert equal(fresh.tensors, states[-1])
 
 
