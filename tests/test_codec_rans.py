@@ -446,3 +446,21 @@ def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
     assert stream == rans._encode_reference(data, precise) and stream[1] == bits
     assert np.array_equal(rans.decode_rans(stream, count=data.size, width=2), data)
     assert np.array_equal(rans._decode_reference(stream, count=data.size, width=2), data)
+
+
+def test_compiled_histogram_equals_the_numpy_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counting loop collects each distinct value when first met (no scan of the 65,536
+    bins): the same values, counts and order as numpy's bincount, for few and for many
+    distinct values, widths 1 and 2."""
+    rng = np.random.default_rng(41)
+    cases = [
+        rng.geometric(0.3, 9000).astype(np.uint16),
+        rng.integers(0, 1 << 16, 70_000).astype(np.uint16),
+        np.full(10_000, 65535, dtype=np.uint16),
+        rng.integers(0, 256, 5000).astype(np.uint8),
+    ]
+    found = [rans._histogram(v, v.dtype.itemsize) for v in cases]
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    for data, (distinct, counts) in zip(cases, found, strict=True):
+        expected = rans._histogram(data, data.dtype.itemsize)
+        assert np.array_equal(distinct, expected[0]) and np.array_equal(counts, expected[1])

@@ -368,17 +368,16 @@ def histogram(
 ) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """The distinct values (increasing) of ``values`` (each below ``bins``) and their counts."""
     counts = np.zeros(bins, dtype=np.int64)
-    for k in range(values.size):
-        counts[values[k]] += 1
+    seen = np.empty(min(bins, values.size), dtype=np.uint64)  # each value when first met
     used = 0
-    for b in range(bins):
-        used += counts[b] != 0
-    distinct = np.empty(used, dtype=np.uint64)
+    for k in range(values.size):
+        v = values[k]
+        if counts[v] == 0:
+            seen[used] = v
+            used += 1
+        counts[v] += 1
+    distinct = np.sort(seen[:used])  # not a scan of every bin: a step has few distinct values
     found = np.empty(used, dtype=np.int64)
-    j = 0
-    for b in range(bins):
-        if counts[b]:
-            distinct[j] = b
-            found[j] = counts[b]
-            j += 1
+    for j in range(used):
+        found[j] = counts[distinct[j]]
     return distinct, found
