@@ -4,7 +4,10 @@ Private, imported on first use like :mod:`dcr_format.codec._native`. One loop ov
 changed elements each way, in place of numpy's half a dozen temporaries: the zigzag ulp
 differences of new bits against old ones, and back. Arithmetic is on uint64 with every
 operand typed (numba turns mixed signed/unsigned arithmetic into float64), masked to the
-width. ``tests/test_values_ulp.py`` checks both against the numpy reference.
+width. The fused apply of :mod:`dcr_format.codec._native` steps the old bits with
+:func:`stepped`; the ``ulp-shift`` loops (:mod:`dcr_format.codec.ulp_shift`) are below.
+``tests/test_values_ulp.py`` and ``tests/test_values_ulp_shift.py`` check them against the
+numpy references.
 """
 
 from __future__ import annotations
@@ -79,18 +82,6 @@ def ulp_of_change(
     for k in range(positions.size):
         after = np.uint64(new[positions[k]])
         out[k] = _zigzag(after ^ np.uint64(xor[k]), after, top, ones)
-
-
-@njit(cache=True, nogil=True)
-def xor_of_ulp(
-    old: np.ndarray, positions: np.ndarray, z: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled
-    """The reader's side in one loop: ``out[k]`` = the XOR bits that take ``old[p]`` to
-    :func:`from_ulp` of it and ``z[k]``, at ``p = positions[k]`` (each below ``old.size``)."""
-    top, ones = limits(old.itemsize)
-    for k in range(positions.size):
-        before = np.uint64(old[positions[k]])
-        out[k] = before ^ stepped(before, np.uint64(z[k]), top, ones)
 
 
 # --- ulp-shift (FORMAT.md §7.6): the writer's counts and split, the reader's join ---

@@ -44,7 +44,7 @@ from dcr_format.codec.classed import (
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.rans import decode_rans
-from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change, xor_of_ulp
+from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
 from dcr_format.codec.ulp_shift import ULP_SHIFT, join, parse
 from dcr_format.codec.values import decode_values, encode_values, encode_xor_values
 from dcr_format.cuda import dispatch
@@ -222,14 +222,11 @@ def _ulp_differences(
     new_values: torch.Tensor | None,
 ) -> np.ndarray:
     """The zigzag ulp differences of a change (``xor_bits``: its XOR bits on the host)."""
-    if new_values is not None:
-        after = bits_to_numpy(dispatch.to_host(new_values))
-    elif new.device.type == "cpu":  # the new bits read at the positions in the same loop
+    if new_values is None and new.device.type == "cpu":  # new bits read in the same loop
         flat = bits_to_numpy(bits_view(new).reshape(-1))
         return ulp_of_change(flat, dispatch.to_host(positions).numpy(), xor_bits)
-    else:  # gather the new bits at the positions (O(changed), on the tensor's device)
-        after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
-    return to_ulp(after ^ xor_bits, after)
+    before = _old_of_change(new, positions, xor_bits, new_values)
+    return to_ulp(before, before ^ xor_bits)
 
 
 def _old_of_change(
@@ -242,13 +239,16 @@ def _old_of_change(
     where the diff kept them, else read from ``new`` at the positions (O(changed))."""
     if new_values is not None:
         after = bits_to_numpy(dispatch.to_host(new_values))
-    elif new.device.type == "cpu":
-        flat = bits_to_numpy(bits_view(new).reshape(-1))
-        after = flat[dispatch.to_host(positions).numpy()]
     else:
-        after = bits_to_numpy(dispatch.to_host(bits_view(new).reshape(-1)[positions]))
+        after = _bits_at(bits_view(new).reshape(-1), positions)
     out: np.ndarray = after ^ xor_bits
     return out
+
+
+def _bits_at(flat: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+    """The bits of ``flat`` (a flat bit view) at ``positions``, on the host (O(changed): the
+    gather runs on the tensor's device)."""
+    return bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
 
 
 def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
@@ -374,22 +374,13 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     if delta.ulp:
         if positions.numel() and int(positions[-1]) >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
-        if delta.shift is None and dispatch.fuses_ulp(flat, positions):
-            return DecodedDelta(delta.op, positions, values, ulp=True)  # applied as it is
-        z = bits_to_numpy(dispatch.to_host(values))
-        if delta.shift is not None:  # the shifts come from the old bits' exponents
-            if flat.device.type == "cpu":
-                before = bits_to_numpy(flat)[positions.cpu().numpy()]
-            else:
-                before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
-            origin, low = delta.shift
-            z = join(before, z, origin, low, info.name)
-            xor = before ^ from_ulp(before, z)
-        elif flat.device.type == "cpu":  # the old bits read at the positions in the same loop
-            xor = xor_of_ulp(bits_to_numpy(flat), positions.cpu().numpy(), z)
-        else:
-            before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
-            xor = before ^ from_ulp(before, z)
+        if delta.shift is None:  # stepped while applying, or turned into XOR bits here
+            ready = DecodedDelta(delta.op, positions, values, ulp=True)
+            return ready if dispatch.fuses_ulp(flat, positions) else _as_xor(ready, flat)
+        before = _bits_at(flat, positions)  # the shifts come from the old bits' exponents
+        origin, low = delta.shift
+        z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
+        xor = before ^ from_ulp(before, z)
         values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
 
@@ -416,7 +407,7 @@ def _as_xor(delta: DecodedDelta, flat: torch.Tensor) -> DecodedDelta:
     """A resolved ``ulp`` change as XOR bits against ``flat`` (where the kernels do not fuse
     the step with the write)."""
     positions = _ready_ulp(delta)
-    before = bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+    before = _bits_at(flat, positions)
     z = bits_to_numpy(dispatch.to_host(delta.values))
     xor = numpy_to_bits(before ^ from_ulp(before, z), info_for(flat.dtype))
     return DecodedDelta(delta.op, positions, dispatch.to_device(xor, delta.values.device))

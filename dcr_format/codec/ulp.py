@@ -102,20 +102,6 @@ def ulp_of_change(new: np.ndarray, positions: np.ndarray, xor: np.ndarray) -> np
     return out
 
 
-def xor_of_ulp(old: np.ndarray, positions: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """The XOR bits of a ``ulp`` change: ``old`` the bits it applies to (flat, unsigned),
-    ``positions`` its positions (each below ``old.size``), ``z`` its zigzag differences."""
-    kind = _consts(old.dtype.itemsize)[0]
-    native = _native()
-    if native is None:
-        before = old[positions]
-        out: np.ndarray = before ^ from_ulp(before, z)
-        return out
-    out = np.empty(positions.shape, dtype=kind)
-    native.xor_of_ulp(old.view(kind), positions, np.ascontiguousarray(z).view(kind), out)
-    return out
-
-
 def _to_ulp_reference(old: np.ndarray, new: np.ndarray) -> np.ndarray:
     """:func:`to_ulp` in numpy (the reference the tests compare the compiled loop with)."""
     width = old.dtype.itemsize
@@ -140,4 +126,4 @@ def _from_ulp_reference(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     return _unorder(ordered, width)
 
 
-__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp", "ulp_of_change", "xor_of_ulp"]
+__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp", "ulp_of_change"]

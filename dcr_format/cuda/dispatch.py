@@ -427,10 +427,17 @@ _MODES = {OVERWRITE: 0, XOR: 1, ULP: 2}  # the compiled kernels' modes (codec/_n
 
 
 def fuses_ulp(flat: torch.Tensor, positions: torch.Tensor) -> bool:
-    """Whether :func:`apply_with_lanes` and :func:`stage_change` take ``op="ulp"`` for these
-    tensors (the compiled CPU kernels apply them), so a reader need not turn ulp differences
-    into XOR bits first (a second pass over the positions)."""
-    return _native_for(flat, positions) is not None
+    """Whether :func:`apply_ulp_with_lanes` and :func:`stage_change` (``op="ulp"``) take a
+    change of these tensors (the compiled CPU kernels apply it: the conditions of
+    :func:`_native_apply_candidate`), so a reader need not turn ulp differences into XOR
+    bits first (a second pass over the positions)."""
+    return (
+        positions.dtype == torch.int64
+        and flat.is_contiguous()
+        and flat.dim() == 1
+        and backend_for(flat, positions) == TORCH
+        and _native_for(flat, positions) is not None
+    )
 
 
 def _native_apply(
