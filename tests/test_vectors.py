@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +24,11 @@ from dcr_format import (
     tensor_fingerprint,
 )
 from dcr_format.chain import Chain, resolve_parents, state_table
-from dcr_format.codec import classed, rans, ulp, ulp_shift
+from dcr_format.codec import classed, features, rans, ulp, ulp_shift
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import UnsupportedFeatureError
+from dcr_format.schema import Entry, Manifest
 from dcr_format.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
@@ -255,65 +257,56 @@ def test_positions_classed_vector_decodes_against_the_old_bits_of_each_version()
     assert widths == {2, 4, 8}
 
 
-def test_a_reader_without_positions_classed_refuses_the_vector(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _value_streams(
+    name: str, coding: str
+) -> Iterator[tuple[Manifest, Entry, bytes, np.ndarray, np.ndarray]]:
+    """For every entry of vector ``name`` whose values are coded ``coding``: its manifest,
+    the entry, its values stream, and the bits of its changed elements before (the previous
+    version's, as a reader synced to it holds them) and after (checked to be exactly the
+    entry's ``changed`` elements)."""
+    store = open_store(VECTORS_DIR / name / "store")
+    chain = Chain(store)
+    previous: dict[str, torch.Tensor] = {}
     target = StateDictTarget({})
-    DeltaReader(VECTORS_DIR / "positions-classed" / "store", target).sync(to=0)
-    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"positions-classed"})
-    with pytest.raises(UnsupportedFeatureError, match="positions-classed"):
-        DeltaReader(VECTORS_DIR / "positions-classed" / "store", target).sync(to=1)
-    assert target.resident() is not None and target.resident().version == 0
+    for version in expected_of(name)["versions"]:
+        number = version["version"]
+        before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
+        DeltaReader(store, target).sync(to=number)
+        for manifest in chain.manifests(chain.record(number)):
+            for entry in manifest.entries:
+                if entry.values is None or entry.values.coding != coding:
+                    continue
+                assert features.CODING_FEATURES[coding] in manifest.required_features
+                width = info_for(entry.dtype).width
+                shard = manifest.shards[entry.values.shard]
+                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
+                old = before[entry.name].view(f"<u{width}")
+                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
+                new = new.view(f"<u{width}")
+                where = np.flatnonzero(old != new)
+                assert where.size == entry.changed
+                yield manifest, entry, bytes(streams[entry.values.key]), old[where], new[where]
+        previous = {n: t.clone() for n, t in target.tensors.items()}
 
 
 def test_values_ulp_vector_decodes_to_the_xor_of_each_step() -> None:
     """Every ulp stream of the vector decodes (rANS) to zigzag differences that, against the
     bits of the previous version, give exactly the next version's bits; all three float
     widths and a step across zero are there; every manifest is a zstd frame."""
+    widths, crossed = set(), False
+    for _, entry, stream, old, new in _value_streams("values-ulp", "ulp"):
+        width = info_for(entry.dtype).width
+        z = rans.decode_rans(stream, count=entry.changed, width=width)
+        assert np.array_equal(ulp.from_ulp(old, z), new)
+        widths.add(width)
+        crossed |= bool(((old >> (8 * width - 1)) != (new >> (8 * width - 1))).any())
+    assert widths == {2, 4, 8} and crossed
     store = open_store(VECTORS_DIR / "values-ulp" / "store")
     chain = Chain(store)
-    previous: dict[str, torch.Tensor] = {}
-    target = StateDictTarget({})
-    widths, crossed = set(), False
     for version in expected_of("values-ulp")["versions"]:
-        number = version["version"]
-        before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
-        DeltaReader(store, target).sync(to=number)
-        loaded = chain.record(number)
+        loaded = chain.record(version["version"])
         assert "manifest-zstd" in loaded.record.required_features
         assert all(store.get(r.path)[:4] == b"\x28\xb5\x2f\xfd" for r in loaded.record.manifests)
-        for manifest in chain.manifests(loaded):
-            for entry in manifest.entries:
-                if entry.values is None or entry.values.coding != "ulp":
-                    continue
-                assert "values-ulp" in manifest.required_features
-                info = info_for(entry.dtype)
-                shard = manifest.shards[entry.values.shard]
-                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
-                z = rans.decode_rans(
-                    bytes(streams[entry.values.key]), count=entry.changed, width=info.width
-                )
-                old = before[entry.name].view(f"<u{info.width}")
-                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
-                new = new.view(f"<u{info.width}")
-                where = np.flatnonzero(old != new)
-                assert where.size == entry.changed
-                assert np.array_equal(ulp.from_ulp(old[where], z), new[where])
-                widths.add(info.width)
-                signs = (old[where] >> (8 * info.width - 1)) != (new[where] >> (8 * info.width - 1))
-                crossed |= bool(signs.any())
-        previous = {n: t.clone() for n, t in target.tensors.items()}
-    assert widths == {2, 4, 8} and crossed
-
-
-def test_a_reader_without_values_ulp_refuses_the_vector(monkeypatch: pytest.MonkeyPatch) -> None:
-    target = StateDictTarget({})
-    DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=0)
-    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"values-ulp"})
-    with pytest.raises(UnsupportedFeatureError, match="values-ulp"):
-        DeltaReader(VECTORS_DIR / "values-ulp" / "store", target).sync(to=1)
-    resident = target.resident()
-    assert resident is not None and resident.version == 0
 
 
 def test_values_ulp_shift_vector_joins_to_the_differences_of_each_step() -> None:
@@ -321,59 +314,21 @@ def test_values_ulp_shift_vector_joins_to_the_differences_of_each_step() -> None
     against the bits of the previous version, to the ulp differences that give exactly the
     next version's bits; all three float widths, shifts at each dtype's cap and an ``ulp``
     entry next to the shifted ones are there."""
-    store = open_store(VECTORS_DIR / "values-ulp-shift" / "store")
-    chain = Chain(store)
-    previous: dict[str, torch.Tensor] = {}
-    target = StateDictTarget({})
     widths, capped, codings = set(), set(), set()
-    for version in expected_of("values-ulp-shift")["versions"]:
-        number = version["version"]
-        before = {n: bits_view(t).reshape(-1).numpy().copy() for n, t in previous.items()}
-        DeltaReader(store, target).sync(to=number)
-        for manifest in chain.manifests(chain.record(number)):
-            codings |= {e.values.coding for e in manifest.entries if e.values and e.changed}
-            for entry in manifest.entries:
-                if entry.values is None or entry.values.coding != "ulp-shift":
-                    continue
-                assert "values-ulp-shift" in manifest.required_features
-                info = info_for(entry.dtype)
-                shard = manifest.shards[entry.values.shard]
-                streams = decode_shard(store.get(shard.path), decoded_size=shard.decoded_size)
-                parsed = ulp_shift.parse(
-                    bytes(streams[entry.values.key]),
-                    count=entry.changed,
-                    width=info.width,
-                    dtype=entry.dtype,
-                )
-                y = rans.decode_rans(parsed.coded, count=entry.changed, width=info.width)
-                old = before[entry.name].view(f"<u{info.width}")
-                new = bits_view(target.tensors[entry.name]).reshape(-1).numpy()
-                new = new.view(f"<u{info.width}")
-                where = np.flatnonzero(old != new)
-                assert where.size == entry.changed
-                z = ulp_shift.join(old[where], y, parsed.origin, parsed.low, entry.dtype)
-                assert np.array_equal(ulp.from_ulp(old[where], z), new[where])
-                widths.add(info.width)
-                exponents = ulp_shift.exponents_of(old[where], entry.dtype)
-                shifts = ulp_shift.shifts_of(exponents, parsed.origin, entry.dtype)
-                if int(shifts.max()) == ulp_shift.shift_cap(entry.dtype):
-                    capped.add(entry.dtype)
-        previous = {n: t.clone() for n, t in target.tensors.items()}
+    for manifest, entry, stream, old, new in _value_streams("values-ulp-shift", "ulp-shift"):
+        codings |= {e.values.coding for e in manifest.entries if e.values and e.changed}
+        width = info_for(entry.dtype).width
+        parsed = ulp_shift.parse(stream, count=entry.changed, width=width, dtype=entry.dtype)
+        y = rans.decode_rans(parsed.coded, count=entry.changed, width=width)
+        z = ulp_shift.join(old, y, parsed.origin, parsed.low, entry.dtype)
+        assert np.array_equal(ulp.from_ulp(old, z), new)
+        widths.add(width)
+        exponents = ulp_shift.exponents_of(old, entry.dtype)
+        shifts = ulp_shift.shifts_of(exponents, parsed.origin, entry.dtype)
+        if int(shifts.max()) == ulp_shift.shift_cap(entry.dtype):
+            capped.add(entry.dtype)
     assert widths == {2, 4, 8} and "bfloat16" in capped
     assert codings >= {"ulp-shift", "ulp", "rans"}
-
-
-def test_a_reader_without_values_ulp_shift_refuses_the_vector(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    target = StateDictTarget({})
-    DeltaReader(VECTORS_DIR / "values-ulp-shift" / "store", target).sync(to=0)
-    known = schema.KNOWN_FEATURES - {"values-ulp-shift"}
-    monkeypatch.setattr(schema, "KNOWN_FEATURES", known)
-    with pytest.raises(UnsupportedFeatureError, match="values-ulp-shift"):
-        DeltaReader(VECTORS_DIR / "values-ulp-shift" / "store", target).sync(to=1)
-    resident = target.resident()
-    assert resident is not None and resident.version == 0
 
 
 def test_implicit_parents_vector_leaves_every_delta_parent_to_the_table() -> None:
@@ -400,14 +355,19 @@ def test_implicit_parents_vector_leaves_every_delta_parent_to_the_table() -> Non
     assert ops == {"xor", "overwrite"}
 
 
-def test_a_reader_without_implicit_parents_refuses_the_vector(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    "feature", ["positions-classed", "values-ulp", "values-ulp-shift", "implicit-parents"]
+)
+def test_a_reader_without_the_feature_refuses_its_vector(
+    feature: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = VECTORS_DIR / "implicit-parents" / "store"
+    """The vector named after a feature reads to its base without it (the feature is in
+    its deltas only) and is refused from the first delta on, before anything changes."""
+    store = VECTORS_DIR / feature / "store"
     target = StateDictTarget({})
     DeltaReader(store, target).sync(to=0)
-    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"implicit-parents"})
-    with pytest.raises(UnsupportedFeatureError, match="implicit-parents"):
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {feature})
+    with pytest.raises(UnsupportedFeatureError, match=feature):
         DeltaReader(store, target).sync(to=1)
     resident = target.resident()
     assert resident is not None and resident.version == 0
