@@ -137,6 +137,39 @@ def histograms(
     return out, changed
 
 
+@njit(cache=True, nogil=True)
+def _move_rows(rows, positions, old, new, shift, mask, forward, changed):  # type: ignore[no-untyped-def]
+    for j in range(positions.size):
+        t = positions[j] // TASK
+        was = _exponent(old[j], shift, mask)
+        now = _exponent(new[j], shift, mask)
+        changed[was] += 1
+        if forward:
+            rows[t, was] -= 1
+            rows[t, now] += 1
+        else:
+            rows[t, now] -= 1
+            rows[t, was] += 1
+
+
+def move_rows(
+    rows: np.ndarray,
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    shift: int,
+    mask: int,
+    *,
+    forward: bool,
+) -> np.ndarray:
+    """Move each changed element between its old and new exponent in its task's row of
+    ``rows`` (in place; ``forward``: from old to new), where ``old`` and ``new`` are the bits
+    at ``positions``; returns the histogram of the old exponents of the changed elements."""
+    changed = np.zeros(mask + 1, dtype=np.int64)
+    _move_rows(rows, positions, old, new, shift, mask, forward, changed)
+    return changed
+
+
 def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
     """Per task and class, how many elements of the class come before the task
     (``(tasks + 1) x count``; the last row holds the class sizes)."""
@@ -325,14 +358,31 @@ def _set_need(need, c, ranks, ptr, ends, seen):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
-def _positions_task(t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+def _positions_task(  # type: ignore[no-untyped-def]
+    t,
+    bits,
+    shift,
+    mask,
+    base,
+    count,
+    before,
+    ranks,
+    cursor,
+    ends,
+    offsets,
+    out,
+    done,
+):
     """Task ``t`` of the select pass. Per group, the classes' counts are added to 16-bit
     lanes (four words, :func:`_lane_of`) and compared at once with each class's distance
     to its next wanted rank (``need``): only a class whose lane reaches it holds a wanted
     element in this group, and only those are looked at (16 classes one by one cost more
     than the rest of the pass). Every :data:`_FLUSH` groups the lanes fold into the exact
-    counts ``seen``."""
+    counts ``seen``. ``done[t]``: how many positions the task found (its share,
+    ``offsets[t + 1] - offsets[t]``, unless the old bits are not those the class starts were
+    counted from; nothing is written past its share)."""
     o = offsets[t]
+    done[t] = 0
     if o == offsets[t + 1]:
         return
     lo = t * TASK
@@ -377,7 +427,8 @@ def _positions_task(t, bits, shift, mask, base, count, before, ranks, cursor, en
                     ptr[h] += 1
                 _set_need(need, h, ranks, ptr, last, seen)
         while hits != _ZERO:
-            out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
+            if o < offsets[t + 1]:
+                out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
             hits &= hits - _ONE
             o += 1
         g0 += _GROUP
@@ -390,21 +441,35 @@ def _positions_task(t, bits, shift, mask, base, count, before, ranks, cursor, en
             for c in range(16):
                 _set_need(need, c, ranks, ptr, last, seen)
             groups = 0
+    done[t] = o - offsets[t]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _positions(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+def _positions(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done):  # type: ignore[no-untyped-def]
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done
         )
 
 
 @njit(cache=True, nogil=True)
-def _positions_serial(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out):  # type: ignore[no-untyped-def]
+def _positions_serial(  # type: ignore[no-untyped-def]
+    bits,
+    shift,
+    mask,
+    base,
+    count,
+    before,
+    ranks,
+    cursor,
+    ends,
+    offsets,
+    out,
+    done,
+):
     for t in range(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done
         )
 
 
@@ -417,10 +482,12 @@ def positions_of_ranks(
     starts: np.ndarray,
     ranks: np.ndarray,
     first: np.ndarray,
-) -> np.ndarray:
+) -> np.ndarray | None:
     """Flat positions, increasing, of the listed ranks: class ``c``'s ranks are
     ``ranks[first[c]:first[c + 1]]``, strictly increasing and each below the class size
-    (``starts[-1, c]``); ``starts``: :func:`class_starts` of the tasks' histograms."""
+    (``starts[-1, c]``); ``starts``: :func:`class_starts` of the tasks' histograms. None
+    when ``bits`` do not hold the classes ``starts`` counts (some task finds more or fewer
+    of its ranks than they place in it)."""
     tasks = starts.shape[0] - 1
     cursor = np.empty((tasks + 1, count), dtype=np.int64)
     for c in range(count):
@@ -428,8 +495,11 @@ def positions_of_ranks(
         cursor[:, c] = first[c] + np.searchsorted(mine, starts[:, c])
     offsets = (cursor - first[:count]).sum(axis=1)
     out = np.empty(ranks.size, dtype=np.int64)
-    args = (bits, shift, mask, base, count, starts, ranks, cursor, first[1:], offsets, out)
+    done = np.zeros(tasks, dtype=np.int64)
+    args = (bits, shift, mask, base, count, starts, ranks, cursor, first[1:], offsets, out, done)
     _launch(_positions, _positions_serial, tasks, *args)
+    if not np.array_equal(done, np.diff(offsets)):
+        return None
     return out
 
 

@@ -55,6 +55,77 @@ def classes_of(old_bits: np.ndarray, dtype: str, base: int, count: int) -> np.nd
     return out
 
 
+ROW_ELEMENTS = 1 << 18
+"""Elements per row of a tensor's *exponent rows* (:func:`exponent_rows`): the compiled
+passes' task, so that each task's class counts before it follow from the rows."""
+
+
+def exponent_rows(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """The *exponent rows* of a tensor's bits: per run of :data:`ROW_ELEMENTS` elements, the
+    histogram of their exponent field (``runs x (mask + 1)``, int64). Both ends count them
+    from the old bits before a ``classed`` stream can be coded or decoded (one pass over
+    every element); a long-lived writer or reader keeps them and moves only the changed
+    elements (:func:`move_rows`), so that the pass is not made again every step."""
+    fields = EXPONENT_FIELDS.get(dtype)
+    if fields is None:
+        raise PositionsError(f"classed positions need a float dtype, not {dtype!r}")
+    shift, mask = fields
+    flat = np.ascontiguousarray(bits).reshape(-1)
+    native = _native()
+    if native is not None:
+        none = np.zeros(0, dtype=np.int64)
+        rows, _ = native.histograms(flat, none, none.astype(flat.dtype), shift, mask)
+        return rows  # type: ignore[no-any-return]
+    runs = -(-flat.size // ROW_ELEMENTS)
+    run = np.arange(flat.size, dtype=np.int64) // ROW_ELEMENTS
+    keys = run * (mask + 1) + exponents(flat, dtype)
+    counts = np.bincount(keys, minlength=runs * (mask + 1))
+    return counts.reshape(runs, mask + 1).astype(np.int64)
+
+
+def rows_fit(rows: np.ndarray | None, numel: int, dtype: str) -> bool:
+    """Whether ``rows`` have the shape and run totals of a tensor of ``numel`` elements of
+    ``dtype`` (a cheap check that they belong to it, not that they match its bits)."""
+    if rows is None or dtype not in EXPONENT_FIELDS:
+        return False
+    runs = -(-numel // ROW_ELEMENTS)
+    if rows.shape != (runs, EXPONENT_FIELDS[dtype][1] + 1) or rows.dtype != np.int64:
+        return False
+    totals = np.full(runs, ROW_ELEMENTS, dtype=np.int64)
+    if runs:
+        totals[-1] = numel - (runs - 1) * ROW_ELEMENTS
+    return bool(np.array_equal(rows.sum(axis=1), totals))
+
+
+def move_rows(
+    rows: np.ndarray,
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    *,
+    forward: bool = True,
+) -> np.ndarray:
+    """Move each changed element between its old and new exponent in its run's row of
+    ``rows``, in place (``forward``: old to new, so the rows of the old bits become those of
+    the new; else back). ``old`` and ``new`` are the bits at the sorted ``positions``.
+    Returns the histogram of the changed elements' old exponents (``mask + 1``)."""
+    shift, mask = EXPONENT_FIELDS[dtype]
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    old = np.ascontiguousarray(old).reshape(-1)
+    new = np.ascontiguousarray(new).reshape(-1).astype(old.dtype, copy=False)
+    native = _native()
+    if native is not None:
+        return native.move_rows(  # type: ignore[no-any-return]
+            rows, positions, old, new, shift, mask, forward=forward
+        )
+    was, now = exponents(old, dtype), exponents(new, dtype)
+    run = positions // ROW_ELEMENTS
+    np.add.at(rows, (run, was), -1 if forward else 1)
+    np.add.at(rows, (run, now), 1 if forward else -1)
+    return np.bincount(was, minlength=mask + 1).astype(np.int64)
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -150,6 +221,24 @@ def encode_classed(
     positions (a writer whose diff already advanced its baseline holds only those).
     ``after``, optional: ``bits`` at ``positions`` (the compiled passes then read them in
     order instead of at the positions)."""
+    return encode_classed_rows(positions, bits, dtype, xor=xor, after=after)[0]
+
+
+def encode_classed_rows(
+    positions: np.ndarray,
+    bits: np.ndarray,
+    dtype: str,
+    *,
+    xor: np.ndarray | None = None,
+    after: np.ndarray | None = None,
+    rows: np.ndarray | None = None,
+) -> tuple[bytes, np.ndarray]:
+    """:func:`encode_classed` for a writer that keeps the exponent rows of its baseline:
+    ``rows`` (where known, else None) are those of the **old** bits; the second result is
+    the rows of ``bits`` (with ``xor``: the new bits, the rows a writer keeps for its next
+    step). Given rows skip the pass that counts them (:func:`exponent_rows`); they must be
+    the old bits' own (rows that do not fit the tensor, :func:`rows_fit`, are counted
+    again)."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
@@ -158,23 +247,39 @@ def encode_classed(
         raise PositionsError("a classed positions stream codes at least one position")
     shift, mask = EXPONENT_FIELDS[dtype]
     native = _native()
+    if xor is not None:  # the old and new bits at the positions, in order
+        new_at = bits[positions] if after is None else np.ascontiguousarray(after).reshape(-1)
+        new_at = new_at.astype(bits.dtype, copy=False)
+        old_at = new_at ^ np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
+    if not rows_fit(rows, bits.size, dtype):
+        rows = None
+    if rows is None:  # counted here: the bits given are the new ones where xor is given
+        rows = exponent_rows(bits, dtype)
+        after_rows = rows
+        if xor is not None:
+            after_rows = rows.copy()
+            changed = move_rows(rows, positions, old_at, new_at, dtype, forward=False)
+        else:
+            changed = np.bincount(exponents(bits[positions], dtype), minlength=mask + 1)
+    elif xor is not None:
+        after_rows = rows.copy()
+        changed = move_rows(after_rows, positions, old_at, new_at, dtype)
+    else:
+        after_rows = rows
+        changed = np.bincount(exponents(bits[positions], dtype), minlength=mask + 1)
+    base, count = choose_classes(rows.sum(axis=0), changed)
     if native is not None:
         flips = (
             np.zeros(0, dtype=bits.dtype)
             if xor is None
             else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
         )
-        rows, changed = native.histograms(bits, positions, flips, shift, mask, after)
-        base, count = choose_classes(rows.sum(axis=0), changed)
         starts = native.class_starts(rows, base, count)
         changed_classes, all_ranks = native.class_ranks(
             bits, positions, flips, shift, mask, base, count, starts
         )
     else:
         exps = exponents(old_bits_of(bits, positions, xor), dtype)
-        everything = np.bincount(exps, minlength=mask + 1)
-        changed = np.bincount(exps[positions], minlength=mask + 1)
-        base, count = choose_classes(everything, changed)
         classes = np.clip(exps - base, 0, count - 1)
         changed_classes = classes[positions]
         all_ranks = np.empty(positions.size, dtype=np.int64)
@@ -183,7 +288,7 @@ def encode_classed(
             if chosen.any():
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
-    return classed_stream(base, count, changed_classes, all_ranks)
+    return classed_stream(base, count, changed_classes, all_ranks), after_rows
 
 
 def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray) -> bytes:
@@ -282,10 +387,15 @@ def decode_classed(
     *,
     count: int,
     numel: int,
+    rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode a ``classed`` stream (or its :func:`parse_classed` layout) against the old bits
     into ``count`` strictly increasing positions in ``[0, numel)``; every malformed stream
-    is a :class:`PositionsError`."""
+    is a :class:`PositionsError`, as is one that does not decode against these bits.
+    ``rows``: the old bits' :func:`exponent_rows` where the caller keeps them (a long-lived
+    reader), so that they are not counted again; rows that do not fit the tensor are
+    ignored, and rows of other bits make the decode fail or find other positions (which
+    the fingerprint check after applying catches)."""
     if old_bits.size != numel:
         raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
     if count < 1 or count > numel:
@@ -303,8 +413,9 @@ def decode_classed(
     classes_count, base, counts = stream.classes, stream.base, stream.counts
     classes = None
     if native is not None:
-        none = np.zeros(0, dtype=np.int64)
-        rows, _ = native.histograms(old_bits, none, none.astype(old_bits.dtype), shift, mask)
+        if not rows_fit(rows, numel, dtype):
+            rows = exponent_rows(old_bits, dtype)
+        assert rows is not None
         starts = native.class_starts(rows, base, classes_count)
         sizes = starts[-1]
     else:
@@ -314,9 +425,14 @@ def decode_classed(
     if native is not None:
         first = np.zeros(classes_count + 1, dtype=np.int64)
         first[1:] = np.cumsum(counts)
-        return native.positions_of_ranks(  # type: ignore[no-any-return]
+        out: np.ndarray | None = native.positions_of_ranks(
             old_bits, shift, mask, base, classes_count, starts, np.concatenate(found), first
         )
+        if out is None:
+            raise PositionsError(
+                "classed positions stream does not decode against the old bits held"
+            )
+        return out
     assert classes is not None
     picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
     return np.sort(np.concatenate([members[r] for members, r in zip(picked, found, strict=True)]))
@@ -370,6 +486,7 @@ __all__ = [
     "CLASS_HEADER_BITS",
     "EXPONENT_FIELDS",
     "MAX_CLASSES",
+    "ROW_ELEMENTS",
     "ClassedStream",
     "choose_classes",
     "class_ranks_of",
@@ -378,6 +495,10 @@ __all__ = [
     "classes_of",
     "decode_classed",
     "encode_classed",
+    "encode_classed_rows",
+    "exponent_rows",
+    "move_rows",
     "old_bits_of",
     "parse_classed",
+    "rows_fit",
 ]

@@ -23,7 +23,7 @@ pinned memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,8 +38,11 @@ from dcr_format.codec.classed import (
     class_ranks_of,
     classed_stream,
     decode_classed,
-    encode_classed,
+    encode_classed_rows,
+    exponent_rows,
+    move_rows,
     parse_classed,
+    rows_fit,
 )
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import encode_positions
@@ -61,6 +64,17 @@ OPS = (XOR, OVERWRITE, FULL)
 FULL_CANDIDATE_RATE = 0.2
 
 
+@dataclass
+class RowsSlot:
+    """The exponent rows of the old bits a ``classed`` change decodes against
+    (:func:`dcr_format.codec.classed.exponent_rows`, one pass over the tensor): a caller
+    that keeps them from the last change (a long-lived reader) puts them here before
+    :func:`resolve`, which otherwise counts them and leaves them here, so that the caller
+    can move them to the new bits after applying (:func:`rows_after`)."""
+
+    rows: np.ndarray | None = None
+
+
 @dataclass(frozen=True)
 class DecodedDelta:
     """One tensor's decoded change, ready to apply on the host (``positions`` None for full)."""
@@ -78,6 +92,9 @@ class DecodedDelta:
     # ``ulp-shift``: the values are the shifted differences, and these the stream's origin
     # and packed low bits (FORMAT.md §7.6), which :func:`resolve` joins them with
     shift: tuple[int, bytes] | None = None
+    # ``classed``: where the exponent rows of the old bits go (given by a caller that keeps
+    # them, else filled by :func:`resolve` when it counts them)
+    rows: RowsSlot | None = None
 
     @property
     def needs_target(self) -> bool:
@@ -100,6 +117,10 @@ class EncodedTensor:
     advance: DecodedDelta | None = None
     # fingerprint lane deltas of the change, when the diff computed them (FORMAT.md §9.1)
     lane_deltas: tuple[int, ...] | None = None
+    # the exponent rows of the new bits, where the writer counted or moved them to consider
+    # ``classed`` positions (:func:`dcr_format.codec.classed.exponent_rows`): its next
+    # step's old rows
+    rows: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +174,7 @@ def encode_diff(
     host: tuple[torch.Tensor, torch.Tensor] | None = None,
     lane_deltas: tuple[int, ...] | None = None,
     baseline: torch.Tensor | None = None,
+    rows: np.ndarray | None = None,
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
@@ -162,25 +184,31 @@ def encode_diff(
     the positions and of the values to encode (already fetched, e.g. by a pipeline);
     ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer;
     ``baseline`` the old tensor where it still holds the old bits on a device (there the
-    ``classed`` classes and ranks are computed, :func:`dcr_format.cuda.dispatch.class_ranks`).
+    ``classed`` classes and ranks are computed, :func:`dcr_format.cuda.dispatch.class_ranks`);
+    ``rows`` the exponent rows of the old bits where the writer keeps them (host tensors;
+    the result carries those of the new bits, :attr:`EncodedTensor.rows`).
     """
     positions, new_values = found.positions, found.new_values
     changed = int(positions.numel())
-    if changed == 0:
-        return EncodedTensor(op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas)
+    if changed == 0:  # the bits and so their rows stay as they are
+        return EncodedTensor(
+            op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas, rows=rows
+        )
     if host is None:
         picked = new_values if op == OVERWRITE else found.xor_values
         assert picked is not None
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
     pos_coding, pos_bytes = encode_positions(host[0].numpy())
+    new_rows = None
     if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
         if new.device.type == "cpu":
-            coded = encode_classed(
+            coded, new_rows = encode_classed_rows(
                 host[0].numpy(),
                 bits_to_numpy(bits_view(new).reshape(-1)),
                 info_for(new.dtype).name,
                 xor=bits_to_numpy(host[1]),
                 after=None if new_values is None else bits_to_numpy(new_values.cpu()),
+                rows=rows,
             )
         else:
             assert baseline is not None
@@ -205,13 +233,21 @@ def encode_diff(
         assert found.xor_values is not None
         advance = DecodedDelta(XOR, positions, found.xor_values)
     delta = EncodedTensor(
-        op or XOR, changed, pos_coding, pos_bytes, val_coding, val_bytes, advance, lane_deltas
+        op or XOR,
+        changed,
+        pos_coding,
+        pos_bytes,
+        val_coding,
+        val_bytes,
+        advance,
+        lane_deltas,
+        new_rows,
     )
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
         full = _encode_full(new)
         assert full.values is not None and val_bytes is not None
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
-            return full
+            return replace(full, rows=new_rows)  # the same new bits
     return delta
 
 
@@ -339,7 +375,7 @@ def decode_delta(
         if op != XOR:
             raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
         stream = parse_classed(positions[1], count=changed, dtype=info.name)
-        return DecodedDelta(op, None, vals, stream, ulp, shift)
+        return DecodedDelta(op, None, vals, stream, ulp, shift, RowsSlot())
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
     return DecodedDelta(op, pos, vals, None, ulp, shift)
 
@@ -359,13 +395,7 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     flat = bits_view(target).reshape(-1)
     positions = delta.positions
     if delta.classed is not None and flat.device.type == "cpu":
-        found = decode_classed(
-            delta.classed,
-            bits_to_numpy(flat),
-            info.name,
-            count=int(delta.values.numel()),
-            numel=int(target.numel()),
-        )
+        found = _decode_classed_at(delta.classed, delta.rows, bits_to_numpy(flat), info.name)
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
         positions = _device_positions(delta.classed, flat, info.name).to(delta.values.device)
@@ -383,6 +413,48 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
         xor = before ^ from_ulp(before, z)
         values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
+
+
+def _decode_classed_at(
+    stream: ClassedStream, slot: RowsSlot | None, held: np.ndarray, dtype: str
+) -> np.ndarray:
+    """The positions of a ``classed`` stream against the host bits ``held``, with the rows
+    of ``slot`` where they fit (else counted, and left there). Rows that were given and do
+    not decode are counted again before the stream is refused: a keeper's rows never turn
+    into a refusal that the held bits would not make."""
+    count, numel = sum(stream.counts), int(held.size)
+    given = slot is not None and rows_fit(slot.rows, numel, dtype)
+    if slot is not None and not given:
+        slot.rows = exponent_rows(held, dtype)
+    rows = None if slot is None else slot.rows
+    try:
+        return decode_classed(stream, held, dtype, count=count, numel=numel, rows=rows)
+    except PositionsError:
+        if not given:
+            raise
+        assert slot is not None
+        slot.rows = exponent_rows(held, dtype)
+        return decode_classed(stream, held, dtype, count=count, numel=numel, rows=slot.rows)
+
+
+def rows_after(
+    rows: np.ndarray,
+    positions: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    dtype: torch.dtype,
+) -> np.ndarray:
+    """The exponent rows of a tensor after a change, from those before it (not changed) and
+    the bits the change found and wrote at its positions (host tensors)."""
+    moved = rows.copy()
+    move_rows(
+        moved,
+        positions.numpy(),
+        bits_to_numpy(before),
+        bits_to_numpy(after),
+        info_for(dtype).name,
+    )
+    return moved
 
 
 @dataclass(frozen=True)
@@ -532,6 +604,7 @@ __all__ = [
     "AppliedBits",
     "DecodedDelta",
     "EncodedTensor",
+    "RowsSlot",
     "StagedChange",
     "after_bits",
     "apply_change",
@@ -543,6 +616,7 @@ __all__ = [
     "encode_tensor",
     "put_staged",
     "resolve",
+    "rows_after",
     "stage_change",
     "undo_delta",
     "unput_staged",

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dcr_format.codec.dtypes import bits_view, info_for
@@ -201,11 +202,14 @@ class DeviceDiffPipeline:
 def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
+    rows: Callable[[Any], np.ndarray | None] | None = None,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined.
 
     ``advanced``: CPU baselines ``old`` are brought to ``new`` in the diff's own pass, and
     ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`).
+    ``rows(key)``: the exponent rows the caller keeps of ``old``, or None (see
+    :func:`dcr_format.codec.delta.encode_diff`).
     """
     from dcr_format.codec.delta import OPS, encode_diff, encode_tensor
 
@@ -237,6 +241,7 @@ def encode_stream(
                     lane_deltas=result.lane_deltas,
                     # a device baseline still holds the old bits (the CPU pass advanced its own)
                     baseline=None if new.device.type == "cpu" else old,
+                    rows=None if rows is None else rows(key),
                 ),
             )
 

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.bases import alternative_bases, load_base
@@ -31,7 +32,7 @@ from dcr_format.chain import (
     utc_now,
 )
 from dcr_format.codec.budget import DecodeBudget
-from dcr_format.codec.delta import FULL, DecodedDelta, resolve, stage_change
+from dcr_format.codec.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
 from dcr_format.codec.dtypes import info_for
 from dcr_format.errors import (
     ApplyError,
@@ -163,6 +164,8 @@ class _Sync:
     touched: set[str] = field(default_factory=set)  # the names the changes reach
     unverified: set[str] = field(default_factory=set)
     trusted: set[str] = field(default_factory=set)  # resident lanes taken from ``known``
+    # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
+    rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -252,6 +255,10 @@ class DeltaReader:
         )
         self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
         self._verified: _Verified | None = None
+        # exponent rows of the resident bits of tensors the last classed change reached, by
+        # name: (fingerprint, rows), so that the next one need not count them (one pass over
+        # the tensor); keyed by the fingerprint of the bits they describe
+        self._rows: dict[str, tuple[str, np.ndarray]] = {}
         self.reader_id = reader_id
         # the last reader record written: (reader id, overwrite names, reads_baseline)
         self._recorded: tuple[str, frozenset[str], bool] | None = None
@@ -333,11 +340,25 @@ class DeltaReader:
             spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
             if (tensor.dtype, tuple(tensor.shape)) != spec:
                 continue
+            self._give_rows(entry, delta, {})
             try:  # codings against the old bits are completed against the live tensor first
                 staged[name] = Staged(tensor, stage_change(tensor, resolve(delta, tensor)))
             except (IndexError, DcrError):
                 continue
         return staged
+
+    def _give_rows(
+        self, entry: Entry, delta: DecodedDelta, pending: dict[str, tuple[str, np.ndarray]]
+    ) -> None:
+        """Hand a ``classed`` change the exponent rows of its parent's bits where this reader
+        kept them (``pending``: those of this sync's earlier versions, else the committed
+        ones), so that :func:`resolve` need not count them."""
+        slot = delta.rows
+        if slot is None or slot.rows is not None:
+            return
+        kept = pending.get(entry.name) or self._rows.get(entry.name)
+        if kept is not None and kept[0] == entry.parent_fingerprint:
+            slot.rows = kept[1]
 
     def apply(self, prepared: PreparedVersion, *, audit: bool = False) -> SyncResult:
         """Apply a version made by :meth:`prepare`: check the target, change it, verify.
@@ -658,6 +679,11 @@ class DeltaReader:
             raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
         self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
         self._remember(sync, found)
+        for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
+            if name in sync.rows:
+                self._rows[name] = sync.rows[name]
+            else:
+                self._rows.pop(name, None)
         return sync.unverified, sync.audited
 
     def _rolled_back(
@@ -665,6 +691,11 @@ class DeltaReader:
     ) -> BaseException:
         """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
         integrity, target or group error becomes an :class:`ApplyError`)."""
+        self._rows.clear()  # counted again next time, whatever went wrong
+        for step in () if sync is None else sync.steps:  # a prepared version may be retried
+            for _, delta in step.changes:
+                if delta.rows is not None:
+                    delta.rows.rows = None
         txn.undo()
         if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
             exc = self._diagnose(exc, sync)  # reads the restored bits
@@ -703,7 +734,9 @@ class DeltaReader:
                 continue
             info = info_for(entry.dtype)
             change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
+            self._give_rows(entry, delta, sync.rows)
             applied = txn.change(change, sync.prepared._staged.get(entry.name))
+            _follow_rows(sync, entry, delta, applied)
             if entry.op == FULL:
                 sync.lanes[entry.name] = applied.lanes
                 if entry.changed == 0:
@@ -924,6 +957,32 @@ def _mismatches(
             if found != fingerprint:
                 bad.append(name)
     return bad, incomplete
+
+
+def _follow_rows(sync: _Sync, entry: Entry, delta: DecodedDelta, applied: Applied) -> None:
+    """After a ``classed`` change applied on the host: the exponent rows of the bits it left,
+    from those it decoded against and the bits it read and wrote at every position."""
+    slot = delta.rows
+    sync.rows.pop(entry.name, None)
+    if (
+        slot is None
+        or slot.rows is None
+        or entry.op != XOR
+        or applied.positions is None
+        or applied.before is None
+        or applied.after is None
+        or applied.positions.device.type != "cpu"
+        or int(applied.positions.numel()) != entry.changed
+    ):
+        return
+    rows = rows_after(
+        slot.rows,
+        applied.positions,
+        applied.before,
+        applied.after,
+        info_for(entry.dtype).torch_dtype,
+    )
+    sync.rows[entry.name] = (entry.fingerprint, rows)
 
 
 def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:

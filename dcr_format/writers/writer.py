@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
@@ -54,6 +55,7 @@ from dcr_format.codec.features import (
     BASELINE_FEATURES,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
+    POSITIONS_CLASSED_FEATURE,
     features_for,
     within_codings,
     writer_features,
@@ -534,6 +536,7 @@ class _Pending:
     lanes: tuple[int, ...]
     dtype: torch.dtype
     shape: tuple[int, ...]
+    rows: np.ndarray | None = None  # exponent rows of the new bits, where they were counted
 
 
 class CanonicalPart:
@@ -555,6 +558,9 @@ class CanonicalPart:
         self._baseline: dict[str, torch.Tensor] = {}
         self._fingerprints: dict[str, str] = {}
         self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
+        # exponent rows of the baseline (host tensors the writer considered classed
+        # positions for), so that the next step need not count them again
+        self._rows: dict[str, np.ndarray] = {}
 
     @property
     def baseline(self) -> Mapping[str, torch.Tensor]:
@@ -584,6 +590,7 @@ class CanonicalPart:
             DeltaReader(chain.store, target, select=self.owns).sync(to=version)
         self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
         self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
+        self._rows = {}
 
     def _from_cache(
         self, chain: Chain, version: int, owned: dict[str, TensorState]
@@ -628,8 +635,10 @@ class CanonicalPart:
             features = self.features
             if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
                 features -= BASELINE_FEATURES
+            rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
             for (name, tensor, old), encoded in within_codings(
-                features, encode_stream(items, advanced)
+                features,
+                encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0])),
             ):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
@@ -641,7 +650,12 @@ class CanonicalPart:
                 )
                 shards.maybe_flush()
                 pending[name] = _Pending(
-                    encoded.advance, fingerprint, lanes, tensor.dtype, tuple(tensor.shape)
+                    encoded.advance,
+                    fingerprint,
+                    lanes,
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    encoded.rows,
                 )
             missing = sorted(set(self._baseline) - set(pending))
             if missing and not attempt.base:
@@ -743,6 +757,7 @@ class CanonicalPart:
         moved.clear()  # committed: nothing to revert any more
         self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
         self._lanes = {name: change.lanes for name, change in pending.items()}
+        self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
         if self.cache is None:
             return
         try:
