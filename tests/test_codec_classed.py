@@ -237,3 +237,33 @@ def test_the_writer_picks_the_classes_of_least_estimate() -> None:
     old = np.array([0x3F80] * 1000 + [0x4080] * 8, dtype="<u2")
     stream = classed.encode_classed(np.array([1001, 1005]), old, "bfloat16")
     assert stream[:3] == b"\x02\x7f\x00"  # K = 2, base 127
+
+
+def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
+    """The select pass picks the k-th member of a class within a group of 64 from the
+    group's mask with a byte table (_select_bit): every k of words dense, sparse and at the
+    edges, against the bits listed one by one."""
+    from numba import njit
+
+    from dcr_format.codec import _native_classes as native
+
+    @njit(cache=False)
+    def select_all(words: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
+        for i in range(words.size):
+            out[i] = native._select_bit(words[i], ks[i])
+
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**63, 300, dtype=np.uint64) << np.uint64(1)
+    words |= rng.integers(0, 2, 300, dtype=np.uint64)
+    words[:100] &= rng.integers(0, 2**63, 100, dtype=np.uint64)  # sparser
+    edges = [2**64 - 1, 1, 2**63, 0xFF00, 0x8000000000000001, 0x0101010101010101]
+    words = np.concatenate([words[words != 0], np.array(edges, dtype=np.uint64)])
+    members = [[i for i in range(64) if int(w) >> i & 1] for w in words]
+    pairs = [
+        (w, k, bit) for w, bits in zip(words, members, strict=True) for k, bit in enumerate(bits)
+    ]
+    ws = np.array([p[0] for p in pairs], dtype=np.uint64)
+    ks = np.array([p[1] for p in pairs], dtype=np.int64)
+    out = np.empty(ws.size, dtype=np.int64)
+    select_all(ws, ks, out)
+    assert out.tolist() == [p[2] for p in pairs]

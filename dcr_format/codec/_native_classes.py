@@ -259,6 +259,36 @@ def _popcount(m):  # type: ignore[no-untyped-def]
     return np.int64((m * _H01) >> np.uint64(56))
 
 
+_H80 = np.uint64(0x8080808080808080)
+_B8 = np.uint64(0xFF)
+# the position of the j-th set bit (j < 8) of each byte value, at [value * 8 + j]
+_SELECT8 = np.array(
+    [
+        [i for i in range(8) if value >> i & 1][j] if j < bin(value).count("1") else 8
+        for value in range(256)
+        for j in range(8)
+    ],
+    dtype=np.uint8,
+)
+
+
+@njit(cache=True, inline="always")
+def _select_bit(m, k):  # type: ignore[no-untyped-def]
+    """The position of the ``k``-th set bit (from 0, ``k`` below the count) of ``m``:
+    each byte's count and their running sums (one multiply), the byte the bit is in found
+    from those sums at once, then a table within that byte (no loop over the bits)."""
+    s = m - ((m >> _ONE) & _M1)
+    s = (s & _M2) + ((s >> np.uint64(2)) & _M2)
+    s = (s + (s >> np.uint64(4))) & _M4
+    sums = s * _H01  # byte i: the set bits of bytes 0 .. i (each at most 64, so no carry)
+    # bytes whose running sum exceeds k keep their top bit; the first of them holds the bit
+    over = ((sums | _H80) - np.uint64(k + 1) * _H01) & _H80
+    byte = np.uint64(_TRAILING_ZEROS(over)) & ~np.uint64(7)  # 8 x the byte's index
+    before = np.int64(((sums << np.uint64(8)) >> byte) & _B8)  # set bits below the byte
+    value = np.int64((m >> byte) & _B8)
+    return np.int64(byte) + np.int64(_SELECT8[value * 8 + k - before])
+
+
 @njit(cache=True, inline="always")
 def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
     j, end = bounds[t], bounds[t + 1]
@@ -418,12 +448,8 @@ def _positions_task(  # type: ignore[no-untyped-def]
                 n = np.int64((cnt[w] >> sh) & _L16)
                 start = seen[h] + np.int64((acc[w] >> sh) & _L16) - n  # class h before g0
                 m = _class_mask(cls, h)
-                passed = 0  # members of the class cleared from the low end of m
                 while ptr[h] < last[h] and ranks[ptr[h]] < start + n:
-                    for _ in range(ranks[ptr[h]] - start - passed):  # ranks increase: walk on
-                        m &= m - _ONE
-                    passed = ranks[ptr[h]] - start
-                    hits |= m & (~m + _ONE)  # the lowest member left
+                    hits |= _ONE << np.uint64(_select_bit(m, ranks[ptr[h]] - start))
                     ptr[h] += 1
                 _set_need(need, h, ranks, ptr, last, seen)
         while hits != _ZERO:

@@ -172,24 +172,41 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     (``low`` to ``top``), every ``K`` from 1 to ``min(16, top - low + 1)`` and every
     ``base`` in ``[low, top - K + 1]``, the one of least estimate (each class's
     :func:`_rice_bits` plus :data:`CLASS_HEADER_BITS`), the smaller ``K`` and then the
-    smaller ``base`` on ties. Every candidate is evaluated at once, as one array."""
+    smaller ``base`` on ties.
+
+    A class is one of three kinds of exponent interval: the first takes every exponent up to
+    the base, a middle one a single exponent, the last every one from its own up. Each
+    kind's estimate is evaluated once per exponent (three vectors), and a candidate's
+    estimate is the sum of its classes' in class order."""
     present = np.flatnonzero(everything)
     low, top = int(present[0]), int(present[-1])
     most = min(MAX_CLASSES, top - low + 1)
+    width = top - low + 1
     all_cum = np.concatenate(([0], np.cumsum(everything)))
     chg_cum = np.concatenate(([0], np.cumsum(changed)))
     end = everything.size
-    sizes = np.arange(1, most + 1)[:, None, None]  # K x class x base, all at once
-    cls = np.arange(most)[None, :, None]
-    bases = low + np.arange(top - low + 1)[None, None, :]
-    valid = (cls < sizes) & (bases <= top - sizes + 1)
-    lo = np.where(cls == 0, 0, bases + cls)  # class 0 takes every exponent below the base,
-    hi = np.where(cls == sizes - 1, end, bases + cls + 1)  # the last every one above
-    lo, hi = np.where(valid, lo, 0), np.where(valid, hi, 0)  # a valid class ends by top + 1
-    bits = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]) + CLASS_HEADER_BITS
-    cost = np.where(valid, bits, 0.0).sum(axis=1)
-    cost = np.where(valid.any(axis=1), cost, np.inf)  # K x base; bases past top - K + 1: none
-    k, b = np.unravel_index(int(np.argmin(cost)), cost.shape)  # the first: smaller K, then base
+    at = low + np.arange(width)  # exponents low .. top
+
+    def cost(lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray:
+        est = _rice_bits(
+            np.asarray(all_cum[hi] - all_cum[lo]), np.asarray(chg_cum[hi] - chg_cum[lo])
+        )
+        out: np.ndarray = est + CLASS_HEADER_BITS
+        return out
+
+    first = cost(0, at + 1)  # the first class of base b: exponents up to b (index b - low)
+    single = cost(at, at + 1)  # a middle class: exponent e alone
+    last = cost(at, end)  # the last class: exponents from e up
+    whole = float(cost(0, end))  # K = 1: one class of every element
+    totals = np.full((most, width), np.inf)
+    totals[0] = whole  # K = 1: every base gives the same class (argmin takes base low)
+    for count in range(2, most + 1):
+        bases = width - count + 1  # base in low .. top - K + 1
+        sum_ = first[:bases].copy()
+        for c in range(1, count - 1):
+            sum_ = sum_ + single[c : c + bases]
+        totals[count - 1, :bases] = sum_ + last[count - 1 : count - 1 + bases]
+    k, b = np.unravel_index(int(np.argmin(totals)), totals.shape)  # smaller K, then base
     return low + int(b), int(k) + 1
 
 
