@@ -186,26 +186,22 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     chg_cum = np.concatenate(([0], np.cumsum(changed)))
     end = everything.size
     at = low + np.arange(width)  # exponents low .. top
-
-    def cost(lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray:
-        est = _rice_bits(
-            np.asarray(all_cum[hi] - all_cum[lo]), np.asarray(chg_cum[hi] - chg_cum[lo])
-        )
-        out: np.ndarray = est + CLASS_HEADER_BITS
-        return out
-
-    first = cost(0, at + 1)  # the first class of base b: exponents up to b (index b - low)
-    single = cost(at, at + 1)  # a middle class: exponent e alone
-    last = cost(at, end)  # the last class: exponents from e up
-    whole = float(cost(0, end))  # K = 1: one class of every element
+    zero, ends = np.zeros_like(at), np.full_like(at, end)
+    # the intervals of every first class (exponents up to b, index b - low), middle class
+    # (exponent e alone) and last class (exponents from e up), and of the one class of K = 1
+    lo = np.concatenate((zero, at, at, [0]))
+    hi = np.concatenate((at + 1, at + 1, ends, [end]))
+    costs = _rice_bits(all_cum[hi] - all_cum[lo], chg_cum[hi] - chg_cum[lo]) + CLASS_HEADER_BITS
+    first, single, last = costs[:width], costs[width : 2 * width], costs[2 * width : 3 * width]
+    whole = float(costs[-1])
     totals = np.full((most, width), np.inf)
     totals[0] = whole  # K = 1: every base gives the same class (argmin takes base low)
+    partial = first  # per base: its first class plus its middle ones so far, in order
     for count in range(2, most + 1):
         bases = width - count + 1  # base in low .. top - K + 1
-        sum_ = first[:bases].copy()
-        for c in range(1, count - 1):
-            sum_ = sum_ + single[c : c + bases]
-        totals[count - 1, :bases] = sum_ + last[count - 1 : count - 1 + bases]
+        partial = partial[:bases]
+        totals[count - 1, :bases] = partial + last[count - 1 : count - 1 + bases]
+        partial = partial + single[count - 1 : count - 1 + bases]  # class K - 1 of K + 1
     k, b = np.unravel_index(int(np.argmin(totals)), totals.shape)  # smaller K, then base
     return low + int(b), int(k) + 1
 
