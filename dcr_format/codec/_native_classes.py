@@ -4,14 +4,17 @@ Private, imported on first use like :mod:`dcr_format.codec._native` (numba missi
 ``DCR_KERNELS=torch``: the numpy reference in :mod:`~dcr_format.codec.classed` runs); they
 reproduce the reference exactly (``tests/test_codec_classed.py``).
 
-Both ends make two passes over the tensor's old bits, in tasks of
-:data:`~dcr_format.codec._native.TASK` elements that run in parallel (through
-:func:`~dcr_format.codec._native._launch`, with serial twins):
+Both ends make two passes over the tensor's old bits (the first only where its rows are
+not kept), in tasks of :data:`~dcr_format.codec._native.TASK` elements that run in
+parallel (through :func:`~dcr_format.codec._native._launch`, with serial twins):
 
 1. :func:`histograms`: each task's histogram of the exponent field (four interleaved
    counter rows, so that equal neighbours do not wait on one counter). The writer picks
    ``base`` and ``K`` from their sum; each task's count per class, and so the class counts
-   before it, follow from its own row.
+   before it, follow from its own row. These are the *exponent rows* of
+   :func:`dcr_format.codec.classed.exponent_rows`: a long-lived writer or reader keeps
+   them and moves only the changed elements (:func:`move_rows`), so in steady state this
+   pass is not made.
 2. :func:`class_ranks` (writer) and :func:`positions_of_ranks` (reader): each task takes
    its elements 64 at a time, computes their classes and counts them per class with a
    branch-free sum of one byte per class (no counter in memory, vectorised). A changed
