@@ -201,7 +201,21 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def classed_names(writer: DeltaWriter, store: Path, version: int) -> set[str]:
+def started(
+    tmp_path: Path, seed: int
+) -> tuple[Path, DeltaWriter, Trainer, StateDictTarget, DeltaReader]:
+    """A classed chain's writer with its base published, and a reader synced to it."""
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=[FEATURE])
+    trainer = Trainer(seed, SHAPES)
+    writer.publish(trainer.state())
+    target = StateDictTarget({})
+    reader = DeltaReader(store, target)
+    reader.sync()
+    return store, writer, trainer, target, reader
+
+
+def classed_names(store: Path, version: int) -> set[str]:
     from dcr_format.chain import Chain
     from dcr_format.store import open_store
 
@@ -217,19 +231,13 @@ def classed_names(writer: DeltaWriter, store: Path, version: int) -> set[str]:
 def test_a_long_lived_writer_and_reader_keep_the_rows_of_their_bits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = tmp_path / "store"
-    writer = DeltaWriter(store, features=[FEATURE])
-    trainer = Trainer(1, SHAPES)
-    target = StateDictTarget({})
-    reader = DeltaReader(store, target)
-    writer.publish(trainer.state())
-    reader.sync()
+    store, writer, trainer, target, reader = started(tmp_path, 1)
     calls = counting(monkeypatch)
     states = []
     for version in range(1, 6):
         states.append(trainer.step())
         writer.publish(states[-1])
-        names = classed_names(writer, store, version)
+        names = classed_names(store, version)
         assert "a.weight" in names
         if version == 3:  # staged while preparing, then written
             prepared = reader.prepare()
@@ -255,19 +263,13 @@ def test_a_long_lived_writer_and_reader_keep_the_rows_of_their_bits(
 def test_several_versions_in_one_sync_follow_the_rows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = tmp_path / "store"
-    writer = DeltaWriter(store, features=[FEATURE])
-    trainer = Trainer(2, SHAPES)
-    writer.publish(trainer.state())
-    target = StateDictTarget({})
-    reader = DeltaReader(store, target)
-    reader.sync()
+    store, writer, trainer, target, reader = started(tmp_path, 2)
     for _ in range(3):
         writer.publish(trainer.step())
     calls = counting(monkeypatch)
     result = reader.sync()
     assert result.applied_versions == (1, 2, 3)
-    names = classed_names(writer, store, 1)
+    names = classed_names(store, 1)
     # counted for the first version's parents only; the next two take the moved rows
     assert sum(calls) == sum(target.tensors[n].numel() for n in names)
     for name in names:
@@ -277,13 +279,7 @@ def test_several_versions_in_one_sync_follow_the_rows(
 def test_an_edited_target_with_kept_rows_is_refused_and_the_rows_dropped(
     tmp_path: Path,
 ) -> None:
-    store = tmp_path / "store"
-    writer = DeltaWriter(store, features=[FEATURE])
-    trainer = Trainer(3, SHAPES)
-    writer.publish(trainer.state())
-    target = StateDictTarget({})
-    reader = DeltaReader(store, target)
-    reader.sync()
+    _, writer, trainer, target, reader = started(tmp_path, 3)
     writer.publish(trainer.step())
     reader.sync()
     assert "a.weight" in reader._rows  # kept from version 1
