@@ -180,15 +180,27 @@ def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatc
     native = classed.encode_classed(positions, new, "bfloat16", xor=xor)
     after = new[positions]
     assert classed.encode_classed(positions, new, "bfloat16", xor=xor, after=after) == native
-    back = classed.decode_classed(native, old, "bfloat16", count=positions.size, numel=n)
+    seen = np.zeros(positions.size, dtype=old.dtype)
+    back = classed.decode_classed(
+        native, old, "bfloat16", count=positions.size, numel=n, old_at=seen
+    )
+    assert np.array_equal(seen, old[positions])  # the select pass hands over the old bits
     monkeypatch.setenv("DCR_KERNELS", "torch")
     reference = classed.encode_classed(positions, old, "bfloat16")
     assert native == reference
     assert np.array_equal(back, positions)
+    seen[:] = 0
     assert np.array_equal(
-        classed.decode_classed(reference, old, "bfloat16", count=positions.size, numel=n),
+        classed.decode_classed(
+            reference, old, "bfloat16", count=positions.size, numel=n, old_at=seen
+        ),
         positions,
     )
+    assert np.array_equal(seen, old[positions])
+    with pytest.raises(ValueError, match="one element"):
+        classed.decode_classed(
+            reference, old, "bfloat16", count=positions.size, numel=n, old_at=seen[1:]
+        )
 
 
 def _estimate(everything: np.ndarray, changed: np.ndarray, count: int, base: int) -> float:

@@ -20,9 +20,11 @@ parallel (through :func:`~dcr_format.codec._native._launch`, with serial twins):
    branch-free sum of one byte per class (no counter in memory, vectorised). A changed
    element's rank is the count of its class before the group plus the elements of its
    class below it (a 64-bit mask of the class, made only for groups that hold a change).
-   The reader adds each group's counts to 16-bit lanes and compares them, all classes at
-   once, with each class's distance to its next wanted rank: a class whose lane reaches it
-   holds a wanted element in the group, the matching set bit of the class's mask.
+   Both ends add each group's counts to 16-bit lanes, folded into exact counts every
+   :data:`_FLUSH` groups (no loop over the classes per group). The reader compares the
+   lanes, all classes at once, with each class's distance to its next wanted rank: a class
+   whose lane reaches it holds a wanted element in the group, the matching set bit of the
+   class's mask, whose old bits it can hand over as it writes the position.
 
 Classes are ``clamp(((bits >> shift) & mask) - base, 0, count - 1)``; a writer whose diff
 advanced its baseline passes the new bits and the XOR bits at the positions (the old bits
@@ -187,6 +189,29 @@ def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
 # --- pass 2, writer: each changed element's class and rank -------------------------------
 
 
+_B16 = np.uint64(0x00FF00FF00FF00FF)  # the even bytes of a word, as 16-bit lanes
+_H16 = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
+_L16 = np.uint64(0xFFFF)
+_NEED_CAP = 32767  # lanes hold distances below 2**15 (so the lane compare cannot borrow)
+_FLUSH = 500  # groups between folds of the lanes into exact counts (500 * 64 < _NEED_CAP)
+
+
+@njit(cache=True, inline="always")
+def _lane_of(c):  # type: ignore[no-untyped-def]
+    """The word and bit shift of class ``c``'s 16-bit lane (words: classes 0 2 4 6, 1 3 5 7,
+    8 10 12 14, 9 11 13 15, as the even and odd bytes of the two count words spread)."""
+    return ((c >> 3) << 1) | (c & 1), np.uint64(16 * ((c & 7) >> 1))
+
+
+@njit(cache=True, inline="always")
+def _fold(acc, seen, count):  # type: ignore[no-untyped-def]
+    """Add the 16-bit lanes ``acc`` to the exact counts ``seen`` and clear them."""
+    for c in range(count):
+        w, sh = _lane_of(c)
+        seen[c] += np.int64((acc[w] >> sh) & _L16)
+    acc[:] = 0
+
+
 @njit(cache=True, inline="always")
 def _group_classes(bits, lo, size, shift, mask, base, count, cls):  # type: ignore[no-untyped-def]
     """The classes of elements ``lo .. lo + size`` (``size <= 64``) into ``cls`` (the rest of
@@ -294,15 +319,24 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, inline="always")
 def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+    """Task ``t`` of the writer's rank pass. Each group's class counts are added to 16-bit
+    lanes (four words, :func:`_lane_of`), folded into the exact counts ``seen`` every
+    :data:`_FLUSH` groups: a change's rank is ``seen`` of its class, plus its lane, plus the
+    elements of its class below it in the group (a loop over the classes per group cost a
+    quarter of the pass)."""
     j, end = bounds[t], bounds[t + 1]
     if j == end:
         return
     lo = t * TASK
     last = positions[end - 1]
-    seen = before[t].copy()
+    seen = np.zeros(16, dtype=np.int64)
+    for c in range(count):
+        seen[c] = before[t, c]
+    acc = np.zeros(4, dtype=np.uint64)
     cls = np.empty(_GROUP, dtype=np.uint8)
     flip = xor.size > 0
     g0 = lo
+    groups = 0
     while g0 <= last:
         low, high = _classes_at(bits, g0, bits.shape[0], shift, mask, base, count, cls)
         first = j
@@ -318,11 +352,19 @@ def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bound
         for k in range(first, j):
             b = np.uint64(positions[k] - g0)
             mine = np.int64(cls[b])
+            w, sh = _lane_of(mine)
+            below = _popcount(_class_mask(cls, mine) & ((_ONE << b) - _ONE))
             classes[k] = mine
-            ranks[k] = seen[mine] + _popcount(_class_mask(cls, mine) & ((_ONE << b) - _ONE))
-        for c in range(count):
-            seen[c] += _count_of(low, high, c)
+            ranks[k] = seen[mine] + np.int64((acc[w] >> sh) & _L16) + below
+        acc[0] += low & _B16
+        acc[1] += (low >> np.uint64(8)) & _B16
+        acc[2] += high & _B16
+        acc[3] += (high >> np.uint64(8)) & _B16
         g0 += _GROUP
+        groups += 1
+        if groups == _FLUSH:
+            _fold(acc, seen, count)
+            groups = 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -365,20 +407,6 @@ def class_ranks(
 # --- pass 2, reader: the positions of the wanted ranks -----------------------------------
 
 
-_B16 = np.uint64(0x00FF00FF00FF00FF)  # the even bytes of a word, as 16-bit lanes
-_H16 = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
-_L16 = np.uint64(0xFFFF)
-_NEED_CAP = 32767  # lanes hold distances below 2**15 (so the lane compare cannot borrow)
-_FLUSH = 500  # groups between folds of the lanes into exact counts (500 * 64 < _NEED_CAP)
-
-
-@njit(cache=True, inline="always")
-def _lane_of(c):  # type: ignore[no-untyped-def]
-    """The word and bit shift of class ``c``'s 16-bit lane (words: classes 0 2 4 6, 1 3 5 7,
-    8 10 12 14, 9 11 13 15, as the even and odd bytes of the two count words spread)."""
-    return ((c >> 3) << 1) | (c & 1), np.uint64(16 * ((c & 7) >> 1))
-
-
 @njit(cache=True, inline="always")
 def _set_need(need, c, ranks, ptr, ends, seen):  # type: ignore[no-untyped-def]
     """Lane ``c`` of ``need``: how many more elements of class ``c`` (counted from ``seen``)
@@ -405,6 +433,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
     offsets,
     out,
     done,
+    old_at,
 ):
     """Task ``t`` of the select pass. Per group, the classes' counts are added to 16-bit
     lanes (four words, :func:`_lane_of`) and compared at once with each class's distance
@@ -413,7 +442,9 @@ def _positions_task(  # type: ignore[no-untyped-def]
     than the rest of the pass). Every :data:`_FLUSH` groups the lanes fold into the exact
     counts ``seen``. ``done[t]``: how many positions the task found (its share,
     ``offsets[t + 1] - offsets[t]``, unless the old bits are not those the class starts were
-    counted from; nothing is written past its share)."""
+    counted from; nothing is written past its share). ``old_at``, where not empty, takes the
+    bits at each position found (in cache there, so a caller that needs them does not read
+    the tensor again at positions spread over it)."""
     o = offsets[t]
     done[t] = 0
     if o == offsets[t + 1]:
@@ -431,6 +462,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
     for c in range(16):
         _set_need(need, c, ranks, ptr, last, seen)
     cls = np.empty(_GROUP, dtype=np.uint8)
+    keep = old_at.size > 0
     g0 = lo
     groups = 0
     while g0 < hi and o < offsets[t + 1]:
@@ -458,15 +490,14 @@ def _positions_task(  # type: ignore[no-untyped-def]
         while hits != _ZERO:
             if o < offsets[t + 1]:
                 out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
+                if keep:
+                    old_at[o] = bits[out[o]]
             hits &= hits - _ONE
             o += 1
         g0 += _GROUP
         groups += 1
         if groups == _FLUSH:
-            for c in range(count):
-                w, sh = _lane_of(c)
-                seen[c] += np.int64((acc[w] >> sh) & _L16)
-            acc[:] = 0
+            _fold(acc, seen, count)
             for c in range(16):
                 _set_need(need, c, ranks, ptr, last, seen)
             groups = 0
@@ -474,10 +505,25 @@ def _positions_task(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _positions(bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done):  # type: ignore[no-untyped-def]
+def _positions(
+    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
+):  # type: ignore[no-untyped-def]
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done
+            t,
+            bits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            ranks,
+            cursor,
+            ends,
+            offsets,
+            out,
+            done,
+            old_at,
         )
 
 
@@ -495,10 +541,24 @@ def _positions_serial(  # type: ignore[no-untyped-def]
     offsets,
     out,
     done,
+    old_at,
 ):
     for t in range(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done
+            t,
+            bits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            ranks,
+            cursor,
+            ends,
+            offsets,
+            out,
+            done,
+            old_at,
         )
 
 
@@ -511,12 +571,14 @@ def positions_of_ranks(
     starts: np.ndarray,
     ranks: np.ndarray,
     first: np.ndarray,
+    old_at: np.ndarray | None = None,
 ) -> np.ndarray | None:
     """Flat positions, increasing, of the listed ranks: class ``c``'s ranks are
     ``ranks[first[c]:first[c + 1]]``, strictly increasing and each below the class size
     (``starts[-1, c]``); ``starts``: :func:`class_starts` of the tasks' histograms. None
     when ``bits`` do not hold the classes ``starts`` counts (some task finds more or fewer
-    of its ranks than they place in it)."""
+    of its ranks than they place in it). ``old_at`` (``ranks.size`` elements of ``bits``'
+    dtype), where given, takes the bits at the positions found."""
     tasks = starts.shape[0] - 1
     cursor = np.empty((tasks + 1, count), dtype=np.int64)
     for c in range(count):
@@ -525,8 +587,11 @@ def positions_of_ranks(
     offsets = (cursor - first[:count]).sum(axis=1)
     out = np.empty(ranks.size, dtype=np.int64)
     done = np.zeros(tasks, dtype=np.int64)
+    if old_at is not None and (old_at.size != ranks.size or old_at.dtype != bits.dtype):
+        raise ValueError("old_at must have one element of the bits' dtype per rank")
+    kept = bits[:0] if old_at is None else old_at
     args = (bits, shift, mask, base, count, starts, ranks, cursor, first[1:], offsets, out, done)
-    _launch(_positions, _positions_serial, tasks, *args)
+    _launch(_positions, _positions_serial, tasks, *args, kept)
     if not np.array_equal(done, np.diff(offsets)):
         return None
     return out

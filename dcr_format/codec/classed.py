@@ -401,6 +401,7 @@ def decode_classed(
     count: int,
     numel: int,
     rows: np.ndarray | None = None,
+    old_at: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode a ``classed`` stream (or its :func:`parse_classed` layout) against the old bits
     into ``count`` strictly increasing positions in ``[0, numel)``; every malformed stream
@@ -408,7 +409,10 @@ def decode_classed(
     ``rows``: the old bits' :func:`exponent_rows` where the caller keeps them (a long-lived
     reader), so that they are not counted again; rows that do not fit the tensor are
     ignored, and rows of other bits make the decode fail or find other positions (which
-    the fingerprint check after applying catches)."""
+    the fingerprint check after applying catches). ``old_at`` (``count`` elements of the old
+    bits' dtype), where given, takes the old bits at the positions (the select pass reads
+    them anyway; a caller that needs them saves a read at positions spread over the
+    tensor)."""
     if old_bits.size != numel:
         raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
     if count < 1 or count > numel:
@@ -422,6 +426,8 @@ def decode_classed(
         )
     shift, mask = EXPONENT_FIELDS[dtype]
     old_bits = np.ascontiguousarray(old_bits).reshape(-1)
+    if old_at is not None and (old_at.shape != (count,) or old_at.dtype != old_bits.dtype):
+        raise ValueError("old_at must have one element of the old bits' dtype per position")
     native = _native()
     classes_count, base, counts = stream.classes, stream.base, stream.counts
     classes = None
@@ -439,7 +445,7 @@ def decode_classed(
         first = np.zeros(classes_count + 1, dtype=np.int64)
         first[1:] = np.cumsum(counts)
         out: np.ndarray | None = native.positions_of_ranks(
-            old_bits, shift, mask, base, classes_count, starts, np.concatenate(found), first
+            old_bits, shift, mask, base, classes_count, starts, np.concatenate(found), first, old_at
         )
         if out is None:
             raise PositionsError(
@@ -448,7 +454,12 @@ def decode_classed(
         return out
     assert classes is not None
     picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
-    return np.sort(np.concatenate([members[r] for members, r in zip(picked, found, strict=True)]))
+    positions = np.sort(
+        np.concatenate([members[r] for members, r in zip(picked, found, strict=True)])
+    )
+    if old_at is not None:
+        old_at[:] = old_bits[positions]
+    return positions
 
 
 def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> list[np.ndarray]:

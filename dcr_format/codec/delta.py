@@ -394,8 +394,12 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
     info = info_for(target.dtype)
     flat = bits_view(target).reshape(-1)
     positions = delta.positions
+    before: np.ndarray | None = None  # the old bits at the positions, where the select read them
     if delta.classed is not None and flat.device.type == "cpu":
-        found = _decode_classed_at(delta.classed, delta.rows, bits_to_numpy(flat), info.name)
+        held = bits_to_numpy(flat)
+        if delta.ulp and delta.shift is not None:
+            before = np.empty(sum(delta.classed.counts), dtype=held.dtype)
+        found = _decode_classed_at(delta.classed, delta.rows, held, info.name, before)
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
         positions = _device_positions(delta.classed, flat, info.name).to(delta.values.device)
@@ -407,7 +411,8 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
         if delta.shift is None:  # stepped while applying, or turned into XOR bits here
             ready = DecodedDelta(delta.op, positions, values, ulp=True)
             return ready if dispatch.fuses_ulp(flat, positions) else _as_xor(ready, flat)
-        before = _bits_at(flat, positions)  # the shifts come from the old bits' exponents
+        if before is None:  # the shifts come from the old bits' exponents
+            before = _bits_at(flat, positions)
         origin, low = delta.shift
         z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
         xor = before ^ from_ulp(before, z)
@@ -416,25 +421,34 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
 
 
 def _decode_classed_at(
-    stream: ClassedStream, slot: RowsSlot | None, held: np.ndarray, dtype: str
+    stream: ClassedStream,
+    slot: RowsSlot | None,
+    held: np.ndarray,
+    dtype: str,
+    before: np.ndarray | None = None,
 ) -> np.ndarray:
     """The positions of a ``classed`` stream against the host bits ``held``, with the rows
     of ``slot`` where they fit (else counted, and left there). Rows that were given and do
     not decode are counted again before the stream is refused: a keeper's rows never turn
-    into a refusal that the held bits would not make."""
+    into a refusal that the held bits would not make. ``before``, where given, takes the
+    held bits at the positions."""
     count, numel = sum(stream.counts), int(held.size)
     given = slot is not None and rows_fit(slot.rows, numel, dtype)
     if slot is not None and not given:
         slot.rows = exponent_rows(held, dtype)
     rows = None if slot is None else slot.rows
     try:
-        return decode_classed(stream, held, dtype, count=count, numel=numel, rows=rows)
+        return decode_classed(
+            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
+        )
     except PositionsError:
         if not given:
             raise
         assert slot is not None
         slot.rows = exponent_rows(held, dtype)
-        return decode_classed(stream, held, dtype, count=count, numel=numel, rows=slot.rows)
+        return decode_classed(
+            stream, held, dtype, count=count, numel=numel, rows=slot.rows, old_at=before
+        )
 
 
 def rows_after(
