@@ -505,9 +505,9 @@ def _positions_task(  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _positions(
+def _positions(  # type: ignore[no-untyped-def]
     bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
-):  # type: ignore[no-untyped-def]
+):
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
             t,
