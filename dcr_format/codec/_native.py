@@ -56,7 +56,10 @@ _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 _MASK30 = (1 << 30) - 1  # r = (i mod 2^30) + 1 = (i & _MASK30) + 1 for any int64 i
 _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^30
-_CHUNK = 1 << 16  # elements per parallel task of the position-driven kernels
+# Positions per parallel task of the position-driven kernels. At 1% a tensor under 2^16 / 0.01
+# elements (most of a model's) gave one task at 2^16 and ran on one core; at 2^13 a 1 GB step
+# applies in about 0.08 s against 0.11 (2 cores).
+_CHUNK = 1 << 13
 _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of changing them
 
 _LOCK = threading.Lock()  # held around every parallel kernel launch
