@@ -285,7 +285,8 @@ class EntropyBound:
     positions_bits: float
     """Per-tensor Bernoulli positions: sum of ``numel * H2(changed / numel)``."""
     values_bits: float
-    """``changed * H`` with H the order-0 entropy of the XOR values as 16-bit symbols."""
+    """``changed * H`` with H the order-0 entropy of the XOR values as 16-bit symbols, pooled
+    over every tensor's changes (one distribution for the step, not one per tensor)."""
     h_xor: float
     h_ulp: float
     xor_symbols: np.ndarray
@@ -296,7 +297,8 @@ class EntropyBound:
 
 
 def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> EntropyBound:
-    """Positions as independent per-tensor Bernoulli draws plus order-0 XOR value entropy."""
+    """Positions as independent per-tensor Bernoulli draws plus the pooled order-0 entropy of
+    the XOR values (see `EntropyBound`)."""
     pos_bound_bits = 0.0
     changed = 0
     xor_parts, ulp_parts = [], []
@@ -325,6 +327,8 @@ def entropy_bound(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) ->
 
 
 COMMIT_RECORD_BYTES = 720
+"""What a reader fetches besides manifests and shards per version: the commit record of one
+writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 # the codings of the last configuration: rans, and both codings against the old bits
 BASELINE_CODED = (
     VALUES_RANS_FEATURE,
@@ -332,8 +336,6 @@ BASELINE_CODED = (
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
 )
-"""What a reader fetches besides manifests and shards per version: the commit record of one
-writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 _SHARD_PATH = f"objects/{1:020d}/{'0' * 32}/shard-00000-00000.dcrs"
 
 
