@@ -13,7 +13,11 @@ each measurement and reporting medians:
   ``diff_with_lanes`` (the fused pass with the lane deltas) against the reference
   diff followed by ``lanes_after_change``;
 - applying the change: ``reference.scatter`` + ``lanes_after_change`` vs the fused
-  ``apply_with_lanes``.
+  ``apply_with_lanes``;
+- ``classed`` positions (FORMAT.md §6.5) at 1% and 5%, as ratios to ``copy_``: a writer's
+  stream from kept exponent rows (``encode_classed_rows``: the rank pass over every
+  element) and a reader's decode with kept rows (``decode_classed``: the select pass);
+  with ``--threads 1`` and then more, how the passes scale with cores against ``copy_``.
 
 Warm-up calls compile the kernels (or load them from numba's cache) before timing.
 ``--threads N`` sets torch's and numba's thread counts; ``--cpu-time`` reports process
@@ -32,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from dcr_format import fingerprint as fp
+from dcr_format.codec import classed
 from dcr_format.codec import positions as pc
 from dcr_format.cuda import dispatch, reference
 
@@ -156,6 +161,42 @@ def bench_diff(n: int, repeats: int, rate: float) -> None:
         )
 
 
+def bench_classes(n: int, repeats: int, rate: float) -> None:
+    old, new = changed_pair(n, rate, 4)
+    found = reference.diff(old, new)
+    positions = found.positions.numpy()
+    old_bits, new_bits = old.numpy().view("uint16"), new.numpy().view("uint16")
+    xor = found.xor_values.numpy().view("uint16")
+    rows = classed.exponent_rows(old_bits, "bfloat16")
+    stream, _ = classed.encode_classed_rows(positions, new_bits, "bfloat16", xor=xor, rows=rows)
+    decoded = classed.decode_classed(
+        stream, old_bits, "bfloat16", count=positions.size, numel=n, rows=rows
+    )
+    if not (decoded == positions).all():
+        raise SystemExit("classed positions did not decode to the positions coded")
+    source = old.view(torch.bfloat16)
+    buffer = torch.empty_like(source)
+    t = interleaved(
+        {
+            "copy_": lambda: buffer.copy_(source),
+            "encode": lambda: classed.encode_classed_rows(
+                positions, new_bits, "bfloat16", xor=xor, rows=rows
+            ),
+            "decode": lambda: classed.decode_classed(
+                stream, old_bits, "bfloat16", count=positions.size, numel=n, rows=rows
+            ),
+        },
+        repeats,
+    )
+    copy = t["copy_"]
+    print(
+        f"Classed positions of bf16[{n}] at {rate:.0%} ({positions.size} changed, "
+        f"{len(stream) * 8 / positions.size:.2f} bits each), copy_ {copy * 1e3:.1f} ms:"
+    )
+    for what in ("encode", "decode"):
+        print(f"  {what:7s} {t[what] * 1e3:8.1f} ms = {t[what] / copy:5.2f}x copy_")
+
+
 def main() -> None:
     """Run every measurement and print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -182,6 +223,8 @@ def main() -> None:
     bench_fingerprint(args.elements, args.repeats)
     for rate in (0.01, 0.05):
         bench_diff(args.elements, args.repeats, rate)
+    for rate in (0.01, 0.05):
+        bench_classes(args.elements, args.repeats, rate)
     print(f"numba threading layer: {numba.threading_layer()}")
 
 

@@ -286,3 +286,20 @@ def test_steady_benchmark_quick_run(tmp_path):
     assert len(rows) == 4 and all(r["bit_exact"] for r in data["rows"])
     assert not any(r["sync_audited"] for r in rows)  # steady state: no full re-read
     assert {r["target_rate"] for r in data["summary"]} == {0.005, 0.01}
+
+
+def test_native_benchmark_small_run():
+    """benchmarks/native_bench.py on a small tensor: every measurement prints, and the
+    classed positions it times decode to the positions it coded (the script checks)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "native_bench.py"), "--elements", "200000",
+         "--repeats", "1", "--threads", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    out = result.stdout
+    assert "torch threads 1, numba threads 1" in out
+    for heading in ("Rice,", "Fingerprint full pass", "Diff of bf16[200000] at 5%"):
+        assert heading in out
+    for rate in ("1%", "5%"):
+        assert f"Classed positions of bf16[200000] at {rate}" in out
+    assert out.count("x copy_") >= 6
