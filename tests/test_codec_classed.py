@@ -251,6 +251,39 @@ def test_the_writer_picks_the_classes_of_least_estimate() -> None:
     assert stream[:3] == b"\x02\x7f\x00"  # K = 2, base 127
 
 
+def test_class_rice_parts_equal_the_reference_at_every_scale(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled Rice plans of every class (sums of gap >> k kept in registers) choose the
+    k the reference's plan of each class does, also where the search range is clamped at 0
+    and at the largest k: the same stream bytes."""
+    rng = np.random.default_rng(31)
+    for scale, most in (
+        (0, 400),
+        (1, 400),
+        (3, 400),
+        (12, 400),
+        (30, 400),
+        (50, 400),
+        (58, 12),
+        (60, 4),
+    ):
+        per_class = []
+        for _ in range(4):  # at most ``most`` ranks a class: the last stays below 2^63
+            gaps = rng.integers(0, (1 << scale) + 1, int(rng.integers(1, most)), dtype=np.int64)
+            per_class.append(np.cumsum(gaps + 1) - 1)  # strictly increasing ranks
+        # the classes interleave in position order; each class's ranks stay in theirs
+        classes = rng.permutation(np.repeat(np.arange(4), [r.size for r in per_class]))
+        ranks = np.empty(classes.size, dtype=np.int64)
+        for c, mine in enumerate(per_class):
+            ranks[classes == c] = mine
+        native = classed.classed_stream(100, 4, classes, ranks)
+        monkeypatch.setenv("DCR_KERNELS", "torch")
+        reference = classed.classed_stream(100, 4, classes, ranks)
+        monkeypatch.delenv("DCR_KERNELS")
+        assert native == reference, scale
+
+
 def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the
     group's mask with a byte table (_select_bit): every k of words dense, sparse and at the

@@ -637,13 +637,20 @@ def rice_plans(
             continue
         low = max(0, guesses[c] - 2)
         high = min(max_k, guesses[c] + 3)
-        sums[:] = 0
+        # sum(gap >> (low + j)) for j in 0..5 in registers (a loop over j into an array
+        # was 3.3 ns a rank); those past ``high`` are not looked at
+        s0 = s1 = s2 = s3 = s4 = s5 = 0
         prev = -1
         for i in range(ends[c], ends[c + 1]):
-            gap = ranks[i] - prev - 1
+            g = (ranks[i] - prev - 1) >> low
             prev = ranks[i]
-            for j in range(high - low + 1):
-                sums[j] += gap >> (low + j)
+            s0 += g
+            s1 += g >> 1
+            s2 += g >> 2
+            s3 += g >> 3
+            s4 += g >> 4
+            s5 += g >> 5
+        sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = s0, s1, s2, s3, s4, s5
         best, best_bits = low, sums[0] + n * (1 + low)
         for k in range(low + 1, high + 1):
             bits = sums[k - low] + n * (1 + k)
