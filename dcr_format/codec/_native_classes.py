@@ -257,12 +257,6 @@ def _moved(low, high, was, now):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, inline="always")
-def _count_of(low, high, c):  # type: ignore[no-untyped-def]
-    word = low if c < 8 else high
-    return np.int64((word >> np.uint64(8 * (c & 7))) & np.uint64(0xFF))
-
-
-@njit(cache=True, inline="always")
 def _class_mask(cls, c):  # type: ignore[no-untyped-def]
     """The bits of the group's elements of class ``c``."""
     m = _ZERO
@@ -329,9 +323,7 @@ def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bound
         return
     lo = t * TASK
     last = positions[end - 1]
-    seen = np.zeros(16, dtype=np.int64)
-    for c in range(count):
-        seen[c] = before[t, c]
+    seen = before[t].copy()
     acc = np.zeros(4, dtype=np.uint64)
     cls = np.empty(_GROUP, dtype=np.uint8)
     flip = xor.size > 0
