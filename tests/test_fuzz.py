@@ -753,6 +753,29 @@ def test_atheris_fuzzes_the_parsers_briefly(chain, tmp_path, reliability):
     )
 
 
+def test_atheris_seeds_of_entries_decode_to_their_step():
+    try:
+        import fuzz_targets  # imports atheris
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"atheris is missing in CI ({exc}); pip install -e '.[test]'")
+        pytest.skip(f"atheris is not installed ({exc})")
+
+    seeds = fuzz_targets.baseline_seeds()
+    codings = set()
+    results = []
+    for seed in seeds:  # each reaches the decoders whole: every coding decodes the same step
+        rest = seed[1:]
+        codings.add(
+            (fuzz_targets.BASELINE_POSITIONS[rest[0]], fuzz_targets.BASELINE_VALUES[rest[1]])
+        )
+        results.append(fuzz_targets.baseline_entry(rest))
+    assert {p for p, _ in codings} == {"rice", "classed"}
+    assert {v for _, v in codings} == {"planes", "rans", "ulp", "ulp-shift"}
+    assert all(torch.equal(r.view(torch.uint16), results[0].view(torch.uint16)) for r in results)
+    assert not torch.equal(results[0].view(torch.uint16), fuzz_targets.OLD.view(torch.uint16))
+
+
 def _atheris_runs(log: str) -> int:
     for line in reversed(log.splitlines()):
         if "Done " in line and " runs " in line:
