@@ -45,7 +45,7 @@ from dcr_format.errors import DcrError
 POSITIONS = ("rice", "ranges", "classed")
 VALUES = ("planes", "rans", "ulp", "ulp-shift")
 FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_BITS = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ def kernels(which: str) -> Iterator[None]:
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bits, flat, as unsigned integers of its width."""
     width = tensor.element_size()
     return tensor.reshape(-1).view(getattr(torch, f"uint{8 * width}")).numpy().view(_BITS[width])
 
@@ -127,24 +128,29 @@ def _value_streams(old: np.ndarray, new: np.ndarray, dtype: str) -> Iterator[tup
     yield from ((c, s) for c, s in coded if len(s) < xor.nbytes)
 
 
+def coded(old: torch.Tensor, new: torch.Tensor) -> list[Case]:
+    """The change from ``old`` to ``new`` (contiguous, of one dtype and shape) in every pair
+    of codings the format allows for their dtype; none where nothing changed."""
+    dtype = info_for(old.dtype).name
+    before, after = _bits(old), _bits(new)
+    where = np.flatnonzero(before != after)
+    if where.size == 0:
+        return []
+    positions = [encode_positions(where, coding=c) for c in ("rice", "ranges")]
+    if old.dtype in FLOATS:
+        positions.append(("classed", classed.encode_classed(where, before, dtype)))
+    return [
+        Case(dtype, old, new, int(where.size), stream, values)
+        for values in _value_streams(before[where], after[where], dtype)
+        for stream in positions
+    ]
+
+
 def cases(seed: int = 0) -> list[Case]:
     """Every change of :func:`_changes` in every pair of codings its dtype allows, coded on
     the reference (so that a run that checks bounds compiles only the decoders)."""
-    out = []
     with kernels("torch"):
-        for old, new in _changes(seed):
-            dtype = info_for(old.dtype).name
-            before, after = _bits(old), _bits(new)
-            where = np.flatnonzero(before != after)
-            if where.size == 0:
-                continue
-            positions = [encode_positions(where, coding=c) for c in ("rice", "ranges")]
-            if old.dtype in FLOATS:
-                positions.append(("classed", classed.encode_classed(where, before, dtype)))
-            for values in _value_streams(before[where], after[where], dtype):
-                for stream in positions:
-                    out.append(Case(dtype, old, new, int(where.size), stream, values))
-    return out
+        return [case for old, new in _changes(seed) for case in coded(old, new)]
 
 
 def outcome(case: Case, positions: bytes, values: bytes, changed: int, rows: bool) -> object:
