@@ -81,6 +81,38 @@ def _states() -> list[dict[str, torch.Tensor]]:
     return states
 
 
+def _featured_states() -> list[dict[str, torch.Tensor]]:
+    """Steps that a writer with every feature codes in every coding (checked by the
+    fixture): bfloat16 weights stepped as fp32 masters (``classed`` positions, ``ulp-shift``
+    values), float16 weights moved by one ulp (``ulp``), counters (``rans``)."""
+    gen = torch.Generator().manual_seed(41)
+    masters = {
+        "model.embed.weight": torch.randn(96, 64, generator=gen) * 0.02,
+        "model.layers.0.q.weight": torch.randn(64, 64, generator=gen) * 0.02,
+        "model.norm.weight": 1 + torch.randn(64, generator=gen) * 0.01,
+    }
+    half = (torch.randn(4096, generator=gen) * 0.02).half()
+    counts = torch.randint(0, 1000, (2048,), generator=gen, dtype=torch.int32)
+    states = []
+    for step in range(4):
+        if step:
+            for master in masters.values():
+                master.add_(torch.randn(master.shape, generator=gen) * 1e-5)
+            moved = torch.rand(4096, generator=gen) < 0.05
+            steps = torch.where(torch.rand(4096, generator=gen) < 0.5, 1, -1).to(torch.int16)
+            half.view(torch.int16)[moved] += steps[moved]
+            counts[torch.rand(2048, generator=gen) < 0.1] += 1
+        state = {name: master.to(torch.bfloat16) for name, master in masters.items()}
+        state["model.layers.0.k.weight"] = half.clone()
+        state["model.counts"] = counts.clone()
+        state["model.step"] = torch.tensor([3, 1, 4, 1, step], dtype=torch.int64)
+        states.append(state)
+    return states
+
+
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 @dataclass
 class Chain4:
     """Versions 0..3 in a local store; the fuzzer mutates the objects of version 3."""
@@ -89,6 +121,21 @@ class Chain4:
     states: list[dict[str, torch.Tensor]]
     chain_id: str
     pristine: str = ""  # a copy as published: a clean source for set-up syncs
+    compressed: bool = False  # manifests are zstd frames of their JSON (manifest-zstd)
+
+    def manifest(self, key: str) -> dict:
+        """The JSON of a manifest, compressed or not."""
+        raw = self.read(key)
+        return json.loads(
+            zstandard.ZstdDecompressor().decompress(raw) if raw[:4] == _ZSTD_MAGIC else raw
+        )
+
+    def pack_manifest(self, manifest: dict) -> bytes:
+        """A manifest's bytes as this chain stores them."""
+        raw = _dump(manifest)
+        if not self.compressed:
+            return raw
+        return zstandard.ZstdCompressor(write_content_size=True).compress(raw)
 
     @property
     def root(self) -> Path:
@@ -111,7 +158,7 @@ class Chain4:
         return [
             (key, ref)
             for key in self.manifest_keys(version)
-            for ref in json.loads(self.read(key))["shards"]
+            for ref in self.manifest(key)["shards"]
         ]
 
 
@@ -129,6 +176,33 @@ def chain(tmp_path_factory) -> Chain4:
     pristine = str(Path(url).with_name("pristine"))
     shutil.copytree(url, pristine)
     return Chain4(url, states, writer.chain.header.chain_id, pristine)
+
+
+FEATURES = (
+    "values-rans",
+    "values-ulp",
+    "values-ulp-shift",
+    "positions-classed",
+    "manifest-zstd",
+    "implicit-parents",
+)
+
+
+@pytest.fixture(scope="module")
+def featured_chain(tmp_path_factory) -> Chain4:
+    """:func:`chain` written with every feature: version 3 uses each of them."""
+    url = str(tmp_path_factory.mktemp("fuzz-featured") / "store")
+    states = _featured_states()
+    writer = DeltaWriter(url, shard_bytes=64, features=FEATURES)
+    for state in states:
+        writer.publish(state)
+    pristine = str(Path(url).with_name("pristine"))
+    shutil.copytree(url, pristine)
+    chain = Chain4(url, states, writer.chain.header.chain_id, pristine, compressed=True)
+    used = {f for key in chain.manifest_keys() for f in chain.manifest(key)["required_features"]}
+    assert used == set(FEATURES), used  # the fuzzer reaches every feature's decoding
+    assert all(chain.read(key)[:4] == _ZSTD_MAGIC for key in chain.manifest_keys())
+    return chain
 
 
 @contextlib.contextmanager
@@ -171,7 +245,7 @@ def resigned(
     for key in chain.manifest_keys():
         if key in manifests:
             continue
-        manifest = json.loads(chain.read(key))
+        manifest = chain.manifest(key)
         touched = False
         for ref in manifest["shards"]:
             if ref["path"] in shards:
@@ -182,7 +256,7 @@ def resigned(
                 ref["decoded_size"] = decoded[ref["path"]]
                 touched = True
         if touched:
-            manifests[key] = _dump(manifest)
+            manifests[key] = chain.pack_manifest(manifest)
     record = chain.record()
     for ref in record["manifests"]:
         if ref["path"] in manifests:
@@ -344,7 +418,7 @@ def _mutation(chain: Chain4, data: st.DataObject, where: str) -> tuple[dict[str,
         new = (
             mutate_bytes(data, raw)
             if where == "manifest"
-            else _dump(mutate_json(data, json.loads(raw)))
+            else chain.pack_manifest(mutate_json(data, chain.manifest(key)))
         )
         sign = data.draw(st.booleans())
         what = "manifest " + ("bytes" if where == "manifest" else "field")
@@ -388,7 +462,9 @@ def _mutate_stream(data: st.DataObject, key: str, raw: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("where", TARGETS)
-def test_fuzz_mutated_objects_are_refused_or_harmless(chain, where, reliability):
+@pytest.mark.parametrize("which", ["chain", "featured_chain"])
+def test_fuzz_mutated_objects_are_refused_or_harmless(request, which, where, reliability):
+    chain = request.getfixturevalue(which)
     outcomes: dict[tuple[str, str], int] = {}
 
     @settings(
@@ -406,10 +482,11 @@ def test_fuzz_mutated_objects_are_refused_or_harmless(chain, where, reliability)
         outcomes[(what, name)] = outcomes.get((what, name), 0) + 1
 
     run()
+    group = "fuzz: mutated stored objects (hypothesis)"
+    if which == "featured_chain":
+        group = "fuzz: mutated stored objects, every codec feature (hypothesis)"
     for (what, name), count in sorted(outcomes.items()):
-        reliability.record(
-            "fuzz: mutated stored objects (hypothesis)", what, _outcome(name), cases=count
-        )
+        reliability.record(group, what, _outcome(name), cases=count)
 
 
 # --- named cases ---------------------------------------------------------------------------------
