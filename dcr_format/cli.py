@@ -498,8 +498,9 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
             f"changed {v.changed_elements} of {v.total_elements} ({v.change_rate:.3%}); "
             f"payload {_bytes(v.payload_bytes)} of {_bytes(v.dense_bytes)} ({v.ratio:.2%})"
         )
+        click.echo(f"features {', '.join(detail.required_features) or 'none'}")
         _table(
-            ["tensor", "dtype", "shape", "op", "changed", "bytes", "share"],
+            ["tensor", "dtype", "shape", "op", "changed", "bytes", "share", "coding"],
             [
                 [
                     r.name,
@@ -509,6 +510,7 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
                     r.changed,
                     _bytes(r.encoded_bytes),
                     f"{r.share:.1%}",
+                    f"{r.positions_coding or '-'}/{r.values_coding or '-'}",
                 ]
                 for r in detail.tensors
             ],

@@ -70,7 +70,13 @@ def test_show_sort_and_top(chain) -> None:  # type: ignore[no-untyped-def]
     assert names == sorted(names) and len(names) == len(make_state(0))
     text = _run("show", "3", "--store", store, "--top", "2", "--sort", "changed")
     assert text.startswith("version 3 (delta), parent 2")
-    assert len(text.splitlines()) == 3 + 1 + 2  # summary, header, two rows
+    lines = text.splitlines()
+    assert len(lines) == 4 + 1 + 2  # summary, features, header, two rows
+    assert lines[3] == "features none" and lines[4].split()[-1] == "coding"
+    rows = _json("show", "3", "--store", store, "--top", "2", "--sort", "changed")["tensors"]
+    assert [line.split()[-1] for line in lines[5:]] == [
+        f"{r['positions_coding'] or '-'}/{r['values_coding'] or '-'}" for r in rows
+    ]
 
 
 def test_diff_verify_replay_compact_gc(chain, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -121,6 +121,43 @@ def test_show_rows_sort_and_top(local: Store) -> None:
     assert len(show(local, 1, top=2).tensors) == 2
     with pytest.raises(VersionNotFoundError):
         show(local, 7)
+    assert detail.required_features == ()
+    entries = {e.name: e for m in Chain(local).manifests(Chain(local).record(1)) for e in m.entries}
+    for row in detail.tensors:  # each row names its entry's codings, None where it has none
+        entry = entries[row.name]
+        assert row.positions_coding == (entry.positions and entry.positions.coding)
+        assert row.values_coding == (entry.values and entry.values.coding)
+    assert {r.positions_coding for r in detail.tensors} <= {"rice", "ranges", None}
+
+
+def test_show_lists_the_features_and_codings_a_version_uses(local: Store) -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(4096, generator=gen) * 0.02).bfloat16()
+    writer = DeltaWriter(local, features=("values-rans", "values-ulp", "manifest-zstd"))
+    writer.publish({"w": weight})
+    moved = torch.rand(4096, generator=gen) < 0.05  # one ulp each way: ulp values pay
+    steps = torch.where(torch.rand(4096, generator=gen) < 0.5, 1, -1).to(torch.int16)
+    weight.view(torch.int16)[moved] += steps[moved]
+    writer.publish({"w": weight})
+    detail = show(local, 1)
+    chain = Chain(local)
+    manifests = chain.manifests(chain.record(1))
+    assert detail.required_features == tuple(
+        sorted({f for m in manifests for f in m.required_features})
+    )
+    assert {"manifest-zstd", "values-ulp"} <= set(detail.required_features)
+    (row,) = detail.tensors
+    assert (row.positions_coding, row.values_coding) == ("rice", "ulp")
+
+
+def test_the_codings_of_a_tensor_in_pieces_are_each_named_once() -> None:
+    from dcr_format.tools._inspect import _joined
+
+    assert _joined(None, "rice") == "rice"
+    assert _joined("rice", "rice") == "rice"
+    assert _joined("rice", "ranges") == "ranges+rice"
+    assert _joined("ranges+rice", "classed") == "classed+ranges+rice"
+    assert _joined("rice", None) == "rice" and _joined(None, None) is None
 
 
 def test_a_row_takes_the_fields_its_summary_has_and_the_rest_as_given(local: Store) -> None:

@@ -95,6 +95,12 @@ class TensorRow(Row):
     """The writer rank that published it (the first, for a tensor in pieces)."""
     pieces: int = 1
     """Entries the tensor came in: several when writer ranks published it in pieces."""
+    positions_coding: str | None = None
+    """How its changed positions are coded (FORMAT.md §6: ``rice``, ``ranges``,
+    ``classed``); None where it has none (no change, ``full``); pieces coded differently
+    are joined with ``+``."""
+    values_coding: str | None = None
+    """How its values are coded (§7: ``planes``, ``rans``, ``ulp``, ``ulp-shift``)."""
 
 
 class VersionDetail(Row):
@@ -103,6 +109,8 @@ class VersionDetail(Row):
     version: LogRow
     state_fingerprint: str
     attempt: str
+    required_features: tuple[str, ...]
+    """What a reader must support to apply the version (FORMAT.md §12), sorted."""
     tensors: list[TensorRow]
 
 
@@ -137,6 +145,8 @@ def show(
     for manifest in manifests:
         for e in manifest.entries:
             seen = merged.get(e.name)
+            positions = None if e.positions is None else e.positions.coding
+            values = None if e.values is None else e.values.coding
             if seen is not None:  # another piece of the tensor (FORMAT.md §4.8): add it up
                 merged[e.name] = seen.model_copy(
                     update={
@@ -144,11 +154,18 @@ def show(
                         "encoded_bytes": seen.encoded_bytes + e.encoded_bytes,
                         "share": (seen.encoded_bytes + e.encoded_bytes) / total,
                         "pieces": seen.pieces + 1,
+                        "positions_coding": _joined(seen.positions_coding, positions),
+                        "values_coding": _joined(seen.values_coding, values),
                     }
                 )
                 continue
             merged[e.name] = row_from(
-                TensorRow, e, share=e.encoded_bytes / total, rank=manifest.rank
+                TensorRow,
+                e,
+                share=e.encoded_bytes / total,
+                rank=manifest.rank,
+                positions_coding=positions,
+                values_coding=values,
             )
     rows = list(merged.values())
     rows.sort(key=_SORT_KEYS[sort])
@@ -159,5 +176,16 @@ def show(
         version=log_row(loaded, compacted=compacted),
         state_fingerprint=loaded.record.state_fingerprint,
         attempt=loaded.record.attempt,
+        required_features=tuple(
+            sorted(
+                {*loaded.record.required_features}.union(*(m.required_features for m in manifests))
+            )
+        ),
         tensors=rows,
     )
+
+
+def _joined(held: str | None, more: str | None) -> str | None:
+    """The codings of a tensor's pieces so far and of one more piece: each once, ``+``."""
+    names = sorted({*(held or "").split("+"), more or ""} - {""})
+    return "+".join(names) or None
