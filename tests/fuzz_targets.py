@@ -40,7 +40,8 @@ with atheris.instrument_imports(include=["dcr_format"]):
     from dcr_format.codec.features import allowed_codings
     from dcr_format.codec.positions import POSITION_CODINGS, decode_positions, encode_positions
     from dcr_format.codec.shard import decode_shard
-    from dcr_format.codec.ulp import to_ulp
+    from dcr_format.codec.ulp import ULP, to_ulp
+    from dcr_format.codec.ulp_shift import ULP_SHIFT
     from dcr_format.codec.values import VALUE_CODINGS, decode_values, encode_xor_values
     from dcr_format.errors import DcrError
     from dcr_format.schema import CommitRecord, Manifest, StoreHeader, parse
@@ -52,7 +53,7 @@ MAX_COUNT = 1 << 20
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 BASELINE_POSITIONS = (*POSITION_CODINGS, CLASSED)
-BASELINE_VALUES = (*VALUE_CODINGS, "ulp", "ulp-shift")
+BASELINE_VALUES = (*VALUE_CODINGS, ULP, ULP_SHIFT)
 OLD = (torch.from_numpy(np.random.default_rng(0).standard_normal(4096)) * 0.02).to(torch.bfloat16)
 """The old bits every input of choice 6 decodes against."""
 

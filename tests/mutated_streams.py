@@ -36,16 +36,15 @@ import torch
 
 from dcr_format.codec import classed, rans, ulp_shift
 from dcr_format.codec.delta import RowsSlot, apply_change, decode_delta, resolve
-from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.dtypes import bits_to_numpy, bits_view, info_for
 from dcr_format.codec.planes import to_planes
 from dcr_format.codec.positions import encode_positions
-from dcr_format.codec.ulp import to_ulp
+from dcr_format.codec.ulp import FLOAT_DTYPES, to_ulp
 from dcr_format.errors import DcrError
 
 POSITIONS = ("rice", "ranges", "classed")
 VALUES = ("planes", "rans", "ulp", "ulp-shift")
 FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass(frozen=True)
@@ -79,10 +78,9 @@ def kernels(which: str) -> Iterator[None]:
             os.environ["DCR_KERNELS"] = saved
 
 
-def _bits(tensor: torch.Tensor) -> np.ndarray:
+def flat_bits(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bits, flat, as unsigned integers of its width."""
-    width = tensor.element_size()
-    return tensor.reshape(-1).view(getattr(torch, f"uint{8 * width}")).numpy().view(_BITS[width])
+    return bits_to_numpy(bits_view(tensor).reshape(-1))
 
 
 def _changes(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,7 +114,7 @@ def _value_streams(old: np.ndarray, new: np.ndarray, dtype: str) -> Iterator[tup
     xor = old ^ new
     yield "planes", to_planes(xor)
     coded = [("rans", rans.encode_rans(xor, rans.choose_model(xor)[0]))]
-    if dtype in ("bfloat16", "float16", "float32", "float64"):
+    if dtype in FLOAT_DTYPES:
         z = to_ulp(old, new)
         coded.append(("ulp", rans.encode_rans(z, rans.choose_model(z)[0])))
         origin = ulp_shift.choose_origin(old, z, dtype)
@@ -132,12 +130,12 @@ def coded(old: torch.Tensor, new: torch.Tensor) -> list[Case]:
     """The change from ``old`` to ``new`` (contiguous, of one dtype and shape) in every pair
     of codings the format allows for their dtype; none where nothing changed."""
     dtype = info_for(old.dtype).name
-    before, after = _bits(old), _bits(new)
+    before, after = flat_bits(old), flat_bits(new)
     where = np.flatnonzero(before != after)
     if where.size == 0:
         return []
     positions = [encode_positions(where, coding=c) for c in ("rice", "ranges")]
-    if old.dtype in FLOATS:
+    if dtype in FLOAT_DTYPES:
         positions.append(("classed", classed.encode_classed(where, before, dtype)))
     return [
         Case(dtype, old, new, int(where.size), stream, values)
@@ -170,11 +168,11 @@ def outcome(case: Case, positions: bytes, values: bytes, changed: int, rows: boo
             values=(case.values[0], values),
         )
         if rows and isinstance(delta.rows, RowsSlot):
-            delta.rows.rows = classed.exponent_rows(_bits(target), case.dtype)
+            delta.rows.rows = classed.exponent_rows(flat_bits(target), case.dtype)
         apply_change(target, resolve(delta, target))
     except DcrError as exc:
         return type(exc).__name__
-    return _bits(target).tobytes()
+    return flat_bits(target).tobytes()
 
 
 def damage(data: bytes, rng: np.random.Generator) -> bytes:

@@ -27,7 +27,7 @@ def test_every_pair_of_codings_is_there_and_decodes_to_the_new_bits(
     assert {c.codings for c in pool if c.dtype != "int32"} == floats
     assert {c.codings for c in pool if c.dtype == "int32"} == ints
     for case in pool:
-        new = streams._bits(case.new).tobytes()
+        new = streams.flat_bits(case.new).tobytes()
         for which in ("native", "torch"):
             for rows in (False, True):
                 with streams.kernels(which):
