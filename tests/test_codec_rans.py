@@ -417,12 +417,24 @@ def test_writer_features_are_checked_and_used(tmp_path: Path) -> None:
 
 
 def test_compiled_model_choice_equals_the_numpy_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-call compiled model choice and encoder give the numpy reference's model,
+    estimate and stream."""
     rng = np.random.default_rng(15)
     arrays = [
         ulp_like(int(seed), int(rng.integers(16, 6000)), int(w))
         for seed, w in zip(range(40), rng.choice([1, 2, 4, 8], 40), strict=True)
     ]
     arrays += [rng.integers(0, 300, 2000).astype("<u2"), np.full(100, 7, dtype="<u4")]
+    # the counting histogram (dense widths 1 and 2), more distinct values than a table holds,
+    # equal counts across the cut at 255 (ties go to the smaller value), 64-bit extremes
+    arrays += [
+        rng.integers(0, 1 << 16, 20_000).astype("<u2"),
+        rng.integers(0, 256, 5000).astype("<u1"),
+        np.repeat(rng.permutation(np.arange(300, dtype="<u4") * 7919), 3),
+        rng.integers(0, np.iinfo(np.uint64).max, 600, dtype=np.uint64, endpoint=True),
+        np.array([np.iinfo(np.uint64).max] * 9 + [0] * 9, dtype=np.uint64),
+        np.array([3] * 16, dtype="<u1"),
+    ]
 
     def choices() -> list[tuple[list[int], list[int], int, float]]:
         out = []
@@ -432,8 +444,12 @@ def test_compiled_model_choice_equals_the_numpy_one(monkeypatch: pytest.MonkeyPa
         return out
 
     compiled = choices()
+    streams = [rans.encode_rans(data, rans.choose_model(data)[0]) for data in arrays]
     monkeypatch.setenv("DCR_KERNELS", "torch")
     assert choices() == compiled
+    for data, stream in zip(arrays, streams, strict=True):
+        model = rans.choose_model(data)[0]
+        assert rans.encode_rans(data, model) == stream == rans._encode_reference(data, model)
 
 
 @pytest.mark.parametrize("bits", [17, 24])

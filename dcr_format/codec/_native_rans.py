@@ -381,3 +381,118 @@ def histogram(
     for j in range(used):
         found[j] = counts[distinct[j]]
     return distinct, found
+
+
+@njit(cache=True, nogil=True)
+def _bit_length(value: int) -> int:  # pragma: no cover - compiled
+    length = 0
+    while value > 0:
+        value >>= 1
+        length += 1
+    return length
+
+
+@njit(cache=True, nogil=True)
+def _distinct(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """The distinct values (increasing, uint64) of ``values`` and their counts: a counting
+    loop where the values are dense in their range (as :func:`dcr_format.codec.rans._histogram`
+    chooses), else a sort and a run count."""
+    if width <= 2 and values.size >= 1 << (8 * width - 3):
+        return histogram(values, 1 << (8 * width))
+    ordered = np.sort(values.astype(np.uint64))
+    distinct = np.empty(ordered.size, dtype=np.uint64)
+    counts = np.empty(ordered.size, dtype=np.int64)
+    used = 0
+    for k in range(ordered.size):
+        if used and ordered[k] == distinct[used - 1]:
+            counts[used - 1] += 1
+        else:
+            distinct[used] = ordered[k]
+            counts[used] = 1
+            used += 1
+    return distinct[:used], counts[:used]
+
+
+@njit(cache=True, nogil=True)
+def choose(
+    values: np.ndarray, width: int, table_sizes: np.ndarray, max_table: int, max_bits: int
+) -> tuple[np.ndarray, np.ndarray, int, np.int64]:  # pragma: no cover - compiled
+    """The whole of :func:`dcr_format.codec.rans.choose_model` (FORMAT.md §7.4) in one call:
+    the histogram, most frequent first (smaller value on ties), cut at ``max_table``; the
+    candidate table sizes (``table_sizes`` up to the number of distinct values, and that
+    number); their precisions and estimates (:func:`estimates`); the first of least estimate
+    quantized. Returns the table (increasing, uint64), its frequencies (escape last), the
+    precision and the estimate. ``values`` must not be empty."""
+    distinct, counts = _distinct(values, width)
+    order = np.argsort(-counts, kind="mergesort")[:max_table]  # stable: ties by value
+    distinct, counts = distinct[order], counts[order]
+    n = distinct.size
+    total = values.size
+    sizes = np.empty(table_sizes.size + 1, dtype=np.int64)
+    used = 0
+    for s in table_sizes:
+        if s <= n:
+            sizes[used] = s
+            used += 1
+    if used == 0 or sizes[used - 1] != n:
+        sizes[used] = n
+        used += 1
+    sizes = sizes[:used]
+    total_length = _bit_length(total)
+    bits = np.empty(used, dtype=np.int64)
+    for r in range(used):
+        bits[r] = min(max_bits, max(total_length, _bit_length(sizes[r] + 1) + 1))
+    estimate = estimates(distinct, counts, total, width, sizes, bits)
+    best = int(np.argmin(estimate))
+    size, q = sizes[best], bits[best]
+    all_counts = np.empty(size + 1, dtype=np.int64)
+    table_sum = np.int64(0)
+    for j in range(size):
+        all_counts[j] = counts[j]
+        table_sum += counts[j]
+    all_counts[size] = total - table_sum
+    one = np.int64(1) << q
+    free = one - (size + 1)
+    freqs = np.empty(size + 1, dtype=np.int64)
+    fsum = np.int64(0)
+    for j in range(size + 1):
+        freqs[j] = 1 + (all_counts[j] * free) // total
+        fsum += freqs[j]
+    freqs[np.argmax(all_counts)] += one - fsum
+    by_value = np.argsort(distinct[:size])
+    ordered = np.empty(size + 1, dtype=np.int64)
+    for j in range(size):
+        ordered[j] = freqs[by_value[j]]
+    ordered[size] = freqs[size]
+    return distinct[:size][by_value], ordered, q, estimate[best]
+
+
+@njit(cache=True, nogil=True)
+def encode(
+    values: np.ndarray, table: np.ndarray, freqs: np.ndarray, bits: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The parts of a ``rans`` stream of ``values`` under the model (``table`` increasing,
+    uint64; ``freqs`` escape last; precision ``bits``), FORMAT.md §7.3: the varints of the
+    table steps and the table frequencies, the words (:func:`encode_symbols`) and the escaped
+    values in order. Each value's symbol is its index in the table (a search), or the
+    escape."""
+    size = table.size
+    symbols = np.empty(values.size, dtype=np.int32)
+    escaped = np.empty(values.size, dtype=values.dtype)
+    escapes = 0
+    for i in range(values.size):
+        v = np.uint64(values[i])
+        at = np.searchsorted(table, v)
+        if at < size and table[at] == v:
+            symbols[i] = at
+        else:
+            symbols[i] = size
+            escaped[escapes] = values[i]
+            escapes += 1
+    header = np.empty(2 * size, dtype=np.uint64)
+    previous = np.uint64(0)
+    for j in range(size):
+        header[j] = table[j] - previous
+        previous = table[j] + np.uint64(1)
+        header[size + j] = np.uint64(freqs[j])
+    return write_varints(header), encode_symbols(symbols, freqs, bits), escaped[:escapes]
