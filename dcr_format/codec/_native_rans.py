@@ -469,26 +469,38 @@ def choose(
 
 @njit(cache=True, nogil=True)
 def encode(
-    values: np.ndarray, table: np.ndarray, freqs: np.ndarray, bits: int
+    values: np.ndarray, width: int, table: np.ndarray, freqs: np.ndarray, bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """The parts of a ``rans`` stream of ``values`` under the model (``table`` increasing,
-    uint64; ``freqs`` escape last; precision ``bits``), FORMAT.md §7.3: the varints of the
-    table steps and the table frequencies, the words (:func:`encode_symbols`) and the escaped
-    values in order. Each value's symbol is its index in the table (a search), or the
-    escape."""
+    """The parts of a ``rans`` stream of ``values`` (``width`` bytes each) under the model
+    (``table`` increasing, uint64; ``freqs`` escape last; precision ``bits``), FORMAT.md
+    §7.3: the varints of the table steps and the table frequencies, the words
+    (:func:`encode_symbols`) and the escaped values in order. Each value's symbol is its
+    index in the table, or the escape: a lookup table over every value of a narrow width
+    where the values are many, else a search."""
     size = table.size
     symbols = np.empty(values.size, dtype=np.int32)
     escaped = np.empty(values.size, dtype=values.dtype)
     escapes = 0
-    for i in range(values.size):
-        v = np.uint64(values[i])
-        at = np.searchsorted(table, v)
-        if at < size and table[at] == v:
-            symbols[i] = at
-        else:
-            symbols[i] = size
-            escaped[escapes] = values[i]
-            escapes += 1
+    if width <= 2 and values.size >= 1 << (8 * width - 6):
+        lut = np.full(1 << (8 * width), size, dtype=np.int32)
+        for j in range(size):
+            lut[table[j]] = j
+        for i in range(values.size):
+            symbol = lut[values[i]]
+            symbols[i] = symbol
+            if symbol == size:
+                escaped[escapes] = values[i]
+                escapes += 1
+    else:
+        for i in range(values.size):
+            v = np.uint64(values[i])
+            at = np.searchsorted(table, v)
+            if at < size and table[at] == v:
+                symbols[i] = at
+            else:
+                symbols[i] = size
+                escaped[escapes] = values[i]
+                escapes += 1
     header = np.empty(2 * size, dtype=np.uint64)
     previous = np.uint64(0)
     for j in range(size):

@@ -351,7 +351,11 @@ def encode_rans(values: np.ndarray, model: Model) -> bytes:
     native = _native()
     if native is not None:
         varints, words, escaped = native.encode(
-            values, model.table.astype(np.uint64), model.freqs.astype(np.int64), model.bits
+            values,
+            values.dtype.itemsize,
+            model.table.astype(np.uint64),
+            model.freqs.astype(np.int64),
+            model.bits,
         )
         head = bytes((len(model.table), model.bits)) + varints.tobytes()
     else:
