@@ -198,15 +198,12 @@ def _sizes_bits(total: int, sizes: np.ndarray) -> np.ndarray:
 
 
 def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct values and their counts, most frequent first (smaller value on ties)."""
-    native = _native()
+    """Distinct values and their counts, most frequent first (smaller value on ties): the
+    reference of the compiled ``_native_rans.choose``."""
     if width <= 2 and values.size >= 1 << (8 * width - 3):  # else sorting the values is less
-        if native is not None:  # one counting loop, the distinct values collected with it
-            distinct, counts = native.histogram(values, 1 << (8 * width))
-        else:
-            counts = np.bincount(values, minlength=1 << (8 * width))
-            distinct = np.flatnonzero(counts)
-            counts = counts[distinct]
+        counts = np.bincount(values, minlength=1 << (8 * width))
+        distinct = np.flatnonzero(counts)
+        counts = counts[distinct]
     else:
         distinct, counts = np.unique(values, return_counts=True)
     order = np.lexsort((distinct, -counts))[:MAX_TABLE]
