@@ -101,6 +101,30 @@ def _varint_len(value: np.uint64) -> int:  # pragma: no cover - compiled
     return length
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _quantized(
+    counts: np.ndarray, size: int, total: int, q: int
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The counts of the first ``size`` table values and, last, of the escape (what is left
+    of ``total``), and their frequencies at precision ``q`` as
+    :func:`dcr_format.codec.rans.quantize` makes them (the remainder to the first largest)."""
+    one = np.int64(1) << q
+    free = one - (size + 1)
+    all_counts = np.empty(size + 1, dtype=np.int64)
+    table_sum = np.int64(0)
+    for j in range(size):
+        all_counts[j] = counts[j]
+        table_sum += counts[j]
+    all_counts[size] = total - table_sum
+    freqs = np.empty(size + 1, dtype=np.int64)
+    fsum = np.int64(0)
+    for j in range(size + 1):
+        freqs[j] = 1 + (all_counts[j] * free) // total
+        fsum += freqs[j]
+    freqs[np.argmax(all_counts)] += one - fsum
+    return all_counts, freqs
+
+
 @njit(cache=True, nogil=True)
 def estimates(
     distinct: np.ndarray,
@@ -116,23 +140,7 @@ def estimates(
     for r in range(sizes.size):
         size = sizes[r]
         q = bits[r]
-        one = np.int64(1) << q
-        free = one - (size + 1)
-        all_counts = np.empty(size + 1, dtype=np.int64)
-        table_sum = np.int64(0)
-        for j in range(size):
-            all_counts[j] = counts[j]
-            table_sum += counts[j]
-        all_counts[size] = total - table_sum
-        freqs = np.empty(size + 1, dtype=np.int64)
-        first_max = 0
-        fsum = np.int64(0)
-        for j in range(size + 1):
-            freqs[j] = 1 + (all_counts[j] * free) // total
-            fsum += freqs[j]
-            if all_counts[j] > all_counts[first_max]:
-                first_max = j
-        freqs[first_max] += one - fsum
+        all_counts, freqs = _quantized(counts, size, total, q)
         coded = 0.0
         for j in range(size + 1):
             if all_counts[j] > 0:
@@ -445,20 +453,7 @@ def choose(
     estimate = estimates(distinct, counts, total, width, sizes, bits)
     best = int(np.argmin(estimate))
     size, q = sizes[best], bits[best]
-    all_counts = np.empty(size + 1, dtype=np.int64)
-    table_sum = np.int64(0)
-    for j in range(size):
-        all_counts[j] = counts[j]
-        table_sum += counts[j]
-    all_counts[size] = total - table_sum
-    one = np.int64(1) << q
-    free = one - (size + 1)
-    freqs = np.empty(size + 1, dtype=np.int64)
-    fsum = np.int64(0)
-    for j in range(size + 1):
-        freqs[j] = 1 + (all_counts[j] * free) // total
-        fsum += freqs[j]
-    freqs[np.argmax(all_counts)] += one - fsum
+    _, freqs = _quantized(counts, size, total, q)
     by_value = np.argsort(distinct[:size])
     ordered = np.empty(size + 1, dtype=np.int64)
     for j in range(size):
