@@ -19,38 +19,6 @@ _S24 = np.uint64(24)
 _S32 = np.uint64(32)
 
 
-@njit(cache=True, nogil=True)
-def decode(
-    words: np.ndarray,
-    scaled: np.ndarray,
-    starts: np.ndarray,
-    lookup: np.ndarray,
-    shift: int,
-    count: int,
-) -> tuple[np.ndarray, int, np.int64]:  # pragma: no cover - compiled
-    """``count`` symbols of the words (uint32, read from the end); returns the symbols, the
-    number of words left unread and the final state (both 0 for a well-formed stream)."""
-    out = np.empty(count, dtype=np.int32)
-    nxt = words.size - 1
-    x = np.uint64(0)
-    if nxt >= 0:
-        x = np.uint64(words[nxt])
-        nxt -= 1
-        if nxt >= 0:
-            x = (x << _S32) | np.uint64(words[nxt])
-            nxt -= 1
-    down = np.uint64(shift)
-    for i in range(count):
-        q = x & _MASK24
-        s = lookup[np.int64(q >> down)]
-        x = (x >> _S24) * scaled[s] + q - starts[s]
-        if x < _LOW and nxt >= 0:
-            x = (x << _S32) | np.uint64(words[nxt])
-            nxt -= 1
-        out[i] = s
-    return out, nxt + 1, np.int64(x != np.uint64(0))
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _varint_at(
     buf: np.ndarray, pos: int, limit: int
@@ -164,6 +132,53 @@ def estimates(
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _escaped(
+    buf: np.ndarray, at: int, count: int, e: int, width: int
+) -> np.uint64:  # pragma: no cover
+    """Escaped value ``e`` of ``count`` in planes at ``at`` (plane t: byte width-1-t)."""
+    v = np.uint64(0)
+    for t in range(width):
+        v |= np.uint64(buf[at + t * count + e]) << np.uint64(8 * (width - 1 - t))
+    return v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _symbols(  # type: ignore[no-untyped-def]
+    buf, words, x, nxt, lookup, scaled, starts, shift, size, values, escapes_at, escape_count,
+    width, count, out, small,
+):  # pragma: no cover - compiled  # fmt: skip
+    """The decode loop of :func:`decode_stream`: ``count`` symbols from the state ``x`` and
+    the words below ``nxt``, each written to ``out`` as its table value or, for the escape,
+    the next escaped value (while there are any; the caller checks their number). A state's
+    symbol is looked up in the table of quantiles where ``small``, else searched. Returns
+    the state, the index of the next unread word and the number of escapes met."""
+    escaped = 0
+    for i in range(count):
+        q = x & _MASK24
+        if small:
+            s = np.int64(lookup[np.int64(q >> shift)])
+        else:
+            lo, hi = 0, size  # the last j with starts[j] <= q
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if starts[mid] <= q:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            s = np.int64(lo)
+        x = (x >> _S24) * scaled[s] + q - starts[s]
+        if x < _LOW and nxt >= 0:
+            x = (x << _S32) | np.uint64(words[nxt])
+            nxt -= 1
+        out[i] = values[s]
+        if s == size:
+            if escaped < escape_count:
+                out[i] = _escaped(buf, escapes_at, escape_count, escaped, width)
+            escaped += 1
+    return x, nxt, escaped
+
+
 @njit(cache=True, nogil=True)
 def decode_stream(
     buf: np.ndarray, count: int, width: int, out: np.ndarray
@@ -253,63 +268,34 @@ def decode_stream(
             for _ in range(np.int64(freqs[j])):
                 lookup[k] = np.uint8(j)
                 k += 1
+    coded = np.empty(nwords, dtype=np.uint32)  # little-endian; the offset may be unaligned
+    for i in range(nwords):
+        p = base + 4 * i
+        coded[i] = (
+            np.uint32(buf[p])
+            | (np.uint32(buf[p + 1]) << np.uint32(8))
+            | (np.uint32(buf[p + 2]) << np.uint32(16))
+            | (np.uint32(buf[p + 3]) << np.uint32(24))
+        )
     nxt = nwords - 1
     x = np.uint64(0)
-
-    def word(i: int) -> np.uint64:
-        p = base + 4 * i
-        return (
-            np.uint64(buf[p])
-            | (np.uint64(buf[p + 1]) << np.uint64(8))
-            | (np.uint64(buf[p + 2]) << np.uint64(16))
-            | (np.uint64(buf[p + 3]) << np.uint64(24))
-        )
-
     if nxt >= 0:
-        x = word(nxt)
+        x = np.uint64(coded[nxt])
         nxt -= 1
         if nxt >= 0:
-            x = (x << _S32) | word(nxt)
+            x = (x << _S32) | np.uint64(coded[nxt])
             nxt -= 1
-    escaped = 0
-    symbols = np.empty(count, dtype=np.int32)
-    for i in range(count):
-        q = x & _MASK24
-        if small:
-            s = int(lookup[np.int64(q >> shift)])
-        else:
-            lo, hi = 0, size  # the last j with starts[j] <= q
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if starts[mid] <= q:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            s = lo
-        x = (x >> _S24) * scaled[s] + q - starts[s]
-        if x < _LOW and nxt >= 0:
-            x = (x << _S32) | word(nxt)
-            nxt -= 1
-        symbols[i] = s
-        if s == size:
-            escaped += 1
+    values = np.zeros(size + 1, dtype=out.dtype)  # each symbol's value (the escape's: 0)
+    for j in range(size):
+        values[j] = table[j]
+    x, nxt, escaped = _symbols(
+        buf, coded, x, nxt, lookup, scaled, starts, shift, size, values, escapes_at,
+        escape_count, width, count, out, small,
+    )  # fmt: skip
     if nxt >= 0 or x != np.uint64(0):
         return 12
     if escaped != escape_count:
         return 13
-    e = 0
-    for i in range(count):
-        s = symbols[i]
-        if s < size:
-            out[i] = table[s]
-        else:
-            v = np.uint64(0)
-            for t in range(width):  # plane t holds byte width-1-t of every escaped value
-                v |= np.uint64(buf[escapes_at + t * escape_count + e]) << np.uint64(
-                    8 * (width - 1 - t)
-                )
-            out[i] = v
-            e += 1
     return 0
 
 
