@@ -16,15 +16,16 @@ parallel (through :func:`~dcr_format.codec._native._launch`, with serial twins):
    them and moves only the changed elements (:func:`move_rows`), so in steady state this
    pass is not made.
 2. :func:`class_ranks` (writer) and :func:`positions_of_ranks` (reader): each task takes
-   its elements 64 at a time, computes their classes and counts them per class with a
-   branch-free sum of one byte per class (no counter in memory, vectorised). A changed
-   element's rank is the count of its class before the group plus the elements of its
-   class below it (a 64-bit mask of the class, made only for groups that hold a change).
-   Both ends add each group's counts to 16-bit lanes, folded into exact counts every
-   :data:`_FLUSH` groups (no loop over the classes per group). The reader compares the
-   lanes, all classes at once, with each class's distance to its next wanted rank: a class
-   whose lane reaches it holds a wanted element in the group, the matching set bit of the
-   class's mask, whose old bits it can hand over as it writes the position.
+   its elements 64 at a time and makes the group's *masks*, a word per class bound whose
+   bit q says whether element q's class is at most that class (:func:`_group_masks`: one
+   vector compare of the whole group per bound, :mod:`~dcr_format.codec._native_bits`), so
+   a class's members in the group are two masks apart and their count one population
+   count. A changed element's rank is the members of its class before the group plus
+   those below it in the group. The reader keeps, per class, how many members are left
+   before its next wanted rank, takes each group's counts off all classes at once (a
+   branch-free loop of 16), and looks only at the classes that ran out in the group: the
+   wanted element is the matching set bit of the class's members, whose old bits it
+   hands over as it writes the position.
 
 Classes are ``clamp(((bits >> shift) & mask) - base, 0, count - 1)``; a writer whose diff
 advanced its baseline passes the new bits and the XOR bits at the positions (the old bits
@@ -32,6 +33,8 @@ there are their XOR).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
@@ -45,10 +48,10 @@ from dcr_format.codec._native import (
     _rice_encode,
     tasks_of,
 )
+from dcr_format.codec._native_bits import below_mask, popcount
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
-_NONE = np.uint8(255)  # the class of a slot past the tensor's end (no mask takes it)
 
 
 @njit(cache=True, inline="always")
@@ -186,101 +189,12 @@ def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
     return starts
 
 
-# --- pass 2, writer: each changed element's class and rank -------------------------------
-
-
-_B16 = np.uint64(0x00FF00FF00FF00FF)  # the even bytes of a word, as 16-bit lanes
-_H16 = np.uint64(0x8000800080008000)  # the top bit of each 16-bit lane
-_L16 = np.uint64(0xFFFF)
-_NEED_CAP = 32767  # lanes hold distances below 2**15 (so the lane compare cannot borrow)
-_FLUSH = 500  # groups between folds of the lanes into exact counts (500 * 64 < _NEED_CAP)
-
-
-@njit(cache=True, inline="always")
-def _lane_of(c):  # type: ignore[no-untyped-def]
-    """The word and bit shift of class ``c``'s 16-bit lane (words: classes 0 2 4 6, 1 3 5 7,
-    8 10 12 14, 9 11 13 15, as the even and odd bytes of the two count words spread)."""
-    return ((c >> 3) << 1) | (c & 1), np.uint64(16 * ((c & 7) >> 1))
-
-
-@njit(cache=True, inline="always")
-def _fold(acc, seen, count):  # type: ignore[no-untyped-def]
-    """Add the 16-bit lanes ``acc`` to the exact counts ``seen`` and clear them."""
-    for c in range(count):
-        w, sh = _lane_of(c)
-        seen[c] += np.int64((acc[w] >> sh) & _L16)
-    acc[:] = 0
-
-
-@njit(cache=True, inline="always")
-def _group_classes(bits, lo, size, shift, mask, base, count, cls):  # type: ignore[no-untyped-def]
-    """The classes of elements ``lo .. lo + size`` (``size <= 64``) into ``cls`` (the rest of
-    it :data:`_NONE`), and their count per class, one byte per class in two words (classes
-    0-7, 8-15). Unsigned indices, selects and a sum in registers: the loop vectorises."""
-    ushift, umask = np.uint64(shift), np.uint64(mask)
-    top = np.int64(count - 1)
-    start, usize = np.uint64(lo), np.uint64(size)
-    low, high = _ZERO, _ZERO
-    for q in range(_GROUP):
-        u = np.uint64(q)
-        e = np.int64((np.uint64(bits[start + min(u, usize - _ONE)]) >> ushift) & umask)
-        c = np.uint64(min(max(e - base, np.int64(0)), top))
-        inside = np.uint64(u < usize)
-        cls[u] = np.uint8(c) if u < usize else _NONE
-        one = _ONE << (np.uint64(8) * (c & np.uint64(7)))
-        low += one * (inside & np.uint64(c < np.uint64(8)))
-        high += one * (inside & np.uint64(c >= np.uint64(8)))
-    return low, high
-
-
-@njit(cache=True, inline="always")
-def _classes_at(bits, lo, n, shift, mask, base, count, cls):  # type: ignore[no-untyped-def]
-    """:func:`_group_classes` of the group at ``lo`` of a tensor of ``n`` elements (a whole
-    group through its own inlined copy, whose constant size lets the loop vectorise)."""
-    if lo + _GROUP <= n:
-        return _group_classes(bits, lo, _GROUP, shift, mask, base, count, cls)
-    return _group_classes(bits, lo, n - lo, shift, mask, base, count, cls)
-
-
-@njit(cache=True, inline="always")
-def _moved(low, high, was, now):  # type: ignore[no-untyped-def]
-    """The per-class counts of :func:`_group_classes` after one element moved class."""
-    if was < 8:
-        low -= _ONE << np.uint64(8 * was)
-    else:
-        high -= _ONE << np.uint64(8 * (was - 8))
-    if now < 8:
-        low += _ONE << np.uint64(8 * now)
-    else:
-        high += _ONE << np.uint64(8 * (now - 8))
-    return low, high
-
-
-@njit(cache=True, inline="always")
-def _class_mask(cls, c):  # type: ignore[no-untyped-def]
-    """The bits of the group's elements of class ``c``."""
-    m = _ZERO
-    cc = np.uint8(c)
-    for q in range(_GROUP):
-        m |= np.uint64(cls[np.uint64(q)] == cc) << np.uint64(q)
-    return m
-
+# --- the k-th set bit of a word ---------------------------------------------------------
 
 _M1 = np.uint64(0x5555555555555555)
 _M2 = np.uint64(0x3333333333333333)
 _M4 = np.uint64(0x0F0F0F0F0F0F0F0F)
 _H01 = np.uint64(0x0101010101010101)
-
-
-@njit(cache=True, inline="always")
-def _popcount(m):  # type: ignore[no-untyped-def]
-    """Set bits of a 64-bit word (branch-free)."""
-    m = m - ((m >> _ONE) & _M1)
-    m = (m & _M2) + ((m >> np.uint64(2)) & _M2)
-    m = (m + (m >> np.uint64(4))) & _M4
-    return np.int64((m * _H01) >> np.uint64(56))
-
-
 _H80 = np.uint64(0x8080808080808080)
 _B8 = np.uint64(0xFF)
 # the position of the j-th set bit (j < 8) of each byte value, at [value * 8 + j]
@@ -311,67 +225,140 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
     return np.int64(byte) + np.int64(_SELECT8[value * 8 + k - before])
 
 
+# --- pass 2: each group's class masks ----------------------------------------------------
+# A group is 64 elements (tasks are whole groups). Its *masks* are one word per class
+# bound: bit q of ``below[c + 1]`` is set where element q's class is at most c, so class
+# c's members are ``below[c + 1] & ~below[c]``. Class c < K - 1 ends below exponent
+# ``base + c + 1``, and since the exponent field is the bits under the sign, that is one
+# unsigned compare of the bits without their sign (:func:`class_limits`): a whole group
+# against one limit is one vector compare (:func:`below_mask`), so a pass costs about K - 1
+# compares and K population counts a group, with no branch per element.
+
+
+def class_limits(dtype: np.dtype[Any], shift: int, base: int, count: int) -> tuple[Any, np.ndarray]:
+    """The mask of the bits under the sign of unsigned ``dtype`` and the 16 limits of
+    :func:`_group_masks`: an element ``x`` is of class at most ``c`` (``c < count - 1``)
+    exactly when ``x & keep < limits[c]``; limits past the width's range are the top, which
+    every masked element is under (so any ``base`` of a stream is safe)."""
+    width = 8 * dtype.itemsize
+    keep = (1 << (width - 1)) - 1
+    if keep >> shift == 0 or (keep >> shift) & ((keep >> shift) + 1):
+        raise ValueError("the exponent field must be the bits under the sign")
+    limits = [min((base + c + 1) << shift, keep + 1) for c in range(16)]
+    return dtype.type(keep), np.array(limits, dtype=np.uint64).astype(dtype)
+
+
 @njit(cache=True, inline="always")
-def _ranks_task(t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
-    """Task ``t`` of the writer's rank pass. Each group's class counts are added to 16-bit
-    lanes (four words, :func:`_lane_of`), folded into the exact counts ``seen`` every
-    :data:`_FLUSH` groups: a change's rank is ``seen`` of its class, plus its lane, plus the
-    elements of its class below it in the group (a loop over the classes per group cost a
-    quarter of the pass)."""
+def _group_masks(bits, g0, hi, keep, limits, count, below):  # type: ignore[no-untyped-def]
+    """The masks of the group at ``g0`` (elements up to ``hi``, exclusive) into ``below``
+    (17 words, ``below[0]`` zero): ``below[c + 1]`` for ``c < count - 1`` by limit, and from
+    ``below[count]`` on every element of the group (the last class takes the rest)."""
+    if g0 + _GROUP <= hi:
+        for c in range(count - 1):
+            below[c + 1] = below_mask(bits, g0, keep, limits[c])
+        every = ~_ZERO
+    else:  # the tensor's last, partial group, element by element
+        size = hi - g0
+        every = (_ONE << np.uint64(size)) - _ONE
+        for c in range(count - 1):
+            m = _ZERO
+            for q in range(size):
+                m |= np.uint64((bits[g0 + q] & keep) < limits[c]) << np.uint64(q)
+            below[c + 1] = m
+    for c in range(count, 17):
+        below[c] = every
+
+
+# --- pass 2, writer: each changed element's class and rank -------------------------------
+
+
+@njit(cache=True, inline="always")
+def _ranks_task(  # type: ignore[no-untyped-def]
+    t, bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+):
+    """Task ``t`` of the writer's rank pass: a changed element's rank is the members of its
+    class before its group (``seen``) plus those below it in the group. Where ``bits`` are
+    the new bits (``xor`` given), each change's bit of the masks is set from its old bits
+    first (only where its class moved), in position order, so every rank counts old
+    classes."""
     j, end = bounds[t], bounds[t + 1]
     if j == end:
         return
-    lo = t * TASK
+    n = bits.shape[0]
     last = positions[end - 1]
-    seen = before[t].copy()
-    acc = np.zeros(4, dtype=np.uint64)
-    cls = np.empty(_GROUP, dtype=np.uint8)
+    seen = np.zeros(16, dtype=np.int64)
+    for c in range(count):
+        seen[c] = before[t, c]
+    below = np.zeros(17, dtype=np.uint64)
     flip = xor.size > 0
-    g0 = lo
-    groups = 0
+    g0 = t * TASK
     while g0 <= last:
-        low, high = _classes_at(bits, g0, bits.shape[0], shift, mask, base, count, cls)
-        first = j
+        _group_masks(bits, g0, n, keep, limits, count, below)
         while j < end and positions[j] < g0 + _GROUP:
+            p = positions[j]
+            bit = _ONE << np.uint64(p - g0)
+            mine = _class_of(bits[p], shift, mask, base, count)
             if flip:
-                b = positions[j] - g0
-                was = np.int64(cls[b])
-                now = _class_of(bits[positions[j]] ^ xor[j], shift, mask, base, count)
-                if now != was:
-                    cls[b] = np.uint8(now)
-                    low, high = _moved(low, high, was, now)
+                now = mine
+                mine = _class_of(bits[p] ^ xor[j], shift, mask, base, count)
+                if mine != now:
+                    for c in range(count - 1):
+                        if mine <= c:
+                            below[c + 1] |= bit
+                        else:
+                            below[c + 1] &= ~bit
+            members = below[mine + 1] & ~below[mine]
+            classes[j] = mine
+            ranks[j] = seen[mine] + popcount(members & (bit - _ONE))
             j += 1
-        for k in range(first, j):
-            b = np.uint64(positions[k] - g0)
-            mine = np.int64(cls[b])
-            w, sh = _lane_of(mine)
-            below = _popcount(_class_mask(cls, mine) & ((_ONE << b) - _ONE))
-            classes[k] = mine
-            ranks[k] = seen[mine] + np.int64((acc[w] >> sh) & _L16) + below
-        acc[0] += low & _B16
-        acc[1] += (low >> np.uint64(8)) & _B16
-        acc[2] += high & _B16
-        acc[3] += (high >> np.uint64(8)) & _B16
+        for c in range(count):
+            seen[c] += popcount(below[c + 1] & ~below[c])
         g0 += _GROUP
-        groups += 1
-        if groups == _FLUSH:
-            _fold(acc, seen, count)
-            groups = 0
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _ranks(bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+def _ranks(  # type: ignore[no-untyped-def]
+    bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+):
     for t in prange(bounds.shape[0] - 1):
         _ranks_task(
-            t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks
+            t,
+            bits,
+            positions,
+            xor,
+            keep,
+            limits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            bounds,
+            classes,
+            ranks,
         )
 
 
 @njit(cache=True, nogil=True)
-def _ranks_serial(bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks):  # type: ignore[no-untyped-def]
+def _ranks_serial(  # type: ignore[no-untyped-def]
+    bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+):
     for t in range(bounds.shape[0] - 1):
         _ranks_task(
-            t, bits, positions, xor, shift, mask, base, count, before, bounds, classes, ranks
+            t,
+            bits,
+            positions,
+            xor,
+            keep,
+            limits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            bounds,
+            classes,
+            ranks,
         )
 
 
@@ -391,166 +378,94 @@ def class_ranks(
     bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     classes = np.empty(positions.size, dtype=np.int64)
     ranks = np.empty(positions.size, dtype=np.int64)
-    args = (bits, positions, xor, shift, mask, base, count, starts, bounds, classes, ranks)
-    _launch(_ranks, _ranks_serial, tasks, *args)
+    keep, limits = class_limits(bits.dtype, shift, base, count)
+    args = (bits, positions, xor, keep, limits, shift, mask, base, count, starts, bounds)
+    _launch(_ranks, _ranks_serial, tasks, *args, classes, ranks)
     return classes, ranks
 
 
 # --- pass 2, reader: the positions of the wanted ranks -----------------------------------
 
-
-@njit(cache=True, inline="always")
-def _set_need(need, c, ranks, ptr, ends, seen):  # type: ignore[no-untyped-def]
-    """Lane ``c`` of ``need``: how many more elements of class ``c`` (counted from ``seen``)
-    reach its next wanted rank, plus one (capped; the cap when none is left)."""
-    value = _NEED_CAP
-    if ptr[c] < ends[c]:
-        value = min(ranks[ptr[c]] - seen[c] + 1, _NEED_CAP)
-    w, sh = _lane_of(c)
-    need[w] = (need[w] & ~(_L16 << sh)) | (np.uint64(value) << sh)
+_FAR = np.int64(1) << np.int64(62)  # the distance of a class with no wanted rank left
 
 
 @njit(cache=True, inline="always")
 def _positions_task(  # type: ignore[no-untyped-def]
-    t,
-    bits,
-    shift,
-    mask,
-    base,
-    count,
-    before,
-    ranks,
-    cursor,
-    ends,
-    offsets,
-    out,
-    done,
-    old_at,
+    t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
-    """Task ``t`` of the select pass. Per group, the classes' counts are added to 16-bit
-    lanes (four words, :func:`_lane_of`) and compared at once with each class's distance
-    to its next wanted rank (``need``): only a class whose lane reaches it holds a wanted
-    element in this group, and only those are looked at (16 classes one by one cost more
-    than the rest of the pass). Every :data:`_FLUSH` groups the lanes fold into the exact
-    counts ``seen``. ``done[t]``: how many positions the task found (its share,
-    ``offsets[t + 1] - offsets[t]``, unless the old bits are not those the class starts were
-    counted from; nothing is written past its share). ``old_at``, where not empty, takes the
-    bits at each position found (in cache there, so a caller that needs them does not read
-    the tensor again at positions spread over it)."""
+    """Task ``t`` of the select pass. ``far[c]``: how many more members of class ``c`` come
+    before its next wanted rank; each group takes its members off every class at once
+    (a loop of 16 without a branch), and only the classes that went below zero hold a
+    wanted element in the group (a word of their flags, visited bit by bit), the
+    ``far[c] + members``-th member of the class's mask. ``done[t]``: how many positions the
+    task found (its share, ``offsets[t + 1] - offsets[t]``, unless the old bits are not
+    those the class starts were counted from; nothing is written past its share).
+    ``old_at``, where not empty, takes the bits at each position found (in cache there, so a
+    caller that needs them does not read the tensor again at positions spread over it)."""
     o = offsets[t]
+    share = offsets[t + 1]
     done[t] = 0
-    if o == offsets[t + 1]:
+    if o == share:
         return
     lo = t * TASK
     hi = min(lo + TASK, bits.shape[0])
-    seen = np.zeros(16, dtype=np.int64)  # 16 long: classes past ``count`` want nothing
     ptr = np.zeros(16, dtype=np.int64)
-    last = np.zeros(16, dtype=np.int64)
+    far = np.full(16, _FAR, dtype=np.int64)
     for c in range(count):
-        seen[c], ptr[c], last[c] = before[t, c], cursor[t, c], ends[c]
-    acc = np.zeros(4, dtype=np.uint64)
-    cnt = np.zeros(4, dtype=np.uint64)
-    need = np.zeros(4, dtype=np.uint64)
-    for c in range(16):
-        _set_need(need, c, ranks, ptr, last, seen)
-    cls = np.empty(_GROUP, dtype=np.uint8)
-    keep = old_at.size > 0
+        ptr[c] = cursor[t, c]
+        if ptr[c] < ends[c]:
+            far[c] = ranks[ptr[c]] - before[t, c]
+    below = np.zeros(17, dtype=np.uint64)
+    keep_old = old_at.size > 0
     g0 = lo
-    groups = 0
-    while g0 < hi and o < offsets[t + 1]:
-        low, high = _classes_at(bits, g0, hi, shift, mask, base, count, cls)
-        cnt[0] = low & _B16
-        cnt[1] = (low >> np.uint64(8)) & _B16
-        cnt[2] = high & _B16
-        cnt[3] = (high >> np.uint64(8)) & _B16
-        hits = _ZERO
-        for w in range(4):
-            acc[w] += cnt[w]
-            flags = ((acc[w] | _H16) - need[w]) & _H16  # lanes whose count reached the need
+    while g0 < hi and o < share:
+        _group_masks(bits, g0, hi, keep, limits, count, below)
+        flags = _ZERO
+        for c in range(16):
+            far[c] -= popcount(below[c + 1] & ~below[c])
+            flags |= np.uint64(far[c] < 0) << np.uint64(c)
+        if flags != _ZERO:
+            hits = _ZERO
             while flags != _ZERO:
-                sh = np.uint64(_TRAILING_ZEROS(flags)) - np.uint64(15)
+                h = np.int64(_TRAILING_ZEROS(flags))  # a class that ran out in the group
                 flags &= flags - _ONE
-                lane = np.int64(sh >> np.uint64(4))
-                h = ((w >> 1) << 3) + 2 * lane + (w & 1)  # the class of the lane
-                n = np.int64((cnt[w] >> sh) & _L16)
-                start = seen[h] + np.int64((acc[w] >> sh) & _L16) - n  # class h before g0
-                m = _class_mask(cls, h)
-                while ptr[h] < last[h] and ranks[ptr[h]] < start + n:
-                    hits |= _ONE << np.uint64(_select_bit(m, ranks[ptr[h]] - start))
-                    ptr[h] += 1
-                _set_need(need, h, ranks, ptr, last, seen)
-        while hits != _ZERO:
-            if o < offsets[t + 1]:
-                out[o] = g0 + np.int64(_TRAILING_ZEROS(hits))
-                if keep:
-                    old_at[o] = bits[out[o]]
-            hits &= hits - _ONE
-            o += 1
+                members = below[h + 1] & ~below[h]
+                size = popcount(members)
+                left, at = far[h], ptr[h]
+                while left < 0:
+                    hits |= _ONE << np.uint64(_select_bit(members, left + size))
+                    at += 1
+                    left = left + ranks[at] - ranks[at - 1] if at < ends[h] else _FAR
+                far[h], ptr[h] = left, at
+            while hits != _ZERO:
+                if o < share:
+                    q = g0 + np.int64(_TRAILING_ZEROS(hits))
+                    out[o] = q
+                    if keep_old:
+                        old_at[o] = bits[q]
+                hits &= hits - _ONE
+                o += 1
         g0 += _GROUP
-        groups += 1
-        if groups == _FLUSH:
-            _fold(acc, seen, count)
-            for c in range(16):
-                _set_need(need, c, ranks, ptr, last, seen)
-            groups = 0
     done[t] = o - offsets[t]
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _positions(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
-            t,
-            bits,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            ranks,
-            cursor,
-            ends,
-            offsets,
-            out,
-            done,
-            old_at,
+            t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
         )
 
 
 @njit(cache=True, nogil=True)
 def _positions_serial(  # type: ignore[no-untyped-def]
-    bits,
-    shift,
-    mask,
-    base,
-    count,
-    before,
-    ranks,
-    cursor,
-    ends,
-    offsets,
-    out,
-    done,
-    old_at,
+    bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
     for t in range(offsets.shape[0] - 1):
         _positions_task(
-            t,
-            bits,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            ranks,
-            cursor,
-            ends,
-            offsets,
-            out,
-            done,
-            old_at,
+            t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
         )
 
 
@@ -582,7 +497,8 @@ def positions_of_ranks(
     if old_at is not None and (old_at.size != ranks.size or old_at.dtype != bits.dtype):
         raise ValueError("old_at must have one element of the bits' dtype per rank")
     kept = bits[:0] if old_at is None else old_at
-    args = (bits, shift, mask, base, count, starts, ranks, cursor, first[1:], offsets, out, done)
+    keep, limits = class_limits(bits.dtype, shift, base, count)
+    args = (bits, keep, limits, count, starts, ranks, cursor, first[1:], offsets, out, done)
     _launch(_positions, _positions_serial, tasks, *args, kept)
     if not np.array_equal(done, np.diff(offsets)):
         return None

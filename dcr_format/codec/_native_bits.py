@@ -1,0 +1,83 @@
+"""Word-level helpers of the compiled kernels that numba's Python subset cannot express.
+
+Private, imported by the compiled kernel modules only (it needs numba). Each is a numba
+*intrinsic*: a few lines of LLVM IR that LLVM lowers to what the machine has (vector
+compares into a mask register and a population count where the CPU has them, a few
+scalar instructions where it does not); the results are the same everywhere, since LLVM
+defines them, not the target.
+
+- :func:`below_mask`: which of 64 consecutive unsigned elements, masked, lie below a
+  limit, as the bits of a word. A loop that sets one bit per element compiles to a
+  vector compare per element and an OR-reduction; this is one compare of the whole
+  64-element block (measured: 0.45 ms against 2.7 ms a mask over 64M bf16 elements).
+- :func:`popcount`: the set bits of a word (LLVM's ``ctpop``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+BLOCK = 64
+"""Elements :func:`below_mask` compares at once: one bit each in a 64-bit word."""
+
+
+def _splat(builder: Any, value: Any, vector: ir.VectorType) -> Any:
+    """``value`` in every element of a vector of type ``vector``."""
+    undefined = ir.Constant(vector, ir.Undefined)
+    first = builder.insert_element(undefined, value, ir.Constant(ir.IntType(32), 0))
+    zeros = ir.Constant(ir.VectorType(ir.IntType(32), vector.count), [0] * vector.count)
+    return builder.shuffle_vector(first, undefined, zeros)
+
+
+@intrinsic
+def _below_mask(typingctx: Any, bits: Any, start: Any, keep: Any, limit: Any) -> Any:
+    """``bits[start + q] & keep < limit`` (unsigned) as bit ``q`` of a uint64, for ``q`` in
+    ``0 .. 63``; ``bits`` a C-contiguous 1-d array of unsigned integers, ``keep`` and
+    ``limit`` of its dtype. No bounds check: the caller makes sure that
+    ``start + 64 <= bits.size``."""
+    if not (
+        isinstance(bits, types.Array)
+        and bits.ndim == 1
+        and bits.layout == "C"
+        and bits.dtype in types.unsigned_domain
+        and isinstance(start, types.Integer)
+    ):
+        return None
+    sig = types.uint64(bits, types.int64, bits.dtype, bits.dtype)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        element = context.get_value_type(signature.args[0].dtype)
+        vector = ir.VectorType(element, BLOCK)
+        at = builder.gep(array.data, [args[1]])
+        block = builder.load(builder.bitcast(at, vector.as_pointer()), align=1)
+        masked = builder.and_(block, _splat(builder, args[2], vector))
+        below = builder.icmp_unsigned("<", masked, _splat(builder, args[3], vector))
+        return builder.bitcast(below, ir.IntType(BLOCK))  # element q is bit q
+
+    return sig, codegen
+
+
+@intrinsic
+def _popcount(typingctx: Any, word: Any) -> Any:
+    """The number of set bits of a uint64 (as int64)."""
+    if not isinstance(word, types.Integer):
+        return None
+    sig = types.int64(types.uint64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.ctpop(args[0])
+
+    return sig, codegen
+
+
+# intrinsics are callable in compiled code only; typed Any, as numba's stubs type their
+# decorator's result as taking the typing context too
+below_mask: Any = _below_mask
+popcount: Any = _popcount
+
+__all__ = ["BLOCK", "below_mask", "popcount"]
