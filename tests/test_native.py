@@ -102,7 +102,11 @@ def test_choice_ties_and_sizes_are_exact():
         assert plan.rice_size == len(pc._encode_rice_reference(positions))
         assert plan.ranges_size == len(pc.encode_ranges(positions))
         assert plan.k == pc._best_rice_k(pc._gaps(positions))
-        assert pc.encode_positions(positions) == pc._encode_positions_reference(positions)
+        want = pc._encode_positions_reference(positions)
+        assert pc.encode_positions(positions) == want
+        choice = pc.PositionsChoice(positions)  # the size known before anything is encoded
+        assert (choice.coding, choice.size) == (want[0], len(want[1]))
+        assert choice.encode() == want[1]
 
 
 def test_empty_positions():

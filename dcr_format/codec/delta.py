@@ -45,7 +45,7 @@ from dcr_format.codec.classed import (
     rows_fit,
 )
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
-from dcr_format.codec.positions import encode_positions
+from dcr_format.codec.positions import PositionsChoice
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
 from dcr_format.codec.ulp_shift import ULP_SHIFT, join, parse
@@ -198,7 +198,8 @@ def encode_diff(
         picked = new_values if op == OVERWRITE else found.xor_values
         assert picked is not None
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
-    pos_coding, pos_bytes = encode_positions(host[0].numpy())
+    plain = PositionsChoice(host[0].numpy())  # §6.4's coding; encoded only if it is kept
+    pos_coding, pos_bytes = plain.coding, None
     new_rows = None
     if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
         if new.device.type == "cpu":
@@ -213,8 +214,10 @@ def encode_diff(
         else:
             assert baseline is not None
             coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
-        if len(coded) < len(pos_bytes):
+        if len(coded) < plain.size:
             pos_coding, pos_bytes = CLASSED, coded
+    if pos_bytes is None:
+        pos_bytes = plain.encode()
     xor_bits = bits_to_numpy(host[1])
     allowed = features.allowed()
     dtype = info_for(new.dtype).name

@@ -357,18 +357,41 @@ _REFERENCE_ENCODERS = {RICE: _encode_rice_reference, RANGES: encode_ranges}
 _DECODERS = {RICE: decode_rice, RANGES: decode_ranges}
 
 
+class PositionsChoice:
+    """The coding :func:`encode_positions` keeps for sorted unique int64 positions and the
+    exact size of its stream, the stream itself made only when :meth:`encode` asks (a
+    writer that may code the positions otherwise, ``classed``, needs only the size)."""
+
+    def __init__(self, positions: np.ndarray) -> None:
+        self._positions = np.ascontiguousarray(positions, dtype=np.int64)
+        self._plan = _Plan.of(self._positions)
+        self._data: bytes | None = None
+        if self._plan is None:  # the reference builds both codings to compare them
+            self.coding, self._data = _encode_positions_reference(self._positions)
+            self.size = len(self._data)
+        elif self._plan.ranges_size <= self._plan.rice_size:  # on a tie "ranges" < "rice"
+            self.coding, self.size = RANGES, self._plan.ranges_size
+        else:
+            self.coding, self.size = RICE, self._plan.rice_size
+
+    def encode(self) -> bytes:
+        """The stream (``size`` bytes) in the chosen coding."""
+        if self._data is None:
+            assert self._plan is not None
+            if self.coding == RANGES:
+                self._data = encode_ranges(self._positions)
+            else:
+                self._data = _encode_rice_planned(self._positions, self._plan)
+        return self._data
+
+
 def encode_positions(positions: np.ndarray, *, coding: str | None = None) -> tuple[str, bytes]:
-    """Encode sorted unique int64 positions; with ``coding=None`` keep the smaller coding."""
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    """Encode sorted unique int64 positions; with ``coding=None`` keep the smaller coding
+    (both sizes from one compiled pass, the winner encoded: :class:`PositionsChoice`)."""
     if coding is not None:
-        return coding, _ENCODERS[coding](positions)
-    plan = _Plan.of(positions)
-    if plan is not None:  # both sizes from one pass; encode the winner only
-        # min over (size, name) below: on equal sizes "ranges" < "rice" wins
-        if plan.ranges_size <= plan.rice_size:
-            return RANGES, encode_ranges(positions)
-        return RICE, _encode_rice_planned(positions, plan)
-    return _encode_positions_reference(positions)
+        return coding, _ENCODERS[coding](np.ascontiguousarray(positions, dtype=np.int64))
+    choice = PositionsChoice(positions)
+    return choice.coding, choice.encode()
 
 
 def _encode_positions_reference(positions: np.ndarray) -> tuple[str, bytes]:
