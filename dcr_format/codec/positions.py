@@ -56,10 +56,15 @@ def compiled(name: str) -> ModuleType | None:
     imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""
     if native_kernels() is None:
         return None
-    try:
-        return importlib.import_module(f"dcr_format.codec.{name}")
-    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-        return None
+    if name not in _COMPILED:  # imported once (a lookup per call is a tenth of a tensor's cost)
+        try:
+            _COMPILED[name] = importlib.import_module(f"dcr_format.codec.{name}")
+        except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+            _COMPILED[name] = None
+    return _COMPILED[name]
+
+
+_COMPILED: dict[str, ModuleType | None] = {}
 
 
 @lru_cache(maxsize=1)
