@@ -219,9 +219,10 @@ def _estimate(everything: np.ndarray, changed: np.ndarray, count: int, base: int
     return total
 
 
-def test_the_writer_picks_the_classes_of_least_estimate() -> None:
-    """choose_classes (every candidate at once) is the rule of FORMAT.md §6.5 evaluated one
-    (K, base) at a time: least estimate, the smaller K and then the smaller base on ties."""
+def test_the_writer_picks_the_classes_of_least_estimate(kernels: str) -> None:
+    """choose_classes (every candidate at once; compiled: integer sums and the search, the
+    estimates by numpy) is the rule of FORMAT.md §6.5 evaluated one (K, base) at a time:
+    least estimate, the smaller K and then the smaller base on ties."""
     rng = np.random.default_rng(21)
     ks = []
     for trial in range(60):
@@ -249,6 +250,27 @@ def test_the_writer_picks_the_classes_of_least_estimate() -> None:
     old = np.array([0x3F80] * 1000 + [0x4080] * 8, dtype="<u2")
     stream = classed.encode_classed(np.array([1001, 1005]), old, "bfloat16")
     assert stream[:3] == b"\x02\x7f\x00"  # K = 2, base 127
+
+
+def test_the_compiled_choice_of_classes_is_the_reference_s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled sums and search of choose_classes give the numpy reference's (base, K),
+    ties included (histograms of few values, so that estimates often come out equal)."""
+    rng = np.random.default_rng(23)
+    for trial in range(400):
+        everything = np.zeros(256, dtype=np.int64)
+        width = int(rng.integers(1, 60))
+        low = int(rng.integers(0, 256 - width))
+        scale = int(rng.choice([3, 50, 100_000]))
+        everything[low : low + width] = rng.integers(0, scale, width)
+        everything[low] = everything[low + width - 1] = 1 + int(rng.integers(0, scale))
+        changed = np.minimum(everything, rng.integers(0, 3, 256) * (trial % 3))
+        native = classed.choose_classes(everything, changed)
+        monkeypatch.setenv("DCR_KERNELS", "torch")
+        reference = classed.choose_classes(everything, changed)
+        monkeypatch.delenv("DCR_KERNELS")
+        assert native == reference, trial
 
 
 def test_class_rice_parts_equal_the_reference_at_every_scale(

@@ -178,15 +178,79 @@ def move_rows(
     return changed
 
 
-def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
+@njit(cache=True, nogil=True)
+def class_starts(
+    rows: np.ndarray, base: int, count: int
+) -> np.ndarray:  # pragma: no cover - compiled
     """Per task and class, how many elements of the class come before the task
     (``(tasks + 1) x count``; the last row holds the class sizes)."""
-    classes = np.clip(np.arange(rows.shape[1]) - base, 0, count - 1)
-    per_task = np.zeros((rows.shape[0], count), dtype=np.int64)
-    np.add.at(per_task.T, classes, rows.T)
-    starts = np.zeros((rows.shape[0] + 1, count), dtype=np.int64)
-    np.cumsum(per_task, axis=0, out=starts[1:])
+    tasks, exponents = rows.shape
+    starts = np.zeros((tasks + 1, count), dtype=np.int64)
+    for t in range(tasks):
+        for c in range(count):
+            starts[t + 1, c] = starts[t, c]
+        for e in range(exponents):
+            starts[t + 1, min(max(e - base, 0), count - 1)] += rows[t, e]
     return starts
+
+
+# --- the writer's choice of classes (classed.choose_classes) ----------------------------
+
+
+@njit(cache=True, nogil=True)
+def class_intervals(
+    everything: np.ndarray, changed: np.ndarray
+) -> tuple[int, int, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """The integer half of :func:`dcr_format.codec.classed.choose_classes`: ``low``, the
+    width ``top - low + 1`` of the exponents present, and the elements and changes in each
+    interval a class can be (every first class, middle class, last class, then the whole
+    range), in the reference's order."""
+    low, top = -1, -1
+    for e in range(everything.size):
+        if everything[e]:
+            top = e
+            if low < 0:
+                low = e
+    width = top - low + 1
+    all_cum = np.zeros(everything.size + 1, dtype=np.int64)
+    chg_cum = np.zeros(everything.size + 1, dtype=np.int64)
+    for e in range(everything.size):
+        all_cum[e + 1] = all_cum[e] + everything[e]
+        chg_cum[e + 1] = chg_cum[e] + changed[e]
+    end = everything.size
+    totals = np.empty(3 * width + 1, dtype=np.int64)
+    changes = np.empty(3 * width + 1, dtype=np.int64)
+    for i in range(width):
+        e = low + i
+        for kind, lo, hi in ((0, 0, e + 1), (1, e, e + 1), (2, e, end)):
+            totals[kind * width + i] = all_cum[hi] - all_cum[lo]
+            changes[kind * width + i] = chg_cum[hi] - chg_cum[lo]
+    totals[3 * width] = all_cum[end]
+    changes[3 * width] = chg_cum[end]
+    return low, width, totals, changes
+
+
+@njit(cache=True, nogil=True)
+def least_estimate(
+    costs: np.ndarray, width: int, most: int
+) -> tuple[int, int]:  # pragma: no cover - compiled
+    """The float half of :func:`dcr_format.codec.classed.choose_classes` over the interval
+    ``costs`` (:func:`class_intervals`' order): ``(K, base index)`` of least estimate, the
+    smaller ``K`` and then the smaller base on ties, each estimate summed in the
+    reference's order (first class, middle classes in turn, last class), so the doubles
+    are the reference's, bit for bit."""
+    best = costs[3 * width]  # K = 1: one class, whatever the base (the smallest is taken)
+    best_k, best_b = 1, 0
+    partial = costs[:width].copy()  # per base: its first class and middle ones so far
+    for count in range(2, most + 1):
+        bases = width - count + 1
+        for b in range(bases):
+            total = partial[b] + costs[2 * width + count - 1 + b]
+            if total < best:
+                best, best_k, best_b = total, count, b
+        for b in range(bases):
+            partial[b] = partial[b] + costs[width + count - 1 + b]
+    return best_k, best_b
 
 
 # --- the k-th set bit of a word ---------------------------------------------------------
@@ -569,29 +633,74 @@ def rice_plans(
     return ks, unary
 
 
+@njit(cache=True, inline="always")
+def _varint_size(v):  # type: ignore[no-untyped-def]
+    size = 1
+    while v >= 0x80:
+        v >>= 7
+        size += 1
+    return size
+
+
+@njit(cache=True, inline="always")
+def _put_varint(out, at, v):  # type: ignore[no-untyped-def]
+    """Write ``v`` as a varint (FORMAT.md §7.3) at ``out[at]``; returns the next offset."""
+    while v >= 0x80:
+        out[at] = np.uint8((v & 0x7F) | 0x80)
+        v >>= 7
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
 @njit(cache=True, nogil=True)
-def rice_parts(
-    ranks: np.ndarray, ends: np.ndarray, ks: np.ndarray, unary: np.ndarray, out: np.ndarray
-) -> None:  # pragma: no cover - compiled
-    """Every class's part of a ``classed`` stream after its counts (FORMAT.md §6.5: ``k``,
-    the varint ``U``, the Rice body) into ``out`` (zeros, exactly as long)."""
+def class_tallies(
+    classes: np.ndarray, ranks: np.ndarray, count: int
+) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Per class, how many changes it has and the rank of its last one (its largest)."""
+    sizes = np.zeros(count, dtype=np.int64)
+    last = np.zeros(count, dtype=np.int64)
+    for j in range(classes.size):
+        sizes[classes[j]] += 1
+        last[classes[j]] = ranks[j]
+    return sizes, last
+
+
+@njit(cache=True, nogil=True)
+def classed_body(
+    classes: np.ndarray, ranks: np.ndarray, count: int, guesses: np.ndarray, max_k: int
+) -> np.ndarray:  # pragma: no cover - compiled
+    """A ``classed`` stream after its ``K`` and ``base`` (FORMAT.md §6.5): the count of
+    every class, then each class's ``k``, varint ``U`` and Rice body, from the changes'
+    classes and ranks in position order (``guesses``: each class's §6.2 guess of ``k``).
+    One call, so that a tensor's classes cost no Python between them."""
+    ordered = by_class(classes, ranks, count)
+    ends = np.zeros(count + 1, dtype=np.int64)
+    for j in range(classes.size):
+        ends[classes[j] + 1] += 1
+    size = 0
+    for c in range(count):
+        size += _varint_size(ends[c + 1])
+        ends[c + 1] += ends[c]
+    ks, unary = rice_plans(ordered, ends, guesses, max_k)
+    for c in range(count):
+        n = ends[c + 1] - ends[c]
+        if n:
+            size += 1 + _varint_size(unary[c]) + unary[c] + (n * ks[c] + 7) // 8
+    out = np.zeros(size, dtype=np.uint8)
     at = 0
-    for c in range(ends.size - 1):
+    for c in range(count):
+        at = _put_varint(out, at, ends[c + 1] - ends[c])
+    for c in range(count):
         n = ends[c + 1] - ends[c]
         if n == 0:
             continue
         out[at] = np.uint8(ks[c])
-        at += 1
-        v = unary[c]
-        while v >= 0x80:
-            out[at] = np.uint8((v & 0x7F) | 0x80)
-            v >>= 7
-            at += 1
-        out[at] = np.uint8(v)
-        at += 1
-        size = unary[c] + (n * ks[c] + 7) // 8
-        _rice_encode(ranks[ends[c] : ends[c + 1]], ks[c], unary[c], out[at : at + size])
-        at += size
+        at = _put_varint(out, at + 1, unary[c])
+        body = unary[c] + (n * ks[c] + 7) // 8
+        _rice_encode(ordered[ends[c] : ends[c + 1]], ks[c], unary[c], out[at : at + body])
+        at += body
+    return out
 
 
 @njit(cache=True, nogil=True)

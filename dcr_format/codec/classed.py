@@ -178,6 +178,15 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     the base, a middle one a single exponent, the last every one from its own up. Each
     kind's estimate is evaluated once per exponent (three vectors), and a candidate's
     estimate is the sum of its classes' in class order."""
+    native = _native()
+    if native is not None:  # integer sums and the search compiled; the estimates as below
+        low, width, totals, changes = native.class_intervals(
+            np.ascontiguousarray(everything, dtype=np.int64),
+            np.ascontiguousarray(changed, dtype=np.int64),
+        )
+        costs = _rice_bits(totals, changes) + CLASS_HEADER_BITS
+        count, index = native.least_estimate(costs, width, min(MAX_CLASSES, width))
+        return low + int(index), int(count)
     present = np.flatnonzero(everything)
     low, top = int(present[0]), int(present[-1])
     most = min(MAX_CLASSES, top - low + 1)
@@ -309,30 +318,25 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     position order; as :func:`encode_classed` finds them, or a device kernel does)."""
     classes = np.ascontiguousarray(classes, dtype=np.int64)
     ranks = np.ascontiguousarray(ranks, dtype=np.int64)
+    head = _HEADER.pack(count, base)
     native = _native()
-    counts = np.bincount(classes, minlength=count)
-    if native is not None:
-        by_class = native.by_class(classes, ranks, count)
-    else:  # each class's ranks, increasing
-        by_class = ranks[np.argsort(classes, kind="stable")]
-    ends = np.cumsum(counts)
-    out = [_HEADER.pack(count, base), *(_varint(int(c)) for c in counts)]
-    if native is not None:  # every class's part in one compiled call
-        bounds = np.concatenate(([0], ends))
-        guesses = np.array(
+    if native is not None:  # the counts and every class's part in one compiled call
+        sizes, last = native.class_tallies(classes, ranks, count)
+        guesses = np.array(  # each class's mean gap is (last rank - (n - 1)) / n
             [
-                _positions._rice_k_guess(float(int(by_class[e - 1]) - (n - 1)) / n) if n else 0
-                for n, e in zip(counts.tolist(), ends.tolist(), strict=True)
+                _positions._rice_k_guess(float(e - (n - 1)) / n) if n else 0
+                for n, e in zip(sizes.tolist(), last.tolist(), strict=True)
             ],
             dtype=np.int64,
         )
-        ks, unary = native.rice_plans(by_class, bounds, guesses, _positions.MAX_RICE_K)
-        used = counts > 0
-        heads = 1 + np.array([len(_varint(int(u))) for u in unary], dtype=np.int64)
-        size = int((used * (heads + unary + (counts * ks + 7) // 8)).sum())
-        parts = np.zeros(size, dtype=np.uint8)
-        native.rice_parts(by_class, bounds, ks, unary, parts)
-        return b"".join(out) + parts.tobytes()
+        body: np.ndarray = native.classed_body(
+            classes, ranks, count, guesses, _positions.MAX_RICE_K
+        )
+        return head + body.tobytes()
+    counts = np.bincount(classes, minlength=count)
+    by_class = ranks[np.argsort(classes, kind="stable")]  # each class's ranks, increasing
+    ends = np.cumsum(counts)
+    out = [head, *(_varint(int(c)) for c in counts)]
     for c in range(count):
         if not counts[c]:
             continue
