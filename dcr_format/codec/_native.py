@@ -237,10 +237,13 @@ def _row_count(n: int, first: int) -> int:
     return (first + n - 1) // _ROW - first // _ROW + 1
 
 
+_PRIMES = (int(_P0), int(_P1), int(_P2))
+
+
 def _finish_lanes(out: np.ndarray, lanes: int) -> tuple[int, ...]:
     """Sum per-task residues (each below 2^31, so a uint64 sum is exact) modulo each prime."""
-    primes = (int(_P0), int(_P1), int(_P2))
-    return tuple(int(out[:, lane].sum(dtype=np.uint64)) % primes[lane] for lane in range(lanes))
+    sums = out.sum(axis=0, dtype=np.uint64).tolist()  # one reduction: this runs per tensor
+    return tuple(sums[lane] % prime for lane, prime in enumerate(_PRIMES[:lanes]))
 
 
 def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -> tuple[int, ...]:

@@ -34,6 +34,7 @@ there are their XOR).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -299,11 +300,13 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
 # compares and K population counts a group, with no branch per element.
 
 
-def class_limits(dtype: np.dtype[Any], shift: int, base: int, count: int) -> tuple[Any, np.ndarray]:
+@lru_cache(maxsize=256)
+def class_limits(dtype: np.dtype[Any], shift: int, base: int) -> tuple[Any, np.ndarray]:
     """The mask of the bits under the sign of unsigned ``dtype`` and the 16 limits of
-    :func:`_group_masks`: an element ``x`` is of class at most ``c`` (``c < count - 1``)
+    :func:`_group_masks`: an element ``x`` is of class at most ``c`` (``c < K - 1``)
     exactly when ``x & keep < limits[c]``; limits past the width's range are the top, which
-    every masked element is under (so any ``base`` of a stream is safe)."""
+    every masked element is under (so any ``base`` of a stream is safe). Cached (a tensor's
+    classes rarely move between steps); the arrays are shared and never written."""
     width = 8 * dtype.itemsize
     keep = (1 << (width - 1)) - 1
     if keep >> shift == 0 or (keep >> shift) & ((keep >> shift) + 1):
@@ -442,7 +445,7 @@ def class_ranks(
     bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     classes = np.empty(positions.size, dtype=np.int64)
     ranks = np.empty(positions.size, dtype=np.int64)
-    keep, limits = class_limits(bits.dtype, shift, base, count)
+    keep, limits = class_limits(bits.dtype, shift, base)
     args = (bits, positions, xor, keep, limits, shift, mask, base, count, starts, bounds)
     _launch(_ranks, _ranks_serial, tasks, *args, classes, ranks)
     return classes, ranks
@@ -551,22 +554,43 @@ def positions_of_ranks(
     of its ranks than they place in it). ``old_at`` (``ranks.size`` elements of ``bits``'
     dtype), where given, takes the bits at the positions found."""
     tasks = starts.shape[0] - 1
-    cursor = np.empty((tasks + 1, count), dtype=np.int64)
-    for c in range(count):
-        mine = ranks[first[c] : first[c + 1]]
-        cursor[:, c] = first[c] + np.searchsorted(mine, starts[:, c])
-    offsets = (cursor - first[:count]).sum(axis=1)
-    out = np.empty(ranks.size, dtype=np.int64)
-    done = np.zeros(tasks, dtype=np.int64)
     if old_at is not None and (old_at.size != ranks.size or old_at.dtype != bits.dtype):
         raise ValueError("old_at must have one element of the bits' dtype per rank")
+    cursor, offsets = _select_plan(ranks, first, starts, count)
+    out = np.empty(ranks.size, dtype=np.int64)
+    done = np.zeros(tasks, dtype=np.int64)
     kept = bits[:0] if old_at is None else old_at
-    keep, limits = class_limits(bits.dtype, shift, base, count)
+    keep, limits = class_limits(bits.dtype, shift, base)
     args = (bits, keep, limits, count, starts, ranks, cursor, first[1:], offsets, out, done)
     _launch(_positions, _positions_serial, tasks, *args, kept)
-    if not np.array_equal(done, np.diff(offsets)):
-        return None
-    return out
+    return out if _found_all(done, offsets) else None
+
+
+@njit(cache=True, nogil=True)
+def _select_plan(ranks, first, starts, count):  # type: ignore[no-untyped-def]
+    """Where each task's share of every class's ranks starts (``cursor``: the first rank of
+    class ``c`` at or past the class's start in the task, as ``np.searchsorted``), and where
+    each task's positions go in the output (``offsets``)."""
+    tasks = starts.shape[0] - 1
+    cursor = np.empty((tasks + 1, count), dtype=np.int64)
+    offsets = np.zeros(tasks + 1, dtype=np.int64)
+    for c in range(count):
+        j = first[c]
+        for t in range(tasks + 1):  # the class's starts grow with t: one walk of its ranks
+            while j < first[c + 1] and ranks[j] < starts[t, c]:
+                j += 1
+            cursor[t, c] = j
+            offsets[t] += j - first[c]
+    return cursor, offsets
+
+
+@njit(cache=True, nogil=True)
+def _found_all(done, offsets):  # type: ignore[no-untyped-def]
+    """Whether every task found exactly its share of the positions."""
+    for t in range(done.size):
+        if done[t] != offsets[t + 1] - offsets[t]:
+            return False
+    return True
 
 
 @njit(cache=True, nogil=True)

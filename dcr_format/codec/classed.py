@@ -449,7 +449,7 @@ def decode_classed(
         first = np.zeros(classes_count + 1, dtype=np.int64)
         first[1:] = np.cumsum(counts)
         out: np.ndarray | None = native.positions_of_ranks(
-            old_bits, shift, mask, base, classes_count, starts, np.concatenate(found), first, old_at
+            old_bits, shift, mask, base, classes_count, starts, found, first, old_at
         )
         if out is None:
             raise PositionsError(
@@ -458,36 +458,32 @@ def decode_classed(
         return out
     assert classes is not None
     picked = [np.flatnonzero(classes == c) for c, n in enumerate(counts) if n]
+    ends = np.cumsum([n for n in counts if n])
     positions = np.sort(
-        np.concatenate([members[r] for members, r in zip(picked, found, strict=True)])
+        np.concatenate(
+            [members[r] for members, r in zip(picked, np.split(found, ends[:-1]), strict=True)]
+        )
     )
     if old_at is not None:
         old_at[:] = old_bits[positions]
     return positions
 
 
-def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> list[np.ndarray]:
-    """The ranks each class with changes codes (class order), decoded from its Rice part
-    with the class's size (``sizes``, from the old bits) as the range; a class coded with
-    more positions than it holds is a :class:`PositionsError`."""
+def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
+    """The ranks every class with changes codes, one class after the other in class order,
+    each decoded from its Rice part with the class's size (``sizes``, from the old bits) as
+    the range; a class coded with more positions than it holds is a
+    :class:`PositionsError`."""
     native = _native()
-    if native is not None and stream.parts:  # every class at once; the loop below on errors
-        classes = np.array([part[0] for part in stream.parts], dtype=np.int64)
-        want = np.array([stream.counts[c] for c in classes.tolist()], dtype=np.int64)
+    if native is not None:  # every class at once; the loop below on errors
+        classes, ks, unary, offsets = np.array(stream.parts, dtype=np.int64).T.copy()
+        want = np.asarray(stream.counts, dtype=np.int64)[classes]
         limits = np.asarray(sizes, dtype=np.int64)[classes]
-        if bool(np.all(want <= limits)):
+        if bool((want <= limits).all()):
             out = np.empty(int(want.sum()), dtype=np.int64)
-            bad = native.rice_ranks(
-                np.frombuffer(stream.data, dtype=np.uint8),
-                np.array([part[1] for part in stream.parts], dtype=np.int64),
-                np.array([part[2] for part in stream.parts], dtype=np.int64),
-                np.array([part[3] for part in stream.parts], dtype=np.int64),
-                want,
-                limits,
-                out,
-            )
-            if bad < 0:
-                return np.split(out, np.cumsum(want)[:-1])
+            data = np.frombuffer(stream.data, dtype=np.uint8)
+            if native.rice_ranks(data, ks, unary, offsets, want, limits, out) < 0:
+                return out
     found = []
     for c, k, unary_len, offset in stream.parts:
         wanted = stream.counts[c]
@@ -499,7 +495,7 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> list[np.ndarray]
             header + stream.data[offset : offset + body_len], count=wanted, numel=int(sizes[c])
         )
         found.append(ranks)
-    return found
+    return np.concatenate(found)
 
 
 def classed_bound(changed: int, numel: int) -> int:

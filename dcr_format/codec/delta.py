@@ -307,8 +307,7 @@ def _device_positions(stream: ClassedStream, old: torch.Tensor, dtype: str) -> t
     shift, mask = EXPONENT_FIELDS[dtype]
     base, count = stream.base, stream.classes
     sizes = dispatch.class_sizes(old, shift, mask, base, count).cpu().numpy()
-    found = class_ranks_of(stream, sizes)
-    ranks = torch.from_numpy(np.concatenate(found)).to(old.device)
+    ranks = torch.from_numpy(class_ranks_of(stream, sizes)).to(old.device)
     classes = torch.repeat_interleave(
         torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
         torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
