@@ -417,6 +417,8 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
             before = _bits_at(flat, positions)
         origin, low = delta.shift
         z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
+        if dispatch.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
+            return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True)
         xor = before ^ from_ulp(before, z)
         values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
