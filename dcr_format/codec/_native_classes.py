@@ -23,7 +23,7 @@ parallel (through :func:`~dcr_format.codec._native._launch`, with serial twins):
    count. A changed element's rank is the members of its class before the group plus
    those below it in the group. The reader keeps, per class, how many members are left
    before its next wanted rank, takes each group's counts off all classes at once (a
-   branch-free loop of 16), and looks only at the classes that ran out in the group: the
+   branch-free loop), and looks only at the classes that ran out in the group: the
    wanted element is the matching set bit of the class's members, whose old bits it
    hands over as it writes the position.
 
@@ -462,7 +462,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
 ):
     """Task ``t`` of the select pass. ``far[c]``: how many more members of class ``c`` come
     before its next wanted rank; each group takes its members off every class at once
-    (a loop of 16 without a branch), and only the classes that went below zero hold a
+    (a loop without a branch), and only the classes that went below zero hold a
     wanted element in the group (a word of their flags, visited bit by bit), the
     ``far[c] + members``-th member of the class's mask. ``done[t]``: how many positions the
     task found (its share, ``offsets[t + 1] - offsets[t]``, unless the old bits are not
@@ -488,7 +488,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
     while g0 < hi and o < share:
         _group_masks(bits, g0, hi, keep, limits, count, below)
         flags = _ZERO
-        for c in range(16):
+        for c in range(count):  # the classes the stream has (the rest never run out)
             far[c] -= popcount(below[c + 1] & ~below[c])
             flags |= np.uint64(far[c] < 0) << np.uint64(c)
         if flags != _ZERO:
