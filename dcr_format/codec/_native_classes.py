@@ -443,7 +443,7 @@ def class_ranks(
     (``starts``: :func:`class_starts` of the tasks' histograms)."""
     tasks = starts.shape[0] - 1
     bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
-    classes = np.empty(positions.size, dtype=np.int64)
+    classes = np.empty(positions.size, dtype=np.uint8)  # K <= 16: a byte (8x less to write)
     ranks = np.empty(positions.size, dtype=np.int64)
     keep, limits = class_limits(bits.dtype, shift, base)
     args = (bits, positions, xor, keep, limits, shift, mask, base, count, starts, bounds)

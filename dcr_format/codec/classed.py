@@ -316,7 +316,7 @@ def encode_classed_rows(
 def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray) -> bytes:
     """The ``classed`` stream of changed positions given as their classes and ranks (in
     position order; as :func:`encode_classed` finds them, or a device kernel does)."""
-    classes = np.ascontiguousarray(classes, dtype=np.int64)
+    classes = np.ascontiguousarray(classes)  # any integer dtype (a byte from the CPU pass)
     ranks = np.ascontiguousarray(ranks, dtype=np.int64)
     head = _HEADER.pack(count, base)
     native = _native()
