@@ -475,7 +475,7 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
     the range; a class coded with more positions than it holds is a
     :class:`PositionsError`."""
     native = _native()
-    if native is not None:  # every class at once; the loop below on errors
+    if native is not None and stream.parts:  # every class at once; the loop below on errors
         classes, ks, unary, offsets = np.array(stream.parts, dtype=np.int64).T.copy()
         want = np.asarray(stream.counts, dtype=np.int64)[classes]
         limits = np.asarray(sizes, dtype=np.int64)[classes]

@@ -56,7 +56,7 @@ def compiled(name: str) -> ModuleType | None:
     imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""
     if native_kernels() is None:
         return None
-    if name not in _COMPILED:  # imported once (a lookup per call is a tenth of a tensor's cost)
+    if name not in _COMPILED:  # imported once, not looked up by importlib at every call
         try:
             _COMPILED[name] = importlib.import_module(f"dcr_format.codec.{name}")
         except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
