@@ -80,6 +80,56 @@ def test_other_float_widths(dtype: str, kernels: str) -> None:
     assert np.array_equal(back, positions)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_other_float_widths_code_the_reference_s_bytes(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled passes (one vector compare per class bound of a group of 2, 4 or 8-byte
+    bits) code the reference's stream and decode its positions, across a partial group."""
+    rng = np.random.default_rng(6)
+    width = {"float16": 2, "float32": 4, "float64": 8}[dtype]
+    values = (rng.standard_normal(3000 + 37) * 0.02).astype(f"<f{width}")
+    values[::97] *= 300  # exponents far from the rest, for more classes
+    old = values.view(f"<u{width}")
+    positions = np.sort(rng.choice(old.size, 400, replace=False))
+    native = classed.encode_classed(positions, old, dtype)
+    back = classed.decode_classed(native, old, dtype, count=400, numel=old.size)
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    assert classed.encode_classed(positions, old, dtype) == native
+    assert np.array_equal(back, positions)
+
+
+def test_below_mask_is_one_compare_per_element() -> None:
+    """_native_bits.below_mask sets bit q exactly where element start + q, masked, is below
+    the limit (unsigned), for every width, limits at both ends and unaligned starts."""
+    from numba import njit
+
+    from dcr_format.codec import _native_bits
+
+    @njit(cache=False)
+    def masks(bits: np.ndarray, starts: np.ndarray, keep: object, limits: np.ndarray) -> np.ndarray:
+        out = np.empty((starts.size, limits.size), dtype=np.uint64)
+        for i in range(starts.size):
+            for j in range(limits.size):
+                out[i, j] = _native_bits.below_mask(bits, starts[i], keep, limits[j])
+        return out
+
+    rng = np.random.default_rng(7)
+    for width in (1, 2, 4, 8):
+        kind = np.dtype(f"<u{width}")
+        top = (1 << (8 * width)) - 1
+        bits = rng.integers(0, top, 300, dtype=kind, endpoint=True)
+        keep = kind.type(top >> 1)
+        limits = np.array([0, 1, top >> 3, top >> 1, (top >> 1) + 1, top], dtype=kind)
+        starts = np.array([0, 1, 3, 64, 200, 300 - 64], dtype=np.int64)
+        got = masks(bits, starts, keep, limits)
+        for i, start in enumerate(starts.tolist()):
+            block = bits[start : start + 64] & keep
+            for j, limit in enumerate(limits.tolist()):
+                want = sum(1 << q for q in range(64) if int(block[q]) < limit)
+                assert int(got[i, j]) == want, (width, start, limit)
+
+
 def test_only_float_dtypes_have_classes() -> None:
     with pytest.raises(PositionsError):
         classed.encode_classed(np.array([1]), np.zeros(4, "<u2"), "int16")
