@@ -50,6 +50,7 @@ from dcr_format.codec._native import (
     tasks_of,
 )
 from dcr_format.codec._native_bits import below_mask, popcount
+from dcr_format.codec._native_rans import _put_varint, _varint_len
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
@@ -657,26 +658,6 @@ def rice_plans(
     return ks, unary
 
 
-@njit(cache=True, inline="always")
-def _varint_size(v):  # type: ignore[no-untyped-def]
-    size = 1
-    while v >= 0x80:
-        v >>= 7
-        size += 1
-    return size
-
-
-@njit(cache=True, inline="always")
-def _put_varint(out, at, v):  # type: ignore[no-untyped-def]
-    """Write ``v`` as a varint (FORMAT.md §7.3) at ``out[at]``; returns the next offset."""
-    while v >= 0x80:
-        out[at] = np.uint8((v & 0x7F) | 0x80)
-        v >>= 7
-        at += 1
-    out[at] = np.uint8(v)
-    return at + 1
-
-
 @njit(cache=True, nogil=True)
 def class_tallies(
     classes: np.ndarray, ranks: np.ndarray, count: int
@@ -704,23 +685,23 @@ def classed_body(
         ends[classes[j] + 1] += 1
     size = 0
     for c in range(count):
-        size += _varint_size(ends[c + 1])
+        size += _varint_len(np.uint64(ends[c + 1]))
         ends[c + 1] += ends[c]
     ks, unary = rice_plans(ordered, ends, guesses, max_k)
     for c in range(count):
         n = ends[c + 1] - ends[c]
         if n:
-            size += 1 + _varint_size(unary[c]) + unary[c] + (n * ks[c] + 7) // 8
+            size += 1 + _varint_len(np.uint64(unary[c])) + unary[c] + (n * ks[c] + 7) // 8
     out = np.zeros(size, dtype=np.uint8)
     at = 0
     for c in range(count):
-        at = _put_varint(out, at, ends[c + 1] - ends[c])
+        at = _put_varint(out, at, np.uint64(ends[c + 1] - ends[c]))
     for c in range(count):
         n = ends[c + 1] - ends[c]
         if n == 0:
             continue
         out[at] = np.uint8(ks[c])
-        at = _put_varint(out, at + 1, unary[c])
+        at = _put_varint(out, at + 1, np.uint64(unary[c]))
         body = unary[c] + (n * ks[c] + 7) // 8
         _rice_encode(ordered[ends[c] : ends[c + 1]], ks[c], unary[c], out[at : at + body])
         at += body

@@ -62,6 +62,7 @@ def read_varints(
 
 @njit(cache=True, nogil=True)
 def _varint_len(value: np.uint64) -> int:  # pragma: no cover - compiled
+    """The bytes of the varint of ``value`` (uint64)."""
     length = 1
     while value >= np.uint64(128):
         value >>= np.uint64(7)
@@ -299,19 +300,24 @@ def decode_stream(
     return 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _put_varint(out: np.ndarray, at: int, v: np.uint64) -> int:  # pragma: no cover - compiled
+    """Write ``v`` (uint64) as a varint at ``out[at]``; returns the offset after it."""
+    while v >= np.uint64(0x80):
+        out[at] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
+        v >>= np.uint64(7)
+        at += 1
+    out[at] = np.uint8(v)
+    return at + 1
+
+
 @njit(cache=True, nogil=True)
 def write_varints(values: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """The varints of ``values`` (uint64), concatenated, as bytes (uint8)."""
     out = np.empty(values.size * 10, dtype=np.uint8)
     k = 0
     for j in range(values.size):
-        v = values[j]
-        while v >= np.uint64(0x80):
-            out[k] = np.uint8((v & np.uint64(0x7F)) | np.uint64(0x80))
-            v >>= np.uint64(7)
-            k += 1
-        out[k] = np.uint8(v)
-        k += 1
+        k = _put_varint(out, k, values[j])
     return out[:k]
 
 
