@@ -596,14 +596,11 @@ def _found_all(done, offsets):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True)
 def by_class(
-    classes: np.ndarray, ranks: np.ndarray, count: int
+    classes: np.ndarray, ranks: np.ndarray, ends: np.ndarray
 ) -> np.ndarray:  # pragma: no cover - compiled
-    """The ranks grouped by class, each class's in their order (a counting sort)."""
-    cursor = np.zeros(count + 1, dtype=np.int64)
-    for j in range(classes.size):
-        cursor[classes[j] + 1] += 1
-    for c in range(count):
-        cursor[c + 1] += cursor[c]
+    """The ranks grouped by class, each class's in their order (the scatter of a counting
+    sort: class ``c``'s go to ``ends[c]`` up)."""
+    cursor = ends[:-1].copy()
     out = np.empty(ranks.size, dtype=np.int64)
     for j in range(classes.size):
         c = classes[j]
@@ -673,20 +670,20 @@ def class_tallies(
 
 @njit(cache=True, nogil=True)
 def classed_body(
-    classes: np.ndarray, ranks: np.ndarray, count: int, guesses: np.ndarray, max_k: int
+    classes: np.ndarray, ranks: np.ndarray, sizes: np.ndarray, guesses: np.ndarray, max_k: int
 ) -> np.ndarray:  # pragma: no cover - compiled
     """A ``classed`` stream after its ``K`` and ``base`` (FORMAT.md §6.5): the count of
     every class, then each class's ``k``, varint ``U`` and Rice body, from the changes'
-    classes and ranks in position order (``guesses``: each class's §6.2 guess of ``k``).
+    classes and ranks in position order (``sizes``: each class's changes, as
+    :func:`class_tallies` counts them; ``guesses``: each class's §6.2 guess of ``k``).
     One call, so that a tensor's classes cost no Python between them."""
-    ordered = by_class(classes, ranks, count)
+    count = sizes.size
     ends = np.zeros(count + 1, dtype=np.int64)
-    for j in range(classes.size):
-        ends[classes[j] + 1] += 1
     size = 0
     for c in range(count):
-        size += _varint_len(np.uint64(ends[c + 1]))
-        ends[c + 1] += ends[c]
+        size += _varint_len(np.uint64(sizes[c]))
+        ends[c + 1] = ends[c] + sizes[c]
+    ordered = by_class(classes, ranks, ends)
     ks, unary = rice_plans(ordered, ends, guesses, max_k)
     for c in range(count):
         n = ends[c + 1] - ends[c]

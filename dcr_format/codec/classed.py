@@ -330,7 +330,7 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
             dtype=np.int64,
         )
         body: np.ndarray = native.classed_body(
-            classes, ranks, count, guesses, _positions.MAX_RICE_K
+            classes, ranks, sizes, guesses, _positions.MAX_RICE_K
         )
         return head + body.tobytes()
     counts = np.bincount(classes, minlength=count)
