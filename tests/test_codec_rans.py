@@ -452,6 +452,30 @@ def test_compiled_model_choice_equals_the_numpy_one(monkeypatch: pytest.MonkeyPa
         assert rans.encode_rans(data, model) == stream == rans._encode_reference(data, model)
 
 
+def test_compiled_estimates_count_each_candidates_table_as_the_reference() -> None:
+    """Every candidate's table bytes in the compiled estimates (one walk of the values in
+    value order) are the reference's (:func:`rans._tables_bytes`): estimates of the same
+    counts under two sets of values differ by their table bytes only, and a table of the
+    values 0 .. size - 1 costs a byte a value."""
+    native = rans._native()
+    if native is None:
+        pytest.skip("numba is not usable here")
+    rng = np.random.default_rng(23)
+    for trial in range(30):
+        n = int(rng.integers(1, 400))
+        distinct = rng.choice(1 << int(rng.integers(9, 40)), n, replace=False).astype(np.uint64)
+        if trial % 3 == 0:  # large steps: varints of several bytes
+            distinct = distinct * np.uint64(1 << 20)
+        counts = np.sort(rng.integers(1, 1000, n))[::-1].astype(np.int64)
+        sizes = np.array(sorted({int(s) for s in rans._TABLE_SIZES if s <= n} | {n}))
+        bits = np.full(sizes.size, 20, dtype=np.int64)
+        total = int(counts.sum()) + int(rng.integers(0, 50))
+        plain = np.arange(n, dtype=np.uint64)  # each candidate's table is 0 .. size - 1
+        got = native.estimates(distinct, counts, total, 2, sizes, bits)
+        base = native.estimates(plain, counts, total, 2, sizes, bits)
+        assert np.array_equal(got - base + sizes, rans._tables_bytes(distinct, sizes))
+
+
 @pytest.mark.parametrize("bits", [17, 24])
 def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
     data = ulp_like(16, 4000)

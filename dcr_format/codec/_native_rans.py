@@ -104,8 +104,15 @@ def estimates(
     bits: np.ndarray,
 ) -> np.ndarray:  # pragma: no cover - compiled
     """The estimated stream size in bytes of every candidate table size (FORMAT.md §7.4),
-    as :func:`dcr_format.codec.rans.choose_model` computes them with arrays."""
+    as :func:`dcr_format.codec.rans.choose_model` computes them with arrays. ``distinct``
+    is in table order (most frequent first); a candidate's table is its first ``size``
+    values, whose steps in value order are found by one walk of all of them in value order
+    (sorted once, not once per candidate)."""
     out = np.empty(sizes.size, dtype=np.int64)
+    most = 0
+    for r in range(sizes.size):
+        most = max(most, sizes[r])
+    by_value = np.argsort(distinct[:most])  # indices into the table order, values increasing
     for r in range(sizes.size):
         size = sizes[r]
         q = bits[r]
@@ -118,10 +125,17 @@ def estimates(
         freq_bytes = 0
         for j in range(size):
             freq_bytes += _varint_len(np.uint64(freqs[j]))
-        ordered = np.sort(distinct[:size])
-        table_bytes = _varint_len(ordered[0])
-        for j in range(1, size):
-            table_bytes += _varint_len(ordered[j] - ordered[j - 1] - np.uint64(1))
+        table_bytes = 0
+        first = True
+        previous = np.uint64(0)
+        for j in range(most):
+            at = by_value[j]
+            if at >= size:  # not among this candidate's values
+                continue
+            value = distinct[at]
+            table_bytes += _varint_len(value if first else value - previous - np.uint64(1))
+            previous = value
+            first = False
         out[r] = (
             2
             + table_bytes
