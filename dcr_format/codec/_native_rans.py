@@ -105,9 +105,9 @@ def estimates(
 ) -> np.ndarray:  # pragma: no cover - compiled
     """The estimated stream size in bytes of every candidate table size (FORMAT.md §7.4),
     as :func:`dcr_format.codec.rans.choose_model` computes them with arrays. ``distinct``
-    is in table order (most frequent first); a candidate's table is its first ``size``
-    values, whose steps in value order are found by one walk of all of them in value order
-    (sorted once, not once per candidate)."""
+    is in table order (most frequent first) and a candidate's table is its first ``size``
+    values: the values of the largest candidate are sorted once, and each candidate's table
+    steps come from one walk of them that skips the values past its size."""
     out = np.empty(sizes.size, dtype=np.int64)
     most = 0
     for r in range(sizes.size):
