@@ -87,6 +87,38 @@ def test_rice_and_choice_match_the_reference(name, positions, numel):
     assert gaps.dtype == np.uint64 and np.array_equal(gaps, ref_gaps)
 
 
+def test_rice_decode_at_every_word_edge_and_remainder_width():
+    """The decoder reads the unary bits a word at a time and each remainder as one shift of
+    a word where 8 bytes fit: streams whose unary part ends at or near a word edge, and
+    remainders of every width (those past 56 bits, and those at the stream's end, go
+    byte by byte), decode as the reference does."""
+    rng = np.random.default_rng(17)
+    for k in (0, 1, 5, 8, 31, 55, 56, 57, 62):
+        for count in (1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 65):
+            top = min(1 << k, (1 << 56) // count)  # positions stay below 2^63
+            low = rng.integers(0, top, count, dtype=np.int64) if k else np.zeros(count, int)
+            gaps = low + (rng.integers(0, 3, count) << k if k < 50 else 0)
+            positions = np.cumsum(gaps + 1) - 1
+            numel = int(positions[-1]) + 1 + int(rng.integers(0, 5))
+            data = _rice_with_k(gaps.tolist(), k)
+            want = pc._decode_rice_reference(data, count=count, numel=numel)
+            assert np.array_equal(want, positions)  # the stream is what the test means
+            assert np.array_equal(pc.decode_rice(data, count=count, numel=numel), positions)
+            got = pc.rice_gaps(data, count=count, numel=numel)
+            assert np.array_equal(got, pc._rice_gaps_reference(data, count=count, numel=numel))
+
+
+def _rice_with_k(gaps: list[int], k: int) -> bytes:
+    """A rice stream of ``gaps`` with parameter ``k`` (header, unary part, remainders)."""
+    unary = []
+    for g in gaps:
+        unary += [0] * (g >> k) + [1]
+    rem = [(g >> (k - 1 - b)) & 1 for g in gaps for b in range(k)]
+    head = np.packbits(np.array(unary, np.uint8)).tobytes()
+    tail = np.packbits(np.array(rem, np.uint8)).tobytes() if rem else b""
+    return pc._RICE_HEADER.pack(k, len(gaps), len(head)) + head + tail
+
+
 def test_choice_ties_and_sizes_are_exact():
     """The planned sizes are the sizes of the streams the reference builds."""
     rng = np.random.default_rng(9)

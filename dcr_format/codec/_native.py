@@ -35,8 +35,10 @@ from typing import Any, NamedTuple
 import numba
 import numpy as np
 from numba import njit, prange
+from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros_intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
+from dcr_format.codec._native_bits import load_be64
 from dcr_format.codec._native_ulp import limits as _ulp_limits
 from dcr_format.codec._native_ulp import stepped as _ulp_stepped
 
@@ -65,6 +67,7 @@ _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of chan
 _LOCK = threading.Lock()  # held around every parallel kernel launch
 _NUMBA: Any = numba  # threading_layer() is numba's API, not in its stubs' exports
 _TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
+_leading_zeros: Any = _leading_zeros_intrinsic
 
 
 class _Launches:
@@ -881,29 +884,72 @@ def rice_encode(pos: np.ndarray, k: int, unary_len: int, rem_len: int) -> bytes:
     return out.tobytes()
 
 
-_LZ8 = np.array([8] + [8 - int(b).bit_length() for b in range(1, 256)], dtype=np.int64)
+_TOP = np.uint64(1) << np.uint64(63)
+_WINDOW_K = 56  # the widest remainder a word read at any bit offset of its byte holds
+
+
+@njit(cache=True, inline="always")
+def _unary_word(body, at, unary_len):  # type: ignore[no-untyped-def]
+    """The unary bytes from ``at`` (at most 8, none past ``unary_len``) as the top of a
+    big-endian word, the bits after them zero."""
+    size = body.shape[0]
+    if at + 8 <= size:
+        word = load_be64(body, at)
+    else:
+        word = _ZERO
+        for b in range(8):
+            word <<= np.uint64(8)
+            if at + b < size:
+                word |= np.uint64(body[at + b])
+    held = unary_len - at
+    if held < 8:
+        word &= ~((_ONE << np.uint64(64 - 8 * held)) - _ONE)
+    return word
+
+
+@njit(cache=True, inline="always")
+def _remainder(body, rbit, k):  # type: ignore[no-untyped-def]
+    """The ``k`` bits of ``body`` from bit ``rbit`` (MSB first): one word read where it fits
+    in the array, else bit runs byte by byte."""
+    at = rbit >> 3
+    if at + 8 <= body.shape[0] and k <= _WINDOW_K:
+        word = load_be64(body, at)
+        return np.int64((word << np.uint64(rbit & 7)) >> np.uint64(64 - k))
+    rem = 0
+    need = k
+    while need > 0:
+        avail = 8 - (rbit & 7)
+        take = min(avail, need)
+        bits = (np.int64(body[rbit >> 3]) >> (avail - take)) & ((1 << take) - 1)
+        rem = (rem << take) | bits
+        need -= take
+        rbit += take
+    return rem
 
 
 @njit(cache=True, nogil=True)
-def _rice_decode(body, unary_len, count, k, numel, lz8, out_pos, out_gaps, cumulative):  # type: ignore[no-untyped-def]
+def _rice_decode(body, unary_len, count, k, numel, out_pos, out_gaps, cumulative):  # type: ignore[no-untyped-def]
     """Decode ``count`` gaps; 0 when the stream is valid, else a non-zero code.
 
     The codes cover every check of ``rice_gaps`` after its header checks (terminator
     count, trailing bytes, quotient bound) and, with ``cumulative``, those of ``_finish``
-    (strictly increasing, no wrap-around, in range).
+    (strictly increasing, no wrap-around, in range). The unary bits go a word (8 bytes) at
+    a time, each terminator found by its leading zeros, and each remainder is one shift
+    of a word read at its byte (a loop over bytes and bits mispredicted its exits about
+    every other position: 4-5 ns a position, against 2.7).
     """
     qmax = numel >> k
     unumel = np.uint64(numel)
-    prev_one = -1
+    prev_one = np.int64(-1)
     i = 0
     rbit = unary_len * 8
     prev_end = _ZERO
-    for bi in range(unary_len):
-        byte = np.int64(body[bi])
-        while byte != 0:
-            lz = lz8[byte]
-            byte ^= 0x80 >> lz
-            t = bi * 8 + lz
+    for at in range(0, unary_len, 8):
+        word = _unary_word(body, at, unary_len)
+        while word != _ZERO:
+            lz = _leading_zeros(word)
+            word ^= _TOP >> np.uint64(lz)
+            t = at * 8 + np.int64(lz)
             q = t - prev_one - 1
             prev_one = t
             if i == count:
@@ -911,16 +957,8 @@ def _rice_decode(body, unary_len, count, k, numel, lz8, out_pos, out_gaps, cumul
             if k:
                 if q > qmax:
                     return 3
-                rem = 0
-                need = k
-                while need > 0:
-                    avail = 8 - (rbit & 7)
-                    take = min(avail, need)
-                    bits = (np.int64(body[rbit >> 3]) >> (avail - take)) & ((1 << take) - 1)
-                    rem = (rem << take) | bits
-                    need -= take
-                    rbit += take
-                gap = (q << k) | rem  # <= 2^63 - 1: q <= numel >> k and numel < 2^63
+                gap = (q << k) | _remainder(body, rbit, k)  # <= 2^63 - 1: q <= numel >> k
+                rbit += k
             else:
                 gap = q
             if cumulative:
@@ -945,7 +983,7 @@ def rice_decode(
     """Positions (int64, ``positions``) or gaps (uint64) of a Rice body; None if invalid."""
     out_pos = np.empty(count if positions else 0, dtype=np.int64)
     out_gaps = np.empty(0 if positions else count, dtype=np.uint64)
-    code = _rice_decode(body, unary_len, count, k, numel, _LZ8, out_pos, out_gaps, positions)
+    code = _rice_decode(body, unary_len, count, k, numel, out_pos, out_gaps, positions)
     if code:
         return None
     return out_pos if positions else out_gaps

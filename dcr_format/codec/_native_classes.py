@@ -41,7 +41,6 @@ import numpy as np
 from numba import njit, prange
 
 from dcr_format.codec._native import (
-    _LZ8,
     _TRAILING_ZEROS,
     TASK,
     _launch,
@@ -725,7 +724,7 @@ def rice_ranks(
         if u * 8 < n:
             return j
         body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
-        if _rice_decode(body, u, n, k, sizes[j], _LZ8, out[at : at + n], none, True):
+        if _rice_decode(body, u, n, k, sizes[j], out[at : at + n], none, True):
             return j
         at += n
     return -1
