@@ -356,6 +356,50 @@ def test_class_rice_parts_equal_the_reference_at_every_scale(
         assert native == reference, scale
 
 
+def test_rice_parts_decode_in_parallel_as_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream with enough ranks codes and decodes its classes' Rice parts on several
+    threads (each class into its own slice): the reference's bytes and ranks, and where
+    parts break §6.2 the first broken part is reported (so the error is the reference's)."""
+    from dcr_format.codec import _native_classes as native
+
+    rng = np.random.default_rng(41)
+    count = 6
+    wanted = [int(n) for n in rng.integers(3_000, 40_000, count)]
+    assert sum(wanted) >= native._PARALLEL_RANKS  # the parallel launch, not its twin
+    sizes = np.array([20 * n + 7 for n in wanted], dtype=np.int64)
+    per_class = [np.sort(rng.choice(int(sizes[c]), wanted[c], replace=False)) for c in range(count)]
+    classes = rng.permutation(np.repeat(np.arange(count), wanted)).astype(np.uint8)
+    ranks = np.empty(classes.size, dtype=np.int64)
+    for c, mine in enumerate(per_class):
+        ranks[classes == c] = mine
+    coded = classed.classed_stream(100, count, classes, ranks)
+    stream = classed.parse_classed(coded, count=classes.size, dtype="bfloat16")
+    got = classed.class_ranks_of(stream, sizes)
+    assert np.array_equal(got, np.concatenate(per_class))
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    assert classed.classed_stream(100, count, classes, ranks) == coded
+    assert np.array_equal(classed.class_ranks_of(stream, sizes), got)
+    monkeypatch.delenv("DCR_KERNELS")
+    # classes 1 and 4 made too small for their last rank: part 1 is the one reported
+    short = sizes.copy()
+    short[[1, 4]] = [per_class[1][-1], per_class[4][-1]]
+    parts, ks, unary, offsets = np.array(stream.parts, dtype=np.int64).T.copy()
+    out = np.empty(classes.size, dtype=np.int64)
+    body = np.frombuffer(stream.data, dtype=np.uint8)
+    counts = np.asarray(wanted, dtype=np.int64)[parts]
+    assert native.rice_ranks(body, ks, unary, offsets, counts, short[parts], out) == 1
+    errors = []
+    for mode in ("native", "torch"):
+        if mode == "torch":
+            monkeypatch.setenv("DCR_KERNELS", "torch")
+        with pytest.raises(PositionsError) as caught:
+            classed.class_ranks_of(stream, short)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+
+
 def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the
     group's mask with a byte table (_select_bit): every k of words dense, sparse and at the

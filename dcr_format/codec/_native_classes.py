@@ -37,6 +37,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+import numba
 import numpy as np
 from numba import njit, prange
 
@@ -608,50 +609,113 @@ def by_class(
     return out
 
 
-# --- every class's Rice part in one call -------------------------------------------------
-# (a tensor has up to 16 classes; one compiled call per class, with its checks and arrays,
-# cost ~40 us each: 0.15 s of a 254-tensor publish)
+# --- the classes' Rice parts: on one thread, or a few ------------------------------------
+
+_PARALLEL_RANKS = 1 << 16  # changes below which a tensor's classes are coded in this thread
+
+
+def _tasks_for(counts: np.ndarray) -> int:
+    """How many threads code the classes of a stream whose classes have ``counts`` ranks:
+    one below :data:`_PARALLEL_RANKS` (a parallel launch costs more than it saves), else
+    one per thread numba runs, at most one per class with ranks."""
+    if int(counts.sum()) < _PARALLEL_RANKS:
+        return 1
+    return max(1, min(int(np.count_nonzero(counts)), numba.get_num_threads()))
 
 
 @njit(cache=True, nogil=True)
-def rice_plans(
-    ranks: np.ndarray, ends: np.ndarray, guesses: np.ndarray, max_k: int
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Each class's Rice parameter and unary byte length (FORMAT.md §6.2's choice, as
-    :class:`dcr_format.codec.positions._Plan` makes it): class ``c``'s ranks are
+def _owners(counts, tasks):  # type: ignore[no-untyped-def]
+    """Each part's task: the largest parts first, each to the task with the least ranks so
+    far (classes differ in size, so parts split by index would leave a core idle)."""
+    owner = np.zeros(counts.size, dtype=np.int64)
+    load = np.zeros(tasks, dtype=np.int64)
+    for j in np.argsort(-counts, kind="mergesort"):
+        t = np.argmin(load)
+        owner[j] = t
+        load[t] += counts[j]
+    return owner
+
+
+# --- every class's Rice part in a few calls ----------------------------------------------
+# (a tensor has up to 16 classes; one compiled call per class, with its checks and arrays,
+# cost ~40 us each: 0.15 s of a 254-tensor publish). Classes are coded and decoded
+# independently, so past _PARALLEL_RANKS changes each thread takes whole classes, the
+# largest first (balanced by their ranks, as class sizes differ).
+
+
+@njit(cache=True, inline="always")
+def _rice_plan(c, ranks, ends, guesses, max_k, ks, unary):  # type: ignore[no-untyped-def]
+    """Class ``c``'s Rice parameter and unary byte length (FORMAT.md §6.2's choice, as
+    :class:`dcr_format.codec.positions._Plan` makes it): its ranks are
     ``ranks[ends[c]:ends[c + 1]]``, its k searched in ``[guess - 2, guess + 3]``."""
-    count = ends.size - 1
-    ks = np.zeros(count, dtype=np.int64)
-    unary = np.zeros(count, dtype=np.int64)
-    sums = np.zeros(6, dtype=np.int64)
-    for c in range(count):
-        n = ends[c + 1] - ends[c]
-        if n == 0:
-            continue
-        low = max(0, guesses[c] - 2)
-        high = min(max_k, guesses[c] + 3)
-        # sum(gap >> (low + j)) for j in 0..5 in registers (a loop over j into an array
-        # was 3.3 ns a rank); those past ``high`` are not looked at
-        s0 = s1 = s2 = s3 = s4 = s5 = 0
-        prev = -1
-        for i in range(ends[c], ends[c + 1]):
-            g = (ranks[i] - prev - 1) >> low
-            prev = ranks[i]
-            s0 += g
-            s1 += g >> 1
-            s2 += g >> 2
-            s3 += g >> 3
-            s4 += g >> 4
-            s5 += g >> 5
-        sums[0], sums[1], sums[2], sums[3], sums[4], sums[5] = s0, s1, s2, s3, s4, s5
-        best, best_bits = low, sums[0] + n * (1 + low)
-        for k in range(low + 1, high + 1):
-            bits = sums[k - low] + n * (1 + k)
-            if bits < best_bits:
-                best, best_bits = k, bits
-        ks[c] = best
-        unary[c] = (sums[best - low] + n + 7) // 8
-    return ks, unary
+    n = ends[c + 1] - ends[c]
+    if n == 0:
+        return
+    low = max(0, guesses[c] - 2)
+    high = min(max_k, guesses[c] + 3)
+    # sum(gap >> (low + j)) for j in 0..5 in registers (a loop over j into an array
+    # was 3.3 ns a rank); those past ``high`` are not looked at
+    s0 = s1 = s2 = s3 = s4 = s5 = 0
+    prev = -1
+    for i in range(ends[c], ends[c + 1]):
+        g = (ranks[i] - prev - 1) >> low
+        prev = ranks[i]
+        s0 += g
+        s1 += g >> 1
+        s2 += g >> 2
+        s3 += g >> 3
+        s4 += g >> 4
+        s5 += g >> 5
+    sums = (s0, s1, s2, s3, s4, s5)
+    best, best_bits = low, s0 + n * (1 + low)
+    for k in range(low + 1, high + 1):
+        bits = sums[k - low] + n * (1 + k)
+        if bits < best_bits:
+            best, best_bits = k, bits
+    ks[c] = best
+    unary[c] = (sums[best - low] + n + 7) // 8
+
+
+@njit(cache=True, inline="always")
+def _class_part(c, ranks, ends, ks, unary, at, out):  # type: ignore[no-untyped-def]
+    """Class ``c``'s part of a ``classed`` stream (its ``k``, varint ``U`` and Rice body)
+    into ``out`` from ``at[c]`` (``out`` zeroed there)."""
+    n = ends[c + 1] - ends[c]
+    if n == 0:
+        return
+    here = at[c]
+    out[here] = np.uint8(ks[c])
+    here = _put_varint(out, here + 1, np.uint64(unary[c]))
+    body = unary[c] + (n * ks[c] + 7) // 8
+    _rice_encode(ranks[ends[c] : ends[c + 1]], ks[c], unary[c], out[here : here + body])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _plans(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
+    for t in prange(owner.max() + 1):
+        for c in range(owner.size):
+            if owner[c] == t:
+                _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
+
+
+@njit(cache=True, nogil=True)
+def _plans_serial(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
+    for c in range(owner.size):
+        _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _parts(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
+    for t in prange(owner.max() + 1):
+        for c in range(owner.size):
+            if owner[c] == t:
+                _class_part(c, ranks, ends, ks, unary, at, out)
+
+
+@njit(cache=True, nogil=True)
+def _parts_serial(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
+    for c in range(owner.size):
+        _class_part(c, ranks, ends, ks, unary, at, out)
 
 
 @njit(cache=True, nogil=True)
@@ -668,43 +732,76 @@ def class_tallies(
 
 
 @njit(cache=True, nogil=True)
+def _layout(sizes, ks, unary):  # type: ignore[no-untyped-def]
+    """A ``classed`` stream's bytes after its ``K`` and ``base``, zeroed, with the counts
+    written, and where each class's part starts in it."""
+    count = sizes.size
+    size = 0
+    for c in range(count):
+        size += _varint_len(np.uint64(sizes[c]))
+    at = np.zeros(count, dtype=np.int64)
+    for c in range(count):
+        at[c] = size
+        n = sizes[c]
+        if n:
+            size += 1 + _varint_len(np.uint64(unary[c])) + unary[c] + (n * ks[c] + 7) // 8
+    out = np.zeros(size, dtype=np.uint8)
+    here = 0
+    for c in range(count):
+        here = _put_varint(out, here, np.uint64(sizes[c]))
+    return out, at
+
+
 def classed_body(
     classes: np.ndarray, ranks: np.ndarray, sizes: np.ndarray, guesses: np.ndarray, max_k: int
-) -> np.ndarray:  # pragma: no cover - compiled
+) -> np.ndarray:
     """A ``classed`` stream after its ``K`` and ``base`` (FORMAT.md §6.5): the count of
     every class, then each class's ``k``, varint ``U`` and Rice body, from the changes'
     classes and ranks in position order (``sizes``: each class's changes, as
     :func:`class_tallies` counts them; ``guesses``: each class's §6.2 guess of ``k``).
-    One call, so that a tensor's classes cost no Python between them."""
-    count = sizes.size
-    ends = np.zeros(count + 1, dtype=np.int64)
-    size = 0
-    for c in range(count):
-        size += _varint_len(np.uint64(sizes[c]))
-        ends[c + 1] = ends[c] + sizes[c]
+    The ranks are grouped by class in one pass; past :data:`_PARALLEL_RANKS` changes the
+    classes' plans and parts are then made on several threads, each class by one."""
+    ends = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=ends[1:])
     ordered = by_class(classes, ranks, ends)
-    ks, unary = rice_plans(ordered, ends, guesses, max_k)
-    for c in range(count):
-        n = ends[c + 1] - ends[c]
-        if n:
-            size += 1 + _varint_len(np.uint64(unary[c])) + unary[c] + (n * ks[c] + 7) // 8
-    out = np.zeros(size, dtype=np.uint8)
-    at = 0
-    for c in range(count):
-        at = _put_varint(out, at, np.uint64(ends[c + 1] - ends[c]))
-    for c in range(count):
-        n = ends[c + 1] - ends[c]
-        if n == 0:
-            continue
-        out[at] = np.uint8(ks[c])
-        at = _put_varint(out, at + 1, np.uint64(unary[c]))
-        body = unary[c] + (n * ks[c] + 7) // 8
-        _rice_encode(ordered[ends[c] : ends[c + 1]], ks[c], unary[c], out[at : at + body])
-        at += body
+    tasks = _tasks_for(sizes)
+    owner = _owners(sizes, tasks) if tasks > 1 else np.zeros(sizes.size, dtype=np.int64)
+    ks = np.zeros(sizes.size, dtype=np.int64)
+    unary = np.zeros(sizes.size, dtype=np.int64)
+    _launch(_plans, _plans_serial, tasks, ordered, ends, guesses, max_k, owner, ks, unary)
+    out: np.ndarray
+    out, at = _layout(sizes, ks, unary)
+    _launch(_parts, _parts_serial, tasks, ordered, ends, ks, unary, owner, at, out)
     return out
 
 
+@njit(cache=True, inline="always")
+def _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed):  # type: ignore[no-untyped-def]
+    """Decode Rice part ``j`` into ``out[at[j]:]``; ``failed[j]`` set where it breaks §6.2."""
+    n, k, u = counts[j], ks[j], unary[j]
+    if u * 8 < n:
+        failed[j] = 1
+        return
+    body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
+    none = np.empty(0, dtype=np.uint64)
+    if _rice_decode(body, u, n, k, sizes[j], out[at[j] : at[j] + n], none, True):
+        failed[j] = 1
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _rice_parts(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
+    for t in prange(owner.max() + 1):
+        for j in range(ks.size):
+            if owner[j] == t:
+                _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
+
+
 @njit(cache=True, nogil=True)
+def _rice_parts_serial(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
+    for j in range(ks.size):
+        _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
+
+
 def rice_ranks(
     data: np.ndarray,
     ks: np.ndarray,
@@ -713,18 +810,18 @@ def rice_ranks(
     counts: np.ndarray,
     sizes: np.ndarray,
     out: np.ndarray,
-) -> int:  # pragma: no cover - compiled
+) -> int:
     """Decode the Rice part of every class with positions (part ``j``: ``counts[j]`` ranks
     below ``sizes[j]``, body at ``offsets[j]``) into ``out``, one after the other; -1, or
-    the first part that breaks a rule of §6.2 (the caller decodes it again for the error)."""
-    at = 0
-    none = np.empty(0, dtype=np.uint64)
-    for j in range(ks.size):
-        n, k, u = counts[j], ks[j], unary[j]
-        if u * 8 < n:
-            return j
-        body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
-        if _rice_decode(body, u, n, k, sizes[j], out[at : at + n], none, True):
-            return j
-        at += n
-    return -1
+    the first part that breaks a rule of §6.2 (the caller decodes it again for the error).
+    The parts decode in parallel where there are enough ranks (each writes only its own
+    slice of ``out``)."""
+    at = np.zeros(ks.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=at[1:])
+    failed = np.zeros(ks.size, dtype=np.uint8)
+    tasks = _tasks_for(counts)
+    owner = _owners(counts, tasks) if tasks > 1 else np.zeros(ks.size, dtype=np.int64)
+    args = (data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
+    _launch(_rice_parts, _rice_parts_serial, tasks, *args)
+    bad = np.flatnonzero(failed)
+    return int(bad[0]) if bad.size else -1
