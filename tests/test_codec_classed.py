@@ -428,3 +428,93 @@ def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
     out = np.empty(ws.size, dtype=np.int64)
     select_all(ws, ks, out)
     assert out.tolist() == [p[2] for p in pairs]
+
+
+def test_plain_size_floor_bounds_the_plain_choice() -> None:
+    """The floor a writer compares a ``classed`` stream with is never above the size of the
+    stream §6.4 keeps (over scattered, clustered and run-heavy positions, and gap sums
+    past 2^53), and within 15% of it for scattered positions (where Rice wins: a floor
+    worth comparing with)."""
+    from dcr_format.codec.positions import PositionsChoice, plain_size_floor
+
+    rng = np.random.default_rng(43)
+    close = []
+    for trial in range(600):
+        numel = int(rng.choice([50, 5_000, 1 << 20, 1 << 40, 1 << 60]))
+        count = int(rng.integers(1, min(numel, 3_000) + 1))
+        positions = (
+            np.sort(rng.choice(numel, count, replace=False))
+            if numel < 1 << 30
+            else (np.unique(rng.integers(0, numel, count)))
+        )
+        if trial % 4 == 0:  # runs
+            start = int(rng.integers(0, numel - count + 1))
+            positions = np.arange(start, start + count)
+            keep = rng.random(count) < 0.7
+            keep[0] = True
+            positions = positions[keep]
+        positions = positions.astype(np.int64)
+        runs = 1 + int(np.count_nonzero(np.diff(positions) != 1))
+        floor = plain_size_floor(positions.size, int(positions[-1]), runs)
+        size = PositionsChoice(positions).size
+        assert floor <= size, trial
+        if trial % 4 and positions.size > 500 and numel < 1 << 30:  # scattered, Rice wins
+            close.append(floor / size)
+    assert close and min(close) > 0.85, min(close)
+
+
+def test_the_rank_pass_counts_the_runs_of_the_positions() -> None:
+    """``class_ranks`` also counts the positions that directly follow another (across its
+    tasks), the runs the writer's size floor takes; the reference path counts the same."""
+    from dcr_format.codec import _native_classes as native
+
+    rng = np.random.default_rng(47)
+    n = 3 * (1 << 18) + 100
+    old = rng.integers(0x3C00, 0x4100, n).astype(np.uint16)
+    for positions in (
+        np.sort(rng.choice(n, 20_000, replace=False)),
+        np.concatenate([np.arange((1 << 18) - 5, (1 << 18) + 5), np.arange(n - 40, n)]),
+        np.array([0, 1, 2, n - 1]),
+    ):
+        positions = positions.astype(np.int64)
+        rows = classed.exponent_rows(old, "bfloat16")
+        starts = native.class_starts(rows, 120, 6)
+        none = np.zeros(0, dtype=np.uint16)
+        _, _, adjacent = native.class_ranks(old, positions, none, 7, 0xFF, 120, 6, starts)
+        assert adjacent == int(np.count_nonzero(np.diff(positions) == 1))
+        _, _, runs = classed.encode_classed_counted(positions, old, "bfloat16")
+        assert runs == positions.size - adjacent
+
+
+def test_a_classed_stream_below_the_floor_plans_no_plain_coding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the ``classed`` stream is smaller than every plain coding can be, the writer
+    does not plan those (a pass over the positions): same entry, no plan made; where it is
+    not, the plain plan decides as before."""
+    import torch
+
+    from dcr_format.codec import delta, features
+
+    rng = np.random.default_rng(53)
+    n = 1 << 16  # weights over four decades: the small ones change, the classes pay
+    scale = 10 ** rng.uniform(-4, 0, n)
+    base = torch.from_numpy((rng.standard_normal(n) * scale).astype(np.float32))
+    step = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 1e-7  # ~5% change
+    old, new = base.to(torch.bfloat16), (base + step).to(torch.bfloat16)
+    made = []
+    real = delta.PositionsChoice
+
+    def counting(positions: np.ndarray) -> object:
+        made.append(positions.size)
+        return real(positions)
+
+    with features.allowed_codings(["positions-classed"]):
+        want = delta.encode_tensor(new, old, op="xor")
+        monkeypatch.setattr(delta, "PositionsChoice", counting)
+        got = delta.encode_tensor(new, old, op="xor")
+        assert got.positions_coding == "classed" and not made
+        assert (got.positions, got.values) == (want.positions, want.values)
+        monkeypatch.setattr(delta, "plain_size_floor", lambda *args: 0)  # never below it
+        again = delta.encode_tensor(new, old, op="xor")
+        assert made and (again.positions, again.values) == (want.positions, want.values)

@@ -342,16 +342,34 @@ def _group_masks(bits, g0, hi, keep, limits, count, below):  # type: ignore[no-u
 
 @njit(cache=True, inline="always")
 def _ranks_task(  # type: ignore[no-untyped-def]
-    t, bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+    t,
+    bits,
+    positions,
+    xor,
+    keep,
+    limits,
+    shift,
+    mask,
+    base,
+    count,
+    before,
+    bounds,
+    classes,
+    ranks,
+    adjacent,
 ):
     """Task ``t`` of the writer's rank pass: a changed element's rank is the members of its
     class before its group (``seen``) plus those below it in the group. Where ``bits`` are
     the new bits (``xor`` given), each change's bit of the masks is set from its old bits
     first (only where its class moved), in position order, so every rank counts old
-    classes."""
+    classes. ``adjacent[t]``: how many of the task's positions directly follow the position
+    before them (so the runs of the positions are counted too, for the writer's size
+    floor of the plain codings)."""
     j, end = bounds[t], bounds[t + 1]
     if j == end:
         return
+    previous = positions[j - 1] if j > 0 else np.int64(-2)
+    touching = np.int64(0)
     n = bits.shape[0]
     last = positions[end - 1]
     seen = np.zeros(16, dtype=np.int64)
@@ -364,6 +382,8 @@ def _ranks_task(  # type: ignore[no-untyped-def]
         _group_masks(bits, g0, n, keep, limits, count, below)
         while j < end and positions[j] < g0 + _GROUP:
             p = positions[j]
+            touching += np.int64(p == previous + 1)
+            previous = p
             bit = _ONE << np.uint64(p - g0)
             mine = _class_of(bits[p], shift, mask, base, count)
             if flip:
@@ -382,11 +402,25 @@ def _ranks_task(  # type: ignore[no-untyped-def]
         for c in range(count):
             seen[c] += popcount(below[c + 1] & ~below[c])
         g0 += _GROUP
+    adjacent[t] = touching
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ranks(  # type: ignore[no-untyped-def]
-    bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+    bits,
+    positions,
+    xor,
+    keep,
+    limits,
+    shift,
+    mask,
+    base,
+    count,
+    before,
+    bounds,
+    classes,
+    ranks,
+    adjacent,
 ):
     for t in prange(bounds.shape[0] - 1):
         _ranks_task(
@@ -404,12 +438,26 @@ def _ranks(  # type: ignore[no-untyped-def]
             bounds,
             classes,
             ranks,
+            adjacent,
         )
 
 
 @njit(cache=True, nogil=True)
 def _ranks_serial(  # type: ignore[no-untyped-def]
-    bits, positions, xor, keep, limits, shift, mask, base, count, before, bounds, classes, ranks
+    bits,
+    positions,
+    xor,
+    keep,
+    limits,
+    shift,
+    mask,
+    base,
+    count,
+    before,
+    bounds,
+    classes,
+    ranks,
+    adjacent,
 ):
     for t in range(bounds.shape[0] - 1):
         _ranks_task(
@@ -427,6 +475,7 @@ def _ranks_serial(  # type: ignore[no-untyped-def]
             bounds,
             classes,
             ranks,
+            adjacent,
         )
 
 
@@ -439,17 +488,19 @@ def class_ranks(
     base: int,
     count: int,
     starts: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, int]:
     """Each changed position's class and its rank among the elements of that class
-    (``starts``: :func:`class_starts` of the tasks' histograms)."""
+    (``starts``: :func:`class_starts` of the tasks' histograms), and how many positions
+    follow the one before them directly (``positions.size`` less the runs they make)."""
     tasks = starts.shape[0] - 1
     bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     classes = np.empty(positions.size, dtype=np.uint8)  # K <= 16: a byte (8x less to write)
     ranks = np.empty(positions.size, dtype=np.int64)
     keep, limits = class_limits(bits.dtype, shift, base)
+    adjacent = np.zeros(tasks, dtype=np.int64)
     args = (bits, positions, xor, keep, limits, shift, mask, base, count, starts, bounds)
-    _launch(_ranks, _ranks_serial, tasks, *args, classes, ranks)
-    return classes, ranks
+    _launch(_ranks, _ranks_serial, tasks, *args, classes, ranks, adjacent)
+    return classes, ranks, int(adjacent.sum())
 
 
 # --- pass 2, reader: the positions of the wanted ranks -----------------------------------

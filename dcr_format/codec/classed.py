@@ -255,12 +255,30 @@ def encode_classed_rows(
     after: np.ndarray | None = None,
     rows: np.ndarray | None = None,
 ) -> tuple[bytes, np.ndarray]:
+    """:func:`encode_classed_counted` without the count of runs."""
+    stream, after_rows, _ = encode_classed_counted(
+        positions, bits, dtype, xor=xor, after=after, rows=rows
+    )
+    return stream, after_rows
+
+
+def encode_classed_counted(
+    positions: np.ndarray,
+    bits: np.ndarray,
+    dtype: str,
+    *,
+    xor: np.ndarray | None = None,
+    after: np.ndarray | None = None,
+    rows: np.ndarray | None = None,
+) -> tuple[bytes, np.ndarray, int]:
     """:func:`encode_classed` for a writer that keeps the exponent rows of its baseline:
     ``rows`` (where known, else None) are those of the **old** bits; the second result is
     the rows of ``bits`` (with ``xor``: the new bits, the rows a writer keeps for its next
     step). Given rows skip the pass that counts them (:func:`exponent_rows`); they must be
     the old bits' own (rows that do not fit the tensor, :func:`rows_fit`, are counted
-    again)."""
+    again). The third result is how many runs of consecutive elements the positions make
+    (counted in the rank pass: a writer bounds the plain codings' sizes from it,
+    :func:`dcr_format.codec.positions.plain_size_floor`)."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
@@ -297,10 +315,11 @@ def encode_classed_rows(
             else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
         )
         starts = native.class_starts(rows, base, count)
-        changed_classes, all_ranks = native.class_ranks(
+        changed_classes, all_ranks, adjacent = native.class_ranks(
             bits, positions, flips, shift, mask, base, count, starts
         )
     else:
+        adjacent = int(np.count_nonzero(np.diff(positions) == 1))
         exps = exponents(old_bits_of(bits, positions, xor), dtype)
         classes = np.clip(exps - base, 0, count - 1)
         changed_classes = classes[positions]
@@ -310,7 +329,8 @@ def encode_classed_rows(
             if chosen.any():
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
-    return classed_stream(base, count, changed_classes, all_ranks), after_rows
+    stream = classed_stream(base, count, changed_classes, all_ranks)
+    return stream, after_rows, int(positions.size) - adjacent
 
 
 def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray) -> bytes:
@@ -519,6 +539,7 @@ __all__ = [
     "classes_of",
     "decode_classed",
     "encode_classed",
+    "encode_classed_counted",
     "encode_classed_rows",
     "exponent_rows",
     "move_rows",

@@ -38,14 +38,14 @@ from dcr_format.codec.classed import (
     class_ranks_of,
     classed_stream,
     decode_classed,
-    encode_classed_rows,
+    encode_classed_counted,
     exponent_rows,
     move_rows,
     parse_classed,
     rows_fit,
 )
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
-from dcr_format.codec.positions import PositionsChoice
+from dcr_format.codec.positions import PositionsChoice, plain_size_floor
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
 from dcr_format.codec.ulp_shift import ULP_SHIFT, join, parse
@@ -198,13 +198,15 @@ def encode_diff(
         picked = new_values if op == OVERWRITE else found.xor_values
         assert picked is not None
         host = (dispatch.to_host(positions), dispatch.to_host(picked))
-    plain = PositionsChoice(host[0].numpy())  # §6.4's coding; encoded only if it is kept
-    pos_coding, pos_bytes = plain.coding, None
+    at = host[0].numpy()
+    plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
+    pos_coding, pos_bytes = None, None
     new_rows = None
     if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
+        runs = None
         if new.device.type == "cpu":
-            coded, new_rows = encode_classed_rows(
-                host[0].numpy(),
+            coded, new_rows, runs = encode_classed_counted(
+                at,
                 bits_to_numpy(bits_view(new).reshape(-1)),
                 info_for(new.dtype).name,
                 xor=bits_to_numpy(host[1]),
@@ -214,10 +216,16 @@ def encode_diff(
         else:
             assert baseline is not None
             coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
-        if len(coded) < plain.size:
+        # below the floor of every plain coding, those need no plan (a pass over the positions)
+        if runs is not None and len(coded) < plain_size_floor(changed, int(at[-1]), runs):
             pos_coding, pos_bytes = CLASSED, coded
+        else:
+            plain = PositionsChoice(at)
+            if len(coded) < plain.size:
+                pos_coding, pos_bytes = CLASSED, coded
     if pos_bytes is None:
-        pos_bytes = plain.encode()
+        plain = plain or PositionsChoice(at)
+        pos_coding, pos_bytes = plain.coding, plain.encode()
     xor_bits = bits_to_numpy(host[1])
     allowed = features.allowed()
     dtype = info_for(new.dtype).name

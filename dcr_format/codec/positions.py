@@ -362,6 +362,34 @@ _REFERENCE_ENCODERS = {RICE: _encode_rice_reference, RANGES: encode_ranges}
 _DECODERS = {RICE: decode_rice, RANGES: decode_ranges}
 
 
+def plain_size_floor(count: int, last: int, runs: int) -> int:
+    """A lower bound on the size of the stream :class:`PositionsChoice` keeps for ``count``
+    sorted unique positions, the last ``last``, that make ``runs`` runs of consecutive
+    elements, from those three numbers alone (a writer with a smaller stream in another
+    coding need not plan the plain ones).
+
+    ``rice`` with parameter ``k`` takes ``ceil(n * k / 8)`` remainder bytes and
+    ``ceil((sum(g >> k) + n) / 8)`` unary bytes, where the gaps ``g`` sum to
+    ``S = last - (n - 1)``, so ``sum(g >> k) >= (S - n * (2^k - 1)) / 2^k``; the k kept is
+    searched around the guess of the mean gap (§6.2), so the least bound over that window
+    bounds it. ``ranges`` takes at least two bytes a run.
+    """
+    if count < 1:
+        raise ValueError("a size floor needs at least one position")
+    total = last - (count - 1)
+    guess = _rice_k_guess(float(total) / count)
+    window = range(max(0, guess - 2), min(MAX_RICE_K, guess + 3) + 1)
+    if total >= 1 << 53:  # a float mean that may round: every k the window could hold
+        window = range(MAX_RICE_K + 1)
+    rice = None
+    for k in window:
+        quotients = max(0, -(-(total - count * ((1 << k) - 1)) >> k))
+        size = (quotients + count + 7) // 8 + (count * k + 7) // 8
+        rice = size if rice is None else min(rice, size)
+    assert rice is not None
+    return min(_RICE_HEADER.size + rice, _RANGES_HEADER.size + 2 * runs)
+
+
 class PositionsChoice:
     """The coding :func:`encode_positions` keeps for sorted unique int64 positions and the
     exact size of its stream, the stream itself made only when :meth:`encode` asks (a
