@@ -35,7 +35,7 @@ there are their XOR).
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -645,21 +645,6 @@ def _found_all(done, offsets):  # type: ignore[no-untyped-def]
     return True
 
 
-@njit(cache=True, nogil=True)
-def by_class(
-    classes: np.ndarray, ranks: np.ndarray, ends: np.ndarray
-) -> np.ndarray:  # pragma: no cover - compiled
-    """The ranks grouped by class, each class's in their order (the scatter of a counting
-    sort: class ``c``'s go to ``ends[c]`` up)."""
-    cursor = ends[:-1].copy()
-    out = np.empty(ranks.size, dtype=np.int64)
-    for j in range(classes.size):
-        c = classes[j]
-        out[cursor[c]] = ranks[j]
-        cursor[c] += 1
-    return out
-
-
 # --- the classes' Rice parts: on one thread, or a few ------------------------------------
 
 _PARALLEL_RANKS = 1 << 16  # changes below which a tensor's classes are coded in this thread
@@ -769,17 +754,88 @@ def _parts_serial(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-un
         _class_part(c, ranks, ends, ks, unary, at, out)
 
 
+@njit(cache=True, inline="always")
+def _tally_chunk(t, classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
+    """Chunk ``t``'s counts, kept in the task's own arrays until the end (rows of one
+    small array written by two threads share cache lines)."""
+    count = counts.shape[1]
+    mine = np.zeros(count, dtype=np.int64)
+    latest = np.full(count, -1, dtype=np.int64)
+    for j in range(bounds[t], bounds[t + 1]):
+        c = classes[j]
+        mine[c] += 1
+        latest[c] = ranks[j]
+    counts[t] = mine
+    last[t] = latest
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _tallies(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
+    for t in prange(counts.shape[0]):
+        _tally_chunk(t, classes, ranks, bounds, counts, last)
+
+
 @njit(cache=True, nogil=True)
-def class_tallies(
-    classes: np.ndarray, ranks: np.ndarray, count: int
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Per class, how many changes it has and the rank of its last one (its largest)."""
-    sizes = np.zeros(count, dtype=np.int64)
-    last = np.zeros(count, dtype=np.int64)
-    for j in range(classes.size):
-        sizes[classes[j]] += 1
-        last[classes[j]] = ranks[j]
-    return sizes, last
+def _tallies_serial(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
+    for t in range(counts.shape[0]):
+        _tally_chunk(t, classes, ranks, bounds, counts, last)
+
+
+@njit(cache=True, inline="always")
+def _scatter_chunk(t, classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
+    at = cursor[t].copy()  # the task's own (see _tally_chunk)
+    for j in range(bounds[t], bounds[t + 1]):
+        c = classes[j]
+        out[at[c]] = ranks[j]
+        at[c] += 1
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _scatter(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
+    for t in prange(cursor.shape[0]):
+        _scatter_chunk(t, classes, ranks, bounds, cursor, out)
+
+
+@njit(cache=True, nogil=True)
+def _scatter_serial(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
+    for t in range(cursor.shape[0]):
+        _scatter_chunk(t, classes, ranks, bounds, cursor, out)
+
+
+class Tallies(NamedTuple):
+    """What :func:`class_tallies` counts of the changes' classes, in position order."""
+
+    sizes: np.ndarray  # the changes of each class
+    last: np.ndarray  # the rank of each class's last change (0 where it has none)
+    chunks: np.ndarray  # the changes' bounds of the chunks counted apart (chunks + 1)
+    counts: np.ndarray  # each chunk's changes of each class (chunks x classes)
+
+
+def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies:
+    """Per class, how many changes it has and the rank of its last one (its largest);
+    counted in chunks of the changes on several threads past :data:`_PARALLEL_RANKS`
+    changes, each chunk's counts kept for :func:`by_class`."""
+    n = classes.size
+    chunks = 1 if n < _PARALLEL_RANKS else max(1, numba.get_num_threads())
+    bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks
+    counts = np.zeros((chunks, count), dtype=np.int64)
+    last = np.full((chunks, count), -1, dtype=np.int64)
+    _launch(_tallies, _tallies_serial, chunks, classes, ranks, bounds, counts, last)
+    sizes = counts.sum(axis=0)
+    final = last.max(axis=0)  # ranks grow along each class: the last chunk's is the largest
+    return Tallies(sizes, np.maximum(final, 0), bounds, counts)
+
+
+def by_class(classes: np.ndarray, ranks: np.ndarray, tallies: Tallies) -> np.ndarray:
+    """The ranks grouped by class, each class's in their order (the scatter of a counting
+    sort, each chunk of :func:`class_tallies` from where its classes' ranks go)."""
+    ends = np.zeros(tallies.sizes.size + 1, dtype=np.int64)
+    np.cumsum(tallies.sizes, out=ends[1:])
+    cursor = np.cumsum(tallies.counts, axis=0) - tallies.counts + ends[None, :-1]
+    out = np.empty(ranks.size, dtype=np.int64)
+    args = (classes, ranks, tallies.chunks, cursor, out)
+    _launch(_scatter, _scatter_serial, cursor.shape[0], *args)
+    return out
 
 
 @njit(cache=True, nogil=True)
@@ -804,17 +860,18 @@ def _layout(sizes, ks, unary):  # type: ignore[no-untyped-def]
 
 
 def classed_body(
-    classes: np.ndarray, ranks: np.ndarray, sizes: np.ndarray, guesses: np.ndarray, max_k: int
+    classes: np.ndarray, ranks: np.ndarray, tallies: Tallies, guesses: np.ndarray, max_k: int
 ) -> np.ndarray:
     """A ``classed`` stream after its ``K`` and ``base`` (FORMAT.md §6.5): the count of
     every class, then each class's ``k``, varint ``U`` and Rice body, from the changes'
-    classes and ranks in position order (``sizes``: each class's changes, as
-    :func:`class_tallies` counts them; ``guesses``: each class's §6.2 guess of ``k``).
-    The ranks are grouped by class in one pass; past :data:`_PARALLEL_RANKS` changes the
-    classes' plans and parts are then made on several threads, each class by one."""
+    classes and ranks in position order (``tallies``: :func:`class_tallies` of them;
+    ``guesses``: each class's §6.2 guess of ``k``). The ranks are grouped by class
+    (:func:`by_class`); past :data:`_PARALLEL_RANKS` changes the classes' plans and parts
+    are then made on several threads, each class by one."""
+    sizes = tallies.sizes
     ends = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=ends[1:])
-    ordered = by_class(classes, ranks, ends)
+    ordered = by_class(classes, ranks, tallies)
     tasks = _tasks_for(sizes)
     owner = _owners(sizes, tasks) if tasks > 1 else np.zeros(sizes.size, dtype=np.int64)
     ks = np.zeros(sizes.size, dtype=np.int64)

@@ -341,16 +341,16 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     head = _HEADER.pack(count, base)
     native = _native()
     if native is not None:  # the counts and every class's part in one compiled call
-        sizes, last = native.class_tallies(classes, ranks, count)
+        tallies = native.class_tallies(classes, ranks, count)
         guesses = np.array(  # each class's mean gap is (last rank - (n - 1)) / n
             [
                 _positions._rice_k_guess(float(e - (n - 1)) / n) if n else 0
-                for n, e in zip(sizes.tolist(), last.tolist(), strict=True)
+                for n, e in zip(tallies.sizes.tolist(), tallies.last.tolist(), strict=True)
             ],
             dtype=np.int64,
         )
         body: np.ndarray = native.classed_body(
-            classes, ranks, sizes, guesses, _positions.MAX_RICE_K
+            classes, ranks, tallies, guesses, _positions.MAX_RICE_K
         )
         return head + body.tobytes()
     counts = np.bincount(classes, minlength=count)
