@@ -489,9 +489,10 @@ def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
 
 
 def test_compiled_histogram_equals_the_numpy_one() -> None:
-    """The compiled histogram (a counting loop that collects each distinct value when first
-    met, no scan of the 65,536 bins, or a sort) gives numpy's values and counts, for few and
-    for many distinct values, widths 1, 2 and 4."""
+    """The compiled histogram (values below 256 counted in bins, eight per value taken by
+    position, the others sorted) gives numpy's values and counts, for few and for many
+    distinct values, on both sides of 256, lengths that are not whole rounds of eight, and
+    widths 1, 2, 4 and 8."""
     from dcr_format.codec import _native_rans
 
     rng = np.random.default_rng(41)
@@ -502,6 +503,13 @@ def test_compiled_histogram_equals_the_numpy_one() -> None:
         rng.integers(0, 256, 5000).astype(np.uint8),
         rng.geometric(0.3, 500).astype(np.uint16),
         rng.integers(0, 1 << 32, 3000).astype(np.uint32),
+        rng.integers(250, 262, 1001).astype(np.uint16),  # both sides of the bins
+        np.array([255, 256, 255, 256, 0, 65535, 255], dtype=np.uint16),
+        np.array([7], dtype=np.uint8),
+        rng.geometric(0.5, 12_345).astype(np.uint64) << np.uint64(rng.integers(0, 2)),
+        np.concatenate([rng.geometric(0.5, 999), rng.integers(1 << 40, 1 << 62, 17)]).astype(
+            np.uint64
+        ),
     ]
     for data in cases:
         width = data.dtype.itemsize

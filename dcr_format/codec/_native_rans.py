@@ -377,27 +377,6 @@ def encode_symbols(
 
 
 @njit(cache=True, nogil=True)
-def histogram(
-    values: np.ndarray, bins: int
-) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """The distinct values (increasing) of ``values`` (each below ``bins``) and their counts."""
-    counts = np.zeros(bins, dtype=np.int64)
-    seen = np.empty(min(bins, values.size), dtype=np.uint64)  # each value when first met
-    used = 0
-    for k in range(values.size):
-        v = values[k]
-        if counts[v] == 0:
-            seen[used] = v
-            used += 1
-        counts[v] += 1
-    distinct = np.sort(seen[:used])  # not a scan of every bin: a step has few distinct values
-    found = np.empty(used, dtype=np.int64)
-    for j in range(used):
-        found[j] = counts[distinct[j]]
-    return distinct, found
-
-
-@njit(cache=True, nogil=True)
 def _bit_length(value: int) -> int:  # pragma: no cover - compiled
     length = 0
     while value > 0:
@@ -406,19 +385,54 @@ def _bit_length(value: int) -> int:  # pragma: no cover - compiled
     return length
 
 
+_SMALL = 256  # values counted in bins; larger ones are sorted
+_LANES = 8  # bins of each small value, one per position mod 8
+
+
 @njit(cache=True, nogil=True)
 def _distinct(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
-    """The distinct values (increasing, uint64) of ``values`` and their counts: a counting
-    loop where the values are dense in their range (as :func:`dcr_format.codec.rans._histogram`
-    chooses), else a sort and a run count."""
-    if width <= 2 and values.size >= 1 << (8 * width - 3):
-        return histogram(values, 1 << (8 * width))
-    ordered = np.sort(values.astype(np.uint64))
-    distinct = np.empty(ordered.size, dtype=np.uint64)
-    counts = np.empty(ordered.size, dtype=np.int64)
+    """The distinct values (increasing, uint64) of ``values`` and their counts.
+
+    A step's values are mostly small (ulp differences of 1 or 2, short XOR carries), so
+    values below :data:`_SMALL` are counted in bins and only the others are sorted and
+    their runs counted. Each small value has eight bins, taken by position mod 8: a
+    value met many times in a row (most of them) otherwise waits on its one counter's
+    last increment (1.3 ns a value on 65,536 bins of int64, 0.35 here), and zeroing
+    16 KB instead of 512 KB pays for tensors with few changes. ``width`` is unused (any
+    unsigned width goes this way); kept for the callers."""
+    small = np.zeros(_LANES * _SMALL, dtype=np.int64)
+    big = np.empty(values.size, dtype=np.uint64)
+    held = 0
+    whole = values.size - values.size % _LANES
+    for k in range(0, whole, _LANES):
+        for lane in range(_LANES):
+            v = np.uint64(values[k + lane])
+            if v < _SMALL:
+                small[lane * _SMALL + v] += 1
+            else:
+                big[held] = v
+                held += 1
+    for k in range(whole, values.size):
+        v = np.uint64(values[k])
+        if v < _SMALL:
+            small[v] += 1
+        else:
+            big[held] = v
+            held += 1
+    ordered = np.sort(big[:held])
+    distinct = np.empty(_SMALL + held, dtype=np.uint64)
+    counts = np.empty(_SMALL + held, dtype=np.int64)
     used = 0
-    for k in range(ordered.size):
-        if used and ordered[k] == distinct[used - 1]:
+    for bin_ in range(_SMALL):
+        c = 0
+        for lane in range(_LANES):
+            c += small[lane * _SMALL + bin_]
+        if c:
+            distinct[used] = bin_
+            counts[used] = c
+            used += 1
+    for k in range(held):
+        if k and ordered[k] == ordered[k - 1]:
             counts[used - 1] += 1
         else:
             distinct[used] = ordered[k]
