@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import numba
 import numpy as np
 from numba import njit, prange
-from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros_intrinsic
+from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from dcr_format.codec._native_bits import load_be64
@@ -67,7 +67,7 @@ _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of chan
 _LOCK = threading.Lock()  # held around every parallel kernel launch
 _NUMBA: Any = numba  # threading_layer() is numba's API, not in its stubs' exports
 _TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
-_leading_zeros: Any = _leading_zeros_intrinsic
+_LEADING_ZEROS: Any = _leading_zeros  # an intrinsic: callable in kernels only
 
 
 class _Launches:
@@ -947,7 +947,7 @@ def _rice_decode(body, unary_len, count, k, numel, out_pos, out_gaps, cumulative
     for at in range(0, unary_len, 8):
         word = _unary_word(body, at, unary_len)
         while word != _ZERO:
-            lz = _leading_zeros(word)
+            lz = _LEADING_ZEROS(word)
             word ^= _TOP >> np.uint64(lz)
             t = at * 8 + np.int64(lz)
             q = t - prev_one - 1

@@ -340,7 +340,7 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     ranks = np.ascontiguousarray(ranks, dtype=np.int64)
     head = _HEADER.pack(count, base)
     native = _native()
-    if native is not None:  # the counts and every class's part in one compiled call
+    if native is not None:  # the counts and every class's part in compiled calls
         tallies = native.class_tallies(classes, ranks, count)
         guesses = np.array(  # each class's mean gap is (last rank - (n - 1)) / n
             [

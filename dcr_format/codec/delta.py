@@ -224,7 +224,8 @@ def encode_diff(
             if len(coded) < plain.size:
                 pos_coding, pos_bytes = CLASSED, coded
     if pos_bytes is None:
-        plain = plain or PositionsChoice(at)
+        if plain is None:
+            plain = PositionsChoice(at)
         pos_coding, pos_bytes = plain.coding, plain.encode()
     xor_bits = bits_to_numpy(host[1])
     allowed = features.allowed()
