@@ -488,6 +488,15 @@ def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
     assert np.array_equal(rans._decode_reference(stream, count=data.size, width=2), data)
 
 
+def _large_past_the_sample(rng: np.random.Generator) -> np.ndarray:
+    """70,000 small values with 9,000 large ones where the 64-value sample does not look."""
+    values = rng.geometric(0.5, 70_000).astype(np.uint16)
+    step = values.size // 64
+    where = np.array([i for i in range(1, values.size, 7) if i % step][:9000])
+    values[where] = rng.integers(256, 1 << 16, where.size)
+    return values
+
+
 def test_compiled_histogram_equals_the_numpy_one() -> None:
     """The compiled histogram (values below 256 counted in bins, eight per value taken by
     position, the others sorted) gives numpy's values and counts, for few and for many
@@ -510,6 +519,10 @@ def test_compiled_histogram_equals_the_numpy_one() -> None:
         np.concatenate([rng.geometric(0.5, 999), rng.integers(1 << 40, 1 << 62, 17)]).astype(
             np.uint64
         ),
+        # many narrow values, mostly large by the sample (a full tensor: one bin per value),
+        # or small by the sample with many large ones after it (those counted in bins too)
+        rng.integers(0, 1 << 16, 20_000).astype(np.uint16),
+        _large_past_the_sample(rng),
     ]
     for data in cases:
         width = data.dtype.itemsize
