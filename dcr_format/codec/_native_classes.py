@@ -817,6 +817,8 @@ def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies
     changes, each chunk's counts kept for :func:`by_class`."""
     n = classes.size
     chunks = 1 if n < _PARALLEL_RANKS else max(1, numba.get_num_threads())
+    if chunks == 1:  # one compiled call (the numpy steps below cost more than the count)
+        return Tallies(*_tally_one(classes, ranks, count))
     bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks
     counts = np.zeros((chunks, count), dtype=np.int64)
     last = np.full((chunks, count), -1, dtype=np.int64)
@@ -826,9 +828,33 @@ def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies
     return Tallies(sizes, np.maximum(final, 0), bounds, counts)
 
 
+@njit(cache=True, nogil=True)
+def _tally_one(classes, ranks, count):  # type: ignore[no-untyped-def]
+    """:func:`class_tallies` as one chunk."""
+    bounds = np.array([0, classes.size], dtype=np.int64)
+    counts = np.zeros((1, count), dtype=np.int64)
+    last = np.full((1, count), -1, dtype=np.int64)
+    _tally_chunk(0, classes, ranks, bounds, counts, last)
+    return counts[0].copy(), np.maximum(last[0], 0), bounds, counts
+
+
+@njit(cache=True, nogil=True)
+def _by_class_one(classes, ranks, sizes):  # type: ignore[no-untyped-def]
+    """:func:`by_class` of one chunk."""
+    cursor = np.zeros((1, sizes.size), dtype=np.int64)
+    for c in range(1, sizes.size):
+        cursor[0, c] = cursor[0, c - 1] + sizes[c - 1]
+    out = np.empty(ranks.size, dtype=np.int64)
+    bounds = np.array([0, classes.size], dtype=np.int64)
+    _scatter_chunk(0, classes, ranks, bounds, cursor, out)
+    return out
+
+
 def by_class(classes: np.ndarray, ranks: np.ndarray, tallies: Tallies) -> np.ndarray:
     """The ranks grouped by class, each class's in their order (the scatter of a counting
     sort, each chunk of :func:`class_tallies` from where its classes' ranks go)."""
+    if tallies.counts.shape[0] == 1:
+        return _by_class_one(classes, ranks, tallies.sizes)  # type: ignore[no-any-return]
     ends = np.zeros(tallies.sizes.size + 1, dtype=np.int64)
     np.cumsum(tallies.sizes, out=ends[1:])
     cursor = np.cumsum(tallies.counts, axis=0) - tallies.counts + ends[None, :-1]
