@@ -650,13 +650,17 @@ def _found_all(done, offsets):  # type: ignore[no-untyped-def]
 _PARALLEL_RANKS = 1 << 16  # changes below which a tensor's classes are coded in this thread
 
 
-def _tasks_for(counts: np.ndarray) -> int:
-    """How many threads code the classes of a stream whose classes have ``counts`` ranks:
-    one below :data:`_PARALLEL_RANKS` (a parallel launch costs more than it saves), else
-    one per thread numba runs, at most one per class with ranks."""
-    if int(counts.sum()) < _PARALLEL_RANKS:
-        return 1
-    return max(1, min(int(np.count_nonzero(counts)), numba.get_num_threads()))
+def _class_tasks(counts: np.ndarray) -> tuple[int, np.ndarray]:
+    """How many threads code the classes of a stream whose classes have ``counts`` ranks,
+    and each class's task (:func:`_owners`): one task below :data:`_PARALLEL_RANKS` (a
+    parallel launch costs more than it saves), else one per thread numba runs, at most one
+    per class with ranks."""
+    tasks = 1
+    if int(counts.sum()) >= _PARALLEL_RANKS:
+        tasks = max(1, min(int(np.count_nonzero(counts)), numba.get_num_threads()))
+    if tasks == 1:
+        return 1, np.zeros(counts.size, dtype=np.int64)
+    return tasks, _owners(counts, tasks)
 
 
 @njit(cache=True, nogil=True)
@@ -898,8 +902,7 @@ def classed_body(
     ends = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=ends[1:])
     ordered = by_class(classes, ranks, tallies)
-    tasks = _tasks_for(sizes)
-    owner = _owners(sizes, tasks) if tasks > 1 else np.zeros(sizes.size, dtype=np.int64)
+    tasks, owner = _class_tasks(sizes)
     ks = np.zeros(sizes.size, dtype=np.int64)
     unary = np.zeros(sizes.size, dtype=np.int64)
     _launch(_plans, _plans_serial, tasks, ordered, ends, guesses, max_k, owner, ks, unary)
@@ -953,8 +956,7 @@ def rice_ranks(
     at = np.zeros(ks.size, dtype=np.int64)
     np.cumsum(counts[:-1], out=at[1:])
     failed = np.zeros(ks.size, dtype=np.uint8)
-    tasks = _tasks_for(counts)
-    owner = _owners(counts, tasks) if tasks > 1 else np.zeros(ks.size, dtype=np.int64)
+    tasks, owner = _class_tasks(counts)
     args = (data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
     _launch(_rice_parts, _rice_parts_serial, tasks, *args)
     bad = np.flatnonzero(failed)

@@ -97,10 +97,8 @@ def _best_rice_k(gaps: np.ndarray) -> int:
     """The k in [0, 62] that minimises the exact Rice-coded bit count of ``gaps``."""
     if gaps.size == 0:
         return 0
-    mean = float(gaps.mean())
-    guess = max(0, int(np.floor(np.log2(max(mean * 0.6931, 1.0)))))
     best_k, best_bits = 0, None
-    for k in range(max(0, guess - 2), min(MAX_RICE_K, guess + 3) + 1):
+    for k in _k_window(float(gaps.mean())):
         bits = int((gaps >> np.uint64(k)).sum()) + gaps.size * (1 + k)
         if best_bits is None or bits < best_bits:
             best_k, best_bits = k, bits
@@ -111,6 +109,13 @@ def _rice_k_guess(mean: float) -> int:
     return max(0, int(np.floor(np.log2(max(mean * 0.6931, 1.0)))))
 
 
+def _k_window(mean: float) -> range:
+    """The Rice parameters §6.2 searches for gaps of this mean: two below its guess to three
+    above, within ``[0, MAX_RICE_K]``."""
+    guess = _rice_k_guess(mean)
+    return range(max(0, guess - 2), min(MAX_RICE_K, guess + 3) + 1)
+
+
 class _Plan:
     """One compiled pass over positions: the best Rice k and the exact size of each coding."""
 
@@ -119,11 +124,11 @@ class _Plan:
         # the gaps sum to p[-1] - (count - 1): below 2^53 numpy's float mean of them is
         # exact, so float(total) / count is that mean bit for bit (same guess, same k)
         total = int(positions[-1]) - (count - 1)
-        guess = _rice_k_guess(float(total) / count)
-        low, high = max(0, guess - 2), min(MAX_RICE_K, guess + 3)
-        sums, runs, widest, longest = native.rice_stats(positions, low, high)
+        window = _k_window(float(total) / count)
+        low = window.start
+        sums, runs, widest, longest = native.rice_stats(positions, low, window.stop - 1)
         best_k, best_bits = 0, None
-        for k in range(low, high + 1):
+        for k in window:
             bits = int(sums[k - low]) + count * (1 + k)
             if best_bits is None or bits < best_bits:
                 best_k, best_bits = k, bits
@@ -377,8 +382,7 @@ def plain_size_floor(count: int, last: int, runs: int) -> int:
     if count < 1:
         raise ValueError("a size floor needs at least one position")
     total = last - (count - 1)
-    guess = _rice_k_guess(float(total) / count)
-    window = range(max(0, guess - 2), min(MAX_RICE_K, guess + 3) + 1)
+    window = _k_window(float(total) / count)
     if total >= 1 << 53:  # a float mean that may round: every k the window could hold
         window = range(MAX_RICE_K + 1)
     rice = None
