@@ -731,3 +731,24 @@ def test_diff_scratch_is_kept_per_thread_and_dropped_past_its_cap(monkeypatch):
     assert np.array_equal(xor_bits, (o ^ dense)[positions])
     assert native._POOL.arrays == {}  # past the cap: dropped after the call
     assert np.array_equal(native.diff(o, w, 0, (True, True), table, 2)[0][0], want)
+    # a tensor of one task: the same rule, whether its task reaches further than before
+    # or not (each call checks what stays resident against the cap)
+    monkeypatch.setattr(native, "_POOL_BYTES", 1 << 40)
+    small_old, small_new = o[: native.TASK], dense[: native.TASK]
+    found, lanes = native.diff(small_old, small_new, 0, (True, True), table, 2)
+    assert np.array_equal(found[0], np.flatnonzero(small_old != small_new))
+    assert np.array_equal(found[1], small_new[found[0]])
+    assert np.array_equal(found[2], (small_old ^ small_new)[found[0]])
+    before, after = (torch.from_numpy(x.view(np.int16)) for x in (small_old, small_new))
+    assert fp.apply_lane_deltas(fp.tensor_lanes(before), lanes) == fp.tensor_lanes(after)
+    assert native._POOL.arrays != {}
+    monkeypatch.setattr(native, "_POOL_BYTES", 1000)
+    native.diff(small_old, small_old ^ np.uint16(1), 0, (False, True), table, 2)
+    assert native._POOL.arrays == {}  # reached further: kept, then past the cap
+    native.diff(small_old, small_new, 0, (True, True), table, 2)
+    assert native._POOL.arrays == {}  # dropped again: its reach alone is past the cap
+    monkeypatch.setattr(native, "_POOL_BYTES", 1 << 40)
+    native.diff(small_old, small_new, 0, (True, True), table, 2)
+    monkeypatch.setattr(native, "_POOL_BYTES", 1000)
+    native.diff(small_old[:10], small_new[:10], 0, (True, True), table, 2)
+    assert native._POOL.arrays == {}  # reached no further, but what stays is past the cap

@@ -444,6 +444,7 @@ class _Pool(threading.local):
     def __init__(self) -> None:
         self.arrays: dict[tuple[int, np.dtype[Any]], np.ndarray] = {}
         self.reach = np.zeros(0, dtype=np.int64)
+        self.reached = 0  # the sum of ``reach``
 
     def get(self, slot: int, n: int, dtype: np.dtype[Any]) -> np.ndarray:
         held = self.arrays.get((slot, dtype))
@@ -458,9 +459,22 @@ class _Pool(threading.local):
                 [self.reach, np.zeros(counts.shape[0] - self.reach.shape[0], np.int64)]
             )
         np.maximum(self.reach[: counts.shape[0]], counts, out=self.reach[: counts.shape[0]])
-        if int(self.reach.sum()) * nbytes > _POOL_BYTES:
+        self.reached = int(self.reach.sum())
+        self._cap(nbytes)
+
+    def keep_one(self, count: int, nbytes: int) -> None:
+        """:meth:`keep` for a call of one task that wrote ``count`` outputs (no array
+        operation unless that task reached further than before)."""
+        if self.reach.shape[0] == 0 or count > int(self.reach[0]):
+            self.keep(np.array([count], dtype=np.int64), nbytes)
+        else:
+            self._cap(nbytes)
+
+    def _cap(self, nbytes: int) -> None:
+        if self.reached * nbytes > _POOL_BYTES:
             self.arrays.clear()
             self.reach = np.zeros(0, dtype=np.int64)
+            self.reached = 0
 
 
 _POOL = _Pool()
@@ -529,6 +543,11 @@ def _diff_slab(
     )
     args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
     _launch(_diff, _diff_serial, tasks, *args)
+    if tasks == 1:  # most tensors: one task's prefix is the whole output, its lanes reduced
+        total = int(counts[0])
+        _POOL.keep_one(total, sum(a.itemsize for a in scratch if a.shape[0]))
+        one = tuple(a[:total].copy() for a in scratch)
+        return (one[0], one[1], one[2]), tuple(lane_out[0, :lanes].tolist())
     found = _gather_tasks(scratch, counts)
     _POOL.keep(counts, sum(a.itemsize for a in scratch if a.shape[0]))
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
@@ -697,6 +716,8 @@ def _run_change(
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, mode, write, out[0], out[1], lanes, table, lane_out, bad)
     _launch(_change, _change_serial, chunks, *args)
+    if chunks == 1:  # most changes: one chunk, its lane sums already reduced
+        return not bad[0], tuple(lane_out[0, :lanes].tolist())
     return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
 
 

@@ -51,6 +51,12 @@ def native_kernels() -> ModuleType | None:
     return _load_native()
 
 
+def compiled_kernels() -> ModuleType | None:
+    """:func:`native_kernels` for a caller that has read ``DCR_KERNELS`` itself (it is not
+    read again): the compiled CPU kernels, or None where numba cannot load them."""
+    return _load_native()
+
+
 def compiled(name: str) -> ModuleType | None:
     """The compiled kernels module ``dcr_format.codec.<name>`` (e.g. ``_native_rans``),
     imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""

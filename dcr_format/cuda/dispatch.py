@@ -108,11 +108,29 @@ def _native_for(*tensors: torch.Tensor) -> ModuleType | None:
     """
     if kernels_mode() != "auto":
         return None
-    if any(t.device.type != "cpu" or t.dtype not in _NATIVE_DTYPES for t in tensors):
-        return None
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.dtype not in _NATIVE_DTYPES:
+            return None
     from dcr_format.codec.positions import native_kernels
 
     return native_kernels()
+
+
+def _torch_native(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled CPU kernels where :func:`backend_for` these tensors is torch and
+    :func:`_native_for` takes them (what the two say together, from one read of
+    ``DCR_KERNELS``: this runs several times a tensor)."""
+    mode = kernels_mode()
+    if mode != "auto":
+        if mode == TRITON:
+            backend_for(*tensors)  # refuses CPU tensors where Triton cannot run
+        return None
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.dtype not in _NATIVE_DTYPES:
+            return None
+    from dcr_format.codec.positions import compiled_kernels
+
+    return compiled_kernels()
 
 
 def _unsigned(tensor: torch.Tensor) -> np.ndarray:
@@ -309,7 +327,7 @@ def diff_with_lanes(
     if advance and not old.is_contiguous():
         raise ValueError("advance needs a contiguous old tensor (it is written in place)")
     old, new = old.reshape(-1), new.reshape(-1)
-    native = _native_for(old, new) if backend_for(old, new) == TORCH else None
+    native = _torch_native(old, new)
     if native is not None:
         return _native_diff(
             native,
@@ -402,21 +420,25 @@ def _native_apply_for(
 def _native_apply_candidate(
     flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
 ) -> ModuleType | None:
-    if backend_for(flat, positions, values) != TORCH:
-        return None
-    if positions.dtype != torch.int64 or values.dtype != flat.dtype:
+    native = _torch_native(flat, positions, values)
+    if native is None or positions.dtype != torch.int64 or values.dtype != flat.dtype:
         return None
     if not flat.is_contiguous() or flat.dim() != 1 or values.numel() != positions.numel():
         return None
-    return _native_for(flat, values) if positions.device.type == "cpu" else None
+    return native
 
 
-def _check_bounds(positions: torch.Tensor, base: int, numel: int) -> None:
-    """Sorted positions (a verified decoder's) are bounded by the first and last; the
-    kernels still skip, and report, any index out of range: they never write there."""
-    if positions.numel() and (int(positions[0]) < base or int(positions[-1]) >= base + numel):
-        bad = int(positions[0]) if int(positions[0]) < base else int(positions[-1])
-        raise IndexError(f"position {bad} is out of range for {numel} elements at offset {base}")
+def _check_bounds(positions: np.ndarray, base: int, numel: int) -> None:
+    """Sorted positions (a verified decoder's; the host array of the kernels) are bounded by
+    the first and last; the kernels still skip, and report, any index out of range: they
+    never write there."""
+    if positions.size:
+        first, last = int(positions[0]), int(positions[-1])
+        if first < base or last >= base + numel:
+            bad = first if first < base else last
+            raise IndexError(
+                f"position {bad} is out of range for {numel} elements at offset {base}"
+            )
 
 
 ULP = "ulp"
@@ -435,8 +457,7 @@ def fuses_ulp(flat: torch.Tensor, positions: torch.Tensor) -> bool:
         positions.dtype == torch.int64
         and flat.is_contiguous()
         and flat.dim() == 1
-        and backend_for(flat, positions) == TORCH
-        and _native_for(flat, positions) is not None
+        and _torch_native(flat, positions) is not None
     )
 
 
@@ -456,11 +477,11 @@ def _native_apply(
 
     positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
     count = positions.numel()
-    _check_bounds(positions, base, flat.numel())
+    target, where = _unsigned(flat), positions.numpy()
+    _check_bounds(where, base, flat.numel())
     before = torch.empty(count, dtype=flat.dtype)
     after = torch.empty(count if op == ULP else 0, dtype=flat.dtype)
     width = flat.element_size()
-    target, where = _unsigned(flat), positions.numpy()
     in_range, deltas = native.apply(
         target,
         where,
@@ -562,7 +583,7 @@ def stage_change(
     from dcr_format.fingerprint import native_table
 
     positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
-    _check_bounds(positions, base, flat.numel())
+    _check_bounds(positions.numpy(), base, flat.numel())
     before = torch.empty(positions.numel(), dtype=flat.dtype)
     after = torch.empty(positions.numel(), dtype=flat.dtype)
     width = flat.element_size()
