@@ -98,10 +98,16 @@ def test_rows_and_their_moves_match_the_definition(kernels: str, dtype: str) -> 
     assert np.array_equal(moved, rows)
 
 
-def test_rows_that_do_not_fit_the_tensor_are_not_taken() -> None:
-    bits = weights(ROW_ELEMENTS + 10, "bfloat16")
+def test_rows_that_do_not_fit_the_tensor_are_not_taken(kernels: str) -> None:
+    bits = weights(2 * ROW_ELEMENTS + 10, "bfloat16")
     rows = exponent_rows(bits, "bfloat16")
     assert rows_fit(rows, bits.size, "bfloat16")
+    for run in range(rows.shape[0]):  # any run's total off by one, the last one's too
+        wrong = rows.copy()
+        wrong[run, 5] += 1
+        assert not rows_fit(wrong, bits.size, "bfloat16")
+        wrong[run, 6] -= 1  # the same total, other counts: only the totals are checked
+        assert rows_fit(wrong, bits.size, "bfloat16")
     assert not rows_fit(None, bits.size, "bfloat16")
     assert not rows_fit(rows, bits.size + 1, "bfloat16")  # run totals differ
     assert not rows_fit(rows[:1], bits.size, "bfloat16")  # too few runs

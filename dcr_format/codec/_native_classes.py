@@ -181,6 +181,20 @@ def move_rows(
 
 
 @njit(cache=True, nogil=True)
+def rows_add_up(rows: np.ndarray, numel: int, run: int) -> bool:  # pragma: no cover - compiled
+    """Whether each row of ``rows`` counts ``run`` elements, the last the rest of
+    ``numel`` (the totals :func:`dcr_format.codec.classed.rows_fit` checks)."""
+    runs = rows.shape[0]
+    for r in range(runs):
+        total = 0
+        for e in range(rows.shape[1]):
+            total += rows[r, e]
+        if total != (run if r < runs - 1 else numel - (runs - 1) * run):
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True)
 def class_starts(
     rows: np.ndarray, base: int, count: int
 ) -> np.ndarray:  # pragma: no cover - compiled
@@ -889,6 +903,22 @@ def _layout(sizes, ks, unary):  # type: ignore[no-untyped-def]
     return out, at
 
 
+@njit(cache=True, nogil=True)
+def _body_one(classes, ranks, sizes, guesses, max_k):  # type: ignore[no-untyped-def]
+    """:func:`classed_body` in one compiled call, for the changes of one tally chunk."""
+    ends = np.zeros(sizes.size + 1, dtype=np.int64)
+    for c in range(sizes.size):
+        ends[c + 1] = ends[c] + sizes[c]
+    ordered = _by_class_one(classes, ranks, sizes)
+    owner = np.zeros(sizes.size, dtype=np.int64)
+    ks = np.zeros(sizes.size, dtype=np.int64)
+    unary = np.zeros(sizes.size, dtype=np.int64)
+    _plans_serial(ordered, ends, guesses, max_k, owner, ks, unary)
+    out, at = _layout(sizes, ks, unary)
+    _parts_serial(ordered, ends, ks, unary, owner, at, out)
+    return out
+
+
 def classed_body(
     classes: np.ndarray, ranks: np.ndarray, tallies: Tallies, guesses: np.ndarray, max_k: int
 ) -> np.ndarray:
@@ -899,6 +929,8 @@ def classed_body(
     (:func:`by_class`); past :data:`_PARALLEL_RANKS` changes the classes' plans and parts
     are then made on several threads, each class by one."""
     sizes = tallies.sizes
+    if tallies.counts.shape[0] == 1 and classes.size < _PARALLEL_RANKS:
+        return _body_one(classes, ranks, sizes, guesses, max_k)  # type: ignore[no-any-return]
     ends = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=ends[1:])
     ordered = by_class(classes, ranks, tallies)
@@ -937,6 +969,52 @@ def _rice_parts(data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
 def _rice_parts_serial(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
     for j in range(ks.size):
         _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
+
+
+@njit(cache=True, nogil=True)
+def _part_ranks_one(data, parts, counts, sizes, out):  # type: ignore[no-untyped-def]
+    """:func:`part_ranks` in this thread, its columns taken from ``parts`` here."""
+    n = parts.shape[0]
+    ks = parts[:, 1].copy()
+    unary = parts[:, 2].copy()
+    offsets = parts[:, 3].copy()
+    want = np.empty(n, dtype=np.int64)
+    limits = np.empty(n, dtype=np.int64)
+    at = np.empty(n, dtype=np.int64)
+    total = 0
+    for j in range(n):
+        c = parts[j, 0]
+        want[j], limits[j], at[j] = counts[c], sizes[c], total
+        if want[j] > limits[j]:
+            return -2
+        total += want[j]
+    if total != out.size:
+        return -2
+    failed = np.zeros(n, dtype=np.uint8)
+    for j in range(n):
+        _rice_part(j, data, ks, unary, offsets, want, limits, at, out, failed)
+        if failed[j]:
+            return j
+    return -1
+
+
+def part_ranks(
+    data: np.ndarray, parts: np.ndarray, counts: np.ndarray, sizes: np.ndarray, out: np.ndarray
+) -> int:
+    """The ranks of every class with positions of a ``classed`` stream, class after class,
+    into ``out`` (as many as the counts add up to): ``parts`` holds a row ``(class, k, U,
+    offset)`` per class with positions, ``counts`` and ``sizes`` the positions and the
+    elements of every class. -1 when all decode; else -2 where a class codes more positions
+    than it has, or the first part that breaks §6.2 (the caller decodes again for the
+    error). Below :data:`_PARALLEL_RANKS` one compiled call; past it :func:`rice_ranks`."""
+    if out.size < _PARALLEL_RANKS:
+        return int(_part_ranks_one(data, parts, counts, sizes, out))
+    classes = parts[:, 0]
+    want, limits = counts[classes], sizes[classes]
+    if not bool((want <= limits).all()) or int(want.sum()) != out.size:
+        return -2
+    ks, unary, offsets = (np.ascontiguousarray(parts[:, i]) for i in (1, 2, 3))
+    return rice_ranks(data, ks, unary, offsets, want, limits, out)
 
 
 def rice_ranks(

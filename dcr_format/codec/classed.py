@@ -91,6 +91,9 @@ def rows_fit(rows: np.ndarray | None, numel: int, dtype: str) -> bool:
     runs = -(-numel // ROW_ELEMENTS)
     if rows.shape != (runs, EXPONENT_FIELDS[dtype][1] + 1) or rows.dtype != np.int64:
         return False
+    native = _native()
+    if native is not None:  # one compiled call: this runs up to three times a tensor
+        return bool(native.rows_add_up(rows, numel, ROW_ELEMENTS))
     totals = np.full(runs, ROW_ELEMENTS, dtype=np.int64)
     if runs:
         totals[-1] = numel - (runs - 1) * ROW_ELEMENTS
@@ -154,8 +157,9 @@ def _read_varint(buf: memoryview, offset: int) -> tuple[int, int]:
 def _rice_bits(total: np.ndarray, changed: np.ndarray) -> np.ndarray:
     """About the bits Rice coding takes for ``changed`` of ``total`` ranks (an estimate)."""
     t = np.maximum(total.astype(np.float64), 1.0)
-    p = np.clip(changed / t, 1e-300, 1.0)
-    q = np.clip(1.0 - p, 1e-300, 1.0)
+    # clip(x, lo, hi) as min(max(x, lo), hi): the same doubles, without np.clip's overhead
+    p = np.minimum(np.maximum(changed / t, 1e-300), 1.0)
+    q = np.minimum(np.maximum(1.0 - p, 1e-300), 1.0)
     entropy = -(p * np.log2(p) + q * np.log2(q)) * t
     partial = 1.03 * entropy + 24.0
     return np.where(changed == 0, 0.0, np.where(changed == total, 8.0, partial))
@@ -496,14 +500,16 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
     :class:`PositionsError`."""
     native = _native()
     if native is not None and stream.parts:  # every class at once; the loop below on errors
-        classes, ks, unary, offsets = np.array(stream.parts, dtype=np.int64).T.copy()
-        want = np.asarray(stream.counts, dtype=np.int64)[classes]
-        limits = np.asarray(sizes, dtype=np.int64)[classes]
-        if bool((want <= limits).all()):
-            out = np.empty(int(want.sum()), dtype=np.int64)
-            data = np.frombuffer(stream.data, dtype=np.uint8)
-            if native.rice_ranks(data, ks, unary, offsets, want, limits, out) < 0:
-                return out
+        out = np.empty(sum(stream.counts), dtype=np.int64)
+        found = native.part_ranks(
+            np.frombuffer(stream.data, dtype=np.uint8),
+            np.array(stream.parts, dtype=np.int64),
+            np.array(stream.counts, dtype=np.int64),
+            np.ascontiguousarray(sizes, dtype=np.int64),
+            out,
+        )
+        if found == -1:
+            return out
     found = []
     for c, k, unary_len, offset in stream.parts:
         wanted = stream.counts[c]
