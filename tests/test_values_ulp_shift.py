@@ -89,7 +89,11 @@ def test_the_spec_example() -> None:
     assert np.array_equal(ulp_shift.join(old, y, 125, low, "bfloat16"), z)
 
 
-def test_the_origin_is_the_rule_evaluated_one_origin_at_a_time() -> None:
+@pytest.mark.parametrize("kernels", ["", "torch"])  # compiled (one call), numpy reference
+def test_the_origin_is_the_rule_evaluated_one_origin_at_a_time(
+    kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCR_KERNELS", kernels)
     rng = np.random.default_rng(5)
     for trial in range(40):
         dtype = ("bfloat16", "float16", "float32")[trial % 3]

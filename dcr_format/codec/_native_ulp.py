@@ -105,6 +105,25 @@ def origin_counts(
         ones[e] += np.int64(np.uint64(z[k]) - _ONE < np.uint64(2))  # z 1 or 2
 
 
+@njit(cache=True, nogil=True)
+def best_origin(
+    old: np.ndarray, z: np.ndarray, shift: int, mask: int
+) -> int:  # pragma: no cover - compiled
+    """:func:`dcr_format.codec.ulp_shift.choose_origin` in one call: the smallest ``e0``
+    of greatest gain (integer sums, as the reference's cumsum and argmax), or 0 where no
+    gain is positive."""
+    n = np.zeros(mask + 1, dtype=np.int64)
+    ones = np.zeros(mask + 1, dtype=np.int64)
+    origin_counts(old, z, shift, mask, n, ones)
+    gain = best = 0
+    running = 0
+    for e in range(mask + 1):
+        running += n[e] - 2 * ones[e]
+        if e == 0 or running > gain:  # the first of the greatest, as argmax
+            gain, best = running, e
+    return best + 1 if gain > 0 else 0
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _shift_of(
     x: np.uint64, origin: int, shift: int, mask: int, cap: int

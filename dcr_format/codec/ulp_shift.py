@@ -62,14 +62,11 @@ def choose_origin(old: np.ndarray, z: np.ndarray, dtype: str) -> int | None:
     that maximum is not positive (no shift pays)."""
     shift, mask = EXPONENT_FIELDS[dtype]
     native = _native()
-    if native is not None:
-        n = np.zeros(mask + 1, dtype=np.int64)
-        ones = np.zeros(mask + 1, dtype=np.int64)
-        native.origin_counts(old, z, shift, mask, n, ones)
-    else:
-        exponents = exponents_of(old, dtype)
-        n = np.bincount(exponents, minlength=mask + 1)
-        ones = np.bincount(exponents[(z == 1) | (z == 2)], minlength=mask + 1)
+    if native is not None:  # counts, gains and their maximum in one call
+        return int(native.best_origin(old, z, shift, mask)) or None
+    exponents = exponents_of(old, dtype)
+    n = np.bincount(exponents, minlength=mask + 1)
+    ones = np.bincount(exponents[(z == 1) | (z == 2)], minlength=mask + 1)
     gain = np.cumsum(n - 2 * ones)  # gain[i] = G(i + 1)
     best = int(np.argmax(gain))
     return best + 1 if gain[best] > 0 else None
