@@ -518,3 +518,25 @@ def test_a_classed_stream_below_the_floor_plans_no_plain_coding(
         monkeypatch.setattr(delta, "plain_size_floor", lambda *args: 0)  # never below it
         again = delta.encode_tensor(new, old, op="xor")
         assert made and (again.positions, again.values) == (want.positions, want.values)
+
+
+def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
+    """A writer guesses every class's Rice k in one array step (rice_k_guesses); each guess
+    is the scalar rule's for that class, at powers of two and just under them too."""
+    from dcr_format.codec.positions import _rice_k_guess, rice_k_guesses
+
+    rng = np.random.default_rng(21)
+    counts = rng.integers(0, 5000, 4000)
+    counts[:5] = [0, 1, 1, 2, 3]
+    gaps = rng.integers(0, 1 << 40, counts.size) * (rng.random(counts.size) < 0.5)
+    last = counts - 1 + gaps
+    # means whose 0.6931 multiple lands at and next to powers of two
+    edge = np.exp2(rng.integers(1, 40, 300)) / 0.6931
+    counts[-300:] = 1
+    last[-300:] = np.floor(edge).astype(np.int64) + rng.integers(-1, 2, 300)
+    got = rice_k_guesses(counts.astype(np.int64), last.astype(np.int64))
+    want = [
+        _rice_k_guess(float(e - (n - 1)) / n) if n else 0
+        for n, e in zip(counts.tolist(), last.tolist(), strict=True)
+    ]
+    assert got.dtype == np.int64 and got.tolist() == want

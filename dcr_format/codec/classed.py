@@ -346,13 +346,7 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     native = _native()
     if native is not None:  # the counts and every class's part in compiled calls
         tallies = native.class_tallies(classes, ranks, count)
-        guesses = np.array(  # each class's mean gap is (last rank - (n - 1)) / n
-            [
-                _positions._rice_k_guess(float(e - (n - 1)) / n) if n else 0
-                for n, e in zip(tallies.sizes.tolist(), tallies.last.tolist(), strict=True)
-            ],
-            dtype=np.int64,
-        )
+        guesses = _positions.rice_k_guesses(tallies.sizes, tallies.last)
         body: np.ndarray = native.classed_body(
             classes, ranks, tallies, guesses, _positions.MAX_RICE_K
         )

@@ -106,14 +106,7 @@ def _native_for(*tensors: torch.Tensor) -> ModuleType | None:
 
     Every tensor must be on the CPU with a bit-view dtype (positions: int64).
     """
-    if kernels_mode() != "auto":
-        return None
-    for tensor in tensors:
-        if tensor.device.type != "cpu" or tensor.dtype not in _NATIVE_DTYPES:
-            return None
-    from dcr_format.codec.positions import native_kernels
-
-    return native_kernels()
+    return _compiled_for(tensors) if kernels_mode() == "auto" else None
 
 
 def _torch_native(*tensors: torch.Tensor) -> ModuleType | None:
@@ -121,10 +114,17 @@ def _torch_native(*tensors: torch.Tensor) -> ModuleType | None:
     :func:`_native_for` takes them (what the two say together, from one read of
     ``DCR_KERNELS``: this runs several times a tensor)."""
     mode = kernels_mode()
-    if mode != "auto":
-        if mode == TRITON:
-            backend_for(*tensors)  # refuses CPU tensors where Triton cannot run
-        return None
+    if mode == "auto":
+        return _compiled_for(tensors)
+    if mode == TRITON:
+        backend_for(*tensors)  # refuses CPU tensors where Triton cannot run
+    return None
+
+
+def _compiled_for(tensors: tuple[torch.Tensor, ...]) -> ModuleType | None:
+    """The compiled CPU kernels for ``tensors`` once ``DCR_KERNELS`` is known to be ``auto``:
+    None unless every tensor is on the CPU with a bit-view dtype, or where numba is
+    unusable."""
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype not in _NATIVE_DTYPES:
             return None
