@@ -247,6 +247,44 @@ def class_intervals(
 
 
 @njit(cache=True, nogil=True)
+def interval_odds(totals: np.ndarray, changes: np.ndarray) -> np.ndarray:  # pragma: no cover
+    """The changed share ``p`` of each interval (first half) and ``1 - p`` (second half),
+    each clipped to ``[1e-300, 1]``: the doubles :func:`dcr_format.codec.classed._rice_bits`
+    takes the logarithms of (the caller takes them with numpy, whose ``log2`` the
+    estimates must use, bit for bit)."""
+    n = totals.size
+    out = np.empty(2 * n, dtype=np.float64)
+    for i in range(n):
+        t = max(np.float64(totals[i]), 1.0)
+        p = min(max(np.float64(changes[i]) / t, 1e-300), 1.0)
+        out[i] = p
+        out[n + i] = min(max(1.0 - p, 1e-300), 1.0)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def interval_costs(
+    totals: np.ndarray, changes: np.ndarray, odds: np.ndarray, logs: np.ndarray, header: float
+) -> np.ndarray:  # pragma: no cover - compiled
+    """:func:`dcr_format.codec.classed._rice_bits` plus ``header`` from the intervals'
+    :func:`interval_odds` and their base-2 logarithms (``logs``): the reference's operations
+    in its order (no fused multiply-add), so the same doubles."""
+    n = totals.size
+    costs = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        if changes[i] == 0:
+            bits = 0.0
+        elif changes[i] == totals[i]:
+            bits = 8.0
+        else:
+            t = max(np.float64(totals[i]), 1.0)
+            entropy = -(odds[i] * logs[i] + odds[n + i] * logs[n + i]) * t
+            bits = 1.03 * entropy + 24.0
+        costs[i] = bits + header
+    return costs
+
+
+@njit(cache=True, nogil=True)
 def least_estimate(
     costs: np.ndarray, width: int, most: int
 ) -> tuple[int, int]:  # pragma: no cover - compiled

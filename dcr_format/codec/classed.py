@@ -183,12 +183,13 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     kind's estimate is evaluated once per exponent (three vectors), and a candidate's
     estimate is the sum of its classes' in class order."""
     native = _native()
-    if native is not None:  # integer sums and the search compiled; the estimates as below
+    if native is not None:  # compiled but the logarithms (numpy's, as below: the same doubles)
         low, width, totals, changes = native.class_intervals(
             np.ascontiguousarray(everything, dtype=np.int64),
             np.ascontiguousarray(changed, dtype=np.int64),
         )
-        costs = _rice_bits(totals, changes) + CLASS_HEADER_BITS
+        odds = native.interval_odds(totals, changes)
+        costs = native.interval_costs(totals, changes, odds, np.log2(odds), CLASS_HEADER_BITS)
         count, index = native.least_estimate(costs, width, min(MAX_CLASSES, width))
         return low + int(index), int(count)
     present = np.flatnonzero(everything)
