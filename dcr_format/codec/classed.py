@@ -16,6 +16,7 @@ is an opt-in for tensors whose positions are worth more than that pass.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from dataclasses import dataclass
 from types import ModuleType
@@ -465,8 +466,7 @@ def decode_classed(
         sizes = np.bincount(classes, minlength=classes_count)
     found = class_ranks_of(stream, sizes)
     if native is not None:
-        first = np.zeros(classes_count + 1, dtype=np.int64)
-        first[1:] = np.cumsum(counts)
+        first = np.array((0, *itertools.accumulate(counts)), dtype=np.int64)  # a short tuple
         out: np.ndarray | None = native.positions_of_ranks(
             old_bits, shift, mask, base, classes_count, starts, found, first, old_at
         )
