@@ -245,6 +245,8 @@ _PRIMES = (int(_P0), int(_P1), int(_P2))
 
 def _finish_lanes(out: np.ndarray, lanes: int) -> tuple[int, ...]:
     """Sum per-task residues (each below 2^31, so a uint64 sum is exact) modulo each prime."""
+    if out.shape[0] == 1:  # one task (most tensors): its residues are the sums
+        return tuple(out[0, :lanes].tolist())
     sums = out.sum(axis=0, dtype=np.uint64).tolist()  # one reduction: this runs per tensor
     return tuple(sums[lane] % prime for lane, prime in enumerate(_PRIMES[:lanes]))
 
@@ -543,11 +545,11 @@ def _diff_slab(
     )
     args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
     _launch(_diff, _diff_serial, tasks, *args)
-    if tasks == 1:  # most tensors: one task's prefix is the whole output, its lanes reduced
+    if tasks == 1:  # most tensors: one task's prefix is the whole output
         total = int(counts[0])
         _POOL.keep_one(total, sum(a.itemsize for a in scratch if a.shape[0]))
         one = tuple(a[:total].copy() for a in scratch)
-        return (one[0], one[1], one[2]), tuple(lane_out[0, :lanes].tolist())
+        return (one[0], one[1], one[2]), _finish_lanes(lane_out, lanes)
     found = _gather_tasks(scratch, counts)
     _POOL.keep(counts, sum(a.itemsize for a in scratch if a.shape[0]))
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
@@ -716,9 +718,8 @@ def _run_change(
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, mode, write, out[0], out[1], lanes, table, lane_out, bad)
     _launch(_change, _change_serial, chunks, *args)
-    if chunks == 1:  # most changes: one chunk, its lane sums already reduced
-        return not bad[0], tuple(lane_out[0, :lanes].tolist())
-    return not bool(bad.any()), (_finish_lanes(lane_out, lanes) if lanes else ())
+    in_range = not bad[0] if chunks == 1 else not bool(bad.any())  # most changes: one chunk
+    return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
 def stage(

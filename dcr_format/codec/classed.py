@@ -158,9 +158,8 @@ def _read_varint(buf: memoryview, offset: int) -> tuple[int, int]:
 def _rice_bits(total: np.ndarray, changed: np.ndarray) -> np.ndarray:
     """About the bits Rice coding takes for ``changed`` of ``total`` ranks (an estimate)."""
     t = np.maximum(total.astype(np.float64), 1.0)
-    # clip(x, lo, hi) as min(max(x, lo), hi): the same doubles, without np.clip's overhead
-    p = np.minimum(np.maximum(changed / t, 1e-300), 1.0)
-    q = np.minimum(np.maximum(1.0 - p, 1e-300), 1.0)
+    p = np.clip(changed / t, 1e-300, 1.0)
+    q = np.clip(1.0 - p, 1e-300, 1.0)
     entropy = -(p * np.log2(p) + q * np.log2(q)) * t
     partial = 1.03 * entropy + 24.0
     return np.where(changed == 0, 0.0, np.where(changed == total, 8.0, partial))
