@@ -21,13 +21,13 @@ the error (so both paths raise the same :class:`PositionsError`, message include
 from __future__ import annotations
 
 import importlib
-import os
 import struct
 from functools import lru_cache
 from types import ModuleType
 
 import numpy as np
 
+from dcr_format._environ import getenv
 from dcr_format.errors import PositionsError
 
 RICE = "rice"
@@ -46,7 +46,8 @@ def native_kernels() -> ModuleType | None:
     ``DCR_KERNELS`` is read at every call (see :mod:`dcr_format.cuda.dispatch`); numba is
     imported on the first call that wants it, never by ``import dcr_format``.
     """
-    if os.environ.get("DCR_KERNELS", "").strip().lower() == "torch":
+    raw = getenv("DCR_KERNELS")
+    if raw is not None and raw.strip().lower() == "torch":
         return None
     return _load_native()
 

@@ -42,6 +42,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from dcr_format._environ import getenv
 from dcr_format.cuda import reference
 from dcr_format.cuda.reference import OVERWRITE, XOR, Diff
 from dcr_format.errors import DcrError
@@ -58,7 +59,10 @@ class KernelsUnavailableError(DcrError, RuntimeError):
 
 def kernels_mode() -> str:
     """The ``DCR_KERNELS`` setting: ``auto``, ``triton`` or ``torch``."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    raw = getenv(ENV)
+    if raw is None:  # the common case, a dozen times a tensor
+        return "auto"
+    mode = raw.strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
     return mode
