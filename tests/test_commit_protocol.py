@@ -22,7 +22,7 @@ from dcr_format.errors import (
     SchemaError,
     StoreError,
 )
-from dcr_format.schema import Manifest, ReaderRecord
+from dcr_format.schema import Manifest, ReaderRecord, parse_manifest
 from dcr_format.writers import _commit
 from dcr_format.writers._part import Attempt
 
@@ -129,9 +129,12 @@ def _gather(
     world_size: int = 2,
     timeout: float = 5.0,
     check: _commit.ManifestCheck = lambda manifest, rank, key: None,
+    own_manifest: Manifest | None = None,
 ) -> Any:
     shares = Attempt(store, chain_id, 4, "delta", attempt, 0, world_size, 1 << 20, 3, frozenset())
-    return _commit.gather_manifests(shares, own=own, timeout=timeout, check=check)
+    return _commit.gather_manifests(
+        shares, own=own, timeout=timeout, check=check, own_manifest=own_manifest
+    )
 
 
 def test_the_committer_gathers_every_rank_in_order_and_names_their_bytes(store):
@@ -147,6 +150,34 @@ def test_the_committer_gathers_every_rank_in_order_and_names_their_bytes(store):
     assert [ref.sha256 for _, ref in found] == [sha256_hex(d) for d in data]
     assert [ref.size for _, ref in found] == [len(d) for d in data]
     assert checked == [(r, manifest_key(4, attempt, r)) for r in range(2)]
+
+
+def test_the_committer_takes_its_own_manifest_as_made_and_parses_the_others(store):
+    """Our manifest, once read back as uploaded, is the object it was made from (no parse
+    of our own bytes); it is still checked, and another rank's is parsed from its bytes."""
+    chain_id, attempt = new_id(), new_id()
+    data = [_manifest(chain_id, attempt, r, 2) for r in range(2)]
+    for rank in (0, 1):
+        store.put(manifest_key(4, attempt, rank), data[rank])
+    mine = parse_manifest(data[0], what="ours")
+    checked: list[int] = []
+    found = _gather(
+        store,
+        chain_id,
+        attempt,
+        data[0],
+        check=lambda m, rank, key: checked.append(rank),
+        own_manifest=mine,
+    )
+    assert found[0][0] is mine
+    assert found[1][0] is not mine and found[1][0] == parse_manifest(data[1], what="theirs")
+    assert [ref.sha256 for _, ref in found] == [sha256_hex(d) for d in data]
+    assert checked == [0, 1]
+    # a manifest of the wrong attempt is refused whether parsed or given
+    wrong = parse_manifest(_manifest(chain_id, new_id(), 0, 1), what="wrong")
+    store.put(manifest_key(4, attempt, 0), wrong.to_json())
+    with pytest.raises(SchemaError, match="does not belong to this version"):
+        _gather(store, chain_id, attempt, wrong.to_json(), world_size=1, own_manifest=wrong)
 
 
 def test_a_rank_that_abandoned_the_attempt_ends_the_wait_at_once(store):
@@ -176,6 +207,9 @@ def test_our_manifest_read_back_altered_is_never_taken(store):
     store.put(manifest_key(4, attempt, 0), own.replace(b'"entries"', b' "entries"'))
     with pytest.raises(IncompleteVersionError, match="timed out"):
         _gather(store, chain_id, attempt, own, world_size=1, timeout=0.1)
+    made = parse_manifest(own, what="ours")  # nor when the committer holds what it made
+    with pytest.raises(IncompleteVersionError, match="timed out"):
+        _gather(store, chain_id, attempt, own, world_size=1, timeout=0.1, own_manifest=made)
 
 
 def test_a_manifest_of_another_attempt_or_refused_by_the_check_fails_the_gather(store):

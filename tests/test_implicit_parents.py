@@ -243,3 +243,29 @@ def test_a_reader_without_the_feature_refuses_the_chain(
     with pytest.raises(UnsupportedFeatureError, match=FEATURE):
         DeltaReader(store, target).sync()
     assert dict(target.tensors) == {}
+
+
+def test_the_committer_takes_the_manifest_its_stored_bytes_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The committing rank takes its own manifest as it made it rather than parsing its
+    uploaded bytes back: with the manifest features on (its parents left null, the bytes
+    compressed), that object is exactly what the stored bytes parse to."""
+    from dcr_format.writers import writer as writer_module
+
+    taken: list[schema.Manifest] = []
+    gather = writer_module.gather_manifests
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        taken.append(kwargs["own_manifest"])
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "gather_manifests", spy)
+    store = tmp_path / "store"
+    publish(store, [FEATURE, "manifest-zstd", "values-rans", "values-ulp"], states(3))
+    chain = Chain(open_store(store))
+    assert len(taken) == 3
+    for version, made in enumerate(taken):
+        [stored] = chain.manifests(chain.record(version))
+        assert made == stored
+    assert all(e.parent_fingerprint is None for e in taken[-1].entries)

@@ -323,9 +323,9 @@ class DeltaWriter:
             raise
         encoded = clock()
         try:
-            own = self._upload_manifest(written.manifest, attempt)
+            own, uploaded = self._upload_manifest(written.manifest, attempt)
             if self.rank == 0:
-                loaded, table = self._commit(attempt, step, own)
+                loaded, table = self._commit(attempt, step, own, uploaded)
             else:
                 loaded = await_commit(self.chain, attempt.version, attempt.id, self.commit_timeout)
                 table = {}
@@ -377,10 +377,11 @@ class DeltaWriter:
             reads_baseline=wishes.reads_baseline,
         )
 
-    def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> bytes:
+    def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> tuple[bytes, Manifest]:
         """Upload this rank's manifest (compressed when the writer is allowed
         ``manifest-zstd``, a delta's parent fingerprints left to the parent's table when it
-        is allowed ``implicit-parents``); returns its bytes as uploaded."""
+        is allowed ``implicit-parents``); returns its bytes as uploaded and the manifest
+        they hold."""
         if IMPLICIT_PARENTS_FEATURE in self.features and manifest.kind == "delta":
             manifest = implicit_parents(manifest)
         if MANIFEST_ZSTD_FEATURE in self.features:
@@ -397,18 +398,23 @@ class DeltaWriter:
         # a manifest upload that fails may still have landed, so it must not mark the attempt
         # abandoned (the committer may commit it)
         self.store.put(manifest_key(attempt.version, attempt.id, self.rank), own)
-        return own
+        return own, manifest
 
     # --- commit -------------------------------------------------------------------------
 
     def _commit(
-        self, attempt: Attempt, step: int | None, own: bytes
+        self, attempt: Attempt, step: int | None, own: bytes, uploaded: Manifest
     ) -> tuple[LoadedRecord, dict[str, TensorState]]:
-        """Wait for every rank's manifest, check them, and create the commit record."""
+        """Wait for every rank's manifest, check them, and create the commit record
+        (``own``: this rank's manifest as uploaded, ``uploaded`` the manifest it holds)."""
         version = attempt.version
         try:
             found = gather_manifests(
-                attempt, own=own, timeout=self.commit_timeout, check=self._part.check_manifest
+                attempt,
+                own=own,
+                timeout=self.commit_timeout,
+                check=self._part.check_manifest,
+                own_manifest=uploaded,
             )
             table = self._check_version([m for m, _ in found], attempt)
         except Exception:
