@@ -559,3 +559,23 @@ def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
         for n, e in zip(counts.tolist(), last.tolist(), strict=True)
     ]
     assert got.dtype == np.int64 and got.tolist() == want
+    # the compiled guesses (no logarithm) agree wherever they are sure, and say where not
+    from dcr_format.codec import _native_classes as native
+
+    sure = np.empty(counts.size, dtype=np.int64)
+    unsure = native.rice_guesses(counts.astype(np.int64), last.astype(np.int64), sure)
+    assert unsure == int((sure == -1).sum())
+    assert (sure[sure != -1] == got[sure != -1]).all() and (sure != -1).mean() > 0.99
+    assert (sure[counts == 0] == 0).all() and (sure[last - (counts - 1) < counts] == 0).all()
+    # y = mean * 0.6931 within a few ulps of a power of two: unsure (numpy's logarithm
+    # decides); 2^-30 away from it: the exponent, the reference's guess
+    for power in (1, 10, 35):
+        n = 1 << (60 - power)  # mean * n about 2^60: a step of the last rank is 2^-60 of it
+        far = round(2.0**power / 0.6931 * n * 2.0**-30)  # 2^-30 of the mean
+        for offset in (-3, -1, 0, 1, 3, -far, far):
+            e = round(2.0**power / 0.6931 * n) + n - 1 + offset
+            one = np.empty(1, dtype=np.int64)
+            native.rice_guesses(np.array([n]), np.array([e]), one)
+            reference = rice_k_guesses(np.array([n]), np.array([e]))[0]
+            near = abs(offset) < 8
+            assert one[0] == (-1 if near else reference), (power, offset)

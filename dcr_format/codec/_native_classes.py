@@ -34,6 +34,7 @@ there are their XOR).
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -955,6 +956,38 @@ def _body_one(classes, ranks, sizes, guesses, max_k):  # type: ignore[no-untyped
     out, at = _layout(sizes, ks, unary)
     _parts_serial(ordered, ends, ks, unary, owner, at, out)
     return out
+
+
+_NEAR_POWER = 2.0**-40  # relative distance to a power of two under which a guess is unsure
+
+
+@njit(cache=True, nogil=True)
+def rice_guesses(sizes: np.ndarray, last: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover
+    """Each class's Rice guess (:func:`dcr_format.codec.positions.rice_k_guesses`, from
+    its count and last rank) into ``out`` without a logarithm where that is exact: with
+    ``y = max(mean * 0.6931, 1) = m * 2^e`` (``m`` in ``[0.5, 1)``), ``floor(log2(y))`` is
+    ``e - 1`` unless ``y`` lies within ``2^-40`` (relative) of a power of two, where a
+    logarithm correct to within a few ulps may round to either side; those classes get -1
+    and are counted (the caller takes numpy's logarithm, the reference's, for them).
+    ``y = 1`` (a mean gap under 1.44) is 0 exactly."""
+    unsure = 0
+    for c in range(sizes.size):
+        n = sizes[c]
+        if n == 0:
+            out[c] = 0
+            continue
+        mean = np.float64(last[c] - (n - 1)) / np.float64(n)
+        y = max(mean * 0.6931, 1.0)
+        if y == 1.0:
+            out[c] = 0
+            continue
+        m, e = math.frexp(y)
+        if m < 0.5 + _NEAR_POWER or m > 1.0 - _NEAR_POWER:
+            out[c] = -1
+            unsure += 1
+        else:
+            out[c] = e - 1
+    return unsure
 
 
 def classed_body(

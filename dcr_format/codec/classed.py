@@ -347,7 +347,9 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     native = _native()
     if native is not None:  # the counts and every class's part in compiled calls
         tallies = native.class_tallies(classes, ranks, count)
-        guesses = _positions.rice_k_guesses(tallies.sizes, tallies.last)
+        guesses = np.empty(count, dtype=np.int64)
+        if native.rice_guesses(tallies.sizes, tallies.last, guesses):  # near a power of two
+            guesses = _positions.rice_k_guesses(tallies.sizes, tallies.last)
         body: np.ndarray = native.classed_body(
             classes, ranks, tallies, guesses, _positions.MAX_RICE_K
         )
