@@ -288,6 +288,29 @@ def test_steady_benchmark_quick_run(tmp_path):
     assert {r["target_rate"] for r in data["summary"]} == {0.005, 0.01}
 
 
+def test_steady_benchmark_runs_a_mixture_of_experts_layout(tmp_path):
+    """--experts: the same bytes as many small tensors (where a tensor's fixed cost shows),
+    every step still bit-exact; the header says how many tensors."""
+    from dcr_format.bench.refit import model_shapes
+
+    dense, moe = model_shapes(20.0), model_shapes(20.0, experts=4)
+    size = lambda shapes: sum(math.prod(s) for s in shapes.values())  # noqa: E731
+    assert len(moe) > len(dense) and abs(size(moe) / size(dense) - 1) < 0.05
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in moe
+    assert "model.layers.0.mlp.gate_proj.weight" not in moe
+    with pytest.raises(ValueError, match="experts must be 0 or more"):
+        model_shapes(20.0, experts=-1)
+    out = tmp_path / "steady.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "steady_bench.py"), "--quick", "--experts",
+         "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    assert f"20 MB bf16 model of {len(moe)} tensors" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["tensors"] == len(moe) and all(r["bit_exact"] for r in data["rows"])
+
+
 def test_native_benchmark_small_run():
     """benchmarks/native_bench.py on a small tensor: every measurement prints, and the
     classed positions it times decode to the positions it coded (the script checks)."""

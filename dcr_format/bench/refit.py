@@ -29,9 +29,16 @@ RATES = (0.005, 0.01, 0.03, 0.05)
 DENSE_KEY = "dense/model.safetensors"
 
 
-def model_shapes(total_mb: float) -> dict[str, tuple[int, ...]]:
+def model_shapes(total_mb: float, experts: int = 0) -> dict[str, tuple[int, ...]]:
     """Llama-like canonical tensors adding up to about ``total_mb`` of bf16 (small sizes get
-    narrower layers, so even a few MB is a model of several layers)."""
+    narrower layers, so even a few MB is a model of several layers).
+
+    ``experts`` > 0: a mixture-of-experts layout of about the same bytes, each layer's MLP
+    split into that many experts (gate, up and down projections of ``ff // experts`` rows
+    or columns each) behind a router: many more, smaller tensors (tens of thousands in a
+    real MoE checkpoint), which is where a tensor's fixed cost shows."""
+    if experts < 0:
+        raise ValueError(f"experts must be 0 or more, not {experts}")
     d, ff, vocab = 1024, 2816, 16384
     while d > 64 and 2 * (2 * vocab * d + 4 * d * d + 3 * d * ff) > total_mb * 1e6:
         d, ff, vocab = d // 2, ff // 2, vocab // 2
@@ -42,9 +49,17 @@ def model_shapes(total_mb: float) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes[f"{p}.self_attn.{proj}.weight"] = (d, d)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (ff, d)
-        shapes[f"{p}.mlp.up_proj.weight"] = (ff, d)
-        shapes[f"{p}.mlp.down_proj.weight"] = (d, ff)
+        if experts:
+            width = max(1, ff // experts)
+            shapes[f"{p}.mlp.gate.weight"] = (experts, d)  # the router
+            for e in range(experts):
+                shapes[f"{p}.mlp.experts.{e}.gate_proj.weight"] = (width, d)
+                shapes[f"{p}.mlp.experts.{e}.up_proj.weight"] = (width, d)
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (d, width)
+        else:
+            shapes[f"{p}.mlp.gate_proj.weight"] = (ff, d)
+            shapes[f"{p}.mlp.up_proj.weight"] = (ff, d)
+            shapes[f"{p}.mlp.down_proj.weight"] = (d, ff)
         shapes[f"{p}.input_layernorm.weight"] = (d,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (d,)
     shapes["model.norm.weight"] = (d,)

@@ -314,13 +314,15 @@ def run(
     stores: Sequence[str],
     links: Sequence[float],
     features: Sequence[Sequence[str]] = ((),),
+    experts: int = 0,
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Every store configuration in turn; the shaped ones in their own namespace.
     ``features``: the writer feature sets to run; on the local store they run side by
-    side (:func:`compared_series`, one store each), elsewhere one after the other."""
+    side (:func:`compared_series`, one store each), elsewhere one after the other.
+    ``experts``: the model's MLPs as that many experts each (:func:`model_shapes`)."""
     torch.manual_seed(0)
-    shapes = model_shapes(mb)
+    shapes = model_shapes(mb, experts)
     rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     for kind in stores:
@@ -359,7 +361,7 @@ def run(
                         "dcr_format.bench.steady", "--inside", str(target), "--label",
                         f"s3 {gbit:g} Gbps", "--mb", str(mb), "--steps", str(steps),
                         "--rates", ",".join(str(r) for r in rates),
-                        "--features", ",".join(wanted),
+                        "--features", ",".join(wanted), "--experts", str(experts),
                     ]  # fmt: skip
                     progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
                     subprocess.run(command, check=True)
@@ -369,6 +371,7 @@ def run(
         "summary": summarise(rows),
         "skipped": skipped,
         "model_mb": mb,
+        "tensors": len(shapes),
         "features": [",".join(wanted) or "none" for wanted in features],
     }
 
@@ -424,6 +427,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the writer's features, comma-separated (FORMAT.md §12; '' or 'none' for none); "
         "give it again for more writers, run side by side on the local store",
     )
+    parser.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="split each layer's MLP into this many experts (a mixture-of-experts layout of "
+        "the same bytes: many small tensors, where a tensor's fixed cost shows)",
+    )
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
     parser.add_argument("--json", type=Path, help="also write every row and the summary here")
     parser.add_argument(
@@ -437,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.mb <= 0:
         parser.error("--steps and --mb must be positive")
+    if args.experts < 0:
+        parser.error("--experts must be 0 or more")
     rates = [float(r) for r in args.rates.split(",") if r]
     feature_sets = [
         [f for f in given.split(",") if f and f != "none"] for given in args.features or [""]
@@ -447,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with _store("s3", Path(work)) as store:
                 rows = steady_series(
                     store,
-                    model_shapes(args.mb),
+                    model_shapes(args.mb, args.experts),
                     rates,
                     steps=args.steps,
                     label=args.label,
@@ -465,10 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         stores=[s for s in args.stores.split(",") if s],
         links=[float(g) for g in args.links.split(",") if g],
         features=feature_sets,
+        experts=args.experts,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     print(
-        f"steady-state refit, {result['model_mb']:.0f} MB bf16 model, medians of each rate"
+        f"steady-state refit, {result['model_mb']:.0f} MB bf16 model of {result['tensors']} "
+        "tensors, medians of each rate"
         + (f", writer features {' | '.join(result['features'])}" if any(feature_sets) else "")
     )
     print(format_table(result["summary"]))
