@@ -286,3 +286,63 @@ def test_the_compiled_join_refuses_each_break_as_the_reference(
                     outcome.append(str(error))
             assert outcome[0] == outcome[1], (dtype, name)
             assert (outcome[0] == z.tobytes()) == (name == "whole"), (dtype, name)
+
+
+def test_the_split_and_join_of_many_changes_on_threads_equal_one_pass() -> None:
+    """Past ``ULP_TASK`` changes the split and the join run in tasks, each placing its low
+    bits from the sum of the shifts before it (tasks share the bytes where one ends inside
+    a byte): the same ``y`` and low bits as one pass in this thread, the same differences,
+    and for a broken stream the same error as one pass (the first in change order)."""
+    from dcr_format.codec import _native_ulp as native
+
+    rng = np.random.default_rng(67)
+    n = 3 * native.ULP_TASK + 123
+    for dtype, origin in (("bfloat16", 122), ("float16", 14), ("float64", 1015)):
+        shift, mask = EXPONENT_FIELDS[dtype]
+        cap = ulp_shift.shift_cap(dtype)
+        old, new = scaled_change(rng, dtype, n, origin)
+        z = ulp.to_ulp(old, new)
+        for e0 in (ulp_shift.choose_origin(old, z, dtype), 0, 1):
+            assert e0 is not None
+            shifts = ulp_shift.shifts_of(ulp_shift.exponents_of(old, dtype), e0, dtype)
+            starts = np.concatenate(([0], np.cumsum(shifts)))[:: native.ULP_TASK]
+            y1, low1 = np.empty_like(z), np.zeros((n * cap + 7) // 8, np.uint8)
+            y2, low2 = np.empty_like(z), np.full((n * cap + 7) // 8, 0xA5, np.uint8)
+            used1 = native.split_shifted(old, z, e0, shift, mask, cap, y1, low1)
+            used2 = native.split_low(old, z, e0, shift, mask, cap, y2, low2)
+            assert used1 == used2 == (int(shifts.sum()) + 7) // 8
+            assert np.array_equal(y1, y2) and np.array_equal(low1[:used1], low2[:used2])
+            if e0 > 1:  # tasks that begin inside a byte, so some bytes are shared
+                assert (starts[1:] % 8).any()
+            low = low1[:used1]
+            joined = np.empty_like(z)
+            assert native.join_low(old, y1, e0, shift, mask, cap, low, joined) == 0
+            assert np.array_equal(joined, z)
+        e0 = ulp_shift.choose_origin(old, z, dtype)
+        assert e0 is not None
+        y, low_bytes = ulp_shift.split(old, z, e0, dtype)
+        low = np.frombuffer(low_bytes, np.uint8)
+        shifts = ulp_shift.shifts_of(ulp_shift.exponents_of(old, dtype), e0, dtype)
+        nonzero = np.flatnonzero(shifts)
+        edges = [k for k in nonzero if k % native.ULP_TASK in (0, 1, native.ULP_TASK - 1)]
+        big_at = [int(nonzero[0]), *edges[:4], int(nonzero[-1])]
+        cases: list[tuple[str, np.ndarray, np.ndarray]] = [("whole", y, low)]
+        cases += [(f"cut {c}", y, low[:c]) for c in (0, 1, low.size // 3, low.size - 1)]
+        cases += [(f"{c} after", y, np.concatenate([low, np.zeros(c, np.uint8)])) for c in (1, 5)]
+        if int(shifts.sum()) % 8:
+            padded = low.copy()
+            padded[-1] |= 0x80
+            cases.append(("padding", y, padded))
+        for k in big_at:
+            big = y.copy()
+            big[k] = np.iinfo(big.dtype).max
+            cases.append((f"too large at {k}", big, low))
+            cases.append((f"too large at {k} and cut", big, low[: low.size // 2]))
+        for name, ys, bits in cases:
+            one, many = np.empty_like(z), np.empty_like(z)
+            serial = native.join_shifted(old, ys, e0, shift, mask, cap, bits, one)
+            tasks = native.join_low(old, ys, e0, shift, mask, cap, bits, many)
+            assert serial == tasks, (dtype, name)
+            assert (serial == 0) == (name == "whole"), (dtype, name)
+            if serial == 0:
+                assert np.array_equal(one, many)

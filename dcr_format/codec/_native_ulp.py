@@ -13,7 +13,7 @@ numpy references.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -143,6 +143,109 @@ def _signed_pattern(
     return d | (~ones & negative)
 
 
+ULP_TASK = 1 << 14
+"""Changes per task of the ``ulp-shift`` split and join: a tensor with more is split and
+joined on several threads, each task's low bits placed from the sum of the shifts before
+it (:func:`split_low`, :func:`join_low`)."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _task_span(t: int, n: int) -> tuple[int, int]:  # pragma: no cover - compiled
+    lo = t * ULP_TASK
+    return lo, min(lo + ULP_TASK, n)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _shift_sum(t, old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
+    lo, hi = _task_span(t, old.size)
+    total = _ZERO
+    for k in range(lo, hi):
+        total += _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
+    sums[t] = np.int64(total)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _shift_sums(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
+    for t in prange(sums.size):
+        _shift_sum(t, old, origin, shift, mask, cap, sums)
+
+
+@njit(cache=True, nogil=True)
+def _shift_sums_serial(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
+    for t in range(sums.size):
+        _shift_sum(t, old, origin, shift, mask, cap, sums)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(low, heads, t, first, at, value):  # type: ignore[no-untyped-def]
+    """Byte ``at`` of task ``t``'s low bits: its first byte where that is shared with the
+    task before (``first``) goes to ``heads[t]`` (ORed in after every task is done), any
+    other byte straight into ``low``, which no other task writes."""
+    if at == first:
+        heads[t] = value
+    else:
+        low[at] = value
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
+    """Task ``t`` of :func:`split_shifted`, changes ``lo`` to ``hi``: their ``y`` and low
+    bits, the low bits from bit ``starts[t]`` of ``low`` on (the bits of the tasks before
+    it below); returns the byte after its last."""
+    top, ones = limits(old.itemsize)
+    wide = cap > 32
+    start = starts[t]
+    used = start >> 3
+    held = np.uint64(start & 7)  # the bits of the task before, zero in ``acc``
+    first = used if held else -1
+    acc = _ZERO
+    for k in range(lo, hi):
+        s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
+        d = _signed_pattern(np.uint64(z[k]), top, ones)
+        sign = _ZERO - (d >> np.uint64(63))
+        q = (d >> s) | (~(~_ZERO >> s) & sign)  # arithmetic shift
+        y[k] = ((q << _ONE) ^ (_ZERO - (q >> np.uint64(63)))) & ones
+        acc |= (d & ((_ONE << s) - _ONE)) << held  # held < 32 (or < 8 where wide)
+        held += s
+        if wide:
+            while held >= 8:
+                _put(low, heads, t, first, used, acc & np.uint64(0xFF))
+                used += 1
+                acc >>= np.uint64(8)
+                held -= np.uint64(8)
+        elif held >= 32:
+            if used == first:  # the first word only: its first byte is shared
+                for b in range(4):
+                    word = (acc >> np.uint64(8 * b)) & np.uint64(0xFF)
+                    _put(low, heads, t, first, used + b, word)
+            else:  # four plain stores, which the compiler merges into one
+                for b in range(4):
+                    low[used + b] = (acc >> np.uint64(8 * b)) & np.uint64(0xFF)
+            used += 4
+            acc >>= np.uint64(32)
+            held -= np.uint64(32)
+    while held > _ZERO:
+        _put(low, heads, t, first, used, acc & np.uint64(0xFF))
+        used += 1
+        acc >>= np.uint64(8)
+        held -= min(held, np.uint64(8))
+    return used
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _split(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
+    for t in prange(starts.size):
+        lo, hi = _task_span(t, old.size)
+        _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
+
+
+@njit(cache=True, nogil=True)
+def _split_serial(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
+    for t in range(starts.size):
+        lo, hi = _task_span(t, old.size)
+        _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
+
+
 @njit(cache=True, nogil=True)
 def split_shifted(
     old: np.ndarray,
@@ -156,38 +259,115 @@ def split_shifted(
 ) -> int:  # pragma: no cover - compiled
     """``y[k] = zigzag(d_k >> s_k)`` and the ``s_k`` low bits of every ``d_k`` packed into
     ``low`` (uint8, at least ``ceil(sum(s_k) / 8)`` bytes) from the zigzag ulp differences
-    ``z`` of the old bits ``old``; returns the bytes of ``low`` used. The low bits gather
-    in a word and go out 32 at a time where a shift is at most 32 bits (every float but
-    float64), else a byte at a time."""
+    ``z`` of the old bits ``old``, in this thread; returns the bytes of ``low`` used. The
+    low bits gather in a word and go out 32 at a time where a shift is at most 32 bits
+    (every float but float64), else a byte at a time."""
+    starts = np.zeros(1, dtype=np.int64)
+    heads = np.zeros(1, dtype=np.uint8)
+    used = _split_task(0, 0, old.size, old, z, origin, shift, mask, cap, y, low, starts, heads)
+    return int(used)
+
+
+def _starts(
+    old: np.ndarray, origin: int, shift: int, mask: int, cap: int
+) -> tuple[np.ndarray, int]:
+    """Each task's first bit of the low bits, and the bits of all of them."""
+    from dcr_format.codec._native import _launch
+
+    tasks = -(-old.size // ULP_TASK)
+    sums = np.empty(tasks, dtype=np.int64)
+    _launch(_shift_sums, _shift_sums_serial, tasks, old, origin, shift, mask, cap, sums)
+    starts = np.zeros(tasks, dtype=np.int64)
+    np.cumsum(sums[:-1], out=starts[1:])
+    return starts, int(starts[-1] + sums[-1])
+
+
+def split_low(
+    old: np.ndarray,
+    z: np.ndarray,
+    origin: int,
+    shift: int,
+    mask: int,
+    cap: int,
+    y: np.ndarray,
+    low: np.ndarray,
+) -> int:
+    """:func:`split_shifted`, past :data:`ULP_TASK` changes on several threads (the same
+    bytes)."""
+    if old.size <= ULP_TASK:
+        return int(split_shifted(old, z, origin, shift, mask, cap, y, low))
+    from dcr_format.codec._native import _launch
+
+    starts, total = _starts(old, origin, shift, mask, cap)
+    heads = np.zeros(starts.size, dtype=np.uint8)
+    args = (old, z, origin, shift, mask, cap, y, low, starts, heads)
+    _launch(_split, _split_serial, starts.size, *args)
+    for t in np.flatnonzero(starts & 7).tolist():  # bytes two tasks share
+        low[starts[t] >> 3] |= heads[t]
+    return (total + 7) // 8
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
+    """Task ``t`` of :func:`join_shifted`, changes ``lo`` to ``hi``: their ``z`` from ``y``
+    and the low bits from bit ``starts[t]`` on; ``errors[t]`` its first error (0: none), and
+    for the last task the check of what follows the low bits."""
     top, ones = limits(old.itemsize)
-    wide = cap > 32
-    acc, held, used = _ZERO, _ZERO, 0
-    for k in range(old.size):
-        s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
-        d = _signed_pattern(np.uint64(z[k]), top, ones)
-        sign = _ZERO - (d >> np.uint64(63))
-        q = (d >> s) | (~(~_ZERO >> s) & sign)  # arithmetic shift
-        y[k] = ((q << _ONE) ^ (_ZERO - (q >> np.uint64(63)))) & ones
-        acc |= (d & ((_ONE << s) - _ONE)) << held  # held < 32 (or < 8 where wide)
-        held += s
-        if wide:
-            while held >= 8:
-                low[used] = acc & np.uint64(0xFF)
-                used += 1
-                acc >>= np.uint64(8)
-                held -= np.uint64(8)
-        elif held >= 32:
-            for b in range(4):
-                low[used + b] = (acc >> np.uint64(8 * b)) & np.uint64(0xFF)
-            used += 4
-            acc >>= np.uint64(32)
-            held -= np.uint64(32)
-    while held > _ZERO:
-        low[used] = acc & np.uint64(0xFF)
+    width = np.uint64(8 * old.itemsize)
+    size = low.size
+    start = starts[t]
+    used = start >> 3
+    acc, held = _ZERO, _ZERO
+    skip = np.uint64(start & 7)
+    if skip and used < size:  # the rest of a byte the task before began
+        acc = np.uint64(low[used]) >> skip
+        held = np.uint64(8) - skip
         used += 1
-        acc >>= np.uint64(8)
-        held -= min(held, np.uint64(8))
-    return used
+    errors[t] = 0
+    for k in range(lo, hi):
+        if held < np.uint64(32) and used + 4 <= size:
+            word = _ZERO
+            for b in range(4):
+                word |= np.uint64(low[used + b]) << np.uint64(8 * b)
+            acc |= word << held
+            used += 4
+            held += np.uint64(32)
+        s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
+        yk = np.uint64(y[k])
+        if width - s < np.uint64(64) and yk >> (width - s):
+            errors[t] = 1
+            return
+        while held < s:
+            if used >= size:
+                errors[t] = 2
+                return
+            acc |= np.uint64(low[used]) << held
+            used += 1
+            held += np.uint64(8)
+        bits = acc & ((_ONE << s) - _ONE)
+        acc >>= s
+        held -= s
+        q = (yk >> _ONE) ^ (_ZERO - (yk & _ONE))
+        d = ((q << s) | bits) & ones
+        z[k] = ((d << _ONE) ^ (ones & (_ZERO - ((d & top) >> (width - _ONE))))) & ones
+    # after the last task every byte given must hold bits of the shifts, the last one's
+    # padding zero
+    if t == starts.size - 1 and (used != size or acc or held >= np.uint64(8)):
+        errors[t] = 3
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _join(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
+    for t in prange(starts.size):
+        lo, hi = _task_span(t, old.size)
+        _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
+
+
+@njit(cache=True, nogil=True)
+def _join_serial(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
+    for t in range(starts.size):
+        lo, hi = _task_span(t, old.size)
+        _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
 
 
 @njit(cache=True, nogil=True)
@@ -201,40 +381,38 @@ def join_shifted(
     low: np.ndarray,
     z: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """The inverse of :func:`split_shifted`: ``z[k]`` the zigzag ulp differences. Returns 0,
-    or 1 for a ``y_k`` too large for its shift, 2 for low bits that end early, 3 for bytes
-    or nonzero padding bits after them (FORMAT.md §7.6). The low bits come into a word 32
-    at a time while 4 bytes are left, then byte by byte; an element's errors are checked in
-    the same order as byte by byte throughout (the read ahead never fails)."""
-    top, ones = limits(old.itemsize)
-    width = np.uint64(8 * old.itemsize)
-    acc, held, used = _ZERO, _ZERO, 0
-    size = low.size
-    for k in range(old.size):
-        if held < np.uint64(32) and used + 4 <= size:
-            word = _ZERO
-            for b in range(4):
-                word |= np.uint64(low[used + b]) << np.uint64(8 * b)
-            acc |= word << held
-            used += 4
-            held += np.uint64(32)
-        s = _shift_of(np.uint64(old[k]), origin, shift, mask, cap)
-        yk = np.uint64(y[k])
-        if width - s < np.uint64(64) and yk >> (width - s):
-            return 1
-        while held < s:
-            if used >= size:
-                return 2
-            acc |= np.uint64(low[used]) << held
-            used += 1
-            held += np.uint64(8)
-        bits = acc & ((_ONE << s) - _ONE)
-        acc >>= s
-        held -= s
-        q = (yk >> _ONE) ^ (_ZERO - (yk & _ONE))
-        d = ((q << s) | bits) & ones
-        z[k] = ((d << _ONE) ^ (ones & (_ZERO - ((d & top) >> (width - _ONE))))) & ones
-    # every byte given must hold bits of the shifts, the last one's padding zero
-    if used != size or acc or held >= np.uint64(8):
-        return 3
-    return 0
+    """The inverse of :func:`split_shifted`, in this thread: ``z[k]`` the zigzag ulp
+    differences. Returns 0, or 1 for a ``y_k`` too large for its shift, 2 for low bits that
+    end early, 3 for bytes or nonzero padding bits after them (FORMAT.md §7.6). The low bits
+    come into a word 32 at a time while 4 bytes are left, then byte by byte; an element's
+    errors are checked in the same order as byte by byte throughout (the read ahead never
+    fails)."""
+    starts = np.zeros(1, dtype=np.int64)
+    errors = np.zeros(1, dtype=np.int64)
+    _join_task(0, 0, old.size, old, y, origin, shift, mask, cap, low, z, starts, errors)
+    return int(errors[0])
+
+
+def join_low(
+    old: np.ndarray,
+    y: np.ndarray,
+    origin: int,
+    shift: int,
+    mask: int,
+    cap: int,
+    low: np.ndarray,
+    z: np.ndarray,
+) -> int:
+    """:func:`join_shifted`, past :data:`ULP_TASK` changes on several threads: the same
+    ``z`` and the same error (each task stops at its first; the first task's with one
+    decides, as one pass in order would)."""
+    if old.size <= ULP_TASK:
+        return int(join_shifted(old, y, origin, shift, mask, cap, low, z))
+    from dcr_format.codec._native import _launch
+
+    starts, _ = _starts(old, origin, shift, mask, cap)
+    errors = np.zeros(starts.size, dtype=np.int64)
+    args = (old, y, origin, shift, mask, cap, low, z, starts, errors)
+    _launch(_join, _join_serial, starts.size, *args)
+    failed = np.flatnonzero(errors)
+    return int(errors[failed[0]]) if failed.size else 0

@@ -89,7 +89,7 @@ def split(old: np.ndarray, z: np.ndarray, origin: int, dtype: str) -> tuple[np.n
     cap = shift_cap(dtype)
     y = np.empty(z.shape, dtype=z.dtype)
     low = np.empty((z.size * cap + 7) // 8, dtype=np.uint8)
-    used = native.split_shifted(old, z, origin, shift, mask, cap, y, low)
+    used = native.split_low(old, z, origin, shift, mask, cap, y, low)
     return y, low[:used].tobytes()
 
 
@@ -114,7 +114,7 @@ def join(
     shift, mask = EXPONENT_FIELDS[dtype]
     z = np.empty(y.shape, dtype=y.dtype)
     packed = np.frombuffer(low, dtype=np.uint8)
-    error = native.join_shifted(old, y, origin, shift, mask, shift_cap(dtype), packed, z)
+    error = native.join_low(old, y, origin, shift, mask, shift_cap(dtype), packed, z)
     if error:
         raise ValuesError(f"ulp-shift stream {_JOIN_ERRORS[error]}; the object is corrupt")
     return z
