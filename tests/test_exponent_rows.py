@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.codec import classed
+from dcr_format.codec import _native_classes, classed
 from dcr_format.codec import delta as delta_module
 from dcr_format.codec.classed import (
     ROW_ELEMENTS,
@@ -82,12 +82,14 @@ def counted(bits: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
+@pytest.mark.parametrize("rate", [0.02, 0.1])  # 0.1: past _PARALLEL_MOVES, a row per task
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_rows_and_their_moves_match_the_definition(kernels: str, dtype: str) -> None:
+def test_rows_and_their_moves_match_the_definition(kernels: str, dtype: str, rate: float) -> None:
     old = weights(2 * ROW_ELEMENTS + 4321, dtype)
     rows = exponent_rows(old, dtype)
     assert np.array_equal(rows, counted(old, dtype)) and rows_fit(rows, old.size, dtype)
-    new, positions = step(old, dtype, 0.02, 1)
+    new, positions = step(old, dtype, rate, 1)
+    assert (positions.size > _native_classes._PARALLEL_MOVES) == (rate > 0.05)
     moved = rows.copy()
     changed = move_rows(moved, positions, old[positions], new[positions], dtype)
     assert np.array_equal(moved, counted(new, dtype))

@@ -148,19 +148,47 @@ def histograms(
     return out, changed
 
 
-@njit(cache=True, nogil=True)
-def _move_rows(rows, positions, old, new, shift, mask, forward, changed):  # type: ignore[no-untyped-def]
-    for j in range(positions.size):
-        t = positions[j] // TASK
+@njit(cache=True, nogil=True, inline="always")
+def _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed):  # type: ignore[no-untyped-def]
+    """:func:`move_rows` of the changes ``lo`` to ``hi``, their old exponents counted into
+    ``changed``; a row moves only where a change leaves its exponent (most stay)."""
+    for j in range(lo, hi):
         was = _exponent(old[j], shift, mask)
         now = _exponent(new[j], shift, mask)
         changed[was] += 1
-        if forward:
-            rows[t, was] -= 1
-            rows[t, now] += 1
-        else:
-            rows[t, now] -= 1
-            rows[t, was] += 1
+        if was != now:
+            t = positions[j] // TASK
+            if forward:
+                rows[t, was] -= 1
+                rows[t, now] += 1
+            else:
+                rows[t, now] -= 1
+                rows[t, was] += 1
+
+
+@njit(cache=True, nogil=True)
+def _move_rows(rows, positions, old, new, shift, mask, forward, changed):  # type: ignore[no-untyped-def]
+    _move_span(0, positions.size, rows, positions, old, new, shift, mask, forward, changed)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _move_runs(rows, positions, old, new, shift, mask, forward, bounds, changed):  # type: ignore[no-untyped-def]
+    """:func:`move_rows` a row at a time on numba's threads: task ``t`` moves the changes of
+    row ``t`` (``bounds[t]`` to ``bounds[t + 1]``), which no other task's touch, and counts
+    their old exponents into ``changed[t]``."""
+    for t in prange(bounds.size - 1):
+        lo, hi = bounds[t], bounds[t + 1]
+        _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed[t])
+
+
+@njit(cache=True, nogil=True)
+def _move_runs_serial(rows, positions, old, new, shift, mask, forward, bounds, changed):  # type: ignore[no-untyped-def]
+    for t in range(bounds.size - 1):
+        lo, hi = bounds[t], bounds[t + 1]
+        _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed[t])
+
+
+_PARALLEL_MOVES = 1 << 15  # changes past which rows move on several threads
 
 
 def move_rows(
@@ -175,10 +203,18 @@ def move_rows(
 ) -> np.ndarray:
     """Move each changed element between its old and new exponent in its task's row of
     ``rows`` (in place; ``forward``: from old to new), where ``old`` and ``new`` are the bits
-    at ``positions``; returns the histogram of the old exponents of the changed elements."""
-    changed = np.zeros(mask + 1, dtype=np.int64)
-    _move_rows(rows, positions, old, new, shift, mask, forward, changed)
-    return changed
+    at ``positions`` (increasing); returns the histogram of the old exponents of the changed
+    elements. Past :data:`_PARALLEL_MOVES` changes over several rows, a row per task."""
+    runs = rows.shape[0]
+    if positions.size < _PARALLEL_MOVES or runs < 2:
+        changed = np.zeros(mask + 1, dtype=np.int64)
+        _move_rows(rows, positions, old, new, shift, mask, forward, changed)
+        return changed
+    bounds = np.searchsorted(positions, np.arange(runs + 1, dtype=np.int64) * TASK)
+    per_run = np.zeros((runs, mask + 1), dtype=np.int64)
+    args = (rows, positions, old, new, shift, mask, forward, bounds, per_run)
+    _launch(_move_runs, _move_runs_serial, runs, *args)
+    return per_run.sum(axis=0)  # type: ignore[no-any-return]
 
 
 @njit(cache=True, nogil=True)
