@@ -490,6 +490,7 @@ def test_apply_refuses_positions_out_of_range():
 FORK_CHILD = """
 import os, sys, numba, torch
 from dcr_format import fingerprint as fp
+from dcr_format.codec import _launch as launch
 from dcr_format.codec import positions as pc
 from dcr_format.cuda import dispatch
 native = pc.native_kernels()
@@ -503,7 +504,7 @@ layer = numba.threading_layer()
 pid = os.fork()
 if pid == 0:
     # no parallel region in a child of a process that ran one under OpenMP
-    assert native._Launches.serial_only == (layer == "omp"), layer
+    assert launch._Launches.serial_only == (layer == "omp"), layer
     found, deltas = dispatch.diff_with_lanes(old, new)
     same = fp.tensor_lanes(x) == parent[0] and deltas == parent[1][1]
     os._exit(0 if same and torch.equal(found.positions, parent[1][0].positions) else 3)

@@ -16,28 +16,22 @@ every fingerprint sum is reduced before it can reach 2^64.
 Every kernel releases the GIL (``nogil``), so reader threads decode streams at the same
 time. numba picks its threading layer as usual (TBB, else OpenMP, else its own
 ``workqueue``). Each parallel kernel has a serial twin over the same tasks (one body,
-two loops), and :func:`_launch` runs the twin for one task (no parallel region to
-start: ~3 us under OpenMP, ~0.2 ms under ``workqueue`` on a 2-core VM) and in any
-process forked after this one launched a parallel kernel under OpenMP: GNU OpenMP is
-not fork-safe, and numba terminates such a child at its first parallel kernel (a
-trainer's or a reader's ``multiprocessing`` workers would die). ``workqueue`` aborts
-the process when two threads launch parallel kernels at once, so every launch holds
-one process-wide lock.
+two loops), and :func:`~dcr_format.codec._launch._launch` chooses between them (see
+:mod:`dcr_format.codec._launch`).
 """
 
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 from typing import Any, NamedTuple
 
-import numba
 import numpy as np
 from numba import njit, prange
 from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
+from dcr_format.codec._launch import _launch
 from dcr_format.codec._native_bits import load_be64
 from dcr_format.codec._native_ulp import limits as _ulp_limits
 from dcr_format.codec._native_ulp import stepped as _ulp_stepped
@@ -64,46 +58,8 @@ _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^
 _CHUNK = 1 << 13
 _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of changing them
 
-_LOCK = threading.Lock()  # held around every parallel kernel launch
-_NUMBA: Any = numba  # threading_layer() is numba's API, not in its stubs' exports
 _TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
 _LEADING_ZEROS: Any = _leading_zeros  # an intrinsic: callable in kernels only
-
-
-class _Launches:
-    """Whether this process launched a parallel kernel, and whether it may (see the module
-    docstring: not in a child forked after one under OpenMP)."""
-
-    launched = False
-    serial_only = False
-
-
-def _forked() -> None:
-    """In a forked child: a fresh launch lock (another thread of the parent may have held
-    it), and parallel kernels off if the parent launched one under OpenMP."""
-    global _LOCK
-    _LOCK = threading.Lock()
-    if _Launches.launched:
-        try:
-            layer = _NUMBA.threading_layer()
-        except ValueError:  # no layer was loaded after all: take no chance
-            layer = "omp"
-        _Launches.serial_only = layer == "omp"
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
-
-
-def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
-    """Run a kernel over ``tasks`` tasks: with its ``serial`` twin for one task, or where
-    parallel kernels are off; else with ``parallel`` under the process-wide launch lock."""
-    if tasks == 1 or (tasks and _Launches.serial_only):
-        serial(*args)
-    elif tasks:
-        with _LOCK:
-            _Launches.launched = True
-            parallel(*args)
 
 
 # --- g = (s + c)^5 mod p --------------------------------------------------------------

@@ -6,7 +6,7 @@ reproduce the reference exactly (``tests/test_codec_classed.py``).
 
 Both ends make two passes over the tensor's old bits (the first only where its rows are
 not kept), in tasks of :data:`~dcr_format.codec._native.TASK` elements that run in
-parallel (through :func:`~dcr_format.codec._native._launch`, with serial twins):
+parallel (through :func:`~dcr_format.codec._launch._launch`, with serial twins):
 
 1. :func:`histograms`: each task's histogram of the exponent field (four interleaved
    counter rows, so that equal neighbours do not wait on one counter). The writer picks
@@ -42,10 +42,10 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from dcr_format.codec._launch import _launch
 from dcr_format.codec._native import (
     _TRAILING_ZEROS,
     TASK,
-    _launch,
     _rice_decode,
     _rice_encode,
     tasks_of,

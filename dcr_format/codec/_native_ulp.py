@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from dcr_format.codec._launch import _launch
+
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
 
@@ -272,8 +274,6 @@ def _starts(
     old: np.ndarray, origin: int, shift: int, mask: int, cap: int
 ) -> tuple[np.ndarray, int]:
     """Each task's first bit of the low bits, and the bits of all of them."""
-    from dcr_format.codec._native import _launch
-
     tasks = -(-old.size // ULP_TASK)
     sums = np.empty(tasks, dtype=np.int64)
     _launch(_shift_sums, _shift_sums_serial, tasks, old, origin, shift, mask, cap, sums)
@@ -296,8 +296,6 @@ def split_low(
     bytes)."""
     if old.size <= ULP_TASK:
         return int(split_shifted(old, z, origin, shift, mask, cap, y, low))
-    from dcr_format.codec._native import _launch
-
     starts, total = _starts(old, origin, shift, mask, cap)
     heads = np.zeros(starts.size, dtype=np.uint8)
     args = (old, z, origin, shift, mask, cap, y, low, starts, heads)
@@ -408,8 +406,6 @@ def join_low(
     decides, as one pass in order would)."""
     if old.size <= ULP_TASK:
         return int(join_shifted(old, y, origin, shift, mask, cap, low, z))
-    from dcr_format.codec._native import _launch
-
     starts, _ = _starts(old, origin, shift, mask, cap)
     errors = np.zeros(starts.size, dtype=np.int64)
     args = (old, y, origin, shift, mask, cap, low, z, starts, errors)
