@@ -5,7 +5,9 @@ changed elements each way, in place of numpy's half a dozen temporaries: the zig
 differences of new bits against old ones, and back. Arithmetic is on uint64 with every
 operand typed (numba turns mixed signed/unsigned arithmetic into float64), masked to the
 width. The fused apply of :mod:`dcr_format.codec._native` steps the old bits with
-:func:`stepped`; the ``ulp-shift`` loops (:mod:`dcr_format.codec.ulp_shift`) are below.
+:func:`stepped`; the ``ulp-shift`` loops (:mod:`dcr_format.codec.ulp_shift`) are below,
+one pass each way in this thread up to :data:`ULP_TASK` changes and tasks on numba's
+threads past it (:func:`split_low`, :func:`join_low`: the same bytes and errors).
 ``tests/test_values_ulp.py`` and ``tests/test_values_ulp_shift.py`` check them against the
 numpy references.
 """
