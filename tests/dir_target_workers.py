@@ -7,6 +7,7 @@ They run in processes forked from a forkserver that has torch and dcr_format loa
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
@@ -35,6 +36,14 @@ def at_swap(hook: Callable[[Path], None]) -> Callable[[Path], None]:
     return fsync_dir
 
 
+def _signal(path: Path, text: str) -> None:
+    """Write a signal file whole: the test waits for the name and then reads it, so the
+    name appears only once the text is in (``write_text`` creates the file empty first)."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 def pull_rounds(store: str, path: str, signals: str, index: int, rounds: int) -> None:
     """Each round: say ready, wait for the go, sync ``path`` to the newest version (again
     when another pull moved it meanwhile), and write ``version applied attempts``."""
@@ -52,7 +61,7 @@ def pull_rounds(store: str, path: str, signals: str, index: int, rounds: int) ->
                 if attempts == 50:
                     raise
         done = f"{result.version} {len(result.applied_versions)} {attempts}"
-        Path(signals, f"done-{round_}-{index}").write_text(done)
+        _signal(Path(signals, f"done-{round_}-{index}"), done)
 
 
 def hold_before_swap(store: str, path: str, ready: str) -> None:
@@ -60,7 +69,7 @@ def hold_before_swap(store: str, path: str, ready: str) -> None:
     link not yet swapped; write that directory's path to ``ready``."""
 
     def hold(fresh: Path) -> None:
-        Path(ready).write_text(str(fresh))
+        _signal(Path(ready), str(fresh))
         time.sleep(600)
 
     targets._fsync_dir = at_swap(hold)  # type: ignore[assignment]
