@@ -166,16 +166,11 @@ def _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed)
                 rows[t, was] += 1
 
 
-@njit(cache=True, nogil=True)
-def _move_rows(rows, positions, old, new, shift, mask, forward, changed):  # type: ignore[no-untyped-def]
-    _move_span(0, positions.size, rows, positions, old, new, shift, mask, forward, changed)
-
-
 @njit(cache=True, nogil=True, parallel=True)
 def _move_runs(rows, positions, old, new, shift, mask, forward, bounds, changed):  # type: ignore[no-untyped-def]
-    """:func:`move_rows` a row at a time on numba's threads: task ``t`` moves the changes of
-    row ``t`` (``bounds[t]`` to ``bounds[t + 1]``), which no other task's touch, and counts
-    their old exponents into ``changed[t]``."""
+    """:func:`move_rows` on numba's threads: task ``t`` moves the changes ``bounds[t]`` to
+    ``bounds[t + 1]`` (whole rows, which no other task's changes touch) and counts their
+    old exponents into ``changed[t]``."""
     for t in prange(bounds.size - 1):
         lo, hi = bounds[t], bounds[t + 1]
         _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed[t])
@@ -206,15 +201,14 @@ def move_rows(
     at ``positions`` (increasing); returns the histogram of the old exponents of the changed
     elements. Past :data:`_PARALLEL_MOVES` changes over several rows, a row per task."""
     runs = rows.shape[0]
-    if positions.size < _PARALLEL_MOVES or runs < 2:
-        changed = np.zeros(mask + 1, dtype=np.int64)
-        _move_rows(rows, positions, old, new, shift, mask, forward, changed)
-        return changed
-    bounds = np.searchsorted(positions, np.arange(runs + 1, dtype=np.int64) * TASK)
-    per_run = np.zeros((runs, mask + 1), dtype=np.int64)
-    args = (rows, positions, old, new, shift, mask, forward, bounds, per_run)
-    _launch(_move_runs, _move_runs_serial, runs, *args)
-    return per_run.sum(axis=0)  # type: ignore[no-any-return]
+    if positions.size < _PARALLEL_MOVES or runs < 2:  # one task: every change, in this thread
+        bounds = np.array((0, positions.size), dtype=np.int64)
+    else:  # a task a row
+        bounds = np.searchsorted(positions, np.arange(runs + 1, dtype=np.int64) * TASK)
+    per_task = np.zeros((bounds.size - 1, mask + 1), dtype=np.int64)
+    args = (rows, positions, old, new, shift, mask, forward, bounds, per_task)
+    _launch(_move_runs, _move_runs_serial, bounds.size - 1, *args)
+    return per_task[0] if per_task.shape[0] == 1 else per_task.sum(axis=0)  # type: ignore[no-any-return]
 
 
 @njit(cache=True, nogil=True)
