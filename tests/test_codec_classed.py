@@ -419,18 +419,25 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
     assert errors[0] == errors[1]
 
 
-def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
+@pytest.mark.parametrize("picker", ["table", "deposit"])
+def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the
-    group's mask with a byte table (_select_bit): every k of words dense, sparse and at the
-    edges, against the bits listed one by one."""
+    group's mask, with a byte table (_select_bit) or, where the machine has BMI2, one bit
+    deposit (deposit_select; the kernels take it where fast_deposit() says so): every k of
+    words dense, sparse and at the edges, against the bits listed one by one."""
     from numba import njit
 
+    from dcr_format.codec import _native_bits
     from dcr_format.codec import _native_classes as native
+
+    if picker == "deposit" and not _native_bits.has_deposit():
+        pytest.skip("no BMI2 (pdep) on this machine or numba's target: kernels use the table")
+    pick = native._select_bit if picker == "table" else _native_bits.deposit_select
 
     @njit(cache=False)
     def select_all(words: np.ndarray, ks: np.ndarray, out: np.ndarray) -> None:
         for i in range(words.size):
-            out[i] = native._select_bit(words[i], ks[i])
+            out[i] = pick(words[i], ks[i])
 
     rng = np.random.default_rng(5)
     words = rng.integers(0, 2**63, 300, dtype=np.uint64) << np.uint64(1)
@@ -447,6 +454,33 @@ def test_the_select_pass_finds_every_set_bit_of_a_word() -> None:
     out = np.empty(ws.size, dtype=np.int64)
     select_all(ws, ks, out)
     assert out.tolist() == [p[2] for p in pairs]
+
+
+def test_fast_deposit_follows_the_machine_and_numba_target(monkeypatch) -> None:
+    """The bit deposit is used only on an x86-64 host with BMI2 whose pdep is fast, and only
+    while numba compiles for that host (a NUMBA_CPU_NAME target may lack the instruction)."""
+    import llvmlite.binding as llvm
+
+    from dcr_format.codec import _native_bits as bits
+
+    monkeypatch.setattr(bits.config, "CPU_NAME", None)
+    monkeypatch.setattr(bits.config, "CPU_FEATURES", None)
+    monkeypatch.setattr(bits.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"bmi2": True})
+    monkeypatch.setattr(llvm, "get_host_cpu_name", lambda: "znver4")
+    assert bits.fast_deposit()
+    monkeypatch.setattr(llvm, "get_host_cpu_name", lambda: "znver2")  # microcoded pdep
+    assert bits.has_deposit() and not bits.fast_deposit()
+    monkeypatch.setattr(llvm, "get_host_cpu_name", lambda: "sapphirerapids")
+    assert bits.fast_deposit()
+    monkeypatch.setattr(bits.config, "CPU_NAME", "generic")
+    assert not bits.has_deposit() and not bits.fast_deposit()
+    monkeypatch.setattr(bits.config, "CPU_NAME", None)
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"bmi2": False})
+    assert not bits.fast_deposit()
+    monkeypatch.setattr(llvm, "get_host_cpu_features", lambda: {"bmi2": True})
+    monkeypatch.setattr(bits.platform, "machine", lambda: "aarch64")
+    assert not bits.fast_deposit()
 
 
 def test_plain_size_floor_bounds_the_plain_choice() -> None:

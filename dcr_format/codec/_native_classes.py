@@ -50,7 +50,7 @@ from dcr_format.codec._native import (
     _rice_encode,
     tasks_of,
 )
-from dcr_format.codec._native_bits import below_mask, popcount
+from dcr_format.codec._native_bits import below_mask, deposit_select, fast_deposit, popcount
 from dcr_format.codec._native_rans import _put_varint, _varint_len
 
 _GROUP = 64
@@ -374,6 +374,12 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
     return np.int64(byte) + np.int64(_SELECT8[value * 8 + k - before])
 
 
+# the select pass's pick of a member: one bit deposit where the machine has a fast one
+# (about a fifth less time at 5% change), else the byte table above; a global, so numba
+# compiles only the one chosen
+_nth_member = deposit_select if fast_deposit() else _select_bit
+
+
 # --- pass 2: each group's class masks ----------------------------------------------------
 # A group is 64 elements (tasks are whole groups). Its *masks* are one word per class
 # bound: bit q of ``below[c + 1]`` is set where element q's class is at most c, so class
@@ -623,7 +629,9 @@ def _positions_task(  # type: ignore[no-untyped-def]
     while g0 < hi and o < share:
         _group_masks(bits, g0, hi, keep, limits, count, below)
         flags = _ZERO
-        for c in range(count):  # the classes the stream has (the rest never run out)
+        # every class, so the loop has a fixed length and compiles to vector operations; a
+        # class past the stream's has no members (its masks are equal) and never runs out
+        for c in range(16):
             far[c] -= popcount(below[c + 1] & ~below[c])
             flags |= np.uint64(far[c] < 0) << np.uint64(c)
         if flags != _ZERO:
@@ -635,7 +643,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
                 size = popcount(members)
                 left, at = far[h], ptr[h]
                 while left < 0:
-                    hits |= _ONE << np.uint64(_select_bit(members, left + size))
+                    hits |= _ONE << np.uint64(_nth_member(members, left + size))
                     at += 1
                     left = left + ranks[at] - ranks[at - 1] if at < ends[h] else _FAR
                 far[h], ptr[h] = left, at
