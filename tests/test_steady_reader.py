@@ -382,3 +382,107 @@ def test_sync_plans_again_when_another_reader_moves_the_target(chain, monkeypatc
     result = reader.sync()
     assert calls == 2 and result.version == writer.version and result.applied_versions == (2,)
     assert_same_bits(tensors, state)
+
+
+# --- changes completed while later ones are decoded ----------------------------------------
+
+_BASELINE_FEATURES = ["positions-classed", "values-rans", "values-ulp", "values-ulp-shift"]
+
+
+def _classed_chain(tmp_path: Path, shard_bytes: int = 1 << 26):
+    """A chain of three bf16 tensors whose deltas are coded against the old bits, its base
+    synced by a one-worker reader, and a first delta published (returns the store's URL,
+    the reader, its tensors and the delta's state)."""
+    from dcr_format.bench.refit import SyntheticTrainer, lr_for
+
+    shapes = {"a.weight": (600, 1024), "b.weight": (500, 1024), "c.weight": (400, 1024)}
+    trainer = SyntheticTrainer(shapes, seed=3)
+    url = str(tmp_path / "store")
+    writer = DeltaWriter(url, features=_BASELINE_FEATURES, shard_bytes=shard_bytes)
+    writer.publish(trainer.export())
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(url, StateDictTarget(tensors), max_workers=1)
+    reader.sync()
+    trainer.step(lr_for(0.01))
+    state = trainer.export()
+    writer.publish(state)
+    entries = Chain(Store(url)).manifests(Chain(Store(url)).record(1))[0].entries
+    assert all(e.positions is not None and e.positions.coding == "classed" for e in entries)
+    return url, reader, tensors, state, entries
+
+
+def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, monkeypatch):
+    """A one-step sync into a dict target finds the positions of each change coded against
+    the old bits (``classed``, ``ulp-shift``) as soon as that change is decoded, while the
+    fetch worker decodes the next ones: here the last change's decode waits until an
+    earlier change has been completed (it would wait in vain if the reader decoded the
+    whole version first), and the version still applies bit for bit."""
+    import threading
+
+    import dcr_format.readers._fetch as fetch_module
+    import dcr_format.readers.reader as reader_module
+
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    completed, waited = threading.Event(), []
+    real_resolve, real_decode = reader_module.resolve, fetch_module._decode_entry
+
+    def resolve(delta, tensor):
+        done = real_resolve(delta, tensor)
+        completed.set()
+        return done
+
+    def decode(entry, manifest, streams):
+        if entry.name == entries[-1].name:
+            waited.append(completed.wait(timeout=30))
+        return real_decode(entry, manifest, streams)
+
+    monkeypatch.setattr(reader_module, "resolve", resolve)
+    monkeypatch.setattr(fetch_module, "_decode_entry", decode)
+    result = reader.sync()
+    assert waited == [True]
+    assert result.applied_versions == (1,)
+    assert_same_bits(tensors, state)
+    assert set(reader._rows) == {e.name for e in entries}  # the rows followed the changes
+
+
+def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(tmp_path, monkeypatch):
+    """Changes already completed against the live tensors when a later shard fails its
+    check are dropped with the version: the target keeps its bits, and the next sync, with
+    the shard intact again, applies the version bit for bit. (The failing shard is fetched
+    only once an earlier change was completed.)"""
+    import threading
+
+    import dcr_format.readers._fetch as fetch_module
+    import dcr_format.readers.reader as reader_module
+
+    url, reader, tensors, state, entries = _classed_chain(tmp_path, shard_bytes=16)
+    manifest = Chain(Store(url)).manifests(Chain(Store(url)).record(1))[0]
+    assert len(manifest.shards) == len(entries)  # a shard a tensor: a job each, in order
+    path = Path(url) / manifest.shards[-1].path
+    intact = path.read_bytes()
+    data = bytearray(intact)
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    calls, waited, completed = [], [], threading.Event()
+    real_resolve, real_get = reader_module.resolve, fetch_module.get_verified
+
+    def resolve(delta, tensor):
+        calls.append(tensor.data_ptr())
+        completed.set()
+        return real_resolve(delta, tensor)
+
+    def get_verified(store, key, **expected):
+        if key == manifest.shards[-1].path:
+            waited.append(completed.wait(timeout=30))
+        return real_get(store, key, **expected)
+
+    monkeypatch.setattr(reader_module, "resolve", resolve)
+    monkeypatch.setattr(fetch_module, "get_verified", get_verified)
+    before = snapshot(tensors)
+    with pytest.raises(ChecksumMismatchError):
+        reader.sync()
+    assert waited == [True] and calls  # an earlier change was completed before the failure
+    assert_same_bits(tensors, before)
+    path.write_bytes(intact)
+    reader.sync()
+    assert_same_bits(tensors, state)

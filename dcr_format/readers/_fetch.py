@@ -5,12 +5,19 @@ pool: it fetches its shards through the store interface (a relay store serves th
 from a peer), checks each against the size and sha256 its manifest records, inflates
 them within the reader's decode budget, decodes the job's entries and drops the
 shards, so only decoded deltas outlive the job. Nothing here touches the target.
+
+With ``early`` (:func:`fetch_changes`), the calling thread receives each entry as soon as
+its job decoded it and may complete it against the live target (read only) while the
+workers decode the entries after it, instead of waiting for the whole version.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,8 @@ MapFn = Callable[
     Iterable[dict[int, DecodedDelta]],
 ]
 Streams = dict[tuple[int, int], dict[str, memoryview]]
+# given each whole entry as soon as it is decoded (on the calling thread): the delta to keep
+Early = Callable[[Entry, DecodedDelta], DecodedDelta]
 
 
 @dataclass(frozen=True)
@@ -53,18 +62,43 @@ class FetchedStep:
         return self.plan.base
 
 
-def fetch_step(store: Store, step: StepPlan, map_fn: MapFn, budget: DecodeBudget) -> FetchedStep:
-    """Fetch, verify and decode one step of a plan (``map_fn``: a thread pool's map)."""
-    return FetchedStep(step, fetch_changes(store, step.fetch, map_fn, budget))
+def fetch_step(
+    store: Store,
+    step: StepPlan,
+    map_fn: MapFn,
+    budget: DecodeBudget,
+    *,
+    early: tuple[Executor, Early] | None = None,
+) -> FetchedStep:
+    """Fetch, verify and decode one step of a plan (``map_fn``: a thread pool's map;
+    ``early``: see :func:`fetch_changes`)."""
+    return FetchedStep(step, fetch_changes(store, step.fetch, map_fn, budget, early=early))
 
 
 def fetch_changes(
-    store: Store, plan: FetchPlan, map_fn: MapFn, budget: DecodeBudget
+    store: Store,
+    plan: FetchPlan,
+    map_fn: MapFn,
+    budget: DecodeBudget,
+    *,
+    early: tuple[Executor, Early] | None = None,
 ) -> list[tuple[Entry, DecodedDelta]]:
-    """Run every job of ``plan`` in parallel; each wanted tensor's change, pieces merged."""
-    decoded: dict[int, DecodedDelta] = {}
-    for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):
-        decoded.update(part)
+    """Run every job of ``plan`` in parallel; each wanted tensor's change, pieces merged.
+
+    ``early`` = ``(pool, take)``: the jobs run on ``pool`` and each entry that is not a
+    piece is handed to ``take`` on this thread as soon as its job decoded it (in the order
+    they are decoded), while jobs are still running: this thread would otherwise wait for
+    them (the changes after that are left to the caller, which completes each just before
+    it writes it, while its bits are in cache). The change keeps what ``take`` returns.
+    Once a job fails, no more entries are handed over; the failure of the first failed
+    job (in job order) is raised once every job has ended, as without ``early``.
+    """
+    if early is None:
+        decoded: dict[int, DecodedDelta] = {}
+        for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):
+            decoded.update(part)
+    else:
+        decoded = _run_jobs_early(store, plan, budget, *early)
     changes = [
         (entry, decoded[i] if i in decoded else _decode_entry(entry, manifest, {}))
         for i, (manifest, entry) in enumerate(plan.wanted)
@@ -72,10 +106,57 @@ def fetch_changes(
     return merge_pieces(changes, list(plan.manifests))
 
 
-def _run_job(
-    store: Store, plan: FetchPlan, job: DecodeJob, budget: DecodeBudget
+def _run_jobs_early(
+    store: Store, plan: FetchPlan, budget: DecodeBudget, pool: Executor, take: Early
 ) -> dict[int, DecodedDelta]:
-    """One job: fetch and inflate its shards within the budget, decode its entries."""
+    """:func:`fetch_changes`'s jobs on ``pool``, each decoded entry handed to ``take`` here."""
+    ready: queue.SimpleQueue[tuple[int, DecodedDelta] | bool] = queue.SimpleQueue()
+    running = [len(plan.jobs)]
+    lock = threading.Lock()
+
+    def run(job: DecodeJob) -> dict[int, DecodedDelta]:
+        ok = False
+        try:
+            done = _run_job(store, plan, job, budget, lambda i, d: ready.put((i, d)))
+            ok = True
+            return done
+        finally:
+            with lock:
+                running[0] -= 1
+            ready.put(ok)  # the job ended (False: it failed; its future holds the error)
+
+    futures = [pool.submit(run, job) for job in plan.jobs]
+    decoded: dict[int, DecodedDelta] = {}
+    try:
+        ended, failed = 0, False
+        while ended < len(futures):
+            item = ready.get()
+            if isinstance(item, bool):
+                ended += 1
+                failed = failed or not item
+                continue
+            index, delta = item
+            entry = plan.wanted[index][1]
+            late = failed or not running[0]  # every job ended: nothing to wait for any more
+            decoded[index] = delta if late or entry.piece is not None else take(entry, delta)
+    except BaseException:
+        for future in futures:  # the running ones end with the pool
+            future.cancel()
+        raise
+    for future in futures:
+        future.result()  # the first failed job's error, in job order
+    return decoded
+
+
+def _run_job(
+    store: Store,
+    plan: FetchPlan,
+    job: DecodeJob,
+    budget: DecodeBudget,
+    tell: Callable[[int, DecodedDelta], None] | None = None,
+) -> dict[int, DecodedDelta]:
+    """One job: fetch and inflate its shards within the budget, decode its entries (each
+    told to ``tell`` as it is decoded, where given)."""
     with budget.hold(job.decoded_bytes):
         streams: Streams = {}
         for shard in job.shards:
@@ -85,7 +166,11 @@ def _run_job(
             )
             del stored
         wanted = plan.wanted
-        decoded = {i: _decode_entry(wanted[i][1], wanted[i][0], streams) for i in job.entries}
+        decoded: dict[int, DecodedDelta] = {}
+        for i in job.entries:
+            decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams)
+            if tell is not None:
+                tell(i, decoded[i])
         del streams  # decoded deltas are copies: the shards go before the budget
     return decoded
 

@@ -320,7 +320,8 @@ class DeltaReader:
         goal = self.group.min(latest if to is None else to)
         started = time.perf_counter()
         with self.group.stage("fetching and verifying"):
-            prepared = self._prepare(goal, committed, started)
+            # a sync applies right after: its changes are completed as they are decoded
+            prepared = self._prepare(goal, committed, started, resolve_early=not stage)
             if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
                 staged = self._stage(prepared._steps[0])
                 prepared = replace(
@@ -328,6 +329,40 @@ class DeltaReader:
                 )
             self._record_overwrites()  # what the target learnt while staging (FORMAT.md §3.6)
         return prepared
+
+    def _resolver(self, plan: SyncPlan) -> Callable[[Entry, DecodedDelta], DecodedDelta] | None:
+        """For a one-step plan, what completes each ``xor`` change coded against the old
+        bits (:func:`resolve`: ``classed`` positions found, ``ulp-shift`` values joined)
+        against the live tensor the target offers for reading (:meth:`Target.staging`), on
+        this thread while the fetch workers decode the changes after it; None where there
+        is nothing to complete this way. The apply then only writes. A change that does not
+        complete is left as it was, for the apply to refuse with the usual error."""
+        if len(plan.steps) != 1 or plan.steps[0].base:
+            return None  # a later step's old bits are those the earlier steps leave
+        names = {
+            entry.name
+            for _, entry in plan.steps[0].fetch.wanted
+            if entry.op == XOR and entry.changed and entry.piece is None
+        }
+        tensors = self.target.staging(names) if names else {}
+        if not tensors:
+            return None
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            tensor = tensors.get(entry.name)
+            if tensor is None or not delta.needs_target or entry.op != XOR:
+                return delta
+            spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
+            if (tensor.dtype, tuple(tensor.shape)) != spec:
+                return delta
+            self._give_rows(entry, delta, {})
+            try:
+                done = resolve(delta, tensor)
+            except (IndexError, DcrError):
+                return delta
+            return replace(done, rows=delta.rows)  # the rows follow the change (_follow_rows)
+
+        return take
 
     def _stage(self, step: FetchedStep) -> dict[str, Staged]:
         """Read each xor/overwrite change against the live tensor it lands in (nothing is
@@ -506,16 +541,27 @@ class DeltaReader:
             return self._last_table[1]
         return state_table(self.chain.manifests(loaded))
 
-    def _prepare(self, goal: int, committed: list[int], started: float) -> PreparedVersion:
-        """Plan and fetch everything for ``goal`` (nothing when the target is already there)."""
+    def _prepare(
+        self, goal: int, committed: list[int], started: float, *, resolve_early: bool = False
+    ) -> PreparedVersion:
+        """Plan and fetch everything for ``goal`` (nothing when the target is already there).
+        ``resolve_early``: see :meth:`_resolver`."""
         resident = self._resident()
         previous = self._check_goal(resident, goal, committed)
         if previous == goal:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         with ThreadPoolExecutor(self.max_workers) as pool:
             plan = self._make_plan(resident, goal, committed, pool)
+            take = self._resolver(plan) if resolve_early else None
             steps = tuple(
-                fetch_step(self.store, step, pool.map, self.decode_budget) for step in plan.steps
+                fetch_step(
+                    self.store,
+                    step,
+                    pool.map,
+                    self.decode_budget,
+                    early=None if take is None else (pool, take),
+                )
+                for step in plan.steps
             )
         return PreparedVersion(
             goal,
