@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.bases import alternative_bases, load_base
@@ -350,19 +351,29 @@ class DeltaReader:
 
         def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
             tensor = tensors.get(entry.name)
-            if tensor is None or not delta.needs_target or entry.op != XOR:
+            if tensor is None or not delta.needs_target:
                 return delta
-            spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
-            if (tensor.dtype, tuple(tensor.shape)) != spec:
-                return delta
-            self._give_rows(entry, delta, {})
-            try:
-                done = resolve(delta, tensor)
-            except (IndexError, DcrError):
+            done = self._resolved_live(entry, delta, tensor)
+            if done is None:
                 return delta
             return replace(done, rows=delta.rows)  # the rows follow the change (_follow_rows)
 
         return take
+
+    def _resolved_live(
+        self, entry: Entry, delta: DecodedDelta, tensor: torch.Tensor
+    ) -> DecodedDelta | None:
+        """``delta`` completed against the live ``tensor`` it lands in (read only), with the
+        rows this reader kept; None where it does not fit that tensor or does not complete
+        (left to :meth:`apply`, which refuses it with the usual error)."""
+        spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
+        if (tensor.dtype, tuple(tensor.shape)) != spec:
+            return None
+        self._give_rows(entry, delta, {})
+        try:
+            return resolve(delta, tensor)
+        except (IndexError, DcrError):
+            return None
 
     def _stage(self, step: FetchedStep) -> dict[str, Staged]:
         """Read each xor/overwrite change against the live tensor it lands in (nothing is
@@ -372,12 +383,12 @@ class DeltaReader:
         staged: dict[str, Staged] = {}
         for name, tensor in self.target.staging(wanted).items():
             entry, delta = wanted[name]
-            spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
-            if (tensor.dtype, tuple(tensor.shape)) != spec:
+            # codings against the old bits are completed against the live tensor first
+            done = self._resolved_live(entry, delta, tensor)
+            if done is None:
                 continue
-            self._give_rows(entry, delta, {})
-            try:  # codings against the old bits are completed against the live tensor first
-                staged[name] = Staged(tensor, stage_change(tensor, resolve(delta, tensor)))
+            try:
+                staged[name] = Staged(tensor, stage_change(tensor, done))
             except (IndexError, DcrError):
                 continue
         return staged
