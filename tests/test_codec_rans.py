@@ -76,7 +76,7 @@ def test_both_coders_match_the_reference_coder(
             assert out.dtype == np.dtype(f"<u{width}") and np.array_equal(out, data)
 
 
-@pytest.mark.parametrize("bits", [1, 9, 16, 20, 24])
+@pytest.mark.parametrize("bits", [1, 9, 14, 16, 20, 23, 24])
 def test_both_coders_agree_at_every_precision(bits: int, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(bits)
     size = min(40, (1 << bits) - 1)
@@ -90,6 +90,52 @@ def test_both_coders_agree_at_every_precision(bits: int, monkeypatch: pytest.Mon
     assert stream == rans._encode_reference(data, model)
     monkeypatch.setenv("DCR_KERNELS", "torch")
     assert rans.encode_rans(data, model) == stream
+
+
+@pytest.mark.parametrize("bits", [2, 14, 23])
+def test_a_dominant_symbol_codes_as_the_reference_does(bits: int) -> None:
+    """One symbol of almost all the probability keeps the state near the top of its range
+    (below ``f << 40``), where the compiled coder's multiply by a reciprocal must still
+    give the division's quotient."""
+    rng = np.random.default_rng(bits)
+    table = np.array([3, 9], dtype="<u2")
+    counts = np.array([(1 << bits) - 3, 1, 1])
+    model = rans.Model(table, rans.quantize(counts, bits), bits)
+    data = np.where(rng.random(20000) < 0.999, 3, rng.choice([9, 700], 20000)).astype("<u2")
+    stream = rans.encode_rans(data, model)
+    assert stream == rans._encode_reference(data, model)
+    assert np.array_equal(rans.decode_rans(stream, count=data.size, width=2), data)
+
+
+def test_reciprocals_divide_exactly() -> None:
+    """Every frequency of up to 14 bits, and others up to 24, against quotients at the
+    edges of the range the coder divides (below ``2**63``)."""
+    native = pytest.importorskip("dcr_format.codec._native_rans")
+    from numba import njit
+
+    from dcr_format.codec._native_bits import mul_high
+
+    @njit(cache=False)
+    def wrong(divisors: np.ndarray, dividends: np.ndarray) -> int:  # pragma: no cover
+        for d in divisors:
+            m, length = native._reciprocal(np.uint64(d))
+            for x in dividends:
+                for dx in (x, np.uint64(d) * (x // np.uint64(d)), x // np.uint64(d)):
+                    for near in (dx, dx - np.uint64(1), dx + np.uint64(1)):
+                        near &= np.uint64((1 << 63) - 1)
+                        got = (mul_high(near, m) + near) >> length
+                        if got != near // np.uint64(d):
+                            return int(d)
+        return 0
+
+    rng = np.random.default_rng(0)
+    divisors = np.concatenate(
+        [np.arange(1, 1 << 14), rng.integers(1 << 14, 1 << 24, 2000), [(1 << 24) - 1]]
+    ).astype(np.uint64)
+    edges = np.array([0, 1, 2, (1 << 40) - 1, 1 << 40, (1 << 54) - 1, (1 << 63) - 1], np.uint64)
+    dividends = np.concatenate([edges, rng.integers(0, 1 << 63, 24, dtype=np.uint64)])
+    assert dividends.dtype == np.uint64
+    assert wrong(divisors, dividends) == 0
 
 
 def test_a_stream_of_symbol_zero_only_has_no_words() -> None:

@@ -14,6 +14,9 @@ defines them, not the target.
 - :func:`deposit_select`: the index of the ``k``-th set bit of a word, as one bit deposit
   (BMI2's ``pdep``) and a count of trailing zeros. Only for machines where
   :func:`fast_deposit` says so; elsewhere the kernels keep their portable select.
+- :func:`mul_high`: the upper 64 bits of the 128-bit product of two uint64 (one
+  ``mul``/``mulx`` on x86-64, ``umulh`` on arm64), which turns a division by a number
+  known ahead into a multiply (:mod:`dcr_format.codec._native_rans`).
 - :func:`load_be64`: eight bytes from any offset of a byte array as one big-endian word
   (a single unaligned load, byte-swapped on little-endian hosts), so that bit readers
   take a whole field at once instead of byte by byte.
@@ -128,6 +131,21 @@ def _popcount(typingctx: Any, word: Any) -> Any:
 
 
 @intrinsic
+def _mul_high(typingctx: Any, a: Any, b: Any) -> Any:
+    """``(a * b) >> 64`` of two uint64 (as uint64), exact."""
+    if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+        return None
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        wide = ir.IntType(128)
+        product = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(product, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
 def _load_be64(typingctx: Any, data: Any, at: Any) -> Any:
     """``data[at : at + 8]`` as a big-endian uint64; ``data`` a C-contiguous 1-d uint8
     array. No bounds check: the caller makes sure that ``at + 8 <= data.size``."""
@@ -160,6 +178,7 @@ below_mask: Any = _below_mask
 popcount: Any = _popcount
 deposit_select: Any = _deposit_select
 load_be64: Any = _load_be64
+mul_high: Any = _mul_high
 
 __all__ = [
     "BLOCK",
@@ -168,5 +187,6 @@ __all__ = [
     "fast_deposit",
     "has_deposit",
     "load_be64",
+    "mul_high",
     "popcount",
 ]

@@ -13,10 +13,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from dcr_format.codec._native_bits import mul_high
+
 _LOW = np.uint64(1 << 32)
 _MASK24 = np.uint64((1 << 24) - 1)
 _S24 = np.uint64(24)
 _S32 = np.uint64(32)
+_S40 = np.uint64(40)
+_MASK32 = np.uint64(0xFFFFFFFF)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -336,6 +340,67 @@ def write_varints(values: np.ndarray) -> np.ndarray:  # pragma: no cover - compi
 
 
 @njit(cache=True, nogil=True)
+def _reciprocal(d: np.uint64) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
+    """The multiplier ``m`` and shift ``L`` that divide by ``d`` (``1 <= d < 2**24``) with a
+    multiply: ``L = bitlen(d - 1)`` and ``m = ceil(2**(64 + L) / d) - 2**64`` (below 2**64),
+    so that ``X // d == (mul_high(X, m) + X) >> L`` for every ``X`` below ``2**64``
+    (Granlund and Montgomery's round-up method; the caller keeps ``X + mul_high(X, m)``
+    below 2**64). ``m`` is ``ceil(h * 2**64 / d)`` with ``h = 2**L - d < d``, found as two
+    32-bit long-division digits."""
+    length = np.uint64(0)
+    while (np.uint64(1) << length) < d:
+        length += np.uint64(1)
+    h = (np.uint64(1) << length) - d
+    if h == np.uint64(0):  # a power of two (1 included): a shift alone
+        return np.uint64(0), length
+    upper = (h << _S32) // d
+    rest = (h << _S32) % d
+    lower = (rest << _S32) // d
+    exact = (rest << _S32) % d == np.uint64(0)
+    m = (upper << _S32) + lower
+    if not exact:
+        m += np.uint64(1)
+    return m, length
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _code_dividing(symbols, scaled, starts, out):  # type: ignore[no-untyped-def]
+    """:func:`encode_symbols`'s loop with a division (any precision): the state and the
+    number of words pushed."""
+    k = 0
+    x = np.uint64(0)
+    for i in range(symbols.size - 1, -1, -1):
+        s = symbols[i]
+        f = scaled[s]
+        if (x >> _S40) >= f:
+            out[k] = np.uint32(x & _MASK32)
+            k += 1
+            x >>= _S32
+        x = ((x // f) << _S24) | (starts[s] + x % f)
+    return x, k
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _code_multiplying(symbols, scaled, starts, multipliers, lengths, gaps, shift, out):  # type: ignore[no-untyped-def]
+    """:func:`encode_symbols`'s loop below 24 bits of precision: the quotient by each
+    frequency's :func:`_reciprocal`, and ``(q << 24) | (start + x - q * f)`` (the
+    remainder is below ``f``, so the OR is a sum) as ``x + start + q * (2**24 - f)``, one
+    multiply after the quotient. The same words as :func:`_code_dividing`."""
+    k = 0
+    x = np.uint64(0)
+    for i in range(symbols.size - 1, -1, -1):
+        s = symbols[i]
+        if (x >> _S40) >= scaled[s]:
+            out[k] = np.uint32(x & _MASK32)
+            k += 1
+            x >>= _S32
+        wide = x >> shift
+        q = (mul_high(wide, multipliers[s]) + wide) >> lengths[s]
+        x = x + starts[s] + q * gaps[s]
+    return x, k
+
+
+@njit(cache=True, nogil=True)
 def encode_symbols(
     symbols: np.ndarray, freqs: np.ndarray, bits: int
 ) -> np.ndarray:  # pragma: no cover - compiled
@@ -344,28 +409,33 @@ def encode_symbols(
     ``constriction``'s ``AnsCoder.encode_reverse``) code them: the state ``x`` is pushed a
     word when ``x >> 40 >= f`` and becomes ``(x // f) << 24 | (start + x % f)`` with the
     frequency ``f`` and its start scaled to 24 bits; the final state follows (one word, or
-    two, low first; none when it is 0)."""
+    two, low first; none when it is 0).
+
+    ``f`` is the frequency shifted left by ``24 - bits``, so ``x // f`` is ``x >> (24 -
+    bits)`` divided by the frequency, and below 24 bits of precision that division is a
+    multiply by the frequency's :func:`_reciprocal` (a division's latency is most of a
+    symbol's; the quotient is the same). The state is below ``f << 40`` at the division,
+    so the shifted state is below ``2**(64 - (24 - bits))`` and its sum with the multiply's
+    high word stays below 2**64."""
     size = freqs.size
     shift = np.uint64(24 - bits)
     scaled = np.empty(size, dtype=np.uint64)
     starts = np.empty(size, dtype=np.uint64)
+    multipliers = np.empty(size, dtype=np.uint64)
+    lengths = np.empty(size, dtype=np.uint64)
+    gaps = np.empty(size, dtype=np.uint64)
     acc = np.uint64(0)
     for j in range(size):
         scaled[j] = np.uint64(freqs[j]) << shift
         starts[j] = acc
         acc += scaled[j]
+        multipliers[j], lengths[j] = _reciprocal(np.uint64(freqs[j]))
+        gaps[j] = (np.uint64(1) << _S24) - scaled[j]
     out = np.empty((24 * symbols.size + 64 + 31) // 32, dtype=np.uint32)
-    k = 0
-    x = np.uint64(0)
-    s40 = np.uint64(40)
-    for i in range(symbols.size - 1, -1, -1):
-        s = symbols[i]
-        f = scaled[s]
-        if (x >> s40) >= f:
-            out[k] = np.uint32(x & np.uint64(0xFFFFFFFF))
-            k += 1
-            x >>= _S32
-        x = ((x // f) << _S24) | (starts[s] + x % f)
+    if shift == np.uint64(0):  # 24 bits: the shifted state may need all 64 bits
+        x, k = _code_dividing(symbols, scaled, starts, out)
+    else:
+        x, k = _code_multiplying(symbols, scaled, starts, multipliers, lengths, gaps, shift, out)
     if x >= _LOW:
         out[k] = np.uint32(x & np.uint64(0xFFFFFFFF))
         out[k + 1] = np.uint32(x >> _S32)
