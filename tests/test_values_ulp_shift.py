@@ -289,14 +289,14 @@ def test_the_compiled_join_refuses_each_break_as_the_reference(
 
 
 def test_the_split_and_join_of_many_changes_on_threads_equal_one_pass() -> None:
-    """Past ``ULP_TASK`` changes the split and the join run in tasks, each placing its low
+    """Past ``ULP_SERIAL`` changes the split and the join run in tasks, each placing its low
     bits from the sum of the shifts before it (tasks share the bytes where one ends inside
     a byte): the same ``y`` and low bits as one pass in this thread, the same differences,
     and for a broken stream the same error as one pass (the first in change order)."""
     from dcr_format.codec import _native_ulp as native
 
     rng = np.random.default_rng(67)
-    n = 3 * native.ULP_TASK + 123
+    n = native.ULP_SERIAL + 2 * native.ULP_TASK + 123
     for dtype, origin in (("bfloat16", 122), ("float16", 14), ("float64", 1015)):
         shift, mask = EXPONENT_FIELDS[dtype]
         cap = ulp_shift.shift_cap(dtype)
