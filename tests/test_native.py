@@ -513,6 +513,31 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
+def _doubled_sum(a):  # type: ignore[no-untyped-def]
+    """Code numba's parallel pipeline would turn into parallel loops: an array made by
+    numpy and a slice copy (the kernels have no array expressions: numba compiles those
+    in a pipeline of its own)."""
+    b = np.zeros(a.size)
+    b[:] = a
+    total = 0.0
+    for i in range(b.size):
+        total += 2 * b[i]
+    return total
+
+
+def test_serial_twins_make_no_parallel_loop():
+    """A twin goes through numba's parallel pipeline with every transformation into a
+    parallel loop off: it compiles without numba's warning (errors here) and raises if
+    any parallel loop appeared; so does a second twin made from the same options (numba
+    empties a dict of options as it reads it), at two signatures."""
+    from dcr_format.codec._launch import serial_twin
+
+    for twin in (serial_twin(_doubled_sum), serial_twin(_doubled_sum)):
+        for dtype in (np.float64, np.int32):
+            assert twin(np.arange(5, dtype=dtype)) == 20
+        assert len(twin.signatures) == 2
+
+
 def test_forked_children_can_run_kernels():
     """With GNU OpenMP numba terminates a forked child at its first parallel kernel: a
     child forked after one ran gets the same results from the serial twins."""

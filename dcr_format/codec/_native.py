@@ -31,7 +31,7 @@ from numba import njit, prange
 from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
-from dcr_format.codec._launch import _launch
+from dcr_format.codec._launch import _launch, serial_twin
 from dcr_format.codec._native_bits import load_be64
 from dcr_format.codec._native_ulp import limits as _ulp_limits
 from dcr_format.codec._native_ulp import stepped as _ulp_stepped
@@ -147,7 +147,7 @@ def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
         _rows_table_task(r, sym, table, first, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _rows_table_serial(sym, table, first, out):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
         _rows_table_task(r, sym, table, first, out)
@@ -184,7 +184,7 @@ def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
         _rows_power_task(r, sym, lanes, first, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _rows_power_serial(sym, lanes, first, out):  # type: ignore[no-untyped-def]
     for r in range(out.shape[0]):
         _rows_power_task(r, sym, lanes, first, out)
@@ -249,7 +249,7 @@ def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-u
         _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _pair_lanes_serial(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
     for c in range(out.shape[0]):
         _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
@@ -359,7 +359,7 @@ def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out):  # typ
         _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _diff_serial(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
     """The fused diff in this thread (see :func:`_launch`)."""
     for c in range(counts.shape[0]):
@@ -531,7 +531,7 @@ def _gather(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
         _gather_task(c, scratch, out, sizes, at)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _gather_serial(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
     """:func:`_gather` in this thread: for outputs too small to pay for a parallel region."""
     for c in range(sizes.shape[0]):
@@ -628,7 +628,7 @@ def _change(flat, pos, values, base, mode, write, before, after, lanes, table, l
         )
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _change_serial(  # type: ignore[no-untyped-def]
     flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
 ):
@@ -761,7 +761,7 @@ def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # ty
         _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _rice_stats_serial(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
     """The statistics in this thread (see :func:`_launch`)."""
     for t in range(part.shape[0]):

@@ -42,7 +42,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.codec._launch import _launch
+from dcr_format.codec._launch import _launch, serial_twin
 from dcr_format.codec._native import (
     _TRAILING_ZEROS,
     TASK,
@@ -101,7 +101,7 @@ def _histograms(bits, shift, mask, out):  # type: ignore[no-untyped-def]
         _histogram_task(t, bits, shift, mask, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _histograms_serial(bits, shift, mask, out):  # type: ignore[no-untyped-def]
     for t in range(out.shape[0]):
         _histogram_task(t, bits, shift, mask, out)
@@ -176,7 +176,7 @@ def _move_runs(rows, positions, old, new, shift, mask, forward, bounds, changed)
         _move_span(lo, hi, rows, positions, old, new, shift, mask, forward, changed[t])
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _move_runs_serial(rows, positions, old, new, shift, mask, forward, bounds, changed):  # type: ignore[no-untyped-def]
     for t in range(bounds.size - 1):
         lo, hi = bounds[t], bounds[t + 1]
@@ -531,7 +531,7 @@ def _ranks(  # type: ignore[no-untyped-def]
         )
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _ranks_serial(  # type: ignore[no-untyped-def]
     bits,
     positions,
@@ -669,7 +669,7 @@ def _positions(  # type: ignore[no-untyped-def]
         )
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _positions_serial(  # type: ignore[no-untyped-def]
     bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
@@ -829,7 +829,7 @@ def _plans(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-un
                 _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _plans_serial(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
     for c in range(owner.size):
         _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
@@ -843,7 +843,7 @@ def _parts(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-d
                 _class_part(c, ranks, ends, ks, unary, at, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _parts_serial(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
     for c in range(owner.size):
         _class_part(c, ranks, ends, ks, unary, at, out)
@@ -870,7 +870,7 @@ def _tallies(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-d
         _tally_chunk(t, classes, ranks, bounds, counts, last)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _tallies_serial(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
     for t in range(counts.shape[0]):
         _tally_chunk(t, classes, ranks, bounds, counts, last)
@@ -891,7 +891,7 @@ def _scatter(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-de
         _scatter_chunk(t, classes, ranks, bounds, cursor, out)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _scatter_serial(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
     for t in range(cursor.shape[0]):
         _scatter_chunk(t, classes, ranks, bounds, cursor, out)
@@ -1074,7 +1074,7 @@ def _rice_parts(data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
                 _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _rice_parts_serial(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
     for j in range(ks.size):
         _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)

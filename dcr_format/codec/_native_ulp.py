@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.codec._launch import _launch
+from dcr_format.codec._launch import _launch, serial_twin
 
 _ONE = np.uint64(1)
 _ZERO = np.uint64(0)
@@ -181,7 +181,7 @@ def _shift_sums(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped
         _shift_sum(t, old, origin, shift, mask, cap, sums)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _shift_sums_serial(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
     for t in range(sums.size):
         _shift_sum(t, old, origin, shift, mask, cap, sums)
@@ -250,7 +250,7 @@ def _split(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ig
         _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _split_serial(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
     for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
@@ -370,7 +370,7 @@ def _join(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ig
         _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
 
 
-@njit(cache=True, nogil=True)
+@serial_twin
 def _join_serial(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
     for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
