@@ -19,10 +19,11 @@ rank pass over 128M elements: 64 against 41 ms); compiled so, 0.61 and 48 ms.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numba
@@ -118,10 +119,36 @@ def serial_twin(function: Callable[..., Any]) -> Any:
     )(function)
 
 
+class _Serial(threading.local):
+    """Whether this thread runs the serial twins only (:func:`serial_kernels`)."""
+
+    on = False
+
+
+_SERIAL = _Serial()
+
+
+@contextlib.contextmanager
+def serial_kernels(on: bool = True) -> Iterator[None]:
+    """Within the block, kernels launched from this thread run their serial twins (``on``),
+    as a pool that already fills every core wants (:mod:`dcr_format.cuda.pipeline`)."""
+    before, _SERIAL.on = _SERIAL.on, on
+    try:
+        yield
+    finally:
+        _SERIAL.on = before
+
+
+def kernel_threads() -> int:
+    """How many threads numba's parallel kernels run on."""
+    return int(_NUMBA.get_num_threads())
+
+
 def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
-    """Run a kernel over ``tasks`` tasks: with its ``serial`` twin for one task, or where
-    parallel kernels are off; else with ``parallel`` under the process-wide launch lock."""
-    if tasks == 1 or (tasks and _Launches.serial_only):
+    """Run a kernel over ``tasks`` tasks: with its ``serial`` twin for one task, where
+    parallel kernels are off, or in a :func:`serial_kernels` block; else with ``parallel``
+    under the process-wide launch lock."""
+    if tasks == 1 or (tasks and (_Launches.serial_only or _SERIAL.on)):
         serial(*args)
     elif tasks:
         with _LOCK:
@@ -129,4 +156,4 @@ def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
             parallel(*args)
 
 
-__all__ = ["_Launches", "_launch", "serial_twin"]
+__all__ = ["_Launches", "_launch", "kernel_threads", "serial_kernels", "serial_twin"]

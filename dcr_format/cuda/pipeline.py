@@ -23,12 +23,24 @@ elements. Results equal :func:`dcr_format.cuda.dispatch.diff`
 bit for bit.
 
 :func:`encode_stream` feeds the pipeline into the host coder and yields exactly
-what :func:`dcr_format.codec.delta.encode_tensor` returns for each item.
+what :func:`dcr_format.codec.delta.encode_tensor` returns for each item. A stream of CPU
+tensors is instead coded :data:`CODING_THREADS` tensors at a time on a pool of threads
+(yielded in order): much of a tensor's coding runs on one core (model choice, the rANS
+coder, the Python between kernels), so one tensor at a time left the other core idle.
+Where the pool's threads are as many as numba's, each codes with the serial twins of
+the kernels (:func:`dcr_format.codec._launch.serial_kernels`): the pool then fills the
+cores and a parallel region would only contend with it. On a 1 GB model on two vCPUs
+that took a publish from 0.46 to 0.40 s at 1% change and from 1.11 to 0.80 s at 5%.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import contextlib
+import contextvars
+import threading
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +49,7 @@ import torch
 
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import BASELINE_CODINGS, allowed
+from dcr_format.codec.positions import compiled
 from dcr_format.codec.ulp import FLOAT_DTYPES
 from dcr_format.cuda.dispatch import PendingDiff, diff_with_lanes
 from dcr_format.cuda.reference import OVERWRITE, Diff
@@ -203,14 +216,102 @@ def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
-) -> Iterator[tuple[Any, EncodedTensor]]:
-    """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined.
+) -> Generator[tuple[Any, EncodedTensor], None, None]:
+    """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined
+    on CUDA, on a pool of threads where the first tensor is on the CPU (see the module
+    docstring); the results come in the items' order either way.
 
     ``advanced``: CPU baselines ``old`` are brought to ``new`` in the diff's own pass, and
-    ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`).
-    ``rows(key)``: the exponent rows the caller keeps of ``old``, or None (see
-    :func:`dcr_format.codec.delta.encode_diff`).
+    ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`; from
+    the pool's threads, but never after the stream ended or was closed: it waits for the
+    tensors in flight first). ``rows(key)``: the exponent rows the caller keeps of ``old``,
+    or None (see :func:`dcr_format.codec.delta.encode_diff`).
     """
+    iterator = iter(items)
+    first = next(iterator, None)
+    if first is None:
+        return
+    if first[1].device.type == "cpu" and CODING_THREADS > 1:
+        yield from _pooled(first, iterator, advanced, rows)
+    else:
+        yield from _pipelined(_chain(first, iterator), advanced, rows)
+
+
+def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
+    yield first
+    yield from rest
+
+
+CODING_THREADS = 2
+"""Tensors a CPU stream codes at once (:func:`encode_stream`); 1 codes them one by one."""
+
+_AHEAD = 2  # tensors queued per thread, so that a thread never waits for the next one
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's coding pool of ``threads`` threads, kept for its life: each thread
+    keeps the diff's scratch pages between steps (:mod:`dcr_format.codec._native`)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="dcr-code")
+        return pool
+
+
+def _code_one(
+    item: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
+    advanced: Callable[[Any, Diff], None] | None,
+    rows: Callable[[Any], np.ndarray | None] | None,
+    serial: bool,
+) -> tuple[Any, EncodedTensor]:
+    """One item through :func:`_pipelined` on a pool thread (with the kernels' serial twins
+    where ``serial``)."""
+    launch = compiled("_launch") if serial else None
+    with contextlib.nullcontext() if launch is None else launch.serial_kernels():
+        return next(_pipelined([item], advanced, rows))
+
+
+def _pooled(
+    first: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
+    rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
+    advanced: Callable[[Any, Diff], None] | None,
+    rows: Callable[[Any], np.ndarray | None] | None,
+) -> Iterator[tuple[Any, EncodedTensor]]:
+    """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
+    coded in a copy of the caller's context (the codings allowed) and yielded in order.
+    Whatever ends the stream (its end, an error, the caller closing it), every tensor in
+    flight has finished before control returns: none advances its baseline later."""
+    threads = CODING_THREADS
+    pool = _pool(threads)
+    launch = compiled("_launch")  # numba's, imported where the kernels are used anyway
+    serial = launch is not None and launch.kernel_threads() <= threads
+    pending: deque[Future[tuple[Any, EncodedTensor]]] = deque()
+    items = _chain(first, rest)
+    try:
+        while True:
+            while len(pending) < threads * _AHEAD:
+                item = next(items, None)
+                if item is None:
+                    break
+                context = contextvars.copy_context()  # the block the caller's loop is in
+                pending.append(pool.submit(context.run, _code_one, item, advanced, rows, serial))
+            if not pending:
+                return
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        wait(pending)
+
+
+def _pipelined(
+    items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
+    advanced: Callable[[Any, Diff], None] | None = None,
+    rows: Callable[[Any], np.ndarray | None] | None = None,
+) -> Iterator[tuple[Any, EncodedTensor]]:
+    """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
     from dcr_format.codec.delta import OPS, encode_diff, encode_tensor
 
     held: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, str | None]] = {}

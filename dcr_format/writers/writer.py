@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -634,6 +634,7 @@ class CanonicalPart:
         def advanced(item: _Item, found: Diff) -> None:
             moved[item[0]] = found
 
+        coded: Generator[tuple[_Item, EncodedTensor], None, None] | None = None
         try:
             # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
             # a full shard uploads on a background thread while the next tensors are coded
@@ -642,10 +643,8 @@ class CanonicalPart:
             if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
                 features -= BASELINE_FEATURES
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
-            for (name, tensor, old), encoded in within_codings(
-                features,
-                encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0])),
-            ):
+            coded = encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0]))
+            for (name, tensor, old), encoded in within_codings(features, coded):
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
                 parent = self._fingerprints.get(name) if encoded.op != FULL else None
@@ -674,6 +673,8 @@ class CanonicalPart:
                 shards, entries, features_for(r.coding for e in entries for r in e.streams)
             )
         except BaseException:
+            if coded is not None:  # tensors still coding advance their baselines first
+                coded.close()
             self._revert(moved)
             raise
         finally:
