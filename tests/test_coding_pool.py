@@ -210,3 +210,36 @@ def test_a_publish_that_fails_while_tensors_code_leaves_every_baseline(monkeypat
     target: dict[str, torch.Tensor] = {}
     DeltaReader(store, StateDictTarget(target)).sync()
     assert_same_bits(target, new)
+
+
+FORK_CHILD = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import torch
+from test_coding_pool import _model
+from dcr_format.cuda import pipeline
+old, new = _model(6)
+items = lambda: [(n, new[n], old[n].clone(), None) for n in new]
+parent = [e.values for _, e in pipeline.encode_stream(items())]  # the pool's threads exist
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)  # torch's own OpenMP threads are not in the child either
+    child = [e.values for _, e in pipeline.encode_stream(items())]
+    os._exit(0 if child == parent else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_codes_on_a_pool_of_its_own():
+    """A child forked after the pool's threads started has none of them: it makes its own
+    pool (a tensor queued on the parent's would never run, and the child would hang)."""
+    import os
+    import subprocess
+    import sys
+
+    script = FORK_CHILD.format(tests=os.path.dirname(__file__))
+    result = subprocess.run(
+        [sys.executable, "-c", script], timeout=120, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

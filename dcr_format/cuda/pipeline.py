@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -248,6 +249,23 @@ CODING_THREADS = 2
 _AHEAD = 2  # tensors queued per thread, so that a thread never waits for the next one
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
+
+
+_ORPHANS: list[ThreadPoolExecutor] = []
+
+
+def _forked() -> None:
+    """In a forked child: the parent's pools, whose threads the child does not have, are
+    set aside (a task queued on one would never run). They are kept, not dropped: an
+    executor's finalizer would wake threads that are not there."""
+    global _POOLS_LOCK
+    _POOLS_LOCK = threading.Lock()
+    _ORPHANS.extend(_POOLS.values())
+    _POOLS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
