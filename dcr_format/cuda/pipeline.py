@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -249,9 +250,7 @@ CODING_THREADS = 2
 _AHEAD = 2  # tensors queued per thread, so that a thread never waits for the next one
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
-
-
-_ORPHANS: list[ThreadPoolExecutor] = []
+_ORPHANS: list[ThreadPoolExecutor] = []  # a forked child's pools of its parent (_forked)
 
 
 def _forked() -> None:
@@ -282,12 +281,11 @@ def _code_one(
     item: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
-    serial: bool,
+    serial: ModuleType | None,
 ) -> tuple[Any, EncodedTensor]:
     """One item through :func:`_pipelined` on a pool thread (with the kernels' serial twins
-    where ``serial``)."""
-    launch = compiled("_launch") if serial else None
-    with contextlib.nullcontext() if launch is None else launch.serial_kernels():
+    where ``serial``, the launch module, is given)."""
+    with contextlib.nullcontext() if serial is None else serial.serial_kernels():
         return next(_pipelined([item], advanced, rows))
 
 
@@ -304,7 +302,7 @@ def _pooled(
     threads = CODING_THREADS
     pool = _pool(threads)
     launch = compiled("_launch")  # numba's, imported where the kernels are used anyway
-    serial = launch is not None and launch.kernel_threads() <= threads
+    serial = launch if launch is not None and launch.kernel_threads() <= threads else None
     pending: deque[Future[tuple[Any, EncodedTensor]]] = deque()
     items = _chain(first, rest)
     try:
