@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.codec import _native_classes, classed
+from dcr_format.codec import classed
 from dcr_format.codec import delta as delta_module
 from dcr_format.codec.classed import (
     ROW_ELEMENTS,
@@ -82,14 +82,13 @@ def counted(bits: np.ndarray, dtype: str) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("rate", [0.02, 0.1])  # 0.1: past _PARALLEL_MOVES, a row per task
+@pytest.mark.parametrize("rate", [0.02, 0.1])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_rows_and_their_moves_match_the_definition(kernels: str, dtype: str, rate: float) -> None:
     old = weights(2 * ROW_ELEMENTS + 4321, dtype)
     rows = exponent_rows(old, dtype)
     assert np.array_equal(rows, counted(old, dtype)) and rows_fit(rows, old.size, dtype)
     new, positions = step(old, dtype, rate, 1)
-    assert (positions.size > _native_classes._PARALLEL_MOVES) == (rate > 0.05)
     moved = rows.copy()
     changed = move_rows(moved, positions, old[positions], new[positions], dtype)
     assert np.array_equal(moved, counted(new, dtype))
@@ -98,6 +97,31 @@ def test_rows_and_their_moves_match_the_definition(kernels: str, dtype: str, rat
     assert np.array_equal(changed, np.bincount(e, minlength=mask + 1))
     move_rows(moved, positions, old[positions], new[positions], dtype, forward=False)
     assert np.array_equal(moved, rows)
+    untallied = move_rows(moved, positions, old[positions], new[positions], dtype, tally=False)
+    assert untallied.size == 0 and np.array_equal(moved, counted(new, dtype))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dense_moves_across_rows_land_in_each_changes_row(kernels: str, dtype: str) -> None:
+    """Every change leaves its exponent, and groups of 64 changes span row ends: each move
+    goes to the row of its own position (the kernel looks a row up only at a row's first
+    moving change)."""
+    old = weights(3 * ROW_ELEMENTS + 77, dtype)
+    rng = np.random.default_rng(5)
+    shift, _ = classed.EXPONENT_FIELDS[dtype]
+    # runs of changes that straddle each row end, and a few far apart
+    ends = [ROW_ELEMENTS * r for r in (1, 2, 3)]
+    near = np.concatenate([np.arange(e - 70, e + 70) for e in ends])
+    positions = np.unique(np.concatenate([near, rng.choice(old.size, 500, replace=False)]))
+    new = old.copy()
+    one = np.array(1, dtype=old.dtype) << np.array(shift, dtype=old.dtype)
+    new[positions] ^= one  # the exponent's lowest bit: every change moves
+    for moving in (positions, positions[positions % 3 == 0]):  # all, or every third moves
+        after = old.copy()
+        after[moving] = new[moving]
+        rows = exponent_rows(old, dtype)
+        move_rows(rows, positions, old[positions], after[positions], dtype, tally=False)
+        assert np.array_equal(rows, counted(after, dtype))
 
 
 def test_rows_that_do_not_fit_the_tensor_are_not_taken(kernels: str) -> None:

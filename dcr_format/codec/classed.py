@@ -109,11 +109,13 @@ def move_rows(
     dtype: str,
     *,
     forward: bool = True,
+    tally: bool = True,
 ) -> np.ndarray:
     """Move each changed element between its old and new exponent in its run's row of
     ``rows``, in place (``forward``: old to new, so the rows of the old bits become those of
     the new; else back). ``old`` and ``new`` are the bits at the sorted ``positions``.
-    Returns the histogram of the changed elements' old exponents (``mask + 1``)."""
+    Returns the histogram of the changed elements' old exponents (``mask + 1``), or an
+    empty array without ``tally`` (a reader, which only moves the rows, saves the count)."""
     shift, mask = EXPONENT_FIELDS[dtype]
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     old = np.ascontiguousarray(old).reshape(-1)
@@ -121,12 +123,14 @@ def move_rows(
     native = _native()
     if native is not None:
         return native.move_rows(  # type: ignore[no-any-return]
-            rows, positions, old, new, shift, mask, forward=forward
+            rows, positions, old, new, shift, mask, forward=forward, tally=tally
         )
     was, now = exponents(old, dtype), exponents(new, dtype)
     run = positions // ROW_ELEMENTS
     np.add.at(rows, (run, was), -1 if forward else 1)
     np.add.at(rows, (run, now), 1 if forward else -1)
+    if not tally:
+        return np.zeros(0, dtype=np.int64)
     return np.bincount(was, minlength=mask + 1).astype(np.int64)
 
 

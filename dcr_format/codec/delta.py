@@ -480,6 +480,7 @@ def rows_after(
         bits_to_numpy(before),
         bits_to_numpy(after),
         info_for(dtype).name,
+        tally=False,
     )
     return moved
 
