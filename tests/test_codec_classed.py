@@ -419,6 +419,50 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
     assert errors[0] == errors[1]
 
 
+def test_ranks_decoded_ahead_are_taken_only_where_the_class_sizes_bound_them(
+    kernels: str,
+) -> None:
+    """A reader decodes the Rice parts while it fetches, against the tensor's size; once it
+    holds the old bits, the class sizes decide: the same ranks where every class's last
+    one lies below its size, else the stream is decoded again and refused as it would be
+    without them (the same error). A stream that does not decode against the tensor's size
+    comes back without ranks."""
+    old = weights(12, 60_000)
+    positions = step_positions(old, 13, lr=3e-6)
+    count, numel = int(positions.size), int(old.size)
+    coded = classed.encode_classed(positions, old, "bfloat16")
+    stream = classed.parse_classed(coded, count=count, dtype="bfloat16")
+    ahead = classed.with_ranks(stream, numel)
+    assert stream.ranks is None and ahead.ranks is not None and not ahead.ranks.flags.writeable
+    assert classed.with_ranks(ahead, numel) is ahead
+    sizes = np.bincount(
+        classed.classes_of(old, "bfloat16", stream.base, stream.classes), minlength=stream.classes
+    )
+    assert classed.class_ranks_of(ahead, sizes) is ahead.ranks  # taken, not decoded again
+    assert np.array_equal(ahead.ranks, classed.class_ranks_of(stream, sizes))
+    out = classed.decode_classed(ahead, old, "bfloat16", count=count, numel=numel)
+    assert np.array_equal(out, positions)
+    # a class one element too small for its last rank: refused with the error of the
+    # stream decoded against the sizes alone
+    c = stream.parts[0][0]
+    short = sizes.copy()
+    short[c] = int(ahead.ranks[stream.counts[c] - 1])
+    errors = []
+    for given in (stream, ahead):
+        with pytest.raises(PositionsError) as caught:
+            classed.class_ranks_of(given, short)
+        errors.append(str(caught.value))
+    assert errors[0] == errors[1]
+    # a class whose unary bits lost their terminators decodes against no size: no ranks
+    # ahead, and the stream is refused as before
+    _, _, unary, offset = stream.parts[-1]
+    data = coded[:offset] + bytes(unary) + coded[offset + unary :]
+    broken = classed.parse_classed(data, count=count, dtype="bfloat16")
+    assert classed.with_ranks(broken, numel).ranks is None
+    with pytest.raises(PositionsError):
+        classed.decode_classed(broken, old, "bfloat16", count=count, numel=numel)
+
+
 @pytest.mark.parametrize("picker", ["table", "deposit"])
 def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the

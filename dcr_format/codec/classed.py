@@ -16,9 +16,10 @@ is an opt-in for tensors whose positions are worth more than that pass.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 
 import numpy as np
@@ -381,6 +382,9 @@ class ClassedStream:
     base: int
     counts: tuple[int, ...]  # changed positions per class
     parts: tuple[tuple[int, int, int, int], ...]  # per class with positions: (class, k, U, offset)
+    # every class's ranks, decoded before the old bits are at hand (:func:`with_ranks`);
+    # :func:`class_ranks_of` takes them once the class sizes bound them
+    ranks: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 def parse_classed(data: bytes | memoryview, *, count: int, dtype: str) -> ClassedStream:
@@ -493,11 +497,45 @@ def decode_classed(
     return positions
 
 
+def with_ranks(stream: ClassedStream, numel: int) -> ClassedStream:
+    """``stream`` with its ranks decoded ahead, where they decode against ``numel`` (the
+    tensor's size, which bounds every class's): the Rice parts need the class sizes only as
+    the range a rank must lie in, so a reader decodes them while it still fetches, and
+    :func:`class_ranks_of` then checks each class's last rank against its size. A stream
+    whose parts do not decode so comes back as it was (decoded, and refused, against the
+    class sizes later)."""
+    if not stream.parts or stream.ranks is not None:
+        return stream
+    launch = _positions.compiled("_launch")
+    serial = contextlib.nullcontext() if launch is None else launch.serial_kernels()
+    try:
+        with serial:  # a fetch worker's: the others and the select fill the other cores
+            ranks = class_ranks_of(stream, np.full(stream.classes, numel, dtype=np.int64))
+    except PositionsError:
+        return stream
+    ranks.flags.writeable = False  # shared by every resolve of the change
+    return replace(stream, ranks=ranks)
+
+
+def _ranks_within(stream: ClassedStream, ranks: np.ndarray, sizes: np.ndarray) -> bool:
+    """Whether every class's ranks (increasing, from :func:`with_ranks`) lie below its size
+    in ``sizes``: then the Rice parts decode against the sizes too, to the same ranks (a
+    part breaks §6.2 against a smaller range only where a rank reaches past it)."""
+    end = 0
+    for c, _, _, _ in stream.parts:
+        end += stream.counts[c]
+        if int(ranks[end - 1]) >= int(sizes[c]):
+            return False
+    return True
+
+
 def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
     """The ranks every class with changes codes, one class after the other in class order,
     each decoded from its Rice part with the class's size (``sizes``, from the old bits) as
-    the range; a class coded with more positions than it holds is a
-    :class:`PositionsError`."""
+    the range (or taken from :func:`with_ranks` where they lie in it); a class coded with
+    more positions than it holds is a :class:`PositionsError`."""
+    if stream.ranks is not None and _ranks_within(stream, stream.ranks, sizes):
+        return stream.ranks
     native = _native()
     if native is not None and stream.parts:  # every class at once; the loop below on errors
         out = np.empty(sum(stream.counts), dtype=np.int64)
@@ -552,4 +590,5 @@ __all__ = [
     "old_bits_of",
     "parse_classed",
     "rows_fit",
+    "with_ranks",
 ]

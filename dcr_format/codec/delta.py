@@ -43,6 +43,7 @@ from dcr_format.codec.classed import (
     move_rows,
     parse_classed,
     rows_fit,
+    with_ranks,
 )
 from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
 from dcr_format.codec.positions import PositionsChoice, plain_size_floor
@@ -385,7 +386,8 @@ def decode_delta(
     if positions[0] == CLASSED:
         if op != XOR:
             raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
-        stream = parse_classed(positions[1], count=changed, dtype=info.name)
+        # the ranks decode now, on the fetch worker; only their select needs the old bits
+        stream = with_ranks(parse_classed(positions[1], count=changed, dtype=info.name), numel)
         return DecodedDelta(op, None, vals, stream, ulp, shift, RowsSlot())
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
     return DecodedDelta(op, pos, vals, None, ulp, shift)
