@@ -159,58 +159,54 @@ def _moved(old, new, j, size, field):  # type: ignore[no-untyped-def]
     return word
 
 
-@njit(cache=True, inline="always")
-def _move_span(lo, hi, rows, positions, old, new, shift, mask, field, forward, changed):  # type: ignore[no-untyped-def]
-    """:func:`move_rows` of the changes ``lo`` to ``hi``, their old exponents counted into
-    ``changed`` unless it is empty. The changes that leave their exponent (few) are found
-    64 at a time by one mask, and only they touch a row: the row of the first, and of the
-    first past each row's last change (a search of the positions). (A branch per change on
-    its exponent, its row taken from its position, cost 40 ns each that moved: the count
-    was written at an address that waited on a missed load. Masks taken row by row, with
-    each row's end in the loop bound, did not compile to vector compares.)"""
+@njit(cache=True, nogil=True)
+def _moves(rows, positions, old, new, shift, mask, field, forward, changed):  # type: ignore[no-untyped-def]
+    """:func:`move_rows` in this thread, the old exponents counted into ``changed`` unless
+    it is empty. The changes that leave their exponent (few) are found 64 at a time by one
+    mask, and only they touch a row: the row of the first, and of the first past each
+    row's last change (a search of the positions). (A branch per change on its exponent,
+    its row taken from its position, cost 40 ns each that moved: the count was written at
+    an address that waited on a missed load. Masks taken row by row, with each row's end
+    in the loop bound, did not compile to vector compares; nor did these, compiled through
+    numba's parallel pipeline as a parallel kernel or its twin: 7M changes took 11 ms on
+    each of two threads against 3 ms here.)"""
     if changed.size:
-        _tally_old(lo, hi, old, shift, mask, changed)
+        _tally_old(old, shift, mask, changed)
     step = 1 if forward else -1
-    t, row_end = 0, lo
-    j = lo
-    while j < hi:
-        word = _moved(old, new, j, min(_GROUP, hi - j), field)
+    n = positions.size
+    t, row_end = 0, 0
+    j = 0
+    while j < n:
+        word = _moved(old, new, j, min(_GROUP, n - j), field)
         while word != _ZERO:
             k = j + np.int64(_TRAILING_ZEROS(word))
             word &= word - _ONE
             if k >= row_end:  # the first change of another row
                 t = positions[k] // TASK
-                row_end = k + np.searchsorted(positions[k:hi], (t + 1) * TASK)
+                row_end = k + np.searchsorted(positions[k:], (t + 1) * TASK)
             rows[t, _exponent(old[k], shift, mask)] -= step
             rows[t, _exponent(new[k], shift, mask)] += step
         j += _GROUP
 
 
 @njit(cache=True, inline="always")
-def _tally_old(lo, hi, old, shift, mask, changed):  # type: ignore[no-untyped-def]
-    """``changed[e]`` += the changes ``lo`` to ``hi`` whose old exponent is ``e``, on four
-    interleaved rows of counters (equal neighbours do not wait on one counter)."""
+def _tally_old(old, shift, mask, changed):  # type: ignore[no-untyped-def]
+    """``changed[e]`` += the changes whose old exponent is ``e``, on four interleaved rows
+    of counters (equal neighbours do not wait on one counter)."""
     width = mask + 1
     tallies = np.zeros(4 * width, dtype=np.int64)
-    j = lo
-    while j + 4 <= hi:
+    n = old.size
+    j = 0
+    while j + 4 <= n:
         for r in range(4):
             tallies[r * width + _exponent(old[j + r], shift, mask)] += 1
         j += 4
-    while j < hi:
+    while j < n:
         tallies[_exponent(old[j], shift, mask)] += 1
         j += 1
     for e in range(width):
         for r in range(4):
             changed[e] += tallies[r * width + e]
-
-
-@njit(cache=True, nogil=True)
-def _moves(rows, positions, old, new, shift, mask, field, forward, changed):  # type: ignore[no-untyped-def]
-    """:func:`_move_span` of every change, in this thread. (Not a parallel kernel: compiled
-    through numba's parallel pipeline, the masks of :func:`_moved` did not become vector
-    compares, and 7M changes took 11 ms on each of two threads against 3 ms here.)"""
-    _move_span(0, positions.size, rows, positions, old, new, shift, mask, field, forward, changed)
 
 
 def move_rows(
