@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import os
 import threading
 from collections import deque
@@ -236,12 +237,7 @@ def encode_stream(
     if first[1].device.type == "cpu" and CODING_THREADS > 1:
         yield from _pooled(first, iterator, advanced, rows)
     else:
-        yield from _pipelined(_chain(first, iterator), advanced, rows)
-
-
-def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
+        yield from _pipelined(itertools.chain((first,), iterator), advanced, rows)
 
 
 CODING_THREADS = 2
@@ -304,7 +300,7 @@ def _pooled(
     launch = compiled("_launch")  # numba's, imported where the kernels are used anyway
     serial = launch if launch is not None and launch.kernel_threads() <= threads else None
     pending: deque[Future[tuple[Any, EncodedTensor]]] = deque()
-    items = _chain(first, rest)
+    items = itertools.chain((first,), rest)
     try:
         while True:
             while len(pending) < threads * _AHEAD:
