@@ -463,6 +463,38 @@ def test_ranks_decoded_ahead_are_taken_only_where_the_class_sizes_bound_them(
         classed.decode_classed(broken, old, "bfloat16", count=count, numel=numel)
 
 
+def test_the_select_plan_is_each_class_s_searchsorted_at_each_task_start() -> None:
+    """The select pass's plan: per task and class, where the class's ranks at or past the
+    task's start begin (``np.searchsorted`` of the class's ranks), and where each task's
+    positions go; with classes without ranks, ranks on a task's start, before the first
+    and past the last start, and tasks that take none."""
+    from dcr_format.codec import _native_classes as native
+
+    rng = np.random.default_rng(11)
+    count, tasks = 6, 9
+    sizes = np.array([5000, 0, 40, 7000, 1, 3000], dtype=np.int64)
+    starts = np.zeros((tasks + 1, count), dtype=np.int64)
+    for c in range(count):
+        inner = np.sort(rng.integers(0, sizes[c] + 1, tasks - 1))
+        starts[:, c] = np.concatenate(([0], inner, [sizes[c]]))
+    starts[3:5, 0] = starts[3, 0]  # a task with nothing of class 0
+    parts = []
+    for c in range(count):
+        wanted = int(sizes[c] * (0.9 if c == 2 else 0.05))
+        ranks = np.sort(rng.choice(sizes[c], wanted, replace=False)) if wanted else []
+        ranks = np.union1d(ranks, starts[1:-1, c][starts[1:-1, c] < sizes[c]][:3])
+        parts.append(np.asarray(ranks, dtype=np.int64))
+    first = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum([p.size for p in parts], out=first[1:])
+    ranks = np.concatenate(parts)
+    cursor, offsets = native._select_plan(ranks, first, starts, count)
+    for c in range(count):
+        found = first[c] + np.searchsorted(parts[c], starts[:, c])
+        assert cursor[:, c].tolist() == found.tolist()
+    assert offsets.tolist() == (cursor - first[:-1]).sum(axis=1).tolist()
+    assert offsets[-1] == ranks.size
+
+
 @pytest.mark.parametrize("picker", ["table", "deposit"])
 def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the
