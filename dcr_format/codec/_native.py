@@ -266,15 +266,31 @@ def position_lanes(
     return _finish_lanes(out, lanes)
 
 
+_LOW31 = np.uint64((1 << 31) - 1)
+_S31 = np.uint64(31)
+# each lane's prime is 2^31 - c (c = 1, 19, 61), so 2^31 = c mod p: a term t < 2^62 folds
+# to (t mod 2^31) + c * (t >> 31) < 2^38, the same residue, without a division
+_FOLD1 = np.uint64((1 << 31) - int(_P1))
+_FOLD2 = np.uint64((1 << 31) - int(_P2))
+LANE_TERMS = 1 << 25
+"""The most terms :func:`_lane_add` may add to one set of accumulators before they are
+reduced (each folded term is below 2^38, so 2^25 of them stay below 2^63)."""
+
+
 @njit(cache=True, inline="always")
 def _lane_add(a0, a1, a2, old, new, r, lanes, table):  # type: ignore[no-untyped-def]
-    """The accumulators after adding ``(g(new) - g(old)) * r`` per lane, each term reduced
-    mod p (below 2^31: 2^32 terms stay below 2^63; tasks sum at most 2^18). A branch on
-    the sum instead would be taken every few terms, unpredictably."""
-    a0 += (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r % _P0
-    a1 += (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r % _P1
+    """The accumulators after adding ``(g(new) - g(old)) * r`` per lane (``r <= 2^30``), each
+    term folded below 2^38 without a division (its residue mod p kept): at most
+    :data:`LANE_TERMS` terms before the caller reduces them (tasks sum at most 2^18). A
+    division per term cost twice the rest of the sum; a branch on the sum instead would be
+    taken every few terms, unpredictably."""
+    t0 = (_g(new, 0, table) + _P0 - _g(old, 0, table)) * r  # < 2^32 * 2^30
+    t1 = (_g(new, 1, table) + _P1 - _g(old, 1, table)) * r
+    a0 += (t0 & _LOW31) + (t0 >> _S31)
+    a1 += (t1 & _LOW31) + _FOLD1 * (t1 >> _S31)
     if lanes == 3:
-        a2 += (_g(new, 2, table) + _P2 - _g(old, 2, table)) * r % _P2
+        t2 = (_g(new, 2, table) + _P2 - _g(old, 2, table)) * r
+        a2 += (t2 & _LOW31) + _FOLD2 * (t2 >> _S31)
     return a0, a1, a2
 
 
