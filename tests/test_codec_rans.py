@@ -3,6 +3,7 @@ coder, strict on hostile streams, used only where allowed, and gated by its feat
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from dcr_format.chain import Chain
 from dcr_format.codec import features, rans, values
 from dcr_format.codec.delta import XOR, apply_delta, decode_delta
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.positions import encode_positions
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
 from dcr_format.readers._plan import stream_limits
 from dcr_format.store import open_store
@@ -209,6 +211,87 @@ def test_hostile_streams_are_refused(what: str, stream: bytes, count: int) -> No
         rans._decode_reference(stream, count=count, width=2)
     with pytest.raises(ValuesError):
         values.decode_values("rans", stream, count=count, width=2)
+
+
+def _streams_for_pairs(width: int) -> list[tuple[bytes, np.ndarray]]:
+    """Streams of several lengths (one and many symbols where the width lets a stream be
+    shorter than its planes), with escapes, and one at a precision above 16 (decoded by
+    search, not by lookup)."""
+    out = []
+    for seed, count in ((1, 1), (2, 7), (3, 3000), (4, 5001)):
+        data = ulp_like(seed, count, width)
+        model, _ = rans.choose_model(data)
+        if seed == 4:  # a smaller table than the values need: the rest are escapes
+            model = rans.Model(model.table[:2], rans.quantize(np.array([5, 4, 3]), 12), 12)
+        out.append((rans.encode_rans(data, model), data))
+    data = ulp_like(5, 2500, width)
+    model, _ = rans.choose_model(data)
+    counts = np.array([int((data == v).sum()) for v in model.table] + [0]) + 1
+    out.append(
+        (rans.encode_rans(data, rans.Model(model.table, rans.quantize(counts, 20), 20)), data)
+    )
+    return [(stream, data) for stream, data in out if len(stream) < data.size * width]
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_two_streams_at_once_decode_as_each_alone(width: int) -> None:
+    """decode_rans_pair alternates the symbols of two streams while both have some: every
+    pair of lengths (either longer), escapes in either, a searched table in either."""
+    streams = _streams_for_pairs(width)
+    assert len(streams) >= 3 and any(stream[1] > 16 for stream, _ in streams)
+    for (a, want_a), (b, want_b) in itertools.product(streams, repeat=2):
+        got_a, got_b = rans.decode_rans_pair((a, want_a.size), (b, want_b.size), width=width)
+        assert got_a is not None and got_b is not None
+        assert got_a.dtype == want_a.dtype and np.array_equal(got_a, want_a)
+        assert got_b.dtype == want_b.dtype and np.array_equal(got_b, want_b)
+
+
+@pytest.mark.parametrize("what, stream, count", _mutations(), ids=[c[0] for c in _mutations()])
+def test_a_hostile_stream_of_a_pair_is_left_to_decode_alone(
+    what: str, stream: bytes, count: int
+) -> None:
+    """A stream of a pair that breaks a rule comes back as None (decode_rans then gives its
+    error), on either side, and its peer decodes all the same."""
+    good, want = _streams_for_pairs(2)[2]
+    first, second = rans.decode_rans_pair((stream, count), (good, want.size), width=2)
+    assert first is None and second is not None and np.array_equal(second, want)
+    first, second = rans.decode_rans_pair((good, want.size), (stream, count), width=2)
+    assert second is None and first is not None and np.array_equal(first, want)
+
+
+def test_an_entry_takes_its_rans_values_decoded_ahead() -> None:
+    """decode_delta with ``symbols`` (its ulp values' rans stream decoded already, as
+    rans_part finds it) gives the change it decodes itself; symbols of another shape or
+    width, or for an entry without rans values, are a caller's error."""
+    from dcr_format.codec.delta import rans_part
+    from dcr_format.codec.ulp import ULP
+    from dcr_format.codec.ulp_shift import ULP_SHIFT, assemble
+
+    info = info_for(torch.bfloat16)
+    z = ulp_like(9, 500, 2)
+    model, _ = rans.choose_model(z)
+    coded = rans.encode_rans(z, model)
+    positions = encode_positions(np.arange(0, 4 * z.size, 4, dtype=np.int64))
+    for coding, stream in ((ULP, coded), (ULP_SHIFT, assemble(3, coded, b""))):
+        part = rans_part(XOR, info, z.size, (coding, stream))
+        assert part is not None and bytes(part) == coded
+        alone = decode_delta(XOR, info, 4096, z.size, positions=positions, values=(coding, stream))
+        ahead = decode_delta(
+            XOR, info, 4096, z.size, positions=positions, values=(coding, stream), symbols=z.copy()
+        )
+        assert torch.equal(alone.values, ahead.values) and alone.shift == ahead.shift
+        assert torch.equal(alone.positions, ahead.positions)
+        with pytest.raises(ValueError, match="symbols"):
+            decode_delta(
+                XOR, info, 4096, z.size, positions=positions, values=(coding, stream), symbols=z[1:]
+            )
+    assert rans_part(XOR, info, z.size, ("rans", coded)) is None
+    assert rans_part(XOR, info, z.size, (ULP_SHIFT, b"\x00")) is None  # refused by decode_delta
+    assert rans_part(XOR, info_for(torch.int16), z.size, (ULP, coded)) is None
+    with pytest.raises(ValueError, match="symbols"):
+        decode_delta(
+            XOR, info, 4096, z.size, positions=positions, values=("rans", coded), symbols=z
+        )
 
 
 def test_random_garbage_never_escapes_as_another_error() -> None:

@@ -431,10 +431,10 @@ def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, m
         completed.set()
         return done
 
-    def decode(entry, manifest, streams):
+    def decode(entry, manifest, streams, symbols=None):
         if entry.name == entries[-1].name:
             waited.append(completed.wait(timeout=30))
-        return real_decode(entry, manifest, streams)
+        return real_decode(entry, manifest, streams, symbols)
 
     monkeypatch.setattr(reader_module, "resolve", resolve)
     monkeypatch.setattr(fetch_module, "_decode_entry", decode)

@@ -45,7 +45,14 @@ from dcr_format.codec.classed import (
     rows_fit,
     with_ranks,
 )
-from dcr_format.codec.dtypes import DtypeInfo, bits_to_numpy, bits_view, info_for, numpy_to_bits
+from dcr_format.codec.dtypes import (
+    UNSIGNED_NP,
+    DtypeInfo,
+    bits_to_numpy,
+    bits_view,
+    info_for,
+    numpy_to_bits,
+)
 from dcr_format.codec.positions import PositionsChoice, plain_size_floor
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
@@ -354,13 +361,17 @@ def decode_delta(
     positions: tuple[str, bytes | memoryview] | None,
     values: tuple[str, bytes | memoryview] | None,
     device: torch.device | str = "cpu",
+    symbols: np.ndarray | None = None,
 ) -> DecodedDelta:
     """Decode an entry's streams (both already checked to exist) onto ``device``; hostile
     input is refused.
 
     The streams are parsed and checked on the host. For another device the value planes
     are copied over (pinned, asynchronously on CUDA) and the positions are expanded there
-    (:func:`dcr_format.cuda.positions.decode_positions_to`).
+    (:func:`dcr_format.cuda.positions.decode_positions_to`). ``symbols``, where given: the
+    values' ``rans`` stream (:func:`rans_part`) decoded already, as :func:`decode_rans`
+    decodes it (:func:`dcr_format.codec.rans.decode_rans_pair` decodes two entries' at
+    once).
     """
     device = torch.device(device)
     if changed == 0:
@@ -371,12 +382,20 @@ def decode_delta(
     if ulp and (op != XOR or info.name not in FLOAT_DTYPES):
         raise ValuesError(f"{values[0]} values belong to xor entries of float tensors, not {op!r}")
     shift: tuple[int, bytes] | None = None
+    if symbols is not None and (
+        not ulp or symbols.shape != (changed,) or symbols.dtype != UNSIGNED_NP[info.width]
+    ):
+        raise ValueError("symbols must be the entry's rans values, decoded (see rans_part)")
     if values[0] == ULP_SHIFT:  # shifted differences: joined with the low bits by resolve()
         parsed = parse(values[1], count=changed, width=info.width, dtype=info.name)
-        raw = decode_rans(parsed.coded, count=changed, width=info.width)
+        raw = symbols
+        if raw is None:
+            raw = decode_rans(parsed.coded, count=changed, width=info.width)
         shift = (parsed.origin, bytes(parsed.low))
     elif ulp:  # zigzag differences, rANS-coded: XOR bits once resolve() reads the old ones
-        raw = decode_rans(values[1], count=changed, width=info.width)
+        raw = symbols
+        if raw is None:
+            raw = decode_rans(values[1], count=changed, width=info.width)
     else:
         raw = decode_values(values[0], values[1], count=changed, width=info.width)
     vals = dispatch.to_device(numpy_to_bits(raw, info), device)
@@ -391,6 +410,24 @@ def decode_delta(
         return DecodedDelta(op, None, vals, stream, ulp, shift, RowsSlot())
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
     return DecodedDelta(op, pos, vals, None, ulp, shift)
+
+
+def rans_part(
+    op: str, info: DtypeInfo, changed: int, values: tuple[str, bytes | memoryview] | None
+) -> bytes | memoryview | None:
+    """The ``rans`` stream :func:`decode_delta` decodes from an entry's values (those of
+    ``ulp`` and ``ulp-shift`` entries), or None: other codings, and streams it refuses
+    (left to it, for the error)."""
+    if values is None or changed < 1 or op != XOR or info.name not in FLOAT_DTYPES:
+        return None
+    if values[0] == ULP:
+        return values[1]
+    if values[0] == ULP_SHIFT:
+        try:
+            return parse(values[1], count=changed, width=info.width, dtype=info.name).coded
+        except ValuesError:
+            return None
+    return None
 
 
 def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
@@ -645,6 +682,7 @@ __all__ = [
     "encode_diff",
     "encode_tensor",
     "put_staged",
+    "rans_part",
     "resolve",
     "rows_after",
     "stage_change",

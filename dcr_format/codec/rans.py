@@ -506,6 +506,33 @@ def decode_rans(data: bytes | memoryview, *, count: int, width: int) -> np.ndarr
     return _assemble(parsed, symbols, count, width)
 
 
+def decode_rans_pair(
+    first: tuple[bytes | memoryview, int], second: tuple[bytes | memoryview, int], *, width: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Two ``rans`` streams, each ``(data, count)`` of values of ``width`` bytes, decoded at
+    once: their symbols alternate, so that the chain of dependent steps of one fills the
+    waits of the other's (a symbol of one stream waits on the one before it). Each comes
+    back as :func:`decode_rans` decodes it, or None where it breaks a rule of FORMAT.md
+    §7.3, or for both without the compiled decoder: the caller decodes that one alone (for
+    its values, or its error)."""
+    native = _native()
+    (data, count), (data2, count2) = first, second
+    if native is None:
+        return None, None
+    out = np.empty(max(count, 0), dtype=UNSIGNED_NP[width])  # a count below 1 is refused
+    out2 = np.empty(max(count2, 0), dtype=UNSIGNED_NP[width])
+    error, error2 = native.decode_pair(
+        np.frombuffer(data, dtype=np.uint8),
+        count,
+        out,
+        np.frombuffer(data2, dtype=np.uint8),
+        count2,
+        out2,
+        width,
+    )
+    return (None if error else out), (None if error2 else out2)
+
+
 # --- pure-Python reference of the coder (FORMAT.md §7.3); tests compare it with the above ---
 
 
@@ -567,6 +594,7 @@ __all__ = [
     "Model",
     "choose_model",
     "decode_rans",
+    "decode_rans_pair",
     "encode_rans",
     "length_bytes",
     "max_words",

@@ -21,12 +21,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dcr_format.chain import TensorChange, TensorState, get_verified, tensor_changes
 from dcr_format.codec.budget import DecodeBudget
-from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta
+from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta, rans_part
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.rans import decode_rans_pair
 from dcr_format.codec.shard import decode_shard
 from dcr_format.errors import SchemaError, ShardError
 from dcr_format.readers._plan import DecodeJob, FetchPlan, StepPlan
@@ -167,36 +169,74 @@ def _run_job(
             del stored
         wanted = plan.wanted
         decoded: dict[int, DecodedDelta] = {}
-        for i in job.entries:
-            decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams)
-            if tell is not None:
-                tell(i, decoded[i])
+        entries = list(job.entries)
+        for k in range(0, len(entries), 2):  # two at a time: their rans values decode at once
+            pair = entries[k : k + 2]
+            ahead = _symbols_ahead([wanted[i] for i in pair], streams)
+            for i, symbols in zip(pair, ahead, strict=True):
+                decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
+                if tell is not None:
+                    tell(i, decoded[i])
         del streams  # decoded deltas are copies: the shards go before the budget
     return decoded
 
 
-def _decode_entry(entry: Entry, manifest: Manifest, streams: Streams) -> DecodedDelta:
-    """Decode one entry from the inflated streams of its rank's shards."""
-    info = info_for(entry.dtype)
-    numel = math.prod(entry.shape)
+def _stream(
+    entry: Entry, manifest: Manifest, streams: Streams, ref: Any
+) -> tuple[str, memoryview] | None:
+    """The coding and bytes of one of an entry's streams (``ref``: its positions or values)."""
+    if ref is None:
+        return None
+    shard = streams.get((manifest.rank, ref.shard))
+    if shard is None or ref.key not in shard:
+        raise ShardError(f"stream {ref.key!r} of tensor {entry.name!r} is missing from its shard")
+    return ref.coding, shard[ref.key]
 
-    def stream(ref: Any) -> tuple[str, memoryview] | None:
-        if ref is None:
-            return None
-        shard = streams.get((manifest.rank, ref.shard))
-        if shard is None or ref.key not in shard:
-            raise ShardError(
-                f"stream {ref.key!r} of tensor {entry.name!r} is missing from its shard"
-            )
-        return ref.coding, shard[ref.key]
 
+def _op(entry: Entry) -> str:
+    """The op an entry's streams decode as: a piece of a full tensor is a region's overwrite."""
+    return OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
+
+
+def _symbols_ahead(
+    items: list[tuple[Manifest, Entry]], streams: Streams
+) -> list[np.ndarray | None]:
+    """The ``rans`` values of two entries (``ulp`` or ``ulp-shift``) decoded at once
+    (:func:`decode_rans_pair`: a stream alone waits on each symbol's chain of steps), or
+    None for an entry left to :func:`decode_delta` alone: any other coding or count, a
+    stream that breaks a rule (its error comes from there) or a single entry."""
+    if len(items) != 2:
+        return [None] * len(items)
+    parts = []
+    for manifest, entry in items:
+        info = info_for(entry.dtype)
+        try:
+            values = _stream(entry, manifest, streams, entry.values)
+        except ShardError:
+            return [None, None]
+        part = rans_part(_op(entry), info, entry.changed, values)
+        if part is None:
+            return [None, None]
+        parts.append((part, entry.changed, info.width))
+    (first, count, width), (second, count2, width2) = parts
+    if width != width2:
+        return [None, None]
+    return list(decode_rans_pair((first, count), (second, count2), width=width))
+
+
+def _decode_entry(
+    entry: Entry, manifest: Manifest, streams: Streams, symbols: np.ndarray | None = None
+) -> DecodedDelta:
+    """Decode one entry from the inflated streams of its rank's shards (``symbols``: its
+    ``rans`` values, where :func:`_symbols_ahead` decoded them)."""
     return decode_delta(
-        OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op,  # a region
-        info,
-        numel,
+        _op(entry),
+        info_for(entry.dtype),
+        math.prod(entry.shape),
         entry.changed,
-        positions=stream(entry.positions),
-        values=stream(entry.values),
+        positions=_stream(entry, manifest, streams, entry.positions),
+        values=_stream(entry, manifest, streams, entry.values),
+        symbols=symbols,
     )
 
 
