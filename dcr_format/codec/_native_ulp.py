@@ -153,11 +153,13 @@ ULP_TASK = 1 << 14
 joined on several threads, each task's low bits placed from the sum of the shifts before
 it (:func:`split_low`, :func:`join_low`)."""
 
-ULP_SERIAL = 1 << 17
-"""Changes up to which the split and join are one pass in the calling thread: below it,
-starting a parallel region and waking the other thread costs more than the thread saves
-(two vCPUs, OpenMP with a passive wait: 65,536 changes took 195 us in one pass and 340 us
-in four tasks; 262,144 took 1.3 and 1.2 ms)."""
+ULP_SERIAL = 1 << 20
+"""Changes up to which the split and join are one pass in the calling thread. The tasks
+cost more CPU than they save time: with the pass over the shifts that places their low
+bits, a change took 4.0-4.3 ns of CPU in tasks on two vCPUs against 2.6-2.8 ns in one pass,
+and only 0.75-0.8x the time (150,000 to 2,000,000 changes, OpenMP with a passive wait). A
+reader's and a writer's other work fills the second core, so the tasks pay only past a
+million changes, where one tensor's pass is long enough to hold up a step."""
 
 
 @njit(cache=True, nogil=True, inline="always")
