@@ -3,8 +3,10 @@
 Private, imported on first use like :mod:`dcr_format.codec._native`. It decodes exactly
 what ``constriction``'s ``AnsCoder`` decodes (FORMAT.md §7.3: 64-bit state, 32-bit words,
 24-bit probabilities), with a lookup table of the ``2**Q`` quantiles instead of a search,
-so one symbol costs a few integer operations. Arithmetic is uint64 throughout (numba
-turns mixed signed/unsigned 64-bit arithmetic into float64, so every operand is typed).
+so one symbol costs a few integer operations; two streams can decode in one loop
+(:func:`decode_pair`), their chains of dependent steps side by side. Arithmetic is uint64
+throughout (numba turns mixed signed/unsigned 64-bit arithmetic into float64, so every
+operand is typed).
 ``tests/test_codec_rans.py`` checks it against constriction and the pure-Python reference.
 """
 
