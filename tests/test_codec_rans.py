@@ -281,10 +281,12 @@ def test_an_entry_takes_its_rans_values_decoded_ahead() -> None:
         )
         assert torch.equal(alone.values, ahead.values) and alone.shift == ahead.shift
         assert torch.equal(alone.positions, ahead.positions)
-        with pytest.raises(ValueError, match="symbols"):
-            decode_delta(
-                XOR, info, 4096, z.size, positions=positions, values=(coding, stream), symbols=z[1:]
-            )
+        for wrong in (z[1:], z.astype(np.uint32)):  # another count, another width
+            with pytest.raises(ValueError, match="symbols"):
+                decode_delta(
+                    XOR, info, 4096, z.size, positions=positions, values=(coding, stream),
+                    symbols=wrong,
+                )  # fmt: skip
     assert rans_part(XOR, info, z.size, ("rans", coded)) is None
     assert rans_part(XOR, info, z.size, (ULP_SHIFT, b"\x00")) is None  # refused by decode_delta
     assert rans_part(XOR, info_for(torch.int16), z.size, (ULP, coded)) is None

@@ -411,6 +411,27 @@ def _classed_chain(tmp_path: Path, shard_bytes: int = 1 << 26):
     return url, reader, tensors, state, entries
 
 
+def test_a_fetch_worker_decodes_two_entries_rans_values_at_once(tmp_path, monkeypatch):
+    """A job's entries decode two at a time: the rans values of the first two of the three
+    changes decode in one call (decode_rans_pair), the third alone, and the version applies
+    bit for bit."""
+    import dcr_format.readers._fetch as fetch_module
+
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    assert all(e.values is not None and e.values.coding in ("ulp", "ulp-shift") for e in entries)
+    pairs = []
+    real_pair = fetch_module.decode_rans_pair
+
+    def pair(first, second, *, width):
+        pairs.append((first[1], second[1]))
+        return real_pair(first, second, width=width)
+
+    monkeypatch.setattr(fetch_module, "decode_rans_pair", pair)
+    reader.sync()
+    assert pairs == [(entries[0].changed, entries[1].changed)]
+    assert_same_bits(tensors, state)
+
+
 def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, monkeypatch):
     """A one-step sync into a dict target finds the positions of each change coded against
     the old bits (``classed``, ``ulp-shift``) as soon as that change is decoded, while the
