@@ -739,14 +739,7 @@ def _select_plan(ranks, first, starts, count):  # type: ignore[no-untyped-def]
     for c in range(count):
         j = first[c]
         for t in range(tasks + 1):  # the class's starts grow with t: each search from the last
-            lo, hi = j, first[c + 1]  # a walk of every rank cost about 1 ns a change
-            while lo < hi:
-                mid = (lo + hi) >> 1
-                if ranks[mid] < starts[t, c]:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            j = lo
+            j += np.searchsorted(ranks[j : first[c + 1]], starts[t, c])  # (a walk: 1 ns a rank)
             cursor[t, c] = j
             offsets[t] += j - first[c]
     return cursor, offsets
