@@ -431,6 +431,15 @@ def test_diff_of_non_contiguous_views():
     assert deltas == dispatch.diff_with_lanes(old2.reshape(-1), new2.reshape(-1))[1]
 
 
+def test_no_kernel_sums_more_lane_terms_than_the_fold_allows() -> None:
+    """The lane sums fold each term below 2^38 and reduce only at the end of a task or
+    chunk: the fused diff's tasks and the apply's chunks hold at most LANE_TERMS changes,
+    and that many of the largest folded terms stay below 2^64."""
+    largest = (1 << 31) - 1 + 61 * ((1 << 31) - 1)  # t mod 2^31, plus c (t >> 31), t < 2^62
+    assert largest < 1 << 38 and native.LANE_TERMS * largest < 1 << 64
+    assert max(native.TASK, native._CHUNK) <= native.LANE_TERMS
+
+
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("op", ["xor", "overwrite"])
 def test_fused_apply_matches_the_reference_and_undoes(width, op, monkeypatch):
