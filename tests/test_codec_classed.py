@@ -495,6 +495,173 @@ def test_the_select_plan_is_each_class_s_searchsorted_at_each_task_start() -> No
     assert offsets[-1] == ranks.size
 
 
+def _float_bits(dtype: str, n: int, seed: int) -> np.ndarray:
+    """Unsigned bits of N(0, 0.02) values of ``dtype`` (some of them zero, some huge)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal(n) * 0.02
+    values[rng.integers(0, n, n // 100)] = 0.0
+    values[rng.integers(0, n, n // 100)] *= 1e4
+    if dtype == "bfloat16":
+        return bf16(values.astype(np.float32))
+    kind = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
+    width = np.dtype(kind).itemsize
+    return values.astype(kind).view(f"<u{width}")
+
+
+def _classed_case(
+    old: np.ndarray, dtype: str, positions: np.ndarray, base: int, count: int
+) -> classed.ClassedStream:
+    """The parsed ``classed`` stream of ``positions`` under classes of ``base`` and
+    ``count`` (not the writer's choice: any classes must decode)."""
+    classes = classed.classes_of(old, dtype, base, count)
+    ranks = np.empty(positions.size, dtype=np.int64)
+    for c in range(count):
+        members = np.flatnonzero(classes == c)
+        mine = classes[positions] == c
+        ranks[mine] = np.searchsorted(members, positions[mine])
+    data = classed.classed_stream(base, count, classes[positions], ranks)
+    return classed.parse_classed(data, count=positions.size, dtype=dtype)
+
+
+def _select(
+    old: np.ndarray, dtype: str, stream: classed.ClassedStream, dense: bool, rows: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """``positions_of_ranks`` of the dense or the sparse select pass, and the old bits it
+    handed over."""
+    from dcr_format.codec import _native_classes as native
+
+    shift, mask = classed.EXPONENT_FIELDS[dtype]
+    starts = native.class_starts(rows, stream.base, stream.classes)
+    ranks = classed.class_ranks_of(stream, starts[-1])
+    first = np.zeros(stream.classes + 1, dtype=np.int64)
+    np.cumsum(stream.counts, out=first[1:])
+    seen = np.zeros(ranks.size, dtype=old.dtype)
+    found = native.positions_of_ranks(
+        old, shift, mask, stream.base, stream.classes, starts, ranks, first, seen, dense=dense
+    )
+    return found, seen
+
+
+def test_class_masks_are_each_class_s_members() -> None:
+    """_native_bits.class_masks sets bit q of word c exactly where element start + q is of
+    class c (the reference's classes_of), for every float width, unaligned starts, bases
+    below, inside and past the exponents, and 1 to 16 classes; words past the last class
+    stay empty."""
+    from numba import njit
+
+    from dcr_format.codec import _native_bits
+
+    @njit(cache=False)
+    def masks(
+        bits: np.ndarray, starts: np.ndarray, shift: int, mask: int, base: int, top: int
+    ) -> np.ndarray:
+        out = np.zeros((starts.size, 16), dtype=np.uint64)
+        for i in range(starts.size):
+            _native_bits.class_masks(bits, starts[i], shift, mask, base, top, out[i])
+        return out
+
+    for dtype, (shift, mask) in classed.EXPONENT_FIELDS.items():
+        bits = _float_bits(dtype, 400, 3)
+        starts = np.array([0, 1, 7, 64, 200, 400 - 64], dtype=np.int64)
+        for base in (0, 1, mask // 2 - 9, mask - 3, mask + 1):
+            for count in (1, 2, 9, 16):
+                got = masks(bits, starts, shift, mask, base, count - 1)
+                classes = classed.classes_of(bits, dtype, base, count)
+                for i, start in enumerate(starts):
+                    block = classes[start : start + 64]
+                    for c in range(16):
+                        want = sum(1 << q for q in range(64) if block[q] == c)
+                        assert int(got[i, c]) == want, (dtype, base, count, start, c)
+
+
+@pytest.mark.parametrize("dtype", sorted(classed.EXPONENT_FIELDS))
+def test_the_dense_select_pass_finds_what_the_sparse_one_does(dtype: str) -> None:
+    """The dense select pass (a bit per member, deposited onto each group's members) and the
+    one that follows each class's next wanted rank find the same positions and hand over
+    the same old bits: three tasks with a partial last group, 1 to 16 classes, positions
+    on task and group edges, and groups with none, a few and nearly every element wanted
+    (the stores past a group's last position, and near the end of a task's share)."""
+    from dcr_format.codec import _native_bits
+    from dcr_format.codec._native import TASK
+
+    if not _native_bits.has_deposit():
+        pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
+    n = 2 * TASK + 1000 + 37
+    old = _float_bits(dtype, n, 21)
+    rows = classed.exponent_rows(old, dtype)
+    exponents = classed.exponents(old, dtype)
+    low = int(np.percentile(exponents, 5))
+    rng = np.random.default_rng(22)
+    edges = np.array([0, 63, 64, TASK - 1, TASK, TASK + 5, 2 * TASK, n - 64, n - 1])
+    for share, count in ((0.001, 1), (0.05, 9), (0.05, 16), (0.7, 4), (0.3, 12)):
+        positions = np.union1d(np.flatnonzero(rng.random(n) < share), edges)
+        if share > 0.5:  # a stretch of a task where every element is wanted
+            positions = np.union1d(positions, np.arange(TASK + 100, TASK + 400))
+        stream = _classed_case(old, dtype, positions, low, count)
+        sparse, sparse_seen = _select(old, dtype, stream, False, rows)
+        dense, dense_seen = _select(old, dtype, stream, True, rows)
+        assert sparse is not None and dense is not None
+        assert np.array_equal(dense, positions), (share, count)
+        assert np.array_equal(sparse, positions)
+        assert np.array_equal(dense_seen, old[positions])
+        assert np.array_equal(sparse_seen, old[positions])
+
+
+def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
+    """Rows of other bits (two elements of different classes swapped across tasks): the
+    dense pass finds its classes do not end where the rows say and answers None (the
+    sparse pass counts only the positions, so it finds other ones here, which the
+    fingerprint check after applying catches); ranks past a class's size are refused
+    before either pass runs."""
+    from dcr_format.codec import _native_bits
+    from dcr_format.codec import _native_classes as native
+    from dcr_format.codec._native import TASK
+
+    if not _native_bits.has_deposit():
+        pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
+    n = 2 * TASK + 500
+    old = _float_bits("bfloat16", n, 31)
+    positions = np.flatnonzero(np.random.default_rng(32).random(n) < 0.05)
+    base = int(np.percentile(classed.exponents(old, "bfloat16"), 5))
+    stream = _classed_case(old, "bfloat16", positions, base, 9)
+    other = old.copy()
+    other[10], other[TASK + 10] = old[TASK + 10], old[10]  # each in the other's task
+    assert classed.classes_of(old[[10]], "bfloat16", base, 9) != classed.classes_of(
+        old[[TASK + 10]], "bfloat16", base, 9
+    )
+    stale = classed.exponent_rows(other, "bfloat16")
+    assert _select(old, "bfloat16", stream, True, stale)[0] is None
+    found = _select(old, "bfloat16", stream, False, stale)[0]
+    assert found is None or not np.array_equal(found, positions)
+    rows = classed.exponent_rows(old, "bfloat16")
+    starts = native.class_starts(rows, stream.base, stream.classes)
+    ranks = classed.class_ranks_of(stream, starts[-1]).copy()
+    first = np.zeros(stream.classes + 1, dtype=np.int64)
+    np.cumsum(stream.counts, out=first[1:])
+    c = int(np.flatnonzero(np.asarray(stream.counts))[-1])
+    ranks[first[c + 1] - 1] = starts[-1, c]  # one past the class's last member
+    shift, mask = classed.EXPONENT_FIELDS["bfloat16"]
+    for dense in (False, True):
+        with pytest.raises(ValueError, match="below its size"):
+            native.positions_of_ranks(old, shift, mask, base, 9, starts, ranks, first, dense=dense)
+
+
+def test_the_dense_select_pass_is_taken_where_it_wins() -> None:
+    """By default the dense pass runs from one changed element in DENSE_SHARE on, and only
+    where the machine's bit deposit is fast."""
+    from dcr_format.codec import _native_classes as native
+
+    assert native.dense_wins(1000, 1000 * native.DENSE_SHARE)
+    assert not native.dense_wins(999, 1000 * native.DENSE_SHARE)
+    assert native._DEPOSIT_FAST == _native_bits_fast()
+
+
+def _native_bits_fast() -> bool:
+    from dcr_format.codec import _native_bits
+
+    return bool(_native_bits.fast_deposit())
+
+
 @pytest.mark.parametrize("picker", ["table", "deposit"])
 def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     """The select pass picks the k-th member of a class within a group of 64 from the
