@@ -432,6 +432,56 @@ def test_a_fetch_worker_decodes_two_entries_rans_values_at_once(tmp_path, monkey
     assert_same_bits(tensors, state)
 
 
+def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(tmp_path, monkeypatch):
+    """A change completed inside the transaction keeps the old bits its select pass read,
+    and the apply takes them instead of reading the tensor again; one completed while the
+    fetch still runs does not (the tensor may be read again by then). A sync of two
+    versions completes every change in the transaction; every one applies bit for bit."""
+    import dcr_format.codec.delta as delta_module
+    import dcr_format.readers.reader as reader_module
+    from dcr_format.bench.refit import lr_for
+
+    url, reader, tensors, state, entries = _classed_chain(tmp_path)
+    calls: list[tuple[str, bool]] = []
+    given: list[bool] = []
+    real_resolve, real_apply = delta_module.resolve, delta_module.dispatch.apply_ulp_with_lanes
+
+    def spy(where: str):
+        def resolve(delta, target, *, keep_before=False):
+            if delta.classed is not None or delta.shift is not None:  # not yet completed
+                calls.append((where, keep_before))
+            return real_resolve(delta, target, keep_before=keep_before)
+
+        return resolve
+
+    def apply(flat, positions, z, *, lanes=True, before=None):
+        given.append(before is not None)
+        return real_apply(flat, positions, z, lanes=lanes, before=before)
+
+    monkeypatch.setattr(targets_module, "resolve", spy("transaction"))
+    monkeypatch.setattr(reader_module, "resolve", spy("early"))
+    monkeypatch.setattr(delta_module.dispatch, "apply_ulp_with_lanes", apply)
+    reader.sync()  # one version: changes decoded before the last are completed early
+    assert ("early", False) in calls and len(calls) == len(entries)
+    assert set(calls) <= {("early", False), ("transaction", True)}
+    assert given.count(True) == calls.count(("transaction", True))
+    assert_same_bits(tensors, state)
+    writer = DeltaWriter(url, features=_BASELINE_FEATURES)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        state = {
+            n: (t.float() + lr_for(0.01) * torch.randn(t.shape, generator=gen)).bfloat16()
+            for n, t in state.items()
+        }
+        writer.publish(state)
+    calls.clear()
+    given.clear()
+    reader.sync()
+    assert len(calls) == 2 * len(entries) and set(calls) == {("transaction", True)}
+    assert len(given) == len(calls) and all(given)
+    assert_same_bits(tensors, state)
+
+
 def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, monkeypatch):
     """A one-step sync into a dict target finds the positions of each change coded against
     the old bits (``classed``, ``ulp-shift``) as soon as that change is decoded, while the

@@ -293,6 +293,22 @@ def test_the_fused_ulp_apply_equals_xor_bits_applied(width: int) -> None:
     ):
         with pytest.raises(ValueError):
             bad()
+    # the old bits given (as resolve() keeps them): not read again. Given bits that differ
+    # from the tensor's at one position show it: that position is stepped from the given
+    # bits; bits of another shape or dtype are ignored (read from the tensor)
+    given = torch.from_numpy(at.copy()).view(torch_kind)
+    given[5] ^= 1
+    for offered, moved in ((given, True), (given[1:], False), (given.view(torch.uint8), False)):
+        again = torch.from_numpy(old.copy()).view(torch_kind)
+        got = dispatch.apply_ulp_with_lanes(again, where, values, before=offered)
+        wrong = ulp.from_ulp(at[5:6] ^ kind(1), z[5:6])[0]
+        assert (again.numpy().view(kind)[int(where[5])] == wrong) == moved
+        assert torch.equal(again[where[6:]], expected[where[6:]])
+        assert (got[2] == lanes) != moved
+    given[5] ^= 1
+    again = torch.from_numpy(old.copy()).view(torch_kind)
+    assert dispatch.apply_ulp_with_lanes(again, where, values, before=given)[2] == lanes
+    assert torch.equal(again, expected)
     # a position past the end: refused, nothing applied
     past = torch.cat([where[:-1], torch.tensor([old.size], dtype=torch.int64)])
     kept = flat.clone()

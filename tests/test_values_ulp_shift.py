@@ -237,14 +237,28 @@ def test_a_tensor_round_trips_through_encode_decode_and_resolve(
             values=("ulp-shift", enc.values),
         )
         assert delta.needs_target and delta.shift is not None
+        bits = info_for(dtype).bits_dtype
         target = old.clone()
         done = resolve(delta, target)
         # joined: plain ulp differences the CPU apply steps in its pass (or XOR bits where
         # the kernels do not take the change)
         assert done.shift is None and done.classed is None and done.positions is not None
-        apply_change(target, done)
-        bits = info_for(dtype).bits_dtype
+        assert done.before is None  # not asked to keep them
+        applied = apply_change(target, done)
         assert torch.equal(target.view(bits), new.view(bits))
+        # kept: the old bits the select read go with the change, and the apply (which
+        # then reads none) gives the same bits, before and lanes
+        target = old.clone()
+        kept = resolve(delta, target, keep_before=True)
+        assert kept.before is None or torch.equal(
+            kept.before, old.view(bits).reshape(-1)[kept.positions]
+        )
+        assert (kept.before is not None) == (kernels == "auto")
+        again = apply_change(target, kept)
+        assert torch.equal(target.view(bits), new.view(bits))
+        assert applied.before is not None and again.before is not None
+        assert torch.equal(again.before, applied.before)
+        assert again.lane_deltas == applied.lane_deltas
 
 
 def test_the_compiled_join_refuses_each_break_as_the_reference(

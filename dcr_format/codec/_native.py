@@ -573,6 +573,8 @@ def _gather_tasks(
 # --- fused apply -----------------------------------------------------------------------
 
 
+_WRITE, _GATHERED = 1, 2  # a change's ``how``: it writes; its old bits are given
+
 OVERWRITE_MODE, XOR_MODE, ULP_MODE = 0, 1, 2
 """How a change's values make the new bits: they are the new bits, ``old ^ v``, or the
 zigzag ulp difference from the old bits (``values-ulp``, FORMAT.md §7.5)."""
@@ -580,11 +582,13 @@ zigzag ulp difference from the old bits (``values-ulp``, FORMAT.md §7.5)."""
 
 @njit(cache=True, inline="always")
 def _change_task(  # type: ignore[no-untyped-def]
-    c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
+    c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
 ):
-    """Chunk ``c`` of the positions: the bits before (into ``before``) and after (into
-    ``after`` unless it is empty), written into ``flat`` with ``write``, and the lane sums;
-    ``mode`` says how the values make the bits after (:data:`XOR_MODE` ...)."""
+    """Chunk ``c`` of the positions: the bits before (into ``before``, unless ``how`` has
+    :data:`_GATHERED`) and after (into ``after`` unless it is empty), written into ``flat``
+    where ``how`` has :data:`_WRITE`, and the lane sums; ``mode`` says how the values make
+    the bits after (:data:`XOR_MODE` ...)."""
+    write, gathered = how & _WRITE, how & _GATHERED
     n = flat.shape[0]
     top, ones = _ulp_limits(flat.itemsize)
     want_after = after.shape[0] != 0
@@ -601,10 +605,11 @@ def _change_task(  # type: ignore[no-untyped-def]
         # below (lanes, ulp steps) keeps few loads in flight; the block's lines then stay
         # in cache for the writes
         e = min(s + _GATHER_BLOCK, m)
-        for j in range(s, e):
-            p = pos_c[j]
-            if p - base >= 0 and p - base < n:
-                before_c[j] = flat[np.uint64(p - base)]
+        if not gathered:
+            for j in range(s, e):
+                p = pos_c[j]
+                if p - base >= 0 and p - base < n:
+                    before_c[j] = flat[np.uint64(p - base)]
         for j in range(s, e):
             p = pos_c[j]
             if p - base < 0 or p - base >= n:  # unsorted input past a checked first/last
@@ -636,22 +641,22 @@ def _after(b, v, mode, top, ones):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _change(flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
+def _change(flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
     """Apply or stage a change, its chunks of positions in parallel."""
     for c in prange(lane_out.shape[0]):
         _change_task(
-            c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
+            c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
         )
 
 
 @serial_twin
 def _change_serial(  # type: ignore[no-untyped-def]
-    flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
+    flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
 ):
     """Apply or stage a change in this thread (see :func:`_launch`)."""
     for c in range(lane_out.shape[0]):
         _change_task(
-            c, flat, pos, values, base, mode, write, before, after, lanes, table, lane_out, bad
+            c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
         )
 
 
@@ -664,14 +669,19 @@ def apply(
     out: tuple[np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
+    *,
+    gathered: bool = False,
 ) -> tuple[bool, tuple[int, ...]]:
     """In place ``flat[p - base] ^= v``, ``= v`` or one ulp difference ``v`` further
     (``mode``); ``out`` = (the old bits, the new bits where that array is not empty).
+    ``gathered``: ``out[0]`` holds the old bits already (read by the caller from this
+    ``flat``, nothing written there since), so they are not read again.
 
     Returns (all positions were in range, lane deltas). Out-of-range positions are
     skipped, never written.
     """
-    return _run_change(flat, pos, values, base, mode, True, out, table, lanes)
+    how = _WRITE | (_GATHERED if gathered else 0)
+    return _run_change(flat, pos, values, base, mode, how, out, table, lanes)
 
 
 def _run_change(
@@ -680,7 +690,7 @@ def _run_change(
     values: np.ndarray,
     base: int,
     mode: int,
-    write: bool,
+    how: int,
     out: tuple[np.ndarray, np.ndarray],
     table: np.ndarray,
     lanes: int,
@@ -688,7 +698,7 @@ def _run_change(
     chunks = -(-pos.shape[0] // _CHUNK)
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
-    args = (flat, pos, values, base, mode, write, out[0], out[1], lanes, table, lane_out, bad)
+    args = (flat, pos, values, base, mode, how, out[0], out[1], lanes, table, lane_out, bad)
     _launch(_change, _change_serial, chunks, *args)
     in_range = not bad[0] if chunks == 1 else not bool(bad.any())  # most changes: one chunk
     return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
@@ -707,7 +717,7 @@ def stage(
     """Read, never write: ``out`` = (bits of ``flat`` at ``pos - base``, the bits the change
     puts there under ``mode``), and the lane deltas of that change. Returns (all positions
     in range, deltas)."""
-    return _run_change(flat, pos, values, base, mode, False, out, table, lanes)
+    return _run_change(flat, pos, values, base, mode, 0, out, table, lanes)
 
 
 # --- Rice ------------------------------------------------------------------------------

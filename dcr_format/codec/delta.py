@@ -103,6 +103,10 @@ class DecodedDelta:
     # ``classed``: where the exponent rows of the old bits go (given by a caller that keeps
     # them, else filled by :func:`resolve` when it counts them)
     rows: RowsSlot | None = None
+    # resolved ``ulp``: the old bits at the positions, where :func:`resolve` read them and
+    # was asked to keep them (its caller applies the change right after, to the same bits),
+    # so that :func:`apply_change` does not read them again
+    before: torch.Tensor | None = None
 
     @property
     def needs_target(self) -> bool:
@@ -430,13 +434,18 @@ def rans_part(
     return None
 
 
-def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
+def resolve(
+    delta: DecodedDelta, target: torch.Tensor, *, keep_before: bool = False
+) -> DecodedDelta:
     """``delta`` completed against ``target`` where it was coded against the old bits: its
     positions found (``classed``) and its values turned into XOR bits (``ulp``,
     ``ulp-shift``). ``target`` must hold exactly the bits the entry was made against (its
     parent's), as any ``xor`` entry needs. Other deltas come back as they are. A positions
     stream that does not decode against these bits is a :class:`PositionsError`; an
-    ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`."""
+    ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`.
+    ``keep_before``: the caller applies the result to ``target`` next, with nothing
+    written there in between, so the old bits the select pass read at the positions go
+    with it (``before``) and :func:`apply_change` does not read them again."""
     if not delta.needs_target:
         return delta
     if not target.is_contiguous():
@@ -466,7 +475,8 @@ def resolve(delta: DecodedDelta, target: torch.Tensor) -> DecodedDelta:
         origin, low = delta.shift
         z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
         if dispatch.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
-            return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True)
+            kept = numpy_to_bits(before, info) if keep_before else None
+            return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True, before=kept)
         xor = before ^ from_ulp(before, z)
         values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
@@ -580,7 +590,9 @@ def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = Tru
             after = done.before ^ xor.values.to(done.before.device)
             return AppliedBits(done.before, done.before, done.lane_deltas, after)
         z = dispatch.to_device(delta.values, flat.device)
-        before, after, lane_deltas = dispatch.apply_ulp_with_lanes(flat, positions, z, lanes=lanes)
+        before, after, lane_deltas = dispatch.apply_ulp_with_lanes(
+            flat, positions, z, lanes=lanes, before=delta.before
+        )
         return AppliedBits(before, before, lane_deltas if lanes else None, after)
     values = dispatch.to_device(delta.values, flat.device)
     if delta.op == FULL:

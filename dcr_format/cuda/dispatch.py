@@ -474,16 +474,27 @@ def _native_apply(
     op: str,
     base: int,
     lanes: bool,
+    before: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
-    """The fused CPU apply: old bits read, new bits written (returned too for ``ulp``) and
-    lane deltas, one pass."""
+    """The fused CPU apply: old bits read (unless ``before`` holds them: read from ``flat``
+    at the positions by the caller, nothing written there since), new bits written
+    (returned too for ``ulp``) and lane deltas, one pass."""
     from dcr_format.fingerprint import native_table
 
     positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
     count = positions.numel()
     target, where = _unsigned(flat), positions.numpy()
     _check_bounds(where, base, flat.numel())
-    before = torch.empty(count, dtype=flat.dtype)
+    gathered = (
+        before is not None
+        and before.device.type == "cpu"
+        and before.dtype == flat.dtype
+        and before.shape == (count,)
+    )
+    if before is None or not gathered:
+        before = torch.empty(count, dtype=flat.dtype)
+    else:
+        before = before.contiguous()
     after = torch.empty(count if op == ULP else 0, dtype=flat.dtype)
     width = flat.element_size()
     in_range, deltas = native.apply(
@@ -495,6 +506,7 @@ def _native_apply(
         (_unsigned(before), _unsigned(after)),
         native_table(width),
         _lane_count(width) if lanes else 0,
+        gathered=gathered,
     )
     if not in_range:
         # undo the in-range part (the kernel skips the same positions again): xor is its
@@ -545,15 +557,25 @@ def apply_with_lanes(
 
 
 def apply_ulp_with_lanes(
-    flat: torch.Tensor, positions: torch.Tensor, z: torch.Tensor, *, lanes: bool = True
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    z: torch.Tensor,
+    *,
+    lanes: bool = True,
+    before: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """In place: each element at ``positions`` moved by its zigzag ulp difference ``z``
     (FORMAT.md §7.5), in one pass that also sums the lane deltas. Returns the bits before
-    and after the change and its lane deltas (undo: put ``before`` back). Only where
-    :func:`fuses_ulp` (else ``ValueError``); the input rules of :func:`apply_with_lanes`."""
+    and after the change and its lane deltas (undo: put ``before`` back). ``before``, where
+    given (a host tensor of ``flat``'s dtype, one element per position): the bits at the
+    positions, read from ``flat`` by the caller with nothing written there since, so the
+    pass does not read them again. Only where :func:`fuses_ulp` (else ``ValueError``); the
+    input rules of :func:`apply_with_lanes`."""
     native = _native_apply_for(flat, positions, z, ULP)
     assert native is not None
-    before, after, deltas = _native_apply(native, flat, positions, z, op=ULP, base=0, lanes=lanes)
+    before, after, deltas = _native_apply(
+        native, flat, positions, z, op=ULP, base=0, lanes=lanes, before=before
+    )
     assert after is not None
     return before, after, deltas
 

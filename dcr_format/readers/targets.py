@@ -199,7 +199,7 @@ class Transaction(ABC):
         tensor = self.tensor(change.name)
         if tensor is None:
             raise TargetError(f"the target lacks tensor {change.name!r}")
-        return _resolved(change, tensor)
+        return _resolved(change, tensor, keep_before=True)  # applied to it next
 
     def undo(self) -> None:
         """Revert every change made through :meth:`change`, newest first; the bits the
@@ -377,10 +377,11 @@ class _Shared:
     applied: Applied
 
 
-def _resolved(change: Change, old: torch.Tensor) -> Change:
-    """``change`` completed against ``old`` (its tensor's bits before the change)."""
+def _resolved(change: Change, old: torch.Tensor, *, keep_before: bool = False) -> Change:
+    """``change`` completed against ``old`` (its tensor's bits before the change;
+    ``keep_before``: see :func:`resolve`)."""
     try:
-        return replace(change, delta=resolve(change.delta, old))
+        return replace(change, delta=resolve(change.delta, old, keep_before=keep_before))
     except (PositionsError, ValuesError) as exc:  # the streams checked out: the bits are not
         # the parent's (classed positions that do not decode, ulp-shift low bits that do not fit)
         raise BaselineMismatchError(
