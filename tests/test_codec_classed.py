@@ -633,6 +633,14 @@ def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
     assert _select(old, "bfloat16", stream, True, stale)[0] is None
     found = _select(old, "bfloat16", stream, False, stale)[0]
     assert found is None or not np.array_equal(found, positions)
+    # rows far from the bits, of the same class sizes (the first two tasks' elements in
+    # class order): a class's cursor runs thousands of members past its region in a task,
+    # and its reads stay in the task's words
+    classes = classed.classes_of(old, "bfloat16", base, 9)
+    far = old.copy()
+    far[: 2 * TASK] = old[: 2 * TASK][np.argsort(classes[: 2 * TASK], kind="stable")]
+    rows_far = classed.exponent_rows(far, "bfloat16")
+    assert _select(old, "bfloat16", stream, True, rows_far)[0] is None
     rows = classed.exponent_rows(old, "bfloat16")
     starts = native.class_starts(rows, stream.base, stream.classes)
     ranks = classed.class_ranks_of(stream, starts[-1]).copy()

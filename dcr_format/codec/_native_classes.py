@@ -807,6 +807,8 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
     cursor = np.zeros(CLASSES, dtype=np.int64)  # each class's next bit of ``words``
     for c in range(count):
         cursor[c] = at[c]
+    last = words.shape[0] - 2  # the last word a read of two may start at (a cursor run
+    # past its region on bits of other classes reads the regions' padding, then fails)
     members = np.zeros(CLASSES, dtype=np.uint64)
     keep_old = old_at.size > 0
     g0 = lo
@@ -822,7 +824,7 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
         for c in range(count):
             m = members[c]
             b = cursor[c]
-            w = b >> 6
+            w = min(b >> 6, last)
             s = np.uint64(b & 63)
             # the 64 bits from ``b`` on (the second word's shifted in two steps, so that a
             # shift of 64 never happens)
