@@ -101,6 +101,16 @@ def fast_deposit() -> bool:
     return has_deposit() and not llvm.get_host_cpu_name().startswith(_SLOW_DEPOSIT)
 
 
+def _pdep(builder: Any, source: Any, word: Any) -> Any:
+    """BMI2's ``pdep`` of two 64-bit values: the low bits of ``source`` onto the set bits
+    of ``word``."""
+    word64 = ir.IntType(64)
+    deposit = builder.module.declare_intrinsic(
+        "llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(word64, [word64, word64])
+    )
+    return builder.call(deposit, [source, word])
+
+
 @intrinsic
 def _deposit_select(typingctx: Any, word: Any, k: Any) -> Any:
     """The index of the ``k``-th set bit (from 0) of a uint64 ``word``: bit ``k`` of a word
@@ -111,12 +121,8 @@ def _deposit_select(typingctx: Any, word: Any, k: Any) -> Any:
     sig = types.int64(types.uint64, types.int64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        word64 = ir.IntType(64)
-        deposit = builder.module.declare_intrinsic(
-            "llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(word64, [word64, word64])
-        )
         k = context.cast(builder, args[1], signature.args[1], types.uint64)
-        spread = builder.call(deposit, [builder.shl(ir.Constant(word64, 1), k), args[0]])
+        spread = _pdep(builder, builder.shl(ir.Constant(ir.IntType(64), 1), k), args[0])
         return builder.cttz(spread, ir.Constant(ir.IntType(1), 0))
 
     return sig, codegen
@@ -132,11 +138,7 @@ def _deposit(typingctx: Any, source: Any, word: Any) -> Any:
     sig = types.uint64(types.uint64, types.uint64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        word64 = ir.IntType(64)
-        deposit = builder.module.declare_intrinsic(
-            "llvm.x86.bmi.pdep.64", fnty=ir.FunctionType(word64, [word64, word64])
-        )
-        return builder.call(deposit, [args[0], args[1]])
+        return _pdep(builder, args[0], args[1])
 
     return sig, codegen
 
