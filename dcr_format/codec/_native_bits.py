@@ -51,19 +51,23 @@ def _splat(builder: Any, value: Any, vector: ir.VectorType) -> Any:
     return builder.shuffle_vector(first, undefined, zeros)
 
 
+def _flat_unsigned(bits: Any) -> bool:
+    """Whether a numba type is a C-contiguous 1-d array of unsigned integers."""
+    return (
+        isinstance(bits, types.Array)
+        and bits.ndim == 1
+        and bits.layout == "C"
+        and bits.dtype in types.unsigned_domain
+    )
+
+
 @intrinsic
 def _below_mask(typingctx: Any, bits: Any, start: Any, keep: Any, limit: Any) -> Any:
     """``bits[start + q] & keep < limit`` (unsigned) as bit ``q`` of a uint64, for ``q`` in
     ``0 .. 63``; ``bits`` a C-contiguous 1-d array of unsigned integers, ``keep`` and
     ``limit`` of its dtype. No bounds check: the caller makes sure that
     ``start + 64 <= bits.size``."""
-    if not (
-        isinstance(bits, types.Array)
-        and bits.ndim == 1
-        and bits.layout == "C"
-        and bits.dtype in types.unsigned_domain
-        and isinstance(start, types.Integer)
-    ):
+    if not (_flat_unsigned(bits) and isinstance(start, types.Integer)):
         return None
     sig = types.uint64(bits, types.int64, bits.dtype, bits.dtype)
 
@@ -157,14 +161,7 @@ def _class_masks(
     integers, ``out`` one of 16 uint64. ``base`` at most ``mask + 1`` and ``top`` below
     16 (so both fit an element). No bounds check: the caller makes sure that ``start +
     64 <= bits.size``."""
-    if not (
-        isinstance(bits, types.Array)
-        and bits.ndim == 1
-        and bits.layout == "C"
-        and bits.dtype in types.unsigned_domain
-        and isinstance(out, types.Array)
-        and out.dtype == types.uint64
-    ):
+    if not (_flat_unsigned(bits) and isinstance(out, types.Array) and out.dtype == types.uint64):
         return None
     sig = types.void(bits, types.int64, types.int64, types.int64, types.int64, types.int64, out)
 
