@@ -818,8 +818,7 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
         else:  # the tensor's last, partial group, element by element
             members[:] = _ZERO
             for q in range(hi - g0):
-                e = (np.int64(bits[g0 + q]) >> shift) & mask
-                members[min(max(e - base, 0), count - 1)] |= _ONE << np.uint64(q)
+                members[_class_of(bits[g0 + q], shift, mask, base, count)] |= _ONE << np.uint64(q)
         hits = _ZERO
         for c in range(count):
             m = members[c]
