@@ -99,37 +99,6 @@ def test_other_float_widths_code_the_reference_s_bytes(
     assert np.array_equal(back, positions)
 
 
-def test_below_mask_is_one_compare_per_element() -> None:
-    """_native_bits.below_mask sets bit q exactly where element start + q, masked, is below
-    the limit (unsigned), for every width, limits at both ends and unaligned starts."""
-    from numba import njit
-
-    from dcr_format.codec import _native_bits
-
-    @njit(cache=False)
-    def masks(bits: np.ndarray, starts: np.ndarray, keep: object, limits: np.ndarray) -> np.ndarray:
-        out = np.empty((starts.size, limits.size), dtype=np.uint64)
-        for i in range(starts.size):
-            for j in range(limits.size):
-                out[i, j] = _native_bits.below_mask(bits, starts[i], keep, limits[j])
-        return out
-
-    rng = np.random.default_rng(7)
-    for width in (1, 2, 4, 8):
-        kind = np.dtype(f"<u{width}")
-        top = (1 << (8 * width)) - 1
-        bits = rng.integers(0, top, 300, dtype=kind, endpoint=True)
-        keep = kind.type(top >> 1)
-        limits = np.array([0, 1, top >> 3, top >> 1, (top >> 1) + 1, top], dtype=kind)
-        starts = np.array([0, 1, 3, 64, 200, 300 - 64], dtype=np.int64)
-        got = masks(bits, starts, keep, limits)
-        for i, start in enumerate(starts.tolist()):
-            block = bits[start : start + 64] & keep
-            for j, limit in enumerate(limits.tolist()):
-                want = sum(1 << q for q in range(64) if int(block[q]) < limit)
-                assert int(got[i, j]) == want, (width, start, limit)
-
-
 def test_only_float_dtypes_have_classes() -> None:
     with pytest.raises(PositionsError):
         classed.encode_classed(np.array([1]), np.zeros(4, "<u2"), "int16")
@@ -783,9 +752,11 @@ def test_the_rank_pass_counts_the_runs_of_the_positions() -> None:
         positions = positions.astype(np.int64)
         rows = classed.exponent_rows(old, "bfloat16")
         starts = native.class_starts(rows, 120, 6)
-        none = np.zeros(0, dtype=np.uint16)
-        _, _, adjacent = native.class_ranks(old, positions, none, 7, 0xFF, 120, 6, starts)
+        at = old[positions]
+        _, _, adjacent = native.class_ranks(old, positions, at, 7, 0xFF, 120, 6, starts)
         assert adjacent == int(np.count_nonzero(np.diff(positions) == 1))
+        with pytest.raises(ValueError, match="one element per position"):
+            native.class_ranks(old, positions, at[1:], 7, 0xFF, 120, 6, starts)
         _, _, runs = classed.encode_classed_counted(positions, old, "bfloat16")
         assert runs == positions.size - adjacent
 

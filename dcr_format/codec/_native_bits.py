@@ -6,14 +6,10 @@ compares into a mask register and a population count where the CPU has them, a f
 scalar instructions where it does not); the results are the same everywhere, since LLVM
 defines them, not the target.
 
-- :func:`below_mask`: which of 64 consecutive unsigned elements, masked, lie below a
-  limit, as the bits of a word. A loop that sets one bit per element compiles to a
-  vector compare per element and an OR-reduction; this is one compare of the whole
-  64-element block (measured: 0.45 ms against 2.7 ms a mask over 64M bf16 elements).
 - :func:`class_masks`: the members of each of up to 16 exponent classes among 64
   consecutive elements, a word per class: the block's classes are computed at once and
-  narrowed to bytes, then each class is one byte compare of the whole block (the dense
-  select pass of :mod:`dcr_format.codec._native_classes`).
+  narrowed to bytes, then each class is one byte compare of the whole block (the class
+  passes of :mod:`dcr_format.codec._native_classes`).
 - :func:`popcount`: the set bits of a word (LLVM's ``ctpop``).
 - :func:`deposit_select`: the index of the ``k``-th set bit of a word, as one bit deposit
   (BMI2's ``pdep``) and a count of trailing zeros; :func:`deposit`, the deposit itself.
@@ -40,7 +36,7 @@ from numba.core import config
 from numba.extending import intrinsic
 
 BLOCK = 64
-"""Elements :func:`below_mask` compares at once: one bit each in a 64-bit word."""
+"""Elements :func:`class_masks` takes at once: one bit each in a 64-bit word."""
 
 
 def _splat(builder: Any, value: Any, vector: ir.VectorType) -> Any:
@@ -59,29 +55,6 @@ def _flat_unsigned(bits: Any) -> bool:
         and bits.layout == "C"
         and bits.dtype in types.unsigned_domain
     )
-
-
-@intrinsic
-def _below_mask(typingctx: Any, bits: Any, start: Any, keep: Any, limit: Any) -> Any:
-    """``bits[start + q] & keep < limit`` (unsigned) as bit ``q`` of a uint64, for ``q`` in
-    ``0 .. 63``; ``bits`` a C-contiguous 1-d array of unsigned integers, ``keep`` and
-    ``limit`` of its dtype. No bounds check: the caller makes sure that
-    ``start + 64 <= bits.size``."""
-    if not (_flat_unsigned(bits) and isinstance(start, types.Integer)):
-        return None
-    sig = types.uint64(bits, types.int64, bits.dtype, bits.dtype)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        element = context.get_value_type(signature.args[0].dtype)
-        vector = ir.VectorType(element, BLOCK)
-        at = builder.gep(array.data, [args[1]])
-        block = builder.load(builder.bitcast(at, vector.as_pointer()), align=1)
-        masked = builder.and_(block, _splat(builder, args[2], vector))
-        below = builder.icmp_unsigned("<", masked, _splat(builder, args[3], vector))
-        return builder.bitcast(below, ir.IntType(BLOCK))  # element q is bit q
-
-    return sig, codegen
 
 
 _SLOW_DEPOSIT = ("znver1", "znver2", "bdver")
@@ -254,7 +227,6 @@ def _load_be64(typingctx: Any, data: Any, at: Any) -> Any:
 
 # intrinsics are callable in compiled code only; typed Any, as numba's stubs type their
 # decorator's result as taking the typing context too
-below_mask: Any = _below_mask
 class_masks: Any = _class_masks
 deposit: Any = _deposit
 popcount: Any = _popcount
@@ -265,7 +237,6 @@ mul_high: Any = _mul_high
 __all__ = [
     "BLOCK",
     "CLASSES",
-    "below_mask",
     "class_masks",
     "deposit",
     "deposit_select",

@@ -16,21 +16,20 @@ parallel (through :func:`~dcr_format.codec._launch._launch`, with serial twins):
    them and moves only the changed elements (:func:`move_rows`), so in steady state this
    pass is not made.
 2. :func:`class_ranks` (writer) and :func:`positions_of_ranks` (reader): each task takes
-   its elements 64 at a time and makes the group's *masks*, a word per class bound whose
-   bit q says whether element q's class is at most that class (:func:`_group_masks`: one
-   vector compare of the whole group per bound, :mod:`~dcr_format.codec._native_bits`), so
-   a class's members in the group are two masks apart and their count one population
-   count. A changed element's rank is the members of its class before the group plus
-   those below it in the group. The reader keeps, per class, how many members are left
-   before its next wanted rank, takes each group's counts off all classes at once (a
-   branch-free loop), and looks only at the classes that ran out in the group: the
-   wanted element is the matching set bit of the class's members, whose old bits it
+   its elements 64 at a time and makes the group's *members*, a word per class whose bit
+   q says whether element q is of that class (:func:`_group_members`: one load of the
+   group, its classes narrowed to bytes and one byte compare per class,
+   :mod:`~dcr_format.codec._native_bits`), so a class's count in the group is one
+   population count. A changed element's rank is the members of its class before the
+   group plus those below it in the group. The reader keeps, per class, how many members
+   are left before its next wanted rank, takes each group's counts off all classes at
+   once (a branch-free loop), and looks only at the classes that ran out in the group:
+   the wanted element is the matching set bit of the class's members, whose old bits it
    hands over as it writes the position. Where changes are dense (:func:`dense_wins`)
    and the machine has a fast bit deposit, the *dense* pass runs instead: each task sets
    a bit per wanted rank of each class, and a group deposits each class's next bits onto
-   its members (:func:`~dcr_format.codec._native_bits.class_masks` makes the members of
-   every class from one load), with no branch per class; its classes must end where the
-   next task's start, which also catches rows of other bits.
+   its members, with no branch per class; its classes must end where the next task's
+   start, which also catches rows of other bits.
 
 Classes are ``clamp(((bits >> shift) & mask) - base, 0, count - 1)``; a writer whose diff
 advanced its baseline passes the new bits and the XOR bits at the positions (the old bits
@@ -40,8 +39,7 @@ there are their XOR).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numba
 import numpy as np
@@ -57,7 +55,6 @@ from dcr_format.codec._native import (
 )
 from dcr_format.codec._native_bits import (
     CLASSES,
-    below_mask,
     class_masks,
     deposit,
     deposit_select,
@@ -413,50 +410,39 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
 _nth_member = deposit_select if fast_deposit() else _select_bit
 
 
-# --- pass 2: each group's class masks ----------------------------------------------------
-# A group is 64 elements (tasks are whole groups). Its *masks* are one word per class
-# bound: bit q of ``below[c + 1]`` is set where element q's class is at most c, so class
-# c's members are ``below[c + 1] & ~below[c]``. Class c < K - 1 ends below exponent
-# ``base + c + 1``, and since the exponent field is the bits under the sign, that is one
-# unsigned compare of the bits without their sign (:func:`class_limits`): a whole group
-# against one limit is one vector compare (:func:`below_mask`), so a pass costs about K - 1
-# compares and K population counts a group, with no branch per element.
-
-
-@lru_cache(maxsize=256)
-def class_limits(dtype: np.dtype[Any], shift: int, base: int) -> tuple[Any, np.ndarray]:
-    """The mask of the bits under the sign of unsigned ``dtype`` and the 16 limits of
-    :func:`_group_masks`: an element ``x`` is of class at most ``c`` (``c < K - 1``)
-    exactly when ``x & keep < limits[c]``; limits past the width's range are the top, which
-    every masked element is under (so any ``base`` of a stream is safe). Cached (a tensor's
-    classes rarely move between steps); the arrays are shared and never written."""
-    width = 8 * dtype.itemsize
-    keep = (1 << (width - 1)) - 1
-    if keep >> shift == 0 or (keep >> shift) & ((keep >> shift) + 1):
-        raise ValueError("the exponent field must be the bits under the sign")
-    limits = [min((base + c + 1) << shift, keep + 1) for c in range(16)]
-    return dtype.type(keep), np.array(limits, dtype=np.uint64).astype(dtype)
+# --- pass 2: each group's class members --------------------------------------------------
+# A group is 64 elements (tasks are whole groups). Its *members* are one word per class: bit
+# q of ``members[c]`` is set where element q is of class c. They come from one load of the
+# group (:func:`~dcr_format.codec._native_bits.class_masks`: the group's classes narrowed
+# to bytes, then one byte compare per class), so a pass costs about one vector compare and
+# ``K`` population counts a group, with no branch per element.
 
 
 @njit(cache=True, inline="always")
-def _group_masks(bits, g0, hi, keep, limits, count, below):  # type: ignore[no-untyped-def]
-    """The masks of the group at ``g0`` (elements up to ``hi``, exclusive) into ``below``
-    (17 words, ``below[0]`` zero): ``below[c + 1]`` for ``c < count - 1`` by limit, and from
-    ``below[count]`` on every element of the group (the last class takes the rest)."""
+def _group_members(bits, g0, hi, shift, mask, base, count, members):  # type: ignore[no-untyped-def]
+    """The members of each class in the group at ``g0`` (elements up to ``hi``, exclusive)
+    into ``members`` (16 words; classes from ``count`` on have none). ``base`` at most
+    ``mask + 1`` (:func:`_low_base`)."""
     if g0 + _GROUP <= hi:
-        for c in range(count - 1):
-            below[c + 1] = below_mask(bits, g0, keep, limits[c])
-        every = ~_ZERO
+        class_masks(bits, g0, shift, mask, base, count - 1, members)
     else:  # the tensor's last, partial group, element by element
-        size = hi - g0
-        every = (_ONE << np.uint64(size)) - _ONE
-        for c in range(count - 1):
-            m = _ZERO
-            for q in range(size):
-                m |= np.uint64((bits[g0 + q] & keep) < limits[c]) << np.uint64(q)
-            below[c + 1] = m
-    for c in range(count, 17):
-        below[c] = every
+        members[:] = _ZERO
+        for q in range(hi - g0):
+            members[_class_of(bits[g0 + q], shift, mask, base, count)] |= _ONE << np.uint64(q)
+
+
+def _low_base(base: int, mask: int) -> int:
+    """A ``base`` that gives the same classes and fits an element (every exponent is at
+    most ``mask``, so a larger base puts every element in class 0 either way)."""
+    return min(base, mask + 1)
+
+
+@njit(cache=True, nogil=True)
+def _classes_at(values, shift, mask, base, count, out):  # type: ignore[no-untyped-def]
+    """The class of each of ``values`` into ``out`` (uint8; a loop the compiler turns into
+    vector operations, where a class taken inside the rank pass costs a branch)."""
+    for j in range(values.size):
+        out[j] = _class_of(values[j], shift, mask, base, count)
 
 
 # --- pass 2, writer: each changed element's class and rank -------------------------------
@@ -464,29 +450,16 @@ def _group_masks(bits, g0, hi, keep, limits, count, below):  # type: ignore[no-u
 
 @njit(cache=True, inline="always")
 def _ranks_task(  # type: ignore[no-untyped-def]
-    t,
-    bits,
-    positions,
-    xor,
-    keep,
-    limits,
-    shift,
-    mask,
-    base,
-    count,
-    before,
-    bounds,
-    classes,
-    ranks,
-    adjacent,
+    t, bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
 ):
     """Task ``t`` of the writer's rank pass: a changed element's rank is the members of its
-    class before its group (``seen``) plus those below it in the group. Where ``bits`` are
-    the new bits (``xor`` given), each change's bit of the masks is set from its old bits
-    first (only where its class moved), in position order, so every rank counts old
-    classes. ``adjacent[t]``: how many of the task's positions directly follow the position
-    before them (so the runs of the positions are counted too, for the writer's size
-    floor of the plain codings)."""
+    class before its group (``seen``) plus those below it in the group. ``classes`` are the
+    changed elements' old classes and ``moved`` their classes in ``bits``; where ``bits``
+    are the new bits the two differ, and each change's bit is moved back to its old class
+    first, in position order (without a branch), so every rank counts old classes.
+    ``adjacent[t]``: how many of the task's positions directly follow the position before
+    them (so the runs of the positions are counted too, for the writer's size floor of the
+    plain codings)."""
     j, end = bounds[t], bounds[t + 1]
     if j == end:
         return
@@ -494,71 +467,46 @@ def _ranks_task(  # type: ignore[no-untyped-def]
     touching = np.int64(0)
     n = bits.shape[0]
     last = positions[end - 1]
-    seen = np.zeros(16, dtype=np.int64)
+    seen = np.zeros(CLASSES, dtype=np.int64)
     for c in range(count):
         seen[c] = before[t, c]
-    below = np.zeros(17, dtype=np.uint64)
-    flip = xor.size > 0
+    members = np.zeros(CLASSES, dtype=np.uint64)
     g0 = t * TASK
     while g0 <= last:
-        _group_masks(bits, g0, n, keep, limits, count, below)
+        _group_members(bits, g0, n, shift, mask, base, count, members)
         while j < end and positions[j] < g0 + _GROUP:
             p = positions[j]
             touching += np.int64(p == previous + 1)
             previous = p
             bit = _ONE << np.uint64(p - g0)
-            mine = _class_of(bits[p], shift, mask, base, count)
-            if flip:
-                now = mine
-                mine = _class_of(bits[p] ^ xor[j], shift, mask, base, count)
-                if mine != now:
-                    for c in range(count - 1):
-                        if mine <= c:
-                            below[c + 1] |= bit
-                        else:
-                            below[c + 1] &= ~bit
-            members = below[mine + 1] & ~below[mine]
-            classes[j] = mine
-            ranks[j] = seen[mine] + popcount(members & (bit - _ONE))
+            mine = classes[j]
+            members[moved[j]] &= ~bit
+            members[mine] |= bit
+            ranks[j] = seen[mine] + popcount(members[mine] & (bit - _ONE))
             j += 1
         for c in range(count):
-            seen[c] += popcount(below[c + 1] & ~below[c])
+            seen[c] += popcount(members[c])
         g0 += _GROUP
     adjacent[t] = touching
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ranks(  # type: ignore[no-untyped-def]
-    bits,
-    positions,
-    xor,
-    keep,
-    limits,
-    shift,
-    mask,
-    base,
-    count,
-    before,
-    bounds,
-    classes,
-    ranks,
-    adjacent,
+    bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
 ):
     for t in prange(bounds.shape[0] - 1):
         _ranks_task(
             t,
             bits,
             positions,
-            xor,
-            keep,
-            limits,
+            classes,
+            moved,
             shift,
             mask,
             base,
             count,
             before,
             bounds,
-            classes,
             ranks,
             adjacent,
         )
@@ -566,36 +514,21 @@ def _ranks(  # type: ignore[no-untyped-def]
 
 @serial_twin
 def _ranks_serial(  # type: ignore[no-untyped-def]
-    bits,
-    positions,
-    xor,
-    keep,
-    limits,
-    shift,
-    mask,
-    base,
-    count,
-    before,
-    bounds,
-    classes,
-    ranks,
-    adjacent,
+    bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
 ):
     for t in range(bounds.shape[0] - 1):
         _ranks_task(
             t,
             bits,
             positions,
-            xor,
-            keep,
-            limits,
+            classes,
+            moved,
             shift,
             mask,
             base,
             count,
             before,
             bounds,
-            classes,
             ranks,
             adjacent,
         )
@@ -604,24 +537,34 @@ def _ranks_serial(  # type: ignore[no-untyped-def]
 def class_ranks(
     bits: np.ndarray,
     positions: np.ndarray,
-    xor: np.ndarray,
+    old_at: np.ndarray,
     shift: int,
     mask: int,
     base: int,
     count: int,
     starts: np.ndarray,
+    new_at: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Each changed position's class and its rank among the elements of that class
     (``starts``: :func:`class_starts` of the tasks' histograms), and how many positions
-    follow the one before them directly (``positions.size`` less the runs they make)."""
+    follow the one before them directly (``positions.size`` less the runs they make).
+    ``old_at``: the old bits at the positions. ``new_at``, where ``bits`` are the new bits:
+    ``bits`` at the positions (the old classes are counted from ``old_at``)."""
     tasks = starts.shape[0] - 1
+    if old_at.size != positions.size or (new_at is not None and new_at.size != positions.size):
+        raise ValueError("old_at and new_at must have one element per position")
     bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
+    low = _low_base(base, mask)
     classes = np.empty(positions.size, dtype=np.uint8)  # K <= 16: a byte (8x less to write)
+    _classes_at(old_at, shift, mask, low, count, classes)
+    moved = classes
+    if new_at is not None:
+        moved = np.empty(positions.size, dtype=np.uint8)
+        _classes_at(new_at, shift, mask, low, count, moved)
     ranks = np.empty(positions.size, dtype=np.int64)
-    keep, limits = class_limits(bits.dtype, shift, base)
     adjacent = np.zeros(tasks, dtype=np.int64)
-    args = (bits, positions, xor, keep, limits, shift, mask, base, count, starts, bounds)
-    _launch(_ranks, _ranks_serial, tasks, *args, classes, ranks, adjacent)
+    args = (bits, positions, classes, moved, shift, mask, low, count, starts, bounds)
+    _launch(_ranks, _ranks_serial, tasks, *args, ranks, adjacent)
     return classes, ranks, int(adjacent.sum())
 
 
@@ -632,7 +575,7 @@ _FAR = np.int64(1) << np.int64(62)  # the distance of a class with no wanted ran
 
 @njit(cache=True, inline="always")
 def _positions_task(  # type: ignore[no-untyped-def]
-    t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
     """Task ``t`` of the select pass. ``far[c]``: how many more members of class ``c`` come
     before its next wanted rank; each group takes its members off every class at once
@@ -656,27 +599,27 @@ def _positions_task(  # type: ignore[no-untyped-def]
         ptr[c] = cursor[t, c]
         if ptr[c] < ends[c]:
             far[c] = ranks[ptr[c]] - before[t, c]
-    below = np.zeros(17, dtype=np.uint64)
+    members = np.zeros(CLASSES, dtype=np.uint64)
     keep_old = old_at.size > 0
     g0 = lo
     while g0 < hi and o < share:
-        _group_masks(bits, g0, hi, keep, limits, count, below)
+        _group_members(bits, g0, hi, shift, mask, base, count, members)
         flags = _ZERO
         # every class, so the loop has a fixed length and compiles to vector operations; a
-        # class past the stream's has no members (its masks are equal) and never runs out
-        for c in range(16):
-            far[c] -= popcount(below[c + 1] & ~below[c])
+        # class past the stream's has no members and never runs out
+        for c in range(CLASSES):
+            far[c] -= popcount(members[c])
             flags |= np.uint64(far[c] < 0) << np.uint64(c)
         if flags != _ZERO:
             hits = _ZERO
             while flags != _ZERO:
                 h = np.int64(_TRAILING_ZEROS(flags))  # a class that ran out in the group
                 flags &= flags - _ONE
-                members = below[h + 1] & ~below[h]
-                size = popcount(members)
+                m = members[h]
+                size = popcount(m)
                 left, at = far[h], ptr[h]
                 while left < 0:
-                    hits |= _ONE << np.uint64(_nth_member(members, left + size))
+                    hits |= _ONE << np.uint64(_nth_member(m, left + size))
                     at += 1
                     left = left + ranks[at] - ranks[at - 1] if at < ends[h] else _FAR
                 far[h], ptr[h] = left, at
@@ -694,21 +637,47 @@ def _positions_task(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, parallel=True)
 def _positions(  # type: ignore[no-untyped-def]
-    bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
+            t,
+            bits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            ranks,
+            cursor,
+            ends,
+            offsets,
+            out,
+            done,
+            old_at,
         )
 
 
 @serial_twin
 def _positions_serial(  # type: ignore[no-untyped-def]
-    bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
     for t in range(offsets.shape[0] - 1):
         _positions_task(
-            t, bits, keep, limits, count, before, ranks, cursor, ends, offsets, out, done, old_at
+            t,
+            bits,
+            shift,
+            mask,
+            base,
+            count,
+            before,
+            ranks,
+            cursor,
+            ends,
+            offsets,
+            out,
+            done,
+            old_at,
         )
 
 
@@ -747,16 +716,12 @@ def positions_of_ranks(
         dense = _DEPOSIT_FAST and dense_wins(ranks.size, bits.size)
     if offsets[-1] != ranks.size:
         raise ValueError("every class's ranks must lie below its size")
+    fields = (bits, shift, mask, _low_base(base, mask), count, starts, ranks, cursor)
     if dense and _DEPOSIT:
-        low = min(base, mask + 1)  # the same classes as ``base``, and it fits an element
-        plan = (starts, ranks, cursor, offsets, out, done, kept)
-        _launch(
-            _dense_positions, _dense_positions_serial, tasks, bits, shift, mask, low, count, *plan
-        )
+        plan = (offsets, out, done, kept)
+        _launch(_dense_positions, _dense_positions_serial, tasks, *fields, *plan)
     else:
-        keep, limits = class_limits(bits.dtype, shift, base)
-        args = (bits, keep, limits, count, starts, ranks, cursor, first[1:], offsets, out, done)
-        _launch(_positions, _positions_serial, tasks, *args, kept)
+        _launch(_positions, _positions_serial, tasks, *fields, first[1:], offsets, out, done, kept)
     return out if _found_all(done, offsets) else None
 
 
@@ -813,12 +778,7 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
     keep_old = old_at.size > 0
     g0 = lo
     while g0 < hi:
-        if g0 + _GROUP <= hi:
-            class_masks(bits, g0, shift, mask, base, count - 1, members)
-        else:  # the tensor's last, partial group, element by element
-            members[:] = _ZERO
-            for q in range(hi - g0):
-                members[_class_of(bits[g0 + q], shift, mask, base, count)] |= _ONE << np.uint64(q)
+        _group_members(bits, g0, hi, shift, mask, base, count, members)
         hits = _ZERO
         for c in range(count):
             m = members[c]

@@ -319,15 +319,15 @@ def encode_classed_counted(
         changed = np.bincount(exponents(bits[positions], dtype), minlength=mask + 1)
     base, count = choose_classes(rows.sum(axis=0), changed)
     if native is not None:
-        flips = (
-            np.zeros(0, dtype=bits.dtype)
-            if xor is None
-            else np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
-        )
         starts = native.class_starts(rows, base, count)
-        changed_classes, all_ranks, adjacent = native.class_ranks(
-            bits, positions, flips, shift, mask, base, count, starts
-        )
+        if xor is None:
+            changed_classes, all_ranks, adjacent = native.class_ranks(
+                bits, positions, bits[positions], shift, mask, base, count, starts
+            )
+        else:
+            changed_classes, all_ranks, adjacent = native.class_ranks(
+                bits, positions, old_at, shift, mask, base, count, starts, new_at
+            )
     else:
         adjacent = int(np.count_nonzero(np.diff(positions) == 1))
         exps = exponents(old_bits_of(bits, positions, xor), dtype)
