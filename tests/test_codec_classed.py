@@ -84,18 +84,36 @@ def test_other_float_widths(dtype: str, kernels: str) -> None:
 def test_other_float_widths_code_the_reference_s_bytes(
     dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compiled passes (one vector compare per class bound of a group of 2, 4 or 8-byte
-    bits) code the reference's stream and decode its positions, across a partial group."""
+    """The compiled passes (the members of every class from one load of a group of 2, 4 or
+    8-byte bits) code the reference's stream and decode its positions, across a partial
+    group; from the new bits and the XOR bits too, where changes move elements between
+    classes (in the last, partial group as well)."""
     rng = np.random.default_rng(6)
     width = {"float16": 2, "float32": 4, "float64": 8}[dtype]
     values = (rng.standard_normal(3000 + 37) * 0.02).astype(f"<f{width}")
     values[::97] *= 300  # exponents far from the rest, for more classes
     old = values.view(f"<u{width}")
-    positions = np.sort(rng.choice(old.size, 400, replace=False))
+    exponent = classed.exponents(old, dtype)
+    chance = np.clip(0.05 * (np.median(exponent) + 4 - exponent), 0.01, 0.9)  # small ones more
+    partial = old.size // 64 * 64  # the last, partial group changes throughout
+    chance[partial:] = 1
+    positions = np.flatnonzero(rng.random(old.size) < chance)
+    shift = classed.EXPONENT_FIELDS[dtype][0]
+    steps = rng.choice(np.array([-1, 0, 1]), positions.size) << shift  # exponents move by one
+    new = old.copy()
+    new[positions] = (old[positions].astype(np.int64) + steps + 1).astype(old.dtype)
+    xor = old[positions] ^ new[positions]
     native = classed.encode_classed(positions, old, dtype)
-    back = classed.decode_classed(native, old, dtype, count=400, numel=old.size)
+    stream = classed.parse_classed(native, count=positions.size, dtype=dtype)
+    was, now = (
+        classed.classes_of(bits[positions], dtype, stream.base, stream.classes)
+        for bits in (old, new)
+    )
+    assert (was != now).sum() > 50 and (was != now)[positions >= partial].any()
+    from_new = classed.encode_classed(positions, new, dtype, xor=xor)
+    back = classed.decode_classed(native, old, dtype, count=positions.size, numel=old.size)
     monkeypatch.setenv("DCR_KERNELS", "torch")
-    assert classed.encode_classed(positions, old, dtype) == native
+    assert classed.encode_classed(positions, old, dtype) == native == from_new
     assert np.array_equal(back, positions)
 
 
