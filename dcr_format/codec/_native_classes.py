@@ -637,47 +637,21 @@ def _positions_task(  # type: ignore[no-untyped-def]
 
 @njit(cache=True, nogil=True, parallel=True)
 def _positions(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
 ):
     for t in prange(offsets.shape[0] - 1):
         _positions_task(
-            t,
-            bits,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            ranks,
-            cursor,
-            ends,
-            offsets,
-            out,
-            done,
-            old_at,
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
         )
 
 
 @serial_twin
 def _positions_serial(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
+    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
 ):
     for t in range(offsets.shape[0] - 1):
         _positions_task(
-            t,
-            bits,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            ranks,
-            cursor,
-            ends,
-            offsets,
-            out,
-            done,
-            old_at,
+            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
         )
 
 
