@@ -574,6 +574,20 @@ _FAR = np.int64(1) << np.int64(62)  # the distance of a class with no wanted ran
 
 
 @njit(cache=True, inline="always")
+def _write_hits(hits, g0, j, end, bits, out, old_at):  # type: ignore[no-untyped-def]
+    """The set bits of ``hits`` (a word of the group at ``g0``), lowest first, as positions
+    into ``out`` from ``j`` on, never at ``end`` or past it; ``old_at``, where not empty,
+    takes the bits at each (in cache there)."""
+    while hits != _ZERO and j < end:
+        q = g0 + np.int64(_TRAILING_ZEROS(hits))
+        out[j] = q
+        if old_at.size > 0:
+            old_at[j] = bits[q]
+        hits &= hits - _ONE
+        j += 1
+
+
+@njit(cache=True, inline="always")
 def _positions_task(  # type: ignore[no-untyped-def]
     t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
@@ -600,7 +614,6 @@ def _positions_task(  # type: ignore[no-untyped-def]
         if ptr[c] < ends[c]:
             far[c] = ranks[ptr[c]] - before[t, c]
     members = np.zeros(CLASSES, dtype=np.uint64)
-    keep_old = old_at.size > 0
     g0 = lo
     while g0 < hi and o < share:
         _group_members(bits, g0, hi, shift, mask, base, count, members)
@@ -623,14 +636,8 @@ def _positions_task(  # type: ignore[no-untyped-def]
                     at += 1
                     left = left + ranks[at] - ranks[at - 1] if at < ends[h] else _FAR
                 far[h], ptr[h] = left, at
-            while hits != _ZERO:
-                if o < share:
-                    q = g0 + np.int64(_TRAILING_ZEROS(hits))
-                    out[o] = q
-                    if keep_old:
-                        old_at[o] = bits[q]
-                hits &= hits - _ONE
-                o += 1
+            _write_hits(hits, g0, o, share, bits, out, old_at)
+            o += popcount(hits)
         g0 += _GROUP
     done[t] = o - offsets[t]
 
@@ -772,23 +779,9 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
                 if keep_old:
                     old_at[o + j] = bits[q]
                 hits &= hits - _ONE
-            j = o + 4
-            while hits != _ZERO:
-                q = g0 + np.int64(_TRAILING_ZEROS(hits))
-                out[j] = q
-                if keep_old:
-                    old_at[j] = bits[q]
-                hits &= hits - _ONE
-                j += 1
+            _write_hits(hits, g0, o + 4, share, bits, out, old_at)
         else:  # near the end of the task's share: nothing is written past it
-            j = o
-            while hits != _ZERO and j < share:
-                q = g0 + np.int64(_TRAILING_ZEROS(hits))
-                out[j] = q
-                if keep_old:
-                    old_at[j] = bits[q]
-                hits &= hits - _ONE
-                j += 1
+            _write_hits(hits, g0, o, share, bits, out, old_at)
         o += found
         g0 += _GROUP
     for c in range(count):
