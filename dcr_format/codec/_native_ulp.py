@@ -203,12 +203,7 @@ def _shift_sums_serial(old, origin, shift, mask, cap, sums):  # type: ignore[no-
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _shifted(old, src, dst, k0, span, origin, shift, mask, cap):  # type: ignore[no-untyped-def]
-    """Copies ``src`` to ``dst`` for the ``span`` (at most 64) changes from ``k0`` and returns
-    the mask of those of them with a shift (bit ``q``: change ``k0 + q``): a change without
-    one has ``y_k = z_k``, so only the mask's set bits are visited after this branch-free
-    loop, which the compiler turns into vector operations (most changes of a stream have
-    no shift: its origin is chosen so)."""
+def _copy_masked(old, src, dst, k0, span, origin, shift, mask, cap):  # type: ignore[no-untyped-def]
     m = _ZERO
     for q in range(span):
         e = np.uint64(k0 + q)  # unsigned: no wrap-around check
@@ -216,6 +211,18 @@ def _shifted(old, src, dst, k0, span, origin, shift, mask, cap):  # type: ignore
         s = _shift_of(np.uint64(old[e]), origin, shift, mask, cap)
         m |= np.uint64(s != _ZERO) << np.uint64(q)
     return m
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _shifted(old, src, dst, k0, hi, origin, shift, mask, cap):  # type: ignore[no-untyped-def]
+    """Copies ``src`` to ``dst`` for the changes from ``k0`` (64 of them, or those up to
+    ``hi``) and returns the mask of those with a shift (bit ``q``: change ``k0 + q``): a
+    change without one has ``y_k = z_k``, so only the mask's set bits are visited after
+    this branch-free loop, which the compiler turns into vector operations (most changes
+    of a stream have no shift: its origin is chosen so)."""
+    if k0 + _GROUP <= hi:  # a whole group: a loop of fixed length
+        return _copy_masked(old, src, dst, k0, _GROUP, origin, shift, mask, cap)
+    return _copy_masked(old, src, dst, k0, hi - k0, origin, shift, mask, cap)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -243,10 +250,7 @@ def _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, hea
     acc = _ZERO
     k0 = lo
     while k0 < hi:  # 64 changes at a time: only those with a shift are visited
-        if k0 + _GROUP <= hi:
-            m = _shifted(old, z, y, k0, _GROUP, origin, shift, mask, cap)
-        else:
-            m = _shifted(old, z, y, k0, hi - k0, origin, shift, mask, cap)
+        m = _shifted(old, z, y, k0, hi, origin, shift, mask, cap)
         while m != _ZERO:
             k = np.uint64(k0) + np.uint64(_TRAILING_ZEROS(m))
             m &= m - _ONE
@@ -374,10 +378,7 @@ def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, erro
     errors[t] = 0
     k0 = lo
     while k0 < hi:
-        if k0 + _GROUP <= hi:  # a whole group: a loop of fixed length
-            m = _shifted(old, y, z, k0, _GROUP, origin, shift, mask, cap)
-        else:
-            m = _shifted(old, y, z, k0, hi - k0, origin, shift, mask, cap)
+        m = _shifted(old, y, z, k0, hi, origin, shift, mask, cap)
         while m != _ZERO:
             k = np.uint64(k0) + np.uint64(_TRAILING_ZEROS(m))
             m &= m - _ONE
