@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import njit, prange
 from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
-from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from dcr_format.codec._launch import _launch, serial_twin
+from dcr_format.codec._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
 from dcr_format.codec._native_bits import load_be64
 from dcr_format.codec._native_ulp import limits as _ulp_limits
 from dcr_format.codec._native_ulp import stepped as _ulp_stepped
@@ -58,7 +58,6 @@ _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^
 _CHUNK = 1 << 13
 _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of changing them
 
-_TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
 _LEADING_ZEROS: Any = _leading_zeros  # an intrinsic: callable in kernels only
 
 

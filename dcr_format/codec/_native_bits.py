@@ -33,10 +33,14 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import config
+from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 from numba.extending import intrinsic
 
 BLOCK = 64
 """Elements :func:`class_masks` takes at once: one bit each in a 64-bit word."""
+
+TRAILING_ZEROS: Any = _trailing_zeros
+"""The trailing zero bits of an integer (numba's intrinsic: callable in kernels only)."""
 
 
 def _splat(builder: Any, value: Any, vector: ir.VectorType) -> Any:
@@ -237,6 +241,7 @@ mul_high: Any = _mul_high
 __all__ = [
     "BLOCK",
     "CLASSES",
+    "TRAILING_ZEROS",
     "class_masks",
     "deposit",
     "deposit_select",

@@ -47,7 +47,6 @@ from numba import njit, prange
 
 from dcr_format.codec._launch import _launch, serial_twin
 from dcr_format.codec._native import (
-    _TRAILING_ZEROS,
     TASK,
     _rice_decode,
     _rice_encode,
@@ -55,6 +54,7 @@ from dcr_format.codec._native import (
 )
 from dcr_format.codec._native_bits import (
     CLASSES,
+    TRAILING_ZEROS,
     class_masks,
     deposit,
     deposit_select,
@@ -190,7 +190,7 @@ def _moves(rows, positions, old, new, shift, mask, field, forward, changed):  # 
     while j < n:
         word = _moved(old, new, j, min(_GROUP, n - j), field)
         while word != _ZERO:
-            k = j + np.int64(_TRAILING_ZEROS(word))
+            k = j + np.int64(TRAILING_ZEROS(word))
             word &= word - _ONE
             if k >= row_end:  # the first change of another row
                 t = positions[k] // TASK
@@ -398,7 +398,7 @@ def _select_bit(m, k):  # type: ignore[no-untyped-def]
     sums = s * _H01  # byte i: the set bits of bytes 0 .. i (each at most 64, so no carry)
     # bytes whose running sum exceeds k keep their top bit; the first of them holds the bit
     over = ((sums | _H80) - np.uint64(k + 1) * _H01) & _H80
-    byte = np.uint64(_TRAILING_ZEROS(over)) & ~np.uint64(7)  # 8 x the byte's index
+    byte = np.uint64(TRAILING_ZEROS(over)) & ~np.uint64(7)  # 8 x the byte's index
     before = np.int64(((sums << np.uint64(8)) >> byte) & _B8)  # set bits below the byte
     value = np.int64((m >> byte) & _B8)
     return np.int64(byte) + np.int64(_SELECT8[value * 8 + k - before])
@@ -579,7 +579,7 @@ def _write_hits(hits, g0, j, end, bits, out, old_at):  # type: ignore[no-untyped
     into ``out`` from ``j`` on, never at ``end`` or past it; ``old_at``, where not empty,
     takes the bits at each (in cache there)."""
     while hits != _ZERO and j < end:
-        q = g0 + np.int64(_TRAILING_ZEROS(hits))
+        q = g0 + np.int64(TRAILING_ZEROS(hits))
         out[j] = q
         if old_at.size > 0:
             old_at[j] = bits[q]
@@ -626,7 +626,7 @@ def _positions_task(  # type: ignore[no-untyped-def]
         if flags != _ZERO:
             hits = _ZERO
             while flags != _ZERO:
-                h = np.int64(_TRAILING_ZEROS(flags))  # a class that ran out in the group
+                h = np.int64(TRAILING_ZEROS(flags))  # a class that ran out in the group
                 flags &= flags - _ONE
                 m = members[h]
                 size = popcount(m)
@@ -774,7 +774,7 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
         found = popcount(hits)
         if o + max(found, 4) <= share:  # four stores without a branch, then any more
             for j in range(4):  # (a store past ``found`` is overwritten by a later group)
-                q = min(g0 + np.int64(_TRAILING_ZEROS(hits)), hi - 1)
+                q = min(g0 + np.int64(TRAILING_ZEROS(hits)), hi - 1)
                 out[o + j] = q
                 if keep_old:
                     old_at[o + j] = bits[q]

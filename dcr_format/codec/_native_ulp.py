@@ -20,15 +20,12 @@ numpy references.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import njit, prange
-from numba.cpython.unsafe.numbers import trailing_zeros as _trailing_zeros
 
 from dcr_format.codec._launch import _launch, serial_twin
+from dcr_format.codec._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
 
-_TRAILING_ZEROS: Any = _trailing_zeros  # an intrinsic: callable in kernels only
 _GROUP = 64  # changes a 64-bit mask of the shifted ones covers
 
 _ONE = np.uint64(1)
