@@ -384,6 +384,8 @@ def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, erro
             if width - s < np.uint64(64) and yk >> (width - s):
                 errors[t] = 1
                 return
+            # held < 32 here (a refill leaves fewer than 32 once the shift is taken, the
+            # byte loop fewer than 8), so the 32 bits read fit the word above it
             if held < s and used + 4 <= size:
                 word = _ZERO
                 for b in range(4):
