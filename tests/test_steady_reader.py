@@ -15,13 +15,16 @@ from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDict
 from dcr_format.chain import Chain, commit_key, sha256_hex
 from dcr_format.codec.dtypes import bits_view
 from dcr_format.errors import (
+    ApplyError,
     BaselineMismatchError,
     ChainBrokenError,
     ChecksumMismatchError,
     ReservedNameError,
     StalePreparedError,
     StoreError,
+    ValuesError,
 )
+from dcr_format.readers.group import ReaderGroup
 
 BF16 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -365,20 +368,19 @@ def test_sync_plans_again_when_another_reader_moves_the_target(chain, monkeypatc
     reader.sync()
     _step(state, gen)
     writer.publish(state)
-    prepare = reader._prepare_for  # what sync() prepares with (prepare() without staging)
+    check = reader._check_fresh  # what sync() checks before it opens the transaction
     calls = 0
 
-    def prepare_then_race(to=None, *, stage):
+    def race_then_check(prepared):
         nonlocal calls
         calls += 1
-        prepared = prepare(to, stage=stage)
         if calls == 1:
             other.sync()  # moves the target under the version just prepared
             _step(state, gen)
             writer.publish(state)
-        return prepared
+        return check(prepared)
 
-    monkeypatch.setattr(reader, "_prepare_for", prepare_then_race)
+    monkeypatch.setattr(reader, "_check_fresh", race_then_check)
     result = reader.sync()
     assert calls == 2 and result.version == writer.version and result.applied_versions == (2,)
     assert_same_bits(tensors, state)
@@ -432,16 +434,36 @@ def test_a_fetch_worker_decodes_two_entries_rans_values_at_once(tmp_path, monkey
     assert_same_bits(tensors, state)
 
 
-def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(tmp_path, monkeypatch):
+class _GroupOfOne(ReaderGroup):
+    """A reader group of one that does not say it is alone: its syncs take the path of a
+    rank of a group (every change decoded before the transaction opens), without
+    torch.distributed."""
+
+    @property
+    def alone(self) -> bool:
+        return False
+
+
+def _as_group_member(reader: DeltaReader) -> None:
+    reader.group = _GroupOfOne.solo(before_agreeing=reader.store.end_epoch)
+
+
+@pytest.mark.parametrize("member", ["alone", "group"])
+def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
+    tmp_path, monkeypatch, member
+):
     """A change completed inside the transaction keeps the old bits its select pass read,
     and the apply takes them instead of reading the tensor again; one completed while the
-    fetch still runs does not (the tensor may be read again by then). A sync of two
-    versions completes every change in the transaction; every one applies bit for bit."""
+    fetch still runs, before the transaction opens (a rank of a group), does not (the
+    tensor may be read again by then). A reader on its own completes every change in its
+    transaction, as does a sync of two versions; every one applies bit for bit."""
     import dcr_format.codec.delta as delta_module
     import dcr_format.readers.reader as reader_module
     from dcr_format.bench.refit import lr_for
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
+    if member == "group":
+        _as_group_member(reader)
     calls: list[tuple[str, bool]] = []
     given: list[bool] = []
     real_resolve, real_apply = delta_module.resolve, delta_module.dispatch.apply_ulp_with_lanes
@@ -462,8 +484,12 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(tmp
     monkeypatch.setattr(reader_module, "resolve", spy("early"))
     monkeypatch.setattr(delta_module.dispatch, "apply_ulp_with_lanes", apply)
     reader.sync()  # one version: changes decoded before the last are completed early
-    assert ("early", False) in calls and len(calls) == len(entries)
-    assert set(calls) <= {("early", False), ("transaction", True)}
+    assert len(calls) == len(entries)
+    if member == "group":
+        assert ("early", False) in calls
+        assert set(calls) <= {("early", False), ("transaction", True)}
+    else:
+        assert set(calls) == {("transaction", True)}
     assert given.count(True) == calls.count(("transaction", True))
     assert_same_bits(tensors, state)
     writer = DeltaWriter(url, features=_BASELINE_FEATURES)
@@ -482,18 +508,19 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(tmp
     assert_same_bits(tensors, state)
 
 
-def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, monkeypatch):
-    """A one-step sync into a dict target finds the positions of each change coded against
-    the old bits (``classed``, ``ulp-shift``) as soon as that change is decoded, while the
-    fetch worker decodes the next ones: here the last change's decode waits until an
-    earlier change has been completed (it would wait in vain if the reader decoded the
-    whole version first), and the version still applies bit for bit."""
+def test_a_group_member_completes_changes_while_later_ones_are_still_decoded(tmp_path, monkeypatch):
+    """A one-step sync of a rank of a group into a dict target finds the positions of each
+    change coded against the old bits (``classed``, ``ulp-shift``) as soon as that change
+    is decoded, while the fetch worker decodes the next ones: here the last change's
+    decode waits until an earlier change has been completed (it would wait in vain if the
+    reader decoded the whole version first), and the version still applies bit for bit."""
     import threading
 
     import dcr_format.readers._fetch as fetch_module
     import dcr_format.readers.reader as reader_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    _as_group_member(reader)
     completed, waited = threading.Event(), []
     real_resolve, real_decode = reader_module.resolve, fetch_module._decode_entry
 
@@ -516,17 +543,124 @@ def test_a_sync_completes_changes_while_later_ones_are_still_decoded(tmp_path, m
     assert set(reader._rows) == {e.name for e in entries}  # the rows followed the changes
 
 
-def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(tmp_path, monkeypatch):
-    """Changes already completed against the live tensors when a later shard fails its
-    check are dropped with the version: the target keeps its bits, and the next sync, with
-    the shard intact again, applies the version bit for bit. (The failing shard is fetched
-    only once an earlier change was completed.)"""
+def _applied_spy(reader: DeltaReader, monkeypatch):
+    """Count the changes ``reader`` applies while its fetch still decodes; the event is
+    set after the first."""
+    import threading
+
+    applied, names = threading.Event(), []
+    real = reader._change_now
+
+    def change_now(sync, entry, delta):
+        real(sync, entry, delta)
+        names.append(entry.name)
+        applied.set()
+
+    monkeypatch.setattr(reader, "_change_now", change_now)
+    return applied, names
+
+
+def test_a_sync_on_its_own_applies_changes_while_later_ones_are_still_decoded(
+    tmp_path, monkeypatch
+):
+    """A reader on its own opens its transaction once every object of the version is
+    fetched and verified, and applies each change as it is decoded: here the last change's
+    decode waits until an earlier change's new bits are in the target (it would wait in
+    vain if the reader decoded the whole version first). The version applies bit for bit,
+    verified, and the exponent rows follow every change."""
+    import dcr_format.readers._fetch as fetch_module
+
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    applied, names = _applied_spy(reader, monkeypatch)
+    seen: list[bool] = []
+    real_decode = fetch_module._decode_entry
+
+    def decode(entry, manifest, streams, symbols=None):
+        if entry.name == entries[-1].name:
+            seen.append(applied.wait(timeout=30))
+            first = names[0]
+            seen.append(torch.equal(bits_view(tensors[first]), bits_view(state[first])))
+        return real_decode(entry, manifest, streams, symbols)
+
+    monkeypatch.setattr(fetch_module, "_decode_entry", decode)
+    result = reader.sync()
+    assert seen == [True, True]  # an earlier change was in the target before the last decode
+    assert sorted(names) == sorted(e.name for e in entries)  # all while fetching
+    assert result.applied_versions == (1,) and not result.unverified
+    assert_same_bits(tensors, state)
+    assert set(reader._rows) == {e.name for e in entries}
+    assert reader.sync().applied_versions == ()  # committed: nothing left to do
+
+
+def test_a_decode_failure_after_changes_were_applied_rolls_them_back(tmp_path, monkeypatch):
+    """A stream that fails its decoder after the transaction opened (every object was
+    fetched and verified, earlier changes are in the target) rolls every change back and
+    is raised as it is; the next sync applies the version bit for bit."""
+    import dcr_format.readers._fetch as fetch_module
+
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    applied, names = _applied_spy(reader, monkeypatch)
+    real_decode = fetch_module._decode_entry
+
+    def decode(entry, manifest, streams, symbols=None):
+        if entry.name == entries[-1].name:
+            assert applied.wait(timeout=30)
+            raise ValuesError("a hostile stream")
+        return real_decode(entry, manifest, streams, symbols)
+
+    monkeypatch.setattr(fetch_module, "_decode_entry", decode)
+    before = snapshot(tensors)
+    with pytest.raises(ValuesError, match="a hostile stream"):
+        reader.sync()
+    assert names  # changes were applied, then undone
+    assert_same_bits(tensors, before)
+    assert reader.target.resident().version == 0
+    monkeypatch.setattr(fetch_module, "_decode_entry", real_decode)
+    assert reader.sync().audited  # the failure dropped the trusted lanes
+    assert_same_bits(tensors, state)
+
+
+def test_a_failed_change_while_fetching_rolls_back_the_others(tmp_path, monkeypatch):
+    """A change that fails while the fetch still decodes stops the sync: the changes
+    applied beside it are undone (those in flight first end), the failure is an
+    ApplyError as in any apply, and the next sync applies the version bit for bit."""
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    real = reader._change_entry
+    done: list[str] = []
+
+    def change_entry(sync, entry, delta):
+        if entry.name == entries[1].name:
+            raise RuntimeError("the target broke")
+        real(sync, entry, delta)
+        done.append(entry.name)
+
+    monkeypatch.setattr(reader, "_change_entry", change_entry)
+    before = snapshot(tensors)
+    with pytest.raises(ApplyError, match="rolled back: the target broke"):
+        reader.sync()
+    assert_same_bits(tensors, before)
+    assert reader.target.resident().version == 0
+    monkeypatch.undo()
+    reader.sync()
+    assert_same_bits(tensors, state)
+
+
+@pytest.mark.parametrize("member", ["alone", "group"])
+def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
+    tmp_path, monkeypatch, member
+):
+    """A shard that fails its check fails the sync with the target untouched: a rank of a
+    group drops the changes it completed against the live tensors before that shard was
+    fetched; a reader on its own opens no transaction before every shard is verified. The
+    next sync, with the shard intact again, applies the version bit for bit."""
     import threading
 
     import dcr_format.readers._fetch as fetch_module
     import dcr_format.readers.reader as reader_module
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path, shard_bytes=16)
+    if member == "group":
+        _as_group_member(reader)
     manifest = Chain(Store(url)).manifests(Chain(Store(url)).record(1))[0]
     assert len(manifest.shards) == len(entries)  # a shard a tensor: a job each, in order
     path = Path(url) / manifest.shards[-1].path
@@ -534,8 +668,9 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(tmp_
     data = bytearray(intact)
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    calls, waited, completed = [], [], threading.Event()
+    calls, waited, completed, opened = [], [], threading.Event(), []
     real_resolve, real_get = reader_module.resolve, fetch_module.get_verified
+    real_begin = reader.target.begin
 
     def resolve(delta, tensor):
         calls.append(tensor.data_ptr())
@@ -544,15 +679,25 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(tmp_
 
     def get_verified(store, key, **expected):
         if key == manifest.shards[-1].path:
-            waited.append(completed.wait(timeout=30))
+            if member == "group":
+                waited.append(completed.wait(timeout=30))
+            waited.append(not opened)
         return real_get(store, key, **expected)
+
+    def begin():
+        opened.append(True)
+        return real_begin()
 
     monkeypatch.setattr(reader_module, "resolve", resolve)
     monkeypatch.setattr(fetch_module, "get_verified", get_verified)
+    monkeypatch.setattr(reader.target, "begin", begin)
     before = snapshot(tensors)
     with pytest.raises(ChecksumMismatchError):
         reader.sync()
-    assert waited == [True] and calls  # an earlier change was completed before the failure
+    if member == "group":
+        assert waited == [True, True] and calls  # completed early, before the failure
+    else:
+        assert waited == [True] and not opened  # nothing opened, before or after
     assert_same_bits(tensors, before)
     path.write_bytes(intact)
     reader.sync()

@@ -8,11 +8,14 @@ shards, so only decoded deltas outlive the job. Nothing here touches the target.
 
 With ``early`` (:func:`fetch_changes`), the calling thread receives each entry as soon as
 its job decoded it and may complete it against the live target (read only) while the
-workers decode the entries after it, instead of waiting for the whole version.
+workers decode the entries after it, instead of waiting for the whole version; it is also
+told once every job has fetched and verified its shards, so that it may start applying
+the entries decoded from then on while the workers decode the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import threading
@@ -42,7 +45,25 @@ MapFn = Callable[
 ]
 Streams = dict[tuple[int, int], dict[str, memoryview]]
 # given each whole entry as soon as it is decoded (on the calling thread): the delta to keep
-Early = Callable[[Entry, DecodedDelta], DecodedDelta]
+Take = Callable[[Entry, DecodedDelta], DecodedDelta]
+
+
+@dataclass(frozen=True)
+class Early:
+    """How :func:`fetch_changes` hands decoded entries to the calling thread while its jobs
+    run: they run on ``pool``; ``take`` gets each whole entry as it is decoded;
+    ``verified``, where given, is called once every job has fetched and checked all of its
+    shards and none failed so far (before the entries decoded after that are taken);
+    ``decoders``, where given, is how many jobs decode at once (the other cores are left
+    for what is done with the entries). With ``opened`` every whole entry is taken once
+    ``verified`` was called, also those decoded after the last job ended (else those are
+    left to the caller)."""
+
+    pool: Executor
+    take: Take
+    verified: Callable[[], None] | None = None
+    decoders: int | None = None
+    opened: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,7 +91,7 @@ def fetch_step(
     map_fn: MapFn,
     budget: DecodeBudget,
     *,
-    early: tuple[Executor, Early] | None = None,
+    early: Early | None = None,
 ) -> FetchedStep:
     """Fetch, verify and decode one step of a plan (``map_fn``: a thread pool's map;
     ``early``: see :func:`fetch_changes`)."""
@@ -83,24 +104,26 @@ def fetch_changes(
     map_fn: MapFn,
     budget: DecodeBudget,
     *,
-    early: tuple[Executor, Early] | None = None,
+    early: Early | None = None,
 ) -> list[tuple[Entry, DecodedDelta]]:
     """Run every job of ``plan`` in parallel; each wanted tensor's change, pieces merged.
 
-    ``early`` = ``(pool, take)``: the jobs run on ``pool`` and each entry that is not a
-    piece is handed to ``take`` on this thread as soon as its job decoded it (in the order
-    they are decoded), while jobs are still running: this thread would otherwise wait for
-    them (the changes after that are left to the caller, which completes each just before
-    it writes it, while its bits are in cache). The change keeps what ``take`` returns.
-    Once a job fails, no more entries are handed over; the failure of the first failed
-    job (in job order) is raised once every job has ended, as without ``early``.
+    ``early``: the jobs run on its pool and each entry that is not a piece is handed to its
+    ``take`` on this thread as soon as its job decoded it (in the order they are decoded),
+    while jobs are still running: this thread would otherwise wait for them (the changes
+    after that are left to the caller, which completes each just before it writes it,
+    while its bits are in cache). The change keeps what ``take`` returns. Its ``verified``
+    is called on this thread once every job has verified its shards. Once a job fails,
+    nothing more is handed over or called; the failure of the first failed job (in job
+    order) is raised once every job has ended, as without ``early``. A failure of ``take``
+    or ``verified`` is raised once the running jobs have ended.
     """
     if early is None:
         decoded: dict[int, DecodedDelta] = {}
         for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):
             decoded.update(part)
     else:
-        decoded = _run_jobs_early(store, plan, budget, *early)
+        decoded = _run_jobs_early(store, plan, budget, early)
     changes = [
         (entry, decoded[i] if i in decoded else _decode_entry(entry, manifest, {}))
         for i, (manifest, entry) in enumerate(plan.wanted)
@@ -109,38 +132,51 @@ def fetch_changes(
 
 
 def _run_jobs_early(
-    store: Store, plan: FetchPlan, budget: DecodeBudget, pool: Executor, take: Early
+    store: Store, plan: FetchPlan, budget: DecodeBudget, early: Early
 ) -> dict[int, DecodedDelta]:
-    """:func:`fetch_changes`'s jobs on ``pool``, each decoded entry handed to ``take`` here."""
-    ready: queue.SimpleQueue[tuple[int, DecodedDelta] | bool] = queue.SimpleQueue()
+    """:func:`fetch_changes`'s jobs on ``early.pool``, each decoded entry handed to
+    ``early.take`` here."""
+    # a decoded entry; a job that ended (False: it failed, its future holds the error); or
+    # None: a job verified its shards
+    ready: queue.SimpleQueue[tuple[int, DecodedDelta] | bool | None] = queue.SimpleQueue()
     running = [len(plan.jobs)]
     lock = threading.Lock()
+    gate = None if early.decoders is None else threading.Semaphore(early.decoders)
 
     def run(job: DecodeJob) -> dict[int, DecodedDelta]:
         ok = False
         try:
-            done = _run_job(store, plan, job, budget, lambda i, d: ready.put((i, d)))
+            tell = _Tell(lambda i, d: ready.put((i, d)), lambda: ready.put(None), gate)
+            done = _run_job(store, plan, job, budget, tell)
             ok = True
             return done
         finally:
             with lock:
                 running[0] -= 1
-            ready.put(ok)  # the job ended (False: it failed; its future holds the error)
+            ready.put(ok)
 
-    futures = [pool.submit(run, job) for job in plan.jobs]
+    futures = [early.pool.submit(run, job) for job in plan.jobs]
     decoded: dict[int, DecodedDelta] = {}
     try:
-        ended, failed = 0, False
+        ended, verified, failed, opened = 0, 0, False, False
         while ended < len(futures):
             item = ready.get()
+            if item is None:
+                verified += 1
+                if verified == len(futures) and not failed and early.verified is not None:
+                    early.verified()
+                    opened = early.opened
+                continue
             if isinstance(item, bool):
                 ended += 1
                 failed = failed or not item
                 continue
             index, delta = item
             entry = plan.wanted[index][1]
-            late = failed or not running[0]  # every job ended: nothing to wait for any more
-            decoded[index] = delta if late or entry.piece is not None else take(entry, delta)
+            # every job ended: nothing to wait for any more (unless opened)
+            late = failed or not (running[0] or opened)
+            keep = late or entry.piece is not None
+            decoded[index] = delta if keep else early.take(entry, delta)
     except BaseException:
         for future in futures:  # the running ones end with the pool
             future.cancel()
@@ -150,15 +186,26 @@ def _run_jobs_early(
     return decoded
 
 
+@dataclass(frozen=True)
+class _Tell:
+    """What a job of :func:`_run_jobs_early` tells as it goes: each ``decoded`` entry,
+    that its shards are ``verified`` (before its first entry is decoded); ``gate``, where
+    given, is held while it decodes."""
+
+    decoded: Callable[[int, DecodedDelta], None]
+    verified: Callable[[], None]
+    gate: threading.Semaphore | None = None
+
+
 def _run_job(
     store: Store,
     plan: FetchPlan,
     job: DecodeJob,
     budget: DecodeBudget,
-    tell: Callable[[int, DecodedDelta], None] | None = None,
+    tell: _Tell | None = None,
 ) -> dict[int, DecodedDelta]:
-    """One job: fetch and inflate its shards within the budget, decode its entries (each
-    told to ``tell`` as it is decoded, where given)."""
+    """One job: fetch and inflate its shards within the budget, decode its entries (see
+    :class:`_Tell` for what it tells, where given)."""
     with budget.hold(job.decoded_bytes):
         streams: Streams = {}
         for shard in job.shards:
@@ -167,16 +214,21 @@ def _run_job(
                 stored, decoded_size=shard.decoded_size, limits=shard.limits
             )
             del stored
+        if tell is not None:
+            tell.verified()
+        gate = contextlib.nullcontext() if tell is None or tell.gate is None else tell.gate
         wanted = plan.wanted
         decoded: dict[int, DecodedDelta] = {}
         entries = list(job.entries)
         for k in range(0, len(entries), 2):  # two at a time: their rans values decode at once
             pair = entries[k : k + 2]
-            ahead = _symbols_ahead([wanted[i] for i in pair], streams)
-            for i, symbols in zip(pair, ahead, strict=True):
-                decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
-                if tell is not None:
-                    tell(i, decoded[i])
+            with gate:
+                ahead = _symbols_ahead([wanted[i] for i in pair], streams)
+                for i, symbols in zip(pair, ahead, strict=True):
+                    decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
+            if tell is not None:
+                for i in pair:
+                    tell.decoded(i, decoded[i])
         del streams  # decoded deltas are copies: the shards go before the budget
     return decoded
 

@@ -4,11 +4,13 @@ A sync has three parts: a plan from metadata only (readers/_plan.py: the version
 objects with their sizes and sha256, each target tensor's change, the checks), the fetch
 (readers/_fetch.py: parallel verified gets, inflated and decoded within a budget), and the
 apply here, through the target's transaction, which keeps the undo of every change until
-it commits or rolls back (readers/targets.py).
+it commits or rolls back (readers/targets.py). A reader on its own overlaps the last two
+once every object is verified (:meth:`DeltaReader._resolver`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -35,6 +37,7 @@ from dcr_format.chain import (
 from dcr_format.codec.budget import DecodeBudget
 from dcr_format.codec.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.positions import compiled
 from dcr_format.errors import (
     ApplyError,
     ArgumentError,
@@ -56,6 +59,7 @@ from dcr_format.fingerprint import (
     lanes_after_change,
 )
 from dcr_format.readers._fetch import (
+    Early,
     FetchedStep,
     fetch_changes,
     fetch_step,
@@ -88,6 +92,9 @@ class SyncResult(BaseModel):
 
     ``fetch_seconds`` is the preparation (fetch, verify, decode: the engine may keep
     generating meanwhile), ``apply_seconds`` the pause (checking and changing the target).
+    A :meth:`DeltaReader.sync` on its own (no group) starts changing the target once every
+    object is fetched and verified, while the last changes are still decoded: that time
+    counts in ``fetch_seconds``.
     ``audited``: the sync read every selected resident tensor in full before applying
     (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
@@ -127,6 +134,9 @@ class PreparedVersion:
     _sync_plan: SyncPlan | None = field(repr=False, default=None)
     # changes of a one-step plan read against the live tensors (Target.staging), by name
     _staged: Mapping[str, Staged] = field(repr=False, default_factory=dict)
+    # a sync's apply, opened while the fetch still decoded (DeltaReader._resolver): its
+    # changes so far are applied, and DeltaReader.apply goes on with it
+    _open: _Sync | None = field(repr=False, default=None)
 
     @property
     def _incremental(self) -> bool:
@@ -152,6 +162,64 @@ class _Verified:
 
 
 @dataclass
+class _Early:
+    """A sync's taking of its changes as they are decoded (:meth:`DeltaReader._resolver`).
+
+    ``alone``, a reader on its own, opens the transaction once everything is verified and
+    from then on applies each change on a pool of its own (:meth:`start`, :meth:`give`,
+    :meth:`finish`); the first failure there stops the rest and is raised."""
+
+    alone: bool
+    audit: bool  # the sync was asked to audit
+    # changes decoded before the transaction opened, to apply as it opens
+    ready: list[tuple[Entry, DecodedDelta]] = field(default_factory=list)
+    sync: _Sync | None = None  # the transaction's apply, once open
+    threads: int = 1  # the pool's
+    _apply: Callable[[Entry, DecodedDelta], None] | None = None
+    _applying: ThreadPoolExecutor | None = None
+    _failed: list[BaseException] = field(default_factory=list)
+
+    def start(self, sync: _Sync, apply: Callable[[Entry, DecodedDelta], None]) -> None:
+        """The transaction is open: apply the changes held so far, and each one given."""
+        self.sync, self._apply = sync, apply
+        self._applying = ThreadPoolExecutor(self.threads, thread_name_prefix="dcr-apply")
+        ready, self.ready = self.ready, []
+        for entry, delta in ready:
+            self.give(entry, delta)
+
+    def give(self, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one change on the pool once the transaction is open (else hold it); raises
+        an earlier change's failure instead."""
+        if self._failed:
+            raise self._failed[0]
+        if self._applying is None:
+            self.ready.append((entry, delta))
+        else:
+            self._applying.submit(self._run, entry, delta)
+
+    def _run(self, entry: Entry, delta: DecodedDelta) -> None:
+        if self._failed:
+            return  # the sync fails: the rest is not applied
+        assert self._apply is not None
+        try:
+            with _serial_kernels():  # the pool's threads fill the cores already
+                self._apply(entry, delta)
+        except BaseException as exc:
+            self._failed.append(exc)
+
+    def failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the failure of a change given (not of the fetch)."""
+        return bool(self._failed) and exc is self._failed[0]
+
+    def finish(self) -> None:
+        """Wait for every change given; raise the first that failed."""
+        if self._applying is not None:
+            self._applying.shutdown(wait=True)
+        if self._failed:
+            raise self._failed[0]
+
+
+@dataclass
 class _Sync:
     """One apply in progress: its transaction and what the checks and changes found."""
 
@@ -167,6 +235,7 @@ class _Sync:
     trusted: set[str] = field(default_factory=set)  # resident lanes taken from ``known``
     # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
+    applied: set[str] = field(default_factory=set)  # the names changed while fetching
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -287,14 +356,18 @@ class DeltaReader:
     def sync(self, to: int | None = None, *, audit: bool = False) -> SyncResult:
         """Bring the target to version ``to`` (default: the newest committed version).
 
-        :meth:`prepare` then :meth:`apply`: everything is fetched and verified before
-        the target is touched; a failure during the apply rolls every change back. In
+        :meth:`prepare` then :meth:`apply`: every object is fetched and verified before
+        the target is touched; a failure during the apply rolls every change back. A
+        reader on its own (no group) applies a one-version plan into a target that
+        offers its tensors (:meth:`Target.staging`) while the fetch workers still decode
+        the last changes, so a stream that fails its decoder is then raised after the
+        changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). In
         a reader group every rank syncs to the same version, and all ranks apply it or
         none does. ``audit`` reads every selected resident tensor in full first.
         """
         for attempt in range(3 if self.group.alone else 1):
             try:
-                return self.apply(self._prepare_for(to, stage=False), audit=audit)
+                return self.apply(self._prepare_for(to, stage=False, audit=audit), audit=audit)
             except (StalePreparedError, TargetChangedError):
                 # another sync moved the target between planning and applying: plan again
                 if attempt == 2 or not self.group.alone:
@@ -315,14 +388,17 @@ class DeltaReader:
         """
         return self._prepare_for(to, stage=True)
 
-    def _prepare_for(self, to: int | None, *, stage: bool) -> PreparedVersion:
+    def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
+        """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it)."""
         committed = self.chain.versions()
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)
         started = time.perf_counter()
         with self.group.stage("fetching and verifying"):
             # a sync applies right after: its changes are completed as they are decoded
-            prepared = self._prepare(goal, committed, started, resolve_early=not stage)
+            # (and applied from when everything is verified, on its own)
+            early = None if stage else _Early(self.group.alone, audit)
+            prepared = self._prepare(goal, committed, started, early=early)
             if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
                 staged = self._stage(prepared._steps[0])
                 prepared = replace(
@@ -331,19 +407,27 @@ class DeltaReader:
             self._record_overwrites()  # what the target learnt while staging (FORMAT.md §3.6)
         return prepared
 
-    def _resolver(self, plan: SyncPlan) -> Callable[[Entry, DecodedDelta], DecodedDelta] | None:
-        """For a one-step plan, what completes each ``xor`` change coded against the old
-        bits (:func:`resolve`: ``classed`` positions found, ``ulp-shift`` values joined)
-        against the live tensor the target offers for reading (:meth:`Target.staging`), on
-        this thread while the fetch workers decode the changes after it; None where there
-        is nothing to complete this way. The apply then only writes. A change that does not
-        complete is left as it was, for the apply to refuse with the usual error."""
+    def _resolver(
+        self, plan: SyncPlan, early: _Early, resident: Resident | None, pool: ThreadPoolExecutor
+    ) -> Early | None:
+        """For a one-step plan, what takes each change decoded while the fetch workers
+        decode the changes after it, for a tensor the target offers for reading
+        (:meth:`Target.staging`); None where there is no such change.
+
+        Until every object is fetched and verified, a change coded against the old bits is
+        completed (:func:`resolve`: ``classed`` positions found, ``ulp-shift`` values
+        joined) against the live tensor, so that the apply only writes it; a change that
+        does not complete is left as it was, for the apply to refuse with the usual error.
+        A reader on its own (``early.alone``) completes nothing before: it opens the
+        transaction then (:meth:`_open`, as :meth:`apply` would) and applies each change
+        as it comes, those decoded before first; any failure from there rolls it back.
+        """
         if len(plan.steps) != 1 or plan.steps[0].base:
             return None  # a later step's old bits are those the earlier steps leave
         names = {
             entry.name
             for _, entry in plan.steps[0].fetch.wanted
-            if entry.op == XOR and entry.changed and entry.piece is None
+            if entry.op != FULL and entry.changed and entry.piece is None
         }
         tensors = self.target.staging(names) if names else {}
         if not tensors:
@@ -351,14 +435,39 @@ class DeltaReader:
 
         def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
             tensor = tensors.get(entry.name)
-            if tensor is None or not delta.needs_target:
+            if tensor is None:
                 return delta
-            done = self._resolved_live(entry, delta, tensor)
+            if early.alone:  # applied as soon as the transaction is open
+                early.give(entry, delta)
+                return delta
+            done = self._resolved_live(entry, delta, tensor) if delta.needs_target else None
             if done is None:
                 return delta
             return replace(done, rows=delta.rows)  # the rows follow the change (_follow_rows)
 
-        return take
+        def verified() -> None:
+            preliminary = PreparedVersion(
+                plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
+            )
+            sync = self._open(preliminary, early.audit, prepare=False)
+            early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        if not early.alone:
+            return Early(pool, take)
+        # host tensors take changes on every core at once (each on one); the fetch workers
+        # decode on all but one meanwhile
+        cores = _kernel_threads()
+        on_host = all(t.device.type == "cpu" for t in tensors.values())
+        early.threads = cores if on_host else 1
+        return Early(pool, take, verified, max(1, cores - 1), opened=True)
+
+    def _change_now(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one change while the fetch still decodes others (refused first, as
+        :meth:`Transaction.prepare` would refuse it with the rest)."""
+        info = info_for(entry.dtype)
+        sync.txn.prepare([Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)])
+        self._change_entry(sync, entry, delta)
+        sync.applied.add(entry.name)
 
     def _resolved_live(
         self, entry: Entry, delta: DecodedDelta, tensor: torch.Tensor
@@ -553,27 +662,32 @@ class DeltaReader:
         return state_table(self.chain.manifests(loaded))
 
     def _prepare(
-        self, goal: int, committed: list[int], started: float, *, resolve_early: bool = False
+        self, goal: int, committed: list[int], started: float, *, early: _Early | None = None
     ) -> PreparedVersion:
         """Plan and fetch everything for ``goal`` (nothing when the target is already there).
-        ``resolve_early``: see :meth:`_resolver`."""
+        ``early``: a sync's, see :meth:`_resolver`."""
         resident = self._resident()
         previous = self._check_goal(resident, goal, committed)
         if previous == goal:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
-        with ThreadPoolExecutor(self.max_workers) as pool:
-            plan = self._make_plan(resident, goal, committed, pool)
-            take = self._resolver(plan) if resolve_early else None
-            steps = tuple(
-                fetch_step(
-                    self.store,
-                    step,
-                    pool.map,
-                    self.decode_budget,
-                    early=None if take is None else (pool, take),
+        try:
+            with ThreadPoolExecutor(self.max_workers) as pool:
+                plan = self._make_plan(resident, goal, committed, pool)
+                taking = None if early is None else self._resolver(plan, early, resident, pool)
+                steps = tuple(
+                    fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
+                    for step in plan.steps
                 )
-                for step in plan.steps
-            )
+                if early is not None:
+                    early.finish()
+        except BaseException as exc:
+            if early is None or early.sync is None:
+                raise
+            with contextlib.suppress(BaseException):
+                early.finish()  # every change given has ended: nothing is applied any more
+            # a failure to fetch or decode is raised as it is, once the changes are undone
+            fetching = not early.failed(exc)
+            raise self._rolled_back(exc, early.sync.txn, early.sync, as_is=fetching)  # noqa: B904
         return PreparedVersion(
             goal,
             previous,
@@ -584,6 +698,7 @@ class DeltaReader:
             resident,
             steps,
             plan,
+            _open=None if early is None else early.sync,
         )
 
     def _check_goal(self, resident: Resident | None, goal: int, committed: list[int]) -> int | None:
@@ -714,24 +829,25 @@ class DeltaReader:
         """Apply the staged steps; returns the names the target could not verify, and
         whether the sync audited the resident bits. Any failure after the transaction is
         open rolls it back (:meth:`Transaction.rollback`) before it propagates."""
-        txn: Transaction | None = None
-        sync: _Sync | None = None
+        sync = prepared._open  # opened while the fetch decoded (a sync on its own)
+        txn = None if sync is None else sync.txn
         try:
             # inside the stage: a target this rank cannot open fails every rank's sync
             with self.group.stage("checking its target"):
-                audited = self._audit_due(self._check_fresh(prepared), asked)
-                known = None if audited else self._verified
-                self._verified = None  # dropped on any failure; set again only on commit
-                txn = self._begin()
-                sync = _Sync(prepared, txn, audited, known)
-                self._check_target(sync)
+                if sync is None:
+                    sync = self._open(prepared, asked)
+                    txn = sync.txn
+                else:  # the changes not applied yet are refused now, if at all
+                    sync.prepared = replace(prepared, _open=None)
+                    sync.txn.prepare(_changes(sync, lambda name: name not in sync.applied))
             with self.group.stage("applying"):
                 for step in sync.steps:
                     self._change_step(sync, step)
                 found = self._verify_goal(sync)
+            assert txn is not None
             txn.commit(sync.resident)
         except BaseException as exc:
-            if txn is None:  # nothing was opened, so nothing to undo
+            if txn is None:  # nothing was opened (or :meth:`_open` rolled it back)
                 raise
             raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
         self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
@@ -744,10 +860,10 @@ class DeltaReader:
         return sync.unverified, sync.audited
 
     def _rolled_back(
-        self, exc: BaseException, txn: Transaction, sync: _Sync | None
+        self, exc: BaseException, txn: Transaction, sync: _Sync | None, *, as_is: bool = False
     ) -> BaseException:
         """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
-        integrity, target or group error becomes an :class:`ApplyError`)."""
+        integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
         self._rows.clear()  # counted again next time, whatever went wrong
         for step in () if sync is None else sync.steps:  # a prepared version may be retried
             for _, delta in step.changes:
@@ -757,7 +873,7 @@ class DeltaReader:
         if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
             exc = self._diagnose(exc, sync)  # reads the restored bits
         txn.abort()
-        if isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
+        if as_is or isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
             return exc
         if isinstance(exc, Exception):
             error = ApplyError(f"applying failed and was rolled back: {exc}")
@@ -765,43 +881,59 @@ class DeltaReader:
             return error
         return exc
 
+    def _open(self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True) -> _Sync:
+        """Open the transaction that applies ``prepared`` and check the target before
+        anything changes (``prepare``: also let the target refuse every change now, where
+        they are all decoded); a failure once it is open rolls it back."""
+        audited = self._audit_due(self._check_fresh(prepared), asked)
+        known = None if audited else self._verified
+        self._verified = None  # dropped on any failure; set again only on commit
+        txn = self._begin()
+        sync = _Sync(prepared, txn, audited, known)
+        try:
+            self._check_target(sync)
+            if prepare:
+                txn.prepare(_changes(sync, lambda name: True))
+        except BaseException as exc:
+            raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
+        return sync
+
     def _check_target(self, sync: _Sync) -> None:
-        """Before mutating: the baseline checks, then the target's own refusals."""
+        """Before mutating: the baseline checks."""
         plan = sync.prepared._sync_plan
         assert plan is not None
         self._check_baseline(sync, plan, plan.parent_table if sync.audited else None)
-        sync.txn.prepare(
-            [
-                Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
-                for step in sync.steps
-                for e, d in step.changes
-            ]
-        )
         sync.touched = set(sync.lanes)  # the names deltas change (their lanes follow them)
 
     def _change_step(self, sync: _Sync, step: FetchedStep) -> None:
-        """Apply one version's changes (a base first drops the selected names it lacks)."""
+        """Apply one version's changes (a base first drops the selected names it lacks);
+        those applied while the fetch still decoded are done already."""
         txn = sync.txn
         if step.base or not sync.prepared._incremental:
             for name in txn.names():
                 if self.select(name) and name not in step.table:
                     txn.drop(name)
         for entry, delta in step.changes:
-            if entry.op != FULL and entry.changed == 0:
-                continue
-            info = info_for(entry.dtype)
-            change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
-            self._give_rows(entry, delta, sync.rows)
-            applied = txn.change(change, sync.prepared._staged.get(entry.name))
-            _follow_rows(sync, entry, delta, applied)
-            if entry.op == FULL:
-                sync.lanes[entry.name] = applied.lanes
-                if entry.changed == 0:
-                    continue
-            else:
-                # the fingerprint follows the change (O(changed)), from the bits read back
-                sync.lanes[entry.name] = _lanes_after(sync.lanes.get(entry.name), applied)
-            sync.touched.add(entry.name)
+            if entry.name not in sync.applied:
+                self._change_entry(sync, entry, delta)
+
+    def _change_entry(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
+        if entry.op != FULL and entry.changed == 0:
+            return
+        info = info_for(entry.dtype)
+        change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
+        self._give_rows(entry, delta, sync.rows)
+        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name))
+        _follow_rows(sync, entry, delta, applied)
+        if entry.op == FULL:
+            sync.lanes[entry.name] = applied.lanes
+            if entry.changed == 0:
+                return
+        else:
+            # the fingerprint follows the change (O(changed)), from the bits read back
+            sync.lanes[entry.name] = _lanes_after(sync.lanes.get(entry.name), applied)
+        sync.touched.add(entry.name)
 
     def _verify_goal(self, sync: _Sync) -> dict[str, tuple[int, ...]]:
         """Check the goal's fingerprints (§11.4 step 3); returns the lanes it verified, as
@@ -952,6 +1084,30 @@ class DeltaReader:
             sync.unverified.add(name)
         else:
             raw[name] = lanes
+
+
+def _kernel_threads() -> int:
+    """How many threads the host kernels run on (numba's, else torch's)."""
+    launch = compiled("_launch")
+    return torch.get_num_threads() if launch is None else int(launch.kernel_threads())
+
+
+def _serial_kernels() -> contextlib.AbstractContextManager[None]:
+    """A block in which this thread's compiled kernels run their serial twins (where numba
+    runs them; torch's own threads are left as they are)."""
+    launch = compiled("_launch")
+    return contextlib.nullcontext() if launch is None else launch.serial_kernels()
+
+
+def _changes(sync: _Sync, which: Callable[[str], bool]) -> list[Change]:
+    """The changes of ``sync``'s steps to the names ``which`` takes, for
+    :meth:`Transaction.prepare`."""
+    return [
+        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
+        for step in sync.steps
+        for e, d in step.changes
+        if which(e.name)
+    ]
 
 
 def _check_spec(txn: Transaction, name: str, dtype: str, shape: tuple[int, ...]) -> None:
