@@ -702,3 +702,49 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
     path.write_bytes(intact)
     reader.sync()
     assert_same_bits(tensors, state)
+
+
+FORK_CHILD_SYNC = """
+import os, sys, tempfile
+import torch
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format.bench.refit import SyntheticTrainer, lr_for
+from dcr_format._pools import _POOLS
+shapes = {{"a.weight": (300, 512), "b.weight": (200, 512)}}
+trainer = SyntheticTrainer(shapes, seed=5)
+url = tempfile.mkdtemp(dir={tmp!r})
+writer = DeltaWriter(url, features={features!r})
+writer.publish(trainer.export())
+tensors = {{}}
+reader = DeltaReader(url, StateDictTarget(tensors))
+reader.sync()
+trainer.step(lr_for(0.05))
+writer.publish(trainer.export())
+reader.sync()  # applied on the kept pool: its threads exist
+assert any(name == "dcr-apply" for name, _ in _POOLS), _POOLS
+trainer.step(lr_for(0.05))
+state = trainer.export()
+writer.publish(state)
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)  # torch's own OpenMP threads are not in the child either
+    reader.sync()
+    same = all(torch.equal(tensors[n].view(torch.int16), state[n].view(torch.int16)) for n in state)
+    os._exit(0 if same else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_syncs_on_an_apply_pool_of_its_own(tmp_path):
+    """A child forked after the reader's kept apply pool started has none of its threads:
+    its sync makes its own pool (a change queued on the parent's would never be applied,
+    and the child would hang) and applies the version bit for bit."""
+    import subprocess
+    import sys
+
+    script = FORK_CHILD_SYNC.format(tmp=str(tmp_path), features=_BASELINE_FEATURES)
+    result = subprocess.run(
+        [sys.executable, "-c", script], timeout=120, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

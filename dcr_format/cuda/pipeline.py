@@ -38,8 +38,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
-import os
-import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -50,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dcr_format._pools import kept_pool
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import BASELINE_CODINGS, allowed
 from dcr_format.codec.positions import compiled
@@ -244,33 +243,13 @@ CODING_THREADS = 2
 """Tensors a CPU stream codes at once (:func:`encode_stream`); 1 codes them one by one."""
 
 _AHEAD = 2  # tensors queued per thread, so that a thread never waits for the next one
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-_ORPHANS: list[ThreadPoolExecutor] = []  # a forked child's pools of its parent (_forked)
-
-
-def _forked() -> None:
-    """In a forked child: the parent's pools, whose threads the child does not have, are
-    set aside (a task queued on one would never run). They are kept, not dropped: an
-    executor's finalizer would wake threads that are not there."""
-    global _POOLS_LOCK
-    _POOLS_LOCK = threading.Lock()
-    _ORPHANS.extend(_POOLS.values())
-    _POOLS.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
 
 
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """The process's coding pool of ``threads`` threads, kept for its life: each thread
-    keeps the diff's scratch pages between steps (:mod:`dcr_format.codec._native`)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
-        if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="dcr-code")
-        return pool
+    """The process's coding pool of ``threads`` threads, kept for its life (a forked child
+    makes its own): each thread keeps the diff's scratch pages between steps
+    (:mod:`dcr_format.codec._native`)."""
+    return kept_pool("dcr-code", threads)
 
 
 def _code_one(

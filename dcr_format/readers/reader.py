@@ -16,7 +16,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from dcr_format._pools import kept_pool
 from dcr_format.bases import alternative_bases, load_base
 from dcr_format.chain import (
     Chain,
@@ -177,12 +178,14 @@ class _Early:
     threads: int = 1  # the pool's
     _apply: Callable[[Entry, DecodedDelta], None] | None = None
     _applying: ThreadPoolExecutor | None = None
+    _given: list[Future[None]] = field(default_factory=list)
     _failed: list[BaseException] = field(default_factory=list)
 
     def start(self, sync: _Sync, apply: Callable[[Entry, DecodedDelta], None]) -> None:
-        """The transaction is open: apply the changes held so far, and each one given."""
+        """The transaction is open: apply the changes held so far, and each one given (on
+        a pool kept for the process: its threads keep their memory from sync to sync)."""
         self.sync, self._apply = sync, apply
-        self._applying = ThreadPoolExecutor(self.threads, thread_name_prefix="dcr-apply")
+        self._applying = kept_pool("dcr-apply", self.threads)
         ready, self.ready = self.ready, []
         for entry, delta in ready:
             self.give(entry, delta)
@@ -195,7 +198,7 @@ class _Early:
         if self._applying is None:
             self.ready.append((entry, delta))
         else:
-            self._applying.submit(self._run, entry, delta)
+            self._given.append(self._applying.submit(self._run, entry, delta))
 
     def _run(self, entry: Entry, delta: DecodedDelta) -> None:
         if self._failed:
@@ -213,8 +216,7 @@ class _Early:
 
     def finish(self) -> None:
         """Wait for every change given; raise the first that failed."""
-        if self._applying is not None:
-            self._applying.shutdown(wait=True)
+        wait(self._given)
         if self._failed:
             raise self._failed[0]
 
