@@ -620,6 +620,28 @@ def test_a_decode_failure_after_changes_were_applied_rolls_them_back(tmp_path, m
     assert_same_bits(tensors, state)
 
 
+def test_a_failure_after_the_fetch_rolls_back_what_it_applied(tmp_path, monkeypatch):
+    """Something failing between the fetch and the apply (here the reader record) while
+    the changes applied during the fetch are in the target rolls them back: the target
+    keeps its bits and its resident version, and the next sync applies the version."""
+    _, reader, tensors, state, entries = _classed_chain(tmp_path)
+    _, names = _applied_spy(reader, monkeypatch)
+
+    def broken() -> None:
+        raise RuntimeError("the record broke")
+
+    monkeypatch.setattr(reader, "_record_overwrites", broken)
+    before = snapshot(tensors)
+    with pytest.raises(RuntimeError, match="the record broke"):
+        reader.sync()
+    assert sorted(names) == sorted(e.name for e in entries)  # applied, then undone
+    assert_same_bits(tensors, before)
+    assert reader.target.resident().version == 0
+    monkeypatch.undo()
+    reader.sync()
+    assert_same_bits(tensors, state)
+
+
 def test_a_failed_change_while_fetching_rolls_back_the_others(tmp_path, monkeypatch):
     """A change that fails while the fetch still decodes stops the sync: the changes
     applied beside it are undone (those in flight first end), the failure is an

@@ -167,8 +167,9 @@ class _Early:
     """A sync's taking of its changes as they are decoded (:meth:`DeltaReader._resolver`).
 
     ``alone``, a reader on its own, opens the transaction once everything is verified and
-    from then on applies each change on a pool of its own (:meth:`start`, :meth:`give`,
-    :meth:`finish`); the first failure there stops the rest and is raised."""
+    from then on applies each change on the process's apply pool (:meth:`start`,
+    :meth:`give`, :meth:`finish`; it waits for its own changes only, so readers may share
+    the pool); the first failure there stops the rest and is raised."""
 
     alone: bool
     audit: bool  # the sync was asked to audit
@@ -238,6 +239,7 @@ class _Sync:
     # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
     applied: set[str] = field(default_factory=set)  # the names changed while fetching
+    closed: bool = False  # rolled back
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -396,17 +398,23 @@ class DeltaReader:
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)
         started = time.perf_counter()
-        with self.group.stage("fetching and verifying"):
-            # a sync applies right after: its changes are completed as they are decoded
-            # (and applied from when everything is verified, on its own)
-            early = None if stage else _Early(self.group.alone, audit)
-            prepared = self._prepare(goal, committed, started, early=early)
-            if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
-                staged = self._stage(prepared._steps[0])
-                prepared = replace(
-                    prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
-                )
-            self._record_overwrites()  # what the target learnt while staging (FORMAT.md §3.6)
+        # a sync applies right after: its changes are completed as they are decoded (and
+        # applied from when everything is verified, on its own)
+        early = None if stage else _Early(self.group.alone, audit)
+        try:
+            with self.group.stage("fetching and verifying"):
+                prepared = self._prepare(goal, committed, started, early=early)
+                if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
+                    staged = self._stage(prepared._steps[0])
+                    prepared = replace(
+                        prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
+                    )
+                self._record_overwrites()  # what the target learnt (FORMAT.md §3.6)
+        except BaseException as exc:
+            opened = None if early is None else early.sync
+            if opened is None or opened.closed:  # (:meth:`_prepare` rolled it back)
+                raise
+            raise self._rolled_back(exc, opened.txn, opened, as_is=True)  # noqa: B904
         return prepared
 
     def _resolver(
@@ -867,6 +875,8 @@ class DeltaReader:
         """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
         integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
         self._rows.clear()  # counted again next time, whatever went wrong
+        if sync is not None:
+            sync.closed = True
         for step in () if sync is None else sync.steps:  # a prepared version may be retried
             for _, delta in step.changes:
                 if delta.rows is not None:
