@@ -16,7 +16,6 @@ is an opt-in for tensors whose positions are worth more than that pass.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import struct
 from dataclasses import dataclass, field, replace
@@ -506,10 +505,8 @@ def with_ranks(stream: ClassedStream, numel: int) -> ClassedStream:
     class sizes later)."""
     if not stream.parts or stream.ranks is not None:
         return stream
-    launch = _positions.compiled("_launch")
-    serial = contextlib.nullcontext() if launch is None else launch.serial_kernels()
-    try:
-        with serial:  # a fetch worker's: the others and the select fill the other cores
+    try:  # on a fetch worker: the others and the select fill the other cores
+        with _positions.serial_kernels():
             ranks = class_ranks_of(stream, np.full(stream.classes, numel, dtype=np.int64))
     except PositionsError:
         return stream

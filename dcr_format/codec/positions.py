@@ -20,6 +20,7 @@ the error (so both paths raise the same :class:`PositionsError`, message include
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import struct
 from functools import lru_cache
@@ -72,6 +73,13 @@ def compiled(name: str) -> ModuleType | None:
 
 
 _COMPILED: dict[str, ModuleType | None] = {}
+
+
+def serial_kernels() -> contextlib.AbstractContextManager[None]:
+    """A block in which this thread's compiled kernels run their serial twins
+    (:func:`dcr_format.codec._launch.serial_kernels`; nothing where they do not load)."""
+    launch = compiled("_launch")
+    return contextlib.nullcontext() if launch is None else launch.serial_kernels()
 
 
 @lru_cache(maxsize=1)

@@ -38,7 +38,7 @@ from dcr_format.chain import (
 from dcr_format.codec.budget import DecodeBudget
 from dcr_format.codec.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
 from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.positions import compiled
+from dcr_format.codec.positions import compiled, serial_kernels
 from dcr_format.errors import (
     ApplyError,
     ArgumentError,
@@ -206,7 +206,7 @@ class _Early:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
         try:
-            with _serial_kernels():  # the pool's threads fill the cores already
+            with serial_kernels():  # the pool's threads fill the cores already
                 self._apply(entry, delta)
         except BaseException as exc:
             self._failed.append(exc)
@@ -1102,13 +1102,6 @@ def _kernel_threads() -> int:
     """How many threads the host kernels run on (numba's, else torch's)."""
     launch = compiled("_launch")
     return torch.get_num_threads() if launch is None else int(launch.kernel_threads())
-
-
-def _serial_kernels() -> contextlib.AbstractContextManager[None]:
-    """A block in which this thread's compiled kernels run their serial twins (where numba
-    runs them; torch's own threads are left as they are)."""
-    launch = compiled("_launch")
-    return contextlib.nullcontext() if launch is None else launch.serial_kernels()
 
 
 def _changes(sync: _Sync, which: Callable[[str], bool]) -> list[Change]:
