@@ -53,17 +53,15 @@ class Early:
     """How :func:`fetch_changes` hands decoded entries to the calling thread while its jobs
     run: they run on ``pool``; ``take`` gets each whole entry as it is decoded;
     ``verified``, where given, is called once every job has fetched and checked all of its
-    shards and none failed so far (before the entries decoded after that are taken);
-    ``decoders``, where given, is how many jobs decode at once (the other cores are left
-    for what is done with the entries). With ``opened`` every whole entry is taken once
-    ``verified`` was called, also those decoded after the last job ended (else those are
-    left to the caller)."""
+    shards and none failed so far (before the entries decoded after that are taken), and
+    from then on every whole entry is taken, also those decoded after the last job ended
+    (else those are left to the caller); ``decoders``, where given, is how many jobs
+    decode at once (the other cores are left for what is done with the entries)."""
 
     pool: Executor
     take: Take
     verified: Callable[[], None] | None = None
     decoders: int | None = None
-    opened: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,7 @@ def _run_jobs_early(
                 verified += 1
                 if verified == len(futures) and not failed and early.verified is not None:
                     early.verified()
-                    opened = early.opened
+                    opened = True
                 continue
             if isinstance(item, bool):
                 ended += 1
@@ -173,7 +171,7 @@ def _run_jobs_early(
                 continue
             index, delta = item
             entry = plan.wanted[index][1]
-            # every job ended: nothing to wait for any more (unless opened)
+            # every job ended: nothing to wait for any more (unless ``verified`` was called)
             late = failed or not (running[0] or opened)
             keep = late or entry.piece is not None
             decoded[index] = delta if keep else early.take(entry, delta)

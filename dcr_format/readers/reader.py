@@ -469,7 +469,7 @@ class DeltaReader:
         cores = _kernel_threads()
         on_host = all(t.device.type == "cpu" for t in tensors.values())
         early.threads = cores if on_host else 1
-        return Early(pool, take, verified, max(1, cores - 1), opened=True)
+        return Early(pool, take, verified, max(1, cores - 1))
 
     def _change_now(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
         """Apply one change while the fetch still decodes others (refused first, as
