@@ -239,7 +239,6 @@ class _Sync:
     # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
     applied: set[str] = field(default_factory=set)  # the names changed while fetching
-    closed: bool = False  # rolled back
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -411,10 +410,14 @@ class DeltaReader:
                     )
                 self._record_overwrites()  # what the target learnt (FORMAT.md §3.6)
         except BaseException as exc:
-            opened = None if early is None else early.sync
-            if opened is None or opened.closed:  # (:meth:`_prepare` rolled it back)
+            # a transaction opened during the fetch (a sync on its own) is rolled back here
+            if early is None or early.sync is None:
                 raise
-            raise self._rolled_back(exc, opened.txn, opened, as_is=True)  # noqa: B904
+            with contextlib.suppress(BaseException):
+                early.finish()  # every change given has ended: nothing is applied any more
+            # a failure to fetch or decode (or after the fetch) is raised as it is
+            fetching = not early.failed(exc)
+            raise self._rolled_back(exc, early.sync.txn, early.sync, as_is=fetching)  # noqa: B904
         return prepared
 
     def _resolver(
@@ -680,24 +683,15 @@ class DeltaReader:
         previous = self._check_goal(resident, goal, committed)
         if previous == goal:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
-        try:
-            with ThreadPoolExecutor(self.max_workers) as pool:
-                plan = self._make_plan(resident, goal, committed, pool)
-                taking = None if early is None else self._resolver(plan, early, resident, pool)
-                steps = tuple(
-                    fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
-                    for step in plan.steps
-                )
-                if early is not None:
-                    early.finish()
-        except BaseException as exc:
-            if early is None or early.sync is None:
-                raise
-            with contextlib.suppress(BaseException):
-                early.finish()  # every change given has ended: nothing is applied any more
-            # a failure to fetch or decode is raised as it is, once the changes are undone
-            fetching = not early.failed(exc)
-            raise self._rolled_back(exc, early.sync.txn, early.sync, as_is=fetching)  # noqa: B904
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            plan = self._make_plan(resident, goal, committed, pool)
+            taking = None if early is None else self._resolver(plan, early, resident, pool)
+            steps = tuple(
+                fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
+                for step in plan.steps
+            )
+            if early is not None:
+                early.finish()
         return PreparedVersion(
             goal,
             previous,
@@ -875,8 +869,6 @@ class DeltaReader:
         """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
         integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
         self._rows.clear()  # counted again next time, whatever went wrong
-        if sync is not None:
-            sync.closed = True
         for step in () if sync is None else sync.steps:  # a prepared version may be retried
             for _, delta in step.changes:
                 if delta.rows is not None:
