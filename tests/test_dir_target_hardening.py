@@ -99,7 +99,7 @@ def test_a_second_sync_at_the_moment_of_the_swap_waits_and_destroys_nothing(tmp_
     def pause(fresh: Path) -> None:  # A, between writing and swapping
         fresh_dirs.append(fresh)
         at_swap.set()
-        time.sleep(3)  # B runs meanwhile (before the fix B deleted ``fresh`` at once)
+        time.sleep(3)  # B runs meanwhile; without the lock B would delete ``fresh`` at once
 
     monkeypatch.setattr(targets, "_fsync_dir", dir_target_workers.at_swap(pause))
     target_a = SafetensorsDirTarget(path)
@@ -109,7 +109,7 @@ def test_a_second_sync_at_the_moment_of_the_swap_waits_and_destroys_nothing(tmp_
     assert at_swap.wait(60)
     result_b = DeltaReader(store, SafetensorsDirTarget(path)).sync()
     thread.join(60)
-    _intact(path, kept, state)  # before the fix: the link dangled, config and tokenizer gone
+    _intact(path, kept, state)  # without the lock: a dangling link, config and tokenizer gone
     assert results and results[0].applied_versions == (1,)  # type: ignore[attr-defined]
     assert result_b.version == 1 and result_b.applied_versions == ()
     assert path.resolve() == fresh_dirs[0].resolve()

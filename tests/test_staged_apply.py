@@ -1,5 +1,5 @@
 """prepare() reads a one-version change against a dict target's live tensors; apply() only
-writes it (issue 12: the pause is the write). Exactness must not depend on that."""
+writes it (so the engine's pause is only the write). Exactness must not depend on that."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The writer's baseline advances in the CPU diff's own pass (issue 12: one pass per tensor).
+"""The writer's baseline advances in the CPU diff's own pass (one pass per tensor).
 
 What must hold: after a commit the baseline is the committed bits (in the same tensors:
 nothing was copied); when the version does not commit, or anything fails while writing,

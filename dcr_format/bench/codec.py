@@ -20,7 +20,7 @@ as a writer would, then reports:
   same dense bf16 bytes, timed in the same run (median of several repetitions);
 - for information, the order-0 entropy of the signed difference in ulps (bf16
   bits mapped to ordered integers) next to the XOR entropy;
-- issue 16: the same step with the ``values-rans`` coding (FORMAT.md §7.3), then with
+- the writer features: the same step with the ``values-rans`` coding (FORMAT.md §7.3), then with
   the manifest features (``manifest-zstd``, ``implicit-parents``), then ``ulp`` values
   (§7.5) and, on top, ``ulp-shift`` values (§7.6) and ``classed`` positions (§6.5); what
   a reader downloads for the version (shard, manifest and commit record) and the
@@ -102,7 +102,7 @@ GOAL_XOR_SAVING = 0.30
 
 
 LLAMA_SIZES: dict[str, dict[str, int]] = {
-    # the issue's "small Llama": 4 layers, hidden 256 (5.3M parameters with its embeddings)
+    # a small Llama: 4 layers, hidden 256 (5.3M parameters with its embeddings)
     "llama-small": {
         "hidden_size": 256,
         "intermediate_size": 688,
@@ -110,7 +110,7 @@ LLAMA_SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 4,
         "vocab_size": 4096,
     },
-    # 21.2M parameters, near the issue's 21.6M Llama
+    # 21.2M parameters
     "llama-21m": {
         "hidden_size": 512,
         "intermediate_size": 1408,
@@ -525,7 +525,7 @@ def measure_step(
     # --- correctness and speed --------------------------------------------
     speed = measure_speed(old, new, reps=reps)
 
-    # --- issue 16: values-rans, downloads with manifests, conditional bound, peer ----------
+    # --- writer features: values-rans, downloads with manifests, conditional bound, peer ---
     rans_enc = _encode_all(old, new, XOR, (VALUES_RANS_FEATURE,))
     rans_stored, rans_decoded = encode_shard(_shard_streams(rans_enc))
     planes_manifest = manifest_bytes(xor_enc, new, stored=len(xor_stored), decoded=xor_decoded)
