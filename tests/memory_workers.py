@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
             name, data = json_case(case, int(argv[2]))
             model = getattr(schema, name)
             limits = {"max_bytes": len(data)}  # these cases test shape, not size
-            if "max_bytes" not in inspect.signature(schema.parse).parameters:  # a parse without size limits
+            if "max_bytes" not in inspect.signature(schema.parse).parameters:  # no size limits
                 limits = {}
             return measure(lambda: schema.parse(model, data, what="obj", **limits))
 

@@ -266,7 +266,7 @@ class DeltaReader:
     lanes it verified when it committed the resident version, so a sync costs
     O(changed elements); it reads every selected resident tensor in full (an audit)
     at its first sync, every ``audit_every`` syncs, after ``audit_seconds``, and
-    when asked (``sync(audit=True)``, :meth:`audit`). FORMAT.md §11.3 and the README
+    when asked (``sync(audit=True)``, :meth:`audit`). FORMAT.md §11.3 and docs/pull.md
     say what each mode detects.
 
     ``decode_budget`` caps the bytes of inflated shards a sync holds at once (a
