@@ -63,14 +63,16 @@ def writer_role(store: str, mb: float, rate: float, features: Sequence[str]) -> 
 
     trainer = SyntheticTrainer(model_shapes(mb))
     writer = DeltaWriter(store, features=features)
-    rows = []
-    weights = trainer.export()
-    gc.collect()
-    start = resident()
-    for step in range(3):
+    versions = []
+    for step in range(3):  # every version's weights first: nothing but dcr runs between calls
         if step:
             trainer.step(lr_for(rate))
-            weights = trainer.export()
+        versions.append(trainer.export())
+    del trainer
+    gc.collect()
+    start = resident()
+    rows = []
+    for step, weights in enumerate(versions):
         info, peak = added_peak(functools.partial(writer.publish, weights, step=step))
         rows.append(
             {
