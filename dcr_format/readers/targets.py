@@ -41,6 +41,7 @@ from dcr_format.errors import (
     AliasedTensorError,
     BaselineCodingError,
     BaselineMismatchError,
+    NotInPlaceError,
     PositionsError,
     TargetBusyError,
     TargetChangedError,
@@ -410,6 +411,7 @@ class _DictTransaction(Transaction):
         device: torch.device | None,
         on_commit: Callable[[Resident], None],
         aliases: dict[str, frozenset[str]] | None = None,
+        created: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self._tensors = tensors
         self._device = device
@@ -417,6 +419,41 @@ class _DictTransaction(Transaction):
         self._previous: dict[str, torch.Tensor | None] = {}  # name -> tensor before (None: absent)
         self._aliases = aliases or {}
         self._shared: dict[_ViewKey, _Shared] = {}
+        # the tensors the target made itself (None: every tensor is the target's own); any
+        # other was given by the caller, who may hold it elsewhere, so it changes in place only
+        self._created = created
+        self._fresh: dict[str, torch.Tensor] = {}  # made by this transaction
+
+    def _given(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (held under ``name``) came from the caller, not from dcr."""
+        if self._created is None:
+            return False
+        return self._fresh.get(name) is not tensor and self._created.get(name) is not tensor
+
+    def prepare(self, changes: Sequence[Change]) -> None:
+        """As :meth:`Transaction.prepare`; also refuses a ``full`` write that would have to
+        replace a tensor the caller gave (another dtype or shape, or not contiguous)."""
+        super().prepare(changes)
+        for change in changes:
+            live = self._tensors.get(change.name)
+            if change.delta.op == FULL and live is not None:
+                self._check_fits(change.name, live, change.dtype, change.shape)
+
+    def _check_fits(
+        self, name: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> None:
+        if _fits(live, dtype, shape) or not self._given(name, live):
+            return
+        held = f"{str(live.dtype).removeprefix('torch.')} {list(live.shape)}"
+        wanted = f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+        if (live.dtype, tuple(live.shape)) == (dtype, shape):
+            held += " (not contiguous)"
+        raise NotInPlaceError(
+            f"tensor {name!r} is {held} in the dict, and this version holds it as {wanted}: a "
+            "dict target changes the tensors it was given in place, so the model holding them "
+            "would never see a new one; publish the dtype and shape the model holds (e.g. "
+            "cast the trainer's tensors before publish), or sync into an empty dict"
+        )
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -495,25 +532,35 @@ class _DictTransaction(Transaction):
 
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         live = self._tensors.get(name)
-        if (
-            live is not None
-            and live.dtype == dtype
-            and tuple(live.shape) == shape
-            and live.is_contiguous()
-        ):
+        if live is not None and _fits(live, dtype, shape):
             return live
+        if live is not None:
+            self._check_fits(name, live, dtype, shape)
         device = live.device if live is not None else self._device or _default_device(self._tensors)
         self._remember(name)
         fresh = torch.empty(shape, dtype=dtype, device=device)
         self._tensors[name] = fresh
+        self._fresh[name] = fresh
         return fresh
 
     def drop(self, name: str) -> None:
+        live = self._tensors.get(name)
+        if live is not None and self._given(name, live):
+            raise NotInPlaceError(
+                f"this version drops tensor {name!r}, which the caller gave the dict target: "
+                "whatever holds it would keep stale bits; remove it from the dict first (or "
+                "leave it out with select=), or sync into an empty dict"
+            )
         self._remember(name)
         self._tensors.pop(name, None)
 
     def commit(self, resident: Resident) -> None:
         self._on_commit(resident)
+        if self._created is not None:  # the target's own tensors: those it made, still held
+            made = {**self._created, **self._fresh}
+            self._created.clear()
+            self._created.update((n, t) for n, t in made.items() if self._tensors.get(n) is t)
+        self._fresh.clear()
         self._previous.clear()
         self._shared.clear()
 
@@ -525,6 +572,12 @@ class _DictTransaction(Transaction):
                 self._tensors[name] = before
         self._previous.clear()
         self._shared.clear()
+        self._fresh.clear()
+
+
+def _fits(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a ``full`` write of ``dtype`` and ``shape`` can land in ``tensor`` in place."""
+    return tensor.dtype == dtype and tuple(tensor.shape) == shape and tensor.is_contiguous()
 
 
 def _default_device(tensors: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -538,7 +591,11 @@ class StateDictTarget(Target):
 
     Tensors keep their storage, so a model holding them sees each update. New
     tensors (a base into an empty dict) are created on ``device`` (default: the
-    device of the dict's first tensor, else CPU).
+    device of the dict's first tensor, else CPU). A tensor the caller gave is only ever
+    changed in place: a version that holds it with another dtype or shape, or a base
+    that drops it, is refused with the dict left as it was (:class:`NotInPlaceError`),
+    since a model holding it would never see a replacement; publish the dtype the model
+    holds.
 
     Tied weights (``policy.state_dict()`` with ``lm_head.weight`` the same tensor as
     ``model.embed_tokens.weight``) are found when the target is built and at every sync:
@@ -562,6 +619,7 @@ class StateDictTarget(Target):
         _alias_groups(tensors)  # refuse partly overlapping tensors up front
         self.tensors = tensors
         self.device = torch.device(device) if device is not None else None
+        self._created: dict[str, torch.Tensor] = {}  # the tensors syncs made (not the caller's)
         self._resident = (
             Resident(chain_id, version, record_sha256)
             if chain_id is not None and version is not None
@@ -576,7 +634,11 @@ class StateDictTarget(Target):
         """In-place transaction over the dict (tied tensors found again: the dict may have
         changed since the target was built)."""
         return _DictTransaction(
-            self.tensors, self.device, self._set_resident, _alias_groups(self.tensors)
+            self.tensors,
+            self.device,
+            self._set_resident,
+            _alias_groups(self.tensors),
+            created=self._created,
         )
 
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
@@ -866,7 +928,11 @@ class SafetensorsDirTarget(Target):
         if layout and all(name in layout for name in tensors):
             for name in tensors:
                 files.setdefault(layout[name], []).append(name)
-            return files
+            if len(files) > 1:
+                return files  # the index names exactly these
+            # one file left (a base dropped the others' tensors): a loader finds it only
+            # as model.safetensors, since no index is written for one file
+            return {SINGLE_FILE: next(iter(files.values()), [])}
         groups: list[list[str]] = [[]]
         size = 0
         for name, tensor in tensors.items():
