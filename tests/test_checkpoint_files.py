@@ -17,7 +17,7 @@ from dcr_format.cli import cli
 from dcr_format.errors import ArgumentError, ChecksumMismatchError, UnsupportedFeatureError
 from dcr_format.readers.targets import DIR_STATE_FILE
 from dcr_format.store import Store, open_store
-from dcr_format.tools import compact
+from dcr_format.tools import compact, verify
 from dcr_format.writers._files import directory_files
 
 transformers = pytest.importorskip("transformers")  # in the test extra; skip only if absent
@@ -176,12 +176,15 @@ def test_a_damaged_file_is_refused_before_the_directory_changes(tmp_path) -> Non
     reader.sync()
     before = out.resolve()
     info = writer.publish({"w": torch.ones(4)}, files={"config.json": b'{"b": 1}'})
+    assert verify(store).ok
     [key] = [k for k in open_store(store).list("files/") if k != "files/" + _sha(b"{}")]
     (Path(store) / key).write_bytes(b'{"b": 2}')  # same size, other bytes
     with pytest.raises(ChecksumMismatchError):
         reader.sync()
     assert out.resolve() == before and (out / "config.json").read_bytes() == b"{}"
     assert json.loads((out / DIR_STATE_FILE).read_text())["version"] == info.version - 1
+    report = verify(store)
+    assert [(p.version, p.key) for p in report.problems] == [(info.version, key)]
 
 
 def test_a_compacted_base_carries_the_files(tmp_path) -> None:

@@ -8,6 +8,7 @@ change since the previous version is not sent again.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -32,6 +33,7 @@ WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", "
 """Files of a checkpoint directory that hold weights in other formats: never sent as files
 (the tensors are published from the safetensors files)."""
 _NAME = re.compile(CHECKPOINT_FILE_NAME)
+_log = logging.getLogger(__name__)
 
 
 def directory_files(path: str | os.PathLike[str]) -> tuple[dict[str, bytes], list[str]]:
@@ -86,7 +88,10 @@ def files_to_publish(files: Files) -> dict[str, bytes]:
     """``files`` as names to bytes, checked (names, sizes, caps); a directory is read by
     :func:`directory_files`. Raises :class:`ArgumentError` naming the first problem."""
     if isinstance(files, (str, os.PathLike)):
-        return directory_files(files)[0]
+        taken, left_out = directory_files(files)
+        for line in left_out:
+            _log.warning("checkpoint file not sent: %s", line)
+        return taken
     if not isinstance(files, Mapping):
         raise ArgumentError(
             f"files= takes a mapping of file name to bytes or a directory, not "
