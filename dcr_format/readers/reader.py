@@ -697,12 +697,13 @@ class DeltaReader:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         with ThreadPoolExecutor(self.max_workers) as pool:
             plan = self._make_plan(resident, goal, committed, pool)
+            # checked before any shard, so before a sync on its own may open the transaction
+            files = self._fetch_files(plan.steps[-1].fetch.manifests, pool)
             taking = None if early is None else self._resolver(plan, early, resident, pool)
             steps = tuple(
                 fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
                 for step in plan.steps
             )
-            files = self._fetch_files(plan.steps[-1].fetch.manifests, pool)
             if early is not None:
                 early.finish()
         return PreparedVersion(
