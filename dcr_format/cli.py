@@ -274,15 +274,24 @@ def publish(
     cache_dir: str | None,
     fmt: str,
 ) -> None:
-    """Publish a Hugging Face checkpoint directory as the chain's next version."""
+    """Publish a Hugging Face checkpoint directory as the chain's next version.
+
+    The tensors of its safetensors files, and its small files (config, generation config,
+    tokenizer files, chat template: each file directly in the directory of at most 64 MiB,
+    weights in other formats aside), sent only where they changed.
+    """
     from dcr_format.checkpoint import count_tensors, iter_checkpoint
+    from dcr_format.writers._files import directory_files
     from dcr_format.writers.writer import DeltaWriter
 
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
+    files, left_out = directory_files(ckpt_dir)
+    for line in left_out:
+        click.echo(f"not sent: {line}", err=True)
     writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or _default_cache())
     info = writer.publish(
-        _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"), step=step
+        _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"), step=step, files=files
     )
 
     def human() -> None:

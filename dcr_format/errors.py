@@ -28,6 +28,7 @@ __all__ = [
     "IntegrityError",
     "InvalidKeyError",
     "MissingTensorError",
+    "NotInPlaceError",
     "ObjectExistsError",
     "ObjectNotFoundError",
     "ObjectTooLargeError",
@@ -223,6 +224,12 @@ class TargetUnreadableError(TargetError):
 class AliasedTensorError(TargetError):
     """Two tensors of a dict target share storage without being the same view (tied weights
     that overlap partially), so an in-place change through one would corrupt the other."""
+
+
+class NotInPlaceError(TargetError):
+    """A version would replace or remove a tensor the caller gave a dict target (another
+    dtype or shape, or a base without it), which whatever holds that tensor (a model) would
+    never see; nothing was changed."""
 
 
 class ReservedNameError(DcrError, ValueError):

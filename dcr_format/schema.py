@@ -11,6 +11,7 @@ one error, not one per element.
 from __future__ import annotations
 
 import functools
+import itertools
 import typing
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
@@ -26,6 +27,7 @@ from pydantic import (
     StringConstraints,
     ValidationError,
     model_serializer,
+    model_validator,
 )
 
 from dcr_format._jsonscan import scan
@@ -33,6 +35,7 @@ from dcr_format.codec.classed import CLASSED
 from dcr_format.codec.delta import OPS
 from dcr_format.codec.dtypes import DTYPE_NAMES
 from dcr_format.codec.features import (
+    CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
@@ -63,6 +66,7 @@ KNOWN_FEATURES: frozenset[str] = frozenset(
         VALUES_ULP_FEATURE,
         IMPLICIT_PARENTS_FEATURE,
         VALUES_ULP_SHIFT_FEATURE,
+        CHECKPOINT_FILES_FEATURE,
     }
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -131,6 +135,33 @@ TensorName = Annotated[
     str,
     StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$"),
     AfterValidator(_not_reserved),
+]
+MAX_CHECKPOINT_FILE_BYTES = 64 << 20
+"""The largest checkpoint file a version may carry (a tokenizer.json is up to ~35 MB)."""
+MAX_CHECKPOINT_FILES_BYTES = 256 << 20
+"""The most bytes of checkpoint files one version may carry in all."""
+MAX_CHECKPOINT_FILES = 1024
+"""The most checkpoint files one version may carry."""
+CHECKPOINT_FILE_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$"
+"""The names a checkpoint file may have: a plain file name, neither hidden nor a path."""
+DCR_FILE_NAMES: frozenset[str] = frozenset({"dcr-state.json", "model.safetensors.index.json"})
+"""Names of a checkpoint directory that a directory target writes itself, with every name
+ending in ``.safetensors``: no checkpoint file may have them (FORMAT.md §3.5.6)."""
+
+
+def is_dcr_file_name(name: str) -> bool:
+    """Whether a directory target writes a file of this name itself (tensors, index, state)."""
+    return name in DCR_FILE_NAMES or name.endswith(".safetensors")
+
+
+def _not_dcr_file(name: str) -> str:
+    if is_dcr_file_name(name):  # a ValueError: pydantic reports it as invalid
+        raise ValueError(f"file name {name!r} is written by directory targets themselves")
+    return name
+
+
+FileName = Annotated[
+    str, StringConstraints(pattern=CHECKPOINT_FILE_NAME), AfterValidator(_not_dcr_file)
 ]
 Count = Annotated[int, Field(ge=0, le=(1 << 62))]
 Version = Annotated[int, Field(ge=0, le=(1 << 62))]
@@ -249,6 +280,25 @@ class Entry(_Model):
         return data
 
 
+class CheckpointFile(_Model):
+    """One small file of the checkpoint a version carries (config, tokenizer, chat
+    template), stored once under its content's sha256 (FORMAT.md §3.5.6)."""
+
+    name: FileName
+    size: Annotated[int, Field(ge=0, le=MAX_CHECKPOINT_FILE_BYTES)]
+    sha256: Sha256
+
+    @property
+    def key(self) -> str:
+        """The object that holds its bytes: ``files/<sha256>``."""
+        return file_key(self.sha256)
+
+
+def file_key(sha256: str) -> str:
+    """The key of a checkpoint file's bytes: ``files/<sha256 of the bytes>``."""
+    return f"files/{sha256}"
+
+
 class Manifest(_Model):
     """``objects/<N>/<attempt>/manifest-<rank>.json``: one writer rank's part of a version."""
 
@@ -262,6 +312,34 @@ class Manifest(_Model):
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]
     shards: Annotated[tuple[ShardRef, ...], FailFast()]
     entries: Annotated[tuple[Entry, ...], FailFast()]
+    files: Annotated[
+        tuple[CheckpointFile, ...], FailFast(), Field(max_length=MAX_CHECKPOINT_FILES)
+    ] = ()
+    """The checkpoint files of the version (rank 0 only, with ``checkpoint-files``), sorted
+    by name; absent when there are none, so manifests without files serialise as before."""
+
+    @model_validator(mode="after")
+    def _check_files(self) -> Manifest:
+        listed = CHECKPOINT_FILES_FEATURE in self.required_features
+        if listed != bool(self.files):
+            raise ValueError(f"files are listed iff {CHECKPOINT_FILES_FEATURE!r} is required")
+        if not self.files:
+            return self
+        if self.rank != 0:
+            raise ValueError("only the manifest of rank 0 lists checkpoint files")
+        names = [f.name for f in self.files]
+        if any(a >= b for a, b in itertools.pairwise(names)):
+            raise ValueError("checkpoint files are not listed once each, in name order")
+        if sum(f.size for f in self.files) > MAX_CHECKPOINT_FILES_BYTES:
+            raise ValueError(f"checkpoint files exceed {MAX_CHECKPOINT_FILES_BYTES} bytes")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_files(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("files"):
+            data.pop("files", None)
+        return data
 
 
 class ManifestRef(_Model):

@@ -17,6 +17,7 @@ from dcr_format.errors import (
     UnsupportedVersionError,
 )
 from dcr_format.schema import (
+    CheckpointFile,
     CommitRecord,
     Entry,
     Manifest,
@@ -103,6 +104,13 @@ TOP_LEVEL = {
     "manifest": manifest,
     "commit_record": commit_record,
     "base_commit": lambda: commit_record(kind="base", parent=None, parent_sha256=None, step=None),
+    "manifest_with_files": lambda: manifest(
+        required_features=("checkpoint-files",),
+        files=(
+            CheckpointFile(name="config.json", size=3, sha256=SHA),
+            CheckpointFile(name="tokenizer.json", size=0, sha256=SHA),
+        ),
+    ),
     "reader_record": lambda: ReaderRecord(
         reader_id="rollout-0.a_b", updated=WHEN, overwrite=("x",)
     ),
@@ -116,6 +124,7 @@ PARTS = {
     "piece": lambda: Piece(index=1, count=2, lanes_before=(1, 2), lanes_after=(3, 4)),
     "piece_entry": lambda: entry(piece=Piece(index=0, count=3, lanes_after=(5, 6, 7))),
     "manifest_ref": lambda: ManifestRef(rank=3, path="a/b", sha256=SHA, size=0),
+    "checkpoint_file": lambda: CheckpointFile(name="chat_template.jinja", size=9, sha256=SHA),
     "stats": lambda: Stats(
         tensors=0, total_elements=0, changed_elements=0, payload_bytes=0, dense_bytes=0
     ),
@@ -457,3 +466,43 @@ def test_nested_collections_are_immutable():
     assert isinstance(m.entries, tuple) and isinstance(m.entries[0].shape, tuple)
     with pytest.raises(ValidationError):
         m.entries[0].changed = 5  # type: ignore[misc]
+
+
+def _files_doc(**changes) -> dict:
+    raw = json.loads(TOP_LEVEL["manifest_with_files"]().to_json())
+    raw.update(changes)
+    return raw
+
+
+def _file(name: str, size: int = 1) -> dict:
+    return {"name": name, "size": size, "sha256": SHA}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"required_features": []},  # files without the feature
+        {"files": []},  # the feature without files
+        {"rank": 1},  # only rank 0 lists files
+        {"files": [_file("b.json"), _file("a.json")]},  # not in name order
+        {"files": [_file("a.json"), _file("a.json")]},  # listed twice
+        {"files": [_file("model.safetensors")]},  # a name the directory target writes
+        {"files": [_file("model-00001-of-00002.safetensors")]},
+        {"files": [_file("model.safetensors.index.json")]},
+        {"files": [_file("dcr-state.json")]},
+        {"files": [_file("sub/config.json")]},  # a path
+        {"files": [_file("../config.json")]},
+        {"files": [_file(".hidden")]},
+        {"files": [_file("x" * 129)]},
+        {"files": [_file("big", (64 << 20) + 1)]},  # one file over 64 MiB
+        {"files": [_file(f"f{i}", 64 << 20) for i in range(5)]},  # over 256 MiB in all
+        {"files": [_file(f"f{i:04d}", 0) for i in range(1025)]},  # over 1024 files
+        {"files": [{"name": "a", "size": 1}]},  # no sha256
+    ],
+)
+def test_checkpoint_files_that_break_a_rule_are_refused(changes):
+    refused(SchemaError, Manifest, dump(_files_doc(**changes)))
+
+
+def test_a_manifest_without_files_has_no_files_member():
+    assert b'"files"' not in manifest().to_json()

@@ -41,6 +41,7 @@ NAMES = (
     "values-ulp",
     "implicit-parents",
     "values-ulp-shift",
+    "checkpoint-files",
 )
 
 
@@ -69,6 +70,19 @@ def check_state(tensors: dict[str, torch.Tensor], version: dict, where: str) -> 
         assert digest == spec["sha256"], f"{where}: bytes of {name!r}"
         rows.append((name, spec["dtype"], tuple(spec["shape"]), tensor_fingerprint(tensor)))
     assert state_fingerprint(rows) == version["state_fingerprint"], f"{where}: state fp"
+
+
+def check_files(out: Path, version: dict, where: str) -> None:
+    """The checkpoint files a directory holds (FORMAT.md §3.5.6) against expected.json: every
+    file besides the tensors and dcr-state.json, with its listed bytes."""
+    want = version.get("files", {})
+    held = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in out.iterdir()
+        if p.name != "dcr-state.json" and not p.name.endswith(".safetensors")
+    }
+    held.pop("model.safetensors.index.json", None)
+    assert held == want, f"{where}: checkpoint files differ"
 
 
 def store_files(root: Path) -> dict[str, Path]:
@@ -102,6 +116,7 @@ def test_replay_every_version_into_a_fresh_directory(name: str, tmp_path: Path) 
         for file in sorted(out.glob("*.safetensors")):
             tensors.update(load_file(str(file)))
         check_state(tensors, version, f"{name} replay v{number}")
+        check_files(out, version, f"{name} replay v{number}")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -117,6 +132,7 @@ def test_replay_incrementally_into_one_directory(name: str, tmp_path: Path) -> N
         for file in sorted(out.glob("*.safetensors")):
             tensors.update(load_file(str(file)))
         check_state(tensors, version, f"{name} incremental replay v{number}")
+        check_files(out, version, f"{name} incremental replay v{number}")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -371,3 +387,30 @@ def test_a_reader_without_the_feature_refuses_its_vector(
         DeltaReader(store, target).sync(to=1)
     resident = target.resident()
     assert resident is not None and resident.version == 0
+
+
+def test_checkpoint_files_vector_lists_each_version_s_files() -> None:
+    """Rank 0's manifest lists exactly the files of expected.json (none: no feature), each
+    stored once under its sha256; a reader without the feature refuses every version that
+    lists files, before anything changes."""
+    chain = Chain(open_store(VECTORS_DIR / "checkpoint-files" / "store"))
+    for version in expected_of("checkpoint-files")["versions"]:
+        loaded = chain.record(version["version"])
+        [manifest] = chain.manifests(loaded)
+        listed = {f.name: {"size": f.size, "sha256": f.sha256} for f in manifest.files}
+        assert listed == version["files"]
+        assert ("checkpoint-files" in loaded.record.required_features) == bool(listed)
+        for ref in manifest.files:
+            data = chain.store.get(ref.key)
+            assert hashlib.sha256(data).hexdigest() == ref.sha256 and len(data) == ref.size
+
+
+def test_a_reader_without_checkpoint_files_refuses_the_vector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = VECTORS_DIR / "checkpoint-files" / "store"
+    monkeypatch.setattr(schema, "KNOWN_FEATURES", schema.KNOWN_FEATURES - {"checkpoint-files"})
+    target = StateDictTarget({})
+    with pytest.raises(UnsupportedFeatureError, match="checkpoint-files"):
+        DeltaReader(store, target).sync(to=0)
+    assert target.resident() is None

@@ -35,6 +35,9 @@ IMPLICIT_PARENTS_FEATURE = "implicit-parents"
 """Delta manifests whose whole entries leave ``parent_fingerprint`` null: readers take it from
 the parent version's state table, which they check every delta against anyway (FORMAT.md
 §3.5.5), not a coding."""
+CHECKPOINT_FILES_FEATURE = "checkpoint-files"
+"""A version that carries its checkpoint's small files (config, tokenizer) besides its
+tensors (FORMAT.md §3.5.6), not a coding: a writer lists it whenever it is given files."""
 CODING_FEATURES: dict[str, str] = {
     "rans": VALUES_RANS_FEATURE,
     "classed": POSITIONS_CLASSED_FEATURE,
@@ -114,6 +117,7 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
 __all__ = [
     "BASELINE_CODINGS",
     "BASELINE_FEATURES",
+    "CHECKPOINT_FILES_FEATURE",
     "CODING_FEATURES",
     "FEATURE_CODINGS",
     "IMPLICIT_PARENTS_FEATURE",

@@ -30,6 +30,7 @@ from dcr_format.chain import (
     Chain,
     LoadedRecord,
     TensorState,
+    get_verified,
     sha256_hex,
     state_table,
     timestamp,
@@ -138,6 +139,8 @@ class PreparedVersion:
     # a sync's apply, opened while the fetch still decoded (DeltaReader._resolver): its
     # changes so far are applied, and DeltaReader.apply goes on with it
     _open: _Sync | None = field(repr=False, default=None)
+    # the goal's checkpoint files for a target that keeps them (None: it keeps none)
+    _files: _Files | None = field(repr=False, default=None)
 
     @property
     def _incremental(self) -> bool:
@@ -146,6 +149,15 @@ class PreparedVersion:
     @property
     def _parent_table(self) -> dict[str, TensorState] | None:
         return None if self._sync_plan is None else self._sync_plan.parent_table
+
+
+@dataclass(frozen=True)
+class _Files:
+    """A version's checkpoint files (FORMAT.md §3.5.6) for a target that keeps them: every
+    file's sha256 by name, and the verified bytes of those the target does not hold."""
+
+    listed: Mapping[str, str]
+    fetched: Mapping[str, bytes]
 
 
 @dataclass
@@ -685,6 +697,8 @@ class DeltaReader:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         with ThreadPoolExecutor(self.max_workers) as pool:
             plan = self._make_plan(resident, goal, committed, pool)
+            # checked before any shard, so before a sync on its own may open the transaction
+            files = self._fetch_files(plan.steps[-1].fetch.manifests, pool)
             taking = None if early is None else self._resolver(plan, early, resident, pool)
             steps = tuple(
                 fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
@@ -703,7 +717,25 @@ class DeltaReader:
             steps,
             plan,
             _open=None if early is None else early.sync,
+            _files=files,
         )
+
+    def _fetch_files(
+        self, manifests: tuple[Manifest, ...], pool: ThreadPoolExecutor
+    ) -> _Files | None:
+        """The goal's checkpoint files, for a target that keeps them: each one it does not
+        hold with the same sha256 is fetched and checked (size, then sha256)."""
+        held = self.target.checkpoint_files()
+        if held is None:
+            return None
+        refs = [ref for manifest in manifests if manifest.rank == 0 for ref in manifest.files]
+        wanted = [ref for ref in refs if held.get(ref.name) != ref.sha256]
+        found = pool.map(
+            lambda ref: get_verified(self.store, ref.key, size=ref.size, sha256=ref.sha256),
+            wanted,
+        )
+        fetched = {ref.name: data for ref, data in zip(wanted, found, strict=True)}
+        return _Files({ref.name: ref.sha256 for ref in refs}, fetched)
 
     def _check_goal(self, resident: Resident | None, goal: int, committed: list[int]) -> int | None:
         """The resident version, once the target's chain and the goal are checked."""
@@ -848,6 +880,9 @@ class DeltaReader:
                 for step in sync.steps:
                     self._change_step(sync, step)
                 found = self._verify_goal(sync)
+                files = sync.prepared._files
+                if files is not None:
+                    sync.txn.put_files(files.listed, files.fetched)
             assert txn is not None
             txn.commit(sync.resident)
         except BaseException as exc:

@@ -41,6 +41,7 @@ from dcr_format.errors import (
     AliasedTensorError,
     BaselineCodingError,
     BaselineMismatchError,
+    NotInPlaceError,
     PositionsError,
     TargetBusyError,
     TargetChangedError,
@@ -50,6 +51,7 @@ from dcr_format.errors import (
     ValuesError,
 )
 from dcr_format.fingerprint import tensor_lanes
+from dcr_format.schema import CHECKPOINT_FILE_NAME, is_dcr_file_name
 
 DIR_STATE_FILE = "dcr-state.json"
 DIR_STATE_FORMAT = "dcr-dir-1"
@@ -60,6 +62,7 @@ LOCK_TIMEOUT = 300.0  # seconds a sync waits for another sync of the same direct
 _VERSION_DIR = re.compile(r"^v[0-9]{20}-[0-9a-f]{8}$")  # the only directories dcr deletes
 _TEMP_LINK = re.compile(r"^link-[0-9a-f]{8}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_FILE_NAME = re.compile(CHECKPOINT_FILE_NAME)
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,13 @@ class Transaction(ABC):
         self.undo()
         self.abort()
 
+    def put_files(self, files: Mapping[str, str], fetched: Mapping[str, bytes]) -> None:
+        """Keep the version's checkpoint files with the commit (FORMAT.md §3.5.6): ``files``
+        is every file's sha256 by name, ``fetched`` the verified bytes of those the target
+        did not hold (:meth:`Target.checkpoint_files`). Called only for a target that
+        keeps files; the default keeps none."""
+        raise TargetError("this target keeps no checkpoint files")
+
     # --- what the reader calls (defaults: live canonical tensors) ------------------------
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
@@ -297,6 +307,13 @@ class Target(ABC):
         against them (``classed`` positions, FORMAT.md §6.5; ``ulp`` values, §7.5). A target
         answering False tells writers through its reader record."""
         return True
+
+    def checkpoint_files(self) -> Mapping[str, str] | None:
+        """The checkpoint files (FORMAT.md §3.5.6) the target holds from the chain, their
+        sha256 by name, or None for a target that keeps no files (the default: the reader
+        then fetches none). The reader fetches the goal's files it lacks and hands them to
+        :meth:`Transaction.put_files`."""
+        return None
 
     def overwrite_names(self) -> frozenset[str]:
         """Canonical names this target can take only as ``overwrite`` or ``full`` (its load
@@ -410,6 +427,7 @@ class _DictTransaction(Transaction):
         device: torch.device | None,
         on_commit: Callable[[Resident], None],
         aliases: dict[str, frozenset[str]] | None = None,
+        created: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self._tensors = tensors
         self._device = device
@@ -417,6 +435,41 @@ class _DictTransaction(Transaction):
         self._previous: dict[str, torch.Tensor | None] = {}  # name -> tensor before (None: absent)
         self._aliases = aliases or {}
         self._shared: dict[_ViewKey, _Shared] = {}
+        # the tensors the target made itself (None: every tensor is the target's own); any
+        # other was given by the caller, who may hold it elsewhere, so it changes in place only
+        self._created = created
+        self._fresh: dict[str, torch.Tensor] = {}  # made by this transaction
+
+    def _given(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (held under ``name``) came from the caller, not from dcr."""
+        if self._created is None:
+            return False
+        return self._fresh.get(name) is not tensor and self._created.get(name) is not tensor
+
+    def prepare(self, changes: Sequence[Change]) -> None:
+        """As :meth:`Transaction.prepare`; also refuses a ``full`` write that would have to
+        replace a tensor the caller gave (another dtype or shape, or not contiguous)."""
+        super().prepare(changes)
+        for change in changes:
+            live = self._tensors.get(change.name)
+            if change.delta.op == FULL and live is not None:
+                self._check_fits(change.name, live, change.dtype, change.shape)
+
+    def _check_fits(
+        self, name: str, live: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> None:
+        if _fits(live, dtype, shape) or not self._given(name, live):
+            return
+        held = f"{str(live.dtype).removeprefix('torch.')} {list(live.shape)}"
+        wanted = f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+        if (live.dtype, tuple(live.shape)) == (dtype, shape):
+            held += " (not contiguous)"
+        raise NotInPlaceError(
+            f"tensor {name!r} is {held} in the dict, and this version holds it as {wanted}: a "
+            "dict target changes the tensors it was given in place, so the model holding them "
+            "would never see a new one; publish the dtype and shape the model holds (e.g. "
+            "cast the trainer's tensors before publish), or sync into an empty dict"
+        )
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -495,25 +548,35 @@ class _DictTransaction(Transaction):
 
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         live = self._tensors.get(name)
-        if (
-            live is not None
-            and live.dtype == dtype
-            and tuple(live.shape) == shape
-            and live.is_contiguous()
-        ):
+        if live is not None and _fits(live, dtype, shape):
             return live
+        if live is not None:
+            self._check_fits(name, live, dtype, shape)
         device = live.device if live is not None else self._device or _default_device(self._tensors)
         self._remember(name)
         fresh = torch.empty(shape, dtype=dtype, device=device)
         self._tensors[name] = fresh
+        self._fresh[name] = fresh
         return fresh
 
     def drop(self, name: str) -> None:
+        live = self._tensors.get(name)
+        if live is not None and self._given(name, live):
+            raise NotInPlaceError(
+                f"this version drops tensor {name!r}, which the caller gave the dict target: "
+                "whatever holds it would keep stale bits; remove it from the dict first (or "
+                "leave it out with select=), or sync into an empty dict"
+            )
         self._remember(name)
         self._tensors.pop(name, None)
 
     def commit(self, resident: Resident) -> None:
         self._on_commit(resident)
+        if self._created is not None:  # the target's own tensors: those it made, still held
+            made = {**self._created, **self._fresh}
+            self._created.clear()
+            self._created.update((n, t) for n, t in made.items() if self._tensors.get(n) is t)
+        self._fresh.clear()
         self._previous.clear()
         self._shared.clear()
 
@@ -525,6 +588,12 @@ class _DictTransaction(Transaction):
                 self._tensors[name] = before
         self._previous.clear()
         self._shared.clear()
+        self._fresh.clear()
+
+
+def _fits(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
+    """Whether a ``full`` write of ``dtype`` and ``shape`` can land in ``tensor`` in place."""
+    return tensor.dtype == dtype and tuple(tensor.shape) == shape and tensor.is_contiguous()
 
 
 def _default_device(tensors: MutableMapping[str, torch.Tensor]) -> torch.device:
@@ -538,7 +607,11 @@ class StateDictTarget(Target):
 
     Tensors keep their storage, so a model holding them sees each update. New
     tensors (a base into an empty dict) are created on ``device`` (default: the
-    device of the dict's first tensor, else CPU).
+    device of the dict's first tensor, else CPU). A tensor the caller gave is only ever
+    changed in place: a version that holds it with another dtype or shape, or a base
+    that drops it, is refused with the dict left as it was (:class:`NotInPlaceError`),
+    since a model holding it would never see a replacement; publish the dtype the model
+    holds.
 
     Tied weights (``policy.state_dict()`` with ``lm_head.weight`` the same tensor as
     ``model.embed_tokens.weight``) are found when the target is built and at every sync:
@@ -562,6 +635,7 @@ class StateDictTarget(Target):
         _alias_groups(tensors)  # refuse partly overlapping tensors up front
         self.tensors = tensors
         self.device = torch.device(device) if device is not None else None
+        self._created: dict[str, torch.Tensor] = {}  # the tensors syncs made (not the caller's)
         self._resident = (
             Resident(chain_id, version, record_sha256)
             if chain_id is not None and version is not None
@@ -576,7 +650,11 @@ class StateDictTarget(Target):
         """In-place transaction over the dict (tied tensors found again: the dict may have
         changed since the target was built)."""
         return _DictTransaction(
-            self.tensors, self.device, self._set_resident, _alias_groups(self.tensors)
+            self.tensors,
+            self.device,
+            self._set_resident,
+            _alias_groups(self.tensors),
+            created=self._created,
         )
 
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
@@ -742,11 +820,16 @@ class SafetensorsDirTarget(Target):
         )
 
     def _read_state(self, live: Path) -> Resident | None:
+        return self._state(live)[0]
+
+    def _state(self, live: Path) -> tuple[Resident | None, dict[str, str]]:
+        """The resident version ``dcr-state.json`` records, and the checkpoint files it
+        records as the chain's (sha256 by name)."""
         state_path = live / DIR_STATE_FILE
         try:
             raw = state_path.read_bytes()
         except FileNotFoundError:
-            return None
+            return None, {}
         except OSError as exc:
             raise TargetUnreadableError(
                 f"cannot read {state_path} ({exc}); make it readable by this user"
@@ -761,7 +844,17 @@ class SafetensorsDirTarget(Target):
                 raise ValueError("chain_id or version malformed")
             if sha is not None and not (isinstance(sha, str) and _SHA256.match(sha)):
                 raise ValueError("record_sha256 malformed")
-            return Resident(chain_id, version, sha)
+            files = state.get("files", {})
+            if not isinstance(files, dict) or not all(
+                isinstance(n, str)
+                and _FILE_NAME.match(n)
+                and not is_dcr_file_name(n)
+                and isinstance(h, str)
+                and _SHA256.match(h)
+                for n, h in files.items()
+            ):
+                raise ValueError("files malformed")
+            return Resident(chain_id, version, sha), files
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise TargetUnreadableError(
                 f"{state_path} is unreadable ({exc}); remove {self.path} and pull again"
@@ -781,6 +874,21 @@ class SafetensorsDirTarget(Target):
                 lock.release()
         self._planned = found
         return found
+
+    def checkpoint_files(self) -> Mapping[str, str]:
+        """The checkpoint files the directory holds from the chain (FORMAT.md §3.5.6), their
+        sha256 by name: those ``dcr-state.json`` records whose bytes are still the recorded
+        ones (a file edited or removed since is fetched again), read under the shared lock."""
+        lock = None if self._held is not None else self._acquire(exclusive=False)
+        try:
+            live = self._check_managed()
+            if live is None:
+                return {}
+            recorded = self._state(live)[1]
+            return {n: sha for n, sha in recorded.items() if _file_sha256(live / n) == sha}
+        finally:
+            if lock is not None:
+                lock.release()
 
     def begin(self) -> Transaction:
         """Take the directory's lock and load its tensors; commit writes and swaps in a new
@@ -804,7 +912,7 @@ class SafetensorsDirTarget(Target):
         assert lock is not None
         try:
             live = self._check_managed()
-            current = None if live is None else self._read_state(live)
+            current, held = (None, {}) if live is None else self._state(live)
             if planned is not _UNSET and current != planned:
                 raise TargetChangedError(
                     f"another sync moved {self.path} from {_describe(planned)} to "
@@ -818,7 +926,7 @@ class SafetensorsDirTarget(Target):
             lock.release()
             raise
         self._held = lock
-        return _DirTransaction(self, tensors, layout, live, lock)
+        return _DirTransaction(self, tensors, layout, live, lock, held)
 
     def _release(self, lock: _Lock) -> None:
         if self._held is lock:
@@ -866,7 +974,11 @@ class SafetensorsDirTarget(Target):
         if layout and all(name in layout for name in tensors):
             for name in tensors:
                 files.setdefault(layout[name], []).append(name)
-            return files
+            if len(files) > 1:
+                return files  # the index names exactly these
+            # one file left (a base dropped the others' tensors): a loader finds it only
+            # as model.safetensors, since no index is written for one file
+            return {SINGLE_FILE: next(iter(files.values()), [])}
         groups: list[list[str]] = [[]]
         size = 0
         for name, tensor in tensors.items():
@@ -887,6 +999,7 @@ class SafetensorsDirTarget(Target):
         layout: dict[str, str],
         resident: Resident,
         live: Path | None,
+        chain_files: _FileSet,
     ) -> None:
         from dcr_format.schema import RESERVED_TENSOR_NAMES
 
@@ -903,7 +1016,7 @@ class SafetensorsDirTarget(Target):
         link = store / f"link-{uuid.uuid4().hex[:8]}"
         swapped = False
         try:
-            self._fill(fresh, tensors, layout, resident, live)
+            self._fill(fresh, tensors, layout, resident, live, chain_files)
             _fsync_dir(fresh)  # complete: what follows is the swap
             if self.path.is_dir() and not self.path.is_symlink():
                 self.path.rmdir()  # empty (checked); the previous version was nothing
@@ -925,9 +1038,11 @@ class SafetensorsDirTarget(Target):
         layout: dict[str, str],
         resident: Resident,
         live: Path | None,
+        chain_files: _FileSet,
     ) -> None:
-        """Write a new version's directory: its safetensors files (and index), what the
-        previous version held besides tensors, and the state file; each file synced."""
+        """Write a new version's directory: its safetensors files (and index), its
+        checkpoint files, what the previous version held besides tensors (less the chain's
+        files the version no longer has), and the state file; each file synced."""
         from safetensors.torch import save_file
 
         files = self._plan_files(tensors, layout)
@@ -946,7 +1061,15 @@ class SafetensorsDirTarget(Target):
             }
             _write_synced(fresh / INDEX_FILE, json.dumps(index, indent=2, sort_keys=True).encode())
         if live is not None:
-            _carry_forward(live, fresh)
+            _carry_forward(live, fresh, skip=chain_files.replaced)
+        for name, data in chain_files.fetched.items():
+            _write_synced(fresh / name, data)
+        missing = sorted(n for n in chain_files.listed if not (fresh / n).is_file())
+        if missing:
+            raise TargetError(
+                f"checkpoint file {missing[0]!r} vanished from {self.path} during the sync; "
+                "sync again"
+            )
         state: dict[str, object] = {
             "format": DIR_STATE_FORMAT,
             "chain_id": resident.chain_id,
@@ -954,7 +1077,33 @@ class SafetensorsDirTarget(Target):
         }
         if resident.record_sha256 is not None:
             state["record_sha256"] = resident.record_sha256
+        if chain_files.listed:
+            state["files"] = dict(sorted(chain_files.listed.items()))
         _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
+
+
+@dataclass(frozen=True)
+class _FileSet:
+    """The checkpoint files a directory's new version holds (``listed``: sha256 by name),
+    the bytes of those written anew (``fetched``), and the names not carried forward from
+    the previous version (``replaced``: fetched anew, or the chain's and gone)."""
+
+    listed: Mapping[str, str]
+    fetched: Mapping[str, bytes]
+    replaced: frozenset[str]
+
+
+def _file_sha256(path: Path) -> str | None:
+    """The sha256 of a regular file's bytes (None: missing, a link, or not a file)."""
+    import hashlib
+
+    if path.is_symlink() or not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class _DirTransaction(_DictTransaction):
@@ -967,6 +1116,7 @@ class _DirTransaction(_DictTransaction):
         layout: dict[str, str],
         live: Path | None,
         lock: _Lock,
+        held: Mapping[str, str],
     ) -> None:
         super().__init__(tensors, torch.device("cpu"), lambda resident: None)
         self._target = target
@@ -974,12 +1124,20 @@ class _DirTransaction(_DictTransaction):
         self._layout = layout
         self._live = live
         self._lock: _Lock | None = lock
+        # the chain's checkpoint files: those the directory holds, until put_files says
+        self._files = _FileSet(held, {}, frozenset())
+
+    def put_files(self, files: Mapping[str, str], fetched: Mapping[str, bytes]) -> None:
+        """The version's checkpoint files replace the chain's files the directory held; a
+        file the version lists and did not fetch is carried forward (it holds those bytes)."""
+        gone = set(self._files.listed) - set(files)
+        self._files = _FileSet(dict(files), dict(fetched), frozenset(gone | set(fetched)))
 
     def commit(self, resident: Resident) -> None:
         if self._lock is None:
             raise TargetError("this transaction is closed; begin a new one")
         try:
-            self._target._write(self._loaded, self._layout, resident, self._live)
+            self._target._write(self._loaded, self._layout, resident, self._live, self._files)
         finally:
             self._close()
         self._previous.clear()
@@ -1019,11 +1177,13 @@ def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> N
         fsync(Path(dst), strict=True)
 
 
-def _carry_forward(live: Path, fresh: Path) -> None:
+def _carry_forward(live: Path, fresh: Path, *, skip: frozenset[str] = frozenset()) -> None:
     """Everything of the previous version that is not dcr's own (config, tokenizer,
-    ``original/``, links), into the new directory: links as links with the same target,
-    files and directories hard-linked or copied."""
+    ``original/``, links) and not named in ``skip``, into the new directory: links as links
+    with the same target, files and directories hard-linked or copied."""
     for item in sorted(live.iterdir()):
+        if item.name in skip:
+            continue
         destination = fresh / item.name
         if item.is_symlink():
             if item.name in (INDEX_FILE, DIR_STATE_FILE) or item.name.endswith(".safetensors"):

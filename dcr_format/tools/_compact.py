@@ -38,11 +38,12 @@ from dcr_format.chain import (
 )
 from dcr_format.codec.delta import FULL, encode_tensor
 from dcr_format.codec.dtypes import info_for
+from dcr_format.codec.features import CHECKPOINT_FILES_FEATURE
 from dcr_format.codec.shard import ZSTD_LEVEL
 from dcr_format.errors import ChainBrokenError
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
-from dcr_format.schema import Entry, Manifest, ManifestRef, Stats, ValuesRef
+from dcr_format.schema import CheckpointFile, Entry, Manifest, ManifestRef, Stats, ValuesRef
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
 from dcr_format.writers._commit import create_if_absent, require_atomic_create
@@ -101,10 +102,12 @@ def compact(
     )
     tensors: dict[str, torch.Tensor] = {}
     synced = DeltaReader(store, StateDictTarget(tensors), verify="all").sync(to=at)
-    table = state_table(chain.manifests(commit))
+    manifests = chain.manifests(commit)
+    table = state_table(manifests)
+    files = next((m.files for m in manifests if m.rank == 0), ())  # stored once: named again
     attempt = ids()
     manifest_ref, manifest = _write_snapshot(
-        store, at, attempt, tensors, table, commit.record.chain_id, shard_bytes, zstd_level
+        store, at, attempt, tensors, table, commit.record.chain_id, shard_bytes, zstd_level, files
     )
     if table_fingerprint(state_table([manifest])) != commit.record.state_fingerprint:
         raise ChainBrokenError(  # the reader checked every tensor: this is a bug, not the store
@@ -142,6 +145,7 @@ def _base_record(
         dense_bytes=sum(numel(e.shape) * info_for(e.dtype).width for e in entries),
     )
     return BaseRecord(
+        required_features=manifest.required_features,
         chain_id=commit.record.chain_id,
         version=commit.record.version,
         commit_sha256=commit.sha256,
@@ -177,8 +181,10 @@ def _write_snapshot(
     chain_id: str,
     shard_bytes: int,
     zstd_level: int,
+    files: tuple[CheckpointFile, ...],
 ) -> tuple[ManifestRef, Manifest]:
-    """Upload every tensor as a ``full`` entry (shards first, the manifest last)."""
+    """Upload every tensor as a ``full`` entry (shards first, the manifest last), which
+    lists the version's checkpoint ``files`` (FORMAT.md §3.5.6)."""
     shards = ShardWriter(
         store, partial(base_shard_key, version, attempt, 0), shard_bytes, zstd_level
     )
@@ -213,6 +219,7 @@ def _write_snapshot(
     finally:
         shards.close()
     manifest = Manifest(
+        required_features=(CHECKPOINT_FILES_FEATURE,) if files else (),
         chain_id=chain_id,
         version=version,
         kind="base",
@@ -221,6 +228,7 @@ def _write_snapshot(
         world_size=1,
         shards=tuple(shards.shards),
         entries=tuple(entries),
+        files=files,
     )
     data = manifest.to_json()
     key = base_manifest_key(version, attempt, 0)

@@ -60,7 +60,8 @@ def verify(
     """Check the chain's versions ``start..end`` (default: all) and report every problem.
 
     Shallow (always): every commit record (schema, numbering, the hash link to its
-    parent), every manifest and shard (size, sha256, schema, membership), that the
+    parent), every manifest, shard and checkpoint file (size, sha256, schema,
+    membership), that the
     manifests add up to each version's state fingerprint, that each delta keeps
     its parent's tensors and starts each change from the parent's fingerprint,
     and every alternative base in the range (record, manifests, shards, its
@@ -84,6 +85,7 @@ def verify(
     alternatives = set(alternative_bases(chain.store))
     problems: list[Problem] = []
     counts = {"objects": 0, "bases": 0}
+    seen: set[str] = set()  # checkpoint files checked already (versions share them)
     if committed:  # versions missing inside the chain
         low = max(committed[0], start if start is not None else committed[0])
         high = min(committed[-1], end if end is not None else committed[-1])
@@ -102,7 +104,9 @@ def verify(
         except DcrError:
             previous = None  # reported when its own range is checked
     for version in versions:
-        loaded, table = _check_version(chain, version, previous, previous_table, problems, counts)
+        loaded, table = _check_version(
+            chain, version, previous, previous_table, problems, counts, seen
+        )
         if loaded is not None and version == committed[0] and version > 0:
             # the oldest remaining version of a truncated chain: readers start there
             if loaded.record.kind != "base" and version not in alternatives:
@@ -113,7 +117,7 @@ def verify(
                 )
                 problems.append(Problem.of(version, commit_key(version), unreachable, "link"))
         if loaded is not None and version in alternatives:
-            _check_alternative(chain, loaded, problems, counts)
+            _check_alternative(chain, loaded, problems, counts, seen)
         previous, previous_table = loaded, table
     replayed = 0
     if deep and versions:
@@ -139,6 +143,7 @@ def _check_version(
     previous_table: dict[str, TensorState] | None,
     problems: list[Problem],
     counts: dict[str, int],
+    seen: set[str],
 ) -> tuple[LoadedRecord | None, dict[str, TensorState] | None]:
     """Shallow checks of one version; returns its record and table when they are sound."""
     key = commit_key(version)
@@ -153,7 +158,7 @@ def _check_version(
             chain.check_link(previous, loaded)
         except DcrError as exc:
             problems.append(Problem.of(version, key, exc, "link"))
-    manifests = _manifests(chain, loaded, problems, counts)
+    manifests = _manifests(chain, loaded, problems, counts, seen)
     if manifests is None:
         return loaded, None
     try:
@@ -173,9 +178,13 @@ def _check_version(
 
 
 def _manifests(
-    chain: Chain, loaded: LoadedRecord, problems: list[Problem], counts: dict[str, int]
+    chain: Chain,
+    loaded: LoadedRecord,
+    problems: list[Problem],
+    counts: dict[str, int],
+    seen: set[str],
 ) -> list[Manifest] | None:
-    """Every manifest and shard of a version; None when any is broken."""
+    """Every manifest, shard and checkpoint file of a version; None when any is broken."""
     version = loaded.record.version
     manifests = []
     for ref in sorted(loaded.record.manifests, key=lambda r: r.rank):
@@ -186,7 +195,7 @@ def _manifests(
             problems.append(Problem.of(version, ref.path, exc))
     broken = len(manifests) != len(loaded.record.manifests)
     for manifest in manifests:
-        broken |= not _shards(chain, version, manifest, problems, counts)
+        broken |= not _shards(chain, version, manifest, problems, counts, seen)
     return None if broken else manifests
 
 
@@ -196,21 +205,31 @@ def _shards(
     manifest: Manifest,
     problems: list[Problem],
     counts: dict[str, int],
+    seen: set[str],
     check: str = "object",
 ) -> bool:
+    """Every shard of a manifest, and each checkpoint file it lists that no version
+    checked before (FORMAT.md §3.5.6), is there with its size and sha256."""
     ok = True
-    for shard in manifest.shards:
+    objects = [(shard.path, shard.size, shard.sha256) for shard in manifest.shards]
+    objects += [(f.key, f.size, f.sha256) for f in manifest.files if f.key not in seen]
+    for key, size, sha256 in objects:
         try:
-            get_verified(chain.store, shard.path, size=shard.size, sha256=shard.sha256)
+            get_verified(chain.store, key, size=size, sha256=sha256)
             counts["objects"] += 1
+            seen.add(key)
         except DcrError as exc:
-            problems.append(Problem.of(version, shard.path, exc, check))
+            problems.append(Problem.of(version, key, exc, check))
             ok = False
     return ok
 
 
 def _check_alternative(
-    chain: Chain, loaded: LoadedRecord, problems: list[Problem], counts: dict[str, int]
+    chain: Chain,
+    loaded: LoadedRecord,
+    problems: list[Problem],
+    counts: dict[str, int],
+    seen: set[str],
 ) -> None:
     version = loaded.record.version
     try:
@@ -221,7 +240,7 @@ def _check_alternative(
     counts["bases"] += 1
     counts["objects"] += 1 + len(snapshot.manifests)
     for manifest in snapshot.manifests:
-        _shards(chain, version, manifest, problems, counts, "base")
+        _shards(chain, version, manifest, problems, counts, seen, "base")
 
 
 def _bar(versions: list[int], progress: bool) -> Iterable[int]:

@@ -53,6 +53,7 @@ from dcr_format.codec.delta import (
 from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.features import (
     BASELINE_FEATURES,
+    CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
@@ -85,6 +86,7 @@ from dcr_format.layout import Layout
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import (
+    CheckpointFile,
     CommitRecord,
     Entry,
     Manifest,
@@ -104,6 +106,7 @@ from dcr_format.writers._commit import (
     read_reader_records,
     require_atomic_create,
 )
+from dcr_format.writers._files import Files, file_refs, files_to_publish
 from dcr_format.writers._part import (
     Attempt,
     Part,
@@ -251,6 +254,7 @@ class DeltaWriter:
         self._version: int | None = None
         self._record: LoadedRecord | None = None
         self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
+        self._files: tuple[CheckpointFile, ...] = ()  # rank 0: the baseline version's files
         # seconds of the last publish by stage: diff, coding and shard uploads; manifest and
         # commit (waiting for every rank); baseline advance and cache
         self.timings: dict[str, float] = {}
@@ -298,32 +302,53 @@ class DeltaWriter:
     def _restore(self, latest: int) -> None:
         """Continue an existing chain from committed version ``latest``."""
         record = self.chain.record(latest)
-        table = state_table(self.chain.manifests(record))
+        manifests = self.chain.manifests(record)
+        table = state_table(manifests)
         self._part.restore(self.chain, record, table)
         self._record, self._table, self._version = record, table, latest
+        self._files = next((m.files for m in manifests if m.rank == 0), ())
 
     # --- publish ----------------------------------------------------------------------
 
-    def publish(self, tensors: Tensors, *, step: int | None = None) -> CommitInfo:
+    def publish(
+        self, tensors: Tensors, *, step: int | None = None, files: Files | None = None
+    ) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` (with a layout: this rank's
         local tensors) and commit it with every rank.
+
+        ``files`` are the checkpoint's small files the version carries besides its tensors
+        (config, generation config, tokenizer files, chat template: FORMAT.md §3.5.6), so
+        that a directory a reader pulls loads with ``from_pretrained``: a mapping of file
+        name to bytes, or a Hugging Face checkpoint directory (its small files are taken,
+        :func:`~dcr_format.writers._files.directory_files`). None keeps the previous
+        version's files; ``{}`` drops them. Each file is uploaded only when its bytes are
+        not among the previous version's (they are stored by sha256). Rank 0 publishes
+        them; other ranks' ``files`` are ignored.
 
         Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
+        chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
         attempt = self._begin()
         clock = time.perf_counter
         started = clock()
         try:
+            listed = self._put_files(chosen)
             written = self._part.write(tensors, attempt)
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
         encoded = clock()
         try:
-            own, uploaded = self._upload_manifest(written.manifest, attempt)
+            manifest = written.manifest
+            if listed:  # rank 0's manifest lists the version's files
+                features = tuple(sorted({*manifest.required_features, CHECKPOINT_FILES_FEATURE}))
+                manifest = manifest.model_copy(
+                    update={"files": listed, "required_features": features}
+                )
+            own, uploaded = self._upload_manifest(manifest, attempt)
             if self.rank == 0:
                 loaded, table = self._commit(attempt, step, own, uploaded)
             else:
@@ -335,12 +360,28 @@ class DeltaWriter:
         committed = clock()
         self._last_streams = sum(ref.decoded_size for ref in written.manifest.shards)
         self._advance(written, loaded, table)
+        self._files = listed
         self.timings = {
             "encode_upload_s": encoded - started,
             "commit_s": committed - encoded,
             "advance_s": clock() - committed,
         }
         return CommitInfo.from_record(loaded.record)
+
+    def _put_files(self, files: dict[str, bytes] | None) -> tuple[CheckpointFile, ...]:
+        """Upload the files whose bytes the previous version does not hold (``files/<sha256>``)
+        and return the version's listing (None: the previous version's files; rank 0 only)."""
+        if self.rank != 0:
+            return ()
+        if files is None:
+            return self._files
+        listed = file_refs(files)
+        held = {ref.sha256 for ref in self._files}
+        for ref in listed:
+            if ref.sha256 not in held:
+                self.store.put(ref.key, files[ref.name])
+                held.add(ref.sha256)
+        return listed
 
     def _shard_limit(self) -> int:
         """Where this publish cuts shards: a quarter of what the rank's last publish wrote

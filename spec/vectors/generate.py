@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import shutil
 import sys
@@ -187,6 +188,9 @@ class Vector:
     # made (expected.json records it), unless a vector sets its own
     shard_bytes: int = 256 << 20
     features: tuple[str, ...] = ()  # codec features the writer may use (FORMAT.md §12)
+    # the checkpoint files given with each version (FORMAT.md §3.5.6; None: the previous
+    # version's again); empty: the vector publishes no files
+    files: list[dict[str, bytes] | None] = field(default_factory=list)
 
     def ids(self) -> list[str]:
         """The id source's outputs: the chain id, then one attempt id per publish."""
@@ -722,6 +726,51 @@ def values_ulp_shift() -> Vector:
     )
 
 
+def checkpoint_files() -> Vector:
+    """Checkpoint files (FORMAT.md §3.5.6) beside the tensors of a base and its deltas: sent
+    once and listed again, changed, dropped, and a version without files."""
+    a0 = weights(1001, "bfloat16", 256)
+    b0 = weights(1002, "float32", 16)
+    a1 = nudge(a0, scattered(1003, 256, 6), 1004)
+    a2 = nudge(a1, scattered(1005, 256, 6), 1006)
+    b3 = nudge(b0, scattered(1007, 16, 2), 1008)
+    a4 = nudge(a2, scattered(1009, 256, 6), 1010)
+
+    def state(a: np.ndarray, b: np.ndarray) -> State:
+        return {
+            "model.embed_tokens.weight": Spec("bfloat16", (16, 16), a),
+            "model.norm.weight": Spec("float32", (16,), b),
+        }
+
+    config = b'{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":16}'
+    tokenizer_config = b'{"bos_token":"<s>","eos_token":"</s>","model_max_length":64}'
+    config2 = config[:-1] + b',"rope_theta":500000.0}'
+    template = b"{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}\n"
+    return Vector(
+        "checkpoint-files",
+        "checkpoint files beside the tensors (feature checkpoint-files): a base carrying "
+        "config.json and tokenizer_config.json, a delta listing them again (not sent again), "
+        "a delta with a new config.json, a second base that drops tokenizer_config.json and "
+        "adds chat_template.jinja, and a delta without files",
+        9,
+        [
+            (0, state(a0, b0)),
+            (1, state(a1, b0)),
+            (2, state(a2, b0)),
+            (3, state(a2, b3)),
+            (4, state(a4, b3)),
+        ],
+        base_every=3,
+        files=[
+            {"config.json": config, "tokenizer_config.json": tokenizer_config},
+            None,
+            {"config.json": config2, "tokenizer_config.json": tokenizer_config},
+            {"chat_template.jinja": template, "config.json": config},
+            {},
+        ],
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -731,6 +780,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     values_ulp,
     implicit_parents,
     values_ulp_shift,
+    checkpoint_files,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -815,9 +865,14 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
         store_dir, base_every=vector.base_every, ops=vector.ops, clock=clock, ids=ids, **options
     )
     versions = []
+    listed: dict[str, bytes] = {}
     for number, (step, state) in enumerate(vector.versions):
-        info = writer.publish([(name, spec.tensor()) for name, spec in state.items()], step=step)
+        given = vector.files[number] if vector.files else None
+        info = writer.publish(
+            [(name, spec.tensor()) for name, spec in state.items()], step=step, files=given
+        )
         assert info.version == number
+        listed = listed if given is None else given
         tensors = {}
         for name, spec in state.items():
             tensors[name] = {
@@ -840,6 +895,11 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
                 "tensors": tensors,
             }
         )
+        if vector.files:  # the version's checkpoint files, by name
+            versions[-1]["files"] = {
+                name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                for name, data in sorted(listed.items())
+            }
     for version in versions:
         entries = _entries(store_dir, int(version["version"]))  # type: ignore[arg-type]
         tensors = version["tensors"]
@@ -882,6 +942,16 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
         assert isinstance(writer, dict)
         if "implicit-parents" in writer.get("features", ()):
             facts.add("implicit parents")
+        versions = vector["versions"]
+        assert isinstance(versions, list)
+        listings = [v["files"] for v in versions if "files" in v]
+        for before, after in itertools.pairwise(listings):
+            if before and after == before:
+                facts.add("files listed again")
+            if any(before[n] != after[n] for n in set(before) & set(after)):
+                facts.add("a file changed")
+            if set(before) - set(after):
+                facts.add("a file dropped")
         for version in vector["versions"]:  # type: ignore[union-attr]
             kinds.add(version["kind"])
             bases += version["kind"] == "base"
@@ -942,6 +1012,9 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "ulp next to rans or planes",
             "implicit parents",
             "ulp-shift next to ulp and rans",
+            "files listed again",
+            "a file changed",
+            "a file dropped",
         }
         - facts
     )

@@ -1,0 +1,58 @@
+"""After every sync a directory target is a checkpoint a loader finds: one
+``model.safetensors``, or an index naming exactly the files present."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
+from dcr_format.readers.targets import INDEX_FILE, SINGLE_FILE
+
+
+def _check_loadable(path: Path, expected: dict[str, torch.Tensor]) -> None:
+    files = {p.name for p in path.glob("*.safetensors")}
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        assert set(weight_map.values()) == files
+    else:
+        assert files == {SINGLE_FILE}
+        weight_map = dict.fromkeys(load_file(str(path / SINGLE_FILE)), SINGLE_FILE)
+    assert sorted(weight_map) == sorted(expected)
+    for name, tensor in expected.items():
+        loaded = load_file(str(path / weight_map[name]))[name]
+        assert torch.equal(loaded.view(torch.uint8), tensor.view(torch.uint8))
+
+
+def _tensors(names: list[str], value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full((64,), value + i) for i, n in enumerate(names)}
+
+
+def test_a_base_that_empties_a_file_leaves_a_loadable_directory(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store, base_every=1)
+    path = tmp_path / "ckpt"
+    reader = DeltaReader(store, SafetensorsDirTarget(path, max_file_bytes=256))
+    three = _tensors(["a", "b", "c"], 1.0)  # 256 bytes each: one file each
+    writer.publish(three)
+    reader.sync()
+    assert len(list(path.glob("*.safetensors"))) == 3
+    _check_loadable(path, three)
+
+    two = _tensors(["a", "b"], 2.0)  # c's file is gone: the index names the other two
+    writer.publish(two)
+    reader.sync()
+    _check_loadable(path, two)
+
+    one = _tensors(["a"], 3.0)  # one file left: model.safetensors, no index
+    writer.publish(one)
+    reader.sync()
+    _check_loadable(path, one)
+    assert not (path / INDEX_FILE).exists()
+
+    writer.publish(_tensors(["a"], 4.0))  # and so it stays
+    reader.sync()
+    _check_loadable(path, _tensors(["a"], 4.0))
