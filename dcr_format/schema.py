@@ -11,6 +11,7 @@ one error, not one per element.
 from __future__ import annotations
 
 import functools
+import re
 import typing
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
@@ -45,6 +46,7 @@ from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
+    ArgumentError,
     ReservedNameError,
     SchemaError,
     UnsupportedFeatureError,
@@ -109,10 +111,32 @@ RESERVED_TENSOR_NAMES: frozenset[str] = frozenset({"__metadata__"})
 metadata, so a tensor of that name makes a file safetensors cannot load (FORMAT.md §3.2)."""
 
 
-def check_tensor_name(name: str) -> str:
-    """Refuse a reserved tensor name (:data:`RESERVED_TENSOR_NAMES`) with
-    :class:`~dcr_format.errors.ReservedNameError`; returns ``name``. Writers call it on every
-    name they publish, before anything is uploaded."""
+MAX_TENSOR_NAME = 1024
+"""The most code points a tensor name may have (FORMAT.md Appendix C)."""
+_NAME_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_tensor_name(name: object) -> str:
+    """Refuse what cannot be a tensor name of the format (FORMAT.md §3.2): not a string, empty,
+    over :data:`MAX_TENSOR_NAME` code points or holding a control character
+    (:class:`~dcr_format.errors.ArgumentError`), or reserved (:data:`RESERVED_TENSOR_NAMES`,
+    :class:`~dcr_format.errors.ReservedNameError`); returns ``name``. Writers call it on
+    every name they publish, before anything is uploaded."""
+    if not isinstance(name, str):
+        raise ArgumentError(f"tensor names must be strings, not {type(name).__name__}")
+    if not name:
+        raise ArgumentError("a tensor name is empty; give every tensor a name")
+    if len(name) > MAX_TENSOR_NAME:
+        raise ArgumentError(
+            f"tensor name {name[:64]!r}... has {len(name)} characters, over the "
+            f"{MAX_TENSOR_NAME} the format allows; shorten it"
+        )
+    control = _NAME_CONTROL.search(name)
+    if control is not None:
+        raise ArgumentError(
+            f"tensor name {name[:256]!r} holds the control character {control.group()!r}; "
+            "rename the tensor"
+        )
     if name in RESERVED_TENSOR_NAMES:
         raise ReservedNameError(
             f"tensor name {name!r} is reserved (it is the safetensors header key); "
@@ -129,7 +153,7 @@ def _not_reserved(name: str) -> str:
 
 TensorName = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$"),
+    StringConstraints(min_length=1, max_length=MAX_TENSOR_NAME, pattern=r"^[^\x00-\x1f\x7f]+$"),
     AfterValidator(_not_reserved),
 ]
 Count = Annotated[int, Field(ge=0, le=(1 << 62))]

@@ -90,7 +90,6 @@ from dcr_format.schema import (
     Manifest,
     ManifestRef,
     Stats,
-    check_tensor_name,
     implicit_parents,
     stored_manifest,
 )
@@ -109,6 +108,7 @@ from dcr_format.writers._part import (
     Part,
     Tensors,
     Written,
+    check_publish,
     encoded_entry,
     pairs,
 )
@@ -312,6 +312,7 @@ class DeltaWriter:
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
+        check_publish(tensors)  # on every rank: bad input fails the version before it begins
         self._open()
         attempt = self._begin()
         clock = time.perf_counter
@@ -691,7 +692,6 @@ class CanonicalPart:
         """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
         seen: set[str] = set()
         for name, tensor in pairs(tensors):
-            check_tensor_name(name)  # on every rank: a reserved name fails the whole version
             if not self.owns(name):
                 continue
             if name in seen:
