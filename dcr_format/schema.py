@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import typing
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
 import pydantic_core
@@ -466,11 +467,16 @@ def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:
     return compressor.compress(text)
 
 
-def parse_manifest(data: bytes, *, what: str) -> Manifest:
+def parse_manifest(
+    data: bytes, *, what: str, admit: Callable[[int], None] | None = None
+) -> Manifest:
     """Validate a stored manifest (:func:`stored_manifest`): plain JSON, or a zstd frame of
     it that declares its content size (at most the manifest limit, checked before anything is
-    inflated) and lists ``manifest-zstd``; a plain manifest must not list it."""
+    inflated) and lists ``manifest-zstd``; a plain manifest must not list it. ``admit``, where
+    given, is told the JSON's size before it is inflated or parsed (and may refuse it)."""
     if data[:4] != _ZSTD_MAGIC:
+        if admit is not None:
+            admit(len(data))
         manifest = parse(Manifest, data, what=what)
         if MANIFEST_ZSTD_FEATURE in manifest.required_features:
             raise SchemaError(f"{what} lists {MANIFEST_ZSTD_FEATURE!r} but is not compressed")
@@ -484,6 +490,8 @@ def parse_manifest(data: bytes, *, what: str) -> Manifest:
             f"{what} declares {declared} decoded bytes (the limit is {MAX_MANIFEST_JSON_BYTES} "
             "and the size must be declared); the object is corrupt or hostile"
         )
+    if admit is not None:
+        admit(max(declared, len(data)))
     try:
         text = zstandard.ZstdDecompressor().decompress(
             data, max_output_size=declared, allow_extra_data=False

@@ -14,13 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
+import zstandard
 from test_hostile_memory import MiB, run_worker
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.chain import sha256_hex, state_table, table_fingerprint
+from dcr_format.chain import (
+    MAX_MANIFEST_BYTES,
+    MAX_VERSION_MANIFEST_BYTES,
+    Chain,
+    ManifestAllowance,
+    manifest_key,
+    sha256_hex,
+    state_table,
+    table_fingerprint,
+)
 from dcr_format.codec.budget import DecodeBudget, decoded_bytes, default_ceiling_bytes
 from dcr_format.codec.shard import encode_shard
-from dcr_format.errors import ArgumentError, DecodeLimitError
+from dcr_format.errors import ArgumentError, DecodeLimitError, ObjectTooLargeError
 from dcr_format.readers._fetch import fetch_changes
 from dcr_format.readers._plan import entry_output_bytes, plan_fetch
 from dcr_format.schema import Manifest, parse_manifest, stored_manifest
@@ -184,3 +194,73 @@ def test_a_hostile_base_is_refused_by_a_fresh_reader_in_bounded_memory(tmp_path)
     # before: np.empty of the declared count, a bare MemoryError (or terabytes where allowed)
     assert result["error"] == "DecodeLimitError", result
     assert result["peak"] < 32 * MiB, result
+
+
+# --- what one version's manifests add up to -------------------------------------------------
+
+
+def _inflating_version(tmp_path: Path, ranks: int, padding: int) -> str:
+    """A store whose version 0 has ``ranks`` manifests, each a zstd frame of a few KiB that
+    inflates to ``padding`` bytes of valid JSON (whitespace after an empty manifest)."""
+    url = str(tmp_path / "store")
+    DeltaWriter(url).publish({"w": torch.ones(8).bfloat16()})
+    root = Path(url)
+    record_path = root / "commits" / f"{0:020d}.json"
+    record = json.loads(record_path.read_bytes())
+    refs = []
+    for rank in range(ranks):
+        text = json.dumps(
+            {
+                "format_version": 1,
+                "required_features": ["manifest-zstd"],
+                "chain_id": record["chain_id"],
+                "version": 0,
+                "kind": "base",
+                "attempt": record["attempt"],
+                "rank": rank,
+                "world_size": ranks,
+                "shards": [],
+                "entries": [],
+            }
+        ).encode()
+        chunk = b" " * MiB
+        compressor = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(
+            size=len(text) + padding
+        )
+        frame = b"".join(
+            [
+                compressor.compress(text),
+                *(compressor.compress(chunk) for _ in range(padding // MiB)),
+                compressor.flush(),
+            ]
+        )
+        path = manifest_key(0, record["attempt"], rank)
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(frame)
+        refs.append({"rank": rank, "path": path, "sha256": sha256_hex(frame), "size": len(frame)})
+    record.update(world_size=ranks, manifests=refs)
+    record_path.write_bytes(json.dumps(record).encode())
+    return url
+
+
+@pytest.mark.multiprocess
+def test_manifests_that_inflate_past_the_version_limit_are_refused_as_they_are_read(tmp_path):
+    """4 ranks of 60 MiB manifests stored in a few KiB each: refused once what they
+    inflate to passes the version's limit, before the rest are inflated or parsed."""
+    url = _inflating_version(tmp_path, 4, 60 * MiB)
+    with pytest.raises(ObjectTooLargeError, match="limit of one version"):
+        Chain(open_store(url)).manifests(Chain(open_store(url)).record(0))
+    result = run_worker("sync", url)
+    # before: every manifest inflated and parsed (4 x 60 MiB), then refused for its content
+    assert result["error"] == "ObjectTooLargeError", result
+    assert result["peak"] < 2 * MAX_VERSION_MANIFEST_BYTES, result
+
+
+def test_the_version_limit_counts_stored_sizes_before_fetching(tmp_path):
+    url = _inflating_version(tmp_path, 3, MiB)
+    chain = Chain(open_store(url))
+    loaded = chain.record(0)
+    assert len(chain.manifests(loaded)) == 3  # within the limit: read as before
+    refs = [ref.model_copy(update={"size": MAX_MANIFEST_BYTES}) for ref in loaded.record.manifests]
+    with pytest.raises(ObjectTooLargeError, match="as stored"):
+        ManifestAllowance("version 0", refs)

@@ -782,8 +782,7 @@ class DeltaReader:
             manifests, table = snapshot.manifests, snapshot.table
             metadata = sum(ref.size for ref in snapshot.record.manifests)
         else:
-            refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
-            manifests = list(pool.map(lambda ref: self.chain.manifest(loaded, ref), refs))
+            manifests = self.chain.manifests(loaded, map_fn=pool.map)
             table = state_table(manifests)
             manifests = check_version(loaded, manifests, table, parent_table)
             metadata = sum(ref.size for ref in loaded.record.manifests)
