@@ -148,17 +148,17 @@ class ManifestAllowance:
     (one manifest is bounded, but a version may have many ranks, and compressed manifests
     inflate). Refuses at once a version whose manifests' stored sizes add up past it."""
 
-    def __init__(
-        self, what: str, refs: Iterable[ManifestRef], limit: int = MAX_VERSION_MANIFEST_BYTES
-    ) -> None:
-        self.what, self.limit = what, limit
+    def __init__(self, what: str, refs: Iterable[ManifestRef], limit: int | None = None) -> None:
+        self.what = what
+        self.limit = MAX_VERSION_MANIFEST_BYTES if limit is None else limit
         self._lock = threading.Lock()
         self._used = 0
         # a manifest over its own limit is refused as such when it is read
         stored = sum(min(ref.size, MAX_MANIFEST_BYTES) for ref in refs)
-        self._take(stored, "its manifests as stored")
+        self.take(stored, "its manifests as stored")
 
-    def _take(self, nbytes: int, whose: str) -> None:
+    def take(self, nbytes: int, whose: str) -> None:
+        """Count ``nbytes`` more (``whose``: the manifest, named in the error)."""
         with self._lock:
             self._used += nbytes
             used = self._used
@@ -171,7 +171,7 @@ class ManifestAllowance:
     def admitter(self, ref: ManifestRef) -> Callable[[int], None]:
         """What :func:`~dcr_format.schema.parse_manifest` tells the JSON size of ``ref``'s
         manifest: what it inflates to beyond its stored size (held already) is counted."""
-        return lambda nbytes: self._take(max(0, nbytes - ref.size), ref.path)
+        return lambda nbytes: self.take(max(0, nbytes - ref.size), ref.path)
 
 
 class Chain:

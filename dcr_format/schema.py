@@ -467,6 +467,18 @@ def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:
     return compressor.compress(text)
 
 
+def manifest_json_size(data: bytes) -> int:
+    """The bytes of JSON a stored manifest holds: the content size its zstd frame declares
+    (0 where it declares none: :func:`parse_manifest` refuses it), else its length."""
+    if data[:4] != _ZSTD_MAGIC:
+        return len(data)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        return 0
+    return max(declared, 0)
+
+
 def parse_manifest(
     data: bytes, *, what: str, admit: Callable[[int], None] | None = None
 ) -> Manifest:

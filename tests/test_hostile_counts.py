@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import zstandard
+from conftest import run_ranks
 from test_hostile_memory import MiB, run_worker
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format import chain as chain_module
 from dcr_format.chain import (
     MAX_MANIFEST_BYTES,
     MAX_VERSION_MANIFEST_BYTES,
@@ -30,11 +32,17 @@ from dcr_format.chain import (
 )
 from dcr_format.codec.budget import DecodeBudget, decoded_bytes, default_ceiling_bytes
 from dcr_format.codec.shard import encode_shard
-from dcr_format.errors import ArgumentError, DecodeLimitError, ObjectTooLargeError
+from dcr_format.errors import (
+    ArgumentError,
+    DecodeLimitError,
+    IncompleteVersionError,
+    ObjectTooLargeError,
+)
 from dcr_format.readers._fetch import fetch_changes
 from dcr_format.readers._plan import entry_output_bytes, plan_fetch
 from dcr_format.schema import Manifest, parse_manifest, stored_manifest
 from dcr_format.store import open_store
+from dcr_format.writers.coordinate import ThreadCoordinator
 
 HUGE = 1 << 40  # elements: terabytes decoded
 NO_LIMIT = 1 << 62
@@ -264,3 +272,34 @@ def test_the_version_limit_counts_stored_sizes_before_fetching(tmp_path):
     refs = [ref.model_copy(update={"size": MAX_MANIFEST_BYTES}) for ref in loaded.record.manifests]
     with pytest.raises(ObjectTooLargeError, match="as stored"):
         ManifestAllowance("version 0", refs)
+
+
+def test_the_committer_and_readers_hold_a_version_to_the_limit(tmp_path, monkeypatch):
+    """A version whose ranks' manifests add up past the limit is not committed (the committer
+    refuses what readers would), and a reader refuses such a version as it reads it."""
+    world = 2
+    state = {f"layers.{i}.weight": torch.full((4,), float(i)) for i in range(12)}
+    url = str(tmp_path / "store")
+
+    def writers() -> list[DeltaWriter]:
+        coordinator = ThreadCoordinator(world, timeout=30)
+        return [
+            DeltaWriter(url, rank=r, world_size=world, coordinator=coordinator, commit_timeout=5)
+            for r in range(world)
+        ]
+
+    monkeypatch.setattr(chain_module, "MAX_VERSION_MANIFEST_BYTES", 3000)
+    ranks = writers()
+    _, errors = run_ranks(world, lambda r: ranks[r].publish(state))
+    assert isinstance(errors[0], ObjectTooLargeError), errors
+    assert isinstance(errors[1], IncompleteVersionError), errors
+    assert Chain(open_store(url)).versions() == []
+    monkeypatch.undo()
+    ranks = writers()
+    _, errors = run_ranks(world, lambda r: ranks[r].publish(state))
+    assert errors == [None, None]
+    monkeypatch.setattr(chain_module, "MAX_VERSION_MANIFEST_BYTES", 3000)
+    with pytest.raises(ObjectTooLargeError, match="limit of one version"):
+        DeltaReader(url, StateDictTarget({})).sync()
+    monkeypatch.undo()
+    DeltaReader(url, StateDictTarget({})).sync()

@@ -67,6 +67,7 @@ from dcr_format.cuda.reference import Diff
 from dcr_format.errors import (
     ArgumentError,
     ChainBrokenError,
+    DcrError,
     IncompleteVersionError,
     IntegrityError,
     MissingTensorError,
@@ -312,7 +313,14 @@ class DeltaWriter:
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
-        check_publish(tensors)  # on every rank: bad input fails the version before it begins
+        try:
+            check_publish(tensors)  # bad input fails the version before it begins
+        except DcrError:
+            if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
+                self._open()
+                attempt = self._begin()
+                self._abort(attempt.version, attempt.id)
+            raise
         self._open()
         attempt = self._begin()
         clock = time.perf_counter
