@@ -312,6 +312,9 @@ class DeltaWriter:
         Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
+        Input no version can carry (a bad name, something not a dense tensor with data, a
+        dtype the format lacks) is refused by name before anything is written
+        (:func:`~dcr_format.writers._part.check_input`).
         """
         try:
             check_publish(tensors)  # bad input fails the version before it begins
