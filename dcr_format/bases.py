@@ -28,6 +28,7 @@ from dcr_format.chain import (
     MAX_RECORD_BYTES,
     Chain,
     LoadedRecord,
+    ManifestAllowance,
     TensorState,
     check_manifest,
     get_verified,
@@ -141,14 +142,16 @@ def read_base_record(chain: Chain, version: int) -> tuple[BaseRecord, str, int]:
     return record, sha256_hex(data), len(data)
 
 
-def _base_manifest(chain: Chain, record: BaseRecord, ref: ManifestRef) -> Manifest:
+def _base_manifest(
+    chain: Chain, record: BaseRecord, ref: ManifestRef, allowance: ManifestAllowance
+) -> Manifest:
     if ref.size > MAX_MANIFEST_BYTES:
         raise SchemaError(
             f"{ref.path} is declared as {ref.size} bytes, over the {MAX_MANIFEST_BYTES} byte "
             "manifest limit; the base record is corrupt or hostile"
         )
     data = get_verified(chain.store, ref.path, size=ref.size, sha256=ref.sha256)
-    manifest = parse_manifest(data, what=ref.path)
+    manifest = parse_manifest(data, what=ref.path, admit=allowance.admitter(ref))
     for index, shard in enumerate(manifest.shards):
         expected = base_shard_key(record.version, record.attempt, ref.rank, index)
         if shard.path != expected:
@@ -211,7 +214,8 @@ def load_base(
             "remove it and compact again"
         )
     refs = sorted(record.manifests, key=lambda r: r.rank)
-    load = lambda ref: _base_manifest(chain, record, ref)  # noqa: E731
+    allowance = ManifestAllowance(key, refs)
+    load = lambda ref: _base_manifest(chain, record, ref, allowance)  # noqa: E731
     manifests = list(map_fn(load, refs) if map_fn is not None else map(load, refs))
     table = state_table(manifests)
     if table_fingerprint(table) != record.state_fingerprint:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -29,6 +30,7 @@ from dcr_format.errors import (
     DcrError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectTooLargeError,
     SchemaError,
     StoreNotInitializedError,
     VersionNotFoundError,
@@ -55,6 +57,7 @@ COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
 _COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
 MAX_MANIFEST_BYTES = MAX_MANIFEST_JSON_BYTES  # 64 MiB: ~200,000 entries of one rank
+MAX_VERSION_MANIFEST_BYTES = 128 << 20  # all manifests of one version: ~400,000 entries
 MAX_RECORD_BYTES = MAX_RECORD_JSON_BYTES  # 1 MiB: ~5,000 writer ranks
 MAX_HEADER_BYTES = MAX_HEADER_JSON_BYTES  # 64 KiB (dcr.json is ~200 bytes)
 
@@ -133,6 +136,42 @@ class TensorState:
     shape: tuple[int, ...]
     fingerprint: str
     rank: int
+
+
+MapFn = Callable[[Callable[[ManifestRef], Manifest], Iterable[ManifestRef]], Iterable[Manifest]]
+
+
+class ManifestAllowance:
+    """What the manifests of one version may inflate to together
+    (:data:`MAX_VERSION_MANIFEST_BYTES`), counted as each is read, before it is inflated;
+    thread-safe. More is refused with :class:`~dcr_format.errors.ObjectTooLargeError`
+    (one manifest is bounded, but a version may have many ranks, and compressed manifests
+    inflate). Refuses at once a version whose manifests' stored sizes add up past it."""
+
+    def __init__(self, what: str, refs: Iterable[ManifestRef], limit: int | None = None) -> None:
+        self.what = what
+        self.limit = MAX_VERSION_MANIFEST_BYTES if limit is None else limit
+        self._lock = threading.Lock()
+        self._used = 0
+        # a manifest over its own limit is refused as such when it is read
+        stored = sum(min(ref.size, MAX_MANIFEST_BYTES) for ref in refs)
+        self.take(stored, "its manifests as stored")
+
+    def take(self, nbytes: int, whose: str) -> None:
+        """Count ``nbytes`` more (``whose``: the manifest, named in the error)."""
+        with self._lock:
+            self._used += nbytes
+            used = self._used
+        if used > self.limit:
+            raise ObjectTooLargeError(
+                f"the manifests of {self.what} add up to more than the {self.limit}-byte limit "
+                f"of one version (at {whose}); the commit record is corrupt or hostile"
+            )
+
+    def admitter(self, ref: ManifestRef) -> Callable[[int], None]:
+        """What :func:`~dcr_format.schema.parse_manifest` tells the JSON size of ``ref``'s
+        manifest: what it inflates to beyond its stored size (held already) is counted."""
+        return lambda nbytes: self.take(max(0, nbytes - ref.size), ref.path)
 
 
 class Chain:
@@ -255,8 +294,11 @@ class Chain:
 
     # --- manifests ---------------------------------------------------------------
 
-    def manifest(self, loaded: LoadedRecord, ref: ManifestRef) -> Manifest:
-        """Load one manifest of a committed version and check it belongs there."""
+    def manifest(
+        self, loaded: LoadedRecord, ref: ManifestRef, *, allowance: ManifestAllowance | None = None
+    ) -> Manifest:
+        """Load one manifest of a committed version and check it belongs there (counted
+        against ``allowance``, where given, before it is inflated)."""
         record = loaded.record
         if ref.size > MAX_MANIFEST_BYTES:
             raise SchemaError(
@@ -264,7 +306,8 @@ class Chain:
                 "manifest limit; the commit record is corrupt or hostile"
             )
         data = get_verified(self.store, ref.path, size=ref.size, sha256=ref.sha256)
-        manifest = parse_manifest(data, what=ref.path)
+        admit = None if allowance is None else allowance.admitter(ref)
+        manifest = parse_manifest(data, what=ref.path, admit=admit)
         check_manifest(
             manifest,
             record.chain_id,
@@ -277,12 +320,13 @@ class Chain:
         )
         return manifest
 
-    def manifests(self, loaded: LoadedRecord) -> list[Manifest]:
-        """All manifests of a committed version, rank order."""
-        return [
-            self.manifest(loaded, ref)
-            for ref in sorted(loaded.record.manifests, key=lambda r: r.rank)
-        ]
+    def manifests(self, loaded: LoadedRecord, *, map_fn: MapFn | None = None) -> list[Manifest]:
+        """All manifests of a committed version, rank order, together within
+        :data:`MAX_VERSION_MANIFEST_BYTES` (``map_fn``: a pool's map, to read them at once)."""
+        refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
+        allowance = ManifestAllowance(f"version {loaded.record.version}", refs)
+        load = lambda ref: self.manifest(loaded, ref, allowance=allowance)  # noqa: E731
+        return list(map(load, refs) if map_fn is None else map_fn(load, refs))
 
     def state_table(self, manifests: list[Manifest]) -> dict[str, TensorState]:
         """The full tensor table of a version from its manifests."""

@@ -20,6 +20,7 @@ __all__ = [
     "CommitError",
     "CommitStateUnknownError",
     "DcrError",
+    "DecodeLimitError",
     "EngineUpdateError",
     "FingerprintMismatchError",
     "FormatError",
@@ -118,6 +119,10 @@ class ValuesError(FormatError):
 
 class ObjectTooLargeError(FormatError):
     """A stored object is larger than the caller allows it to be."""
+
+
+class DecodeLimitError(FormatError):
+    """Streams declare more decoded bytes than the reader's limits let it hold."""
 
 
 class UnsupportedDtypeError(DcrError, TypeError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 import typing
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 
 import pydantic_core
@@ -48,6 +50,7 @@ from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT
 from dcr_format.codec.values import VALUE_CODINGS
 from dcr_format.errors import (
+    ArgumentError,
     ReservedNameError,
     SchemaError,
     UnsupportedFeatureError,
@@ -113,10 +116,32 @@ RESERVED_TENSOR_NAMES: frozenset[str] = frozenset({"__metadata__"})
 metadata, so a tensor of that name makes a file safetensors cannot load (FORMAT.md §3.2)."""
 
 
-def check_tensor_name(name: str) -> str:
-    """Refuse a reserved tensor name (:data:`RESERVED_TENSOR_NAMES`) with
-    :class:`~dcr_format.errors.ReservedNameError`; returns ``name``. Writers call it on every
-    name they publish, before anything is uploaded."""
+MAX_TENSOR_NAME = 1024
+"""The most code points a tensor name may have (FORMAT.md Appendix C)."""
+_NAME_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_tensor_name(name: object) -> str:
+    """Refuse what cannot be a tensor name of the format (FORMAT.md §3.2): not a string, empty,
+    over :data:`MAX_TENSOR_NAME` code points or holding a control character
+    (:class:`~dcr_format.errors.ArgumentError`), or reserved (:data:`RESERVED_TENSOR_NAMES`,
+    :class:`~dcr_format.errors.ReservedNameError`); returns ``name``. Writers call it on
+    every name they publish, before anything is uploaded."""
+    if not isinstance(name, str):
+        raise ArgumentError(f"tensor names must be strings, not {type(name).__name__}")
+    if not name:
+        raise ArgumentError("a tensor name is empty; give every tensor a name")
+    if len(name) > MAX_TENSOR_NAME:
+        raise ArgumentError(
+            f"tensor name {name[:64]!r}... has {len(name)} characters, over the "
+            f"{MAX_TENSOR_NAME} the format allows; shorten it"
+        )
+    control = _NAME_CONTROL.search(name)
+    if control is not None:
+        raise ArgumentError(
+            f"tensor name {name[:256]!r} holds the control character {control.group()!r}; "
+            "rename the tensor"
+        )
     if name in RESERVED_TENSOR_NAMES:
         raise ReservedNameError(
             f"tensor name {name!r} is reserved (it is the safetensors header key); "
@@ -133,7 +158,7 @@ def _not_reserved(name: str) -> str:
 
 TensorName = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=1024, pattern=r"^[^\x00-\x1f\x7f]+$"),
+    StringConstraints(min_length=1, max_length=MAX_TENSOR_NAME, pattern=r"^[^\x00-\x1f\x7f]+$"),
     AfterValidator(_not_reserved),
 ]
 MAX_CHECKPOINT_FILE_BYTES = 64 << 20
@@ -520,11 +545,28 @@ def stored_manifest(manifest: Manifest, text: bytes | None = None) -> bytes:
     return compressor.compress(text)
 
 
-def parse_manifest(data: bytes, *, what: str) -> Manifest:
+def manifest_json_size(data: bytes) -> int:
+    """The bytes of JSON a stored manifest holds: the content size its zstd frame declares
+    (0 where it declares none: :func:`parse_manifest` refuses it), else its length."""
+    if data[:4] != _ZSTD_MAGIC:
+        return len(data)
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError:
+        return 0
+    return max(declared, 0)
+
+
+def parse_manifest(
+    data: bytes, *, what: str, admit: Callable[[int], None] | None = None
+) -> Manifest:
     """Validate a stored manifest (:func:`stored_manifest`): plain JSON, or a zstd frame of
     it that declares its content size (at most the manifest limit, checked before anything is
-    inflated) and lists ``manifest-zstd``; a plain manifest must not list it."""
+    inflated) and lists ``manifest-zstd``; a plain manifest must not list it. ``admit``, where
+    given, is told the JSON's size before it is inflated or parsed (and may refuse it)."""
     if data[:4] != _ZSTD_MAGIC:
+        if admit is not None:
+            admit(len(data))
         manifest = parse(Manifest, data, what=what)
         if MANIFEST_ZSTD_FEATURE in manifest.required_features:
             raise SchemaError(f"{what} lists {MANIFEST_ZSTD_FEATURE!r} but is not compressed")
@@ -538,6 +580,8 @@ def parse_manifest(data: bytes, *, what: str) -> Manifest:
             f"{what} declares {declared} decoded bytes (the limit is {MAX_MANIFEST_JSON_BYTES} "
             "and the size must be declared); the object is corrupt or hostile"
         )
+    if admit is not None:
+        admit(max(declared, len(data)))
     try:
         text = zstandard.ZstdDecompressor().decompress(
             data, max_output_size=declared, allow_extra_data=False

@@ -601,6 +601,57 @@ def test_publish_and_sync_with_triton_kernels_is_bit_exact(triton_mode, monkeypa
         assert launched.get(kernel, 0) > 0, launched
 
 
+def test_publish_and_sync_in_a_fresh_process_through_the_writers_pool(tmp_path):
+    """A fresh process whose first use of the Triton kernels comes from the writer's coding
+    pool, two threads at once: neither may see the kernels' module half imported."""
+    _triton_or_skip()
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+
+        url = sys.argv[1]
+        gen = torch.Generator().manual_seed(3)
+        state = {f"layers.{i}.weight": torch.randn(48, 40, generator=gen).bfloat16()
+                 for i in range(6)}
+        state["layers.0.bias"] = torch.randn(40, generator=gen)
+        writer = DeltaWriter(url)
+        target = StateDictTarget({})
+        reader = DeltaReader(url, target)
+        launched = []
+        for version in range(3):
+            if version:
+                for tensor in state.values():
+                    bits = tensor.view(torch.int16 if tensor.element_size() == 2 else torch.int32)
+                    bits[version::7] ^= 1
+            writer.publish(state, step=version)
+            if version == 1:  # the first diffs imported them on the pool: count launches from now
+                from dcr_format.cuda import triton_kernels as tk
+
+                assert tk.INTERPRETED
+                real = tk._launch
+                tk._launch = lambda kernel, *a, **k: (launched.append(1), real(kernel, *a, **k))[1]
+            reader.sync()
+            for name, tensor in state.items():
+                assert torch.equal(target.tensors[name].view(torch.uint8), tensor.view(torch.uint8))
+        assert launched
+        print("ok")
+        """
+    )
+    env = dict(os.environ, DCR_KERNELS="triton", TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "store")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "ok"
+
+
 # --- CUDA only ---------------------------------------------------------------------------------
 
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
 from dcr_format.checkpoint import count_tensors, iter_checkpoint
-from dcr_format.errors import ArgumentError
+from dcr_format.errors import ArgumentError, DcrError
 
 
 @pytest.mark.parametrize(
@@ -80,3 +82,41 @@ def test_a_hostile_base_record_fails_fast_with_one_short_error():
     with pytest.raises(ValidationError) as raw:  # pydantic stops at the first bad manifest
         BaseRecord.model_validate(record)
     assert sum(1 for e in raw.value.errors() if e["loc"][0] == "manifests") == 1
+
+
+def _store_files(root) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+BAD_INPUT = [
+    ("meta", lambda good: {**good, "m": torch.empty(4, 4, device="meta")}, "meta device"),
+    ("empty name", lambda good: {**good, "": torch.ones(3)}, "empty"),
+    ("NUL in name", lambda good: {**good, "a\x00b": torch.ones(3)}, "control character"),
+    ("long name", lambda good: {**good, "n" * 2000: torch.ones(3)}, "2000 characters"),
+    ("a list", lambda good: {**good, "l": [1.0, 2.0]}, "not a torch.Tensor"),
+    ("not a str", lambda good: {**good, 7: torch.ones(3)}, "must be strings"),
+    ("sparse", lambda good: {**good, "s": torch.eye(3).to_sparse()}, "layout"),
+    ("complex", lambda good: {**good, "c": torch.ones(2, dtype=torch.complex64)}, "dtype"),
+    ("bare tensors", lambda good: list(good.values()), "(name, tensor) pairs"),
+    ("listed, bad late", lambda good: [*good.items(), ("", torch.ones(1))], "empty"),
+    ("streamed, bad late", lambda good: iter([*good.items(), ("", torch.ones(1))]), "empty"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "match"), BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_publish_input_is_refused_by_name_before_anything_is_written(
+    tmp_path, case, make, match
+):
+    """Bad writer input raises a named DcrError, and a mapping leaves the store as it was
+    (pairs streamed once are checked as they come: the publish fails at the bad pair)."""
+    good = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3).bfloat16()}
+    root = tmp_path / "store"
+    writer = DeltaWriter(str(root))
+    writer.publish(good)
+    before = _store_files(root)
+    with pytest.raises(DcrError, match=re.escape(match)):
+        writer.publish(make(good))
+    if not case.startswith("streamed"):
+        assert _store_files(root) == before
+    good["a"][0] = 5.0
+    assert writer.publish(good).version == 1  # the writer is still usable

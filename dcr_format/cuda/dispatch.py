@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from functools import lru_cache
 from types import ModuleType
 
@@ -78,21 +79,32 @@ def triton_installed() -> bool:
 
 
 def _kernels() -> ModuleType:
-    """The Triton kernels module, imported on first use."""
-    module = sys.modules.get("dcr_format.cuda.triton_kernels")
+    """The Triton kernels module, imported on first use (by one thread: another thread that
+    asks meanwhile waits for the whole module, never takes it half imported)."""
+    module = _TRITON_KERNELS[0]
     if module is not None:
         return module
-    if not triton_installed():
-        raise KernelsUnavailableError(
-            f"{ENV}=triton needs Triton: pip install triton (Linux x86_64), or use {ENV}=auto"
-        )
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        # no GPU: the kernels can only run in Triton's interpreter, which Triton reads from
-        # the environment at its import (and at each kernel's definition)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from dcr_format.cuda import triton_kernels
+    with _TRITON_IMPORT:
+        module = _TRITON_KERNELS[0]
+        if module is not None:
+            return module
+        if not triton_installed():
+            raise KernelsUnavailableError(
+                f"{ENV}=triton needs Triton: pip install triton (Linux x86_64), or use {ENV}=auto"
+            )
+        if "triton" not in sys.modules and not torch.cuda.is_available():
+            # no GPU: the kernels can only run in Triton's interpreter, which Triton reads from
+            # the environment at its import (and at each kernel's definition)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from dcr_format.cuda import triton_kernels
 
-    return triton_kernels
+        _TRITON_KERNELS[0] = triton_kernels
+        return triton_kernels
+
+
+# the Triton kernels module once wholly imported; the lock its first import holds
+_TRITON_KERNELS: list[ModuleType | None] = [None]
+_TRITON_IMPORT = threading.Lock()
 
 
 # bit-view dtypes the compiled loops take (``bits_view`` gives these)

@@ -115,7 +115,11 @@ def fetch_changes(
     nothing more is handed over or called; the failure of the first failed job (in job
     order) is raised once every job has ended, as without ``early``. A failure of ``take``
     or ``verified`` is raised once the running jobs have ended.
+
+    What the plan's entries decode to is refused past the budget's ceiling before anything
+    is fetched (:class:`~dcr_format.errors.DecodeLimitError`).
     """
+    budget.refuse_over(plan.output_bytes, "this version's entries")  # before any fetch
     if early is None:
         decoded: dict[int, DecodedDelta] = {}
         for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):

@@ -21,10 +21,17 @@ from dcr_format.chain import (
     table_fingerprint,
     tensor_changes,
 )
+from dcr_format.codec.budget import decoded_bytes
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.features import CODING_FEATURES
 from dcr_format.codec.shard import positions_bound, shard_decoded_bound
-from dcr_format.errors import ChainBrokenError, SchemaError, ShardError, VersionNotFoundError
+from dcr_format.errors import (
+    ChainBrokenError,
+    DecodeLimitError,
+    SchemaError,
+    ShardError,
+    VersionNotFoundError,
+)
 from dcr_format.schema import Entry, Manifest
 
 # what a plan needs to know about the target: does it take this tensor at all?
@@ -53,11 +60,13 @@ class DecodeJob:
     rank: int
     shards: tuple[ShardObject, ...]
     entries: tuple[int, ...]
+    output_bytes: int = 0  # what its entries decode to (:func:`entry_output_bytes`)
 
     @property
     def decoded_bytes(self) -> int:
-        """Inflated bytes the job holds at once (counted against the decode budget)."""
-        return sum(shard.decoded_size for shard in self.shards)
+        """Bytes the job holds at once, its inflated shards and what its entries decode to
+        (counted against the decode budget before anything is fetched)."""
+        return sum(shard.decoded_size for shard in self.shards) + self.output_bytes
 
     @property
     def stored_bytes(self) -> int:
@@ -78,6 +87,11 @@ class FetchPlan:
     def stored_bytes(self) -> int:
         """Bytes of the shards it fetches."""
         return sum(job.stored_bytes for job in self.jobs)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes its entries decode to, all held until the version is applied."""
+        return sum(job.output_bytes for job in self.jobs)
 
 
 @dataclass(frozen=True)
@@ -241,14 +255,30 @@ def _tensors(
     return tuple(changes[name] for name in dict.fromkeys(entry.name for _, entry in wanted))
 
 
+def entry_output_bytes(entry: Entry) -> int:
+    """The bytes an entry's streams decode to, known from the manifest alone (a stream may
+    decode to far more bytes than it holds: a ``rans`` or ``ranges`` stream of any count
+    can be a few bytes)."""
+    if entry.changed == 0:
+        return 0
+    width = info_for(entry.dtype).width
+    return decoded_bytes(entry.changed, width, positions=entry.positions is not None)
+
+
 def _jobs(
     wanted: tuple[tuple[Manifest, Entry], ...],
     manifests: list[Manifest],
     max_shard_bytes: int,
 ) -> list[DecodeJob]:
-    """The decode jobs of a step, ordered by (rank, first shard), each shard checked."""
+    """The decode jobs of a step, ordered by (rank, first shard), each shard checked with
+    what the entries whose values it holds decode to."""
     ranks = {m.rank: m for m in manifests}
     limits = {m.rank: stream_limits(m) for m in manifests}
+    output: dict[tuple[int, int], int] = {}  # (rank, shard index): bytes its entries decode to
+    for manifest, entry in wanted:
+        if entry.values is not None and entry.changed > 0:
+            key = (manifest.rank, entry.values.shard)
+            output[key] = output.get(key, 0) + entry_output_bytes(entry)
     jobs: list[DecodeJob] = []
     for rank, groups in _linked_shards(wanted).items():
         manifest = ranks[rank]
@@ -257,18 +287,25 @@ def _jobs(
             for index in sorted(members):
                 ref = manifest.shards[index]
                 shard_limits = limits[rank].get(index, {})
-                _check_shard_size(ref.path, ref.decoded_size, shard_limits, max_shard_bytes)
+                _check_shard_size(
+                    ref.path,
+                    ref.decoded_size,
+                    shard_limits,
+                    max_shard_bytes,
+                    output.get((rank, index), 0),
+                )
                 shards.append(
                     ShardObject(
                         rank, index, ref.path, ref.size, ref.sha256, ref.decoded_size, shard_limits
                     )
                 )
-            jobs.append(DecodeJob(rank, tuple(shards), tuple(indices)))
+            out = sum(output.get((rank, index), 0) for index in members)
+            jobs.append(DecodeJob(rank, tuple(shards), tuple(indices), out))
     return sorted(jobs, key=lambda job: (job.rank, job.shards[0].index))
 
 
 def _check_shard_size(
-    path: str, decoded_size: int, limits: dict[str, int], max_shard_bytes: int
+    path: str, decoded_size: int, limits: dict[str, int], max_shard_bytes: int, output: int = 0
 ) -> None:
     if decoded_size > max_shard_bytes:
         raise ShardError(
@@ -280,6 +317,12 @@ def _check_shard_size(
         raise ShardError(
             f"{path} declares {decoded_size} decoded bytes but its entries "
             f"need at most {bound}; the manifest is corrupt or hostile"
+        )
+    if decoded_size + output > max_shard_bytes:
+        raise DecodeLimitError(
+            f"the entries of {path} would decode to {output} bytes, which with its "
+            f"{decoded_size} inflated bytes is over the {max_shard_bytes}-byte shard limit; "
+            "the manifest is hostile or raise the limit (max_shard_bytes)"
         )
 
 

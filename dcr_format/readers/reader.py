@@ -281,9 +281,14 @@ class DeltaReader:
     when asked (``sync(audit=True)``, :meth:`audit`). FORMAT.md §11.3 and docs/pull.md
     say what each mode detects.
 
-    ``decode_budget`` caps the bytes of inflated shards a sync holds at once (a
+    ``decode_budget`` caps the bytes of inflated shards, and of the arrays their entries
+    decode to, that a sync's decoders hold at once (a
     :class:`~dcr_format.codec.budget.DecodeBudget`, shareable between readers; an int
-    makes one of that many bytes; default a quarter of memory, at most 2 GiB).
+    makes one of that many bytes; default a quarter of memory, at most 2 GiB); past its
+    ``ceiling`` (default: physical memory) a version is refused. ``max_shard_bytes`` bounds
+    one shard's inflated bytes plus what the entries whose values it holds decode to. Both
+    are checked from the manifests before anything is fetched
+    (:class:`~dcr_format.errors.DecodeLimitError`).
 
     ``reader_id`` names the reader record (``readers/<reader_id>.json``) in which the
     reader tells writers the tensors its target can take only as ``overwrite`` (a
@@ -809,8 +814,7 @@ class DeltaReader:
             manifests, table = snapshot.manifests, snapshot.table
             metadata = sum(ref.size for ref in snapshot.record.manifests)
         else:
-            refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
-            manifests = list(pool.map(lambda ref: self.chain.manifest(loaded, ref), refs))
+            manifests = self.chain.manifests(loaded, map_fn=pool.map)
             table = state_table(manifests)
             manifests = check_version(loaded, manifests, table, parent_table)
             metadata = sum(ref.size for ref in loaded.record.manifests)

@@ -11,6 +11,7 @@ from dcr_format.bases import alternative_bases, base_record_key, load_base
 from dcr_format.chain import (
     Chain,
     LoadedRecord,
+    ManifestAllowance,
     TensorState,
     commit_key,
     get_verified,
@@ -187,9 +188,15 @@ def _manifests(
     """Every manifest, shard and checkpoint file of a version; None when any is broken."""
     version = loaded.record.version
     manifests = []
-    for ref in sorted(loaded.record.manifests, key=lambda r: r.rank):
+    refs = sorted(loaded.record.manifests, key=lambda r: r.rank)
+    try:
+        allowance = ManifestAllowance(f"version {version}", refs)
+    except DcrError as exc:
+        problems.append(Problem.of(version, commit_key(version), exc))
+        return None
+    for ref in refs:
         try:
-            manifests.append(chain.manifest(loaded, ref))
+            manifests.append(chain.manifest(loaded, ref, allowance=allowance))
             counts["objects"] += 1
         except DcrError as exc:
             problems.append(Problem.of(version, ref.path, exc))

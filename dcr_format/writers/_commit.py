@@ -24,6 +24,7 @@ from dcr_format.chain import (
     MAX_RECORD_BYTES,
     Chain,
     LoadedRecord,
+    ManifestAllowance,
     attempt_prefix,
     check_manifest,
     commit_key,
@@ -40,7 +41,14 @@ from dcr_format.errors import (
     ObjectNotFoundError,
     StoreError,
 )
-from dcr_format.schema import Manifest, ManifestRef, ReaderRecord, parse, parse_manifest
+from dcr_format.schema import (
+    Manifest,
+    ManifestRef,
+    ReaderRecord,
+    manifest_json_size,
+    parse,
+    parse_manifest,
+)
 from dcr_format.store import Capabilities, Store
 from dcr_format.writers._part import Attempt
 
@@ -116,6 +124,7 @@ def gather_manifests(
     """
     store, version, world_size = attempt.store, attempt.version, attempt.world_size
     found: dict[int, tuple[Manifest, ManifestRef]] = {}
+    allowance = ManifestAllowance(f"version {version}", ())  # what readers will accept
     marker = abort_key(version, attempt.id)
 
     def read(other: int, key: str) -> bytes | None:
@@ -139,6 +148,7 @@ def gather_manifests(
             data = read(other, key)
             if data is None:
                 return None
+            allowance.take(max(len(data), manifest_json_size(data)), key)
             mine = other == attempt.rank and own_manifest is not None  # data equals own here
             manifest = own_manifest if mine else parse_manifest(data, what=key)
             assert manifest is not None

@@ -21,7 +21,15 @@ from dcr_format.chain import Chain, LoadedRecord, TensorState, sha256_hex, shard
 from dcr_format.codec.delta import EncodedTensor
 from dcr_format.codec.dtypes import info_for
 from dcr_format.codec.shard import encode_shard
-from dcr_format.schema import Entry, Manifest, PositionsRef, ShardRef, ValuesRef
+from dcr_format.errors import ArgumentError
+from dcr_format.schema import (
+    Entry,
+    Manifest,
+    PositionsRef,
+    ShardRef,
+    ValuesRef,
+    check_tensor_name,
+)
 from dcr_format.store import Store
 
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -29,11 +37,46 @@ Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
 def pairs(tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` pairs of ``tensors``, in the order given."""
-    if isinstance(tensors, Mapping):
-        yield from tensors.items()
-    else:
-        yield from tensors
+    """The ``(name, tensor)`` pairs of ``tensors``, in the order given, each checked by
+    :func:`check_input` as it comes."""
+    items: Iterable[object] = tensors.items() if isinstance(tensors, Mapping) else tensors
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ArgumentError(
+                f"publish takes a mapping of names to tensors or (name, tensor) pairs, "
+                f"not an item of type {type(item).__name__}"
+            )
+        name, tensor = item
+        check_input(name, tensor)
+        yield name, tensor
+
+
+def check_input(name: object, tensor: object) -> None:
+    """Refuse a pair that no version can carry (a bad name, something not a dense tensor
+    with data, a dtype the format lacks) with a named error, before it is coded."""
+    check_tensor_name(name)
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentError(
+            f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor; pass tensors"
+        )
+    if tensor.is_meta:
+        raise ArgumentError(
+            f"tensor {name!r} is on the meta device and holds no data; "
+            "load its values before publishing"
+        )
+    if tensor.layout != torch.strided:
+        raise ArgumentError(
+            f"tensor {name!r} has the {tensor.layout} layout; publish it dense (to_dense())"
+        )
+    info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+
+
+def check_publish(tensors: Tensors) -> None:
+    """Check every pair of a mapping, list or tuple before a publish begins, so that bad
+    input leaves nothing in the store (pairs streamed once are checked as they come)."""
+    if isinstance(tensors, (Mapping, list, tuple)):
+        for _ in pairs(tensors):
+            pass
 
 
 def encoded_entry(

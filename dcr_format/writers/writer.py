@@ -68,6 +68,7 @@ from dcr_format.cuda.reference import Diff
 from dcr_format.errors import (
     ArgumentError,
     ChainBrokenError,
+    DcrError,
     IncompleteVersionError,
     IntegrityError,
     MissingTensorError,
@@ -92,7 +93,6 @@ from dcr_format.schema import (
     Manifest,
     ManifestRef,
     Stats,
-    check_tensor_name,
     implicit_parents,
     stored_manifest,
 )
@@ -112,6 +112,7 @@ from dcr_format.writers._part import (
     Part,
     Tensors,
     Written,
+    check_publish,
     encoded_entry,
     pairs,
 )
@@ -328,7 +329,18 @@ class DeltaWriter:
         Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
+        Input no version can carry (a bad name, something not a dense tensor with data, a
+        dtype the format lacks) is refused by name before anything is written
+        (:func:`~dcr_format.writers._part.check_input`).
         """
+        try:
+            check_publish(tensors)  # bad input fails the version before it begins
+        except DcrError:
+            if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
+                self._open()
+                attempt = self._begin()
+                self._abort(attempt.version, attempt.id)
+            raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
         attempt = self._begin()
@@ -732,7 +744,6 @@ class CanonicalPart:
         """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
         seen: set[str] = set()
         for name, tensor in pairs(tensors):
-            check_tensor_name(name)  # on every rank: a reserved name fails the whole version
             if not self.owns(name):
                 continue
             if name in seen:
