@@ -77,7 +77,12 @@ _COUNT = click.IntRange(min=1)  # of nodes, processes, members
 _POSITIVE = click.FloatRange(min=0, min_open=True)
 _CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
     ("rollout_nodes", _COUNT, None),
-    ("link_gbps", _POSITIVE, "Network limit of every node, each direction."),
+    ("link_gbps", _POSITIVE, "Network limit of every node into its cluster, each direction."),
+    (
+        "fabric_gbps",
+        click.FloatRange(min=0),
+        "Link of a rollout node inside the cluster: relay hops (0: the measured hop).",
+    ),
     ("trainer_nodes", _COUNT, "Nodes that publish, each its share."),
     ("workers", _COUNT, "Processes per node encoding or applying a share each (one per GPU)."),
     ("store_gbps", click.FloatRange(min=0), "Aggregate object store bandwidth (0: no limit)."),

@@ -222,14 +222,36 @@ def test_projection_model():
     link = 5e9 / 8
     assert at["dense"].terms["download"] == pytest.approx(2e12 / link)
     assert at["dcr over S3"].terms["download"] == pytest.approx(delta / link)
-    # no store limit: the binary tree sends each byte twice per inner node, so it is slower
-    assert at["dcr relay tree"].total > at["dcr over S3"].total
+    for estimate in at.values():  # the stages add up to the total, each of one kind
+        assert estimate.total == pytest.approx(sum(estimate.terms.values()))
+        assert estimate.total == pytest.approx(
+            sum(estimate.by_kind(kind) for kind in ("network", "compute", "requests"))
+        )
+    # the relay hop runs at the fabric's speed: the tree streams at the leader's download
+    relay, fill = at["dcr relay tree"].terms["relay"], 3 * ((4 << 20) / 12.5e9 + 0.001)
+    assert relay == pytest.approx(delta / link + fill)
+    slow = {e.method: e for e in project(Scenario(1e12, 0.02, fabric_gbps=1), costs)}
+    hop = 1e9 / 8
+    assert slow["dcr relay tree"].terms["relay"] == pytest.approx(
+        2 * delta / hop + 3 * ((4 << 20) / hop + 0.001)
+    )
+    unchanged = ("encode", "upload", "download", "apply")
+    assert all(slow["dcr relay tree"].terms[t] == at["dcr relay tree"].terms[t] for t in unchanged)
+    assert slow["dcr over S3"].terms == at["dcr over S3"].terms
+    # fabric 0: the hop measured in the costs (2e9 B/s), capped by the 5 Gbps link; the
+    # binary tree sends each byte twice per inner node, so with no store limit it is slower
+    measured = {e.method: e for e in project(Scenario(1e12, 0.02, fabric_gbps=0), costs)}
+    assert measured["dcr relay tree"].terms["relay"] == pytest.approx(
+        2 * delta / link + 3 * ((4 << 20) / link + 0.001)
+    )
+    assert measured["dcr relay tree"].total > measured["dcr over S3"].total
     assert at["dcr relay tree"].store_egress_bytes == 8 * delta
     # a store that gives each of 64 nodes 1 Gbps: the tree wins
     limited = {e.method: e for e in project(Scenario(1e12, 0.02, store_gbps=64), costs)}
     assert limited["dcr relay tree"].total < limited["dcr over S3"].total
     # a chain (fan-out 1) sends each byte once
-    chain = {e.method: e for e in project(Scenario(1e12, 0.02, fanout=1), costs)}
+    at = measured
+    chain = {e.method: e for e in project(Scenario(1e12, 0.02, fanout=1, fabric_gbps=0), costs)}
     assert chain["dcr relay tree"].terms["relay"] < at["dcr relay tree"].terms["relay"]
     report = projection_report(Scenario(1e12, 0.2), costs)
     assert report["rate_outside_measured"] is True
@@ -251,6 +273,7 @@ def test_project_cluster_options_are_the_scenario_fields(tmp_path):
     given = {
         "rollout_nodes": 3,
         "link_gbps": 2.5,
+        "fabric_gbps": 40.0,
         "trainer_nodes": 4,
         "workers": 5,
         "store_gbps": 6.5,
@@ -260,7 +283,8 @@ def test_project_cluster_options_are_the_scenario_fields(tmp_path):
     }
     options = [f"--{k.replace('_', '-')}={v}" for k, v in given.items()]
     assert scenario(*options) == dataclasses.asdict(Scenario(1e12, 0.03, **given))
-    for bad in ("--workers=0", "--link-gbps=0", "--link-gbps=nan", "--store-gbps=inf"):
+    bad_options = ("--workers=0", "--link-gbps=0", "--link-gbps=nan", "--store-gbps=inf")
+    for bad in (*bad_options, "--fabric-gbps=-1"):
         result = runner.invoke(project_cmd, ["--params", "1T", bad, "--costs", str(costs)])
         assert result.exit_code == 2, bad
 

@@ -28,7 +28,10 @@ import pytest  # noqa: E402
 from conftest import assert_same_bits, flip_bits, make_state, snapshot  # noqa: E402
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget  # noqa: E402
+from dcr_format.chain import Chain  # noqa: E402
+from dcr_format.codec import delta as delta_codec  # noqa: E402
 from dcr_format.codec import positions as pos_codec  # noqa: E402
+from dcr_format.codec import ulp  # noqa: E402
 from dcr_format.codec.delta import (  # noqa: E402
     OVERWRITE,
     XOR,
@@ -45,6 +48,7 @@ from dcr_format.cuda.positions import (  # noqa: E402
     decode_positions_to,
 )
 from dcr_format.errors import PositionsError  # noqa: E402
+from dcr_format.store import open_store  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 WIDTHS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -564,6 +568,68 @@ def test_codec_apply_and_undo_through_triton(triton_mode):
             assert torch.equal(target.cpu().view(torch.uint8), old.view(torch.uint8))
 
 
+# --- the ulp value codings on the device ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_ulp_kernels_match_the_reference_and_the_host_coding(tk, dtype):
+    kind = {torch.int16: np.uint16, torch.int32: np.uint32, torch.int64: np.uint64}[dtype]
+    gen = torch.Generator().manual_seed(31)
+    info = torch.iinfo(dtype)
+    n, m = 3 * 1024 + 5, 1500
+    new = random_bits(n, dtype, gen).cpu()
+    special = torch.tensor([0, info.min, info.max, -1, 1, info.min + 1], dtype=dtype)
+    new[: special.numel()] = special  # +-0, NaN payloads, the ends of the order
+    positions = torch.sort(torch.randperm(n, generator=gen)[:m]).values
+    positions[:6] = torch.arange(6)
+    xor = random_bits(m, dtype, gen).cpu()
+    xor[6:1000] &= 7  # steps of a few ulps, across +-0 where the sign bit flips too
+    xor[6:20] |= info.min
+    want_z, want_old = reference.ulp_of_change(new, positions, xor)
+    after = new[positions]
+    host = ulp.to_ulp((after ^ xor).numpy().view(kind), after.numpy().view(kind))
+    assert np.array_equal(want_z.numpy().view(kind), host)
+    new_d, pos_d, xor_d = new.to(DEVICE), positions.to(DEVICE), xor.to(DEVICE)
+    gathered, old = tk.ulp_of_change(new_d, pos_d, xor_d, None, want_old=True)
+    given, none = tk.ulp_of_change(new_d, pos_d, xor_d, after.to(DEVICE), want_old=False)
+    assert none is None
+    assert _same(gathered, want_z) and _same(given, want_z) and _same(old, want_old)
+    # the reader: old bits stepped by the differences, staged (nothing written) or applied
+    base = new.clone()
+    base[positions] = want_old
+    staged = base.to(DEVICE)
+    before, stepped = tk.apply_ulp(staged, pos_d, want_z.to(DEVICE), write=False)
+    assert _same(staged, base) and _same(before, want_old) and _same(stepped, after)
+    ref_before, ref_after = reference.apply_ulp(base.clone(), positions, want_z, write=False)
+    assert _same(ref_before, want_old) and _same(ref_after, after)
+    from_ulp_host = ulp.from_ulp(want_old.numpy().view(kind), want_z.numpy().view(kind))
+    assert np.array_equal(from_ulp_host, after.numpy().view(kind))
+    applied = base.to(DEVICE)
+    tk.apply_ulp(applied, pos_d, want_z.to(DEVICE), write=True)
+    assert _same(applied, new)
+
+
+def test_ulp_dispatch_runs_on_the_device(triton_mode, monkeypatch):
+    gen = torch.Generator().manual_seed(32)
+    old = random_bits(2 * 1024, torch.int16, gen).to(DEVICE)
+    positions = torch.tensor([3, 70, 900, 2047], device=DEVICE)
+    z = torch.tensor([2, 1, 6, 3], dtype=torch.int16, device=DEVICE)
+    assert dispatch.ulp_on_device(old) and dispatch.fuses_ulp(old, positions.cpu())
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    assert not dispatch.ulp_on_device(old)
+    monkeypatch.setenv("DCR_KERNELS", "triton")
+    target = old.clone()
+    before, after, lanes = dispatch.stage_change(target, positions, z, op=dispatch.ULP)
+    assert _same(target, old) and _same(after, reference.ulp_step(before, z))
+    got_before, got_after, got_lanes = dispatch.apply_ulp_with_lanes(target, positions.cpu(), z)
+    assert _same(got_before, before) and _same(got_after, after) and got_lanes == lanes
+    assert _same(target[positions], after)
+    assert lanes == dispatch._change_lanes(positions, before, after)
+    with pytest.raises(IndexError):
+        dispatch.apply_ulp_with_lanes(target, torch.tensor([5, 2048], device=DEVICE), z[:2])
+    assert _same(target[positions], after)
+
+
 # --- the whole publish/sync path with the Triton kernels ------------------------------------------
 
 
@@ -650,6 +716,68 @@ def test_publish_and_sync_in_a_fresh_process_through_the_writers_pool(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.strip() == "ok"
+
+
+ULP_FEATURES = ("values-rans", "values-ulp", "values-ulp-shift")
+
+
+def test_publish_and_sync_with_the_ulp_codings_through_triton(triton_mode, monkeypatch, tmp_path):
+    launched: dict[str, int] = {}
+    real_launch = triton_mode._launch
+
+    def counting_launch(kernel, *args, **meta):
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        launched[name] = launched.get(name, 0) + 1
+        return real_launch(kernel, *args, **meta)
+
+    monkeypatch.setattr(triton_mode, "_launch", counting_launch)
+
+    def on_the_host(*args):
+        raise AssertionError("a ulp step ran on the host")
+
+    monkeypatch.setattr(delta_codec, "from_ulp", on_the_host)
+    gen = torch.Generator().manual_seed(33)
+    # fp32 masters published as bf16: one-ulp steps (ulp) and steps scaled by the exponent
+    # (ulp-shift) on small tensors, an fp32 one besides
+    masters = {
+        "a.weight": (torch.randn(64, 96, generator=gen) * 0.02, 2e-6),
+        "b.weight": (torch.randn(48, 64, generator=gen) * 0.02, 1e-4),
+        "c.weight": (torch.randn(1500, generator=gen), 1e-6),
+    }
+
+    def state() -> dict[str, torch.Tensor]:
+        return {
+            n: m.to(torch.float32 if n == "c.weight" else torch.bfloat16)
+            for n, (m, _) in masters.items()
+        }
+
+    store = tmp_path / "store"
+    writer = DeltaWriter(store, features=ULP_FEATURES)
+    synced, staged = StateDictTarget({}), StateDictTarget({})
+    synced_reader, staged_reader = DeltaReader(store, synced), DeltaReader(store, staged)
+    states = []
+    codings: set[str | None] = set()
+    for version in range(3):
+        if version:
+            for master, lr in masters.values():
+                master += lr * torch.sign(torch.randn(master.shape, generator=gen))
+        states.append(state())
+        writer.publish(states[-1])
+        if version:
+            chain = Chain(open_store(store))
+            manifests = chain.manifests(chain.record(version))
+            codings |= {e.values.coding for m in manifests for e in m.entries if e.values}
+        synced_reader.sync()
+        staged_reader.apply(staged_reader.prepare())
+        assert_same_bits(synced.tensors, states[-1])
+        assert_same_bits(staged.tensors, states[-1])
+    assert {"ulp", "ulp-shift"} <= codings, codings
+    late = StateDictTarget({})
+    DeltaReader(store, late).sync(to=0)
+    assert DeltaReader(store, late).sync().applied_versions == (1, 2)
+    assert_same_bits(late.tensors, states[-1])
+    for kernel in ("_ulp_diff_kernel", "_ulp_apply_kernel"):
+        assert launched.get(kernel, 0) > 0, launched
 
 
 # --- CUDA only ---------------------------------------------------------------------------------

@@ -8,14 +8,16 @@ Three methods move one optimizer step's weights from the trainer to every rollou
   upload the delta; every rollout node downloads the whole delta, verifies and
   applies it (``sync``);
 - dcr with the relay tree: as above, but in each group of ``group_size`` nodes
-  only the leader downloads; the bytes flow down a tree of fan-out ``fanout``.
+  only the leader downloads; the bytes flow down a tree of fan-out ``fanout`` over the
+  rollout cluster's own network (``fabric_gbps`` per node).
 
 Every number that is a property of the software comes from a :class:`Costs`
 record measured by ``dcr bench`` (or a short run): delta bytes per changed
 element at each change rate, publish and sync CPU seconds per dense byte, dense
 serialise/load seconds per byte, request latency, relay seconds per byte and per
 round. The scenario supplies what belongs to the cluster: parameters, change rate,
-nodes, link speed, store bandwidth, workers per node. The stages of one refit are
+nodes, link speed into the cluster, the fabric's speed inside it, store bandwidth, workers
+per node. The stages of one refit are
 added up (no overlap between encode, upload, download and apply, which is how the
 current writer and reader run; chunks within the relay tree do overlap).
 """
@@ -29,6 +31,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from dcr_format.bench.costs import Costs, RateCosts
+
+FABRIC_GBPS = 100.0
+"""Default link of a rollout node inside its cluster: one 100 Gbps Ethernet/RoCE port, the
+smallest common in GPU clusters (their GPU interconnect is usually 400 Gbps or more per GPU)."""
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -69,7 +75,11 @@ class Scenario:
     change: float
     rollout_nodes: int = 64
     link_gbps: float = 5.0
-    """Each node's network limit (trainer and rollout nodes), each direction."""
+    """Each node's network limit into and out of its cluster (trainer and rollout nodes, to
+    and from the store), each direction."""
+    fabric_gbps: float = FABRIC_GBPS
+    """Each rollout node's link inside the rollout cluster (relay hops), each direction;
+    0: the relay hop measured in the costs (gloo on one machine's loopback)."""
     trainer_nodes: int = 8
     """Nodes that publish (each uploads and encodes its share)."""
     workers: int = 8
@@ -146,6 +156,14 @@ def delta_bytes(scenario: Scenario, costs: Costs) -> float:
     return scenario.params * scenario.change * at.bytes_per_changed
 
 
+def relay_hop_bytes_per_s(scenario: Scenario, costs: Costs) -> float:
+    """Bytes per second of one relay hop: the fabric's link, or (``fabric_gbps`` 0) the hop
+    measured in ``costs``, never faster than that link."""
+    if scenario.fabric_gbps > 0:
+        return scenario.fabric_gbps * 1e9 / 8
+    return min(scenario.link_gbps * 1e9 / 8, costs.relay_hop_bytes_per_s)
+
+
 def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
     """Dense, dcr over S3 and dcr with the relay tree for ``scenario``."""
     s, c = scenario, costs
@@ -215,7 +233,7 @@ def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
     groups = math.ceil(nodes / max(1, s.group_size))
     members = min(s.group_size, nodes)
     leader_rate = min(link, store / groups)
-    hop = min(link, c.relay_hop_bytes_per_s)
+    hop = relay_hop_bytes_per_s(s, c)
     depth = _tree_depth(members, s.fanout)
     copies = min(s.fanout, members - 1)
     # the leader fetches object i+1 while object i streams down; chunks pipeline in the tree
@@ -349,14 +367,24 @@ def explain(scenario: Scenario, costs: Costs) -> list[str]:
             else " (the store's share per node)"
         )
     )
-    hop = min(scenario.link_gbps, costs.relay_hop_bytes_per_s * 8 / 1e9)
+    hop = relay_hop_bytes_per_s(scenario, costs) * 8 / 1e9
     copies = min(scenario.fanout, max(scenario.group_size - 1, 0))
+    groups = math.ceil(scenario.rollout_nodes / max(1, scenario.group_size))
+    leader = scenario.link_gbps
+    if scenario.store_gbps > 0:
+        leader = min(leader, scenario.store_gbps / groups)
+    tree = min(leader, hop / max(copies, 1))
+    source = (
+        f"the fabric's {scenario.fabric_gbps:g} Gbps (--fabric-gbps)"
+        if scenario.fabric_gbps > 0
+        else "the hop measured in the costs, at most the link"
+    )
     lines.append(
-        f"relay tree: an inner member sends {copies} copies of the delta at min(link, measured "
-        f"hop) = {hop:.2f} Gbps, so the tree streams at {hop / max(copies, 1):.2f} Gbps per "
-        f"member against {per_node:.2f} Gbps for a direct download; it cuts store egress "
-        f"{min(scenario.group_size, scenario.rollout_nodes)}-fold and is faster only where the "
-        "store's share per node is the narrower pipe (--store-gbps)"
+        f"relay tree: a leader downloads at {leader:.2f} Gbps and an inner member sends "
+        f"{copies} copies of the delta at {hop:.2f} Gbps ({source}), so the tree streams at "
+        f"{tree:.2f} Gbps per member against {per_node:.2f} Gbps for a direct download; it cuts "
+        f"store egress {min(scenario.group_size, scenario.rollout_nodes)}-fold and is faster "
+        "where the store's share per node is the narrower pipe (--store-gbps)"
     )
     lines.append(
         f"compute: encode and apply use CPU seconds per dense byte measured on "
@@ -406,7 +434,9 @@ def format_projection(report: dict[str, Any]) -> str:
     lines = [
         f"projection: {format_count(s['params'])} parameters ({_bytes(report['dense_bytes'])} at "
         f"{s['bytes_per_param']:g} B/param), {s['change']:.2%} change, {s['rollout_nodes']} "
-        f"rollout nodes, {s['link_gbps']:g} Gbps per node, {s['trainer_nodes']} trainer nodes, "
+        f"rollout nodes, {s['link_gbps']:g} Gbps per node into the cluster, "
+        + (f"{s['fabric_gbps']:g} Gbps" if s["fabric_gbps"] > 0 else "the measured relay hop")
+        + f" inside it, {s['trainer_nodes']} trainer nodes, "
         f"{s['workers']} workers per node, store "
         + (f"{s['store_gbps']:g} Gbps" if s["store_gbps"] > 0 else "without limit")
         + ", relay groups of "

@@ -243,11 +243,19 @@ def encode_diff(
     allowed = features.allowed()
     dtype = info_for(new.dtype).name
     if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
-        before = _old_of_change(new, positions, xor_bits, found.new_values)
-        differences = to_ulp(before, before ^ xor_bits)
+        on_device = _device_ulp_of_change(new, found, want_old=True)
+        if on_device is not None:
+            differences, before = on_device
+        else:
+            before = _old_of_change(new, positions, xor_bits, found.new_values)
+            differences = to_ulp(before, before ^ xor_bits)
         val_coding, val_bytes = encode_xor_values(xor_bits, differences, old=before, dtype=dtype)
     elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
-        differences = _ulp_differences(new, positions, xor_bits, found.new_values)
+        on_device = _device_ulp_of_change(new, found, want_old=False)
+        if on_device is not None:
+            differences = on_device[0]
+        else:
+            differences = _ulp_differences(new, positions, xor_bits, found.new_values)
         val_coding, val_bytes = encode_xor_values(xor_bits, differences)
     else:
         val_coding, val_bytes = encode_values(xor_bits)
@@ -273,6 +281,28 @@ def encode_diff(
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
             return replace(full, rows=new_rows)  # the same new bits
     return delta
+
+
+def _device_ulp_of_change(
+    new: torch.Tensor, found: Diff, *, want_old: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The zigzag ulp differences of a change (and, ``want_old``, its old bits) computed on
+    the tensors' device by the Triton kernels (:func:`dispatch.ulp_on_device`), then fetched
+    to the host for the entropy coder; None where they do not run there."""
+    flat = bits_view(new).reshape(-1)
+    if found.xor_values is None or not dispatch.ulp_on_device(flat):
+        return None
+    new_values = found.new_values
+    z, old = dispatch.ulp_of_change(
+        flat,
+        found.positions.to(flat.device),
+        found.xor_values.to(flat.device),
+        None if new_values is None else new_values.to(flat.device),
+        want_old=want_old,
+    )
+    differences = bits_to_numpy(dispatch.to_host(z))
+    before = bits_to_numpy(dispatch.to_host(old)) if old is not None else differences[:0]
+    return differences, before
 
 
 def _ulp_differences(
@@ -567,6 +597,8 @@ def after_bits(delta: DecodedDelta, before: torch.Tensor) -> torch.Tensor:
     the bits ``before`` there."""
     values = delta.values.to(before.device)
     if delta.ulp:
+        if dispatch.ulp_on_device(before):
+            return dispatch.ulp_step(before, values)
         z = bits_to_numpy(dispatch.to_host(values))
         old = bits_to_numpy(dispatch.to_host(before))
         new = numpy_to_bits(from_ulp(old, z), info_for(before.dtype))

@@ -459,22 +459,92 @@ def _check_bounds(positions: np.ndarray, base: int, numel: int) -> None:
 
 ULP = "ulp"
 """The op of a change whose values are zigzag ulp differences from the old bits (FORMAT.md
-§7.5): only the compiled CPU kernels apply it (:func:`fuses_ulp`), reading the old bits,
-writing the new ones and summing the lane deltas in one pass."""
+§7.5): the compiled CPU kernels apply it (reading the old bits, writing the new ones and
+summing the lane deltas in one pass), or the Triton kernels on the tensor's device
+(:func:`fuses_ulp`)."""
 _MODES = {OVERWRITE: 0, XOR: 1, ULP: 2}  # the compiled kernels' modes (codec/_native.py)
 
 
 def fuses_ulp(flat: torch.Tensor, positions: torch.Tensor) -> bool:
     """Whether :func:`apply_ulp_with_lanes` and :func:`stage_change` (``op="ulp"``) take a
     change of these tensors (the compiled CPU kernels apply it: the conditions of
-    :func:`_native_apply_candidate`), so a reader need not turn ulp differences into XOR
-    bits first (a second pass over the positions)."""
+    :func:`_native_apply_candidate`; or the Triton kernels, :func:`ulp_on_device`, with the
+    positions moved to ``flat``'s device), so a reader need not turn ulp differences into
+    XOR bits first (a second pass over the positions)."""
     return (
         positions.dtype == torch.int64
         and flat.is_contiguous()
         and flat.dim() == 1
-        and _torch_native(flat, positions) is not None
+        and (ulp_on_device(flat) or _torch_native(flat, positions) is not None)
     )
+
+
+_ULP_DTYPES = (torch.int16, torch.int32, torch.int64)  # bit views of the float widths
+
+
+def ulp_on_device(flat: torch.Tensor) -> bool:
+    """Whether the ``ulp`` coding's passes over a change of ``flat`` (a flat bit view) run
+    as Triton kernels on its device (:func:`ulp_of_change`, :func:`apply_ulp_with_lanes`):
+    CUDA tensors with Triton, or any under ``DCR_KERNELS=triton`` (the interpreter on CPU)."""
+    if flat.dtype not in _ULP_DTYPES:
+        return False
+    mode = kernels_mode()
+    if mode == TORCH or (mode == "auto" and flat.device.type != "cuda"):
+        return False
+    return backend_for(flat) == TRITON
+
+
+def ulp_of_change(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    xor_values: torch.Tensor,
+    new_values: torch.Tensor | None = None,
+    *,
+    want_old: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The zigzag ulp differences (FORMAT.md §7.5) of a change found on ``flat``'s device,
+    computed there: its new bits are ``new_values`` where the diff kept them, else ``flat``
+    at ``positions`` (``flat`` holds the new bits); its old bits those XOR ``xor_values``,
+    returned too where ``want_old``. Triton kernels where :func:`ulp_on_device`, else the
+    torch reference; signed bit views of 2, 4 or 8 bytes."""
+    if not ulp_on_device(flat):
+        z, old = reference.ulp_of_change(flat, positions, xor_values, new_values)
+        return z, (old if want_old else None)
+    if new_values is not None:
+        new_values = new_values.reshape(-1).contiguous()
+    found: tuple[torch.Tensor, torch.Tensor | None] = _kernels().ulp_of_change(
+        flat.reshape(-1).contiguous(),
+        positions.reshape(-1).contiguous(),
+        xor_values.reshape(-1).contiguous(),
+        new_values,
+        want_old=want_old,
+    )
+    return found
+
+
+def ulp_step(before: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The bits ``z`` zigzag ulp differences away from ``before``, elementwise on their
+    device (torch; signed bit views of 2, 4 or 8 bytes)."""
+    return reference.ulp_step(before, z.to(before.device))
+
+
+def _device_ulp(
+    flat: torch.Tensor, positions: torch.Tensor, z: torch.Tensor, *, write: bool, lanes: bool
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """The Triton ``ulp`` apply (``write``) or stage of a change: the bits before and after
+    at the positions, and the lane deltas (``lanes``)."""
+    positions = to_device(positions, flat.device).reshape(-1).contiguous()
+    z = to_device(z, flat.device).reshape(-1).contiguous()
+    if z.dtype != flat.dtype or z.numel() != positions.numel():
+        raise ValueError(f"{z.numel()} {z.dtype} differences for {positions.numel()} positions")
+    if positions.numel():  # the kernel does not check bounds: torch indexing would
+        low, high = (int(v) for v in torch.aminmax(positions))
+        if low < 0 or high >= flat.numel():
+            raise IndexError(
+                f"position {low if low < 0 else high} is out of range for {flat.numel()} elements"
+            )
+    before, after = _kernels().apply_ulp(flat, positions, z, write=write)
+    return before, after, (_change_lanes(positions, before, after) if lanes else ())
 
 
 def _native_apply(
@@ -583,6 +653,8 @@ def apply_ulp_with_lanes(
     positions, read from ``flat`` by the caller with nothing written there since, so the
     pass does not read them again. Only where :func:`fuses_ulp` (else ``ValueError``); the
     input rules of :func:`apply_with_lanes`."""
+    if ulp_on_device(flat):
+        return _device_ulp(flat, positions, z, write=True, lanes=lanes)
     native = _native_apply_for(flat, positions, z, ULP)
     assert native is not None
     before, after, deltas = _native_apply(
@@ -610,6 +682,8 @@ def stage_change(
     ``overwrite`` of the same positions) makes the change. Same input rules and errors as
     :func:`apply_with_lanes`.
     """
+    if op == ULP and base == 0 and ulp_on_device(flat):
+        return _device_ulp(flat, positions, values, write=False, lanes=lanes)
     native = _native_apply_for(flat, positions, values, op)
     if native is None:
         count = positions.numel()
@@ -743,4 +817,7 @@ __all__ = [
     "scatter",
     "to_device",
     "to_host",
+    "ulp_of_change",
+    "ulp_on_device",
+    "ulp_step",
 ]

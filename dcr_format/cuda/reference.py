@@ -163,11 +163,63 @@ def prefix_positions(gaps: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(gaps.to(torch.int64) + 1, 0) - 1
 
 
+def _order(bits: torch.Tensor) -> torch.Tensor:
+    """The ulp order map of FORMAT.md §7.5 on signed bit views: a set sign bit flips every
+    bit, a clear one only the sign bit (integer order is then the order of the values)."""
+    top = torch.iinfo(bits.dtype).min
+    return bits ^ torch.where(bits < 0, torch.full_like(bits, -1), torch.full_like(bits, top))
+
+
+def _unorder(ordered: torch.Tensor) -> torch.Tensor:
+    top = torch.iinfo(ordered.dtype).min
+    flips = torch.where(ordered < 0, torch.full_like(ordered, top), torch.full_like(ordered, -1))
+    return ordered ^ flips
+
+
+def ulp_of_change(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    xor_values: torch.Tensor,
+    new_values: torch.Tensor | None = None,
+    *,
+    base: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zigzag ulp differences (FORMAT.md §7.5) of a change and its old bits: the new
+    bits are ``new_values`` where given, else ``flat`` at ``positions``; the old ones
+    those XOR ``xor_values`` (signed bit views of 2, 4 or 8 bytes; arithmetic wraps)."""
+    after = new_values if new_values is not None else flat[positions - base]
+    before = after ^ xor_values
+    d = _order(after) - _order(before)
+    z = (d << 1) ^ (d >> (8 * d.element_size() - 1))
+    return z, before
+
+
+def ulp_step(before: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The bits ``z`` zigzag ulp differences away from ``before`` (inverse of
+    :func:`ulp_of_change`)."""
+    d = ((z >> 1) & torch.iinfo(z.dtype).max) ^ -(z & 1)
+    return _unorder(_order(before) + d)
+
+
+def apply_ulp(
+    flat: torch.Tensor, positions: torch.Tensor, z: torch.Tensor, *, write: bool, base: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bits at ``positions`` before and after stepping them by ``z``; ``write``: the
+    new bits are written there too."""
+    index = positions - base if base else positions
+    before = flat[index]
+    after = ulp_step(before, z)
+    if write:
+        flat[index] = after
+    return before, after
+
+
 __all__ = [
     "BLOCK",
     "OVERWRITE",
     "XOR",
     "Diff",
+    "apply_ulp",
     "block_counts",
     "class_positions",
     "class_ranks",
@@ -177,4 +229,6 @@ __all__ = [
     "exponent_histograms",
     "prefix_positions",
     "scatter",
+    "ulp_of_change",
+    "ulp_step",
 ]

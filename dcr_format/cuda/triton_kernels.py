@@ -16,6 +16,12 @@ Kernels (each has a torch reference in :mod:`dcr_format.cuda.reference`):
   positions, optionally saving the old bits first (for rollback).
 - ``_expand_kernel``: positions of runs (range coding): every output element
   binary-searches its run among the run's first output indices.
+- ``_ulp_diff_kernel`` and ``_ulp_apply_kernel``: the ``ulp`` value coding (FORMAT.md
+  §7.5) on the device. The writer's kernel takes each change's new bits (or gathers them
+  at its positions) and XOR bits and writes the zigzag difference of the two in value
+  order (and the old bits, where asked); the reader's reads the old bits at each
+  position, steps them by the difference and writes the new bits (or, staging, only
+  returns them). Both compute in int64 lanes modulo ``2**(8*width)``.
 - ``_class_count_kernel``, ``_class_rank_kernel`` and ``_class_select_kernel``: the
   ``classed`` position coding (FORMAT.md §6.5) on the device. Per block, how many
   elements of each class it has (``tl.histogram``); with the prefix sums of those over
@@ -222,6 +228,77 @@ def _class_select_kernel(
         tl.store(out_ptr + j, tl.max(tl.where(hit, offs, -1), axis=0))
 
 
+@triton.jit
+def _ulp_consts(BITS: tl.constexpr):
+    """The top bit and all ``BITS`` bits set, as int64 (``-1`` for 64 bits)."""
+    top = tl.full([1], 1, tl.int64) << (BITS - 1)
+    return top, top | (top - 1)
+
+
+@triton.jit
+def _ulp_order(x, top, ones):
+    """FORMAT.md §7.5's order map of ``BITS``-bit patterns held in int64 lanes."""
+    return x ^ tl.where((x & top) != 0, ones, top)
+
+
+@triton.jit(do_not_specialize=["m", "base"])
+def _ulp_diff_kernel(
+    src_ptr,
+    pos_ptr,
+    xor_ptr,
+    z_ptr,
+    old_ptr,
+    m,
+    base,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    GATHER: tl.constexpr,
+    WRITE_OLD: tl.constexpr,
+):
+    _, offs, inside = _block(m, BLOCK)
+    top, ones = _ulp_consts(BITS)
+    if GATHER:
+        index = tl.load(pos_ptr + offs, mask=inside, other=0) - base
+        raw = tl.load(src_ptr + index, mask=inside, other=0)
+    else:
+        raw = tl.load(src_ptr + offs, mask=inside, other=0)
+    flips = tl.load(xor_ptr + offs, mask=inside, other=0)
+    if WRITE_OLD:
+        tl.store(old_ptr + offs, raw ^ flips, mask=inside)
+    after = raw.to(tl.int64) & ones
+    before = (raw ^ flips).to(tl.int64) & ones
+    d = (_ulp_order(after, top, ones) - _ulp_order(before, top, ones)) & ones
+    z = ((d << 1) & ones) ^ tl.where((d & top) != 0, ones, 0)
+    tl.store(z_ptr + offs, z.to(raw.dtype), mask=inside)
+
+
+@triton.jit(do_not_specialize=["m", "base"])
+def _ulp_apply_kernel(
+    target_ptr,
+    pos_ptr,
+    z_ptr,
+    before_ptr,
+    after_ptr,
+    m,
+    base,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    WRITE: tl.constexpr,
+):
+    _, offs, inside = _block(m, BLOCK)
+    top, ones = _ulp_consts(BITS)
+    index = tl.load(pos_ptr + offs, mask=inside, other=0) - base
+    raw = tl.load(target_ptr + index, mask=inside, other=0)
+    z = tl.load(z_ptr + offs, mask=inside, other=0).to(tl.int64) & ones
+    d = ((z >> 1) & (ones ^ top)) ^ tl.where((z & 1) != 0, ones, 0)
+    ordered = (_ulp_order(raw.to(tl.int64) & ones, top, ones) + d) & ones
+    new = (ordered ^ tl.where((ordered & top) != 0, top, ones)).to(raw.dtype)
+    tl.store(before_ptr + offs, raw, mask=inside)
+    tl.store(after_ptr + offs, new, mask=inside)
+    if WRITE:
+        tl.store(target_ptr + index, new, mask=inside)
+
+
 def _launch(kernel: Any, n: int, block: int, *args: Any, **meta: Any) -> None:
     with _LAUNCH:
         kernel[(triton.cdiv(n, block),)](*args, BLOCK=block, num_warps=_WARPS, **meta)
@@ -311,6 +388,58 @@ def scatter(
             SAVE=save,
         )
     return saved
+
+
+ULP_BLOCK = 1024
+
+
+def ulp_of_change(
+    flat: torch.Tensor,
+    positions: torch.Tensor,
+    xor_values: torch.Tensor,
+    new_values: torch.Tensor | None,
+    *,
+    want_old: bool,
+    base: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The zigzag ulp differences of a change (new bits ``new_values``, else ``flat`` at
+    ``positions``; XOR bits ``xor_values``) and, ``want_old``, its old bits; as the
+    reference computes them."""
+    m = xor_values.numel()
+    z = torch.empty(m, dtype=xor_values.dtype, device=xor_values.device)
+    old = torch.empty_like(z) if want_old else None
+    if m:
+        src = new_values if new_values is not None else flat
+        _launch(
+            _ulp_diff_kernel,
+            m,
+            ULP_BLOCK,
+            src,
+            positions,
+            xor_values,
+            z,
+            old if old is not None else z,  # an unused pointer still needs a tensor
+            m,
+            base,
+            BITS=8 * z.element_size(),
+            GATHER=new_values is None,
+            WRITE_OLD=want_old,
+        )
+    return z, old
+
+
+def apply_ulp(
+    flat: torch.Tensor, positions: torch.Tensor, z: torch.Tensor, *, write: bool, base: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bits at ``positions`` of ``flat`` before and after stepping them by the zigzag
+    ulp differences ``z``; ``write``: the new bits are written there too."""
+    m = positions.numel()
+    before = torch.empty(m, dtype=flat.dtype, device=flat.device)
+    after = torch.empty_like(before)
+    if m:
+        args = (flat, positions, z, before, after, m, base)
+        _launch(_ulp_apply_kernel, m, ULP_BLOCK, *args, BITS=8 * flat.element_size(), WRITE=write)
+    return before, after
 
 
 CLASS_BLOCK = 1024
@@ -407,10 +536,13 @@ __all__ = [
     "EXPAND_BLOCK",
     "INTERPRETED",
     "SCATTER_BLOCK",
+    "ULP_BLOCK",
     "Scan",
+    "apply_ulp",
     "block_counts",
     "compact",
     "expand_ranges",
     "scan",
     "scatter",
+    "ulp_of_change",
 ]
