@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from pydantic import BaseModel
 
 from dcr_format._cli_params import (
     FORMAT_OPTION,
@@ -24,11 +23,12 @@ from dcr_format._cli_params import (
     one_line,
     output_option,
 )
-from dcr_format.cli_bench import bench, project
 from dcr_format.errors import DcrError, VersionNotFoundError
-from dcr_format.store import Store
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from dcr_format.store import Store
     from dcr_format.tools._inspect import ShowSort
 
 VERSION = click.IntRange(min=0)
@@ -37,7 +37,8 @@ VERSION = click.IntRange(min=0)
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     if param.name == "endpoint_url" and value:
-        value = endpoint_url(value)
+        source = ctx.get_parameter_source("endpoint_url")
+        ctx.meta["dcr.endpoint_from_env"] = source == click.core.ParameterSource.ENVIRONMENT
     ctx.meta[f"dcr.{param.name}"] = value
 
 
@@ -45,10 +46,16 @@ def _open_store(ctx: click.Context, param: click.Parameter, value: str | None) -
     """The --store URL as a Store, with the (eagerly parsed) S3 endpoint and writer mode."""
     if value is None:
         return None
+    from dcr_format.store import Store
+
     endpoint = ctx.meta.get("dcr.endpoint_url")
     options = None
+    is_s3 = value.startswith(("s3://", "s3a://"))
+    if endpoint and not is_s3 and ctx.meta.get("dcr.endpoint_from_env"):
+        endpoint = None  # AWS_ENDPOINT_URL set for S3 work says nothing about other stores
     if endpoint:
-        if not value.startswith(("s3://", "s3a://")):
+        endpoint = endpoint_url(endpoint)
+        if not is_s3:
             raise click.BadParameter(
                 "--endpoint-url applies to s3:// stores; drop it or pass an s3://bucket/prefix "
                 "store",
@@ -101,7 +108,8 @@ def STORE_OPTION(command: F) -> F:
         is_eager=True,
         expose_value=False,
         callback=_remember,
-        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL).",
+        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL, which "
+        "other stores ignore).",
     )(command)
     return click.option(
         "--single-writer",
@@ -142,6 +150,8 @@ def _progress(iterable: Iterable[Any], *, total: int | None, desc: str) -> Itera
 def _emit(
     fmt: str, data: BaseModel | list[BaseModel] | dict[str, Any], human: Callable[[], None]
 ) -> None:
+    from pydantic import BaseModel
+
     if fmt == "json":
         if isinstance(data, list):
             click.echo(json.dumps([d.model_dump(mode="json") for d in data], indent=2))
@@ -175,6 +185,10 @@ def _bytes(n: float) -> str:
 
 def _debug() -> bool:
     return os.environ.get("DCR_DEBUG", "") not in ("", "0")
+
+
+_LAZY_COMMANDS = {"bench": "bench", "project": "project"}
+"""Commands defined in :mod:`dcr_format.cli_bench`, imported only when named (or listed)."""
 
 
 class _Group(click.Group):
@@ -217,6 +231,17 @@ class _Group(click.Group):
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        name = _LAZY_COMMANDS.get(cmd_name)
+        if name is not None and cmd_name not in self.commands:
+            from dcr_format import cli_bench
+
+            self.add_command(getattr(cli_bench, name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -245,10 +270,6 @@ class _Group(click.Group):
 @click.version_option(package_name="dcr-format")
 def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
-
-
-cli.add_command(bench)
-cli.add_command(project)
 
 
 @cli.command()
@@ -328,7 +349,7 @@ def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) ->
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
-    from dcr_format.tools import parse_duration
+    from dcr_format.tools._common import parse_duration
 
     try:
         return parse_duration(value)
@@ -694,7 +715,14 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     default="1h",
     callback=_duration,
     help="Delete uncommitted attempts only when their newest object is older (30s, 15m, 2h, "
-    "7d); keep it well above the writers' commit timeout.",
+    "7d); at least the writers' commit timeout, better well above it.",
+)
+@click.option(
+    "--commit-timeout",
+    default="10m",
+    callback=_duration,
+    help="The longest commit timeout of the chain's writers (DeltaWriter's commit_timeout); "
+    "a shorter --grace is refused. 0 when no writer is running.",
 )
 @click.option(
     "--dry-run",
@@ -703,13 +731,24 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
 )
 @FORMAT_OPTION
 def gc(
-    store: Store, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
+    store: Store,
+    keep_last: int,
+    keep_bases: int,
+    grace: timedelta,
+    commit_timeout: timedelta,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """Delete uncommitted attempts and the versions before the kept range."""
     from dcr_format.tools import gc as collect
 
     report = collect(
-        store, keep_last=keep_last, keep_bases=keep_bases, grace=grace, dry_run=dry_run
+        store,
+        keep_last=keep_last,
+        keep_bases=keep_bases,
+        grace=grace,
+        dry_run=dry_run,
+        commit_timeout=commit_timeout,
     )
 
     def human() -> None:

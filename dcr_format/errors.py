@@ -23,6 +23,7 @@ __all__ = [
     "EngineUpdateError",
     "FingerprintMismatchError",
     "FormatError",
+    "GraceTooShortError",
     "GroupAbortError",
     "IncompleteVersionError",
     "IntegrityError",
@@ -231,6 +232,11 @@ class ReservedNameError(DcrError, ValueError):
 
 class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
+
+
+class GraceTooShortError(DcrError, ValueError):
+    """gc's grace period is shorter than the writers' commit timeout, so it could delete an
+    attempt a writer is still committing."""
 
 
 class TargetNotUpdatableError(TargetError):

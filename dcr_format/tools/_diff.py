@@ -38,6 +38,7 @@ from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT
+from dcr_format.errors import VersionNotFoundError
 from dcr_format.readers.reader import DeltaReader, _decode_entry
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Entry, Manifest
@@ -161,6 +162,7 @@ def diff(
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
     lo, hi = min(a, b), max(a, b)
+    _check_range(chain, lo, hi)
     versions = _load_versions(chain, lo, hi, max_workers)
     table_lo = state_table(versions[0].manifests)
     table_hi = state_table(versions[-1].manifests)
@@ -231,6 +233,20 @@ def _row(state: TensorState, status: Status, elements: int, exact: bool, version
         exact=exact,
         versions=versions,
     )
+
+
+def _check_range(chain: Chain, lo: int, hi: int) -> None:
+    """Both ends are in the chain's committed range (a gap in between is named on loading)."""
+    committed = chain.versions()
+    if not committed:
+        raise VersionNotFoundError(f"{chain.store.url} has no committed version; publish first")
+    first, last = committed[0], committed[-1]
+    for version in (lo, hi):
+        if not first <= version <= last:
+            raise VersionNotFoundError(
+                f"version {version} is not committed: the chain of {chain.store.url} holds "
+                f"versions {first}..{last}; run `dcr log` to see the committed versions"
+            )
 
 
 def _load_versions(chain: Chain, lo: int, hi: int, max_workers: int) -> list[_Version]:

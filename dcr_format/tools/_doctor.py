@@ -7,7 +7,7 @@ import os
 import uuid
 
 from dcr_format.chain import Chain
-from dcr_format.errors import DcrError
+from dcr_format.errors import DcrError, StoreNotInitializedError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
@@ -43,6 +43,17 @@ class DoctorReport(Row):
     verdicts: list[Verdict]
 
 
+def _refuse_missing_directory(store: Store) -> None:
+    """A local store whose directory does not exist is a mistyped path: probing it would
+    create the directory and call an empty place safe."""
+    root = store.local_root
+    if root is not None and not os.path.isdir(root):
+        raise StoreNotInitializedError(
+            f"store directory {root} does not exist; check the path, or create the directory "
+            "to probe a new store there"
+        )
+
+
 def doctor(
     store: Store | str | os.PathLike[str], *, large_bytes: int | None = None
 ) -> DoctorReport:
@@ -54,6 +65,7 @@ def doctor(
     128 MiB + 1 on S3, past the multipart threshold, else 8 MiB; 0 skips it).
     """
     store = open_store(store)
+    _refuse_missing_directory(store)
     checks: dict[str, Check] = {}
 
     def record(name: str, ok: bool | None, detail: str) -> None:
