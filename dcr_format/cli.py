@@ -93,7 +93,7 @@ def _versions_in_chain(store: Store, **named: int | None) -> None:
 
 
 def STORE_OPTION(command: F) -> F:
-    """``--store`` (env DCR_STORE) plus ``--endpoint-url`` and ``--single-writer``."""
+    """``--store`` (env DCR_STORE) plus ``--endpoint-url``: a store the command reads."""
     command = click.option(
         "--store",
         envvar="DCR_STORE",
@@ -102,7 +102,7 @@ def STORE_OPTION(command: F) -> F:
         help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., "
         "s3://bucket/prefix",
     )(command)
-    command = click.option(
+    return click.option(
         "--endpoint-url",
         envvar="AWS_ENDPOINT_URL",
         is_eager=True,
@@ -111,6 +111,10 @@ def STORE_OPTION(command: F) -> F:
         help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL, which "
         "other stores ignore).",
     )(command)
+
+
+def WRITER_STORE_OPTION(command: F) -> F:
+    """:func:`STORE_OPTION` plus ``--single-writer``: a store the command writes."""
     return click.option(
         "--single-writer",
         is_flag=True,
@@ -118,7 +122,7 @@ def STORE_OPTION(command: F) -> F:
         expose_value=False,
         callback=_remember,
         help="Write to a server that ignores conditional writes: only one writer may run.",
-    )(command)
+    )(STORE_OPTION(command))
 
 
 def _version_option(*names: str, help: str, required: bool = False) -> Callable[[F], F]:
@@ -274,7 +278,7 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
 @click.option(
     "--base-every",
@@ -286,6 +290,11 @@ def cli() -> None:
     "--cache-dir",
     help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
 )
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="Commit a version even when the checkpoint equals the newest version bit for bit.",
+)
 @FORMAT_OPTION
 def publish(
     ckpt_dir: str,
@@ -293,18 +302,40 @@ def publish(
     step: int | None,
     base_every: int | None,
     cache_dir: str | None,
+    allow_empty: bool,
     fmt: str,
 ) -> None:
-    """Publish a Hugging Face checkpoint directory as the chain's next version."""
+    """Publish a Hugging Face checkpoint directory as the chain's next version.
+
+    A checkpoint equal to the newest version, bit for bit, commits nothing (exit status 0)
+    unless --allow-empty is given.
+    """
     from dcr_format.checkpoint import count_tensors, iter_checkpoint
+    from dcr_format.errors import UnchangedVersionError
     from dcr_format.writers.writer import DeltaWriter
 
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
     writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or _default_cache())
-    info = writer.publish(
-        _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"), step=step
-    )
+    try:
+        info = writer.publish(
+            _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"),
+            step=step,
+            allow_empty=allow_empty,
+        )
+    except UnchangedVersionError:
+        from dcr_format.chain import Chain
+
+        latest = Chain(store).latest()
+        _emit(
+            fmt,
+            {"committed": False, "reason": "unchanged", "version": latest},
+            lambda: click.echo(
+                f"unchanged: {ckpt_dir} equals version {latest} bit for bit; nothing committed "
+                "(--allow-empty commits it anyway)"
+            ),
+        )
+        return
 
     def human() -> None:
         click.echo(
@@ -558,7 +589,9 @@ def diff(
     """Which tensors, and how many elements, differ between versions A and B."""
     from dcr_format.tools import diff as diff_versions
 
-    report = diff_versions(store, a, b, exact=exact, include_unchanged=include_unchanged)
+    report = diff_versions(
+        store, a, b, exact=exact, include_unchanged=include_unchanged, progress=True
+    )
     if top is not None:
         report = report.model_copy(update={"tensors": report.tensors[:top]})
 
@@ -668,7 +701,7 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @_version_option("--at", "at", required=True, help="The version to write a base of.")
 @click.option(
     "--shard-mb",
@@ -681,7 +714,7 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     """Write an alternative base of a version: late joiners start there (spec §14)."""
     from dcr_format.tools import compact as compact_version
 
-    result = compact_version(store, at, shard_bytes=shard_mb << 20)
+    result = compact_version(store, at, shard_bytes=shard_mb << 20, progress=True)
 
     def human() -> None:
         if result.created:
@@ -697,7 +730,7 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option(
     "--keep-last",
     type=click.IntRange(min=1),
@@ -759,7 +792,7 @@ def gc(
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option(
     "--large-mb",
     type=click.IntRange(min=0),
@@ -836,44 +869,67 @@ def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int,
 )
 @FORMAT_OPTION
 def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -> None:
-    """Train a small transformer, publish every step, pull each into a reader, check bits."""
+    """Train a small transformer, publish every step, pull each into a reader copy, check bits.
+
+    Without --store the demo publishes into a temporary directory and removes it at the end.
+    """
     from dcr_format.demo import run_demo
+    from dcr_format.tools._progress import Progress
 
-    if store is None:
-        store = str(Path(tempfile.mkdtemp(prefix="dcr-demo-")) / "store")
-    rows = run_demo(store, steps=steps, size=size, lr=lr)
+    headers = ["version", "change", "delta", "dense", "ratio", "publish", "pull", "apply"]
+    widths = [7, 8, 9, 9, 7, 7, 7, 7, 8]
 
-    def human() -> None:
-        click.echo(f"store: {store}")
-        _table(
-            [
-                "version",
-                "change",
-                "delta",
-                "dense",
-                "ratio",
-                "publish",
-                "pull",
-                "apply",
-                "verified",
-            ],
-            [
-                [
-                    r.version,
-                    f"{r.change_rate:.3%}",
-                    _bytes(r.delta_bytes),
-                    _bytes(r.dense_bytes),
-                    f"{r.ratio:.2%}",
-                    f"{r.publish_s:.2f}s",
-                    f"{r.pull_s:.2f}s",
-                    f"{r.apply_s:.2f}s",
-                    "yes" if r.verified else "NO",
-                ]
-                for r in rows
-            ],
+    def line(cells: Sequence[str]) -> None:
+        click.echo(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
         )
 
-    _emit(fmt, list(rows), human)
+    bar = Progress("demo", total=steps + 1, unit="versions published and pulled")
+
+    def on_row(r: Any) -> None:
+        bar.add()
+        if fmt != "human":
+            return
+        line(
+            [
+                str(r.version),
+                f"{r.change_rate:.3%}",
+                _bytes(r.delta_bytes),
+                _bytes(r.dense_bytes),
+                f"{r.ratio:.2%}",
+                f"{r.publish_s:.2f}s",
+                f"{r.pull_s:.2f}s",
+                f"{r.apply_s:.2f}s",
+                "yes" if r.verified else "NO",
+            ]
+        )
+
+    temporary = None if store is not None else tempfile.mkdtemp(prefix="dcr-demo-")
+    if fmt == "human":
+        where = store if temporary is None else "a temporary directory (removed at the end)"
+        click.echo(f"store: {where}")
+        line([*headers, "verified"])
+    if not sys.stderr.isatty():
+        click.echo(f"dcr demo: training a {size} model for {steps} steps", err=True)
+    try:
+        with bar:
+            rows = run_demo(
+                store or os.path.join(str(temporary), "store"),
+                steps=steps,
+                size=size,
+                lr=lr,
+                on_row=on_row,
+            )
+    finally:
+        if temporary is not None:
+            import shutil
+
+            shutil.rmtree(temporary, ignore_errors=True)
+    if fmt != "human":
+        _emit(fmt, list(rows), lambda: None)
     if not all(r.verified for r in rows):
         sys.exit(1)
 

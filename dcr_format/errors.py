@@ -46,6 +46,7 @@ __all__ = [
     "TargetLayoutError",
     "TargetNotUpdatableError",
     "TargetUnreadableError",
+    "UnchangedVersionError",
     "UnsupportedDtypeError",
     "UnsupportedFeatureError",
     "UnsupportedVersionError",
@@ -232,6 +233,11 @@ class ReservedNameError(DcrError, ValueError):
 
 class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
+
+
+class UnchangedVersionError(CommitError):
+    """A publish asked not to commit an empty version found every tensor unchanged; nothing
+    was committed."""
 
 
 class GraceTooShortError(DcrError, ValueError):

@@ -102,3 +102,138 @@ def test_doctor_refuses_a_directory_that_does_not_exist(tmp_path: Path) -> None:
     assert not (tmp_path / "no").exists()
     os.makedirs(missing)  # an empty directory is a new store to probe
     assert _invoke("doctor", "--store", str(missing), "--large-mb", "0").exit_code == 0
+
+
+def _checkpoint(path: Path, state: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    path.mkdir(exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> None:
+    from dcr_format import Store
+    from dcr_format.errors import UnchangedVersionError
+
+    store = str(tmp_path / "store")
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    ckpt = _checkpoint(tmp_path / "ckpt", make_state(0))
+    assert _invoke("publish", ckpt, "--store", store, *cache).exit_code == 0
+    again = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    assert again.exit_code == 0, again.output
+    assert again.stdout.startswith("unchanged:") and "nothing committed" in again.stdout
+    assert Store(store).list("commits/") == [f"commits/{0:020d}.json"]
+    forced = _invoke("publish", ckpt, "--store", store, *cache, "--allow-empty")
+    assert "committed version 1" in forced.stdout, forced.output
+    # the writer option under it: nothing committed, and the next change still publishes
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache2")
+    state = make_state(0)
+    with pytest.raises(UnchangedVersionError):
+        writer.publish(state, allow_empty=False)
+    step_state(state, torch.Generator().manual_seed(3))
+    assert writer.publish(state, allow_empty=False).version == 2
+
+
+def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(
+    store: str, tmp_path: Path
+) -> None:
+    into = tmp_path / "out"
+    refused = _invoke("pull", "--store", store, "--into", str(into), "--version", "5")
+    assert refused.exit_code == 1 and "not committed" in refused.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+    assert "--single-writer" not in _invoke("pull", "--help").stdout
+    assert "--single-writer" in _invoke("publish", "--help").stdout
+
+
+def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
+    rows: list[str] = []
+    import dcr_format.demo as demo
+
+    real = demo.run_demo
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        given = kwargs["on_row"]
+
+        def on_row(row):  # type: ignore[no-untyped-def]
+            given(row)
+            rows.append(row.version)
+
+        return real(*args, **{**kwargs, "on_row": on_row})
+
+    monkeypatch.setattr(demo, "run_demo", watched)
+    result = _invoke("demo", "--size", "tiny", "--steps", "2", env={"DCR_PROGRESS_INTERVAL": "0"})
+    assert result.exit_code == 0, result.output
+    assert rows == [0, 1, 2]
+    table = result.stdout.splitlines()
+    assert table[0] == "store: a temporary directory (removed at the end)"
+    assert [line.split()[0] for line in table[2:]] == ["0", "1", "2"]
+    assert all(line.endswith("yes") for line in table[2:])
+    assert "dcr demo: 3 of 3 versions" in result.stderr
+    assert [n for n in os.listdir(tmp_path) if n.startswith("dcr-demo-")] == []  # store gone
+
+
+def test_long_tools_report_progress_off_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCR_PROGRESS_INTERVAL", "0")
+    store = str(tmp_path / "store")
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache")
+    for version in range(4):
+        if version:
+            step_state(state, gen)
+        writer.publish(state)
+    runs = {
+        "replay": ("replay", "3", "--store", store, "--out", str(tmp_path / "r"), "--no-cache"),
+        "verify --deep": ("verify", "--store", store, "--deep"),
+        "diff": ("diff", "0", "3", "--store", store),
+        "compact": ("compact", "--store", store, "--at", "2"),
+    }
+    for what, args in runs.items():
+        result = _invoke(*args)
+        assert result.exit_code == 0, (what, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("dcr ")]
+        assert lines, (what, result.stderr)
+        assert any(f"dcr {what}" in line and " s" in line for line in lines), lines
+        assert "done" in lines[-1], lines
+
+
+def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from dcr_format.tools import compact, plot_data
+    from dcr_format.tools._plot import _COMPACTED, _figure
+
+    store = str(tmp_path / "store")
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache")
+    for version in range(3):
+        if version:
+            step_state(state, gen)
+        writer.publish(state)
+    compact(store, 1)
+    data = plot_data(store)
+    assert [(v.kind, v.compacted) for v in data.versions] == [
+        ("base", False), ("delta", True), ("delta", False),
+    ]  # fmt: skip
+    figure = _figure(data, dpi=50)
+    figure.canvas.draw()
+    top = figure.axes[0]
+    bars = [p.get_facecolor() for p in top.patches]
+    from matplotlib.colors import to_rgba
+
+    assert bars[1] == to_rgba(_COMPACTED) and bars[2] != bars[1]
+    legend = top.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "delta with an alternative base" in labels and "dense checkpoint" in labels
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    box, area = legend.get_window_extent(renderer), top.get_window_extent(renderer)
+    assert box.x0 >= area.x1  # beside the panel: it covers neither bars nor the dense line

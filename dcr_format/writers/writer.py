@@ -72,6 +72,7 @@ from dcr_format.errors import (
     MissingTensorError,
     ObjectTooLargeError,
     TargetError,
+    UnchangedVersionError,
     UnsupportedDtypeError,
 )
 from dcr_format.fingerprint import (
@@ -304,20 +305,30 @@ class DeltaWriter:
 
     # --- publish ----------------------------------------------------------------------
 
-    def publish(self, tensors: Tensors, *, step: int | None = None) -> CommitInfo:
+    def publish(
+        self, tensors: Tensors, *, step: int | None = None, allow_empty: bool = True
+    ) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` (with a layout: this rank's
         local tensors) and commit it with every rank.
 
         Raises :class:`CommitConflictError` if another writer committed this version first
         (the baseline is unchanged), :class:`IncompleteVersionError` if a rank did not
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
+        With ``allow_empty=False`` (one writer rank only), tensors whose every bit equals
+        the newest version's commit nothing and raise :class:`UnchangedVersionError`.
         """
+        if not allow_empty and self.world_size != 1:
+            raise ArgumentError(
+                "allow_empty=False needs a single writer rank; publish with allow_empty=True"
+            )
         self._open()
         attempt = self._begin()
         clock = time.perf_counter
         started = clock()
         try:
             written = self._part.write(tensors, attempt)
+            if not allow_empty:
+                self._refuse_unchanged(written, attempt)
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
@@ -341,6 +352,21 @@ class DeltaWriter:
             "advance_s": clock() - committed,
         }
         return CommitInfo.from_record(loaded.record)
+
+    def _refuse_unchanged(self, written: Written, attempt: Attempt) -> None:
+        """Raise :class:`UnchangedVersionError` (baseline reverted) where the written
+        version's tensors equal the newest version's, bit for bit."""
+        if self._record is None:
+            return
+        table = state_table([written.manifest])
+        if table_fingerprint(table) != self._record.record.state_fingerprint:
+            return
+        written.revert()
+        raise UnchangedVersionError(
+            f"the tensors equal version {self._record.record.version}'s bit for bit: version "
+            f"{attempt.version} would change nothing, so nothing was committed (allow_empty "
+            "commits it anyway)"
+        )
 
     def _shard_limit(self) -> int:
         """Where this publish cuts shards: a quarter of what the rank's last publish wrote
