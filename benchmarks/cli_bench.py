@@ -7,12 +7,15 @@ Reports the median over ``--repeat`` runs of ``python -c pass``, ``dcr --version
 of a bf16 checkpoint of ``--mb`` MB with ``--rate`` of its elements changed per step (the
 first publish and pull, which may compile kernels into numba's cache, are not counted).
 Each figure is also given over the ``python -c pass`` of the same interpreter, the start-up
-every command pays; the goals are checked against those.
+every command pays; the goals are checked against those. Beside each wall time, the CPU
+time (user + system, every thread) the command used: on a machine other work keeps busy,
+that is the steadier figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -25,20 +28,33 @@ GOALS = {"--version": 0.3, "log": 0.6}  # seconds over `python -c pass`
 GOAL_PUBLISH_PULL = 1.5  # seconds, a warm publish and pull together
 
 
+_CPU: list[float] = []  # CPU seconds of each command run, in order
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _timed(argv: list[str]) -> float:
+    """Wall seconds of one run of ``argv`` (its CPU seconds are appended to ``_CPU``)."""
+    cpu = _children_cpu()
     started = time.perf_counter()
     run = subprocess.run(argv, capture_output=True, text=True)
     elapsed = time.perf_counter() - started
+    _CPU.append(_children_cpu() - cpu)
     if run.returncode != 0:
         raise SystemExit(f"{' '.join(argv[3:])} failed:\n{run.stderr}")
     return elapsed
 
 
-def _median(argv: list[str], repeat: int) -> float:
-    return statistics.median(_timed(argv) for _ in range(repeat))
+def _median(argv: list[str], repeat: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of ``repeat`` runs."""
+    walls = [_timed(argv) for _ in range(repeat)]
+    return statistics.median(walls), statistics.median(_CPU[-repeat:])
 
 
-def _checkpoint(root: Path, mb: float, seed: int):  # type: ignore[no-untyped-def]
+def _checkpoint(mb: float, seed: int):  # type: ignore[no-untyped-def]
     import torch
 
     numel = int(mb * 1e6) // 2
@@ -81,15 +97,17 @@ def main() -> None:
         store, ckpt, into = root / "store", root / "ckpt", root / "pulled"
         cache = ["--cache-dir", str(root / "cache")]
         ckpt.mkdir()
-        tensors = _checkpoint(root, args.mb, seed=0)
+        tensors = _checkpoint(args.mb, seed=0)
         gen = torch.Generator().manual_seed(1)
 
-        def publish() -> float:
+        def publish() -> tuple[float, float]:
             save_file(tensors, str(ckpt / "model.safetensors"))
-            return _timed([*DCR, "publish", str(ckpt), "--store", str(store), *cache])
+            wall = _timed([*DCR, "publish", str(ckpt), "--store", str(store), *cache])
+            return wall, _CPU[-1]
 
-        def pull() -> float:
-            return _timed([*DCR, "pull", "--store", str(store), "--into", str(into)])
+        def pull() -> tuple[float, float]:
+            wall = _timed([*DCR, "pull", "--store", str(store), "--into", str(into)])
+            return wall, _CPU[-1]
 
         first = publish(), pull()  # the base; may compile kernels into numba's cache
         _step(tensors, args.rate, gen)
@@ -103,22 +121,30 @@ def main() -> None:
         version = _median([*DCR, "--version"], args.repeat)
         log = _median([*DCR, "log", "--store", str(store)], args.repeat)
 
-    pub = statistics.median(p for p, _ in steps)
-    pul = statistics.median(q for _, q in steps)
-    both = statistics.median(p + q for p, q in steps)
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    pub = median([p[0] for p, _ in steps]), median([p[1] for p, _ in steps])
+    pul = median([q[0] for _, q in steps]), median([q[1] for _, q in steps])
+    both = median([p[0] + q[0] for p, q in steps]), median([p[1] + q[1] for p, q in steps])
     print(f"checkpoint: {args.mb:g} MB bf16, {args.rate:.1%} of elements changed per step")
-    print(f"python -c pass      {python:7.3f} s")
+    print(f"{'':<20}{'wall':>8}  {'cpu':>7}")
+    print(f"{'python -c pass':<20}{python[0]:7.3f}s  {python[1]:6.3f}s")
     rows = [("dcr --version", version, GOALS["--version"]), ("dcr log", log, GOALS["log"])]
-    for name, seconds, goal in rows:
-        over = seconds - python
+    for name, (wall, cpu), goal in rows:
+        over = wall - python[0]
         mark = "ok" if over <= goal else "OVER"
-        print(f"{name:<19} {seconds:7.3f} s  (+{over:.3f} s over python; goal +{goal} s: {mark})")
-    print(f"first publish+pull  {first[0]:7.3f} + {first[1]:.3f} s (base; kernels may compile)")
-    print(f"first delta         {warm[0]:7.3f} + {warm[1]:.3f} s")
-    mark = "ok" if both <= GOAL_PUBLISH_PULL else "OVER"
+        print(
+            f"{name:<20}{wall:7.3f}s  {cpu:6.3f}s  (+{over:.3f} s over python; goal "
+            f"+{goal} s: {mark})"
+        )
+    for name, (p, q) in (("first publish, pull", first), ("first delta", warm)):
+        print(f"{name:<20}{p[0]:7.3f}s + {q[0]:.3f}s wall, {p[1]:.3f}s + {q[1]:.3f}s cpu")
+    mark = "ok" if both[0] <= GOAL_PUBLISH_PULL else "OVER"
     print(
-        f"warm publish+pull   {pub:7.3f} + {pul:.3f} s, together {both:.3f} s "
-        f"(median of {args.steps}; goal {GOAL_PUBLISH_PULL} s: {mark})"
+        f"{'warm publish, pull':<20}{pub[0]:7.3f}s + {pul[0]:.3f}s wall, together "
+        f"{both[0]:.3f}s (goal {GOAL_PUBLISH_PULL} s: {mark}); cpu {pub[1]:.3f}s + "
+        f"{pul[1]:.3f}s (median of {args.steps} steps)"
     )
 
 

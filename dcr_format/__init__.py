@@ -38,9 +38,10 @@ if _typing.TYPE_CHECKING:
     )
     from dcr_format.store import Store, open_store
     from dcr_format.tools import compact, diff, gc, log, replay, show, verify
+    from dcr_format.writers._info import CommitInfo
     from dcr_format.writers.coordinate import ThreadCoordinator, TorchDistributedCoordinator
     from dcr_format.writers.projection import ProjectionWriter
-    from dcr_format.writers.writer import CommitInfo, DeltaWriter, owner
+    from dcr_format.writers.writer import DeltaWriter, owner
 
 # Each public name and the module that defines it: imported on first use, so that
 # ``import dcr_format`` (and the ``dcr`` command, which imports what each command needs)
@@ -75,7 +76,8 @@ _WHERE: dict[str, str] = {
         ("ThreadCoordinator", "TorchDistributedCoordinator"), "dcr_format.writers.coordinate"
     ),
     "ProjectionWriter": "dcr_format.writers.projection",
-    **dict.fromkeys(("CommitInfo", "DeltaWriter", "owner"), "dcr_format.writers.writer"),
+    "CommitInfo": "dcr_format.writers._info",
+    **dict.fromkeys(("DeltaWriter", "owner"), "dcr_format.writers.writer"),
 }
 
 

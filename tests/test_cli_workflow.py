@@ -4,6 +4,7 @@ named line, nothing is created or committed by a command that has nothing to do.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -52,17 +53,26 @@ def test_aws_endpoint_from_the_environment_applies_to_s3_stores_only(store: str)
     assert refused.exit_code == 2 and "applies to s3:// stores" in refused.stderr
 
 
-def test_version_imports_neither_torch_nor_numba() -> None:
+def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
+    """What ``dcr ARGV`` prints, and which of torch, numba, pydantic it imported."""
     code = (
         "import sys\n"
         "from dcr_format.cli import main\n"
-        "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+        f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         "heavy = {m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'pydantic'}\n"
         "print(sorted(heavy))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == ["dcr, version 0.1.0", "[]"]
+    *out, heavy = run.stdout.splitlines()
+    return "\n".join(out), ast.literal_eval(heavy)
+
+
+def test_version_and_log_import_only_what_they_need(store: str) -> None:
+    out, heavy = _heavy_modules("--version")
+    assert out == "dcr, version 0.1.0" and heavy == []
+    out, heavy = _heavy_modules("log", "--store", store)
+    assert out.splitlines()[-1].startswith("1 ") and heavy == ["pydantic"]
 
 
 def test_a_huge_grace_is_one_line_not_an_overflow(store: str) -> None:

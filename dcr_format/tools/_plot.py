@@ -15,7 +15,7 @@ from dcr_format.errors import CapabilityError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._inspect import records, row_from
-from dcr_format.writers.writer import CommitInfo
+from dcr_format.writers._info import CommitInfo
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from dcr_format.chain import (
     MAX_MANIFEST_BYTES,
@@ -105,6 +104,7 @@ from dcr_format.writers._commit import (
     read_reader_records,
     require_atomic_create,
 )
+from dcr_format.writers._info import CommitInfo
 from dcr_format.writers._part import (
     Attempt,
     Part,
@@ -129,40 +129,6 @@ _log = logging.getLogger(__name__)
 def owner(name: str, world_size: int) -> int:
     """The writer rank that publishes canonical tensor ``name``: crc32(UTF-8 name) mod W."""
     return zlib.crc32(name.encode()) % world_size
-
-
-class CommitInfo(BaseModel):
-    """What one publish committed (the whole version, across every writer rank)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    version: int
-    kind: str
-    step: int | None
-    attempt: str
-    created: str
-    tensors: int
-    changed_elements: int
-    total_elements: int
-    payload_bytes: int
-    dense_bytes: int
-    state_fingerprint: str
-
-    @property
-    def change_rate(self) -> float:
-        """Changed elements over total elements."""
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    @property
-    def ratio(self) -> float:
-        """Payload bytes over dense bytes."""
-        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
-
-    @classmethod
-    def from_record(cls, record: CommitRecord) -> CommitInfo:
-        """Summarise a commit record: each field is the record's or its stats' of that name."""
-        fields = record.model_dump(include=set(cls.model_fields)) | record.stats.model_dump()
-        return cls.model_validate(fields)
 
 
 class DeltaWriter:
