@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from dcr_format.chain import Chain
 from dcr_format.errors import DcrError, StoreNotInitializedError
@@ -46,8 +48,10 @@ class DoctorReport(Row):
 def _refuse_missing_directory(store: Store) -> None:
     """A local store whose directory does not exist is a mistyped path: probing it would
     create the directory and call an empty place safe."""
-    root = store.local_root
-    if root is not None and not os.path.isdir(root):
+    if store.kind != "local":
+        return
+    root = url2pathname(urlsplit(store.url).path)  # the directory of a file:// store
+    if not os.path.isdir(root):
         raise StoreNotInitializedError(
             f"store directory {root} does not exist; check the path, or create the directory "
             "to probe a new store there"
