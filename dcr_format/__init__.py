@@ -10,33 +10,90 @@ each specific error lives in :mod:`dcr_format.errors`. Test support (local S3
 servers, a fault proxy, the soak) is :mod:`dcr_format.testing`.
 """
 
-from dcr_format.errors import (
-    CommitError,
-    DcrError,
-    FormatError,
-    IntegrityError,
-    StoreError,
-    TargetError,
-)
-from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
-from dcr_format.layout import Layout
-from dcr_format.readers.module import ModuleTarget
-from dcr_format.readers.reader import DeltaReader, SyncResult
-from dcr_format.readers.relay import RelayStore
-from dcr_format.readers.targets import (
-    Applied,
-    Change,
-    Resident,
-    SafetensorsDirTarget,
-    StateDictTarget,
-    Target,
-    Transaction,
-)
-from dcr_format.store import Store, open_store
-from dcr_format.tools import compact, diff, gc, log, replay, show, verify
-from dcr_format.writers.coordinate import ThreadCoordinator, TorchDistributedCoordinator
-from dcr_format.writers.projection import ProjectionWriter
-from dcr_format.writers.writer import CommitInfo, DeltaWriter, owner
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from dcr_format.errors import (
+        CommitError,
+        DcrError,
+        FormatError,
+        IntegrityError,
+        StoreError,
+        TargetError,
+    )
+    from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
+    from dcr_format.layout import Layout
+    from dcr_format.readers.module import ModuleTarget
+    from dcr_format.readers.reader import DeltaReader, SyncResult
+    from dcr_format.readers.relay import RelayStore
+    from dcr_format.readers.targets import (
+        Applied,
+        Change,
+        Resident,
+        SafetensorsDirTarget,
+        StateDictTarget,
+        Target,
+        Transaction,
+    )
+    from dcr_format.store import Store, open_store
+    from dcr_format.tools import compact, diff, gc, log, replay, show, verify
+    from dcr_format.writers._info import CommitInfo
+    from dcr_format.writers.coordinate import ThreadCoordinator, TorchDistributedCoordinator
+    from dcr_format.writers.projection import ProjectionWriter
+    from dcr_format.writers.writer import DeltaWriter, owner
+
+# Each public name and the module that defines it: imported on first use, so that
+# ``import dcr_format`` (and the ``dcr`` command, which imports what each command needs)
+# does not load torch, numba and every layer up front.
+_WHERE: dict[str, str] = {
+    **dict.fromkeys(
+        ("CommitError", "DcrError", "FormatError", "IntegrityError", "StoreError", "TargetError"),
+        "dcr_format.errors",
+    ),
+    **dict.fromkeys(("state_fingerprint", "tensor_fingerprint"), "dcr_format.fingerprint"),
+    "Layout": "dcr_format.layout",
+    "ModuleTarget": "dcr_format.readers.module",
+    **dict.fromkeys(("DeltaReader", "SyncResult"), "dcr_format.readers.reader"),
+    "RelayStore": "dcr_format.readers.relay",
+    **dict.fromkeys(
+        (
+            "Applied",
+            "Change",
+            "Resident",
+            "SafetensorsDirTarget",
+            "StateDictTarget",
+            "Target",
+            "Transaction",
+        ),
+        "dcr_format.readers.targets",
+    ),
+    **dict.fromkeys(("Store", "open_store"), "dcr_format.store"),
+    **dict.fromkeys(
+        ("compact", "diff", "gc", "log", "replay", "show", "verify"), "dcr_format.tools"
+    ),
+    **dict.fromkeys(
+        ("ThreadCoordinator", "TorchDistributedCoordinator"), "dcr_format.writers.coordinate"
+    ),
+    "ProjectionWriter": "dcr_format.writers.projection",
+    "CommitInfo": "dcr_format.writers._info",
+    **dict.fromkeys(("DeltaWriter", "owner"), "dcr_format.writers.writer"),
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """A public name, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr_format' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from pydantic import BaseModel
 
 from dcr_format._cli_params import (
     FORMAT_OPTION,
@@ -24,11 +23,12 @@ from dcr_format._cli_params import (
     one_line,
     output_option,
 )
-from dcr_format.cli_bench import bench, project
 from dcr_format.errors import DcrError, VersionNotFoundError
-from dcr_format.store import Store
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from dcr_format.store import Store
     from dcr_format.tools._inspect import ShowSort
 
 VERSION = click.IntRange(min=0)
@@ -37,7 +37,8 @@ VERSION = click.IntRange(min=0)
 
 def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
     if param.name == "endpoint_url" and value:
-        value = endpoint_url(value)
+        source = ctx.get_parameter_source("endpoint_url")
+        ctx.meta["dcr.endpoint_from_env"] = source == click.core.ParameterSource.ENVIRONMENT
     ctx.meta[f"dcr.{param.name}"] = value
 
 
@@ -45,10 +46,16 @@ def _open_store(ctx: click.Context, param: click.Parameter, value: str | None) -
     """The --store URL as a Store, with the (eagerly parsed) S3 endpoint and writer mode."""
     if value is None:
         return None
+    from dcr_format.store import Store
+
     endpoint = ctx.meta.get("dcr.endpoint_url")
     options = None
+    is_s3 = value.startswith(("s3://", "s3a://"))
+    if endpoint and not is_s3 and ctx.meta.get("dcr.endpoint_from_env"):
+        endpoint = None  # AWS_ENDPOINT_URL set for S3 work says nothing about other stores
     if endpoint:
-        if not value.startswith(("s3://", "s3a://")):
+        endpoint = endpoint_url(endpoint)
+        if not is_s3:
             raise click.BadParameter(
                 "--endpoint-url applies to s3:// stores; drop it or pass an s3://bucket/prefix "
                 "store",
@@ -86,7 +93,7 @@ def _versions_in_chain(store: Store, **named: int | None) -> None:
 
 
 def STORE_OPTION(command: F) -> F:
-    """``--store`` (env DCR_STORE) plus ``--endpoint-url`` and ``--single-writer``."""
+    """``--store`` (env DCR_STORE) plus ``--endpoint-url``: a store the command reads."""
     command = click.option(
         "--store",
         envvar="DCR_STORE",
@@ -95,14 +102,19 @@ def STORE_OPTION(command: F) -> F:
         help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., "
         "s3://bucket/prefix",
     )(command)
-    command = click.option(
+    return click.option(
         "--endpoint-url",
         envvar="AWS_ENDPOINT_URL",
         is_eager=True,
         expose_value=False,
         callback=_remember,
-        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL).",
+        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL, which "
+        "other stores ignore).",
     )(command)
+
+
+def WRITER_STORE_OPTION(command: F) -> F:
+    """:func:`STORE_OPTION` plus ``--single-writer``: a store the command writes."""
     return click.option(
         "--single-writer",
         is_flag=True,
@@ -110,7 +122,7 @@ def STORE_OPTION(command: F) -> F:
         expose_value=False,
         callback=_remember,
         help="Write to a server that ignores conditional writes: only one writer may run.",
-    )(command)
+    )(STORE_OPTION(command))
 
 
 def _version_option(*names: str, help: str, required: bool = False) -> Callable[[F], F]:
@@ -142,6 +154,8 @@ def _progress(iterable: Iterable[Any], *, total: int | None, desc: str) -> Itera
 def _emit(
     fmt: str, data: BaseModel | list[BaseModel] | dict[str, Any], human: Callable[[], None]
 ) -> None:
+    from pydantic import BaseModel
+
     if fmt == "json":
         if isinstance(data, list):
             click.echo(json.dumps([d.model_dump(mode="json") for d in data], indent=2))
@@ -175,6 +189,10 @@ def _bytes(n: float) -> str:
 
 def _debug() -> bool:
     return os.environ.get("DCR_DEBUG", "") not in ("", "0")
+
+
+_LAZY_COMMANDS = {"bench": "bench", "project": "project"}
+"""Commands defined in :mod:`dcr_format.cli_bench`, imported only when named (or listed)."""
 
 
 class _Group(click.Group):
@@ -217,6 +235,17 @@ class _Group(click.Group):
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        name = _LAZY_COMMANDS.get(cmd_name)
+        if name is not None and cmd_name not in self.commands:
+            from dcr_format import cli_bench
+
+            self.add_command(getattr(cli_bench, name), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -247,13 +276,9 @@ def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
 
 
-cli.add_command(bench)
-cli.add_command(project)
-
-
 @cli.command()
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
 @click.option(
     "--base-every",
@@ -265,6 +290,11 @@ cli.add_command(project)
     "--cache-dir",
     help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
 )
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="Commit a version even when the checkpoint equals the newest version bit for bit.",
+)
 @FORMAT_OPTION
 def publish(
     ckpt_dir: str,
@@ -272,15 +302,19 @@ def publish(
     step: int | None,
     base_every: int | None,
     cache_dir: str | None,
+    allow_empty: bool,
     fmt: str,
 ) -> None:
     """Publish a Hugging Face checkpoint directory as the chain's next version.
 
     The tensors of its safetensors files, and its small files (config, generation config,
     tokenizer files, chat template: each file directly in the directory of at most 64 MiB,
-    weights in other formats aside), sent only where they changed.
+    weights in other formats aside), sent only where they changed. A checkpoint equal to the
+    newest version, bit for bit and file for file, commits nothing (exit status 0) unless
+    --allow-empty is given.
     """
     from dcr_format.checkpoint import count_tensors, iter_checkpoint
+    from dcr_format.errors import UnchangedVersionError
     from dcr_format.writers._files import directory_files
     from dcr_format.writers.writer import DeltaWriter
 
@@ -290,9 +324,26 @@ def publish(
     for line in left_out:
         click.echo(f"not sent: {line}", err=True)
     writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or _default_cache())
-    info = writer.publish(
-        _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"), step=step, files=files
-    )
+    try:
+        info = writer.publish(
+            _progress(iter_checkpoint(ckpt_dir), total=total, desc="publish"),
+            step=step,
+            files=files,
+            allow_empty=allow_empty,
+        )
+    except UnchangedVersionError:
+        from dcr_format.chain import Chain
+
+        latest = Chain(store).latest()
+        _emit(
+            fmt,
+            {"committed": False, "reason": "unchanged", "version": latest},
+            lambda: click.echo(
+                f"unchanged: {ckpt_dir} equals version {latest} bit for bit; nothing committed "
+                "(--allow-empty commits it anyway)"
+            ),
+        )
+        return
 
     def human() -> None:
         click.echo(
@@ -337,7 +388,7 @@ def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) ->
 
 
 def _duration(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
-    from dcr_format.tools import parse_duration
+    from dcr_format.tools._common import parse_duration
 
     try:
         return parse_duration(value)
@@ -546,7 +597,9 @@ def diff(
     """Which tensors, and how many elements, differ between versions A and B."""
     from dcr_format.tools import diff as diff_versions
 
-    report = diff_versions(store, a, b, exact=exact, include_unchanged=include_unchanged)
+    report = diff_versions(
+        store, a, b, exact=exact, include_unchanged=include_unchanged, progress=True
+    )
     if top is not None:
         report = report.model_copy(update={"tensors": report.tensors[:top]})
 
@@ -656,7 +709,7 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @_version_option("--at", "at", required=True, help="The version to write a base of.")
 @click.option(
     "--shard-mb",
@@ -669,7 +722,7 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     """Write an alternative base of a version: late joiners start there (spec §14)."""
     from dcr_format.tools import compact as compact_version
 
-    result = compact_version(store, at, shard_bytes=shard_mb << 20)
+    result = compact_version(store, at, shard_bytes=shard_mb << 20, progress=True)
 
     def human() -> None:
         if result.created:
@@ -685,7 +738,7 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option(
     "--keep-last",
     type=click.IntRange(min=1),
@@ -703,7 +756,14 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     default="1h",
     callback=_duration,
     help="Delete uncommitted attempts only when their newest object is older (30s, 15m, 2h, "
-    "7d); keep it well above the writers' commit timeout.",
+    "7d); at least the writers' commit timeout, better well above it.",
+)
+@click.option(
+    "--commit-timeout",
+    default="10m",
+    callback=_duration,
+    help="The longest commit timeout of the chain's writers (DeltaWriter's commit_timeout); "
+    "a shorter --grace is refused. 0 when no writer is running.",
 )
 @click.option(
     "--dry-run",
@@ -712,13 +772,24 @@ def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
 )
 @FORMAT_OPTION
 def gc(
-    store: Store, keep_last: int, keep_bases: int, grace: timedelta, dry_run: bool, fmt: str
+    store: Store,
+    keep_last: int,
+    keep_bases: int,
+    grace: timedelta,
+    commit_timeout: timedelta,
+    dry_run: bool,
+    fmt: str,
 ) -> None:
     """Delete uncommitted attempts and the versions before the kept range."""
     from dcr_format.tools import gc as collect
 
     report = collect(
-        store, keep_last=keep_last, keep_bases=keep_bases, grace=grace, dry_run=dry_run
+        store,
+        keep_last=keep_last,
+        keep_bases=keep_bases,
+        grace=grace,
+        dry_run=dry_run,
+        commit_timeout=commit_timeout,
     )
 
     def human() -> None:
@@ -729,7 +800,7 @@ def gc(
 
 
 @cli.command()
-@STORE_OPTION
+@WRITER_STORE_OPTION
 @click.option(
     "--large-mb",
     type=click.IntRange(min=0),
@@ -806,44 +877,67 @@ def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int,
 )
 @FORMAT_OPTION
 def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -> None:
-    """Train a small transformer, publish every step, pull each into a reader, check bits."""
+    """Train a small transformer, publish every step, pull each into a reader copy, check bits.
+
+    Without --store the demo publishes into a temporary directory and removes it at the end.
+    """
     from dcr_format.demo import run_demo
+    from dcr_format.tools._progress import Progress
 
-    if store is None:
-        store = str(Path(tempfile.mkdtemp(prefix="dcr-demo-")) / "store")
-    rows = run_demo(store, steps=steps, size=size, lr=lr)
+    headers = ["version", "change", "delta", "dense", "ratio", "publish", "pull", "apply"]
+    widths = [7, 8, 9, 9, 7, 7, 7, 7, 8]
 
-    def human() -> None:
-        click.echo(f"store: {store}")
-        _table(
-            [
-                "version",
-                "change",
-                "delta",
-                "dense",
-                "ratio",
-                "publish",
-                "pull",
-                "apply",
-                "verified",
-            ],
-            [
-                [
-                    r.version,
-                    f"{r.change_rate:.3%}",
-                    _bytes(r.delta_bytes),
-                    _bytes(r.dense_bytes),
-                    f"{r.ratio:.2%}",
-                    f"{r.publish_s:.2f}s",
-                    f"{r.pull_s:.2f}s",
-                    f"{r.apply_s:.2f}s",
-                    "yes" if r.verified else "NO",
-                ]
-                for r in rows
-            ],
+    def line(cells: Sequence[str]) -> None:
+        click.echo(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
         )
 
-    _emit(fmt, list(rows), human)
+    bar = Progress("demo", total=steps + 1, unit="versions published and pulled")
+
+    def on_row(r: Any) -> None:
+        bar.add()
+        if fmt != "human":
+            return
+        line(
+            [
+                str(r.version),
+                f"{r.change_rate:.3%}",
+                _bytes(r.delta_bytes),
+                _bytes(r.dense_bytes),
+                f"{r.ratio:.2%}",
+                f"{r.publish_s:.2f}s",
+                f"{r.pull_s:.2f}s",
+                f"{r.apply_s:.2f}s",
+                "yes" if r.verified else "NO",
+            ]
+        )
+
+    temporary = None if store is not None else tempfile.mkdtemp(prefix="dcr-demo-")
+    if fmt == "human":
+        where = store if temporary is None else "a temporary directory (removed at the end)"
+        click.echo(f"store: {where}")
+        line([*headers, "verified"])
+    if not sys.stderr.isatty():
+        click.echo(f"dcr demo: training a {size} model for {steps} steps", err=True)
+    try:
+        with bar:
+            rows = run_demo(
+                store or os.path.join(str(temporary), "store"),
+                steps=steps,
+                size=size,
+                lr=lr,
+                on_row=on_row,
+            )
+    finally:
+        if temporary is not None:
+            import shutil
+
+            shutil.rmtree(temporary, ignore_errors=True)
+    if fmt != "human":
+        _emit(fmt, list(rows), lambda: None)
     if not all(r.verified for r in rows):
         sys.exit(1)
 

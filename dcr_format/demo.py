@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -55,10 +56,12 @@ def run_demo(
     size: str = "small",
     lr: float | None = None,
     seed: int = 0,
+    on_row: Callable[[DemoRow], object] | None = None,
 ) -> list[DemoRow]:
     """Publish the initial weights and ``steps`` AdamW steps; pull each into a reader copy.
 
-    Every version is checked bit for bit against the trainer's bf16 export.
+    Every version is checked bit for bit against the trainer's bf16 export; ``on_row`` is
+    called with each version's row as soon as that version is checked.
     """
     trainer = Trainer(size=size, lr=DEFAULT_LR if lr is None else lr, seed=seed)
     writer = DeltaWriter(store)
@@ -73,15 +76,16 @@ def run_demo(
         info = writer.publish(weights, step=step)
         published = time.perf_counter()
         result = reader.sync()
-        rows.append(
-            row_from(
-                DemoRow,
-                info,
-                delta_bytes=info.payload_bytes,
-                publish_s=published - started,
-                pull_s=result.fetch_seconds,
-                apply_s=result.apply_seconds,
-                verified=result.version == info.version and _bit_equal(replica, weights),
-            )
+        row = row_from(
+            DemoRow,
+            info,
+            delta_bytes=info.payload_bytes,
+            publish_s=published - started,
+            pull_s=result.fetch_seconds,
+            apply_s=result.apply_seconds,
+            verified=result.version == info.version and _bit_equal(replica, weights),
         )
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows

@@ -24,6 +24,7 @@ __all__ = [
     "EngineUpdateError",
     "FingerprintMismatchError",
     "FormatError",
+    "GraceTooShortError",
     "GroupAbortError",
     "IncompleteVersionError",
     "IntegrityError",
@@ -47,6 +48,7 @@ __all__ = [
     "TargetLayoutError",
     "TargetNotUpdatableError",
     "TargetUnreadableError",
+    "UnchangedVersionError",
     "UnsupportedDtypeError",
     "UnsupportedFeatureError",
     "UnsupportedVersionError",
@@ -243,6 +245,16 @@ class ReservedNameError(DcrError, ValueError):
 
 class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
+
+
+class UnchangedVersionError(CommitError):
+    """A publish asked not to commit an empty version found every tensor unchanged; nothing
+    was committed."""
+
+
+class GraceTooShortError(DcrError, ValueError):
+    """gc's grace period is shorter than the writers' commit timeout, so it could delete an
+    attempt a writer is still committing."""
 
 
 class TargetNotUpdatableError(TargetError):

@@ -34,8 +34,6 @@ from pydantic import (
 
 from dcr_format._jsonscan import scan
 from dcr_format.codec.classed import CLASSED
-from dcr_format.codec.delta import OPS
-from dcr_format.codec.dtypes import DTYPE_NAMES
 from dcr_format.codec.features import (
     CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
@@ -45,6 +43,7 @@ from dcr_format.codec.features import (
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
 )
+from dcr_format.codec.names import DTYPE_NAMES, OPS
 from dcr_format.codec.positions import POSITION_CODINGS
 from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT

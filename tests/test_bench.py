@@ -350,3 +350,16 @@ def test_native_benchmark_small_run():
     for rate in ("1%", "5%"):
         assert f"Classed positions of bf16[200000] at {rate}" in out
     assert out.count("x copy_") >= 6
+
+
+def test_cli_benchmark_small_run():
+    """benchmarks/cli_bench.py: every command it times runs, and it reports each goal."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cli_bench.py"), "--mb", "1", "--steps", "1",
+         "--repeat", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    for name in ("python -c pass", "dcr --version", "dcr log", "warm publish, pull"):
+        assert any(line.startswith(name) for line in lines), result.stdout
+    assert result.stdout.count("goal") == 3

@@ -34,7 +34,8 @@ def chain(tmp_path: Path) -> tuple[str, list[dict[str, torch.Tensor]]]:
 def _run(*args: str, code: int = 0, env: dict[str, str] | None = None) -> str:
     result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
     assert result.exit_code == code, result.output
-    return result.output
+    # progress lines go to stderr; a failure's one line is on stderr too
+    return result.output if code else result.stdout
 
 
 def _json(*args: str, code: int = 0, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

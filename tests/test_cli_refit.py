@@ -19,7 +19,8 @@ pytestmark = pytest.mark.s3
 def _run(*args: str, env: dict[str, str] | None = None, code: int = 0) -> str:
     result = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
     assert result.exit_code == code, result.output
-    return result.output
+    # progress lines go to stderr; a failure's one line is on stderr too
+    return result.output if code else result.stdout
 
 
 def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -186,7 +186,7 @@ def test_writer_killed_at_every_stage(context, backend, stage, tmp_path, reliabi
     if stage in ("mid-shard", "some-manifests", "before-commit"):
         assert orphans, "the killed attempt left nothing behind"
     if url.startswith("s3://"):
-        report = gc(store, keep_last=100, grace=timedelta(0))
+        report = gc(store, keep_last=100, grace=timedelta(0), commit_timeout=timedelta(0))
         checked = verify(store, deep=True)
     else:  # the commands themselves: dcr gc, dcr verify --deep
         from click.testing import CliRunner
@@ -196,7 +196,20 @@ def test_writer_killed_at_every_stage(context, backend, stage, tmp_path, reliabi
 
         runner = CliRunner()
         done = runner.invoke(
-            cli, ["gc", "--store", url, "--keep-last", "100", "--grace", "0s", "--format", "json"]
+            cli,
+            [
+                "gc",
+                "--store",
+                url,
+                "--keep-last",
+                "100",
+                "--format",
+                "json",
+                "--grace",
+                "0s",
+                "--commit-timeout",
+                "0",
+            ],
         )
         assert done.exit_code == 0, done.output
         report = GcReport.model_validate_json(done.output)

@@ -221,7 +221,7 @@ def test_skewed_gc_on_s3_uses_last_modified(
     time.sleep(2.1)  # LastModified is whole seconds: the old orphan is >= 2 s older
     in_flight = _attempt(store, 2)
     _skew(monkeypatch, DAY)
-    report = gc(store, keep_last=5, grace=timedelta(seconds=1.5))
+    report = gc(store, keep_last=5, grace=timedelta(seconds=1.5), commit_timeout=timedelta(0))
     assert [i.attempt for i in report.deleted] == [old]
     assert [i.attempt for i in report.kept] == [in_flight]
     assert _attempts(store, 2) == {in_flight}

@@ -518,7 +518,7 @@ def test_gc_never_deletes_a_live_attempt_and_removes_a_crashed_one(store: Store)
         assert reached.wait(30)
         live = [k for k in store.list("objects/00000000000000000006/") if not k.startswith(crashed)]
         assert live
-        report = gc(store, keep_last=2, grace=timedelta(seconds=2))
+        report = gc(store, keep_last=2, grace=timedelta(seconds=2), commit_timeout=timedelta(0))
     finally:
         resume.set()
         thread.join(30)
@@ -547,9 +547,8 @@ def test_gc_grace_keeps_young_orphans_until_they_age(local: Store) -> None:
     # an attempt that lost the race for a committed version is garbage too
     loser = attempt_prefix(1, "f" * 32) + "shard-00000-00000.dcrs"
     local.put(loser, b"junk")
-    assert gc(local, keep_last=5, grace=timedelta(0)).deleted[0].reason == (
-        "lost the commit race or was retried"
-    )
+    report = gc(local, keep_last=5, grace=timedelta(0), commit_timeout=timedelta(0))
+    assert report.deleted[0].reason == "lost the commit race or was retried"
     assert not local.exists(loser)
 
 

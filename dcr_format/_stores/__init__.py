@@ -14,13 +14,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import fsspec
-from fsspec.implementations.memory import MemoryFileSystem
-
 from dcr_format._stores._base import Backend
-from dcr_format._stores._fsspec import FsspecBackend, fsspec_url
 from dcr_format._stores._local import LocalBackend, local_root
-from dcr_format._stores._memory import MemoryBackend
 from dcr_format.errors import CapabilityError, StoreError
 
 __all__ = ["describe", "open_backend"]
@@ -44,6 +39,13 @@ def open_backend(
     assert isinstance(url, str)  # a PathLike is always local
     if url.startswith(_S3_SCHEMES):
         return _open_s3(url, storage_options, single_writer=single_writer)
+    # imported here: a local store (the common case, and every quick command) needs no fsspec
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from dcr_format._stores._fsspec import FsspecBackend, fsspec_url
+    from dcr_format._stores._memory import MemoryBackend
+
     try:
         fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except (ImportError, ValueError) as exc:

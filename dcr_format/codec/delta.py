@@ -53,6 +53,7 @@ from dcr_format.codec.dtypes import (
     info_for,
     numpy_to_bits,
 )
+from dcr_format.codec.names import FULL, OPS, OVERWRITE, XOR
 from dcr_format.codec.positions import PositionsChoice, plain_size_floor
 from dcr_format.codec.rans import decode_rans
 from dcr_format.codec.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
@@ -62,11 +63,6 @@ from dcr_format.cuda import dispatch
 from dcr_format.cuda.positions import decode_positions_to
 from dcr_format.cuda.reference import Diff
 from dcr_format.errors import PositionsError, TargetError, ValuesError
-
-XOR = "xor"
-OVERWRITE = "overwrite"
-FULL = "full"
-OPS = (XOR, OVERWRITE, FULL)
 
 # Above this change rate the encoder also tries ``full`` and keeps the smaller.
 FULL_CANDIDATE_RATE = 0.2

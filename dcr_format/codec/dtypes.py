@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from dcr_format.codec.names import DTYPE_NAMES as DTYPE_NAMES  # re-exported
+from dcr_format.codec.names import UNSIGNED_NP as UNSIGNED_NP  # re-exported
 from dcr_format.errors import SchemaError, UnsupportedDtypeError
 
 
@@ -55,15 +56,8 @@ _INFOS = tuple(
 
 BY_NAME: dict[str, DtypeInfo] = {info.name: info for info in _INFOS}
 BY_TORCH: dict[torch.dtype, DtypeInfo] = {info.torch_dtype: info for info in _INFOS}
-DTYPE_NAMES: tuple[str, ...] = tuple(BY_NAME)
-
-# numpy unsigned views of each width, used by the host-side stream codecs
-UNSIGNED_NP: dict[int, np.dtype[Any]] = {
-    1: np.dtype("<u1"),
-    2: np.dtype("<u2"),
-    4: np.dtype("<u4"),
-    8: np.dtype("<u8"),
-}
+if tuple(BY_NAME) != DTYPE_NAMES:  # one list of names: the schema validates with that one
+    raise ImportError("dcr_format.codec.names.DTYPE_NAMES differs from the dtypes mapped here")
 
 
 def info_for(dtype: torch.dtype | str) -> DtypeInfo:

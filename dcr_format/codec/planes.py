@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.codec.names import UNSIGNED_NP
 
 
 def to_planes(values: np.ndarray) -> bytes:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.codec.names import UNSIGNED_NP
 from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
 

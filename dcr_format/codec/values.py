@@ -23,7 +23,7 @@ import numpy as np
 import zstandard
 
 from dcr_format.codec import features, rans, ulp_shift
-from dcr_format.codec.dtypes import UNSIGNED_NP
+from dcr_format.codec.names import UNSIGNED_NP
 from dcr_format.codec.planes import from_planes, to_planes
 from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT

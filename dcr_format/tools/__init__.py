@@ -14,16 +14,52 @@ serialisation.
 - :func:`plot`: bytes and change rate per version, by layer.
 """
 
-from dcr_format.store import ObjectInfo
-from dcr_format.tools._common import Problem, object_infos, parse_duration
-from dcr_format.tools._compact import CompactResult, compact
-from dcr_format.tools._diff import DiffReport, DiffRow, diff
-from dcr_format.tools._doctor import Check, DoctorReport, Verdict, doctor
-from dcr_format.tools._gc import DEFAULT_GRACE, GcItem, GcReport, gc
-from dcr_format.tools._inspect import LogRow, TensorRow, VersionDetail, log, show
-from dcr_format.tools._plot import PlotData, PlotVersion, plot, plot_data
-from dcr_format.tools._replay import ReplayResult, replay
-from dcr_format.tools._verify import VerifyReport, verify
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from dcr_format.store import ObjectInfo
+    from dcr_format.tools._common import Problem, object_infos, parse_duration
+    from dcr_format.tools._compact import CompactResult, compact
+    from dcr_format.tools._diff import DiffReport, DiffRow, diff
+    from dcr_format.tools._doctor import Check, DoctorReport, Verdict, doctor
+    from dcr_format.tools._gc import DEFAULT_GRACE, GcItem, GcReport, gc
+    from dcr_format.tools._inspect import LogRow, TensorRow, VersionDetail, log, show
+    from dcr_format.tools._plot import PlotData, PlotVersion, plot, plot_data
+    from dcr_format.tools._replay import ReplayResult, replay
+    from dcr_format.tools._verify import VerifyReport, verify
+
+# Each name and its module, imported on first use: a command that needs one tool does not
+# load the others (torch among them).
+_WHERE: dict[str, str] = {
+    "ObjectInfo": "dcr_format.store",
+    **dict.fromkeys(("Problem", "object_infos", "parse_duration"), "dcr_format.tools._common"),
+    **dict.fromkeys(("CompactResult", "compact"), "dcr_format.tools._compact"),
+    **dict.fromkeys(("DiffReport", "DiffRow", "diff"), "dcr_format.tools._diff"),
+    **dict.fromkeys(("Check", "DoctorReport", "Verdict", "doctor"), "dcr_format.tools._doctor"),
+    **dict.fromkeys(("DEFAULT_GRACE", "GcItem", "GcReport", "gc"), "dcr_format.tools._gc"),
+    **dict.fromkeys(
+        ("LogRow", "TensorRow", "VersionDetail", "log", "show"), "dcr_format.tools._inspect"
+    ),
+    **dict.fromkeys(("PlotData", "PlotVersion", "plot", "plot_data"), "dcr_format.tools._plot"),
+    **dict.fromkeys(("ReplayResult", "replay"), "dcr_format.tools._replay"),
+    **dict.fromkeys(("VerifyReport", "verify"), "dcr_format.tools._verify"),
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """A tool or result model, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcr_format.tools' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "DEFAULT_GRACE",

@@ -24,6 +24,7 @@ def object_infos(store: Store, prefix: str) -> list[ObjectInfo]:
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
+_LONGEST = timedelta(days=365_000)  # a thousand years; timedelta itself ends near 2.7e6 years
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -32,7 +33,10 @@ def parse_duration(text: str) -> timedelta:
     match = _DURATION.match(text)
     if not match:
         raise ValueError(f"cannot read {text!r} as a duration; write e.g. 30s, 15m, 2h or 7d")
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2) or "s"])
+    seconds = float(match.group(1)) * _UNITS[match.group(2) or "s"]
+    if not seconds <= _LONGEST.total_seconds():
+        raise ValueError(f"{text!r} is longer than {_LONGEST.days} days; write a shorter duration")
+    return timedelta(seconds=seconds)
 
 
 class Problem(Row):

@@ -8,6 +8,7 @@ creating ``bases/<V>.json`` last, with create-if-absent.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from datetime import datetime
@@ -46,6 +47,7 @@ from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import CheckpointFile, Entry, Manifest, ManifestRef, Stats, ValuesRef
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
+from dcr_format.tools._progress import Progress, counting_store
 from dcr_format.writers._commit import create_if_absent, require_atomic_create
 from dcr_format.writers._part import ShardWriter
 
@@ -69,6 +71,19 @@ class CompactResult(Row):
     """The versions applied to materialise the version."""
 
 
+def _writes_counted(store: Store, tick: Callable[[int], object]) -> Store:
+    """The same store, reporting the size of every object it writes to ``tick``."""
+    counted = copy.copy(store)
+    put = store.put
+
+    def put_counted(key: str, data: bytes) -> None:
+        put(key, data)
+        tick(len(data))
+
+    counted.put = put_counted  # type: ignore[method-assign]  # on this copy only
+    return counted
+
+
 def compact(
     store: Store | str | os.PathLike[str],
     at: int,
@@ -77,13 +92,15 @@ def compact(
     zstd_level: int = ZSTD_LEVEL,
     clock: Callable[[], datetime] = utc_now,
     ids: Callable[[], str] = new_id,
+    progress: bool = False,
 ) -> CompactResult:
     """Write an alternative base of committed version ``at`` that readers may start from.
 
     Does nothing if ``at`` is a base version or already has a valid alternative
     base (and raises if it has a broken one). Needs the whole version in memory.
     Racing compactions of one version agree on whichever record was created
-    first; the loser deletes its own objects.
+    first; the loser deletes its own objects. ``progress`` shows how far the replay
+    and the write of the base are on stderr (a bar on a terminal, lines off one).
     """
     store = open_store(store)
     chain = Chain(store)
@@ -101,14 +118,25 @@ def compact(
         "store with single_writer=True if no other process writes it",
     )
     tensors: dict[str, torch.Tensor] = {}
-    synced = DeltaReader(store, StateDictTarget(tensors), verify="all").sync(to=at)
+    with Progress("compact: replay", unit="B", enabled=progress) as bar:
+        reading = counting_store(store, bar.add) if progress else store
+        synced = DeltaReader(reading, StateDictTarget(tensors), verify="all").sync(to=at)
     manifests = chain.manifests(commit)
     table = state_table(manifests)
     files = next((m.files for m in manifests if m.rank == 0), ())  # stored once: named again
     attempt = ids()
-    manifest_ref, manifest = _write_snapshot(
-        store, at, attempt, tensors, table, commit.record.chain_id, shard_bytes, zstd_level, files
-    )
+    with Progress("compact: write base", unit="B", enabled=progress) as bar:
+        manifest_ref, manifest = _write_snapshot(
+            _writes_counted(store, bar.add) if progress else store,
+            at,
+            attempt,
+            tensors,
+            table,
+            commit.record.chain_id,
+            shard_bytes,
+            zstd_level,
+            files,
+        )
     if table_fingerprint(state_table([manifest])) != commit.record.state_fingerprint:
         raise ChainBrokenError(  # the reader checked every tensor: this is a bug, not the store
             f"the snapshot of version {at} does not add up to its state fingerprint"

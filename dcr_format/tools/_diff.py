@@ -38,11 +38,13 @@ from dcr_format.codec.dtypes import bits_view, info_for
 from dcr_format.codec.shard import decode_shard
 from dcr_format.codec.ulp import ULP
 from dcr_format.codec.ulp_shift import ULP_SHIFT
+from dcr_format.errors import VersionNotFoundError
 from dcr_format.readers.reader import DeltaReader, _decode_entry
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Entry, Manifest
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
+from dcr_format.tools._progress import Progress
 
 Status = Literal["changed", "added", "removed", "replaced", "unchanged"]
 _EXACT_GROUP_BYTES = 1 << 30  # tensors materialised together by exact=True
@@ -150,18 +152,21 @@ def diff(
     exact: bool = False,
     include_unchanged: bool = False,
     max_workers: int = 8,
+    progress: bool = False,
 ) -> DiffReport:
     """Compare versions ``a`` and ``b`` tensor by tensor (see the module docstring).
 
     Every version from ``min(a, b)`` to ``max(a, b)`` must be committed; their
     records, links and manifests are checked on the way. Rows are sorted by
     differing elements, largest first; unchanged tensors are left out unless
-    ``include_unchanged``.
+    ``include_unchanged``. ``progress`` shows how far the reading and decoding are on
+    stderr (a bar on a terminal, lines off one).
     """
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
     lo, hi = min(a, b), max(a, b)
-    versions = _load_versions(chain, lo, hi, max_workers)
+    _check_range(chain, lo, hi)
+    versions = _load_versions(chain, lo, hi, max_workers, progress)
     table_lo = state_table(versions[0].manifests)
     table_hi = state_table(versions[-1].manifests)
     changed_in = Counter(  # pieces of one tensor count once per version
@@ -188,7 +193,7 @@ def diff(
             rows[name] = _row(new, "unchanged", 0, True, changes)
         else:
             pending[name] = new
-    touched = _combine(chain, versions[1:], pending, max_workers)
+    touched = _combine(chain, versions[1:], pending, max_workers, progress)
     bounds: Counter[str] = Counter()  # changes in all, of tensors whose positions are not read
     for version in versions[1:]:
         for manifest in version.manifests:
@@ -233,17 +238,47 @@ def _row(state: TensorState, status: Status, elements: int, exact: bool, version
     )
 
 
-def _load_versions(chain: Chain, lo: int, hi: int, max_workers: int) -> list[_Version]:
-    with ThreadPoolExecutor(max_workers) as pool:
-        records = list(pool.map(chain.record, range(lo, hi + 1)))
+def _check_range(chain: Chain, lo: int, hi: int) -> None:
+    """Both ends are in the chain's committed range (a gap in between is named on loading)."""
+    committed = chain.versions()
+    if not committed:
+        raise VersionNotFoundError(f"{chain.store.url} has no committed version; publish first")
+    first, last = committed[0], committed[-1]
+    for version in (lo, hi):
+        if not first <= version <= last:
+            raise VersionNotFoundError(
+                f"version {version} is not committed: the chain of {chain.store.url} holds "
+                f"versions {first}..{last}; run `dcr log` to see the committed versions"
+            )
+
+
+def _load_versions(
+    chain: Chain, lo: int, hi: int, max_workers: int, progress: bool
+) -> list[_Version]:
+    total = 2 * (hi - lo + 1)  # each version's record, then its manifests
+    with (
+        ThreadPoolExecutor(max_workers) as pool,
+        Progress("diff: read", total=total, unit="records and manifests", enabled=progress) as bar,
+    ):
+        records = []
+        for record in pool.map(chain.record, range(lo, hi + 1)):
+            records.append(record)
+            bar.add()
         for parent, child in itertools.pairwise(records):
             chain.check_link(parent, child)
-        manifests = list(pool.map(chain.manifests, records))
+        manifests = []
+        for found in pool.map(chain.manifests, records):
+            manifests.append(found)
+            bar.add()
     return [_Version(r, m) for r, m in zip(records, manifests, strict=True)]
 
 
 def _combine(
-    chain: Chain, versions: list[_Version], pending: dict[str, TensorState], max_workers: int
+    chain: Chain,
+    versions: list[_Version],
+    pending: dict[str, TensorState],
+    max_workers: int,
+    progress: bool = False,
 ) -> dict[str, _Touched]:
     """Accumulate the positions of every xor/overwrite entry of the pending tensors.
 
@@ -268,11 +303,17 @@ def _combine(
         name: _Touched(numel(pending[name].shape), info_for(pending[name].dtype).bits_dtype)
         for name in wanted
     }
-    with ThreadPoolExecutor(max_workers) as pool:
+    with (
+        ThreadPoolExecutor(max_workers) as pool,
+        Progress(
+            "diff: decode", total=len(versions), unit="versions", enabled=progress and bool(wanted)
+        ) as bar,
+    ):
         for version in versions:
             for _, entry, delta in _decoded(chain, version, wanted, pool):
                 assert delta.positions is not None
                 touched[entry.name].add(delta.op, delta.positions, delta.values)
+            bar.add()
     return touched
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import os
 import uuid
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from dcr_format.chain import Chain
-from dcr_format.errors import DcrError
+from dcr_format.errors import DcrError, StoreNotInitializedError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
@@ -43,6 +45,19 @@ class DoctorReport(Row):
     verdicts: list[Verdict]
 
 
+def _refuse_missing_directory(store: Store) -> None:
+    """A local store whose directory does not exist is a mistyped path: probing it would
+    create the directory and call an empty place safe."""
+    if store.kind != "local":
+        return
+    root = url2pathname(urlsplit(store.url).path)  # the directory of a file:// store
+    if not os.path.isdir(root):
+        raise StoreNotInitializedError(
+            f"store directory {root} does not exist; check the path, or create the directory "
+            "to probe a new store there"
+        )
+
+
 def doctor(
     store: Store | str | os.PathLike[str], *, large_bytes: int | None = None
 ) -> DoctorReport:
@@ -54,6 +69,7 @@ def doctor(
     128 MiB + 1 on S3, past the multipart threshold, else 8 MiB; 0 skips it).
     """
     store = open_store(store)
+    _refuse_missing_directory(store)
     checks: dict[str, Check] = {}
 
     def record(name: str, ok: bool | None, detail: str) -> None:

@@ -50,11 +50,20 @@ from pydantic import Field
 
 from dcr_format.bases import base_record_key, load_base, read_base_record
 from dcr_format.chain import Chain, commit_key, utc_now
-from dcr_format.errors import ArgumentError, CapabilityError, ChainBrokenError, DcrError
+from dcr_format.errors import (
+    ArgumentError,
+    CapabilityError,
+    ChainBrokenError,
+    DcrError,
+    GraceTooShortError,
+)
 from dcr_format.store import ObjectInfo, Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
 DEFAULT_GRACE = timedelta(hours=1)
+WRITER_COMMIT_TIMEOUT = timedelta(seconds=600)
+"""The reference writer's default ``commit_timeout``: the shortest grace gc accepts unless told
+the writers' timeout (FORMAT.md §14.5: the grace period exceeds it)."""
 _ATTEMPT = re.compile(r"^objects/([0-9]{20})/([0-9a-f]{32})/")
 _BASE_ATTEMPT = re.compile(r"^bases/([0-9]{20})/([0-9a-f]{32})/")
 _BASE_RECORD = re.compile(r"^bases/([0-9]{20})\.json$")
@@ -225,6 +234,7 @@ def gc(
     grace: timedelta = DEFAULT_GRACE,
     dry_run: bool = False,
     now: datetime | None = None,
+    commit_timeout: timedelta = WRITER_COMMIT_TIMEOUT,
 ) -> GcReport:
     """Delete uncommitted attempts older than ``grace`` and versions older than the kept range.
 
@@ -233,9 +243,19 @@ def gc(
     the writers' commit timeout). ``dry_run`` only reports (it still writes and
     deletes its own clock probe where it can, and deletes nothing else). ``now``
     is the store's time to measure ages against (default: read from the store with
-    a probe object; this machine's clock is never used).
+    a probe object; this machine's clock is never used). ``commit_timeout`` is the
+    longest ``commit_timeout`` of the chain's writers: a ``grace`` below it is refused
+    with :class:`~dcr_format.errors.GraceTooShortError` (pass ``timedelta(0)`` when no
+    writer can be running, e.g. to clean up after crashed writers).
     """
     options = GcOptions(keep_last, keep_bases, grace)
+    if grace < commit_timeout:
+        raise GraceTooShortError(
+            f"a grace of {grace.total_seconds():g} s is shorter than the writers' commit "
+            f"timeout ({commit_timeout.total_seconds():g} s): gc could delete an attempt a "
+            "writer is still committing; pass a longer grace, or a shorter commit timeout "
+            "where the writers use one (0 when no writer is running)"
+        )
     store = open_store(store)
     chain = Chain(store)
     chain.header  # noqa: B018  # refuse a store without a chain

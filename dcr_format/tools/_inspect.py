@@ -12,7 +12,7 @@ from dcr_format.bases import alternative_bases
 from dcr_format.chain import Chain, LoadedRecord
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row
-from dcr_format.writers.writer import CommitInfo
+from dcr_format.writers._info import CommitInfo
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -7,13 +7,18 @@ import os
 import re
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
+from dcr_format.bases import alternative_bases
 from dcr_format.chain import Chain
 from dcr_format.errors import CapabilityError
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._inspect import records, row_from
-from dcr_format.writers.writer import CommitInfo
+from dcr_format.writers._info import CommitInfo
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|blocks|h)\.(\d+)\.")
 
@@ -26,6 +31,8 @@ class PlotVersion(Row):
     payload_bytes: int
     dense_bytes: int
     change_rate: float
+    compacted: bool = False
+    """A delta with an alternative base (``dcr compact``): readers may start there."""
 
 
 class PlotData(Row):
@@ -53,12 +60,14 @@ def plot_data(
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
     loaded_records = records(chain, since=since, limit=limit)
+    compacted = set(alternative_bases(chain.store)) if loaded_records else set()
     with ThreadPoolExecutor(8) as pool:
         manifests = list(pool.map(chain.manifests, loaded_records))
     columns = []
     per_row: list[dict[str, tuple[int, int]]] = []
     for loaded, version_manifests in zip(loaded_records, manifests, strict=True):
-        columns.append(row_from(PlotVersion, CommitInfo.from_record(loaded.record)))
+        info = CommitInfo.from_record(loaded.record)
+        columns.append(row_from(PlotVersion, info, compacted=loaded.record.version in compacted))
         changed: dict[str, int] = defaultdict(int)
         shapes: dict[str, tuple[int, ...]] = {}
         for manifest in version_manifests:
@@ -94,17 +103,29 @@ def plot(
 ) -> PlotData:
     """Draw :func:`plot_data` into a PNG at ``out`` (needs the ``plot`` extra: matplotlib)."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.colors import LogNorm
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
+        import matplotlib  # noqa: F401
     except ImportError as exc:
         raise CapabilityError(
             f"plotting needs matplotlib ({exc}); pip install 'dcr-format[plot]'"
         ) from None
-    import numpy as np
-
     data = plot_data(store, since=since, limit=limit)
+    figure = _figure(data, dpi)
+    figure.savefig(os.fspath(out), format="png")
+    return data
+
+
+_BASE, _DELTA, _COMPACTED = "tab:orange", "tab:blue", "tab:green"
+
+
+def _figure(data: PlotData, dpi: int) -> Figure:
+    """The three panels of :func:`plot`."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import LogNorm
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
     versions = [c.version for c in data.versions]
     height = 5.0 + min(0.22 * len(data.rows), 12.0)
     figure = Figure(figsize=(10, height), dpi=dpi, layout="constrained")
@@ -112,13 +133,22 @@ def plot(
     top, middle, bottom = figure.subplots(
         3, 1, height_ratios=[2, 2, max(2, min(len(data.rows), 40) * 0.3)]
     )
-    colors = ["tab:orange" if c.kind == "base" else "tab:blue" for c in data.versions]
+    colors = [
+        _BASE if c.kind == "base" else _COMPACTED if c.compacted else _DELTA for c in data.versions
+    ]
     top.bar(versions, [max(c.payload_bytes, 1) for c in data.versions], color=colors)
-    top.plot(versions, [c.dense_bytes for c in data.versions], "k--", lw=1, label="dense")
+    (dense,) = top.plot(versions, [c.dense_bytes for c in data.versions], "k--", lw=1)
     top.set_yscale("log")
     top.set_ylabel("bytes per version")
-    top.set_title("payload per version (orange: base) against the dense checkpoint")
-    top.legend(loc="upper right")
+    top.set_title("payload per version against the dense checkpoint")
+    # beside the panel, not over the bars and the dense line
+    top.legend(
+        [Patch(color=_BASE), Patch(color=_DELTA), Patch(color=_COMPACTED), dense],
+        ["base", "delta", "delta with an alternative base", "dense checkpoint"],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
     deltas = [c for c in data.versions if c.kind != "base"]
     middle.plot(
         [c.version for c in deltas], [100 * c.change_rate for c in deltas], "o-", ms=3, lw=1
@@ -155,5 +185,4 @@ def plot(
     for axes in (top, middle, bottom):
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     figure.colorbar(image, ax=bottom, label="changed / elements")
-    figure.savefig(os.fspath(out), format="png")
-    return data
+    return figure

@@ -13,15 +13,13 @@ are replayed from a base into ``--out`` as before, leaving the cache alone.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from dcr_format._fsync import fsync
 from dcr_format.bases import read_base_record
@@ -32,6 +30,7 @@ from dcr_format.readers.reader import DeltaReader, SyncResult
 from dcr_format.readers.targets import DIR_STATE_FILE, SafetensorsDirTarget, Target
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Row
+from dcr_format.tools._progress import Progress, counting_store
 
 
 class ReplayResult(Row):
@@ -67,7 +66,7 @@ def replay(
     applied). With ``cache_dir``, a new or empty ``out_dir`` starts from the
     replay cache when it holds a version at or before ``version``, and the cache
     moves to ``version`` when that is newer than what it held. ``progress``
-    shows a bar of fetched bytes on a terminal.
+    shows the bytes fetched so far on stderr (a bar on a terminal, lines off one).
     """
     store = open_store(store)
     chain = Chain(store)
@@ -128,28 +127,12 @@ def _result(
 
 
 def _sync(store: Store, target: Target, version: int, progress: bool) -> SyncResult:
-    if not (progress and sys.stderr.isatty()):
+    if not progress:
         return DeltaReader(store, target, verify="all").sync(to=version)
-    from tqdm import tqdm
-
-    with tqdm(desc="replay", unit="B", unit_scale=True, leave=False) as bar:
-        reader = DeltaReader(_counting(store, bar.update), target, verify="all")
-        bar.total = _planned_bytes(reader, target, version)
+    with Progress("replay", unit="B") as bar:
+        reader = DeltaReader(counting_store(store, bar.add), target, verify="all")
+        bar.set_total(_planned_bytes(reader, target, version))
         return reader.sync(to=version)
-
-
-def _counting(store: Store, tick: Any) -> Store:
-    """The same store, reporting the size of every object it reads."""
-    counted = copy.copy(store)
-    get = store.get
-
-    def get_counted(key: str, *, max_size: int | None = None) -> bytes:
-        data = get(key, max_size=max_size)
-        tick(len(data))
-        return data
-
-    counted.get = get_counted  # type: ignore[method-assign]  # on this copy only
-    return counted
 
 
 def _planned_bytes(reader: DeltaReader, target: Target, version: int) -> int | None:

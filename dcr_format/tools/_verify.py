@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 from pydantic import computed_field
 
@@ -25,6 +24,7 @@ from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import Manifest
 from dcr_format.store import Store, open_store
 from dcr_format.tools._common import Problem, Row
+from dcr_format.tools._progress import Progress
 
 
 class VerifyReport(Row):
@@ -75,8 +75,8 @@ def verify(
     the previous one and checking every tensor's fingerprint against that
     version's state table (a reader's ``verify="all"``); and every alternative
     base in the range is materialised and checked the same way. After a version
-    fails to replay, replay resumes at the next base. ``progress`` shows a bar on
-    a terminal.
+    fails to replay, replay resumes at the next base. ``progress`` shows how far
+    the run is on stderr (a bar on a terminal, lines off one).
     """
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # a store without a chain is an error, not an empty report
@@ -104,7 +104,9 @@ def verify(
             previous = chain.record(versions[0] - 1)
         except DcrError:
             previous = None  # reported when its own range is checked
+    checking = Progress("verify", total=len(versions), unit="versions checked", enabled=progress)
     for version in versions:
+        checking.add()
         loaded, table = _check_version(
             chain, version, previous, previous_table, problems, counts, seen
         )
@@ -120,6 +122,7 @@ def verify(
         if loaded is not None and version in alternatives:
             _check_alternative(chain, loaded, problems, counts, seen)
         previous, previous_table = loaded, table
+    checking.close()
     replayed = 0
     if deep and versions:
         replayed = _replay_check(chain, versions, alternatives, problems, progress=progress)
@@ -250,16 +253,6 @@ def _check_alternative(
         _shards(chain, version, manifest, problems, counts, seen, "base")
 
 
-def _bar(versions: list[int], progress: bool) -> Iterable[int]:
-    if not progress:
-        return versions
-    import sys
-
-    from tqdm import tqdm
-
-    return tqdm(versions, desc="verify", unit="version", disable=not sys.stderr.isatty())
-
-
 def _replay_check(
     chain: Chain,
     versions: list[int],
@@ -271,21 +264,24 @@ def _replay_check(
     """Replay ``versions`` one after another, checking every tensor of every version."""
     replayed = 0
     reader: DeltaReader | None = None  # None: start (again) from a base
-    for version in _bar(versions, progress):
-        if reader is None:
-            if version != versions[0] and not _is_base(chain, version, alternatives):
-                continue  # after a failure, versions up to the next base cannot be replayed
-            reader = DeltaReader(chain.store, StateDictTarget({}), verify="all")
-        try:
-            result = reader.sync(to=version)
-        except DcrError as exc:
-            problems.append(Problem.of(version, commit_key(version), exc, "state"))
-            reader = None
-            continue
-        replayed += 1
-        started_here = result.previous is None and result.applied_versions[:1] == (version,)
-        if version in alternatives and not started_here:
-            _check_alternative_bits(chain, version, problems)
+    bar = Progress("verify --deep", total=len(versions), unit="versions replayed", enabled=progress)
+    with bar:
+        for version in versions:
+            bar.add()
+            if reader is None:
+                if version != versions[0] and not _is_base(chain, version, alternatives):
+                    continue  # after a failure, versions up to the next base cannot be replayed
+                reader = DeltaReader(chain.store, StateDictTarget({}), verify="all")
+            try:
+                result = reader.sync(to=version)
+            except DcrError as exc:
+                problems.append(Problem.of(version, commit_key(version), exc, "state"))
+                reader = None
+                continue
+            replayed += 1
+            started_here = result.previous is None and result.applied_versions[:1] == (version,)
+            if version in alternatives and not started_here:
+                _check_alternative_bits(chain, version, problems)
     return replayed
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from dcr_format.chain import (
     MAX_MANIFEST_BYTES,
@@ -74,6 +73,7 @@ from dcr_format.errors import (
     MissingTensorError,
     ObjectTooLargeError,
     TargetError,
+    UnchangedVersionError,
     UnsupportedDtypeError,
 )
 from dcr_format.fingerprint import (
@@ -107,6 +107,7 @@ from dcr_format.writers._commit import (
     require_atomic_create,
 )
 from dcr_format.writers._files import Files, file_refs, files_to_publish
+from dcr_format.writers._info import CommitInfo
 from dcr_format.writers._part import (
     Attempt,
     Part,
@@ -132,40 +133,6 @@ _log = logging.getLogger(__name__)
 def owner(name: str, world_size: int) -> int:
     """The writer rank that publishes canonical tensor ``name``: crc32(UTF-8 name) mod W."""
     return zlib.crc32(name.encode()) % world_size
-
-
-class CommitInfo(BaseModel):
-    """What one publish committed (the whole version, across every writer rank)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    version: int
-    kind: str
-    step: int | None
-    attempt: str
-    created: str
-    tensors: int
-    changed_elements: int
-    total_elements: int
-    payload_bytes: int
-    dense_bytes: int
-    state_fingerprint: str
-
-    @property
-    def change_rate(self) -> float:
-        """Changed elements over total elements."""
-        return self.changed_elements / self.total_elements if self.total_elements else 0.0
-
-    @property
-    def ratio(self) -> float:
-        """Payload bytes over dense bytes."""
-        return self.payload_bytes / self.dense_bytes if self.dense_bytes else 0.0
-
-    @classmethod
-    def from_record(cls, record: CommitRecord) -> CommitInfo:
-        """Summarise a commit record: each field is the record's or its stats' of that name."""
-        fields = record.model_dump(include=set(cls.model_fields)) | record.stats.model_dump()
-        return cls.model_validate(fields)
 
 
 class DeltaWriter:
@@ -312,7 +279,12 @@ class DeltaWriter:
     # --- publish ----------------------------------------------------------------------
 
     def publish(
-        self, tensors: Tensors, *, step: int | None = None, files: Files | None = None
+        self,
+        tensors: Tensors,
+        *,
+        step: int | None = None,
+        files: Files | None = None,
+        allow_empty: bool = True,
     ) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` (with a layout: this rank's
         local tensors) and commit it with every rank.
@@ -332,7 +304,14 @@ class DeltaWriter:
         Input no version can carry (a bad name, something not a dense tensor with data, a
         dtype the format lacks) is refused by name before anything is written
         (:func:`~dcr_format.writers._part.check_input`).
+        With ``allow_empty=False`` (one writer rank only), a version whose tensors equal the
+        newest version's bit for bit, with the same files, commits nothing and raises
+        :class:`UnchangedVersionError`.
         """
+        if not allow_empty and self.world_size != 1:
+            raise ArgumentError(
+                "allow_empty=False needs a single writer rank; publish with allow_empty=True"
+            )
         try:
             check_publish(tensors)  # bad input fails the version before it begins
         except DcrError:
@@ -349,6 +328,8 @@ class DeltaWriter:
         try:
             listed = self._put_files(chosen)
             written = self._part.write(tensors, attempt)
+            if not allow_empty:
+                self._refuse_unchanged(written, attempt, listed)
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
@@ -394,6 +375,24 @@ class DeltaWriter:
                 self.store.put(ref.key, files[ref.name])
                 held.add(ref.sha256)
         return listed
+
+    def _refuse_unchanged(
+        self, written: Written, attempt: Attempt, listed: tuple[CheckpointFile, ...]
+    ) -> None:
+        """Raise :class:`UnchangedVersionError` (baseline reverted) where the written
+        version's tensors equal the newest version's, bit for bit, and its files are the
+        same."""
+        if self._record is None or listed != self._files:
+            return
+        table = state_table([written.manifest])
+        if table_fingerprint(table) != self._record.record.state_fingerprint:
+            return
+        written.revert()
+        raise UnchangedVersionError(
+            f"the tensors equal version {self._record.record.version}'s bit for bit: version "
+            f"{attempt.version} would change nothing, so nothing was committed (allow_empty "
+            "commits it anyway)"
+        )
 
     def _shard_limit(self) -> int:
         """Where this publish cuts shards: a quarter of what the rank's last publish wrote

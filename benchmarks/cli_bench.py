@@ -1,0 +1,152 @@
+"""Wall time of ``dcr`` commands, each in a fresh process, beside ``python -c pass``.
+
+Run: ``python benchmarks/cli_bench.py [--mb 50] [--rate 0.01] [--steps 5] [--repeat 7]``.
+
+Reports the median over ``--repeat`` runs of ``python -c pass``, ``dcr --version`` and
+``dcr log``, and the median over ``--steps`` steps of a warm ``dcr publish`` and ``dcr pull``
+of a bf16 checkpoint of ``--mb`` MB with ``--rate`` of its elements changed per step (the
+first publish and pull, which may compile kernels into numba's cache, are not counted).
+Each figure is also given over the ``python -c pass`` of the same interpreter, the start-up
+every command pays; the goals are checked against those. Beside each wall time, the CPU
+time (user + system, every thread) the command used: on a machine other work keeps busy,
+that is the steadier figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DCR = [sys.executable, "-c", "import sys; from dcr_format.cli import main; main(sys.argv[1:])"]
+GOALS = {"--version": 0.3, "log": 0.6}  # seconds over `python -c pass`
+GOAL_PUBLISH_PULL = 1.5  # seconds, a warm publish and pull together
+
+
+_CPU: list[float] = []  # CPU seconds of each command run, in order
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(argv: list[str]) -> float:
+    """Wall seconds of one run of ``argv`` (its CPU seconds are appended to ``_CPU``)."""
+    cpu = _children_cpu()
+    started = time.perf_counter()
+    run = subprocess.run(argv, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    _CPU.append(_children_cpu() - cpu)
+    if run.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[3:])} failed:\n{run.stderr}")
+    return elapsed
+
+
+def _median(argv: list[str], repeat: int) -> tuple[float, float]:
+    """Median wall and CPU seconds of ``repeat`` runs."""
+    walls = [_timed(argv) for _ in range(repeat)]
+    return statistics.median(walls), statistics.median(_CPU[-repeat:])
+
+
+def _checkpoint(mb: float, seed: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    numel = int(mb * 1e6) // 2
+    per = 1 << 20
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    left, i = numel, 0
+    while left > 0:
+        n = min(per, left)
+        tensors[f"model.layers.{i}.weight"] = (torch.randn(n, generator=gen) * 0.02).to(
+            torch.bfloat16
+        )
+        left -= n
+        i += 1
+    return tensors
+
+
+def _step(tensors, rate: float, gen) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    for t in tensors.values():
+        hit = torch.rand(t.numel(), generator=gen) < rate
+        # a step that moves the chosen elements by about one bf16 ulp
+        t[hit] = (t[hit].float() * (1 + 2**-7)).to(torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=50.0, help="checkpoint size in MB")
+    parser.add_argument("--rate", type=float, default=0.01, help="share of elements changed")
+    parser.add_argument("--steps", type=int, default=5, help="timed publish+pull steps")
+    parser.add_argument("--repeat", type=int, default=7, help="runs of the start-up commands")
+    args = parser.parse_args()
+
+    import torch
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="dcr-cli-bench-") as tmp:
+        root = Path(tmp)
+        store, ckpt, into = root / "store", root / "ckpt", root / "pulled"
+        cache = ["--cache-dir", str(root / "cache")]
+        ckpt.mkdir()
+        tensors = _checkpoint(args.mb, seed=0)
+        gen = torch.Generator().manual_seed(1)
+
+        def publish() -> tuple[float, float]:
+            save_file(tensors, str(ckpt / "model.safetensors"))
+            wall = _timed([*DCR, "publish", str(ckpt), "--store", str(store), *cache])
+            return wall, _CPU[-1]
+
+        def pull() -> tuple[float, float]:
+            wall = _timed([*DCR, "pull", "--store", str(store), "--into", str(into)])
+            return wall, _CPU[-1]
+
+        first = publish(), pull()  # the base; may compile kernels into numba's cache
+        _step(tensors, args.rate, gen)
+        warm = publish(), pull()  # the first delta
+        steps = []
+        for _ in range(args.steps):
+            _step(tensors, args.rate, gen)
+            steps.append((publish(), pull()))
+
+        python = _median([sys.executable, "-c", "pass"], args.repeat)
+        version = _median([*DCR, "--version"], args.repeat)
+        log = _median([*DCR, "log", "--store", str(store)], args.repeat)
+
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    pub = median([p[0] for p, _ in steps]), median([p[1] for p, _ in steps])
+    pul = median([q[0] for _, q in steps]), median([q[1] for _, q in steps])
+    both = median([p[0] + q[0] for p, q in steps]), median([p[1] + q[1] for p, q in steps])
+    print(f"checkpoint: {args.mb:g} MB bf16, {args.rate:.1%} of elements changed per step")
+    print(f"{'':<20}{'wall':>8}  {'cpu':>7}")
+    print(f"{'python -c pass':<20}{python[0]:7.3f}s  {python[1]:6.3f}s")
+    rows = [("dcr --version", version, GOALS["--version"]), ("dcr log", log, GOALS["log"])]
+    for name, (wall, cpu), goal in rows:
+        over = wall - python[0]
+        mark = "ok" if over <= goal else "OVER"
+        print(
+            f"{name:<20}{wall:7.3f}s  {cpu:6.3f}s  (+{over:.3f} s over python; goal "
+            f"+{goal} s: {mark})"
+        )
+    for name, (p, q) in (("first publish, pull", first), ("first delta", warm)):
+        print(f"{name:<20}{p[0]:7.3f}s + {q[0]:.3f}s wall, {p[1]:.3f}s + {q[1]:.3f}s cpu")
+    mark = "ok" if both[0] <= GOAL_PUBLISH_PULL else "OVER"
+    print(
+        f"{'warm publish, pull':<20}{pub[0]:7.3f}s + {pul[0]:.3f}s wall, together "
+        f"{both[0]:.3f}s (goal {GOAL_PUBLISH_PULL} s: {mark}); cpu {pub[1]:.3f}s + "
+        f"{pul[1]:.3f}s (median of {args.steps} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The `dcr` command as a user meets it: the environment of S3 work does not break local
+stores, commands start without loading what they do not need, out-of-range values are one
+named line, nothing is created or committed by a command that has nothing to do."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from conftest import make_state, step_state
+
+from dcr_format import DeltaWriter
+from dcr_format.cli import cli
+from dcr_format.errors import GraceTooShortError
+from dcr_format.tools import gc
+from dcr_format.tools._common import parse_duration
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A local store whose chain ends at version 1."""
+    root = tmp_path_factory.mktemp("cli-workflow")
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(root / "store", cache_dir=root / "cache")
+    for version in range(2):
+        if version:
+            step_state(state, gen)
+        writer.publish(state, step=version)
+    return str(root / "store")
+
+
+def _invoke(*args: str, env: dict[str, str | None] | None = None) -> Result:
+    return CliRunner().invoke(cli, list(args), env={"DCR_DEBUG": None, **(env or {})})
+
+
+def test_aws_endpoint_from_the_environment_applies_to_s3_stores_only(store: str) -> None:
+    env: dict[str, str | None] = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    result = _invoke("log", "--store", store, env=env)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1].startswith("1 ")
+    # even one that is no URL at all: it is for S3 tools, not for this store
+    assert _invoke("log", "--store", store, env={"AWS_ENDPOINT_URL": "x"}).exit_code == 0
+    # an explicit --endpoint-url with a local store is still a usage error
+    refused = _invoke("log", "--store", store, "--endpoint-url", "http://127.0.0.1:9")
+    assert refused.exit_code == 2 and "applies to s3:// stores" in refused.stderr
+
+
+def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
+    """What ``dcr ARGV`` prints, and which of torch, numba, pydantic it imported."""
+    code = (
+        "import sys\n"
+        "from dcr_format.cli import main\n"
+        f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
+        "heavy = {m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'pydantic'}\n"
+        "print(sorted(heavy))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    *out, heavy = run.stdout.splitlines()
+    return "\n".join(out), ast.literal_eval(heavy)
+
+
+def test_version_and_log_import_only_what_they_need(store: str) -> None:
+    out, heavy = _heavy_modules("--version")
+    assert out == "dcr, version 0.1.0" and heavy == []
+    out, heavy = _heavy_modules("log", "--store", store)
+    assert out.splitlines()[-1].startswith("1 ") and heavy == ["pydantic"]
+
+
+def test_a_huge_grace_is_one_line_not_an_overflow(store: str) -> None:
+    result = _invoke("gc", "--store", store, "--keep-last", "1", "--grace", "99999999999d")
+    assert result.exit_code == 2, result.output
+    assert "longer than" in result.stderr and "Traceback" not in result.output
+    result = _invoke("gc", "--store", store, "--keep-last", "1", "--grace", "9" * 400 + "d")
+    assert result.exit_code == 2 and "longer than" in result.stderr
+    assert parse_duration("1000w") == timedelta(weeks=1000)
+
+
+def test_a_grace_below_the_commit_timeout_is_refused(store: str) -> None:
+    with pytest.raises(GraceTooShortError, match="commit timeout"):
+        gc(store, keep_last=1, grace=timedelta(minutes=5))
+    with pytest.raises(GraceTooShortError):
+        gc(store, keep_last=1, grace=timedelta(seconds=30), commit_timeout=timedelta(minutes=1))
+    result = _invoke("gc", "--store", store, "--keep-last", "5", "--grace", "1m")
+    assert result.exit_code == 1 and "commit timeout" in result.stderr
+    # where the writers use a shorter timeout (or none runs), a shorter grace is fine
+    ok = ("--grace", "1m", "--commit-timeout", "30s", "--dry-run")
+    assert _invoke("gc", "--store", store, "--keep-last", "5", *ok).exit_code == 0
+    assert gc(store, keep_last=5, grace=timedelta(0), commit_timeout=timedelta(0)).deleted == []
+
+
+def test_diff_past_the_end_of_the_chain_names_the_version_asked_for(store: str) -> None:
+    result = _invoke("diff", "0", "7", "--store", store)
+    assert result.exit_code == 1
+    assert "version 7 is not committed" in result.stderr and "0..1" in result.stderr
+    assert "version 2" not in result.stderr
+
+
+def test_doctor_refuses_a_directory_that_does_not_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "store"
+    result = _invoke("doctor", "--store", str(missing))
+    assert result.exit_code == 1 and "does not exist" in result.stderr, result.output
+    assert "safe" not in result.stdout
+    assert not (tmp_path / "no").exists()
+    os.makedirs(missing)  # an empty directory is a new store to probe
+    assert _invoke("doctor", "--store", str(missing), "--large-mb", "0").exit_code == 0
+
+
+def _checkpoint(path: Path, state: dict[str, torch.Tensor]) -> str:
+    from safetensors.torch import save_file
+
+    path.mkdir(exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    return str(path)
+
+
+def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> None:
+    from dcr_format import Store
+    from dcr_format.errors import UnchangedVersionError
+
+    store = str(tmp_path / "store")
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    ckpt = _checkpoint(tmp_path / "ckpt", make_state(0))
+    assert _invoke("publish", ckpt, "--store", store, *cache).exit_code == 0
+    again = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    assert again.exit_code == 0, again.output
+    assert again.stdout.startswith("unchanged:") and "nothing committed" in again.stdout
+    assert Store(store).list("commits/") == [f"commits/{0:020d}.json"]
+    forced = _invoke("publish", ckpt, "--store", store, *cache, "--allow-empty")
+    assert "committed version 1" in forced.stdout, forced.output
+    (tmp_path / "ckpt" / "config.json").write_text('{"changed": true}')  # a file alone is a change
+    edited = _invoke("publish", ckpt, "--store", store, *cache)
+    assert "committed version 2" in edited.stdout, edited.output
+    # the writer option under it: nothing committed, and the next change still publishes
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache2")
+    state = make_state(0)
+    with pytest.raises(UnchangedVersionError):
+        writer.publish(state, allow_empty=False)
+    step_state(state, torch.Generator().manual_seed(3))
+    assert writer.publish(state, allow_empty=False).version == 3
+
+
+def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(
+    store: str, tmp_path: Path
+) -> None:
+    into = tmp_path / "out"
+    refused = _invoke("pull", "--store", store, "--into", str(into), "--version", "5")
+    assert refused.exit_code == 1 and "not committed" in refused.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+    assert "--single-writer" not in _invoke("pull", "--help").stdout
+    assert "--single-writer" in _invoke("publish", "--help").stdout
+
+
+def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
+    rows: list[str] = []
+    import dcr_format.demo as demo
+
+    real = demo.run_demo
+
+    def watched(*args, **kwargs):  # type: ignore[no-untyped-def]
+        given = kwargs["on_row"]
+
+        def on_row(row):  # type: ignore[no-untyped-def]
+            given(row)
+            rows.append(row.version)
+
+        return real(*args, **{**kwargs, "on_row": on_row})
+
+    monkeypatch.setattr(demo, "run_demo", watched)
+    result = _invoke("demo", "--size", "tiny", "--steps", "2", env={"DCR_PROGRESS_INTERVAL": "0"})
+    assert result.exit_code == 0, result.output
+    assert rows == [0, 1, 2]
+    table = result.stdout.splitlines()
+    assert table[0] == "store: a temporary directory (removed at the end)"
+    assert [line.split()[0] for line in table[2:]] == ["0", "1", "2"]
+    assert all(line.endswith("yes") for line in table[2:])
+    assert "dcr demo: 3 of 3 versions" in result.stderr
+    assert [n for n in os.listdir(tmp_path) if n.startswith("dcr-demo-")] == []  # store gone
+
+
+def test_long_tools_report_progress_off_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCR_PROGRESS_INTERVAL", "0")
+    store = str(tmp_path / "store")
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache")
+    for version in range(4):
+        if version:
+            step_state(state, gen)
+        writer.publish(state)
+    runs = {
+        "replay": ("replay", "3", "--store", store, "--out", str(tmp_path / "r"), "--no-cache"),
+        "verify --deep": ("verify", "--store", store, "--deep"),
+        "diff": ("diff", "0", "3", "--store", store),
+        "compact": ("compact", "--store", store, "--at", "2"),
+    }
+    for what, args in runs.items():
+        result = _invoke(*args)
+        assert result.exit_code == 0, (what, result.output)
+        lines = [line for line in result.stderr.splitlines() if line.startswith("dcr ")]
+        assert lines, (what, result.stderr)
+        assert any(f"dcr {what}" in line and " s" in line for line in lines), lines
+        assert "done" in lines[-1], lines
+
+
+def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from dcr_format.tools import compact, plot_data
+    from dcr_format.tools._plot import _COMPACTED, _figure
+
+    store = str(tmp_path / "store")
+    gen = torch.Generator().manual_seed(0)
+    state = make_state(0)
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache")
+    for version in range(3):
+        if version:
+            step_state(state, gen)
+        writer.publish(state)
+    compact(store, 1)
+    data = plot_data(store)
+    assert [(v.kind, v.compacted) for v in data.versions] == [
+        ("base", False), ("delta", True), ("delta", False),
+    ]  # fmt: skip
+    figure = _figure(data, dpi=50)
+    figure.canvas.draw()
+    top = figure.axes[0]
+    bars = [p.get_facecolor() for p in top.patches]
+    from matplotlib.colors import to_rgba
+
+    assert bars[1] == to_rgba(_COMPACTED) and bars[2] != bars[1]
+    legend = top.get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert "delta with an alternative base" in labels and "dense checkpoint" in labels
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    box, area = legend.get_window_extent(renderer), top.get_window_extent(renderer)
+    assert box.x0 >= area.x1  # beside the panel: it covers neither bars nor the dense line
