@@ -364,9 +364,10 @@ class DcrSGLangSync:
             request["version"] = int(version)
         outcome = self._request(request, "sync")
         assert outcome.report is not None
-        return UpdateReport(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in outcome.report.items()}
-        )
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in outcome.report.items()
+        }
+        return UpdateReport(**fields)
 
     def _request(self, request: dict[str, Any], op: str) -> SyncOutcome:
         assert self.report_dir is not None
