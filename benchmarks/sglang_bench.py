@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -113,6 +114,7 @@ def main() -> int:
                 rows.append((dcr, report.apply_seconds, dense, report.prefetched))
     finally:
         engine.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
     dcr_pause = statistics.median(r[0] for r in rows)
     apply = statistics.median(r[1] for r in rows)
     dense = statistics.median(r[2] for r in rows)
