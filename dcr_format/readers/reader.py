@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -25,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format._pools import kept_pool
-from dcr_format.bases import alternative_bases, load_base
+from dcr_format.bases import alternative_bases, load_base, read_base_record
 from dcr_format.chain import (
     Chain,
     LoadedRecord,
@@ -50,6 +52,7 @@ from dcr_format.errors import (
     IntegrityError,
     StalePreparedError,
     StoreError,
+    TargetBusyError,
     TargetChangedError,
     TargetError,
     VersionNotFoundError,
@@ -77,7 +80,15 @@ from dcr_format.readers._plan import (
 )
 from dcr_format.readers._plan import _check_continuity as _check_continuity  # tools/_verify.py
 from dcr_format.readers.group import ReaderGroup
-from dcr_format.readers.targets import Applied, Change, Resident, Staged, Target, Transaction
+from dcr_format.readers.targets import (
+    Applied,
+    Change,
+    Resident,
+    Staged,
+    Target,
+    Transaction,
+    claim_target,
+)
 from dcr_format.schema import Entry, Manifest, ReaderRecord
 from dcr_format.store import Store, open_store
 
@@ -138,6 +149,9 @@ class PreparedVersion:
     # a sync's apply, opened while the fetch still decoded (DeltaReader._resolver): its
     # changes so far are applied, and DeltaReader.apply goes on with it
     _open: _Sync | None = field(repr=False, default=None)
+    # made by a sync, which applies it once: each change's decoded bits are dropped as soon
+    # as it is applied (the steps then no longer hold the version: not applied again)
+    _spend: bool = field(repr=False, default=False)
 
     @property
     def _incremental(self) -> bool:
@@ -206,7 +220,8 @@ class _Early:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
         try:
-            with serial_kernels():  # the pool's threads fill the cores already
+            # several of the pool's threads fill the cores already
+            with serial_kernels() if self.threads > 1 else contextlib.nullcontext():
                 self._apply(entry, delta)
         except BaseException as exc:
             self._failed.append(exc)
@@ -230,6 +245,7 @@ class _Sync:
     txn: Transaction
     audited: bool
     known: _Verified | None  # the lanes trusted instead of read (None: an audit)
+    release: Callable[[], None]  # the target's claim (claim_target), held until the end
     # fingerprint lanes of each tensor a delta changes, followed through the changes (as the
     # target reads them; None where it cannot)
     lanes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
@@ -354,7 +370,19 @@ class DeltaReader:
             kind=lambda version: self.chain.record(version).record.kind,
             alternatives=lambda: alternative_bases(self.store),
             where=self.store.url,
+            cost=self._cost,
         )
+
+    def _cost(self, version: int, alternative: bool) -> int:
+        """Bytes a version's objects (or its alternative base's) take to fetch, as its
+        record states them (a planning estimate: what is fetched is checked as always);
+        an alternative base that cannot be read counts as never cheaper."""
+        if not alternative:
+            return self.chain.record(version).record.stats.payload_bytes
+        try:
+            return read_base_record(self.chain, version)[0].stats.payload_bytes
+        except DcrError:
+            return sys.maxsize
 
     def sync(self, to: int | None = None, *, audit: bool = False) -> SyncResult:
         """Bring the target to version ``to`` (default: the newest committed version).
@@ -435,8 +463,10 @@ class DeltaReader:
         transaction then (:meth:`_open`, as :meth:`apply` would) and applies each change
         as it comes, those decoded before first; any failure from there rolls it back.
         """
-        if len(plan.steps) != 1 or plan.steps[0].base:
+        if len(plan.steps) != 1:
             return None  # a later step's old bits are those the earlier steps leave
+        if plan.steps[0].base:
+            return self._streamer(plan, early, resident, pool)
         names = {
             entry.name
             for _, entry in plan.steps[0].fetch.wanted
@@ -462,7 +492,10 @@ class DeltaReader:
             preliminary = PreparedVersion(
                 plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
             )
-            sync = self._open(preliminary, early.audit, prepare=False)
+            try:  # another sync of the target applies now: this one applies after the fetch
+                sync = self._open(preliminary, early.audit, prepare=False, wait=False)
+            except TargetBusyError:
+                return
             early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
         if not early.alone:
@@ -473,6 +506,30 @@ class DeltaReader:
         on_host = all(t.device.type == "cpu" for t in tensors.values())
         early.threads = cores if on_host else 1
         return Early(pool, take, verified, max(1, cores - 1))
+
+    def _streamer(
+        self, plan: SyncPlan, early: _Early, resident: Resident | None, pool: ThreadPoolExecutor
+    ) -> Early | None:
+        """For a one-step plan of a base, by a reader on its own into a target of canonical
+        tensors: what writes each tensor into the target as soon as it is decoded, so that
+        the sync holds the model once, not once more decoded (None otherwise).
+
+        The transaction opens before the fetch (:meth:`_open`: the checks of
+        :meth:`apply`); a failure from there, of the fetch too, rolls it back."""
+        if not early.alone or not self.target.reads_baseline():
+            return None
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
+        )
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.threads = 1  # one writer: a target's new tensors are made one at a time
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return _SPENT  # the version keeps no copy: the target holds it
+
+        return Early(pool, take, lambda: None, max(1, _kernel_threads() - 1))
 
     def _change_now(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
         """Apply one change while the fetch still decodes others (refused first, as
@@ -503,16 +560,21 @@ class DeltaReader:
         refuses it with the usual error."""
         wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
         staged: dict[str, Staged] = {}
-        for name, tensor in self.target.staging(wanted).items():
-            entry, delta = wanted[name]
-            # codings against the old bits are completed against the live tensor first
-            done = self._resolved_live(entry, delta, tensor)
-            if done is None:
-                continue
-            try:
-                staged[name] = Staged(tensor, stage_change(tensor, done))
-            except (IndexError, DcrError):
-                continue
+        # read while no other sync changes the tensors (a rollback would restore other bits)
+        release = claim_target(self.target, self.target.claim_timeout())
+        try:
+            for name, tensor in self.target.staging(wanted).items():
+                entry, delta = wanted[name]
+                # codings against the old bits are completed against the live tensor first
+                done = self._resolved_live(entry, delta, tensor)
+                if done is None:
+                    continue
+                try:
+                    staged[name] = Staged(tensor, stage_change(tensor, done))
+                except (IndexError, DcrError):
+                    continue
+        finally:
+            release()
         return staged
 
     def _give_rows(
@@ -564,13 +626,13 @@ class DeltaReader:
         rely on. Raises :class:`BaselineMismatchError` naming the first tensor changed
         outside dcr. Returns the names the target cannot read back (unverified).
         """
-        resident = self._resident()
-        if resident is None:
-            raise VersionNotFoundError("the target holds no version yet; sync it first")
-        loaded = self._resident_record(resident)
-        table = self._table_of(loaded)
-        txn = self._begin()
+        txn, release = self._begin()  # no other sync moves the target meanwhile
         try:
+            resident = self._resident()
+            if resident is None:
+                raise VersionNotFoundError("the target holds no version yet; sync it first")
+            loaded = self._resident_record(resident)
+            table = self._table_of(loaded)
             with self.group.stage("auditing its target"):
                 names = sorted(
                     n
@@ -579,7 +641,10 @@ class DeltaReader:
                 )
                 raw, unverified = self._read_and_check(txn, names, table, resident.version)
         finally:
-            txn.abort()
+            try:
+                txn.abort()
+            finally:
+                release()
         self._verified = _Verified(resident, raw)
         return tuple(sorted(unverified))
 
@@ -647,16 +712,24 @@ class DeltaReader:
                 "repair or remove the target and pull again"
             ) from exc
 
-    def _begin(self) -> Transaction:
-        """Open a transaction; any failure to open it is a :class:`TargetError`."""
+    def _begin(self, *, wait: bool = True) -> tuple[Transaction, Callable[[], None]]:
+        """Claim the target (no other sync of it in this process until the release;
+        ``wait``: for the target's time, else refuse at once with :class:`TargetBusyError`)
+        and open a transaction; any failure to open it is a :class:`TargetError`."""
+        release = claim_target(self.target, self.target.claim_timeout() if wait else 0)
         try:
-            return self.target.begin()
+            return self.target.begin(), release
         except DcrError:
+            release()
             raise
         except Exception as exc:
+            release()
             raise TargetError(
                 f"could not open the target ({exc}); repair or remove the target and pull again"
             ) from exc
+        except BaseException:
+            release()
+            raise
 
     def _resident_record(self, resident: Resident) -> LoadedRecord:
         """The resident version's commit record, checked against the one the target applied."""
@@ -686,9 +759,9 @@ class DeltaReader:
         with ThreadPoolExecutor(self.max_workers) as pool:
             plan = self._make_plan(resident, goal, committed, pool)
             taking = None if early is None else self._resolver(plan, early, resident, pool)
+            budget = _SyncBudget(self.decode_budget, self._model_bytes(plan) // 4)
             steps = tuple(
-                fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
-                for step in plan.steps
+                fetch_step(self.store, step, pool.map, budget, early=taking) for step in plan.steps
             )
             if early is not None:
                 early.finish()
@@ -703,6 +776,15 @@ class DeltaReader:
             steps,
             plan,
             _open=None if early is None else early.sync,
+            _spend=early is not None,
+        )
+
+    def _model_bytes(self, plan: SyncPlan) -> int:
+        """Bytes of the tensors the goal holds in this reader's target (selected, taken)."""
+        return sum(
+            math.prod(row.shape) * info_for(row.dtype).width
+            for name, row in plan.steps[-1].table.items()
+            if self._wants(name, row.dtype, row.shape)
         )
 
     def _check_goal(self, resident: Resident | None, goal: int, committed: list[int]) -> int | None:
@@ -854,13 +936,16 @@ class DeltaReader:
             if txn is None:  # nothing was opened (or :meth:`_open` rolled it back)
                 raise
             raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
-        self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
-        self._remember(sync, found)
-        for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
-            if name in sync.rows:
-                self._rows[name] = sync.rows[name]
-            else:
-                self._rows.pop(name, None)
+        try:
+            self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
+            self._remember(sync, found)
+            for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
+                if name in sync.rows:
+                    self._rows[name] = sync.rows[name]
+                else:
+                    self._rows.pop(name, None)
+        finally:
+            sync.release()
         return sync.unverified, sync.audited
 
     def _rolled_back(
@@ -873,10 +958,14 @@ class DeltaReader:
             for _, delta in step.changes:
                 if delta.rows is not None:
                     delta.rows.rows = None
-        txn.undo()
-        if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
-            exc = self._diagnose(exc, sync)  # reads the restored bits
-        txn.abort()
+        try:
+            txn.undo()
+            if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
+                exc = self._diagnose(exc, sync)  # reads the restored bits
+            txn.abort()
+        finally:
+            if sync is not None:
+                sync.release()  # the target is as it was: the next sync may check it
         if as_is or isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
             return exc
         if isinstance(exc, Exception):
@@ -885,15 +974,29 @@ class DeltaReader:
             return error
         return exc
 
-    def _open(self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True) -> _Sync:
-        """Open the transaction that applies ``prepared`` and check the target before
-        anything changes (``prepare``: also let the target refuse every change now, where
-        they are all decoded); a failure once it is open rolls it back."""
-        audited = self._audit_due(self._check_fresh(prepared), asked)
+    def _open(
+        self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True, wait: bool = True
+    ) -> _Sync:
+        """Claim the target and open the transaction that applies ``prepared``, then check
+        the target before anything changes (``prepare``: also let the target refuse every
+        change now, where they are all decoded); a failure once it is open rolls it back.
+
+        The target holds what ``prepared`` was planned from (else :class:`StalePreparedError`)
+        is checked under the claim, so no other sync moves it until this one ends.
+        ``wait``: see :meth:`_begin`."""
+        txn, release = self._begin(wait=wait)
+        try:
+            resident = self._check_fresh(prepared)
+        except BaseException:
+            try:
+                txn.abort()
+            finally:
+                release()
+            raise
+        audited = self._audit_due(resident, asked)
         known = None if audited else self._verified
         self._verified = None  # dropped on any failure; set again only on commit
-        txn = self._begin()
-        sync = _Sync(prepared, txn, audited, known)
+        sync = _Sync(prepared, txn, audited, known, release)
         try:
             self._check_target(sync)
             if prepare:
@@ -917,9 +1020,12 @@ class DeltaReader:
             for name in txn.names():
                 if self.select(name) and name not in step.table:
                     txn.drop(name)
-        for entry, delta in step.changes:
+        changes = step.changes
+        for index, (entry, delta) in enumerate(changes):
             if entry.name not in sync.applied:
                 self._change_entry(sync, entry, delta)
+            if sync.prepared._spend:  # its memory goes now, not with the whole version
+                changes[index] = (entry, _SPENT)
 
     def _change_entry(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
         """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
@@ -1088,6 +1194,24 @@ class DeltaReader:
             sync.unverified.add(name)
         else:
             raw[name] = lanes
+
+
+_SPENT = DecodedDelta(FULL, None, torch.empty(0, dtype=torch.uint8))  # a change applied
+
+
+class _SyncBudget(DecodeBudget):
+    """One sync's share of the reader's decode budget: at most ``limit`` bytes of its
+    inflated shards at once (a quarter of the model: a base's shards are no bigger than
+    the model, and decoding all of them at once would hold it twice), within ``shared``."""
+
+    def __init__(self, shared: DecodeBudget, limit: int) -> None:
+        super().__init__(max(1, limit))
+        self.shared = shared
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        with super().hold(nbytes), self.shared.hold(nbytes):
+            yield
 
 
 def _kernel_threads() -> int:
