@@ -255,6 +255,7 @@ class _Sync:
     # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
     applied: set[str] = field(default_factory=set)  # the names changed while fetching
+    done: int = 0  # the steps applied while fetching (all of their changes)
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -392,9 +393,17 @@ class DeltaReader:
         reader on its own (no group) applies a one-version plan into a target that
         offers its tensors (:meth:`Target.staging`) while the fetch workers still decode
         the last changes, so a stream that fails its decoder is then raised after the
-        changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). In
+        changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). On
+        its own into a target of canonical tensors it also writes a base as it is
+        decoded, and applies a plan of several versions one version after the other
+        (FORMAT.md §11.4, "Applying version by version"): it then holds about the model
+        once more, however far behind, and any failure still rolls every change back. In
         a reader group every rank syncs to the same version, and all ranks apply it or
         none does. ``audit`` reads every selected resident tensor in full first.
+
+        One sync at a time applies to a target (in this process; across processes too
+        for a directory): a second waits for the first to end, then plans again from
+        where it left the target.
         """
         for attempt in range(3 if self.group.alone else 1):
             try:
@@ -758,11 +767,17 @@ class DeltaReader:
             return PreparedVersion(goal, previous, (), 0, 0.0, id(self), resident)
         with ThreadPoolExecutor(self.max_workers) as pool:
             plan = self._make_plan(resident, goal, committed, pool)
-            taking = None if early is None else self._resolver(plan, early, resident, pool)
-            budget = _SyncBudget(self.decode_budget, self._model_bytes(plan) // 4)
-            steps = tuple(
-                fetch_step(self.store, step, pool.map, budget, early=taking) for step in plan.steps
-            )
+            budget: DecodeBudget = self.decode_budget
+            if len(plan.steps) > 1 or plan.steps[0].base:  # decodes up to the model, or more
+                budget = _SyncBudget(self.decode_budget, self._model_bytes(plan) // 8)
+            if early is not None and self._in_turn(plan, early):
+                steps = self._fetch_and_apply(plan, early, resident, pool, budget)
+            else:
+                taking = None if early is None else self._resolver(plan, early, resident, pool)
+                steps = tuple(
+                    fetch_step(self.store, step, pool.map, budget, early=taking)
+                    for step in plan.steps
+                )
             if early is not None:
                 early.finish()
         return PreparedVersion(
@@ -778,6 +793,62 @@ class DeltaReader:
             _open=None if early is None else early.sync,
             _spend=early is not None,
         )
+
+    def _in_turn(self, plan: SyncPlan, early: _Early) -> bool:
+        """Whether a sync applies ``plan`` version by version as each is fetched (a reader on
+        its own, a plan of several versions, a target of canonical tensors)."""
+        return early.alone and len(plan.steps) > 1 and self.target.reads_baseline()
+
+    def _fetch_and_apply(
+        self,
+        plan: SyncPlan,
+        early: _Early,
+        resident: Resident | None,
+        pool: ThreadPoolExecutor,
+        budget: DecodeBudget,
+    ) -> tuple[FetchedStep, ...]:
+        """Fetch each version of ``plan`` and apply it before fetching the next, so that a
+        sync far behind holds one version decoded, not all of them.
+
+        The transaction opens first (:meth:`_open`: the checks of :meth:`apply`); where the
+        undo of each change would hold more than half the model, it keeps the undo of each
+        tensor as its bits before the sync first changed it instead
+        (:meth:`Transaction.keep_whole_undo`), so the undo too is bounded by the model, not
+        the plan; a base's tensors are written as they are decoded. Any failure rolls back
+        every version applied so far."""
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan,
+            _spend=True,
+        )  # fmt: skip
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.sync = sync  # a failure of a fetch rolls it back (:meth:`_prepare_for`)
+        if _undo_bytes(plan) > self._model_bytes(plan) // 2:  # else the undo of each change
+            sync.txn.keep_whole_undo()
+        # a base's tensors are written as they are decoded (one writer), as in :meth:`_streamer`
+        early.threads = 1
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return _SPENT
+
+        streaming = Early(pool, take, lambda: None, max(1, _kernel_threads() - 1))
+        steps: list[FetchedStep] = []
+        for step in plan.steps:
+            fetched = fetch_step(
+                self.store, step, pool.map, budget, early=streaming if step.base else None
+            )
+            early.finish()  # the changes given are applied before the rest of the version
+            try:
+                sync.txn.prepare([c for c in _step_changes(fetched) if c.delta is not _SPENT])
+                self._change_step(sync, fetched)
+            except BaseException as exc:
+                early.sync = None  # rolled back here, as :meth:`apply` does
+                raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
+            sync.applied.clear()  # the next version changes the same names again
+            steps.append(fetched)
+            sync.done += 1
+        return tuple(steps)
 
     def _model_bytes(self, plan: SyncPlan) -> int:
         """Bytes of the tensors the goal holds in this reader's target (selected, taken)."""
@@ -925,9 +996,16 @@ class DeltaReader:
                     txn = sync.txn
                 else:  # the changes not applied yet are refused now, if at all
                     sync.prepared = replace(prepared, _open=None)
-                    sync.txn.prepare(_changes(sync, lambda name: name not in sync.applied))
+                    sync.txn.prepare(
+                        [
+                            c
+                            for step in sync.steps[sync.done :]
+                            for c in _step_changes(step)
+                            if c.name not in sync.applied
+                        ]
+                    )
             with self.group.stage("applying"):
-                for step in sync.steps:
+                for step in sync.steps[sync.done :]:
                     self._change_step(sync, step)
                 found = self._verify_goal(sync)
             assert txn is not None
@@ -1201,8 +1279,8 @@ _SPENT = DecodedDelta(FULL, None, torch.empty(0, dtype=torch.uint8))  # a change
 
 class _SyncBudget(DecodeBudget):
     """One sync's share of the reader's decode budget: at most ``limit`` bytes of its
-    inflated shards at once (a quarter of the model: a base's shards are no bigger than
-    the model, and decoding all of them at once would hold it twice), within ``shared``."""
+    inflated shards at once (an eighth of the model: a base's shards are as big as the
+    model, and decoding all of them at once would hold it twice), within ``shared``."""
 
     def __init__(self, shared: DecodeBudget, limit: int) -> None:
         super().__init__(max(1, limit))
@@ -1228,6 +1306,23 @@ def _changes(sync: _Sync, which: Callable[[str], bool]) -> list[Change]:
         for step in sync.steps
         for e, d in step.changes
         if which(e.name)
+    ]
+
+
+def _undo_bytes(plan: SyncPlan) -> int:
+    """About what the undo of each change of ``plan`` would hold (its positions and bits)."""
+    total = 0
+    for step in plan.steps:
+        for _, entry in step.fetch.wanted:
+            width = info_for(entry.dtype).width
+            total += entry.changed * (width if entry.op == FULL else 8 + width)
+    return total
+
+
+def _step_changes(step: FetchedStep) -> list[Change]:
+    """The changes of one fetched version, for :meth:`Transaction.prepare`."""
+    return [
+        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d) for e, d in step.changes
     ]
 
 

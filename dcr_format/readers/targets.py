@@ -160,14 +160,42 @@ class Transaction(ABC):
         journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
         return journal
 
+    def keep_whole_undo(self) -> None:
+        """From now on keep the undo of each tensor :meth:`tensor` gives as the bits it held
+        before this transaction first changed it (one copy, in host memory), not as the
+        undo of each change: a transaction of many versions then holds at most one copy
+        of the model, not every change. A tensor a ``full`` write replaced or made needs
+        none after that write."""
+        self.__dict__["_whole_undo"] = {}
+
     def change(self, change: Change, staged: Staged | None = None) -> Applied:
         """Apply one change (:meth:`put` of what was staged for it where that still holds,
         else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        whole: dict[str, torch.Tensor] | None = self.__dict__.get("_whole_undo")
+        if whole is not None:
+            return self._change_whole(change, whole)
         applied = None if staged is None else self.put(change, staged)
         if applied is None:
             applied = self.apply(self.resolved(change))
         self._journal().append(applied.undo)
         return applied
+
+    def _change_whole(self, change: Change, whole: dict[str, torch.Tensor]) -> Applied:
+        """:meth:`change` under :meth:`keep_whole_undo`; ``whole``: by name, the tensor whose
+        bits from before the transaction an undo already restores whole."""
+        tensor = self.tensor(change.name)
+        if change.delta.op == FULL or tensor is None:
+            applied = self.apply(self.resolved(change))
+            self._journal().append(applied.undo)
+            written = self.tensor(change.name)
+            if change.delta.op == FULL and written is not None:
+                whole[change.name] = written  # its undo (or the abort) restores it whole
+            return applied
+        if whole.get(change.name) is not tensor:
+            saved = bits_view(tensor).reshape(-1).to("cpu", copy=True)
+            self._journal().append(_restore(tensor, saved))
+            whole[change.name] = tensor
+        return replace(self.apply(self.resolved(change)), undo=_nothing)
 
     def put(self, change: Change, staged: Staged) -> Applied | None:
         """Write a change staged while preparing: its ``after`` bits, where the tensor it
@@ -279,13 +307,17 @@ class Transaction(ABC):
         )
 
 
+def _nothing() -> None:
+    """The undo of a change another undo covers."""
+
+
 def _restore(tensor: torch.Tensor, saved: torch.Tensor | None) -> Callable[[], None]:
     """The undo of a ``full`` write: the bits it replaced put back (None: nothing to)."""
     if saved is None:
         return lambda: None
 
     def restore() -> None:
-        bits_view(tensor).reshape(-1).copy_(saved)
+        bits_view(tensor).reshape(-1).copy_(saved, non_blocking=False)
 
     return restore
 
