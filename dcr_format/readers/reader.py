@@ -105,8 +105,9 @@ class SyncResult(BaseModel):
     ``fetch_seconds`` is the preparation (fetch, verify, decode: the engine may keep
     generating meanwhile), ``apply_seconds`` the pause (checking and changing the target).
     A :meth:`DeltaReader.sync` on its own (no group) starts changing the target once every
-    object is fetched and verified, while the last changes are still decoded: that time
-    counts in ``fetch_seconds``.
+    object is fetched and verified, while the last changes are still decoded, and applies a
+    base or a plan of several versions as it fetches them: that time counts in
+    ``fetch_seconds``.
     ``audited``: the sync read every selected resident tensor in full before applying
     (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
