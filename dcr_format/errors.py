@@ -213,7 +213,8 @@ class StalePreparedError(DcrError, RuntimeError):
 
 
 class TargetBusyError(TargetError):
-    """Another sync holds the target directory's lock (its pid and host are in the message)."""
+    """Another sync holds the target (for a directory's lock file, the message names the
+    holder's pid and host)."""
 
 
 class TargetChangedError(TargetError):

@@ -129,9 +129,9 @@ def _count_applies(monkeypatch) -> list[int]:
     calls = [0]
     original = targets_module.apply_change
 
-    def counting(tensor, delta):
+    def counting(tensor, delta, **options):
         calls[0] += 1
-        return original(tensor, delta)
+        return original(tensor, delta, **options)
 
     monkeypatch.setattr(targets_module, "apply_change", counting)
     return calls
@@ -282,12 +282,12 @@ def test_failure_halfway_through_apply_rolls_back(store_url, tmp_path, kind, mon
     original = targets_module.apply_change
     calls = 0
 
-    def failing(tensor, delta):
+    def failing(tensor, delta, **options):
         nonlocal calls
         calls += 1
         if calls == nth:
             raise RuntimeError("injected failure")
-        return original(tensor, delta)
+        return original(tensor, delta, **options)
 
     monkeypatch.setattr(targets_module, "apply_change", failing)
     with pytest.raises(ApplyError):
@@ -314,12 +314,12 @@ def test_failed_base_restores_replaced_dropped_and_added_tensors(store_url, monk
     original = targets_module.apply_change
     calls = 0
 
-    def failing_last(tensor, delta):
+    def failing_last(tensor, delta, **options):
         nonlocal calls
         calls += 1
         if calls == len(state):
             raise RuntimeError("injected failure")
-        return original(tensor, delta)
+        return original(tensor, delta, **options)
 
     monkeypatch.setattr(targets_module, "apply_change", failing_last)
     with pytest.raises(ApplyError):
@@ -339,12 +339,12 @@ def test_interrupt_during_apply_rolls_back_and_propagates(store_url, tmp_path, m
     original = targets_module.apply_change
     calls = 0
 
-    def interrupted(tensor, delta):
+    def interrupted(tensor, delta, **options):
         nonlocal calls
         calls += 1
         if calls == 3:
             raise KeyboardInterrupt
-        return original(tensor, delta)
+        return original(tensor, delta, **options)
 
     monkeypatch.setattr(targets_module, "apply_change", interrupted)
     with pytest.raises(KeyboardInterrupt):
@@ -364,10 +364,10 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     apply_delta = targets_module.apply_change
     from_lanes = reader_module.fingerprint_from_lanes
 
-    def apply_and_note(tensor, delta):
+    def apply_and_note(tensor, delta, **options):
         nonlocal applied
         applied = True
-        return apply_delta(tensor, delta)
+        return apply_delta(tensor, delta, **options)
 
     def wrong_lanes_after_apply(dtype, shape, lanes):
         return "0" * 32 if applied else from_lanes(dtype, shape, lanes)

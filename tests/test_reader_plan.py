@@ -111,6 +111,27 @@ def test_versions_start_at_the_newest_base_or_alternative_base():
     ) == ([3, 4, 5], None)
 
 
+def test_a_long_plan_starts_at_a_base_where_that_fetches_fewer_bytes():
+    kinds = {v: "delta" for v in range(10)} | {0: "base", 6: "base"}
+    sizes = {v: 100 for v in range(10)} | {0: 1000, 6: 1000}
+
+    def cost(version: int, alternative: bool) -> int:
+        return 350 if alternative else sizes[version]
+
+    def plan(resident: int, alternatives=list):
+        return choose_versions(
+            resident, 9, range(10), kind=kinds.__getitem__, alternatives=alternatives,
+            where="x", cost=cost,
+        )  # fmt: skip
+
+    # from 1: 2..5 and the base 6 and 7..9 fetch 1700 bytes, from the base 6 1300
+    assert plan(1) == ([6, 7, 8, 9], None)
+    assert plan(1, lambda: [8]) == ([8, 9], 8)  # 350 + 100
+    assert plan(4) == ([6, 7, 8, 9], None)  # 1300 < 1400
+    assert plan(6, lambda: [8]) == ([7, 8, 9], None)  # 300 < 450
+    assert plan(8, lambda: [8]) == ([9], None)  # one version: no listing needed
+
+
 def test_versions_without_a_base_left_are_refused():
     with pytest.raises(VersionNotFoundError, match="no base at or before version 5 is left in s"):
         choose_versions(None, 5, [4, 5], kind=lambda v: "delta", alternatives=list, where="s")

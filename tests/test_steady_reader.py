@@ -368,19 +368,19 @@ def test_sync_plans_again_when_another_reader_moves_the_target(chain, monkeypatc
     reader.sync()
     _step(state, gen)
     writer.publish(state)
-    check = reader._check_fresh  # what sync() checks before it opens the transaction
+    begin = reader._begin  # claims the target, then sync() checks it is where it planned from
     calls = 0
 
-    def race_then_check(prepared):
+    def race_then_begin(**kwargs):
         nonlocal calls
         calls += 1
         if calls == 1:
             other.sync()  # moves the target under the version just prepared
             _step(state, gen)
             writer.publish(state)
-        return check(prepared)
+        return begin(**kwargs)
 
-    monkeypatch.setattr(reader, "_check_fresh", race_then_check)
+    monkeypatch.setattr(reader, "_begin", race_then_begin)
     result = reader.sync()
     assert calls == 2 and result.version == writer.version and result.applied_versions == (2,)
     assert_same_bits(tensors, state)

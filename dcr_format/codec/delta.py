@@ -602,10 +602,13 @@ def after_bits(delta: DecodedDelta, before: torch.Tensor) -> torch.Tensor:
     return before ^ values if delta.op == XOR else values
 
 
-def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True) -> AppliedBits:
+def apply_change(
+    target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True, keep_old: bool = True
+) -> AppliedBits:
     """Apply in place, reading the old bits and (``lanes``) summing the fingerprint lane
     deltas of the change in the same pass (FORMAT.md §9.1), so a reader needs no second
-    look."""
+    look. ``keep_old=False``: a ``full`` write keeps no copy of the bits it replaces (the
+    tensor was new: nothing to undo)."""
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
@@ -626,7 +629,7 @@ def apply_change(target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = Tru
     if delta.op == FULL:
         if values.numel() != flat.numel():
             raise TargetError(f"full value count {values.numel()} != tensor size {flat.numel()}")
-        old = flat.clone()
+        old = flat.clone() if keep_old else None
         flat.copy_(values)
         return AppliedBits(old, None, None)
     assert delta.positions is not None

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dcr_format._memory import give_back_freed
 from dcr_format.chain import TensorChange, TensorState, get_verified, tensor_changes
 from dcr_format.codec.budget import DecodeBudget
 from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta, rans_part
@@ -228,10 +229,11 @@ def _run_job(
                 ahead = _symbols_ahead([wanted[i] for i in pair], streams)
                 for i, symbols in zip(pair, ahead, strict=True):
                     decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
-            if tell is not None:
+            if tell is not None:  # handed over: not kept here (the caller keeps what it takes)
                 for i in pair:
-                    tell.decoded(i, decoded[i])
+                    tell.decoded(i, decoded.pop(i))
         del streams  # decoded deltas are copies: the shards go before the budget
+        give_back_freed()  # else another worker's next shard adds to this one's freed pages
     return decoded
 
 

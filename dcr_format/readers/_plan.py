@@ -159,30 +159,60 @@ def choose_versions(
     kind: Callable[[int], Literal["base", "delta"]],
     alternatives: Callable[[], Collection[int]],
     where: str,
+    cost: Callable[[int, bool], int] | None = None,
 ) -> tuple[list[int], int | None]:
     """The versions to apply to go from ``resident`` to ``goal``; the second item is the
     first version when it starts from that version's alternative base (None otherwise).
 
     ``kind(version)`` is a committed version's record kind, ``alternatives()`` the versions
-    with an alternative base (FORMAT.md §14, asked only when the plan cannot continue from
-    ``resident``), ``where`` the store named in errors.
+    with an alternative base (FORMAT.md §14), ``where`` the store named in errors.
+    ``cost(version, alternative)``, where given, is the bytes a version (or its alternative
+    base) fetches: a plan of two versions or more from ``resident`` then starts at the
+    newest base after it instead, where that fetches fewer bytes in all. Without
+    ``cost``, a plan that can continue from ``resident`` does, without asking for the
+    alternative bases.
     """
     have = set(committed)
     if resident is not None and all(v in have for v in range(resident, goal + 1)):
-        return list(range(resident + 1, goal + 1)), None
-    # the newest base at or before the goal with every version after it committed
-    bases = set(alternatives())
+        chain = list(range(resident + 1, goal + 1))
+        if cost is None or len(chain) < 2:
+            return chain, None
+        found = _newest_base(goal, have, kind, set(alternatives()), after=resident + 1)
+        if found is not None:
+            start, alternative = found
+            later = range(start + 1, goal + 1)
+            from_base = cost(start, alternative) + sum(cost(v, False) for v in later)
+            if from_base < sum(cost(v, False) for v in chain):
+                return list(range(start, goal + 1)), start if alternative else None
+        return chain, None
+    found = _newest_base(goal, have, kind, set(alternatives()))
+    if found is None:
+        raise VersionNotFoundError(
+            f"no base at or before version {goal} is left in {where}; "
+            "compact the chain or pick a newer version"
+        )
+    start, alternative = found
+    return list(range(start, goal + 1)), start if alternative else None
+
+
+def _newest_base(
+    goal: int,
+    have: set[int],
+    kind: Callable[[int], Literal["base", "delta"]],
+    bases: set[int],
+    *,
+    after: int = -1,
+) -> tuple[int, bool] | None:
+    """The newest version above ``after``, at or before ``goal`` with every version after
+    it committed, that is a base or has an alternative base (True: the alternative)."""
     version = goal
-    while version in have:
+    while version in have and version > after:
         if version in bases:
-            return list(range(version, goal + 1)), version
+            return version, True
         if kind(version) == "base":
-            return list(range(version, goal + 1)), None
+            return version, False
         version -= 1
-    raise VersionNotFoundError(
-        f"no base at or before version {goal} is left in {where}; "
-        "compact the chain or pick a newer version"
-    )
+    return None
 
 
 def check_version(

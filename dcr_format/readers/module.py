@@ -41,7 +41,7 @@ names are reported in ``SyncResult.unverified``, as are names the loader transfo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -409,6 +409,10 @@ class ModuleTarget(Target):
     def begin(self) -> Transaction:
         """A transaction applying through the loader."""
         return _ModuleTransaction(self)
+
+    def claim_key(self) -> Hashable:
+        """The module: targets over one module take turns."""
+        return ("module", id(self.module))
 
     def accepts(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         """Whether the loader places ``name`` in this module (prewarms it on first sight)."""

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -25,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format._pools import kept_pool
-from dcr_format.bases import alternative_bases, load_base
+from dcr_format.bases import alternative_bases, load_base, read_base_record
 from dcr_format.chain import (
     Chain,
     LoadedRecord,
@@ -51,6 +53,7 @@ from dcr_format.errors import (
     IntegrityError,
     StalePreparedError,
     StoreError,
+    TargetBusyError,
     TargetChangedError,
     TargetError,
     VersionNotFoundError,
@@ -78,7 +81,15 @@ from dcr_format.readers._plan import (
 )
 from dcr_format.readers._plan import _check_continuity as _check_continuity  # tools/_verify.py
 from dcr_format.readers.group import ReaderGroup
-from dcr_format.readers.targets import Applied, Change, Resident, Staged, Target, Transaction
+from dcr_format.readers.targets import (
+    Applied,
+    Change,
+    Resident,
+    Staged,
+    Target,
+    Transaction,
+    claim_target,
+)
 from dcr_format.schema import Entry, Manifest, ReaderRecord
 from dcr_format.store import Store, open_store
 
@@ -95,8 +106,9 @@ class SyncResult(BaseModel):
     ``fetch_seconds`` is the preparation (fetch, verify, decode: the engine may keep
     generating meanwhile), ``apply_seconds`` the pause (checking and changing the target).
     A :meth:`DeltaReader.sync` on its own (no group) starts changing the target once every
-    object is fetched and verified, while the last changes are still decoded: that time
-    counts in ``fetch_seconds``.
+    object is fetched and verified, while the last changes are still decoded, and applies a
+    base or a plan of several versions as it fetches them: that time counts in
+    ``fetch_seconds``.
     ``audited``: the sync read every selected resident tensor in full before applying
     (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
@@ -141,6 +153,9 @@ class PreparedVersion:
     _open: _Sync | None = field(repr=False, default=None)
     # the goal's checkpoint files for a target that keeps them (None: it keeps none)
     _files: _Files | None = field(repr=False, default=None)
+    # made by a sync, which applies it once: each change's decoded bits are dropped as soon
+    # as it is applied (the steps then no longer hold the version: not applied again)
+    _spend: bool = field(repr=False, default=False)
 
     @property
     def _incremental(self) -> bool:
@@ -218,7 +233,8 @@ class _Early:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
         try:
-            with serial_kernels():  # the pool's threads fill the cores already
+            # several of the pool's threads fill the cores already
+            with serial_kernels() if self.threads > 1 else contextlib.nullcontext():
                 self._apply(entry, delta)
         except BaseException as exc:
             self._failed.append(exc)
@@ -242,6 +258,7 @@ class _Sync:
     txn: Transaction
     audited: bool
     known: _Verified | None  # the lanes trusted instead of read (None: an audit)
+    release: Callable[[], None]  # the target's claim (claim_target), held until the end
     # fingerprint lanes of each tensor a delta changes, followed through the changes (as the
     # target reads them; None where it cannot)
     lanes: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
@@ -251,6 +268,7 @@ class _Sync:
     # exponent rows of the bits a classed change left, by name: (fingerprint, rows)
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
     applied: set[str] = field(default_factory=set)  # the names changed while fetching
+    done: int = 0  # the steps applied while fetching (all of their changes)
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:
@@ -371,7 +389,19 @@ class DeltaReader:
             kind=lambda version: self.chain.record(version).record.kind,
             alternatives=lambda: alternative_bases(self.store),
             where=self.store.url,
+            cost=self._cost,
         )
+
+    def _cost(self, version: int, alternative: bool) -> int:
+        """Bytes a version's objects (or its alternative base's) take to fetch, as its
+        record states them (a planning estimate: what is fetched is checked as always);
+        an alternative base that cannot be read counts as never cheaper."""
+        if not alternative:
+            return self.chain.record(version).record.stats.payload_bytes
+        try:
+            return read_base_record(self.chain, version)[0].stats.payload_bytes
+        except DcrError:
+            return sys.maxsize
 
     def sync(self, to: int | None = None, *, audit: bool = False) -> SyncResult:
         """Bring the target to version ``to`` (default: the newest committed version).
@@ -381,9 +411,17 @@ class DeltaReader:
         reader on its own (no group) applies a one-version plan into a target that
         offers its tensors (:meth:`Target.staging`) while the fetch workers still decode
         the last changes, so a stream that fails its decoder is then raised after the
-        changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). In
+        changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). On
+        its own into a target of canonical tensors it also writes a base as it is
+        decoded, and applies a plan of several versions one version after the other
+        (FORMAT.md §11.4, "Applying version by version"): it then holds about the model
+        once more, however far behind, and any failure still rolls every change back. In
         a reader group every rank syncs to the same version, and all ranks apply it or
         none does. ``audit`` reads every selected resident tensor in full first.
+
+        One sync at a time applies to a target (in this process; across processes too
+        for a directory): a second waits for the first to end, then plans again from
+        where it left the target.
         """
         for attempt in range(3 if self.group.alone else 1):
             try:
@@ -452,8 +490,10 @@ class DeltaReader:
         transaction then (:meth:`_open`, as :meth:`apply` would) and applies each change
         as it comes, those decoded before first; any failure from there rolls it back.
         """
-        if len(plan.steps) != 1 or plan.steps[0].base:
+        if len(plan.steps) != 1:
             return None  # a later step's old bits are those the earlier steps leave
+        if plan.steps[0].base:
+            return self._streamer(plan, early, resident, pool)
         names = {
             entry.name
             for _, entry in plan.steps[0].fetch.wanted
@@ -479,7 +519,10 @@ class DeltaReader:
             preliminary = PreparedVersion(
                 plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
             )
-            sync = self._open(preliminary, early.audit, prepare=False)
+            try:  # another sync of the target applies now: this one applies after the fetch
+                sync = self._open(preliminary, early.audit, prepare=False, wait=False)
+            except TargetBusyError:
+                return
             early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
         if not early.alone:
@@ -490,6 +533,30 @@ class DeltaReader:
         on_host = all(t.device.type == "cpu" for t in tensors.values())
         early.threads = cores if on_host else 1
         return Early(pool, take, verified, max(1, cores - 1))
+
+    def _streamer(
+        self, plan: SyncPlan, early: _Early, resident: Resident | None, pool: ThreadPoolExecutor
+    ) -> Early | None:
+        """For a one-step plan of a base, by a reader on its own into a target of canonical
+        tensors: what writes each tensor into the target as soon as it is decoded, so that
+        the sync holds the model once, not once more decoded (None otherwise).
+
+        The transaction opens before the fetch (:meth:`_open`: the checks of
+        :meth:`apply`); a failure from there, of the fetch too, rolls it back."""
+        if not early.alone or not self.target.reads_baseline():
+            return None
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
+        )
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.threads = 1  # one writer: a target's new tensors are made one at a time
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return _SPENT  # the version keeps no copy: the target holds it
+
+        return Early(pool, take, lambda: None, max(1, _kernel_threads() - 1))
 
     def _change_now(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
         """Apply one change while the fetch still decodes others (refused first, as
@@ -520,16 +587,21 @@ class DeltaReader:
         refuses it with the usual error."""
         wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
         staged: dict[str, Staged] = {}
-        for name, tensor in self.target.staging(wanted).items():
-            entry, delta = wanted[name]
-            # codings against the old bits are completed against the live tensor first
-            done = self._resolved_live(entry, delta, tensor)
-            if done is None:
-                continue
-            try:
-                staged[name] = Staged(tensor, stage_change(tensor, done))
-            except (IndexError, DcrError):
-                continue
+        # read while no other sync changes the tensors (a rollback would restore other bits)
+        release = claim_target(self.target, self.target.claim_timeout())
+        try:
+            for name, tensor in self.target.staging(wanted).items():
+                entry, delta = wanted[name]
+                # codings against the old bits are completed against the live tensor first
+                done = self._resolved_live(entry, delta, tensor)
+                if done is None:
+                    continue
+                try:
+                    staged[name] = Staged(tensor, stage_change(tensor, done))
+                except (IndexError, DcrError):
+                    continue
+        finally:
+            release()
         return staged
 
     def _give_rows(
@@ -581,13 +653,13 @@ class DeltaReader:
         rely on. Raises :class:`BaselineMismatchError` naming the first tensor changed
         outside dcr. Returns the names the target cannot read back (unverified).
         """
-        resident = self._resident()
-        if resident is None:
-            raise VersionNotFoundError("the target holds no version yet; sync it first")
-        loaded = self._resident_record(resident)
-        table = self._table_of(loaded)
-        txn = self._begin()
+        txn, release = self._begin()  # no other sync moves the target meanwhile
         try:
+            resident = self._resident()
+            if resident is None:
+                raise VersionNotFoundError("the target holds no version yet; sync it first")
+            loaded = self._resident_record(resident)
+            table = self._table_of(loaded)
             with self.group.stage("auditing its target"):
                 names = sorted(
                     n
@@ -596,7 +668,10 @@ class DeltaReader:
                 )
                 raw, unverified = self._read_and_check(txn, names, table, resident.version)
         finally:
-            txn.abort()
+            try:
+                txn.abort()
+            finally:
+                release()
         self._verified = _Verified(resident, raw)
         return tuple(sorted(unverified))
 
@@ -664,16 +739,24 @@ class DeltaReader:
                 "repair or remove the target and pull again"
             ) from exc
 
-    def _begin(self) -> Transaction:
-        """Open a transaction; any failure to open it is a :class:`TargetError`."""
+    def _begin(self, *, wait: bool = True) -> tuple[Transaction, Callable[[], None]]:
+        """Claim the target (no other sync of it in this process until the release;
+        ``wait``: for the target's time, else refuse at once with :class:`TargetBusyError`)
+        and open a transaction; any failure to open it is a :class:`TargetError`."""
+        release = claim_target(self.target, self.target.claim_timeout() if wait else 0)
         try:
-            return self.target.begin()
+            return self.target.begin(), release
         except DcrError:
+            release()
             raise
         except Exception as exc:
+            release()
             raise TargetError(
                 f"could not open the target ({exc}); repair or remove the target and pull again"
             ) from exc
+        except BaseException:
+            release()
+            raise
 
     def _resident_record(self, resident: Resident) -> LoadedRecord:
         """The resident version's commit record, checked against the one the target applied."""
@@ -704,11 +787,17 @@ class DeltaReader:
             plan = self._make_plan(resident, goal, committed, pool)
             # checked before any shard, so before a sync on its own may open the transaction
             files = self._fetch_files(plan.steps[-1].fetch.manifests, pool)
-            taking = None if early is None else self._resolver(plan, early, resident, pool)
-            steps = tuple(
-                fetch_step(self.store, step, pool.map, self.decode_budget, early=taking)
-                for step in plan.steps
-            )
+            budget: DecodeBudget = self.decode_budget
+            if len(plan.steps) > 1 or plan.steps[0].base:  # decodes up to the model, or more
+                budget = _SyncBudget(self.decode_budget, self._model_bytes(plan) // 8)
+            if early is not None and self._in_turn(plan, early):
+                steps = self._fetch_and_apply(plan, early, resident, pool, budget)
+            else:
+                taking = None if early is None else self._resolver(plan, early, resident, pool)
+                steps = tuple(
+                    fetch_step(self.store, step, pool.map, budget, early=taking)
+                    for step in plan.steps
+                )
             if early is not None:
                 early.finish()
         return PreparedVersion(
@@ -723,6 +812,71 @@ class DeltaReader:
             plan,
             _open=None if early is None else early.sync,
             _files=files,
+            _spend=early is not None,
+        )
+
+    def _in_turn(self, plan: SyncPlan, early: _Early) -> bool:
+        """Whether a sync applies ``plan`` version by version as each is fetched (a reader on
+        its own, a plan of several versions, a target of canonical tensors)."""
+        return early.alone and len(plan.steps) > 1 and self.target.reads_baseline()
+
+    def _fetch_and_apply(
+        self,
+        plan: SyncPlan,
+        early: _Early,
+        resident: Resident | None,
+        pool: ThreadPoolExecutor,
+        budget: DecodeBudget,
+    ) -> tuple[FetchedStep, ...]:
+        """Fetch each version of ``plan`` and apply it before fetching the next, so that a
+        sync far behind holds one version decoded, not all of them.
+
+        The transaction opens first (:meth:`_open`: the checks of :meth:`apply`); where the
+        undo of each change would hold more than half the model, it keeps the undo of each
+        tensor as its bits before the sync first changed it instead
+        (:meth:`Transaction.keep_whole_undo`), so the undo too is bounded by the model, not
+        the plan; a base's tensors are written as they are decoded. Any failure rolls back
+        every version applied so far."""
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan,
+            _spend=True,
+        )  # fmt: skip
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.sync = sync  # a failure of a fetch rolls it back (:meth:`_prepare_for`)
+        if _undo_bytes(plan) > self._model_bytes(plan) // 2:  # else the undo of each change
+            sync.txn.keep_whole_undo()
+        # a base's tensors are written as they are decoded (one writer), as in :meth:`_streamer`
+        early.threads = 1
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return _SPENT
+
+        streaming = Early(pool, take, lambda: None, max(1, _kernel_threads() - 1))
+        steps: list[FetchedStep] = []
+        for step in plan.steps:
+            fetched = fetch_step(
+                self.store, step, pool.map, budget, early=streaming if step.base else None
+            )
+            early.finish()  # the changes given are applied before the rest of the version
+            try:
+                sync.txn.prepare([c for c in _step_changes(fetched) if c.delta is not _SPENT])
+                self._change_step(sync, fetched)
+            except BaseException as exc:
+                early.sync = None  # rolled back here, as :meth:`apply` does
+                raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
+            sync.applied.clear()  # the next version changes the same names again
+            steps.append(fetched)
+            sync.done += 1
+        return tuple(steps)
+
+    def _model_bytes(self, plan: SyncPlan) -> int:
+        """Bytes of the tensors the goal holds in this reader's target (selected, taken)."""
+        return sum(
+            math.prod(row.shape) * info_for(row.dtype).width
+            for name, row in plan.steps[-1].table.items()
+            if self._wants(name, row.dtype, row.shape)
         )
 
     def _fetch_files(
@@ -879,9 +1033,16 @@ class DeltaReader:
                     txn = sync.txn
                 else:  # the changes not applied yet are refused now, if at all
                     sync.prepared = replace(prepared, _open=None)
-                    sync.txn.prepare(_changes(sync, lambda name: name not in sync.applied))
+                    sync.txn.prepare(
+                        [
+                            c
+                            for step in sync.steps[sync.done :]
+                            for c in _step_changes(step)
+                            if c.name not in sync.applied
+                        ]
+                    )
             with self.group.stage("applying"):
-                for step in sync.steps:
+                for step in sync.steps[sync.done :]:
                     self._change_step(sync, step)
                 found = self._verify_goal(sync)
                 files = sync.prepared._files
@@ -893,13 +1054,16 @@ class DeltaReader:
             if txn is None:  # nothing was opened (or :meth:`_open` rolled it back)
                 raise
             raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
-        self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
-        self._remember(sync, found)
-        for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
-            if name in sync.rows:
-                self._rows[name] = sync.rows[name]
-            else:
-                self._rows.pop(name, None)
+        try:
+            self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
+            self._remember(sync, found)
+            for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
+                if name in sync.rows:
+                    self._rows[name] = sync.rows[name]
+                else:
+                    self._rows.pop(name, None)
+        finally:
+            sync.release()
         return sync.unverified, sync.audited
 
     def _rolled_back(
@@ -912,10 +1076,14 @@ class DeltaReader:
             for _, delta in step.changes:
                 if delta.rows is not None:
                     delta.rows.rows = None
-        txn.undo()
-        if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
-            exc = self._diagnose(exc, sync)  # reads the restored bits
-        txn.abort()
+        try:
+            txn.undo()
+            if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
+                exc = self._diagnose(exc, sync)  # reads the restored bits
+            txn.abort()
+        finally:
+            if sync is not None:
+                sync.release()  # the target is as it was: the next sync may check it
         if as_is or isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
             return exc
         if isinstance(exc, Exception):
@@ -924,15 +1092,29 @@ class DeltaReader:
             return error
         return exc
 
-    def _open(self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True) -> _Sync:
-        """Open the transaction that applies ``prepared`` and check the target before
-        anything changes (``prepare``: also let the target refuse every change now, where
-        they are all decoded); a failure once it is open rolls it back."""
-        audited = self._audit_due(self._check_fresh(prepared), asked)
+    def _open(
+        self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True, wait: bool = True
+    ) -> _Sync:
+        """Claim the target and open the transaction that applies ``prepared``, then check
+        the target before anything changes (``prepare``: also let the target refuse every
+        change now, where they are all decoded); a failure once it is open rolls it back.
+
+        The target holds what ``prepared`` was planned from (else :class:`StalePreparedError`)
+        is checked under the claim, so no other sync moves it until this one ends.
+        ``wait``: see :meth:`_begin`."""
+        txn, release = self._begin(wait=wait)
+        try:
+            resident = self._check_fresh(prepared)
+        except BaseException:
+            try:
+                txn.abort()
+            finally:
+                release()
+            raise
+        audited = self._audit_due(resident, asked)
         known = None if audited else self._verified
         self._verified = None  # dropped on any failure; set again only on commit
-        txn = self._begin()
-        sync = _Sync(prepared, txn, audited, known)
+        sync = _Sync(prepared, txn, audited, known, release)
         try:
             self._check_target(sync)
             if prepare:
@@ -956,9 +1138,12 @@ class DeltaReader:
             for name in txn.names():
                 if self.select(name) and name not in step.table:
                     txn.drop(name)
-        for entry, delta in step.changes:
+        changes = step.changes
+        for index, (entry, delta) in enumerate(changes):
             if entry.name not in sync.applied:
                 self._change_entry(sync, entry, delta)
+            if sync.prepared._spend:  # its memory goes now, not with the whole version
+                changes[index] = (entry, _SPENT)
 
     def _change_entry(self, sync: _Sync, entry: Entry, delta: DecodedDelta) -> None:
         """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
@@ -1129,6 +1314,24 @@ class DeltaReader:
             raw[name] = lanes
 
 
+_SPENT = DecodedDelta(FULL, None, torch.empty(0, dtype=torch.uint8))  # a change applied
+
+
+class _SyncBudget(DecodeBudget):
+    """One sync's share of the reader's decode budget: at most ``limit`` bytes of its
+    inflated shards at once (an eighth of the model: a base's shards are as big as the
+    model, and decoding all of them at once would hold it twice), within ``shared``."""
+
+    def __init__(self, shared: DecodeBudget, limit: int) -> None:
+        super().__init__(max(1, limit))
+        self.shared = shared
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        with super().hold(nbytes), self.shared.hold(nbytes):
+            yield
+
+
 def _kernel_threads() -> int:
     """How many threads the host kernels run on (numba's, else torch's)."""
     launch = compiled("_launch")
@@ -1143,6 +1346,23 @@ def _changes(sync: _Sync, which: Callable[[str], bool]) -> list[Change]:
         for step in sync.steps
         for e, d in step.changes
         if which(e.name)
+    ]
+
+
+def _undo_bytes(plan: SyncPlan) -> int:
+    """About what the undo of each change of ``plan`` would hold (its positions and bits)."""
+    total = 0
+    for step in plan.steps:
+        for _, entry in step.fetch.wanted:
+            width = info_for(entry.dtype).width
+            total += entry.changed * (width if entry.op == FULL else 8 + width)
+    return total
+
+
+def _step_changes(step: FetchedStep) -> list[Change]:
+    """The changes of one fetched version, for :meth:`Transaction.prepare`."""
+    return [
+        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d) for e, d in step.changes
     ]
 
 

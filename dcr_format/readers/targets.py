@@ -15,10 +15,11 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -162,14 +163,42 @@ class Transaction(ABC):
         journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
         return journal
 
+    def keep_whole_undo(self) -> None:
+        """From now on keep the undo of each tensor :meth:`tensor` gives as the bits it held
+        before this transaction first changed it (one copy, in host memory), not as the
+        undo of each change: a transaction of many versions then holds at most one copy
+        of the model, not every change. A tensor a ``full`` write replaced or made needs
+        none after that write."""
+        self.__dict__["_whole_undo"] = {}
+
     def change(self, change: Change, staged: Staged | None = None) -> Applied:
         """Apply one change (:meth:`put` of what was staged for it where that still holds,
         else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        whole: dict[str, torch.Tensor] | None = self.__dict__.get("_whole_undo")
+        if whole is not None:
+            return self._change_whole(change, whole)
         applied = None if staged is None else self.put(change, staged)
         if applied is None:
             applied = self.apply(self.resolved(change))
         self._journal().append(applied.undo)
         return applied
+
+    def _change_whole(self, change: Change, whole: dict[str, torch.Tensor]) -> Applied:
+        """:meth:`change` under :meth:`keep_whole_undo`; ``whole``: by name, the tensor whose
+        bits from before the transaction an undo already restores whole."""
+        tensor = self.tensor(change.name)
+        if change.delta.op == FULL or tensor is None:
+            applied = self.apply(self.resolved(change))
+            self._journal().append(applied.undo)
+            written = self.tensor(change.name)
+            if change.delta.op == FULL and written is not None:
+                whole[change.name] = written  # its undo (or the abort) restores it whole
+            return applied
+        if whole.get(change.name) is not tensor:
+            saved = bits_view(tensor).reshape(-1).to("cpu", copy=True)
+            self._journal().append(_restore(tensor, saved))
+            whole[change.name] = tensor
+        return replace(self.apply(self.resolved(change)), undo=_nothing)
 
     def put(self, change: Change, staged: Staged) -> Applied | None:
         """Write a change staged while preparing: its ``after`` bits, where the tensor it
@@ -259,9 +288,12 @@ class Transaction(ABC):
         """Apply one change in place (FORMAT.md §8.1)."""
         delta = change.delta
         if delta.op == FULL:
+            live = self.tensor(change.name)
             tensor = self.full_tensor(change.name, change.dtype, change.shape)
-            saved = apply_change(tensor, delta).saved
-            return Applied(lambda: undo_delta(tensor, delta, saved), lanes=tensor_lanes(tensor))
+            # a new tensor holds none of the target's bits: the abort forgets it, and the
+            # undo keeps nothing (neither a copy nor the decoded values)
+            saved = apply_change(tensor, delta, keep_old=tensor is live).saved
+            return Applied(_restore(tensor, saved), lanes=tensor_lanes(tensor))
         live = self.tensor(change.name)
         if live is None:
             raise TargetError(f"the target lacks tensor {change.name!r}")
@@ -283,6 +315,21 @@ class Transaction(ABC):
             after,
             lane_deltas=done.lane_deltas,
         )
+
+
+def _nothing() -> None:
+    """The undo of a change another undo covers."""
+
+
+def _restore(tensor: torch.Tensor, saved: torch.Tensor | None) -> Callable[[], None]:
+    """The undo of a ``full`` write: the bits it replaced put back (None: nothing to)."""
+    if saved is None:
+        return lambda: None
+
+    def restore() -> None:
+        bits_view(tensor).reshape(-1).copy_(saved, non_blocking=False)
+
+    return restore
 
 
 class Target(ABC):
@@ -320,6 +367,16 @@ class Target(ABC):
         path transforms them); the reader records them for writers (FORMAT.md §3.6)."""
         return frozenset()
 
+    def claim_key(self) -> Hashable:
+        """What one sync at a time owns in this process (:func:`claim_target`): by default
+        the target object; a target over shared state (a dict, a module, a path) names
+        that state, so that two targets over it take turns too."""
+        return ("target", id(self))
+
+    def claim_timeout(self) -> float | None:
+        """Seconds a sync waits for another sync of this target (None: for ever)."""
+        return LOCK_TIMEOUT
+
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
         """The live canonical tensors among ``names`` that :meth:`DeltaReader.prepare` may
         read (never write) while the target stays in use, so that the apply is only the
@@ -328,6 +385,65 @@ class Target(ABC):
         through :meth:`Transaction.change` on a thread of its pool, several tensors at once
         (offer only tensors whose transaction takes that: distinct, untied, contiguous)."""
         return {}
+
+
+class _Claim:
+    """The turn of the syncs of one target in this process: ``users`` waiting or holding."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.owner: int | None = None  # the thread holding it
+
+
+_CLAIMS: dict[Hashable, _Claim] = {}  # by Target.claim_key; an entry lives while used
+_CLAIMS_LOCK = threading.Lock()
+
+
+def claim_target(target: Target, timeout: float | None) -> Callable[[], None]:
+    """Wait until no other sync in this process holds ``target`` (the state it names,
+    :meth:`Target.claim_key`), and hold it: from a sync's check that the target is at the
+    version it planned from until its commit or rollback. Returns the release (idempotent).
+
+    Raises :class:`TargetBusyError` after ``timeout`` seconds (None: waits for ever).
+    Across processes, a directory target also takes its lock file (:meth:`Target.begin`).
+    """
+    key = target.claim_key()
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.setdefault(key, _Claim())
+        if claim.owner == threading.get_ident():
+            raise TargetBusyError(
+                "this thread is already syncing this target; a sync cannot start another "
+                "sync of its own target (from a hook or a callback)"
+            )
+        claim.users += 1
+
+    def leave() -> None:
+        with _CLAIMS_LOCK:
+            claim.users -= 1
+            if claim.users == 0 and _CLAIMS.get(key) is claim:
+                del _CLAIMS[key]
+
+    if not claim.lock.acquire(timeout=-1 if timeout is None else timeout):
+        leave()
+        raise TargetBusyError(
+            f"another sync in this process has been applying to this target for over "
+            f"{timeout:g} s; wait for it to finish, or sync one target from one thread"
+        )
+    claim.owner = threading.get_ident()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        with _CLAIMS_LOCK:
+            if released:
+                return
+            released = True
+            claim.owner = None
+        claim.lock.release()
+        leave()
+
+    return release
 
 
 _ViewKey = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
@@ -657,6 +773,10 @@ class StateDictTarget(Target):
             created=self._created,
         )
 
+    def claim_key(self) -> Hashable:
+        """The dict: targets over one dict take turns."""
+        return ("tensors", id(self.tensors))
+
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
         """The dict's contiguous tensors among ``names`` that no other name ties to."""
         tied = {n for group in _alias_groups(self.tensors).values() for n in group}
@@ -723,6 +843,14 @@ class SafetensorsDirTarget(Target):
         self.timeout = timeout
         self._held: _Lock | None = None  # the exclusive lock of this target's open transaction
         self._planned: object = _UNSET  # what resident() last answered (checked by begin)
+
+    def claim_key(self) -> Hashable:
+        """The path (its parent resolved): targets over one directory take turns."""
+        return ("directory", os.path.realpath(self.path.parent), self.path.name)
+
+    def claim_timeout(self) -> float | None:
+        """``timeout``, as for the lock file."""
+        return self.timeout
 
     @property
     def _store_dir(self) -> Path:
@@ -877,7 +1005,8 @@ class SafetensorsDirTarget(Target):
         finally:
             if lock is not None:
                 lock.release()
-        self._planned = found
+        if self._held is None:  # a sync planning (not one checking its open transaction)
+            self._planned = found
         return found
 
     def checkpoint_files(self) -> Mapping[str, str]:

@@ -1,0 +1,57 @@
+"""The memory a sync adds, measured in a subprocess (peak resident size above the size
+before it): a fresh sync of a base holds the model about once, and a reader far behind
+starts from a base near the head where that fetches less than the versions in between.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+WORKER = Path(__file__).with_name("sync_memory_workers.py")
+
+
+def _worker(*args: object) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(WORKER), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+
+
+def test_a_fresh_sync_of_a_base_holds_the_model_about_once(tmp_path):
+    store = tmp_path / "store"
+    _worker("publish", store, 48, 1, 2048)  # 48 MiB in shards of 2 MiB
+    found = _worker("sync", store, "-")
+    assert found["error"] is None and found["plan"] == [0]
+    ratio = found["peak"] / found["model"]
+    assert ratio <= 1.5, f"a fresh sync added {ratio:.2f}x the model"
+
+
+def test_a_reader_far_behind_holds_the_model_about_twice(tmp_path):
+    store = tmp_path / "store"
+    # 12 versions of an 8 MiB model, each changing 15% of its elements; a base at 10
+    _worker("publish", store, 8, 12, 512, 10, 150)
+    found = _worker("sync", store, 1)
+    assert found["error"] is None
+    assert found["plan"] == [10, 11]  # not 2..11: those fetch more than the base
+    # the undo (the bits the base's full writes replace: one copy of the model) and what is
+    # in flight (at most an eighth of the model inflated, and its decoded copies): about 2x
+    # (all of the plan decoded at once, then a copy of each change's undo: 9x)
+    ratio = found["peak"] / found["model"]
+    assert ratio <= 2.5, f"the sync from the base added {ratio:.2f}x the model"
+    # 8 versions, each decoded once the one before is applied: under 2x (all at once: 7x)
+    found = _worker("sync", store, 1, 9)
+    assert found["error"] is None and found["plan"] == list(range(2, 10))
+    ratio = found["peak"] / found["model"]
+    assert ratio <= 2.5, f"a sync of 8 versions added {ratio:.2f}x the model"
