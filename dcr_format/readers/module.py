@@ -437,19 +437,29 @@ class ModuleTarget(Target):
         }
 
     def _check_layout(self) -> None:
-        """Learn the placements again where a parameter's storage moved since they were
-        learned (a runtime that re-created a parameter, ``param.data = ...``)."""
+        """Learn the placements again of the names placed in a parameter or buffer whose
+        storage moved since they were learned (a runtime that re-created a weight,
+        ``param.data = ...``); the others are kept."""
         layout = self._current_layout()
         self._by_key = None
         if self._layout is None or layout == self._layout:
             self._layout = layout
             return
-        keys = list(self._plans)
-        self._plans.clear()
-        self._extents.clear()
-        self._views.clear()
+        gone = {key for name, key in self._layout.items() if layout.get(name) != key}
+        stale = [
+            key
+            for key, plan in self._plans.items()
+            if any(copy.storage in gone for copy in plan.copies)
+        ]
+        for key in stale:
+            del self._plans[key]
         self._layout = layout
-        for name, dtype, shape in keys:
+        self._views.clear()
+        self._extents.clear()
+        for plan in self._plans.values():  # the shared-storage index, without the stale names
+            if plan.kind in ("xor", "overwrite"):
+                self._check_shared(plan)
+        for name, dtype, shape in stale:
             self.plan(name, dtype, shape)
 
     def accepts(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
@@ -931,7 +941,6 @@ class _ModuleTransaction(Transaction):
         if readback is None:
             return Applied(run.undo)
         return Applied(run.undo, *readback)
-
 
     def _apply_direct(self, plan: LoaderPlan, change: Change) -> Applied:
         """The change scattered straight into the storage the loader placed ``plan`` in."""
