@@ -9,6 +9,9 @@ copy whose destinations overlap.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -683,3 +686,28 @@ def test_a_change_refused_after_direct_writes_leaves_the_module_as_it_was(tmp_pa
         reader.sync()  # found after the changes were placed: all of them are undone
     assert all(torch.equal(bits_of(module)[n], before[n]) for n in before)
     assert target.resident().version == 0
+
+
+WARM = """
+import torch
+from torch import nn
+from dcr_format import ModuleTarget
+from dcr_format.codec import _native
+
+module = nn.Linear(4, 4, dtype=torch.bfloat16)
+target = ModuleTarget(module)
+target.prewarm({"weight": (torch.bfloat16, (4, 4)), "bias": (torch.bfloat16, (4,))})
+kernels = (_native._change, _native._change_serial, _native._pair_lanes_serial)
+assert not any(k.signatures for k in kernels)
+target.warm()
+assert all(k.signatures for k in kernels), [k.signatures for k in kernels]
+"""
+
+
+def test_warm_readies_the_apply_kernels_before_the_first_sync():
+    pytest.importorskip("numba")
+    env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", WARM], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -268,6 +268,7 @@ class _Syncer:
             store, self.target, verify=info.verify, reader_id=info.reader_id, group=group
         )
         self.reader.prewarm(version)  # learn the loader's placements; record overwrites
+        self.target.warm()  # the apply kernels compiled now, not in the first update's pause
         self.prefetch = info.prefetch and group is None
         self.poll_seconds = float(info.poll_seconds)
         self._lock = threading.Lock()

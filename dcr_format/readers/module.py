@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr_format.codec.delta import FULL, XOR
+from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, apply_change
 from dcr_format.codec.dtypes import BY_TORCH, bits_view
 from dcr_format.errors import OverwriteRequiredError, TargetError
-from dcr_format.fingerprint import LANE_PRIMES, lanes_at, tensor_lanes
+from dcr_format.fingerprint import LANE_PRIMES, lanes_after_change, lanes_at, tensor_lanes
 from dcr_format.layout import View
 from dcr_format.readers.targets import (
     Applied,
@@ -482,6 +482,23 @@ class ModuleTarget(Target):
         """Classify canonical tensors ``{name: (dtype, shape)}`` without changing weights."""
         items = specs.items() if isinstance(specs, dict) else ((n, (d, s)) for n, d, s in specs)
         return {name: self.plan(name, dtype, tuple(shape)) for name, (dtype, shape) in items}
+
+    def warm(self) -> None:
+        """Compile (or load from numba's cache) the kernels a sync runs to apply and verify
+        changes, for every dtype the learned placements hold, so that the first sync's pause
+        does not include it. Call it after :meth:`prewarm` (or a first sync)."""
+        dtypes = {p.dtype for p in self._plans.values() if p.kind != "absent"}
+        for dtype in sorted(dtypes, key=str):
+            if dtype not in BY_TORCH:
+                continue
+            for count in (1, 3 * 8192):  # one chunk (serial kernels) and several (parallel)
+                tensor = torch.zeros(count, dtype=dtype)
+                flat = bits_view(tensor)
+                positions = torch.arange(count, dtype=torch.int64)
+                for op in (XOR, OVERWRITE):
+                    done = apply_change(tensor, DecodedDelta(op, positions, flat.clone()))
+                    assert done.before is not None
+                    lanes_after_change(tensor_lanes(tensor), positions, done.before, flat.clone())
 
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""
