@@ -537,13 +537,17 @@ class DcrWeightSync:
         return int(info.version)
 
     def update(self, version: int | None = None, *, audit: bool = False) -> None:
-        """start, update and finish: the engines reach ``version`` (default: the newest).
+        """start, update and finish: the engines reach ``version`` (default: the newest the
+        writer's chain holds, named to the engines, so that vLLM's ``/weight_info`` reports
+        it).
 
-        A failed update leaves every engine at its previous version and still serving; the
-        error is raised here (after the session is closed where the engine allows it).
+        A failed update leaves every engine at its previous version and still serving (vLLM
+        ends the update session itself); the error is raised here.
         """
         if self.client is None:
             raise RuntimeError("this rank has no weight-sync client; rank 0 updates")
+        if version is None:
+            version = _newest(self.writer)
         payload: dict[str, Any] = {"audit": audit}
         if version is not None:
             payload["version"] = int(version)
@@ -551,12 +555,17 @@ class DcrWeightSync:
         try:
             self.client.update_weights(payload)
         except Exception as exc:
-            _close_quietly(self.client)
             goal = "the newest version" if version is None else f"version {version}"
             raise EngineUpdateError(
                 f"the engines did not reach {goal} and kept their weights: {_detail(exc)}"
             ) from exc
         self.client.finish_weight_update(str(version) if version is not None else None)
+
+
+def _newest(writer: Any) -> int | None:
+    """The newest version committed in the writer's chain (None when it cannot tell)."""
+    chain = getattr(writer, "chain", None)
+    return None if chain is None else chain.latest()
 
 
 def _detail(exc: BaseException) -> str:
@@ -572,14 +581,6 @@ def _detail(exc: BaseException) -> str:
         if text:
             return " ".join(str(text).split())[:2000]
     return " ".join(str(exc).split())[:2000]
-
-
-def _close_quietly(client: Any) -> None:
-    """vLLM ends the session itself when update_weights fails; a finish may then refuse."""
-    try:
-        client.finish_weight_update(None)
-    except Exception:
-        pass
 
 
 def canonical_state(
