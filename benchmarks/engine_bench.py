@@ -231,7 +231,7 @@ def main() -> int:
         "dense": "dense load_weights (in memory)",
         "patch": "vLLM sparse checkpoint patch",
     }
-    print(f"| what stops generation | seconds | x dense | ms/tensor | ns/changed element |")
+    print("| what stops generation | seconds | x dense | ms/tensor | ns/changed element |")
     print("|---|---|---|---|---|")
     for key, label in names.items():
         if key in out["medians"]:

@@ -70,3 +70,50 @@ def test_a_refused_update_leaves_the_session_to_the_engine(tmp_path):
         sync.update(0)
     # no finish after the engine ended the session (it would log a second traceback)
     assert [name for name, _ in client.calls] == ["start", "update"]
+
+
+# --- the engine side's reader, on a vLLM-like model without vLLM -------------------------
+
+from test_module_target import Runtime, checkpoint, step  # noqa: E402
+
+from dcr_format.errors import BaselineMismatchError  # noqa: E402
+from dcr_format.integrations.vllm import DcrUpdateInfo, _Syncer  # noqa: E402
+
+
+def _engine(tmp_path, claimed: int):  # type: ignore[no-untyped-def]
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    writer.publish(step(state, 0))
+    module = Runtime()
+    module.load_weights(state.items())  # the engine's checkpoint: version 0
+    info = DcrInitInfo(store=store, version=claimed, prefetch=False, reader_id="engine")
+    return writer, module, lambda: _Syncer(module, info, model_dir=None)
+
+
+def test_an_engine_reports_the_version_it_verified_not_the_one_claimed(tmp_path):
+    _, _, start = _engine(tmp_path, claimed=1)
+    with pytest.raises(BaselineMismatchError, match="restart the engine on a `dcr replay`"):
+        start()
+    _, _, start = _engine(tmp_path / "right", claimed=0)
+    assert start().version() == 0
+
+
+def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    module.load_weights(state.items())
+    info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
+    syncer = _Syncer(module, info, model_dir=None)
+    writer.publish(step(state, 0))  # after the engine recorded the names it transforms
+    with torch.no_grad():
+        module.qkv[0, 0] += 1  # changed outside dcr where the next delta changes it
+    with pytest.raises(BaselineMismatchError) as caught:
+        syncer.update(DcrUpdateInfo())
+    assert "restart the engine on a `dcr replay`" in str(caught.value)
+    assert "fresh target" not in str(caught.value)
+    assert syncer.version() == 0

@@ -25,11 +25,12 @@ its ``dcr-state.json`` names the version the engine holds. docs/vllm.md has the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 
 from dcr_format.errors import (
+    DcrError,
     EngineUpdateError,
     TargetError,
     TargetNotUpdatableError,
@@ -267,8 +269,12 @@ class _Syncer:
         self.reader = DeltaReader(
             store, self.target, verify=info.verify, reader_id=info.reader_id, group=group
         )
-        self.reader.prewarm(version)  # learn the loader's placements; record overwrites
-        self.target.warm()  # the apply kernels compiled now, not in the first update's pause
+        with _for_engine():
+            self.reader.prewarm(version)  # learn the loader's placements; record overwrites
+            self.target.warm()  # the apply kernels compiled now, not in the first update's pause
+            # the weights are the claimed version's (read in full once, off any update's
+            # pause); else the engine reports and builds on a version it does not hold
+            self.reader.audit()
         self.prefetch = info.prefetch and group is None
         self.poll_seconds = float(info.poll_seconds)
         self._lock = threading.Lock()
@@ -318,14 +324,15 @@ class _Syncer:
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
             prefetched = prepared is not None and prepared.version == goal
-            if not prefetched:
-                prepared = self.reader.prepare(goal)
-            try:
-                result = self.reader.apply(prepared, audit=update.audit)
-            except StalePreparedError:  # the target moved since the prefetch: prepare again
-                prefetched = False
-                prepared = self.reader.prepare(goal)
-                result = self.reader.apply(prepared, audit=update.audit)
+            with _for_engine():
+                if not prefetched:
+                    prepared = self.reader.prepare(goal)
+                try:
+                    result = self.reader.apply(prepared, audit=update.audit)
+                except StalePreparedError:  # the target moved since the prefetch: again
+                    prefetched = False
+                    prepared = self.reader.prepare(goal)
+                    result = self.reader.apply(prepared, audit=update.audit)
             report = UpdateReport(
                 version=result.version,
                 previous=result.previous,
@@ -351,6 +358,37 @@ class _Syncer:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._prepared = None
+
+
+# remedies the reader gives for a target it can replace; an engine is restarted instead
+_FILE_REMEDIES = (
+    "replay older versions into a fresh target",
+    "use a fresh target for this store",
+    "store and pull into a fresh target",
+    "pull into a fresh target",
+    "sync from a base",
+)
+_ENGINE_REMEDY = (
+    "restart the engine on a `dcr replay` of the version it should hold (or initialise "
+    "it with init_info 'version' set to the version its checkpoint holds)"
+)
+
+
+@contextlib.contextmanager
+def _for_engine() -> Iterator[None]:
+    """A dcr error raised inside says what to do on an engine, not on a file target."""
+    try:
+        yield
+    except DcrError as exc:
+        message = str(exc)
+        for remedy in _FILE_REMEDIES:
+            if remedy in message:
+                try:
+                    changed = type(exc)(message.replace(remedy, _ENGINE_REMEDY, 1))
+                except Exception:
+                    raise exc from None
+                raise changed.with_traceback(exc.__traceback__) from None
+        raise
 
 
 def tensor_parallel_group(vllm_config: Any) -> Any:

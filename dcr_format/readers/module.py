@@ -839,7 +839,10 @@ class _ModuleTransaction(Transaction):
 
     # names and specs come from what was loaded, not from canonical tensors
     def names(self) -> set[str]:
-        return set(self._held)
+        names = set(self._held)
+        if self.target._declared:  # declared at a version: every planned tensor is held
+            names |= {p.name for p in self.target._plans.values() if p.kind != "absent"}
+        return names
 
     def tensor(self, name: str) -> torch.Tensor | None:
         """The canonical tensor as a view of the parameter storage, where the loader places
