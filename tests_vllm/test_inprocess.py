@@ -16,7 +16,7 @@ import harness
 import pytest
 import torch
 
-from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
+from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync, engine_report
 
 PROMPTS = harness.PROMPTS
 
@@ -108,6 +108,9 @@ def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
         assert set(loaded) <= expected and (set(loaded) >= relearned or step != 3), loaded
         report = engine.last_update
         assert report is not None and report.version == version == step
+        # the backend's state, without a worker extension
+        (state,) = llm.collective_rpc(engine_report)
+        assert state == {"version": version, "last": report.to_dict()}
         assert report.applied_versions == (step,)
         # the tied pair is one parameter: vLLM's loader places it twice, it cannot be read back
         assert set(report.unverified) <= ({"model.embed_tokens.weight"} if tied else set())

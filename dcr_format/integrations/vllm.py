@@ -59,6 +59,7 @@ __all__ = [
     "UpdateReport",
     "canonical_state",
     "dcr_trainer_callback",
+    "engine_report",
     "register",
 ]
 
@@ -469,6 +470,22 @@ class DcrWorkerExtension:
         syncer = self._active()
         last = None if syncer is None else syncer.last
         return None if last is None else last.to_dict()
+
+
+def engine_report(worker: Any) -> dict[str, Any]:
+    """What the ``dcr`` backend of one worker holds, for ``collective_rpc`` on an engine
+    without :class:`DcrWorkerExtension`: ``llm.collective_rpc(engine_report)`` gives, per
+    worker, ``{"version": the version its model holds (None before the backend is
+    initialised), "last": what its last update did (:class:`UpdateReport` as a dict, or
+    None)}``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    syncer = getattr(engine, "_syncer", None)
+    if not isinstance(syncer, _Syncer):
+        return {"version": None, "last": None}
+    return {
+        "version": syncer.version(),
+        "last": None if syncer.last is None else syncer.last.to_dict(),
+    }
 
 
 _Info = TypeVar("_Info", bound="DataclassInstance")

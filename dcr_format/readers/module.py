@@ -29,6 +29,16 @@ records the ``overwrite`` names in ``readers/<id>.json`` so writers send them th
 an ``xor`` change for such a name fails closed with :class:`OverwriteRequiredError`
 before anything is mutated.
 
+Placements learned once: the loader's placement of an ``xor`` name is fixed, so after the
+prewarm a change to it (``xor`` or ``overwrite``) is applied without calling the loader:
+straight into the learned destinations (the copy's views inverted, O(changed), or a sorted
+index table where they do not invert), and where the loader copies the whole tensor
+unchanged into one contiguous run of a parameter (a whole weight, a row block of a fused
+``qkv_proj``) through a canonical view of that run, with the fused apply a plain tensor
+gets. The loader still runs for the names it transforms and for ``full`` writes. Each sync
+first checks that every parameter and buffer still has the storage it had when the
+placements were learned, and learns again the names placed in one that moved.
+
 Verification: for ``xor`` names the canonical bits the module holds are read back
 through the inverse of the placements, giving the fingerprint lanes of the canonical
 elements this rank holds. A module holding whole tensors is verified exactly like a
