@@ -704,6 +704,7 @@ assert all(k.signatures for k in kernels), [k.signatures for k in kernels]
 """
 
 
+@pytest.mark.multiprocess  # a fresh interpreter, whose kernels nothing compiled yet
 def test_warm_readies_the_apply_kernels_before_the_first_sync():
     pytest.importorskip("numba")
     env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
