@@ -25,11 +25,12 @@ its ``dcr-state.json`` names the version the engine holds. docs/vllm.md has the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 import torch
 
 from dcr_format.errors import (
+    DcrError,
     EngineUpdateError,
     TargetError,
     TargetNotUpdatableError,
@@ -57,6 +59,7 @@ __all__ = [
     "UpdateReport",
     "canonical_state",
     "dcr_trainer_callback",
+    "engine_report",
     "register",
 ]
 
@@ -267,7 +270,12 @@ class _Syncer:
         self.reader = DeltaReader(
             store, self.target, verify=info.verify, reader_id=info.reader_id, group=group
         )
-        self.reader.prewarm(version)  # learn the loader's placements; record overwrites
+        with _for_engine():
+            self.reader.prewarm(version)  # learn the loader's placements; record overwrites
+            self.target.warm()  # the apply kernels compiled now, not in the first update's pause
+            # the weights are the claimed version's (read in full once, off any update's
+            # pause); else the engine reports and builds on a version it does not hold
+            self.reader.audit()
         self.prefetch = info.prefetch and group is None
         self.poll_seconds = float(info.poll_seconds)
         self._lock = threading.Lock()
@@ -317,14 +325,15 @@ class _Syncer:
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
             prefetched = prepared is not None and prepared.version == goal
-            if not prefetched:
-                prepared = self.reader.prepare(goal)
-            try:
-                result = self.reader.apply(prepared, audit=update.audit)
-            except StalePreparedError:  # the target moved since the prefetch: prepare again
-                prefetched = False
-                prepared = self.reader.prepare(goal)
-                result = self.reader.apply(prepared, audit=update.audit)
+            with _for_engine():
+                if not prefetched:
+                    prepared = self.reader.prepare(goal)
+                try:
+                    result = self.reader.apply(prepared, audit=update.audit)
+                except StalePreparedError:  # the target moved since the prefetch: again
+                    prefetched = False
+                    prepared = self.reader.prepare(goal)
+                    result = self.reader.apply(prepared, audit=update.audit)
             report = UpdateReport(
                 version=result.version,
                 previous=result.previous,
@@ -350,6 +359,37 @@ class _Syncer:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._prepared = None
+
+
+# remedies the reader gives for a target it can replace; an engine is restarted instead
+_FILE_REMEDIES = (
+    "replay older versions into a fresh target",
+    "use a fresh target for this store",
+    "store and pull into a fresh target",
+    "pull into a fresh target",
+    "sync from a base",
+)
+_ENGINE_REMEDY = (
+    "restart the engine on a `dcr replay` of the version it should hold (or initialise "
+    "it with init_info 'version' set to the version its checkpoint holds)"
+)
+
+
+@contextlib.contextmanager
+def _for_engine() -> Iterator[None]:
+    """A dcr error raised inside says what to do on an engine, not on a file target."""
+    try:
+        yield
+    except DcrError as exc:
+        message = str(exc)
+        for remedy in _FILE_REMEDIES:
+            if remedy in message:
+                try:
+                    changed = type(exc)(message.replace(remedy, _ENGINE_REMEDY, 1))
+                except Exception:
+                    raise exc from None
+                raise changed.with_traceback(exc.__traceback__) from None
+        raise
 
 
 def tensor_parallel_group(vllm_config: Any) -> Any:
@@ -430,6 +470,22 @@ class DcrWorkerExtension:
         syncer = self._active()
         last = None if syncer is None else syncer.last
         return None if last is None else last.to_dict()
+
+
+def engine_report(worker: Any) -> dict[str, Any]:
+    """What the ``dcr`` backend of one worker holds, for ``collective_rpc`` on an engine
+    without :class:`DcrWorkerExtension`: ``llm.collective_rpc(engine_report)`` gives, per
+    worker, ``{"version": the version its model holds (None before the backend is
+    initialised), "last": what its last update did (:class:`UpdateReport` as a dict, or
+    None)}``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    syncer = getattr(engine, "_syncer", None)
+    if not isinstance(syncer, _Syncer):
+        return {"version": None, "last": None}
+    return {
+        "version": syncer.version(),
+        "last": None if syncer.last is None else syncer.last.to_dict(),
+    }
 
 
 _Info = TypeVar("_Info", bound="DataclassInstance")
@@ -536,13 +592,17 @@ class DcrWeightSync:
         return int(info.version)
 
     def update(self, version: int | None = None, *, audit: bool = False) -> None:
-        """start, update and finish: the engines reach ``version`` (default: the newest).
+        """start, update and finish: the engines reach ``version`` (default: the newest the
+        writer's chain holds, named to the engines, so that vLLM's ``/weight_info`` reports
+        it).
 
-        A failed update leaves every engine at its previous version and still serving; the
-        error is raised here (after the session is closed where the engine allows it).
+        A failed update leaves every engine at its previous version and still serving (vLLM
+        ends the update session itself); the error is raised here.
         """
         if self.client is None:
             raise RuntimeError("this rank has no weight-sync client; rank 0 updates")
+        if version is None:
+            version = _newest(self.writer)
         payload: dict[str, Any] = {"audit": audit}
         if version is not None:
             payload["version"] = int(version)
@@ -550,12 +610,17 @@ class DcrWeightSync:
         try:
             self.client.update_weights(payload)
         except Exception as exc:
-            _close_quietly(self.client)
             goal = "the newest version" if version is None else f"version {version}"
             raise EngineUpdateError(
                 f"the engines did not reach {goal} and kept their weights: {_detail(exc)}"
             ) from exc
         self.client.finish_weight_update(str(version) if version is not None else None)
+
+
+def _newest(writer: Any) -> int | None:
+    """The newest version committed in the writer's chain (None when it cannot tell)."""
+    chain = getattr(writer, "chain", None)
+    return None if chain is None else chain.latest()
 
 
 def _detail(exc: BaseException) -> str:
@@ -571,14 +636,6 @@ def _detail(exc: BaseException) -> str:
         if text:
             return " ".join(str(text).split())[:2000]
     return " ".join(str(exc).split())[:2000]
-
-
-def _close_quietly(client: Any) -> None:
-    """vLLM ends the session itself when update_weights fails; a finish may then refuse."""
-    try:
-        client.finish_weight_update(None)
-    except Exception:
-        pass
 
 
 def canonical_state(

@@ -29,6 +29,16 @@ records the ``overwrite`` names in ``readers/<id>.json`` so writers send them th
 an ``xor`` change for such a name fails closed with :class:`OverwriteRequiredError`
 before anything is mutated.
 
+Placements learned once: the loader's placement of an ``xor`` name is fixed, so after the
+prewarm a change to it (``xor`` or ``overwrite``) is applied without calling the loader:
+straight into the learned destinations (the copy's views inverted, O(changed), or a sorted
+index table where they do not invert), and where the loader copies the whole tensor
+unchanged into one contiguous run of a parameter (a whole weight, a row block of a fused
+``qkv_proj``) through a canonical view of that run, with the fused apply a plain tensor
+gets. The loader still runs for the names it transforms and for ``full`` writes. Each sync
+first checks that every parameter and buffer still has the storage it had when the
+placements were learned, and learns again the names placed in one that moved.
+
 Verification: for ``xor`` names the canonical bits the module holds are read back
 through the inverse of the placements, giving the fingerprint lanes of the canonical
 elements this rank holds. A module holding whole tensors is verified exactly like a
@@ -48,10 +58,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dcr_format.codec.delta import FULL, XOR
+from dcr_format.codec.delta import FULL, OVERWRITE, XOR, DecodedDelta, apply_change
 from dcr_format.codec.dtypes import BY_TORCH, bits_view
 from dcr_format.errors import OverwriteRequiredError, TargetError
-from dcr_format.fingerprint import LANE_PRIMES, lanes_at, tensor_lanes
+from dcr_format.fingerprint import LANE_PRIMES, lanes_after_change, lanes_at, tensor_lanes
 from dcr_format.layout import View
 from dcr_format.readers.targets import (
     Applied,
@@ -176,6 +186,9 @@ class _Copy:
     dst_dtype: torch.dtype
     src: tuple[_Prov, View] | None = None
     op: str = ""
+    # the copy's canonical positions sorted, with its logical elements in that order: built
+    # on first use where the copy's views cannot be inverted arithmetically
+    table: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -373,6 +386,13 @@ class ModuleTarget(Target):
     whatever a ``full`` write replaces (a copy of the replaced parameters), so a failed
     sync can be undone; without it a failure during a base leaves the module mixed (and
     not resident at any version).
+
+    ``direct``: a name whose loader only places elements (an ``xor`` plan) takes its later
+    changes straight into the parameter storage, through the placements learned from the
+    loader once, without calling the loader again; the loader still runs for names it
+    transforms and for ``full`` writes. The placements are learned again when a parameter's
+    storage has moved since (checked at the start of every sync). Without ``direct`` every
+    change goes through the loader.
     """
 
     def __init__(
@@ -385,6 +405,7 @@ class ModuleTarget(Target):
         version: int | None = None,
         chain_id: str | None = None,
         rollback_full: bool = True,
+        direct: bool = True,
     ) -> None:
         if (version is None) != (chain_id is None):
             raise ValueError("give both version and chain_id for a module that holds a version")
@@ -392,6 +413,7 @@ class ModuleTarget(Target):
         self.load_weights = load_weights
         self.reduce_lanes = reduce_lanes
         self.rollback_full = rollback_full
+        self.direct = direct
         self._resident = Resident(chain_id, version) if chain_id and version is not None else None
         self._declared = self._resident is not None  # held names come from the plans
         self._held: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -399,6 +421,10 @@ class ModuleTarget(Target):
         self._extents: dict[tuple[str, int], list[tuple[int, int, str, list[_Copy]]]] = {}
         self._scratch: torch.Tensor | None = None
         self._mark: torch.Tensor | None = None
+        # where each parameter and buffer lived when the plans were learned
+        self._layout: dict[str, tuple[str, int]] | None = None
+        self._by_key: dict[tuple[str, int], torch.Tensor] | None = None
+        self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] = {}
 
     # --- Target -------------------------------------------------------------------------
 
@@ -407,12 +433,48 @@ class ModuleTarget(Target):
         return self._resident
 
     def begin(self) -> Transaction:
-        """A transaction applying through the loader."""
+        """A transaction applying through the loader (or the placements learned from it)."""
+        self._check_layout()
         return _ModuleTransaction(self)
 
     def claim_key(self) -> Hashable:
         """The module: targets over one module take turns."""
         return ("module", id(self.module))
+
+    def _current_layout(self) -> dict[str, tuple[str, int]]:
+        return {
+            n: _key(t)
+            for n, t in [
+                *self.module.named_parameters(remove_duplicate=False),
+                *self.module.named_buffers(remove_duplicate=False),
+            ]
+        }
+
+    def _check_layout(self) -> None:
+        """Learn the placements again of the names placed in a parameter or buffer whose
+        storage moved since they were learned (a runtime that re-created a weight,
+        ``param.data = ...``); the others are kept."""
+        layout = self._current_layout()
+        self._by_key = None
+        if self._layout is None or layout == self._layout:
+            self._layout = layout
+            return
+        gone = {key for name, key in self._layout.items() if layout.get(name) != key}
+        stale = [
+            key
+            for key, plan in self._plans.items()
+            if any(copy.storage in gone for copy in plan.copies)
+        ]
+        for key in stale:
+            del self._plans[key]
+        self._layout = layout
+        self._views.clear()
+        self._extents.clear()
+        for plan in self._plans.values():  # the shared-storage index, without the stale names
+            if plan.kind in ("xor", "overwrite"):
+                self._check_shared(plan)
+        for name, dtype, shape in stale:
+            self.plan(name, dtype, shape)
 
     def accepts(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bool:
         """Whether the loader places ``name`` in this module (prewarms it on first sight)."""
@@ -435,11 +497,30 @@ class ModuleTarget(Target):
         items = specs.items() if isinstance(specs, dict) else ((n, (d, s)) for n, d, s in specs)
         return {name: self.plan(name, dtype, tuple(shape)) for name, (dtype, shape) in items}
 
+    def warm(self) -> None:
+        """Compile (or load from numba's cache) the kernels a sync runs to apply and verify
+        changes, for every dtype the learned placements hold, so that the first sync's pause
+        does not include it. Call it after :meth:`prewarm` (or a first sync)."""
+        dtypes = {p.dtype for p in self._plans.values() if p.kind != "absent"}
+        for dtype in sorted(dtypes, key=str):
+            if dtype not in BY_TORCH:
+                continue
+            for count in (1, 3 * 8192):  # one chunk (serial kernels) and several (parallel)
+                tensor = torch.zeros(count, dtype=dtype)
+                flat = bits_view(tensor)
+                positions = torch.arange(count, dtype=torch.int64)
+                for op in (XOR, OVERWRITE):
+                    done = apply_change(tensor, DecodedDelta(op, positions, flat.clone()))
+                    assert done.before is not None
+                    lanes_after_change(tensor_lanes(tensor), positions, done.before, flat.clone())
+
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""
         key = (name, dtype, tuple(shape))
         plan = self._plans.get(key)
         if plan is None:
+            if self._layout is None:
+                self._layout = self._current_layout()
             plan = self._record(name, dtype, tuple(shape))
             self._plans[key] = plan
             if plan.kind in ("xor", "overwrite"):
@@ -618,24 +699,22 @@ class ModuleTarget(Target):
         return _canonical_of(copy.src[0], copy.src[1], k)
 
     def _select(self, copy: _Copy, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, i)``: the copy's logical elements holding ``positions[i]``; sparse when its
-        views invert, else through a dense mark of the positions."""
+        """``(k, i)``: the copy's logical elements holding ``positions[i]``; by inverting its
+        views where they invert (O(changed)), else through the copy's index table (built
+        once: canonical position to logical element)."""
         assert copy.src is not None
         found = _preimage(copy.src[0], copy.src[1], positions)
         if found is not None:
             return found
-        canonical = self._canonical_all(copy)
-        numel = int(canonical.max()) + 1 if canonical.numel() else 0
-        size = max(numel, int(positions.max()) + 1 if positions.numel() else 0)
-        if self._mark is None or self._mark.numel() < size:
-            self._mark = torch.zeros(size, dtype=torch.bool)
-        mark = self._mark
-        mark[positions] = True
-        try:
-            k = torch.nonzero(mark[canonical]).reshape(-1)
-        finally:
-            mark[positions] = False
-        return k, torch.searchsorted(positions, canonical[k])
+        if copy.table is None:
+            canonical, order = torch.sort(self._canonical_all(copy), stable=True)
+            copy.table = (canonical, order)
+        canonical, order = copy.table
+        lo = torch.searchsorted(canonical, positions)
+        counts = torch.searchsorted(canonical, positions, right=True) - lo
+        index = torch.repeat_interleave(torch.arange(positions.numel()), counts)
+        starts = torch.repeat_interleave(lo - (torch.cumsum(counts, 0) - counts), counts)
+        return order[starts + torch.arange(index.numel())], index
 
     # --- reading back -------------------------------------------------------------------
 
@@ -683,7 +762,36 @@ class ModuleTarget(Target):
         return found[0] if len(found) == 1 else None
 
     def _storages(self) -> dict[tuple[str, int], torch.Tensor]:
-        return {_key(t): t for t in [*self.module.parameters(), *self.module.buffers()]}
+        """Parameter and buffer storages by key (kept from one layout check to the next)."""
+        if self._by_key is None:
+            self._by_key = {_key(t): t for t in [*self.module.parameters(), *self.module.buffers()]}
+        return self._by_key
+
+    def _canonical_view(self, plan: LoaderPlan) -> torch.Tensor | None:
+        """``plan``'s canonical tensor as a view of module storage: where the loader copies
+        the whole tensor, unchanged and in row-major order, into one contiguous run of one
+        parameter (a whole weight, or a row block of a fused one); else None."""
+        key = (plan.name, plan.dtype, plan.shape)
+        if key in self._views:
+            return self._views[key]
+        view = None
+        placements = [c for c in plan.copies if c.kind == "placement"]
+        if plan.kind == "xor" and plan.whole and not plan.duplicated and len(placements) == 1:
+            copy = placements[0]
+            assert copy.src is not None
+            prov, src = copy.src
+            if (
+                prov.kind == "scratch"
+                and src.offset == 0
+                and src.numel == plan.numel
+                and _row_major(src)
+                and _row_major(copy.dst)
+                and copy.dst_dtype == plan.dtype
+            ):
+                flat = self._storage_tensor(copy, self._storages())
+                view = flat[copy.dst.offset : copy.dst.offset + plan.numel].view(plan.shape)
+        self._views[key] = view
+        return view
 
     def _storage_tensor(
         self, copy: _Copy, storages: dict[tuple[str, int], torch.Tensor]
@@ -694,6 +802,16 @@ class ModuleTarget(Target):
             raise TargetError("a parameter the loader wrote into is gone from the module")
         flat = _flat(found.detach())
         return flat if flat.dtype == copy.dst_dtype else flat.view(copy.dst_dtype)
+
+
+def _row_major(view: View) -> bool:
+    """Whether a view's elements are one contiguous run in row-major order."""
+    step = 1
+    for size, stride in reversed(list(zip(view.sizes, view.strides, strict=True))):
+        if size > 1 and stride != step:
+            return False
+        step *= size
+    return True
 
 
 def _subtract(lanes: tuple[int, ...], part: tuple[int, ...]) -> tuple[int, ...]:
@@ -735,10 +853,19 @@ class _ModuleTransaction(Transaction):
 
     # names and specs come from what was loaded, not from canonical tensors
     def names(self) -> set[str]:
-        return set(self._held)
+        names = set(self._held)
+        if self.target._declared:  # declared at a version: every planned tensor is held
+            names |= {p.name for p in self.target._plans.values() if p.kind != "absent"}
+        return names
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        return None  # no canonical tensors: everything goes through spec/lanes/apply
+        """The canonical tensor as a view of the parameter storage, where the loader places
+        the whole tensor there contiguously in its own order (a slice of a fused parameter);
+        None for any other name (it goes through spec/lanes/apply)."""
+        plan = self.target._plan_of(name)
+        if plan is None or plan.kind != "xor" or not self.target.direct:
+            return None
+        return self.target._canonical_view(plan)
 
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         raise TargetError("a module target writes through its loader, not canonical tensors")
@@ -788,7 +915,8 @@ class _ModuleTransaction(Transaction):
                 )
 
     def lanes(self, name: str) -> tuple[int, ...] | None:
-        return self.target.read_lanes(name)
+        view = self.tensor(name)
+        return tensor_lanes(view) if view is not None else self.target.read_lanes(name)
 
     def complete_lanes(
         self, lanes: dict[str, tuple[int, ...]]
@@ -813,6 +941,11 @@ class _ModuleTransaction(Transaction):
         target = self.target
         plan = target.plan(change.name, change.dtype, change.shape)
         delta = change.delta
+        if target.direct and plan.kind == "xor" and delta.op != FULL:
+            if target._canonical_view(plan) is not None:
+                self._held[change.name] = (change.dtype, change.shape)
+                return super().apply(change)  # one fused pass, as on a plain tensor
+            return self._apply_direct(plan, change)
         scratch = target._scratch_for(change.dtype, change.shape)
         flat = _bits(scratch, change.name).reshape(-1)
         positions = None
@@ -841,6 +974,28 @@ class _ModuleTransaction(Transaction):
         readback = run.readback()
         if readback is None:
             return Applied(run.undo)
+        return Applied(run.undo, *readback)
+
+    def _apply_direct(self, plan: LoaderPlan, change: Change) -> Applied:
+        """The change scattered straight into the storage the loader placed ``plan`` in."""
+        target, delta = self.target, change.delta
+        assert delta.positions is not None
+        positions = delta.positions.to(torch.int64).cpu()
+        run = _Run(target, plan, delta.op, positions, delta.values.cpu())
+        storages = target._storages()
+        try:
+            for copy in plan.copies:
+                if copy.kind != "placement":
+                    continue  # constants the loader wrote (padding) stay as they are
+                k, index = target._select(copy, positions)
+                if k.numel():
+                    run._store(copy, target._storage_tensor(copy, storages), None, k, index)
+        except BaseException:
+            run.undo()
+            raise
+        self._held[change.name] = (change.dtype, change.shape)
+        readback = run.readback()
+        assert readback is not None  # placements only: the bits moved are known
         return Applied(run.undo, *readback)
 
 

@@ -1,0 +1,119 @@
+"""The trainer side of the vLLM integration against a stand-in weight-sync client (the
+engine side runs in tests_vllm/)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dcr_format import DeltaWriter
+from dcr_format.errors import EngineUpdateError
+from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
+
+
+class Client:
+    """Records the four calls; ``update_weights`` fails while ``refuse`` is set (as vLLM
+    does, it then ends the session itself: a finish would be refused)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.refuse = False
+        self.active = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append(("init", init_info))
+
+    def start_weight_update(self) -> None:
+        self.active = True
+        self.calls.append(("start", None))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append(("update", update_info))
+        if self.refuse:
+            self.active = False
+            raise RuntimeError("tensor 'w' in the target is not the bits of version 1")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start")
+        self.active = False
+
+
+def _sync(tmp_path) -> tuple[DcrWeightSync, Client]:  # type: ignore[no-untyped-def]
+    store = str(tmp_path / "store")
+    client = Client()
+    return DcrWeightSync(DeltaWriter(store), client, DcrInitInfo(store=store)), client
+
+
+def test_an_update_without_a_version_names_the_newest_to_the_engine(tmp_path):
+    sync, client = _sync(tmp_path)
+    w = torch.arange(64, dtype=torch.float32).bfloat16()
+    sync.writer.publish({"w": w})
+    sync.writer.publish({"w": w + 1})
+    sync.update()
+    # the engine is told the version, and /weight_info reports it
+    assert client.calls == [
+        ("start", None),
+        ("update", {"audit": False, "version": 1}),
+        ("finish", "1"),
+    ]
+
+
+def test_a_refused_update_leaves_the_session_to_the_engine(tmp_path):
+    sync, client = _sync(tmp_path)
+    sync.writer.publish({"w": torch.zeros(8, dtype=torch.bfloat16)})
+    client.refuse = True
+    with pytest.raises(EngineUpdateError, match="not the bits of version 1"):
+        sync.update(0)
+    # no finish after the engine ended the session (it would log a second traceback)
+    assert [name for name, _ in client.calls] == ["start", "update"]
+
+
+# --- the engine side's reader, on a vLLM-like model without vLLM -------------------------
+
+from test_module_target import Runtime, checkpoint, step  # noqa: E402
+
+from dcr_format.errors import BaselineMismatchError  # noqa: E402
+from dcr_format.integrations.vllm import DcrUpdateInfo, _Syncer  # noqa: E402
+
+
+def _engine(tmp_path, claimed: int):  # type: ignore[no-untyped-def]
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    writer.publish(step(state, 0))
+    module = Runtime()
+    module.load_weights(state.items())  # the engine's checkpoint: version 0
+    info = DcrInitInfo(store=store, version=claimed, prefetch=False, reader_id="engine")
+    return writer, module, lambda: _Syncer(module, info, model_dir=None)
+
+
+def test_an_engine_reports_the_version_it_verified_not_the_one_claimed(tmp_path):
+    _, _, start = _engine(tmp_path, claimed=1)
+    with pytest.raises(BaselineMismatchError, match="restart the engine on a `dcr replay`"):
+        start()
+    _, _, start = _engine(tmp_path / "right", claimed=0)
+    assert start().version() == 0
+
+
+def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    module.load_weights(state.items())
+    info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
+    syncer = _Syncer(module, info, model_dir=None)
+    writer.publish(step(state, 0))  # after the engine recorded the names it transforms
+    with torch.no_grad():
+        module.qkv[0, 0] += 1  # changed outside dcr where the next delta changes it
+    with pytest.raises(BaselineMismatchError) as caught:
+        syncer.update(DcrUpdateInfo())
+    assert "restart the engine on a `dcr replay`" in str(caught.value)
+    assert "fresh target" not in str(caught.value)
+    assert syncer.version() == 0
