@@ -46,6 +46,7 @@ __all__ = [
     "TargetNotUpdatableError",
     "TargetUnreadableError",
     "UnsupportedDtypeError",
+    "UnsupportedPlacementError",
     "UnsupportedFeatureError",
     "UnsupportedVersionError",
     "ValuesError",
@@ -231,6 +232,11 @@ class ReservedNameError(DcrError, ValueError):
 
 class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
+
+
+class UnsupportedPlacementError(ArgumentError):
+    """A distributed tensor is placed in a way that holds no weights to publish (a
+    ``Partial`` sum not yet reduced), or this rank holds none of it."""
 
 
 class TargetNotUpdatableError(TargetError):

@@ -66,6 +66,8 @@ class ProjectionPart:
         self.device = device
         self.ops = ops
         self._regions = layout.regions()
+        # the local tensors that place an owned region: the only ones diffed and kept
+        self._owned_locals = {p.local for pieces in self._regions.values() for p in pieces}
         self._local: dict[str, torch.Tensor] = {}
         self._region_lanes: dict[_Region, tuple[int, ...]] = {}
         self._region_dtypes: dict[_Region, torch.dtype] = {}
@@ -86,7 +88,7 @@ class ProjectionPart:
 
     def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
         """Cut the local baselines from the canonical tensors of version ``latest``."""
-        names = set(self.layout.shapes)
+        names = {canonical for canonical, _ in self._regions}
         target = StateDictTarget({}, device=self.device)
         DeltaReader(chain.store, target, select=names.__contains__).sync(to=latest.record.version)
         self._local = self.layout.scatter(target.tensors)
@@ -138,6 +140,8 @@ class ProjectionPart:
         changed: dict[str, torch.Tensor | None] = {}
         for name, tensor in local.items():
             info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            if name not in self._owned_locals:
+                continue  # another replica publishes what it places
             tensor = tensor.to(self.device).contiguous()
             flats[name] = bits_view(tensor).reshape(-1)
             old = self._local.get(name)

@@ -113,6 +113,7 @@ from dcr_format.writers._part import (
     pairs,
 )
 from dcr_format.writers._projection import ProjectionPart
+from dcr_format.writers._sharded import ShardedPart, peek_sharded
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
@@ -247,6 +248,8 @@ class DeltaWriter:
             )
         else:
             self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
+        # the baseline of a reopened chain, cut once the part is known (see _settle)
+        self._unrestored: tuple[Chain, LoadedRecord, dict[str, TensorState]] | None = None
         self._opened = False
         self._version: int | None = None
         self._record: LoadedRecord | None = None
@@ -268,10 +271,12 @@ class DeltaWriter:
         """The exact bits at :attr:`version` of the owned tensors (with a layout: of the
         local tensors); read-only by convention."""
         self._open()
+        self._settle()
         return self._part.baseline
 
     def owns(self, name: str) -> bool:
         """Whether this rank publishes (some of) canonical tensor ``name``."""
+        self._settle()
         return self._part.owns(name)
 
     def _open(self) -> None:
@@ -299,8 +304,27 @@ class DeltaWriter:
         """Continue an existing chain from committed version ``latest``."""
         record = self.chain.record(latest)
         table = state_table(self.chain.manifests(record))
-        self._part.restore(self.chain, record, table)
+        self._unrestored = (self.chain, record, table)
         self._record, self._table, self._version = record, table, latest
+
+    def _settle(self, tensors: Tensors | None = None) -> Tensors | None:
+        """Pick the part ``tensors`` need (``DTensor`` objects, without a layout: the sharded
+        part) and cut its baseline of a reopened chain; returns the tensors to publish."""
+        if self.layout is None and tensors is not None and not isinstance(self._part, ShardedPart):
+            sharded, tensors = peek_sharded(tensors)
+            if sharded:
+                self._part = ShardedPart(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    device=self.baseline_device,
+                    ops=self.ops,
+                )
+                if self._record is not None:  # the new part's baseline comes from the store
+                    self._unrestored = (self.chain, self._record, self._table)
+        if self._unrestored is not None:
+            self._part.restore(*self._unrestored)
+            self._unrestored = None
+        return tensors
 
     # --- publish ----------------------------------------------------------------------
 
@@ -313,11 +337,13 @@ class DeltaWriter:
         deliver, and :class:`CommitStateUnknownError` if the commit's outcome is unknown.
         """
         self._open()
+        settled = self._settle(tensors)
+        assert settled is not None
         attempt = self._begin()
         clock = time.perf_counter
         started = clock()
         try:
-            written = self._part.write(tensors, attempt)
+            written = self._part.write(settled, attempt)
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
