@@ -522,9 +522,7 @@ dimension ``dim`` (``split_factor`` 1 for ``Shard(dim)``, more for ``_StridedSha
 where it replicates."""
 
 
-def _shard_indices(
-    indices: list[int], chunks: int, index: int, split_factor: int
-) -> list[int]:
+def _shard_indices(indices: list[int], chunks: int, index: int, split_factor: int) -> list[int]:
     """The elements of ``indices`` that shard ``index`` of ``chunks`` holds, as torch's
     ``Shard`` (``split_factor`` 1: chunks of ``ceil(n / chunks)``, the last ones shorter
     or empty) and ``_StridedShard`` (each of ``split_factor`` such chunks split again and
@@ -598,7 +596,10 @@ def sharded(
     replicas = _numel([mesh_shape[d] for d in replicate_at])
     replica = _ravel([coordinate[d] for d in replicate_at], [mesh_shape[d] for d in replicate_at])
     local_shape = tuple(len(i) for i in indices)
-    runs = [_runs(i) or [(0, 0, 0)] for i in indices]  # an empty shard: one empty piece
+    if _numel(local_shape) == 0:  # an empty shard: one empty piece (its part is still listed)
+        runs = [[(0, 0, 0)] for _ in indices]
+    else:
+        runs = [_runs(i) for i in indices]
     pieces: list[Piece] = []
     combos: list[tuple[tuple[int, int, int], ...]] = [()]
     for dim_runs in runs:
@@ -636,8 +637,7 @@ def placed(name: str, tensor: torch.Tensor) -> list[Piece]:
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise UnsupportedPlacementError(
-            f"this rank is not in the device mesh of {name!r}; publish from the ranks that "
-            "hold it"
+            f"this rank is not in the device mesh of {name!r}; publish from the ranks that hold it"
         )
     placements: list[Placement] = []
     for placement in tensor.placements:
@@ -663,9 +663,7 @@ def placed(name: str, tensor: torch.Tensor) -> list[Piece]:
     if copies == 1:
         return pieces
     return [
-        dataclasses.replace(
-            p, replica=p.replica + p.replicas * copy, replicas=p.replicas * copies
-        )
+        dataclasses.replace(p, replica=p.replica + p.replicas * copy, replicas=p.replicas * copies)
         for p in pieces
     ]
 

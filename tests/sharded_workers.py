@@ -83,7 +83,9 @@ def train_step(model: torch.nn.Module, optimizer: Any, step: int, data_rank: int
 def published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a trainer passes to publish: its state dict in bf16 (DTensors stay DTensors),
     and one plain tensor beside them."""
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    from dcr_format.integrations.vllm import trainer_state
+
+    state = trainer_state(model)
     state["extra.scale"] = torch.arange(5, dtype=torch.bfloat16)
     return state
 
@@ -156,9 +158,7 @@ class Run:
 def shard_bytes(state: dict[str, torch.Tensor]) -> int:
     from torch.distributed.tensor import DTensor
 
-    return sum(
-        (v.to_local() if isinstance(v, DTensor) else v).numel() * 2 for v in state.values()
-    )
+    return sum((v.to_local() if isinstance(v, DTensor) else v).numel() * 2 for v in state.values())
 
 
 def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
@@ -173,7 +173,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     model = build()
     shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run = Run(str(work / "fsdp"), rank, world, commit_timeout=5.0)
+    run = Run(str(work / "fsdp"), rank, world, commit_timeout=3.0)
     for step in range(STEPS):
         train_step(model, optimizer, step, rank)
         run.publish(model, step)
@@ -189,6 +189,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     except UnsupportedPlacementError as exc:
         out["partial"] = str(exc)
 
+    (work / f"fsdp-{rank}.json").write_text(json.dumps(out))  # what a dying rank leaves
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)
     if rank == 1:
@@ -211,6 +212,9 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     """Restarted ranks: the same training to the step that died, then publishing on."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync, trainer_state
+    from dcr_format.testing.collectives import counted_collectives
+
     mesh = init_device_mesh("cpu", (world,))
     model = build()
     shard(model, mesh)
@@ -221,7 +225,17 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"reopened_at": run.writer.version}
     run.publish(model, STEPS)
     train_step(model, optimizer, STEPS + 1, rank)
-    run.publish(model, STEPS + 1)
+    # the trainer integration publishes the shards too (no engines here: client None)
+    sync = DcrWeightSync(run.writer, None, DcrInitInfo(store=str(work / "fsdp")))
+    with counted_collectives() as seen:
+        out["sync_version"] = sync.publish_model(model, step=STEPS + 1)
+    run.collectives.append(
+        {"calls": dict(seen.calls), "bytes": seen.bytes, "functional": dict(seen.functional)}
+    )
+    if run.reader is not None:
+        run.reader.sync()
+        full = gathered(trainer_state(model))
+        run.wrong.append(same_bits(run.target.tensors, full))
     return out | run.result()
 
 

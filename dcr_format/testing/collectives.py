@@ -45,6 +45,7 @@ class Collectives:
     calls: Counter[str] = field(default_factory=Counter)
     bytes: int = 0
     functional: Counter[str] = field(default_factory=Counter)  # ops a DTensor dispatched
+    functional_bytes: int = 0  # the bytes those ops returned (a gather: the gathered tensor)
 
 
 def _tensor_bytes(value: Any) -> int:
@@ -74,14 +75,17 @@ def counted_collectives(*, dispatch: bool = True) -> Iterator[Collectives]:
 
         return counted
 
-    class _Functional(TorchDispatchMode):
-        def __torch_dispatch__(  # type: ignore[override]
+    class _Functional(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
             namespace = getattr(func, "namespace", "")
+            result = func(*args, **(kwargs or {}))
             if namespace in ("_c10d_functional", "c10d", "_dtensor"):
                 seen.functional[str(func)] += 1
-            return func(*args, **(kwargs or {}))
+                if "wait_tensor" not in str(func):  # a wait returns the tensor it waited for
+                    seen.functional_bytes += _tensor_bytes(result)
+            return result
 
     with ExitStack() as stack:
         for name in COLLECTIVES:
@@ -93,5 +97,5 @@ def counted_collectives(*, dispatch: bool = True) -> Iterator[Collectives]:
             if getattr(dist, name, None) is original:
                 stack.enter_context(mock.patch.object(dist, name, counted))
         if dispatch:
-            stack.enter_context(_Functional())
+            stack.enter_context(_Functional())  # type: ignore[no-untyped-call]
         yield seen
