@@ -51,8 +51,8 @@ def _results(role: str, procs: list[subprocess.Popen[bytes]], work: Path) -> lis
     for rank, code in enumerate(codes):
         path = work / f"{role}-{rank}.json"
         out.append(json.loads(path.read_text()) if path.exists() else {"exit": code})
-    for result in out:
-        assert "error" not in result, result.get("error")
+    errors = [f"rank {r}: {result['error']}" for r, result in enumerate(out) if "error" in result]
+    assert not errors, "\n".join(errors)
     return out
 
 
@@ -243,3 +243,96 @@ def test_layouts_from_placements_publish_exactly_with_an_empty_shard(tmp_path: P
         reader.sync()
         for name, tensor in full.items():
             assert torch.equal(target.tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def _mesh_layouts(specs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[Layout]:
+    grid = torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).reshape(-1, len(mesh_shape))
+    return [
+        Layout(
+            [
+                piece
+                for name, (shape, placements) in specs.items()
+                for piece in sharded(
+                    name, shape, mesh_shape=mesh_shape, coordinate=tuple(c), placements=placements
+                )
+            ]
+        )
+        for c in grid.tolist()
+    ]
+
+
+def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reopened writer rebuilds its local shards from the entries of its own regions: it
+    reads no other rank's shard and builds no canonical tensor, then publishes exactly. A
+    writer of another layout falls back to the canonical tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format import DeltaWriter, ThreadCoordinator
+    from dcr_format.store import Store
+
+    specs = {"w": ((9, 4), [(0, 1)]), "b": ((6,), [None])}
+    layouts = _mesh_layouts(specs, (2,))
+    generator = torch.Generator().manual_seed(3)
+    full = {
+        "w": torch.randn(9, 4, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
+    }
+
+    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.3)).to(v.dtype)
+            for k, v in state.items()
+        }
+
+    def publish_all(writers: list[DeltaWriter], state: dict[str, torch.Tensor]) -> None:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: writers[r].publish(layouts[r].scatter(state)), range(2)))
+
+    def open_writers() -> list[DeltaWriter]:
+        coordinator = ThreadCoordinator(2)
+        return [
+            DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=2, coordinator=coordinator)
+            for r in range(2)
+        ]
+
+    writers = open_writers()
+    for _ in range(3):
+        publish_all(writers, full)
+        full = step(full)
+    expected = [dict(w.baseline) for w in writers]
+
+    read: list[str] = []
+    original = Store.get
+
+    def counted(self: Store, key: str, **kwargs: Any) -> bytes:
+        read.append(key)
+        return original(self, key, **kwargs)
+
+    monkeypatch.setattr(Store, "get", counted)
+    reopened = open_writers()
+    for rank, writer in enumerate(reopened):
+        read.clear()
+        baseline = writer.baseline  # restores now
+        other = f"shard-{1 - rank:05d}-"
+        assert [k for k in read if other in k] == []
+        assert any(f"shard-{rank:05d}-" in k for k in read)
+        assert set(baseline) == set(expected[rank])
+        for name, tensor in expected[rank].items():
+            assert torch.equal(baseline[name].view(torch.int16), tensor.view(torch.int16))
+    monkeypatch.undo()
+    publish_all(reopened, full)
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
+    for name, tensor in full.items():
+        assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+    # one writer holding everything (another layout) reads the canonical tensors instead
+    whole_layout = _mesh_layouts(specs, (1,))[0]
+    single = DeltaWriter(tmp_path, layout=whole_layout)
+    full = step(full)
+    single.publish(whole_layout.scatter(full))
+    DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
+    for name, tensor in full.items():
+        assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16))
