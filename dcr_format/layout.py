@@ -132,6 +132,14 @@ class View:
             span += self.strides[d] * (self.sizes[d] - 1)
         return tuple(dims)
 
+    @cached_property
+    def contiguous(self) -> bool:
+        """Whether the view is one run of consecutive flat elements in view order."""
+        return all(
+            n <= 1 or s == step
+            for n, s, step in zip(self.sizes, self.strides, _row_major(self.sizes), strict=True)
+        )
+
     @property
     def nested(self) -> bool:
         """Whether :meth:`locate` can invert the view (no element reached twice)."""
@@ -145,6 +153,8 @@ class View:
                 out = (out[:, None] + torch.arange(n, dtype=torch.int64) * s).reshape(-1)
             return out
         k = k.to(torch.int64)
+        if self.contiguous:
+            return k + self.offset
         out = torch.full_like(k, self.offset)
         for n, s, step in zip(self.sizes, self.strides, _row_major(self.sizes), strict=True):
             if n > 1:
@@ -161,6 +171,8 @@ class View:
         inside = rel >= 0
         if self.numel == 0:
             return torch.zeros_like(inside), torch.zeros_like(rel)
+        if self.contiguous:
+            return inside & (rel < self.numel), rel
         k = torch.zeros_like(rel)
         steps = _row_major(self.sizes)
         for d in order:
@@ -214,6 +226,8 @@ class Piece:
         """``(local, canonical)`` flat indices of the given local elements that this piece
         places, in the order given: the changed-positions projection of a writer."""
         inside, k = self.local_view.locate(local_flat)
+        if bool(inside.all()):  # (a piece holding the whole local tensor)
+            return local_flat, self.canonical_view.elements(k)
         return local_flat[inside], self.canonical_view.elements(k[inside])
 
     def region(self) -> tuple[torch.Tensor, torch.Tensor]:

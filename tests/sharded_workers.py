@@ -130,12 +130,15 @@ class Run:
         self.collectives: list[dict[str, Any]] = []
         self.baseline_bytes = 0
 
-    def publish(self, model: torch.nn.Module, step: int) -> None:
+    def publish(self, model: torch.nn.Module, step: int, *, stream: bool = False) -> None:
         from dcr_format.testing.collectives import counted_collectives
 
         state = published(model)
         with counted_collectives() as seen:
-            self.writer.publish(state, step=step)
+            if stream:
+                self.writer.publish(self.stream(model), step=step)
+            else:
+                self.writer.publish(state, step=step)
         self.collectives.append(
             {"calls": dict(seen.calls), "bytes": seen.bytes, "functional": dict(seen.functional)}
         )
@@ -147,8 +150,26 @@ class Run:
             self.reader.sync()
             self.wrong.append(same_bits(self.target.tensors, full))
 
+    def stream(self, model: torch.nn.Module) -> Any:
+        """A converter's stream: each (name, tensor) made when asked for (a fresh bf16
+        DTensor), counting how many earlier ones are still alive at each request."""
+        import gc
+        import weakref
+
+        alive: list[weakref.ref[torch.Tensor]] = []
+        self.held = 0
+        for name, param in model.state_dict().items():
+            gc.collect()
+            self.held = max(self.held, sum(r() is not None for r in alive))
+            tensor = param.detach().to(torch.bfloat16)
+            alive.append(weakref.ref(getattr(tensor, "_local_tensor", tensor)))
+            yield name, tensor
+            del tensor
+        yield "extra.scale", torch.arange(5, dtype=torch.bfloat16)
+
     def result(self) -> dict[str, Any]:
         return {
+            "held": getattr(self, "held", None),
             "wrong": self.wrong,
             "collectives": self.collectives,
             "baseline_bytes": self.baseline_bytes,
@@ -167,7 +188,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Partial
 
     from dcr_format.errors import IncompleteVersionError, UnsupportedPlacementError
-    from dcr_format.writers._projection import ProjectionPart
+    from dcr_format.writers._sharded import ShardedPart
 
     mesh = init_device_mesh("cpu", (world,))
     model = build()
@@ -192,14 +213,17 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     (work / f"fsdp-{rank}.json").write_text(json.dumps(out))  # what a dying rank leaves
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)
-    if rank == 1:
-        original = ProjectionPart.write
+    if rank == 1:  # dies after coding a few of its tensors
+        original = ShardedPart._diff
+        calls = []
 
-        def dying(self: ProjectionPart, *args: Any, **kwargs: Any) -> Any:
-            os._exit(17)
+        def dying(self: ShardedPart, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) > 4:
+                os._exit(17)
+            return original(self, *args, **kwargs)
 
-        ProjectionPart.write = dying  # type: ignore[method-assign]
-        assert original is not None
+        ShardedPart._diff = dying  # type: ignore[method-assign]
     try:
         run.writer.publish(published(model), step=STEPS)
         out["killed"] = "committed"
@@ -212,7 +236,7 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     """Restarted ranks: the same training to the step that died, then publishing on."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync, trainer_state
+    from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
     from dcr_format.testing.collectives import counted_collectives
 
     mesh = init_device_mesh("cpu", (world,))
@@ -225,16 +249,16 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"reopened_at": run.writer.version}
     run.publish(model, STEPS)
     train_step(model, optimizer, STEPS + 1, rank)
-    # the trainer integration publishes the shards too (no engines here: client None)
+    # the trainer integration passes the shards on (no engines here: client None)
     sync = DcrWeightSync(run.writer, None, DcrInitInfo(store=str(work / "fsdp")))
     with counted_collectives() as seen:
-        out["sync_version"] = sync.publish_model(model, step=STEPS + 1)
+        out["sync_version"] = sync.publish(published(model), step=STEPS + 1)
     run.collectives.append(
         {"calls": dict(seen.calls), "bytes": seen.bytes, "functional": dict(seen.functional)}
     )
+    full = gathered(published(model))  # a collective: on every rank
     if run.reader is not None:
         run.reader.sync()
-        full = gathered(trainer_state(model))
         run.wrong.append(same_bits(run.target.tensors, full))
     return out | run.result()
 
@@ -253,7 +277,7 @@ def role_mesh(rank: int, world: int, work: Path) -> dict[str, Any]:
     dp_rank = mesh.get_local_rank("dp")
     for step in range(STEPS):
         train_step(model, optimizer, step, dp_rank)
-        run.publish(model, step)
+        run.publish(model, step, stream=step == STEPS - 1)  # the last one as a stream
     out["tp"] = run.result()
     out["tp_placements"] = sorted(
         {str(getattr(v, "placements", "plain")) for v in model.state_dict().values()}

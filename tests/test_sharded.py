@@ -99,16 +99,22 @@ def test_a_rank_killed_mid_publish_leaves_no_commit_and_restarted_ranks_publish_
     restarted = runs["restart"]
     assert [r["reopened_at"] for r in restarted] == [2, 2]  # version 3 never committed
     assert restarted[0]["wrong"] == [[], []]
-    assert [r["sync_version"] for r in restarted] == [4, 4]  # DcrWeightSync.publish_model
+    assert [r["sync_version"] for r in restarted] == [4, 4]  # through DcrWeightSync
     for result in restarted:
         _no_gather(result)
-    assert Chain(open_store(runs["work"] / "fsdp")).versions() == [0, 1, 2, 3, 4]
+    chain = Chain(open_store(runs["work"] / "fsdp"))
+    assert chain.versions() == [0, 1, 2, 3, 4]
+    # the restarted ranks replayed their baselines: their first version is a delta of changes
+    ops = {e.op for m in chain.manifests(chain.record(3)) for e in m.entries}
+    assert ops == {"xor"}
 
 
 @pytest.mark.multiprocess
 def test_fsdp2_over_tensor_parallelism_and_hsdp_publish_exactly(runs: dict[str, Any]) -> None:
     ranks = runs["mesh"]
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in ranks[0]["tp_placements"]
+    # the last step came as a stream: no earlier tensor of it was held when the next was asked
+    assert [r["tp"]["held"] for r in ranks] == [0, 0, 0, 0]
     for kind in ("tp", "hsdp"):
         assert ranks[0][kind]["wrong"] == [[], [], []]
         for result in ranks:

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from dcr_format.chain import Chain, LoadedRecord, TensorState, get_verified
-from dcr_format.codec.delta import FULL, OVERWRITE, XOR, changed_positions, decode_delta
+from dcr_format.codec.delta import (
+    FULL,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    changed_positions,
+    decode_delta,
+)
 from dcr_format.codec.dtypes import bits_to_numpy, bits_view, info_for
 from dcr_format.codec.positions import encode_positions
 from dcr_format.codec.shard import decode_shard
@@ -171,23 +178,7 @@ class ProjectionPart:
         info = info_for(entry.dtype)
         numel = math.prod(entry.shape)
         op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
-
-        def stream(ref: PositionsRef | ValuesRef | None) -> tuple[str, memoryview] | None:
-            if ref is None:
-                return None
-            shard = streams.get(ref.shard)
-            if shard is None or ref.key not in shard:
-                raise ShardError(f"stream {ref.key!r} of {entry.name!r} is missing from its shard")
-            return ref.coding, shard[ref.key]
-
-        delta = decode_delta(
-            op,
-            info,
-            numel,
-            entry.changed,
-            positions=stream(entry.positions),
-            values=stream(entry.values),
-        )
+        delta = decode_region_entry(entry, streams)
         if delta.needs_target or delta.shift is not None:
             return False  # coded against old bits: only a reader of whole tensors resolves it
         positions = delta.positions
@@ -361,10 +352,11 @@ class ProjectionPart:
             old_parts.append(bits_view(self._local[piece.local]).reshape(-1)[local_idx])
             new_parts.append(diff.flats[piece.local][local_idx])
         positions = torch.cat(canonical_parts)
-        order = torch.argsort(positions)
-        positions = positions[order]
-        old = torch.cat(old_parts)[order.to(old_parts[0].device)]
-        new = torch.cat(new_parts)[order.to(new_parts[0].device)]
+        old, new = torch.cat(old_parts), torch.cat(new_parts)
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            order = torch.argsort(positions)  # (an order-preserving placement needs none)
+            positions = positions[order]
+            old, new = old[order.to(old.device)], new[order.to(new.device)]
         after = lanes_after_change(before, positions, old, new) if positions.numel() else before
         values = new if op == OVERWRITE else old ^ new
         return (
@@ -399,6 +391,29 @@ class ProjectionPart:
                 bits_view(self._local[name]).reshape(-1)[change.positions] = change.values
         self._region_lanes = lanes
         self._region_dtypes = dtypes
+
+
+def decode_region_entry(entry: Entry, streams: dict[int, dict[str, memoryview]]) -> DecodedDelta:
+    """Decode one entry from its rank's inflated shards (by index); a full piece decodes as
+    its region's overwrite."""
+    op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
+
+    def stream(ref: PositionsRef | ValuesRef | None) -> tuple[str, memoryview] | None:
+        if ref is None:
+            return None
+        shard = streams.get(ref.shard)
+        if shard is None or ref.key not in shard:
+            raise ShardError(f"stream {ref.key!r} of {entry.name!r} is missing from its shard")
+        return ref.coding, shard[ref.key]
+
+    return decode_delta(
+        op,
+        info_for(entry.dtype),
+        math.prod(entry.shape),
+        entry.changed,
+        positions=stream(entry.positions),
+        values=stream(entry.values),
+    )
 
 
 def _region_streams(
