@@ -29,7 +29,7 @@ from dcr_format.fingerprint import fingerprint_from_lanes, lanes_at
 from dcr_format.layout import Layout, Piece, whole
 from dcr_format.layout import placed as placed_pieces
 from dcr_format.schema import PIECES_FEATURE, Entry, Manifest, check_tensor_name
-from dcr_format.writers._part import Attempt, Tensors, Written, pairs
+from dcr_format.writers._part import Attempt, ShardWriter, Tensors, Written, pairs
 from dcr_format.writers._projection import (
     ProjectionPart,
     _Diff,
@@ -128,29 +128,15 @@ class ShardedPart:
                 if name in seen:
                     raise ArgumentError(f"tensor {name!r} was given twice in one publish")
                 seen.add(name)
-                if is_dtensor(tensor):
-                    pieces = placed_pieces(name, tensor)
-                    local = tensor.to_local()  # type: ignore[attr-defined]
-                else:
-                    pieces = whole(
-                        name, tuple(tensor.shape), replica=self.rank, replicas=self.world_size
-                    )
-                    local = tensor
-                owned = tuple(p for p in pieces if _owns(p))
-                if not owned:
+                coded = self._code(name, tensor, attempt, len(entries), shards)
+                del tensor  # held no longer than its coding
+                if coded is None:
                     continue  # another replica publishes it
-                key = (name, owned[0].part)
-                local = local.detach()
-                info_for(local.dtype)  # refuses dtypes the format cannot carry
-                self._place_replayed(key, owned, local.dtype)
-                diff = self._diff(name, local, owned, attempt.base)
-                entry, lanes[key], dtypes[key] = coder._region_entry(
-                    key, list(owned), diff, attempt, len(entries), shards
-                )
+                key, entry, owned, change = coded
                 entries.append(entry)
-                changes.update(coder._local_changes(diff))
+                lanes[key], dtypes[key] = change[1], change[2]
+                changes.update(change[0])
                 placed[name] = owned
-                del diff, local, tensor
                 shards.maybe_flush()
             missing = sorted({n for n in self._placed if n not in placed})
             if missing and not attempt.base:
@@ -171,6 +157,38 @@ class ShardedPart:
             self._replayed = {}
 
         return Written(manifest, advance)
+
+    def _code(
+        self, name: str, tensor: torch.Tensor, attempt: Attempt, index: int, shards: ShardWriter
+    ) -> (
+        tuple[
+            _Region,
+            Entry,
+            tuple[Piece, ...],
+            tuple[dict[str, _LocalChange], tuple[int, ...], torch.dtype],
+        ]
+        | None
+    ):
+        """Place, diff and code one given tensor (None: another replica publishes it):
+        its region, entry, owned pieces, and how its baseline, lanes and dtype advance."""
+        if is_dtensor(tensor):
+            pieces = placed_pieces(name, tensor)
+            local = tensor.to_local()  # type: ignore[attr-defined]
+        else:
+            pieces = whole(name, tuple(tensor.shape), replica=self.rank, replicas=self.world_size)
+            local = tensor
+        owned = tuple(p for p in pieces if _owns(p))
+        if not owned:
+            return None
+        key = (name, owned[0].part)
+        local = local.detach()
+        info_for(local.dtype)  # refuses dtypes the format cannot carry
+        self._place_replayed(key, owned, local.dtype)
+        diff = self._diff(name, local, owned, attempt.base)
+        entry, lanes, dtype = self._coder._region_entry(
+            key, list(owned), diff, attempt, index, shards
+        )
+        return key, entry, owned, (self._coder._local_changes(diff), lanes, dtype)
 
     def _place_replayed(self, key: _Region, owned: tuple[Piece, ...], dtype: torch.dtype) -> None:
         """Put a replayed region into its local tensor, where its pieces place exactly it."""
