@@ -234,7 +234,7 @@ class ArgumentError(DcrError, ValueError):
     """A value passed to a dcr-format constructor or call is out of range or inconsistent."""
 
 
-class UnsupportedPlacementError(ArgumentError):
+class UnsupportedPlacementError(DcrError, ValueError):
     """A distributed tensor is placed in a way that holds no weights to publish (a
     ``Partial`` sum not yet reduced), or this rank holds none of it."""
 

@@ -57,17 +57,28 @@ def _results(role: str, procs: list[subprocess.Popen[bytes]], work: Path) -> lis
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     work = tmp_path_factory.mktemp("sharded")
-    mesh = _start("mesh", 4, work)
-    fsdp = _results("fsdp", _start("fsdp", 2, work), work)
-    restart = _results("restart", _start("restart", 2, work), work)
-    return {
-        "work": work,
-        "fsdp": fsdp,
-        "restart": restart,
-        "mesh": _results("mesh", mesh, work),
-    }
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        mesh = _start("mesh", 4, work)
+        started += mesh
+        fsdp = _start("fsdp", 2, work)
+        started += fsdp
+        fsdp_results = _results("fsdp", fsdp, work)
+        restart = _start("restart", 2, work)
+        started += restart
+        yield {
+            "work": work,
+            "fsdp": fsdp_results,
+            "restart": _results("restart", restart, work),
+            "mesh": _results("mesh", mesh, work),
+        }
+    finally:
+        for proc in started:  # after a failure: no worker outlives the tests
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _no_gather(result: dict[str, Any]) -> None:
