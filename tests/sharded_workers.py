@@ -187,7 +187,11 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial
 
-    from dcr_format.errors import IncompleteVersionError, UnsupportedPlacementError
+    from dcr_format.errors import (
+        ArgumentError,
+        IncompleteVersionError,
+        UnsupportedPlacementError,
+    )
     from dcr_format.writers._sharded import ShardedPart
 
     mesh = init_device_mesh("cpu", (world,))
@@ -210,6 +214,14 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     except UnsupportedPlacementError as exc:
         out["partial"] = str(exc)
 
+    # a stream that begins with a plain tensor is published as plain tensors: a DTensor
+    # later in it is refused by name, on every rank
+    stream = iter([("plain", torch.ones(2, dtype=torch.bfloat16)), ("p", partial)])
+    try:
+        Run(str(work / "mixed"), rank, world).writer.publish(stream)
+        out["mixed"] = "published"
+    except ArgumentError as exc:
+        out["mixed"] = str(exc)
     (work / f"fsdp-{rank}.json").write_text(json.dumps(out))  # what a dying rank leaves
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)

@@ -113,7 +113,7 @@ from dcr_format.writers._part import (
     pairs,
 )
 from dcr_format.writers._projection import ProjectionPart
-from dcr_format.writers._sharded import ShardedPart, peek_sharded
+from dcr_format.writers._sharded import ShardedPart, is_dtensor, peek_sharded
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
@@ -718,6 +718,12 @@ class CanonicalPart:
         seen: set[str] = set()
         for name, tensor in pairs(tensors):
             check_tensor_name(name)  # on every rank: a reserved name fails the whole version
+            if is_dtensor(tensor):
+                raise ArgumentError(
+                    f"{name!r} is a DTensor in a publish that began with plain tensors; give "
+                    "a stream's tensors as DTensors from the first (a whole tensor replicated: "
+                    "DTensor.from_local(t, mesh, [Replicate()]))"
+                )
             if not self.owns(name):
                 continue
             if name in seen:
