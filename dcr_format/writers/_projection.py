@@ -312,8 +312,9 @@ class ProjectionPart:
             values_parts.append(flat[local_idx.to(flat.device)])
         positions = torch.cat(canonical_parts)
         values = torch.cat(values_parts)
-        order = torch.argsort(positions)
-        positions, values = positions[order], values[order]
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            order = torch.argsort(positions)  # (an order-preserving placement needs none)
+            positions, values = positions[order], values[order]
         first = pieces[0]
         if positions.numel() > 1 and bool((positions[1:] == positions[:-1]).any()):
             raise ArgumentError(f"the layout places elements of {first.canonical!r} twice")
