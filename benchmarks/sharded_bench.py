@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     from dcr_format.testing.collectives import counted_collectives
 
     rank, world = args.rank, args.world
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world
     )

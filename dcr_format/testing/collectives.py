@@ -83,7 +83,9 @@ def counted_collectives(*, dispatch: bool = True) -> Iterator[Collectives]:
             result = func(*args, **(kwargs or {}))
             if namespace in ("_c10d_functional", "c10d", "_dtensor"):
                 seen.functional[str(func)] += 1
-                if "wait_tensor" not in str(func):  # a wait returns the tensor it waited for
+                # the bytes a functional collective returns (c10d ops are counted as called
+                # above; a wait returns the tensor it waited for)
+                if namespace == "_c10d_functional" and "wait_tensor" not in str(func):
                     seen.functional_bytes += _tensor_bytes(result)
             return result
 
