@@ -257,8 +257,12 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS + 1):
         train_step(model, optimizer, step, rank)
+    from dcr_format.chain import Chain
+    from dcr_format.store import open_store
+
+    # (the chain's newest version, read without asking the writer, which would restore)
+    out: dict[str, Any] = {"reopened_at": Chain(open_store(work / "fsdp")).latest()}
     run = Run(str(work / "fsdp"), rank, world)
-    out: dict[str, Any] = {"reopened_at": run.writer.version}
     run.publish(model, STEPS)
     train_step(model, optimizer, STEPS + 1, rank)
     # the trainer integration passes the shards on (no engines here: client None)

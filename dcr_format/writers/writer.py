@@ -264,6 +264,7 @@ class DeltaWriter:
     def version(self) -> int | None:
         """The committed version the baseline holds (None before the first publish)."""
         self._open()
+        self._settle()
         return self._version
 
     @property
