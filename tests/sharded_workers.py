@@ -222,6 +222,15 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
         out["mixed"] = "published"
     except ArgumentError as exc:
         out["mixed"] = str(exc)
+    # one writer for a model sharded over two ranks: refused before anything is written
+    if rank == 0:
+        from dcr_format import DeltaWriter
+
+        try:
+            DeltaWriter(work / "solo").publish(published(model))
+            out["solo"] = "published"
+        except ArgumentError as exc:
+            out["solo"] = str(exc)
     (work / f"fsdp-{rank}.json").write_text(json.dumps(out))  # what a dying rank leaves
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)

@@ -100,6 +100,7 @@ def test_fsdp2_with_an_uneven_vocabulary_publishes_exactly(runs: dict[str, Any])
         assert result["baseline_bytes"] <= 1.1 * result["shard_bytes"]
     assert "partial sum" in rank0["partial"] and "partial sum" in rank1["partial"]
     assert "began with plain tensors" in rank0["mixed"] and "began with" in rank1["mixed"]
+    assert "sharded over 2 ranks but the writer has world_size 1" in rank0["solo"]
 
 
 @pytest.mark.multiprocess

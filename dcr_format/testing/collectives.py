@@ -84,8 +84,11 @@ def counted_collectives(*, dispatch: bool = True) -> Iterator[Collectives]:
             if namespace in ("_c10d_functional", "c10d", "_dtensor"):
                 seen.functional[str(func)] += 1
                 # the bytes a functional collective returns (c10d ops are counted as called
-                # above; a wait returns the tensor it waited for)
-                if namespace == "_c10d_functional" and "wait_tensor" not in str(func):
+                # above; a wait or an autograd wrap returns the tensor it was given)
+                name = str(func)
+                if namespace == "_c10d_functional" and not any(
+                    other in name for other in ("wait_tensor", "_wrap_tensor_autograd")
+                ):
                     seen.functional_bytes += _tensor_bytes(result)
             return result
 

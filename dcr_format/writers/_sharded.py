@@ -172,6 +172,13 @@ class ShardedPart:
         """Place, diff and code one given tensor (None: another replica publishes it):
         its region, entry, owned pieces, and how its baseline, lanes and dtype advance."""
         if is_dtensor(tensor):
+            ranks = tensor.device_mesh._get_root_mesh().size()  # type: ignore[attr-defined]
+            if ranks > self.world_size:
+                raise ArgumentError(
+                    f"{name!r} is sharded over {ranks} ranks but the writer has world_size "
+                    f"{self.world_size}; open a DeltaWriter on every rank "
+                    f"(world_size={ranks}), each publishing its own shards"
+                )
             pieces = placed_pieces(name, tensor)
             local = tensor.to_local()  # type: ignore[attr-defined]
         else:
