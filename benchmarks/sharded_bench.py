@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     rows: dict[str, Any] = {}
     step = 0
     for rate in [0.0, *args.rates]:
-        seconds, moved = [], []
+        seconds, moved, rates = [], [], []
         for _ in range(1 if rate == 0.0 else args.steps):
             if rate:
                 _change(model, rate, generator)
@@ -99,8 +99,9 @@ def worker(args: argparse.Namespace) -> None:
                 else:
                     state = canonical_state(model)  # DTensors gathered by functional collectives
             with counted_collectives(dispatch=False) as publishing:
-                writer.publish(state, step=step)
+                info = writer.publish(state, step=step)
             seconds.append(time.perf_counter() - started)
+            rates.append(info.change_rate)
             moved.append(gathering.bytes + gathering.functional_bytes + publishing.bytes)
             del state
             step += 1
@@ -108,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
             rows[f"{rate:g}"] = {
                 "publish_s": statistics.median(seconds),
                 "collective_bytes": statistics.median(moved),
+                "changed": statistics.median(rates),
             }
     baseline = sum(t.numel() * t.element_size() for t in writer.baseline.values())
     result = {
@@ -183,7 +185,7 @@ def main() -> None:
                 f"(medians of {args.steps} steps; per rank: max over ranks)"
             )
             print(
-                f"{'path':8} {'rate':>5} {'publish s':>10} {'collective MB':>14} "
+                f"{'path':8} {'rate':>5} {'changed':>8} {'publish s':>10} {'collective MB':>14} "
                 f"{'peak RSS +MB':>13} {'baseline/shard':>15}"
             )
             for rate in map(lambda r: f"{r:g}", args.rates):
@@ -193,9 +195,10 @@ def main() -> None:
                     moved = max(r["rates"][rate]["collective_bytes"] for r in ranks)
                     rss = max(r["peak_rss_growth_mb"] for r in ranks)
                     ratio = max(r["baseline_bytes"] / r["shard_bytes"] for r in ranks)
+                    changed = ranks[0]["rates"][rate]["changed"]
                     line[path] = seconds
                     print(
-                        f"{path:8} {rate:>5} {seconds:>10.3f} {moved / 1e6:>14.2f} "
+                        f"{path:8} {rate:>5} {changed:>8.4f} {seconds:>10.3f} {moved / 1e6:>14.2f} "
                         f"{rss:>13.0f} {ratio:>15.2f}"
                     )
                 ratio = line["gather"] / line["sharded"]
