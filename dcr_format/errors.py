@@ -51,6 +51,7 @@ __all__ = [
     "UnchangedVersionError",
     "UnsupportedDtypeError",
     "UnsupportedFeatureError",
+    "UnsupportedPlacementError",
     "UnsupportedVersionError",
     "ValuesError",
     "VersionNotFoundError",
@@ -256,6 +257,11 @@ class UnchangedVersionError(CommitError):
 class GraceTooShortError(DcrError, ValueError):
     """gc's grace period is shorter than the writers' commit timeout, so it could delete an
     attempt a writer is still committing."""
+
+
+class UnsupportedPlacementError(DcrError, ValueError):
+    """A distributed tensor is placed in a way that holds no weights to publish (a
+    ``Partial`` sum not yet reduced), or this rank holds none of it."""
 
 
 class TargetNotUpdatableError(TargetError):

@@ -61,6 +61,7 @@ __all__ = [
     "dcr_trainer_callback",
     "engine_report",
     "register",
+    "trainer_state",
 ]
 
 BACKEND = "dcr"
@@ -591,6 +592,18 @@ class DcrWeightSync:
         )
         return int(info.version)
 
+    def publish_model(
+        self,
+        model: torch.nn.Module,
+        *,
+        step: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> int:
+        """Publish ``model`` as this rank holds it (:func:`trainer_state`: a sharded model's
+        own shards, nothing gathered) and update the engines; every writer rank calls it."""
+        with torch.no_grad():
+            return self.publish(trainer_state(model, dtype), step=step)
+
     def update(self, version: int | None = None, *, audit: bool = False) -> None:
         """start, update and finish: the engines reach ``version`` (default: the newest the
         writer's chain holds, named to the engines, so that vLLM's ``/weight_info`` reports
@@ -638,16 +651,8 @@ def _detail(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:2000]
 
 
-def canonical_state(
-    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
-) -> dict[str, torch.Tensor]:
-    """The model's state dict as canonical tensors of ``dtype`` (FSDP2 DTensors gathered with
-    ``full_tensor()``; every rank must call it, since the gather is a collective).
-
-    A tied weight is published once, under its first name (as ``save_pretrained`` does:
-    ``lm_head.weight`` of a tied model is ``model.embed_tokens.weight``), since vLLM's
-    loader refuses the tied name on its own.
-    """
+def _state(model: torch.nn.Module, dtype: torch.dtype, *, gather: bool) -> dict[str, torch.Tensor]:
+    """The model's state dict in ``dtype``, each tied alias once; DTensors gathered or kept."""
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int, int]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -656,10 +661,36 @@ def canonical_state(
         if local.numel() and key in seen:
             continue  # a tied alias of a tensor already exported
         seen.add(key)
-        full = getattr(tensor, "full_tensor", None)
+        full = getattr(tensor, "full_tensor", None) if gather else None
         value = full() if callable(full) else tensor
         out[name] = value.detach().to(dtype) if value.is_floating_point() else value.detach()
     return out
+
+
+def trainer_state(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """What each rank of a trainer publishes: the model's state dict in ``dtype``, with
+    sharded parameters (FSDP2, tensor parallelism: ``DTensor`` objects) kept as this rank's
+    shards. Nothing is gathered; every rank passes its own to its
+    :class:`~dcr_format.DeltaWriter`, which publishes the shards in canonical coordinates.
+
+    A tied weight is published once, under its first name (as ``save_pretrained`` does:
+    ``lm_head.weight`` of a tied model is ``model.embed_tokens.weight``), since vLLM's
+    loader refuses the tied name on its own.
+    """
+    return _state(model, dtype, gather=False)
+
+
+def canonical_state(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, torch.Tensor]:
+    """The model's state dict as whole canonical tensors of ``dtype``, for a model that is not
+    sharded (a sharded one's DTensors would be gathered with ``full_tensor()`` on every rank:
+    the whole model on each and a collective of all of it; use :func:`trainer_state` there).
+    Tied weights are published once, as by :func:`trainer_state`.
+    """
+    return _state(model, dtype, gather=True)
 
 
 def dcr_trainer_callback(
@@ -672,15 +703,15 @@ def dcr_trainer_callback(
     """A ``transformers.TrainerCallback`` that publishes the model after every ``every``-th
     optimizer step through ``sync`` (and updates the engines behind its client).
 
-    ``state`` turns the model into canonical tensors (default: :func:`canonical_state`,
-    which gathers FSDP2 shards on every rank; give each rank's writer only its own tensors
-    by passing a ``state`` that does not gather).
+    ``state`` turns the model into the tensors each rank publishes (default:
+    :func:`trainer_state`: a sharded model's DTensors stay this rank's shards, published
+    without a gather; every rank of a sharded trainer runs the callback with its writer).
     """
     from transformers import TrainerCallback
 
     if every < 1:
         raise ValueError("every must be a positive number of optimizer steps")
-    export = state or (lambda model: canonical_state(model, dtype))
+    export = state or (lambda model: trainer_state(model, dtype))
 
     class DcrTrainerCallback(TrainerCallback):
         """Publishes the model with dcr after optimizer steps."""

@@ -19,19 +19,29 @@ switches a tensor to ``full`` by size. Bases and new tensors are ``full``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from dcr_format.chain import Chain, LoadedRecord, TensorState
-from dcr_format.codec.delta import FULL, OVERWRITE, XOR, changed_positions
+from dcr_format.chain import Chain, LoadedRecord, TensorState, get_verified
+from dcr_format.codec.delta import (
+    FULL,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    changed_positions,
+    decode_delta,
+)
 from dcr_format.codec.dtypes import bits_to_numpy, bits_view, info_for
 from dcr_format.codec.positions import encode_positions
+from dcr_format.codec.shard import decode_shard
 from dcr_format.codec.values import encode_values
-from dcr_format.errors import ArgumentError
+from dcr_format.errors import ArgumentError, ShardError
 from dcr_format.fingerprint import fingerprint_from_lanes, lanes_after_change, lanes_at
 from dcr_format.layout import Layout, Piece
+from dcr_format.readers._plan import stream_limits
 from dcr_format.readers.reader import DeltaReader
 from dcr_format.readers.targets import StateDictTarget
 from dcr_format.schema import PIECES_FEATURE, Entry, Manifest, PositionsRef, ValuesRef
@@ -66,6 +76,8 @@ class ProjectionPart:
         self.device = device
         self.ops = ops
         self._regions = layout.regions()
+        # the local tensors that place an owned region: the only ones diffed and kept
+        self._owned_locals = {p.local for pieces in self._regions.values() for p in pieces}
         self._local: dict[str, torch.Tensor] = {}
         self._region_lanes: dict[_Region, tuple[int, ...]] = {}
         self._region_dtypes: dict[_Region, torch.dtype] = {}
@@ -85,8 +97,114 @@ class ProjectionPart:
         committer combines the manifests."""
 
     def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
+        """The local baselines of version ``latest``: replayed from this rank's own regions
+        where every version since the last base lists them as this layout places them
+        (:meth:`_replay_regions`), else cut from the canonical tensors."""
+        if not self._replay_regions(chain, latest):
+            self._restore_canonical(chain, latest)
+
+    def _replay_regions(self, chain: Chain, latest: LoadedRecord) -> bool:
+        """Rebuild the owned regions from their own entries alone (from the last base to
+        ``latest``), reading only the shards that hold them: no other region, and no
+        canonical tensor, is read or built. False (nothing kept) where some version does not
+        list every owned region as this layout's part, or a region does not end at the
+        fingerprint its last entry gives."""
+        records = [latest]
+        while records[-1].record.kind != "base":
+            records.append(chain.record(records[-1].record.version - 1))
+        local: dict[str, torch.Tensor] = {}
+        last: dict[_Region, Entry] = {}
+        for loaded in reversed(records):
+            found = self._region_entries(chain.manifests(loaded))
+            if found is None:
+                return False
+            streams = _region_streams(chain, found.values())
+            for key, (manifest, entry) in found.items():
+                if not self._replay_entry(key, entry, streams[manifest.rank], local):
+                    return False
+                last[key] = entry
+        lanes: dict[_Region, tuple[int, ...]] = {}
+        dtypes: dict[_Region, torch.dtype] = {}
+        for key, pieces in self._regions.items():
+            entry = last[key]
+            positions, bits = [], []
+            for piece in pieces:
+                local_idx, canonical_idx = piece.region()
+                positions.append(canonical_idx)
+                bits.append(bits_view(local[piece.local]).reshape(-1)[local_idx])
+            lanes[key] = lanes_at(torch.cat(positions), torch.cat(bits))
+            dtype = info_for(entry.dtype).torch_dtype
+            expected = entry.piece.lanes_after if entry.piece is not None else None
+            if expected is not None and tuple(expected) != lanes[key]:
+                return False
+            if (
+                expected is None
+                and fingerprint_from_lanes(dtype, tuple(entry.shape), lanes[key])
+                != entry.fingerprint
+            ):
+                return False
+            dtypes[key] = dtype
+        self._local = {n: t.to(self.device) for n, t in local.items()}
+        self._region_lanes, self._region_dtypes = lanes, dtypes
+        return True
+
+    def _region_entries(
+        self, manifests: list[Manifest]
+    ) -> dict[_Region, tuple[Manifest, Entry]] | None:
+        """The entry of each owned region in one version, or None where one is missing or
+        the version splits the tensor otherwise."""
+        found: dict[_Region, tuple[Manifest, Entry]] = {}
+        for manifest in manifests:
+            for entry in manifest.entries:
+                key = (entry.name, entry.piece.index if entry.piece is not None else 0)
+                pieces = self._regions.get(key)
+                if pieces is None:
+                    continue
+                count = entry.piece.count if entry.piece is not None else 1
+                if count != pieces[0].parts or tuple(entry.shape) != pieces[0].shape:
+                    return None
+                found[key] = (manifest, entry)
+        return found if len(found) == len(self._regions) else None
+
+    def _replay_entry(
+        self,
+        key: _Region,
+        entry: Entry,
+        streams: dict[int, dict[str, memoryview]],
+        local: dict[str, torch.Tensor],
+    ) -> bool:
+        """Apply one region entry (``streams``: its rank's inflated shards by index) to the
+        local tensors placing it; False where it cannot be replayed so."""
+        info = info_for(entry.dtype)
+        numel = math.prod(entry.shape)
+        op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
+        delta = decode_region_entry(entry, streams)
+        if delta.needs_target or delta.shift is not None:
+            return False  # coded against old bits: only a reader of whole tensors resolves it
+        positions = delta.positions
+        if positions is None:
+            positions = torch.arange(numel, dtype=torch.int64)
+        placed = 0
+        for piece in self._regions[key]:
+            tensor = local.get(piece.local)
+            if tensor is None or tensor.dtype != info.torch_dtype:
+                if entry.op != FULL:
+                    return False
+                tensor = local[piece.local] = torch.zeros(piece.local_shape, dtype=info.torch_dtype)
+            inside, k = piece.canonical_view.locate(positions)
+            local_idx = piece.local_view.elements(k[inside])
+            flat = bits_view(tensor).reshape(-1)
+            values = delta.values[inside]
+            if op == XOR:
+                flat[local_idx] ^= values
+            else:
+                flat[local_idx] = values
+            placed += int(inside.sum())
+        return placed == positions.numel()
+
+    def _restore_canonical(self, chain: Chain, latest: LoadedRecord) -> None:
         """Cut the local baselines from the canonical tensors of version ``latest``."""
-        names = set(self.layout.shapes)
+        names = {canonical for canonical, _ in self._regions}
         target = StateDictTarget({}, device=self.device)
         DeltaReader(chain.store, target, select=names.__contains__).sync(to=latest.record.version)
         self._local = self.layout.scatter(target.tensors)
@@ -138,6 +256,8 @@ class ProjectionPart:
         changed: dict[str, torch.Tensor | None] = {}
         for name, tensor in local.items():
             info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            if name not in self._owned_locals:
+                continue  # another replica publishes what it places
             tensor = tensor.to(self.device).contiguous()
             flats[name] = bits_view(tensor).reshape(-1)
             old = self._local.get(name)
@@ -192,8 +312,9 @@ class ProjectionPart:
             values_parts.append(flat[local_idx.to(flat.device)])
         positions = torch.cat(canonical_parts)
         values = torch.cat(values_parts)
-        order = torch.argsort(positions)
-        positions, values = positions[order], values[order]
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            order = torch.argsort(positions)  # (an order-preserving placement needs none)
+            positions, values = positions[order], values[order]
         first = pieces[0]
         if positions.numel() > 1 and bool((positions[1:] == positions[:-1]).any()):
             raise ArgumentError(f"the layout places elements of {first.canonical!r} twice")
@@ -232,10 +353,11 @@ class ProjectionPart:
             old_parts.append(bits_view(self._local[piece.local]).reshape(-1)[local_idx])
             new_parts.append(diff.flats[piece.local][local_idx])
         positions = torch.cat(canonical_parts)
-        order = torch.argsort(positions)
-        positions = positions[order]
-        old = torch.cat(old_parts)[order.to(old_parts[0].device)]
-        new = torch.cat(new_parts)[order.to(new_parts[0].device)]
+        old, new = torch.cat(old_parts), torch.cat(new_parts)
+        if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            order = torch.argsort(positions)  # (an order-preserving placement needs none)
+            positions = positions[order]
+            old, new = old[order.to(old.device)], new[order.to(new.device)]
         after = lanes_after_change(before, positions, old, new) if positions.numel() else before
         values = new if op == OVERWRITE else old ^ new
         return (
@@ -270,6 +392,48 @@ class ProjectionPart:
                 bits_view(self._local[name]).reshape(-1)[change.positions] = change.values
         self._region_lanes = lanes
         self._region_dtypes = dtypes
+
+
+def decode_region_entry(entry: Entry, streams: dict[int, dict[str, memoryview]]) -> DecodedDelta:
+    """Decode one entry from its rank's inflated shards (by index); a full piece decodes as
+    its region's overwrite."""
+    op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
+
+    def stream(ref: PositionsRef | ValuesRef | None) -> tuple[str, memoryview] | None:
+        if ref is None:
+            return None
+        shard = streams.get(ref.shard)
+        if shard is None or ref.key not in shard:
+            raise ShardError(f"stream {ref.key!r} of {entry.name!r} is missing from its shard")
+        return ref.coding, shard[ref.key]
+
+    return decode_delta(
+        op,
+        info_for(entry.dtype),
+        math.prod(entry.shape),
+        entry.changed,
+        positions=stream(entry.positions),
+        values=stream(entry.values),
+    )
+
+
+def _region_streams(
+    chain: Chain, found: Iterable[tuple[Manifest, Entry]]
+) -> dict[int, dict[int, dict[str, memoryview]]]:
+    """The inflated shards holding the given entries' streams (only those), verified: by
+    rank, then by shard index."""
+    shards: dict[tuple[int, int], Manifest] = {}
+    for manifest, entry in found:
+        for ref in entry.streams:
+            shards[(manifest.rank, ref.shard)] = manifest
+    streams: dict[int, dict[int, dict[str, memoryview]]] = {}
+    for (rank, index), manifest in shards.items():
+        shard = manifest.shards[index]
+        stored = get_verified(chain.store, shard.path, size=shard.size, sha256=shard.sha256)
+        streams.setdefault(rank, {})[index] = decode_shard(
+            stored, decoded_size=shard.decoded_size, limits=stream_limits(manifest)[index]
+        )
+    return streams
 
 
 def _entry(

@@ -118,6 +118,7 @@ from dcr_format.writers._part import (
     pairs,
 )
 from dcr_format.writers._projection import ProjectionPart
+from dcr_format.writers._sharded import ShardedPart, is_dtensor, peek_sharded
 from dcr_format.writers.coordinate import Coordinator, SoloCoordinator
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
@@ -218,6 +219,8 @@ class DeltaWriter:
             )
         else:
             self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
+        # the baseline of a reopened chain, cut once the part is known (see _settle)
+        self._unrestored: tuple[Chain, LoadedRecord, dict[str, TensorState]] | None = None
         self._opened = False
         self._version: int | None = None
         self._record: LoadedRecord | None = None
@@ -233,6 +236,7 @@ class DeltaWriter:
     def version(self) -> int | None:
         """The committed version the baseline holds (None before the first publish)."""
         self._open()
+        self._settle()
         return self._version
 
     @property
@@ -240,10 +244,12 @@ class DeltaWriter:
         """The exact bits at :attr:`version` of the owned tensors (with a layout: of the
         local tensors); read-only by convention."""
         self._open()
+        self._settle()
         return self._part.baseline
 
     def owns(self, name: str) -> bool:
         """Whether this rank publishes (some of) canonical tensor ``name``."""
+        self._settle()
         return self._part.owns(name)
 
     def _open(self) -> None:
@@ -272,9 +278,28 @@ class DeltaWriter:
         record = self.chain.record(latest)
         manifests = self.chain.manifests(record)
         table = state_table(manifests)
-        self._part.restore(self.chain, record, table)
+        self._unrestored = (self.chain, record, table)
         self._record, self._table, self._version = record, table, latest
         self._files = next((m.files for m in manifests if m.rank == 0), ())
+
+    def _settle(self, tensors: Tensors | None = None) -> Tensors | None:
+        """Pick the part ``tensors`` need (``DTensor`` objects, without a layout: the sharded
+        part) and cut its baseline of a reopened chain; returns the tensors to publish."""
+        if self.layout is None and tensors is not None and not isinstance(self._part, ShardedPart):
+            sharded, tensors = peek_sharded(tensors)
+            if sharded:
+                self._part = ShardedPart(
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    device=self.baseline_device,
+                    ops=self.ops,
+                )
+                if self._record is not None:  # the new part's baseline comes from the store
+                    self._unrestored = (self.chain, self._record, self._table)
+        if self._unrestored is not None:
+            self._part.restore(*self._unrestored)
+            self._unrestored = None
+        return tensors
 
     # --- publish ----------------------------------------------------------------------
 
@@ -322,12 +347,14 @@ class DeltaWriter:
             raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
+        settled = self._settle(tensors)
+        assert settled is not None
         attempt = self._begin()
         clock = time.perf_counter
         started = clock()
         try:
             listed = self._put_files(chosen)
-            written = self._part.write(tensors, attempt)
+            written = self._part.write(settled, attempt)
             if not allow_empty:
                 self._refuse_unchanged(written, attempt, listed)
         except BaseException:
@@ -743,6 +770,12 @@ class CanonicalPart:
         """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
         seen: set[str] = set()
         for name, tensor in pairs(tensors):
+            if is_dtensor(tensor):
+                raise ArgumentError(
+                    f"{name!r} is a DTensor in a publish that began with plain tensors; give "
+                    "a stream's tensors as DTensors from the first (a whole tensor replicated: "
+                    "DTensor.from_local(t, mesh, [Replicate()]))"
+                )
             if not self.owns(name):
                 continue
             if name in seen:

@@ -1,0 +1,357 @@
+"""Publishing from sharded trainers: a tiny Llama trained with AdamW on gloo ranks (FSDP2 with
+a vocabulary that does not divide, FSDP2 over tensor parallelism on a 2 x 2 mesh, HSDP),
+each rank publishing its own DTensor shards; a reader holding the full model is bit-exact
+to the gathered model after every step, and nothing inside publish gathers.
+
+The worker processes (tests/sharded_workers.py) run every check of one mesh in one job;
+the 2-rank and 4-rank jobs run side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcr_format import DeltaReader, StateDictTarget
+from dcr_format.chain import Chain
+from dcr_format.errors import UnsupportedPlacementError
+from dcr_format.layout import Layout, placed, sharded
+from dcr_format.store import open_store
+
+WORKER = Path(__file__).with_name("sharded_workers.py")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(role: str, world: int, work: Path) -> list[subprocess.Popen[bytes]]:
+    port = _port()
+    return [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), role, str(rank), str(world), str(port), str(work)],
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in range(world)
+    ]
+
+
+def _results(role: str, procs: list[subprocess.Popen[bytes]], work: Path) -> list[Any]:
+    codes = [p.wait(timeout=400) for p in procs]
+    out: list[Any] = []
+    for rank, code in enumerate(codes):
+        path = work / f"{role}-{rank}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else {"exit": code})
+    errors = [f"rank {r}: {result['error']}" for r, result in enumerate(out) if "error" in result]
+    assert not errors, "\n".join(errors)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    work = tmp_path_factory.mktemp("sharded")
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        mesh = _start("mesh", 4, work)
+        started += mesh
+        fsdp = _start("fsdp", 2, work)
+        started += fsdp
+        fsdp_results = _results("fsdp", fsdp, work)
+        restart = _start("restart", 2, work)
+        started += restart
+        yield {
+            "work": work,
+            "fsdp": fsdp_results,
+            "restart": _results("restart", restart, work),
+            "mesh": _results("mesh", mesh, work),
+        }
+    finally:
+        for proc in started:  # after a failure: no worker outlives the tests
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _no_gather(result: dict[str, Any]) -> None:
+    """Inside publish only the commit protocol's object broadcasts crossed ranks."""
+    for seen in result["collectives"]:
+        assert set(seen["calls"]) <= {"broadcast"}, seen
+        assert seen["bytes"] < 1024, seen
+        assert set(seen["functional"]) <= {"c10d.broadcast_.default"}, seen
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_with_an_uneven_vocabulary_publishes_exactly(runs: dict[str, Any]) -> None:
+    rank0, rank1 = runs["fsdp"]
+    assert rank0["wrong"] == [[], [], []]  # the reader equals the gathered model every step
+    for result in (rank0, rank1):
+        _no_gather(result)
+        # the baseline is the rank's shard (both ranks hold a region of every tensor; the
+        # plain tensor is owned by one of them)
+        assert result["baseline_bytes"] <= 1.1 * result["shard_bytes"]
+    assert "partial sum" in rank0["partial"] and "partial sum" in rank1["partial"]
+    assert "began with plain tensors" in rank0["mixed"] and "began with" in rank1["mixed"]
+    assert "sharded over 2 ranks but the writer has world_size 1" in rank0["solo"]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_mid_publish_leaves_no_commit_and_restarted_ranks_publish_exactly(
+    runs: dict[str, Any],
+) -> None:
+    rank0, rank1 = runs["fsdp"]
+    assert rank0["killed"] == "incomplete" and "killed" not in rank1  # rank 1 died in it
+    restarted = runs["restart"]
+    assert [r["reopened_at"] for r in restarted] == [2, 2]  # version 3 never committed
+    assert restarted[0]["wrong"] == [[], []]
+    assert [r["sync_version"] for r in restarted] == [4, 4]  # through DcrWeightSync
+    for result in restarted:
+        _no_gather(result)
+    chain = Chain(open_store(runs["work"] / "fsdp"))
+    assert chain.versions() == [0, 1, 2, 3, 4]
+    # the restarted ranks replayed their baselines: their first version is a delta of changes
+    ops = {e.op for m in chain.manifests(chain.record(3)) for e in m.entries}
+    assert ops == {"xor"}
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_over_tensor_parallelism_and_hsdp_publish_exactly(runs: dict[str, Any]) -> None:
+    ranks = runs["mesh"]
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in ranks[0]["tp_placements"]
+    # the last step came as a stream: no earlier tensor of it was held when the next was asked
+    assert [r["tp"]["held"] for r in ranks] == [0, 0, 0, 0]
+    for kind in ("tp", "hsdp"):
+        assert ranks[0][kind]["wrong"] == [[], [], []]
+        for result in ranks:
+            _no_gather(result[kind])
+    # HSDP: the two replicas of each shard split its tensors between them (balanced)
+    for result in ranks:
+        assert result["tp"]["baseline_bytes"] <= 1.1 * result["tp_shard_bytes"]
+        assert result["hsdp"]["baseline_bytes"] < 0.75 * result["hsdp_shard_bytes"]
+    replicas = [r["hsdp"]["baseline_bytes"] for r in ranks]
+    assert sum(replicas) == pytest.approx(sum(r["hsdp_shard_bytes"] for r in ranks) / 2, rel=0.1)
+    # a fresh reader of the whole chain is exact too
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(runs["work"] / "tp", StateDictTarget(tensors)).sync()
+    assert "model.layers.0.self_attn.q_proj.weight" in tensors
+
+
+def _torch_indices(size: int, placements: list[Any], mesh_shape: Any, coordinate: Any) -> list[int]:
+    """Torch's own offsets of a dimension's local shard (Shard and _StridedShard)."""
+    from torch.distributed.tensor.placement_types import (
+        Shard,
+        _StridedShard,
+        _StridedShardOffsetMode,
+    )
+
+    index = list(range(size))
+    for mesh_dim, placement in enumerate(placements):
+        if placement is None:
+            continue
+        dim, split_factor = placement
+        chunks, at = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        if split_factor == 1:
+            n, offset = Shard(dim)._local_shard_size_and_offset(len(index), chunks, at)
+            kept = list(range(offset, offset + n))
+        else:
+            n, offsets = _StridedShard(dim, split_factor=split_factor).local_shard_size_and_offset(
+                len(index), chunks, at, _StridedShardOffsetMode.ALL
+            )
+            kept = list(offsets) if n else []
+        index = [index[k] for k in kept]
+    return index
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "placements"),
+    [
+        ((2,), [(0, 1)]),
+        ((4,), [(0, 1)]),  # 7 rows over 4 ranks: 2, 2, 2, 1
+        ((2, 2), [(0, 2), (0, 1)]),  # FSDP2 over a column-parallel shard
+        ((2, 2), [(0, 1), (1, 1)]),  # FSDP2 over a row-parallel shard
+        ((2, 2), [None, (0, 1)]),  # HSDP
+        ((3, 2), [(1, 2), (1, 1)]),  # strided and uneven: 5 columns
+        ((2, 3), [(0, 3), (0, 1)]),  # a rank with an empty shard
+    ],
+)
+def test_shards_place_elements_as_torch_does(mesh_shape: Any, placements: Any) -> None:
+    """Each rank's pieces hold the elements torch puts in its local shard, and the owned
+    regions of all ranks place every element exactly once."""
+    shape = (7, 5)
+    full = torch.arange(35, dtype=torch.int32).reshape(shape)
+    owned = torch.zeros(35, dtype=torch.int64)
+    grid = torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).reshape(-1, len(mesh_shape))
+    for coordinate in (tuple(c) for c in grid.tolist()):
+        pieces = sharded(
+            "w", shape, mesh_shape=mesh_shape, coordinate=coordinate, placements=placements
+        )
+        rows, cols = (
+            _torch_indices(
+                shape[d],
+                [p if p is None or p[0] == d else None for p in placements],
+                mesh_shape,
+                coordinate,
+            )
+            for d in (0, 1)
+        )
+        expected = full[rows][:, cols]
+        layout = Layout(pieces)
+        assert torch.equal(layout.scatter({"w": full})["w"], expected)
+        for piece in pieces:
+            if layout.owns(piece):
+                owned[piece.region()[1]] += 1
+    assert torch.equal(owned, torch.ones(35, dtype=torch.int64))
+
+
+def test_placed_refuses_what_is_not_a_dtensor() -> None:
+    with pytest.raises(TypeError):
+        placed("w", torch.zeros(2))
+    assert issubclass(UnsupportedPlacementError, ValueError)
+
+
+def test_layouts_from_placements_publish_exactly_with_an_empty_shard(tmp_path: Path) -> None:
+    """Ranks of a (2, 3) mesh holding a (7, 5) tensor strided over both dimensions (one rank's
+    shard is empty) and a replicated one publish, as layouts, what a reader rebuilds exactly."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format import DeltaWriter, ThreadCoordinator
+
+    mesh_shape = (2, 3)
+    specs = {"w": ((7, 5), [(0, 3), (0, 1)]), "b": ((5,), [None, None])}
+    grid = [(i, j) for i in range(2) for j in range(3)]
+    layouts = [
+        Layout(
+            [
+                piece
+                for name, (shape, placements) in specs.items()
+                for piece in sharded(
+                    name, shape, mesh_shape=mesh_shape, coordinate=c, placements=placements
+                )
+            ]
+        )
+        for c in grid
+    ]
+    coordinator = ThreadCoordinator(len(grid))
+    writers = [
+        DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=6, coordinator=coordinator)
+        for r in range(6)
+    ]
+    generator = torch.Generator().manual_seed(0)
+    full = {
+        "w": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(5, generator=generator).to(torch.bfloat16),
+    }
+    target = StateDictTarget({})
+    reader = DeltaReader(tmp_path, target)
+    for step in range(3):
+        if step:
+            full = {
+                k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.3)).to(v.dtype)
+                for k, v in full.items()
+            }
+        with ThreadPoolExecutor(6) as pool:
+            list(pool.map(lambda r, f=full: writers[r].publish(layouts[r].scatter(f)), range(6)))
+        reader.sync()
+        for name, tensor in full.items():
+            assert torch.equal(target.tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def _mesh_layouts(specs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[Layout]:
+    grid = torch.cartesian_prod(*[torch.arange(n) for n in mesh_shape]).reshape(-1, len(mesh_shape))
+    return [
+        Layout(
+            [
+                piece
+                for name, (shape, placements) in specs.items()
+                for piece in sharded(
+                    name, shape, mesh_shape=mesh_shape, coordinate=tuple(c), placements=placements
+                )
+            ]
+        )
+        for c in grid.tolist()
+    ]
+
+
+def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reopened writer rebuilds its local shards from the entries of its own regions: it
+    reads no other rank's shard and builds no canonical tensor, then publishes exactly. A
+    writer of another layout falls back to the canonical tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format import DeltaWriter, ThreadCoordinator
+    from dcr_format.store import Store
+
+    specs = {"w": ((9, 4), [(0, 1)]), "b": ((6,), [None])}
+    layouts = _mesh_layouts(specs, (2,))
+    generator = torch.Generator().manual_seed(3)
+    full = {
+        "w": torch.randn(9, 4, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
+    }
+
+    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.3)).to(v.dtype)
+            for k, v in state.items()
+        }
+
+    def publish_all(writers: list[DeltaWriter], state: dict[str, torch.Tensor]) -> None:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: writers[r].publish(layouts[r].scatter(state)), range(2)))
+
+    def open_writers() -> list[DeltaWriter]:
+        coordinator = ThreadCoordinator(2)
+        return [
+            DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=2, coordinator=coordinator)
+            for r in range(2)
+        ]
+
+    writers = open_writers()
+    for _ in range(3):
+        publish_all(writers, full)
+        full = step(full)
+    expected = [dict(w.baseline) for w in writers]
+
+    read: list[str] = []
+    original = Store.get
+
+    def counted(self: Store, key: str, **kwargs: Any) -> bytes:
+        read.append(key)
+        return original(self, key, **kwargs)
+
+    monkeypatch.setattr(Store, "get", counted)
+    reopened = open_writers()
+    for rank, writer in enumerate(reopened):
+        read.clear()
+        baseline = writer.baseline  # restores now
+        other = f"shard-{1 - rank:05d}-"
+        assert [k for k in read if other in k] == []
+        assert any(f"shard-{rank:05d}-" in k for k in read)
+        assert set(baseline) == set(expected[rank])
+        for name, tensor in expected[rank].items():
+            assert torch.equal(baseline[name].view(torch.int16), tensor.view(torch.int16))
+    monkeypatch.undo()
+    publish_all(reopened, full)
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
+    for name, tensor in full.items():
+        assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+    # one writer holding everything (another layout) reads the canonical tensors instead
+    whole_layout = _mesh_layouts(specs, (1,))[0]
+    single = DeltaWriter(tmp_path, layout=whole_layout)
+    full = step(full)
+    single.publish(whole_layout.scatter(full))
+    DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
+    for name, tensor in full.items():
+        assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16))
