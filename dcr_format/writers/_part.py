@@ -48,7 +48,9 @@ def pairs(tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
             )
         name, tensor = item
         check_input(name, tensor)
+        del item
         yield name, tensor
+        del tensor  # a stream's tensor is let go before the next one is asked for
 
 
 def check_input(name: object, tensor: object) -> None:
