@@ -283,10 +283,15 @@ def test_a_version_that_does_not_add_up_is_refused():
 
 
 def test_rollback_undoes_changes_newest_first_and_restores_replaced_tensors():
-    tensors = {"a": torch.arange(8, dtype=torch.int16), "b": torch.ones(4, dtype=torch.int32)}
+    tensors = {"a": torch.arange(8, dtype=torch.int16)}
+    target = StateDictTarget(tensors, version=0, chain_id="c" * 32)
+    made = target.begin()  # "b" made by a sync: the target's own, so a new shape replaces it
+    made.change(
+        Change("b", torch.int32, (4,), DecodedDelta(FULL, None, torch.ones(4, dtype=torch.int32)))
+    )
+    made.commit(Resident("c" * 32, 0))
     original = {n: t for n, t in tensors.items()}
     before = snapshot(tensors)
-    target = StateDictTarget(tensors, version=0, chain_id="c" * 32)
     txn = target.begin()
     positions = torch.tensor([1, 2], dtype=torch.int64)
     xor = DecodedDelta(XOR, positions, torch.tensor([5, 5], dtype=torch.int16))
