@@ -49,6 +49,7 @@ def pairs(tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
         name, tensor = item
         check_input(name, tensor)
         yield name, tensor
+        del item, tensor  # a stream's next tensor is asked for with this one let go
 
 
 def check_input(name: object, tensor: object) -> None:
