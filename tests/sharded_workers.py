@@ -199,10 +199,24 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     shard(model, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     run = Run(str(work / "fsdp"), rank, world, commit_timeout=3.0)
+    # deltas of shards that are one run of their canonical tensor: by the fused pass, and
+    # at which canonical offsets
+    run_entry = ShardedPart._run_entry
+    fused: list[int] = []
+
+    def counted(self: ShardedPart, key: Any, owned: Any, *args: Any) -> Any:
+        found = run_entry(self, key, owned, *args)
+        if found is not None:
+            fused.append(owned[0].canonical_view.offset)
+        return found
+
+    ShardedPart._run_entry = counted  # type: ignore[method-assign]
     for step in range(STEPS):
         train_step(model, optimizer, step, rank)
         run.publish(model, step)
+    ShardedPart._run_entry = run_entry  # type: ignore[method-assign]
     out = run.result()
+    out["fused"], out["fused_offset"] = len(fused), max(fused, default=0)
     out["shard_bytes"] = shard_bytes(published(model))
 
     # a partial sum is refused by name, on every rank, before anything is written
@@ -235,7 +249,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)
     if rank == 1:  # dies after coding a few of its tensors
-        original = ShardedPart._diff
+        original = ShardedPart._code
         calls = []
 
         def dying(self: ShardedPart, *args: Any, **kwargs: Any) -> Any:
@@ -244,7 +258,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
                 os._exit(17)
             return original(self, *args, **kwargs)
 
-        ShardedPart._diff = dying  # type: ignore[method-assign]
+        ShardedPart._code = dying  # type: ignore[method-assign]
     try:
         run.writer.publish(published(model), step=STEPS)
         out["killed"] = "committed"

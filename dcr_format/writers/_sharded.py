@@ -8,7 +8,11 @@ its device mesh and placements (:func:`~dcr_format.layout.placed`), and every pl
 tensor is a whole tensor among ``world_size`` replicas, owned by the canonical part's
 rule (``crc32(name) mod world_size``). The projection part (``writers/_projection.py``)
 then diffs each local shard against the rank's own baseline of it and publishes the
-changes in canonical coordinates. Only the commit protocol's small messages cross ranks.
+changes in canonical coordinates; a local shard that is one run of its canonical tensor's
+flat elements (``Shard(0)`` of a row-major tensor, a replica, a whole tensor) is diffed
+instead in one fused pass (:func:`~dcr_format.cuda.dispatch.diff_with_lanes`, positions
+offset to canonical ones, lane deltas at canonical positions). Only the commit protocol's
+small messages cross ranks.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from dcr_format.chain import Chain, LoadedRecord, TensorState
-from dcr_format.codec.delta import FULL, XOR, changed_positions
+from dcr_format.codec.delta import FULL, OVERWRITE, XOR, changed_positions
 from dcr_format.codec.dtypes import bits_view, info_for
+from dcr_format.cuda.dispatch import diff_with_lanes
 from dcr_format.errors import ArgumentError, MissingTensorError
-from dcr_format.fingerprint import fingerprint_from_lanes, lanes_at
+from dcr_format.fingerprint import apply_lane_deltas, fingerprint_from_lanes, lanes_at
 from dcr_format.layout import Layout, Piece, whole
 from dcr_format.layout import placed as placed_pieces
 from dcr_format.schema import PIECES_FEATURE, Entry, Manifest, check_tensor_name
@@ -33,6 +38,7 @@ from dcr_format.writers._part import Attempt, ShardWriter, Tensors, Written, pai
 from dcr_format.writers._projection import (
     ProjectionPart,
     _Diff,
+    _entry,
     _LocalChange,
     _Region,
     _region_streams,
@@ -191,6 +197,10 @@ class ShardedPart:
         local = local.detach()
         info_for(local.dtype)  # refuses dtypes the format cannot carry
         self._place_replayed(key, owned, local.dtype)
+        run = self._run_entry(key, owned, local, attempt, index, shards)
+        if run is not None:
+            entry, lanes, change = run
+            return key, entry, owned, ({name: change}, lanes, local.dtype)
         diff = self._diff(name, local, owned, attempt.base)
         entry, lanes, dtype = self._coder._region_entry(
             key, list(owned), diff, attempt, index, shards
@@ -216,6 +226,61 @@ class ShardedPart:
         self._coder._region_lanes[key] = lanes_at(region.positions, region.bits)
         self._coder._region_dtypes[key] = dtype
         self._placed[name] = owned
+
+    def _run_entry(
+        self,
+        key: _Region,
+        owned: tuple[Piece, ...],
+        local: torch.Tensor,
+        attempt: Attempt,
+        index: int,
+        shards: ShardWriter,
+    ) -> tuple[Entry, tuple[int, ...], _LocalChange] | None:
+        """The delta entry of a local tensor that is, whole and in order, one run of its
+        canonical tensor's flat elements (``Shard(0)`` of a row-major tensor, a replica, a
+        whole tensor), from one fused pass over it and its baseline: the changed positions
+        offset to canonical ones, their bits and the lane deltas at canonical positions.
+        None where the region is placed otherwise or has no comparable baseline (the
+        general path then codes it)."""
+        coder = self._coder
+        piece = owned[0]
+        name, dtype = piece.local, local.dtype
+        if (
+            attempt.base
+            or len(owned) != 1
+            or not piece.local_view.contiguous
+            or not piece.canonical_view.contiguous
+            or piece.local_view.offset != 0
+            or piece.local_view.numel != local.numel()
+        ):
+            return None
+        before = coder._region_lanes.get(key)
+        old = coder._local.get(name)
+        configured = self.ops.get(piece.canonical)
+        if (
+            before is None
+            or coder._region_dtypes.get(key) != dtype
+            or configured == FULL
+            or old is None
+            or old.dtype != dtype
+            or old.shape != local.shape
+            or self._placed.get(name) != owned
+        ):
+            return None
+        op = configured or (OVERWRITE if piece.canonical in attempt.overwrite else XOR)
+        start = piece.canonical_view.offset
+        new = bits_view(local.to(self.device).contiguous()).reshape(-1)
+        found, deltas = diff_with_lanes(
+            bits_view(old).reshape(-1), new, want_xor=op != OVERWRITE, base=start
+        )
+        positions, new_bits = found.positions, found.new_values
+        assert new_bits is not None
+        values = new_bits if op == OVERWRITE else found.xor_values
+        assert values is not None
+        after = apply_lane_deltas(before, deltas) if positions.numel() else before
+        entry = _entry(piece, dtype, op, positions, values, before, after, index, shards)
+        local_positions = positions - start if start else positions
+        return entry, after, _LocalChange(local_positions.to(old.device), new_bits)
 
     def _diff(self, name: str, local: torch.Tensor, owned: tuple[Piece, ...], base: bool) -> _Diff:
         """One local tensor against its baseline (None: not comparable, sent whole)."""
