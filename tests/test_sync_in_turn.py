@@ -130,3 +130,23 @@ def test_a_base_after_deltas_is_written_over_them_and_rolled_back_whole(tmp_path
     monkeypatch.undo()
     assert reader.sync().version == 5
     assert_same_bits(tensors, states[5])
+
+
+def test_only_syncs_that_decode_up_to_the_model_give_freed_pages_back(
+    chain, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A base or a plan of several versions gives the heap back after each job; a steady
+    one-version sync does not (its next sync would fault the same pages in again)."""
+    store, states, _ = chain
+    trims: list[int] = []
+    monkeypatch.setattr(_fetch, "give_back_freed", lambda: trims.append(1))
+    target = StateDictTarget({})
+    reader = DeltaReader(store, target)
+    reader.sync(to=0)  # a base
+    assert trims
+    trims.clear()
+    reader.sync(to=1)  # one delta: the steady state
+    assert not trims
+    reader.sync(to=4)  # three versions behind
+    assert trims
+    assert_same_bits(target.tensors, states[4])

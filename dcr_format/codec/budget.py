@@ -82,6 +82,11 @@ class DecodeBudget:
     with :class:`~dcr_format.errors.DecodeLimitError`, before anything is allocated.
     """
 
+    gives_back = False
+    """Whether a decode job that ends gives the heap pages it freed back to the system: for
+    syncs that decode up to the model (a base, a plan of several versions), not for the
+    steady state, whose next sync would fault the pages in again."""
+
     def __init__(self, limit: int | None = None, *, ceiling: int | None = None) -> None:
         limit = default_budget_bytes() if limit is None else limit
         if limit <= 0:

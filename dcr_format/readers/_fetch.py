@@ -233,7 +233,8 @@ def _run_job(
                 for i in pair:
                     tell.decoded(i, decoded.pop(i))
         del streams  # decoded deltas are copies: the shards go before the budget
-        give_back_freed()  # else another worker's next shard adds to this one's freed pages
+        if budget.gives_back:  # else another worker's next shard adds to this one's freed pages
+            give_back_freed()
     return decoded
 
 

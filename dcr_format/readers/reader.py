@@ -1320,7 +1320,10 @@ _SPENT = DecodedDelta(FULL, None, torch.empty(0, dtype=torch.uint8))  # a change
 class _SyncBudget(DecodeBudget):
     """One sync's share of the reader's decode budget: at most ``limit`` bytes of its
     inflated shards at once (an eighth of the model: a base's shards are as big as the
-    model, and decoding all of them at once would hold it twice), within ``shared``."""
+    model, and decoding all of them at once would hold it twice), within ``shared``; each
+    job gives back the heap pages it freed."""
+
+    gives_back = True
 
     def __init__(self, shared: DecodeBudget, limit: int) -> None:
         super().__init__(max(1, limit))
