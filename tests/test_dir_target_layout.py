@@ -56,3 +56,35 @@ def test_a_base_that_empties_a_file_leaves_a_loadable_directory(tmp_path):
     writer.publish(_tensors(["a"], 4.0))  # and so it stays
     reader.sync()
     _check_loadable(path, _tensors(["a"], 4.0))
+
+
+def test_a_fresh_directory_has_the_same_files_whatever_order_the_changes_came_in(tmp_path):
+    """A base's tensors reach a directory target in the order they are decoded, which varies
+    from sync to sync; the files they land in do not (names in order, layer 2 before 10)."""
+    from dcr_format import Resident
+    from dcr_format.codec.delta import FULL, DecodedDelta
+    from dcr_format.readers.targets import Change
+
+    names = [f"model.layers.{i}.weight" for i in (10, 2, 1, 0, 11, 3)]
+    tensors = _tensors(names, 1.0)  # 256 bytes each
+    layouts = []
+    for k, order in enumerate((names, names[::-1])):
+        path = tmp_path / f"ckpt{k}"
+        target = SafetensorsDirTarget(path, max_file_bytes=512)
+        txn = target.begin()
+        for name in order:
+            txn.change(
+                Change(
+                    name,
+                    torch.float32,
+                    (64,),
+                    DecodedDelta(FULL, None, tensors[name].view(torch.int32)),
+                )
+            )
+        txn.commit(Resident("c" * 32, 0))
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        layouts.append(weight_map)
+        _check_loadable(path, tensors)
+    assert layouts[0] == layouts[1]
+    assert layouts[0]["model.layers.0.weight"] == layouts[0]["model.layers.1.weight"]
+    assert layouts[0]["model.layers.10.weight"] == layouts[0]["model.layers.11.weight"]

@@ -1115,7 +1115,10 @@ class SafetensorsDirTarget(Target):
             return {SINGLE_FILE: next(iter(files.values()), [])}
         groups: list[list[str]] = [[]]
         size = 0
-        for name, tensor in tensors.items():
+        # by name, numbers as numbers (layer 2 before layer 10): the same files whatever
+        # order a sync's changes arrived in
+        for name in sorted(tensors, key=_natural_key):
+            tensor = tensors[name]
             nbytes = tensor.numel() * tensor.element_size()
             if groups[-1] and size + nbytes > self.max_file_bytes:
                 groups.append([])
@@ -1344,3 +1347,11 @@ def _write_synced(path: Path, data: bytes) -> None:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def _natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """``name`` split into text and numbers, so that names sort as a reader expects them:
+    ``layers.2`` before ``layers.10``."""
+    return tuple(
+        (1, int(part)) if part.isdigit() else (0, part) for part in re.split(r"(\d+)", name)
+    )
