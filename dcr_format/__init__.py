@@ -10,8 +10,9 @@ each specific error lives in :mod:`dcr_format.errors`. Test support (local S3
 servers, a fault proxy, the soak) is :mod:`dcr_format.testing`.
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from dcr_format._lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
     from dcr_format.errors import (
@@ -81,18 +82,7 @@ _WHERE: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    """A public name, imported from its module on first use."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dcr_format' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = _lazy_names(globals(), _WHERE)  # imported on first use
 
 
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dcr_format"
 # Lowest first (docs/design.md, "Layers"). Exact names win over patterns; a module that
 # matches nothing fails test_every_module_has_a_layer: put it in the layer of its job.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors", ("errors", "_fsync", "_environ", "_pools", "_memory")),
+    ("errors", ("errors", "_fsync", "_environ", "_pools", "_memory", "_lazy")),
     (
         "bytes",
         (

@@ -14,8 +14,9 @@ serialisation.
 - :func:`plot`: bytes and change rate per version, by layer.
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from dcr_format._lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
     from dcr_format.store import ObjectInfo
@@ -47,18 +48,7 @@ _WHERE: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    """A tool or result model, imported from its module on first use."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'dcr_format.tools' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = _lazy_names(globals(), _WHERE)  # imported on first use
 
 
 __all__ = [
