@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dcr_format.cli_bench import bench
+from dcr_format.cli.bench import bench
 
 if __name__ == "__main__":
     bench(prog_name="bench_suite.py")

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-DCR = [sys.executable, "-c", "import sys; from dcr_format.cli import main; main(sys.argv[1:])"]
+DCR = [sys.executable, "-c", "import sys; from dcr_format.cli.main import main; main(sys.argv[1:])"]
 GOALS = {"--version": 0.3, "log": 0.6}  # seconds over `python -c pass`
 GOAL_PUBLISH_PULL = 1.5  # seconds, a warm publish and pull together
 

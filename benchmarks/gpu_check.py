@@ -51,7 +51,7 @@ MIN_FULL_BYTES = 4 * 10**9
 
 
 def _load_dcr_cuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleType]:
-    """dcr_format.cuda's dispatch, reference and pipeline, needing only torch (+ Triton)."""
+    """dcr_format's dispatch, reference and pipeline, needing only torch (+ Triton)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     try:
@@ -61,10 +61,11 @@ def _load_dcr_cuda() -> tuple[types.ModuleType, types.ModuleType, types.ModuleTy
         stub = types.ModuleType("dcr_format")
         stub.__path__ = [str(ROOT / "dcr_format")]
         sys.modules["dcr_format"] = stub
-    from dcr_format.cuda import dispatch, reference
+    from dcr_format.delta import dispatch
+    from dcr_format.kernels import reference
 
     try:
-        from dcr_format.cuda import pipeline
+        from dcr_format.delta import pipeline
     except ImportError:  # the pipeline's encoder needs the codec's dependencies
         pipeline = None
     return dispatch, reference, pipeline  # type: ignore[return-value]

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget
-from dcr_format.codec.delta import changed_positions
-from dcr_format.codec.dtypes import bits_view
-from dcr_format.layout import Layout, fused, shard
+from dcr_format.chain.layout import Layout, fused, shard
+from dcr_format.delta.delta import changed_positions
+from dcr_format.format.dtypes import bits_view
 
 RATE = 0.01
 

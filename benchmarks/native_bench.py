@@ -35,10 +35,11 @@ from collections.abc import Callable
 
 import torch
 
-from dcr_format import fingerprint as fp
-from dcr_format.codec import classed
-from dcr_format.codec import positions as pc
-from dcr_format.cuda import dispatch, reference
+from dcr_format.codings import classed
+from dcr_format.codings import positions as pc
+from dcr_format.delta import dispatch
+from dcr_format.delta import fingerprint as fp
+from dcr_format.kernels import reference
 
 _CLOCK = time.perf_counter
 

@@ -12,9 +12,11 @@ servers, a fault proxy, the soak) is :mod:`dcr_format.testing`.
 
 import typing as _typing
 
-from dcr_format._lazy import lazy_names as _lazy_names
+from dcr_format.system.lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
+    from dcr_format.chain.layout import Layout
+    from dcr_format.delta.fingerprint import state_fingerprint, tensor_fingerprint
     from dcr_format.errors import (
         CommitError,
         DcrError,
@@ -23,12 +25,15 @@ if _typing.TYPE_CHECKING:
         StoreError,
         TargetError,
     )
-    from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
-    from dcr_format.layout import Layout
-    from dcr_format.readers.module import ModuleTarget
-    from dcr_format.readers.reader import DeltaReader, SyncResult
-    from dcr_format.readers.relay import RelayStore
-    from dcr_format.readers.targets import (
+    from dcr_format.publish._info import CommitInfo
+    from dcr_format.publish.coordinate import ThreadCoordinator, TorchDistributedCoordinator
+    from dcr_format.publish.projection import ProjectionWriter
+    from dcr_format.publish.writer import DeltaWriter, owner
+    from dcr_format.store.relay import RelayStore
+    from dcr_format.store.store import Store, open_store
+    from dcr_format.sync.reader import DeltaReader, SyncResult
+    from dcr_format.targets.module import ModuleTarget
+    from dcr_format.targets.targets import (
         Applied,
         Change,
         Resident,
@@ -37,12 +42,7 @@ if _typing.TYPE_CHECKING:
         Target,
         Transaction,
     )
-    from dcr_format.store import Store, open_store
     from dcr_format.tools import compact, diff, gc, log, replay, show, verify
-    from dcr_format.writers._info import CommitInfo
-    from dcr_format.writers.coordinate import ThreadCoordinator, TorchDistributedCoordinator
-    from dcr_format.writers.projection import ProjectionWriter
-    from dcr_format.writers.writer import DeltaWriter, owner
 
 # Each public name and the module that defines it: imported on first use, so that
 # ``import dcr_format`` (and the ``dcr`` command, which imports what each command needs)
@@ -52,11 +52,11 @@ _WHERE: dict[str, str] = {
         ("CommitError", "DcrError", "FormatError", "IntegrityError", "StoreError", "TargetError"),
         "dcr_format.errors",
     ),
-    **dict.fromkeys(("state_fingerprint", "tensor_fingerprint"), "dcr_format.fingerprint"),
-    "Layout": "dcr_format.layout",
-    "ModuleTarget": "dcr_format.readers.module",
-    **dict.fromkeys(("DeltaReader", "SyncResult"), "dcr_format.readers.reader"),
-    "RelayStore": "dcr_format.readers.relay",
+    **dict.fromkeys(("state_fingerprint", "tensor_fingerprint"), "dcr_format.delta.fingerprint"),
+    "Layout": "dcr_format.chain.layout",
+    "ModuleTarget": "dcr_format.targets.module",
+    **dict.fromkeys(("DeltaReader", "SyncResult"), "dcr_format.sync.reader"),
+    "RelayStore": "dcr_format.store.relay",
     **dict.fromkeys(
         (
             "Applied",
@@ -67,18 +67,18 @@ _WHERE: dict[str, str] = {
             "Target",
             "Transaction",
         ),
-        "dcr_format.readers.targets",
+        "dcr_format.targets.targets",
     ),
-    **dict.fromkeys(("Store", "open_store"), "dcr_format.store"),
+    **dict.fromkeys(("Store", "open_store"), "dcr_format.store.store"),
     **dict.fromkeys(
         ("compact", "diff", "gc", "log", "replay", "show", "verify"), "dcr_format.tools"
     ),
     **dict.fromkeys(
-        ("ThreadCoordinator", "TorchDistributedCoordinator"), "dcr_format.writers.coordinate"
+        ("ThreadCoordinator", "TorchDistributedCoordinator"), "dcr_format.publish.coordinate"
     ),
-    "ProjectionWriter": "dcr_format.writers.projection",
-    "CommitInfo": "dcr_format.writers._info",
-    **dict.fromkeys(("DeltaWriter", "owner"), "dcr_format.writers.writer"),
+    "ProjectionWriter": "dcr_format.publish.projection",
+    "CommitInfo": "dcr_format.publish._info",
+    **dict.fromkeys(("DeltaWriter", "owner"), "dcr_format.publish.writer"),
 }
 
 

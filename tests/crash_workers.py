@@ -89,9 +89,9 @@ def _store(url: str, storage_options: dict[str, Any] | None):
 
 
 def _writer_hooks(stage: str, s3: bool) -> None:
-    import dcr_format.writers.writer as writer_module
+    import dcr_format.publish.writer as writer_module
     from dcr_format import Store
-    from dcr_format.store import TEMP_PREFIX
+    from dcr_format.store.store import TEMP_PREFIX
 
     put, put_if_absent = Store.put, Store.put_if_absent
     if stage == "mid-shard" and not s3:
@@ -197,7 +197,7 @@ def writer(url: str, storage_options: dict[str, Any] | None, cache_dir: str, sta
     _isolate()
     s3 = url.startswith("s3://")
     _writer_hooks(stage, s3)
-    from dcr_format.chain import Chain
+    from dcr_format.chain.chain import Chain
 
     store = _store(url, storage_options)
     version = Chain(store).latest() + 1
@@ -211,8 +211,8 @@ def writer(url: str, storage_options: dict[str, Any] | None, cache_dir: str, sta
 def _reader_hooks(stage: str, path: Path) -> None:
     import safetensors.torch
 
-    import dcr_format.readers.reader as reader_module
-    import dcr_format.readers.targets as targets_module
+    import dcr_format.sync.reader as reader_module
+    import dcr_format.targets.targets as targets_module
     from dcr_format import Store
 
     if stage == "fetch":

@@ -34,17 +34,17 @@ with atheris.instrument_imports(include=["dcr_format"]):
     import numpy as np
     import torch
 
-    from dcr_format.codec.classed import CLASSED, encode_classed
-    from dcr_format.codec.delta import apply_change, decode_delta, resolve
-    from dcr_format.codec.dtypes import info_for
-    from dcr_format.codec.features import allowed_codings
-    from dcr_format.codec.positions import POSITION_CODINGS, decode_positions, encode_positions
-    from dcr_format.codec.shard import decode_shard
-    from dcr_format.codec.ulp import ULP, to_ulp
-    from dcr_format.codec.ulp_shift import ULP_SHIFT
-    from dcr_format.codec.values import VALUE_CODINGS, decode_values, encode_xor_values
+    from dcr_format.codings.classed import CLASSED, encode_classed
+    from dcr_format.codings.positions import POSITION_CODINGS, decode_positions, encode_positions
+    from dcr_format.codings.ulp import ULP, to_ulp
+    from dcr_format.codings.ulp_shift import ULP_SHIFT
+    from dcr_format.codings.values import VALUE_CODINGS, decode_values, encode_xor_values
+    from dcr_format.delta.delta import apply_change, decode_delta, resolve
     from dcr_format.errors import DcrError
-    from dcr_format.schema import CommitRecord, Manifest, StoreHeader, parse
+    from dcr_format.format.dtypes import info_for
+    from dcr_format.format.features import allowed_codings
+    from dcr_format.format.schema import CommitRecord, Manifest, StoreHeader, parse
+    from dcr_format.format.shard import decode_shard
 
 MODELS = (CommitRecord, Manifest, StoreHeader)
 WIDTHS = (1, 2, 4, 8, 3, 0)

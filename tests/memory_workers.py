@@ -135,7 +135,7 @@ def measure(call: Callable[[], object]) -> dict:
 
 def main(argv: list[str]) -> None:
     if argv[0] == "json":  # argv[1]: a case, or "all" (a report per case, one process)
-        from dcr_format import schema
+        from dcr_format.format import schema
 
         def one(case: str) -> dict:
             name, data = json_case(case, int(argv[2]))
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
         else:
             result = one(argv[1])
     elif argv[0] == "manifest":  # a valid manifest of about argv[1] bytes, for comparison
-        from dcr_format import schema
+        from dcr_format.format import schema
 
         count = int(argv[1]) // (len(MANIFEST_ENTRY) + 1)
         entries = b",".join(

@@ -22,7 +22,7 @@ from dcr_format import (
     StateDictTarget,
     TorchDistributedCoordinator,
 )
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.format.dtypes import bits_view
 
 
 def model(version: int) -> dict[str, torch.Tensor]:
@@ -54,7 +54,7 @@ def writer(rank: int, world: int, work: Path, store: str, versions: int, die_at:
     out: dict = {"rank": rank, "committed": [], "errors": []}
     for version in range(start, start + versions):
         if version == die_at and rank == world - 1:
-            import dcr_format.writers._part as part_module
+            import dcr_format.publish._part as part_module
 
             def die(*args, **kwargs):
                 os._exit(17)  # as a SIGKILL: no cleanup, no ABORTED marker

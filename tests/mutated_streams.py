@@ -12,7 +12,7 @@ Each case is one change of one tensor (its old and new bits) and a pair of strea
 positions in ``rice``, ``ranges`` or ``classed`` (FORMAT.md §6), the values in ``planes``,
 ``rans``, ``ulp`` or ``ulp-shift`` (§7), every pair the format allows for the tensor's
 dtype. A run damages one or both streams, or the entry's change count, many times over,
-and decodes each through :func:`~dcr_format.codec.delta.decode_delta`, ``resolve`` (which
+and decodes each through :func:`~dcr_format.delta.delta.decode_delta`, ``resolve`` (which
 completes the codings against the old bits; ``classed`` with and without kept exponent
 rows) and ``apply_change`` into a copy of the old tensor.
 
@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dcr_format.codec import classed, rans, ulp_shift
-from dcr_format.codec.delta import RowsSlot, apply_change, decode_delta, resolve
-from dcr_format.codec.dtypes import bits_to_numpy, bits_view, info_for
-from dcr_format.codec.planes import to_planes
-from dcr_format.codec.positions import encode_positions
-from dcr_format.codec.ulp import FLOAT_DTYPES, to_ulp
+from dcr_format.codings import classed, rans, ulp_shift
+from dcr_format.codings.planes import to_planes
+from dcr_format.codings.positions import encode_positions
+from dcr_format.codings.ulp import FLOAT_DTYPES, to_ulp
+from dcr_format.delta.delta import RowsSlot, apply_change, decode_delta, resolve
 from dcr_format.errors import DcrError
+from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
 
 POSITIONS = ("rice", "ranges", "classed")
 VALUES = ("planes", "rans", "ulp", "ulp-shift")

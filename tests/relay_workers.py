@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from dcr_format import DcrError, DeltaReader, StateDictTarget, Store
-from dcr_format.codec.dtypes import bits_view
-from dcr_format.readers.relay import RelayStore
+from dcr_format.format.dtypes import bits_view
+from dcr_format.store.relay import RelayStore
 
 
 class CountingStore(Store):

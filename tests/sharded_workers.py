@@ -114,7 +114,7 @@ class Run:
 
     def __init__(self, root: str, rank: int, world: int, **options: Any) -> None:
         from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-        from dcr_format.writers.coordinate import TorchDistributedCoordinator
+        from dcr_format.publish.coordinate import TorchDistributedCoordinator
 
         self.rank = rank
         self.writer = DeltaWriter(
@@ -192,7 +192,7 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
         IncompleteVersionError,
         UnsupportedPlacementError,
     )
-    from dcr_format.writers._sharded import ShardedPart
+    from dcr_format.publish._sharded import ShardedPart
 
     mesh = init_device_mesh("cpu", (world,))
     model = build()
@@ -280,8 +280,8 @@ def role_restart(rank: int, world: int, work: Path) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS + 1):
         train_step(model, optimizer, step, rank)
-    from dcr_format.chain import Chain
-    from dcr_format.store import open_store
+    from dcr_format.chain.chain import Chain
+    from dcr_format.store.store import open_store
 
     # (the chain's newest version, read without asking the writer, which would restore)
     out: dict[str, Any] = {"reopened_at": Chain(open_store(work / "fsdp")).latest()}

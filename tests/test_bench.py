@@ -25,8 +25,8 @@ from dcr_format.bench.projection import (
     project,
     projection_report,
 )
-from dcr_format.cli_bench import bench, plot_path
-from dcr_format.cli_bench import project as project_cmd
+from dcr_format.cli.bench import bench, plot_path
+from dcr_format.cli.bench import project as project_cmd
 
 pytestmark = pytest.mark.bench
 

@@ -12,13 +12,13 @@ import torch
 from click.testing import CliRunner
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, replay
-from dcr_format.chain import Chain
-from dcr_format.cli import cli
+from dcr_format.chain.chain import Chain
+from dcr_format.cli.main import cli
 from dcr_format.errors import ArgumentError, ChecksumMismatchError, UnsupportedFeatureError
-from dcr_format.readers.targets import DIR_STATE_FILE
-from dcr_format.store import Store, open_store
+from dcr_format.publish._files import directory_files
+from dcr_format.store.store import Store, open_store
+from dcr_format.targets.targets import DIR_STATE_FILE
 from dcr_format.tools import compact, verify
-from dcr_format.writers._files import directory_files
 
 transformers = pytest.importorskip("transformers")  # in the test extra; skip only if absent
 
@@ -219,7 +219,7 @@ def test_files_are_checked_before_anything_is_uploaded(tmp_path) -> None:
 
 
 def test_a_reader_without_the_feature_refuses_files(tmp_path, monkeypatch) -> None:
-    from dcr_format import schema
+    from dcr_format.format import schema
 
     store = str(tmp_path / "store")
     DeltaWriter(store).publish({"w": torch.zeros(2)}, files={"config.json": b"{}"})

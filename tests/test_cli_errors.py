@@ -17,7 +17,7 @@ from conftest import make_state, step_state
 from safetensors.torch import save_file
 
 from dcr_format import DeltaWriter
-from dcr_format.cli import cli
+from dcr_format.cli.main import cli
 from dcr_format.errors import VersionNotFoundError
 
 
@@ -219,7 +219,7 @@ def test_the_installed_command_prints_one_line(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DCR_DEBUG", "AWS_ENDPOINT_URL")}
     run = subprocess.run(
-        [sys.executable, "-c", "from dcr_format.cli import main; main()"]
+        [sys.executable, "-c", "from dcr_format.cli.main import main; main()"]
         + [a.format(**paths) for a in args],
         capture_output=True,
         text=True,

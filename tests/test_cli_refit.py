@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from dcr_format.cli import cli
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.cli.main import cli
+from dcr_format.format.dtypes import bits_view
 
 pytestmark = pytest.mark.s3
 

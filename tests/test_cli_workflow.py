@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 from conftest import make_state, step_state
 
 from dcr_format import DeltaWriter
-from dcr_format.cli import cli
+from dcr_format.cli.main import cli
 from dcr_format.errors import GraceTooShortError
 from dcr_format.tools import gc
 from dcr_format.tools._common import parse_duration
@@ -57,7 +57,7 @@ def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
     """What ``dcr ARGV`` prints, and which of torch, numba, pydantic it imported."""
     code = (
         "import sys\n"
-        "from dcr_format.cli import main\n"
+        "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         "heavy = {m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'pydantic'}\n"
         "print(sorted(heavy))\n"
@@ -167,7 +167,7 @@ def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR read again
     rows: list[str] = []
-    import dcr_format.demo as demo
+    import dcr_format.cli.demo as demo
 
     real = demo.run_demo
 

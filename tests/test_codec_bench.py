@@ -67,8 +67,8 @@ def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None
 
     from dcr_format import DeltaWriter, Store
     from dcr_format.bench.codec import _encode_all, _shard_streams, manifest_bytes
-    from dcr_format.chain import Chain
-    from dcr_format.codec.shard import encode_shard
+    from dcr_format.chain.chain import Chain
+    from dcr_format.format.shard import encode_shard
 
     gen = torch.Generator().manual_seed(0)
     old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}

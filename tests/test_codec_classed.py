@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from dcr_format.codec import classed
-from dcr_format.codec.positions import encode_positions
+from dcr_format.codings import classed
+from dcr_format.codings.positions import encode_positions
 from dcr_format.errors import PositionsError
 
 
@@ -203,7 +203,7 @@ def test_layout_is_checked_without_the_old_bits() -> None:
 def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three tasks of the compiled passes (one without positions), a partial last group, and
     changes on task and group edges, with the XOR form: the same bytes and positions."""
-    from dcr_format.codec._native import TASK
+    from dcr_format.codings._native import TASK
 
     n = 2 * TASK + 1000 + 37
     old = weights(12, n)
@@ -314,7 +314,7 @@ def test_the_compiled_class_estimates_are_the_reference_s_doubles() -> None:
     """The compiled estimate of every interval (its odds, numpy's logarithms of them, then
     the reference's operations in its order) is _rice_bits + CLASS_HEADER_BITS bit for bit,
     over counts from a few to past 2^40, none or all changed."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     rng = np.random.default_rng(29)
     totals = np.concatenate(
@@ -368,7 +368,7 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
     """A stream with enough ranks codes and decodes its classes' Rice parts on several
     threads (each class into its own slice): the reference's bytes and ranks, and where
     parts break §6.2 the first broken part is reported (so the error is the reference's)."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     rng = np.random.default_rng(41)
     count = 6
@@ -455,7 +455,7 @@ def test_the_select_plan_is_each_class_s_searchsorted_at_each_task_start() -> No
     task's start begin (``np.searchsorted`` of the class's ranks), and where each task's
     positions go; with classes without ranks, ranks on a task's start, before the first
     and past the last start, and tasks that take none."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     rng = np.random.default_rng(11)
     count, tasks = 6, 9
@@ -515,7 +515,7 @@ def _select(
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """``positions_of_ranks`` of the dense or the sparse select pass, and the old bits it
     handed over."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     shift, mask = classed.EXPONENT_FIELDS[dtype]
     starts = native.class_starts(rows, stream.base, stream.classes)
@@ -536,7 +536,7 @@ def test_class_masks_are_each_class_s_members() -> None:
     stay empty."""
     from numba import njit
 
-    from dcr_format.codec import _native_bits
+    from dcr_format.kernels import _native_bits
 
     @njit(cache=False)
     def masks(
@@ -568,8 +568,8 @@ def test_the_dense_select_pass_finds_what_the_sparse_one_does(dtype: str) -> Non
     the same old bits: three tasks with a partial last group, 1 to 16 classes, positions
     on task and group edges, and groups with none, a few and nearly every element wanted
     (the stores past a group's last position, and near the end of a task's share)."""
-    from dcr_format.codec import _native_bits
-    from dcr_format.codec._native import TASK
+    from dcr_format.codings._native import TASK
+    from dcr_format.kernels import _native_bits
 
     if not _native_bits.has_deposit():
         pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
@@ -600,9 +600,9 @@ def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
     sparse pass counts only the positions, so it finds other ones here, which the
     fingerprint check after applying catches); ranks past a class's size are refused
     before either pass runs."""
-    from dcr_format.codec import _native_bits
-    from dcr_format.codec import _native_classes as native
-    from dcr_format.codec._native import TASK
+    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings._native import TASK
+    from dcr_format.kernels import _native_bits
 
     if not _native_bits.has_deposit():
         pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
@@ -644,7 +644,7 @@ def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
 def test_the_dense_select_pass_is_taken_where_it_wins() -> None:
     """By default the dense pass runs from one changed element in DENSE_SHARE on, and only
     where the machine's bit deposit is fast."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     assert native.dense_wins(1000, 1000 * native.DENSE_SHARE)
     assert not native.dense_wins(999, 1000 * native.DENSE_SHARE)
@@ -652,7 +652,7 @@ def test_the_dense_select_pass_is_taken_where_it_wins() -> None:
 
 
 def _native_bits_fast() -> bool:
-    from dcr_format.codec import _native_bits
+    from dcr_format.kernels import _native_bits
 
     return bool(_native_bits.fast_deposit())
 
@@ -665,8 +665,8 @@ def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     words dense, sparse and at the edges, against the bits listed one by one."""
     from numba import njit
 
-    from dcr_format.codec import _native_bits
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
+    from dcr_format.kernels import _native_bits
 
     if picker == "deposit" and not _native_bits.has_deposit():
         pytest.skip("no BMI2 (pdep) on this machine or numba's target: kernels use the table")
@@ -699,7 +699,7 @@ def test_fast_deposit_follows_the_machine_and_numba_target(monkeypatch) -> None:
     while numba compiles for that host (a NUMBA_CPU_NAME target may lack the instruction)."""
     import llvmlite.binding as llvm
 
-    from dcr_format.codec import _native_bits as bits
+    from dcr_format.kernels import _native_bits as bits
 
     monkeypatch.setattr(bits.config, "CPU_NAME", None)
     monkeypatch.setattr(bits.config, "CPU_FEATURES", None)
@@ -726,7 +726,7 @@ def test_plain_size_floor_bounds_the_plain_choice() -> None:
     stream §6.4 keeps (over scattered, clustered and run-heavy positions, and gap sums
     past 2^53), and within 15% of it for scattered positions (where Rice wins: a floor
     worth comparing with)."""
-    from dcr_format.codec.positions import PositionsChoice, plain_size_floor
+    from dcr_format.codings.positions import PositionsChoice, plain_size_floor
 
     rng = np.random.default_rng(43)
     close = []
@@ -757,7 +757,7 @@ def test_plain_size_floor_bounds_the_plain_choice() -> None:
 def test_the_rank_pass_counts_the_runs_of_the_positions() -> None:
     """``class_ranks`` also counts the positions that directly follow another (across its
     tasks), the runs the writer's size floor takes; the reference path counts the same."""
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     rng = np.random.default_rng(47)
     n = 3 * (1 << 18) + 100
@@ -787,7 +787,8 @@ def test_a_classed_stream_below_the_floor_plans_no_plain_coding(
     not, the plain plan decides as before."""
     import torch
 
-    from dcr_format.codec import delta, features
+    from dcr_format.delta import delta
+    from dcr_format.format import features
 
     rng = np.random.default_rng(53)
     n = 1 << 16  # weights over four decades: the small ones change, the classes pay
@@ -816,7 +817,7 @@ def test_a_classed_stream_below_the_floor_plans_no_plain_coding(
 def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
     """A writer guesses every class's Rice k in one array step (rice_k_guesses); each guess
     is the scalar rule's for that class, at powers of two and just under them too."""
-    from dcr_format.codec.positions import _rice_k_guess, rice_k_guesses
+    from dcr_format.codings.positions import _rice_k_guess, rice_k_guesses
 
     rng = np.random.default_rng(21)
     counts = rng.integers(0, 5000, 4000)
@@ -834,7 +835,7 @@ def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
     ]
     assert got.dtype == np.int64 and got.tolist() == want
     # the compiled guesses (no logarithm) agree wherever they are sure, and say where not
-    from dcr_format.codec import _native_classes as native
+    from dcr_format.codings import _native_classes as native
 
     sure = np.empty(counts.size, dtype=np.int64)
     unsure = native.rice_guesses(counts.astype(np.int64), last.astype(np.int64), sure)

@@ -11,19 +11,10 @@ import pytest
 import torch
 import zstandard
 
-from dcr_format.codec import positions as pos_codec
-from dcr_format.codec.delta import encode_tensor
-from dcr_format.codec.dtypes import bits_view, info_for
-from dcr_format.codec.shard import (
-    MAX_HEADER_BYTES,
-    compress,
-    decode_shard,
-    decompress,
-    encode_shard,
-    pack_streams,
-    unpack_streams,
-)
-from dcr_format.codec.values import PLANES, decode_values
+from dcr_format.codings import positions as pos_codec
+from dcr_format.codings.values import PLANES, decode_values
+from dcr_format.delta.delta import encode_tensor
+from dcr_format.delta.fingerprint import tensor_fingerprint
 from dcr_format.errors import (
     DcrError,
     PositionsError,
@@ -32,7 +23,16 @@ from dcr_format.errors import (
     UnsupportedDtypeError,
     ValuesError,
 )
-from dcr_format.fingerprint import tensor_fingerprint
+from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.shard import (
+    MAX_HEADER_BYTES,
+    compress,
+    decode_shard,
+    decompress,
+    encode_shard,
+    pack_streams,
+    unpack_streams,
+)
 
 RICE, RANGES = pos_codec.RICE, pos_codec.RANGES
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from dcr_format import schema
-from dcr_format.chain import Chain
-from dcr_format.codec import features, rans, values
-from dcr_format.codec.delta import XOR, apply_delta, decode_delta
-from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.positions import encode_positions
+from dcr_format.chain.chain import Chain
+from dcr_format.codings import rans, values
+from dcr_format.codings.positions import encode_positions
+from dcr_format.delta.delta import XOR, apply_delta, decode_delta
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
-from dcr_format.readers._plan import stream_limits
-from dcr_format.store import open_store
+from dcr_format.format import features, schema
+from dcr_format.format.dtypes import info_for
+from dcr_format.store.store import open_store
+from dcr_format.sync._plan import stream_limits
 
 SPEC_VALUES = [1, 1, 3, 1, 1, 7, 1, 1, 3, 1, 0x8001, 1, 1, 1, 3, 1]
 SPEC_STREAM = "02050101160602000020b5a900000000800701"
@@ -112,10 +112,10 @@ def test_a_dominant_symbol_codes_as_the_reference_does(bits: int) -> None:
 def test_reciprocals_divide_exactly() -> None:
     """Every frequency of up to 14 bits, and others up to 24, against quotients at the
     edges of the range the coder divides (below ``2**63``)."""
-    native = pytest.importorskip("dcr_format.codec._native_rans")
+    native = pytest.importorskip("dcr_format.codings._native_rans")
     from numba import njit
 
-    from dcr_format.codec._native_bits import mul_high
+    from dcr_format.kernels._native_bits import mul_high
 
     @njit(cache=False)
     def wrong(divisors: np.ndarray, dividends: np.ndarray) -> int:  # pragma: no cover
@@ -263,9 +263,9 @@ def test_an_entry_takes_its_rans_values_decoded_ahead() -> None:
     """decode_delta with ``symbols`` (its ulp values' rans stream decoded already, as
     rans_part finds it) gives the change it decodes itself; symbols of another shape or
     width, or for an entry without rans values, are a caller's error."""
-    from dcr_format.codec.delta import rans_part
-    from dcr_format.codec.ulp import ULP
-    from dcr_format.codec.ulp_shift import ULP_SHIFT, assemble
+    from dcr_format.codings.ulp import ULP
+    from dcr_format.codings.ulp_shift import ULP_SHIFT, assemble
+    from dcr_format.delta.delta import rans_part
 
     info = info_for(torch.bfloat16)
     z = ulp_like(9, 500, 2)
@@ -380,7 +380,7 @@ def test_decode_delta_applies_a_rans_entry() -> None:
     positions = np.sort(np.random.default_rng(6).choice(4096, 300, replace=False))
     coding, stream = values.encode_values(xor, codings=("planes", "rans"))
     assert coding == "rans"
-    from dcr_format.codec.positions import encode_positions
+    from dcr_format.codings.positions import encode_positions
 
     pos_coding, pos_stream = encode_positions(positions)
     delta = decode_delta(
@@ -633,7 +633,7 @@ def test_compiled_histogram_equals_the_numpy_one() -> None:
     position, the others sorted) gives numpy's values and counts, for few and for many
     distinct values, on both sides of 256, lengths that are not whole rounds of eight, and
     widths 1, 2, 4 and 8."""
-    from dcr_format.codec import _native_rans
+    from dcr_format.codings import _native_rans
 
     rng = np.random.default_rng(41)
     cases = [

@@ -12,8 +12,10 @@ from mutated_streams import kernels as coded_on
 from safetensors import safe_open
 from safetensors.numpy import load as safetensors_load
 
-from dcr_format.codec import positions as pos_codec
-from dcr_format.codec.delta import (
+from dcr_format.codings import positions as pos_codec
+from dcr_format.codings.ulp import FLOAT_DTYPES
+from dcr_format.codings.values import PLANES, decode_values, encode_values
+from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
     XOR,
@@ -24,16 +26,14 @@ from dcr_format.codec.delta import (
     encode_tensor,
     undo_delta,
 )
-from dcr_format.codec.dtypes import BY_NAME, BY_TORCH, DTYPE_NAMES, UNSIGNED_NP, bits_view
-from dcr_format.codec.shard import (
+from dcr_format.format.dtypes import BY_NAME, BY_TORCH, DTYPE_NAMES, UNSIGNED_NP, bits_view
+from dcr_format.format.shard import (
     SHARD_FORMAT,
     decode_shard,
     encode_shard,
     pack_streams,
     unpack_streams,
 )
-from dcr_format.codec.ulp import FLOAT_DTYPES
-from dcr_format.codec.values import PLANES, decode_values, encode_values
 
 PROPERTY = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,4 +1,4 @@
-"""A CPU writer codes several tensors at once (``dcr_format.cuda.pipeline.encode_stream``).
+"""A CPU writer codes several tensors at once (``dcr_format.delta.pipeline.encode_stream``).
 
 What must hold: the same results, in the same order, as coding them one by one; the
 codings the caller allows reach the pool's threads; an error comes out in its tensor's
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from dcr_format.codec import _launch
-from dcr_format.codec.features import allowed_codings
-from dcr_format.cuda import dispatch, pipeline
-from dcr_format.cuda.reference import Diff
+from dcr_format.delta import dispatch, pipeline
+from dcr_format.format.features import allowed_codings
+from dcr_format.kernels import _launch
+from dcr_format.kernels.reference import Diff
 
 FEATURES = (
     "values-rans",
@@ -180,8 +180,8 @@ def test_a_publish_that_fails_while_tensors_code_leaves_every_baseline(monkeypat
     from conftest import assert_same_bits, snapshot
 
     from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-    from dcr_format.store import Store
-    from dcr_format.writers import writer as writer_module
+    from dcr_format.publish import writer as writer_module
+    from dcr_format.store.store import Store
 
     monkeypatch.setattr(pipeline, "CODING_THREADS", 2)
     store = Store(str(tmp_path))
@@ -217,7 +217,7 @@ import os, sys
 sys.path.insert(0, {tests!r})
 import torch
 from test_coding_pool import _model
-from dcr_format.cuda import pipeline
+from dcr_format.delta import pipeline
 old, new = _model(6)
 items = lambda: [(n, new[n], old[n].clone(), None) for n in new]
 parent = [e.values for _, e in pipeline.encode_stream(items())]  # the pool's threads exist

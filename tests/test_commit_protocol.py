@@ -1,4 +1,4 @@
-"""The commit protocol on its own (dcr_format/writers/_commit.py), over the memory store:
+"""The commit protocol on its own (dcr_format/publish/_commit.py), over the memory store:
 create-if-absent with unknown outcomes, gathering the ranks' manifests, waiting for the
 committer, abort markers and reader records."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dcr_format import DeltaWriter, Store
-from dcr_format.chain import HEAD_KEY, Chain, commit_key, manifest_key, new_id, sha256_hex
+from dcr_format.chain.chain import HEAD_KEY, Chain, commit_key, manifest_key, new_id, sha256_hex
 from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
@@ -22,9 +22,9 @@ from dcr_format.errors import (
     SchemaError,
     StoreError,
 )
-from dcr_format.schema import Manifest, ReaderRecord, parse_manifest
-from dcr_format.writers import _commit
-from dcr_format.writers._part import Attempt
+from dcr_format.format.schema import Manifest, ReaderRecord, parse_manifest
+from dcr_format.publish import _commit
+from dcr_format.publish._part import Attempt
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ import pytest
 from conftest import assert_same_bits, dir_snapshot
 
 from dcr_format import DcrError, DeltaReader, SafetensorsDirTarget, StateDictTarget, Store
-from dcr_format.chain import Chain
-from dcr_format.store import TEMP_PREFIX
+from dcr_format.chain.chain import Chain
+from dcr_format.store.store import TEMP_PREFIX
 from dcr_format.testing.faultproxy import FaultProxy, Rule
 from dcr_format.tools import gc, verify
 
@@ -191,7 +191,7 @@ def test_writer_killed_at_every_stage(context, backend, stage, tmp_path, reliabi
     else:  # the commands themselves: dcr gc, dcr verify --deep
         from click.testing import CliRunner
 
-        from dcr_format.cli import cli
+        from dcr_format.cli.main import cli
         from dcr_format.tools import GcReport, VerifyReport
 
         runner = CliRunner()

@@ -11,7 +11,7 @@ from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
 from dcr_format.errors import AliasedTensorError
-from dcr_format.readers.targets import Resident
+from dcr_format.targets.targets import Resident
 
 VOCAB, HIDDEN = 64, 16
 
@@ -91,8 +91,8 @@ def test_tied_module_follows_adamw_steps_bit_exact(tmp_path, verify, features):
     store = str(tmp_path / "store")
     assert _train_and_sync(store, trainer, policy, 5, verify, features) == 6
     if features:  # the tied tensors really were coded against their old bits
-        from dcr_format.chain import Chain
-        from dcr_format.store import open_store
+        from dcr_format.chain.chain import Chain
+        from dcr_format.store.store import open_store
 
         chain = Chain(open_store(store))
         codings = {
@@ -214,8 +214,8 @@ def test_partly_aliased_tensors_are_refused_up_front(make):
 
 def test_identical_views_form_one_group_of_three():
     """Three names for one tensor: a change through all three is applied once."""
-    from dcr_format.codec.delta import XOR, DecodedDelta
-    from dcr_format.readers.targets import Change
+    from dcr_format.delta.delta import XOR, DecodedDelta
+    from dcr_format.targets.targets import Change
 
     shared = torch.arange(8, dtype=torch.int16)
     target = StateDictTarget({"x": shared, "y": shared, "z": shared.view(8)})

@@ -20,7 +20,7 @@ from conftest import assert_same_bits, dir_snapshot, make_state, snapshot, step_
 from safetensors.torch import load_file
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
-from dcr_format.chain import Chain
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import (
     ReservedNameError,
     SchemaError,
@@ -30,10 +30,10 @@ from dcr_format.errors import (
     TargetLayoutError,
     TargetUnreadableError,
 )
-from dcr_format.readers import targets
-from dcr_format.readers.targets import DIR_STATE_FILE, SINGLE_FILE, Resident
-from dcr_format.schema import Manifest, check_tensor_name, parse
-from dcr_format.store import open_store
+from dcr_format.format.schema import Manifest, check_tensor_name, parse
+from dcr_format.store.store import open_store
+from dcr_format.targets import targets
+from dcr_format.targets.targets import DIR_STATE_FILE, SINGLE_FILE, Resident
 
 pytestmark = pytest.mark.multiprocess
 

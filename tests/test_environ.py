@@ -1,4 +1,4 @@
-"""``dcr_format._environ.getenv``: ``os.environ.get`` at every call, without its cost where
+"""``dcr_format.system.environ.getenv``: ``os.environ.get`` at every call, without its cost where
 the variable is not set (the kernels' dispatch reads ``DCR_KERNELS`` a dozen times a
 tensor)."""
 
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from dcr_format._environ import getenv
-from dcr_format.codec.positions import native_kernels
-from dcr_format.cuda.dispatch import kernels_mode
+from dcr_format.codings.positions import native_kernels
+from dcr_format.delta.dispatch import kernels_mode
+from dcr_format.system.environ import getenv
 
 NAME = "DCR_TEST_ENVIRON_READ"
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.codec import classed
-from dcr_format.codec import delta as delta_module
-from dcr_format.codec.classed import (
+from dcr_format.codings import classed
+from dcr_format.codings.classed import (
     ROW_ELEMENTS,
     decode_classed,
     encode_classed,
@@ -27,7 +26,8 @@ from dcr_format.codec.classed import (
     move_rows,
     rows_fit,
 )
-from dcr_format.codec.delta import RowsSlot, _decode_classed_at
+from dcr_format.delta import delta as delta_module
+from dcr_format.delta.delta import RowsSlot, _decode_classed_at
 from dcr_format.errors import BaselineMismatchError, PositionsError
 
 FEATURE = "positions-classed"
@@ -248,8 +248,8 @@ def started(
 
 
 def classed_names(store: Path, version: int) -> set[str]:
-    from dcr_format.chain import Chain
-    from dcr_format.store import open_store
+    from dcr_format.chain.chain import Chain
+    from dcr_format.store.store import open_store
 
     chain = Chain(open_store(store))
     return {

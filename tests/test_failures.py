@@ -21,8 +21,8 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
-import dcr_format.readers.reader as reader_module
-import dcr_format.readers.targets as targets_module
+import dcr_format.sync.reader as reader_module
+import dcr_format.targets.targets as targets_module
 from dcr_format import (
     DcrError,
     DeltaReader,
@@ -34,7 +34,7 @@ from dcr_format import (
     ThreadCoordinator,
     owner,
 )
-from dcr_format.chain import Chain, attempt_prefix, commit_key, manifest_key
+from dcr_format.chain.chain import Chain, attempt_prefix, commit_key, manifest_key
 from dcr_format.errors import (
     ApplyError,
     BaselineMismatchError,
@@ -49,7 +49,7 @@ from dcr_format.errors import (
     UnsupportedDtypeError,
     VersionNotFoundError,
 )
-from dcr_format.readers.targets import SINGLE_FILE
+from dcr_format.targets.targets import SINGLE_FILE
 
 
 @dataclass

@@ -18,9 +18,9 @@ import s3fs
 import torch
 from conftest import assert_same_bits, flip_bits, make_state, snapshot
 
-import dcr_format._stores._s3 as s3
+import dcr_format.store._s3 as s3
 from dcr_format import DcrError, DeltaReader, DeltaWriter, StateDictTarget, Store, StoreError
-from dcr_format.chain import Chain, attempt_prefix
+from dcr_format.chain.chain import Chain, attempt_prefix
 from dcr_format.errors import CommitConflictError, CommitStateUnknownError, ObjectExistsError
 from dcr_format.testing.faultproxy import FaultProxy, Rule, classify
 from dcr_format.tools import gc, verify

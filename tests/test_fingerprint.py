@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dcr_format.fingerprint as fp
-from dcr_format.codec.dtypes import BY_NAME, DTYPE_NAMES, UNSIGNED_NP
-from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
+import dcr_format.delta.fingerprint as fp
+from dcr_format.delta.fingerprint import state_fingerprint, tensor_fingerprint
+from dcr_format.format.dtypes import BY_NAME, DTYPE_NAMES, UNSIGNED_NP
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

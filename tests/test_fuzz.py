@@ -44,8 +44,7 @@ from dcr_format import (
     StateDictTarget,
     Store,
 )
-from dcr_format.chain import sha256_hex
-from dcr_format.codec.shard import compress, decode_shard, pack_streams
+from dcr_format.chain.chain import sha256_hex
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -54,6 +53,7 @@ from dcr_format.errors import (
     SchemaError,
     ShardError,
 )
+from dcr_format.format.shard import compress, decode_shard, pack_streams
 
 pytestmark = pytest.mark.slow
 

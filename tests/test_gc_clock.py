@@ -16,10 +16,10 @@ from conftest import make_state
 from test_store import _GenericMemoryFileSystem
 
 from dcr_format import DeltaWriter, Store
-from dcr_format.chain import Chain, attempt_prefix, utc_now
-from dcr_format.cli import cli
+from dcr_format.chain.chain import Chain, attempt_prefix, utc_now
+from dcr_format.cli.main import cli
 from dcr_format.errors import InvalidKeyError, StoreError
-from dcr_format.store import TEMP_PREFIX, ObjectInfo
+from dcr_format.store.store import TEMP_PREFIX, ObjectInfo
 from dcr_format.tools import _gc, gc
 
 pytestmark = pytest.mark.s3

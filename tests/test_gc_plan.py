@@ -21,11 +21,11 @@ from conftest import make_state, step_state
 from pydantic import ValidationError
 
 from dcr_format import DeltaWriter, Store
-from dcr_format._stores._memory import MemoryBackend
-from dcr_format.chain import Chain, attempt_prefix, commit_key
-from dcr_format.cli import cli
+from dcr_format.chain.chain import Chain, attempt_prefix, commit_key
+from dcr_format.cli.main import cli
 from dcr_format.errors import ArgumentError, ChainBrokenError, InvalidKeyError
-from dcr_format.store import TEMP_PREFIX, ObjectInfo
+from dcr_format.store._memory import MemoryBackend
+from dcr_format.store.store import TEMP_PREFIX, ObjectInfo
 from dcr_format.tools import gc, verify
 from dcr_format.tools._gc import (
     CLOCK_PROBE_PREFIX,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
-from dcr_format.chain import Chain
-from dcr_format.store import open_store
+from dcr_format.chain.chain import Chain
+from dcr_format.store.store import open_store
 
 transformers = pytest.importorskip("transformers")  # in the test extra; skip only if absent
 

@@ -19,8 +19,8 @@ from conftest import run_ranks
 from test_hostile_memory import MiB, run_worker
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format import chain as chain_module
-from dcr_format.chain import (
+from dcr_format.chain import chain as chain_module
+from dcr_format.chain.chain import (
     MAX_MANIFEST_BYTES,
     MAX_VERSION_MANIFEST_BYTES,
     Chain,
@@ -30,19 +30,19 @@ from dcr_format.chain import (
     state_table,
     table_fingerprint,
 )
-from dcr_format.codec.budget import DecodeBudget, decoded_bytes, default_ceiling_bytes
-from dcr_format.codec.shard import encode_shard
 from dcr_format.errors import (
     ArgumentError,
     DecodeLimitError,
     IncompleteVersionError,
     ObjectTooLargeError,
 )
-from dcr_format.readers._fetch import fetch_changes
-from dcr_format.readers._plan import entry_output_bytes, plan_fetch
-from dcr_format.schema import Manifest, parse_manifest, stored_manifest
-from dcr_format.store import open_store
-from dcr_format.writers.coordinate import ThreadCoordinator
+from dcr_format.format.budget import DecodeBudget, decoded_bytes, default_ceiling_bytes
+from dcr_format.format.schema import Manifest, parse_manifest, stored_manifest
+from dcr_format.format.shard import encode_shard
+from dcr_format.publish.coordinate import ThreadCoordinator
+from dcr_format.store.store import open_store
+from dcr_format.sync._fetch import fetch_changes
+from dcr_format.sync._plan import entry_output_bytes, plan_fetch
 
 HUGE = 1 << 40  # elements: terabytes decoded
 NO_LIMIT = 1 << 62

@@ -25,10 +25,12 @@ from test_codec_hostile import rice_stream
 from test_fuzz import Chain4, attempt_sync, replaced, resigned
 
 from dcr_format import DeltaWriter
-from dcr_format._jsonscan import scan
-from dcr_format.codec.budget import DecodeBudget, default_budget_bytes
-from dcr_format.codec.positions import encode_ranges, encode_rice
-from dcr_format.codec.shard import (
+from dcr_format.codings.positions import encode_ranges, encode_rice
+from dcr_format.errors import SchemaError, ShardError
+from dcr_format.format.budget import DecodeBudget, default_budget_bytes
+from dcr_format.format.jsonscan import scan
+from dcr_format.format.schema import CommitRecord, Manifest, parse
+from dcr_format.format.shard import (
     MAX_UNREFERENCED_BYTES,
     decode_shard,
     encode_shard,
@@ -37,9 +39,7 @@ from dcr_format.codec.shard import (
     positions_bound,
     shard_decoded_bound,
 )
-from dcr_format.errors import SchemaError, ShardError
-from dcr_format.readers._plan import stream_limits
-from dcr_format.schema import CommitRecord, Manifest, parse
+from dcr_format.sync._plan import stream_limits
 
 pytestmark = pytest.mark.multiprocess
 

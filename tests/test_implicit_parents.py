@@ -10,17 +10,18 @@ import pytest
 import torch
 from test_layout import advance, canonical_state, layout_for, locals_for, run_ranks
 
-from dcr_format import DeltaReader, DeltaWriter, ProjectionWriter, StateDictTarget, schema, verify
-from dcr_format.chain import Chain, TensorState, resolve_parents, state_table
+from dcr_format import DeltaReader, DeltaWriter, ProjectionWriter, StateDictTarget, verify
+from dcr_format.chain.chain import Chain, TensorState, resolve_parents, state_table
 from dcr_format.errors import (
     BaselineMismatchError,
     ChainBrokenError,
     SchemaError,
     UnsupportedFeatureError,
 )
-from dcr_format.readers._plan import _check_continuity
-from dcr_format.store import open_store
-from dcr_format.writers.coordinate import ThreadCoordinator
+from dcr_format.format import schema
+from dcr_format.publish.coordinate import ThreadCoordinator
+from dcr_format.store.store import open_store
+from dcr_format.sync._plan import _check_continuity
 
 FEATURE = "implicit-parents"
 
@@ -134,7 +135,7 @@ def test_schema_requires_null_parents_exactly_where_the_feature_is_listed(
     where = ref.path
 
     def check(m: schema.Manifest) -> None:
-        from dcr_format.chain import check_manifest
+        from dcr_format.chain.chain import check_manifest
 
         check_manifest(m, m.chain_id, 1, "delta", m.attempt, 0, 1, where)
 
@@ -251,7 +252,7 @@ def test_the_committer_takes_the_manifest_its_stored_bytes_hold(
     """The committing rank takes its own manifest as it made it rather than parsing its
     uploaded bytes back: with the manifest features on (its parents left null, the bytes
     compressed), that object is exactly what the stored bytes parse to."""
-    from dcr_format.writers import writer as writer_module
+    from dcr_format.publish import writer as writer_module
 
     taken: list[schema.Manifest] = []
     gather = writer_module.gather_manifests

@@ -22,41 +22,23 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "dcr_format"
 # Lowest first (docs/design.md, "Layers"). Exact names win over patterns; a module that
 # matches nothing fails test_every_module_has_a_layer: put it in the layer of its job.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("errors", ("errors", "_fsync", "_environ", "_pools", "_memory", "_lazy")),
-    (
-        "bytes",
-        (
-            "codec",
-            "codec.dtypes",
-            "codec.values",
-            "codec.positions",
-            "codec.shard",
-            "codec.budget",
-            "codec._native",
-            "codec.*",
-            "_jsonscan",
-        ),
-    ),
-    (
-        "kernels",
-        ("cuda", "cuda.reference", "cuda.triton_kernels", "cuda.dispatch", "cuda.*", "fingerprint"),
-    ),
-    ("tensor change", ("codec.delta", "cuda.pipeline", "cuda.positions")),
-    ("schema and store", ("schema", "store", "store.*", "_stores", "_stores.*")),
-    ("chain", ("chain", "bases", "layout")),
-    (
-        "targets",
-        ("readers", "readers.targets", "readers.module", "readers.group", "readers.relay"),
-    ),
-    ("protocols", ("readers.*", "writers", "writers.*")),
-    ("tools", ("tools", "tools.*", "checkpoint", "toymodel", "demo")),
+    ("errors and system", ("errors", "system", "system.*")),
+    ("format", ("format", "format.*")),
+    ("kernels", ("kernels", "kernels.*")),
+    ("codings", ("codings", "codings.*")),
+    ("delta", ("delta", "delta.*")),
+    ("store", ("store", "store.*")),
+    ("chain", ("chain", "chain.*")),
+    ("targets", ("targets", "targets.*")),
+    ("sync", ("sync", "sync.*")),
+    ("publish", ("publish", "publish.*")),
+    ("tools", ("tools", "tools.*")),
     ("public API", ("",)),  # dcr_format/__init__.py re-exports layers below
     (
         "commands, benchmarks, test support, integrations",
         (
             "cli",
-            "_cli_params",
-            "cli_bench",
+            "cli.*",
             "bench",
             "bench.*",
             "testing",
@@ -68,12 +50,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # Modules that may import dcr_format.bench and dcr_format.testing; nothing else may.
-OUTSIDE_CORE = ("bench", "bench.*", "testing", "testing.*", "cli_bench", "integrations.*")
+OUTSIDE_CORE = ("bench", "bench.*", "testing", "testing.*", "cli.bench", "integrations.*")
 NOT_FOR_CORE = ("bench", "bench.*", "testing", "testing.*")
 
 # (importer, imported) pairs allowed for now, each with the file that must change.
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
-KNOWN_UPWARD: dict[tuple[str, str], str] = {}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+    ("format.schema", "codings.classed"): "dcr_format/format/schema.py",
+    ("format.schema", "codings.positions"): "dcr_format/format/schema.py",
+    ("format.schema", "codings.ulp"): "dcr_format/format/schema.py",
+    ("format.schema", "codings.ulp_shift"): "dcr_format/format/schema.py",
+    ("format.schema", "codings.values"): "dcr_format/format/schema.py",
+    ("format.shard", "codings.classed"): "dcr_format/format/shard.py",
+}
 
 
 def module_files(package_dir: Path) -> dict[str, tuple[Path, bool]]:
@@ -195,8 +184,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_sees_the_package(graph) -> None:
-    assert "readers.reader" in graph and "" in graph and len(graph) > 40
-    assert "readers.reader" in graph[""] and "errors" in graph["readers.reader"]
+    assert "sync.reader" in graph and "" in graph and len(graph) > 40
+    assert "sync.reader" in graph[""] and "errors" in graph["sync.reader"]
 
 
 def test_every_module_has_a_layer(graph) -> None:

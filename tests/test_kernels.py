@@ -28,11 +28,12 @@ import pytest  # noqa: E402
 from conftest import assert_same_bits, flip_bits, make_state, snapshot  # noqa: E402
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget  # noqa: E402
-from dcr_format.chain import Chain  # noqa: E402
-from dcr_format.codec import delta as delta_codec  # noqa: E402
-from dcr_format.codec import positions as pos_codec  # noqa: E402
-from dcr_format.codec import ulp  # noqa: E402
-from dcr_format.codec.delta import (  # noqa: E402
+from dcr_format.chain.chain import Chain  # noqa: E402
+from dcr_format.codings import positions as pos_codec  # noqa: E402
+from dcr_format.codings import ulp  # noqa: E402
+from dcr_format.delta import delta as delta_codec  # noqa: E402
+from dcr_format.delta import dispatch  # noqa: E402
+from dcr_format.delta.delta import (  # noqa: E402
     OVERWRITE,
     XOR,
     apply_delta,
@@ -40,15 +41,15 @@ from dcr_format.codec.delta import (  # noqa: E402
     encode_tensor,
     undo_delta,
 )
-from dcr_format.codec.dtypes import info_for  # noqa: E402
-from dcr_format.cuda import dispatch, reference  # noqa: E402
-from dcr_format.cuda.pipeline import DeviceDiffPipeline, encode_stream  # noqa: E402
-from dcr_format.cuda.positions import (  # noqa: E402
+from dcr_format.delta.pipeline import DeviceDiffPipeline, encode_stream  # noqa: E402
+from dcr_format.delta.positions import (  # noqa: E402
     decode_positions_split,
     decode_positions_to,
 )
 from dcr_format.errors import PositionsError  # noqa: E402
-from dcr_format.store import open_store  # noqa: E402
+from dcr_format.format.dtypes import info_for  # noqa: E402
+from dcr_format.kernels import reference  # noqa: E402
+from dcr_format.store.store import open_store  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 WIDTHS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -69,7 +70,7 @@ def _triton_or_skip():
 def tk():
     """The Triton kernels module (interpreted on CPU)."""
     _triton_or_skip()
-    from dcr_format.cuda import triton_kernels
+    from dcr_format.kernels import triton_kernels
 
     return triton_kernels
 
@@ -143,10 +144,10 @@ def test_import_and_cpu_path_work_without_triton(tmp_path):
         import os
         import torch
         import dcr_format
-        from dcr_format.codec.delta import apply_delta, encode_tensor, decode_delta
-        from dcr_format.codec.dtypes import info_for
-        from dcr_format.cuda import KernelsUnavailableError, dispatch
-
+        from dcr_format.delta.delta import apply_delta, encode_tensor, decode_delta
+        from dcr_format.format.dtypes import info_for
+        from dcr_format.delta.dispatch import KernelsUnavailableError
+        from dcr_format.delta import dispatch
         old = torch.randn(1000).bfloat16()
         new = old.clone()
         new[::9] += 1
@@ -330,8 +331,8 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
     """The Triton class kernels (count per block, rank per change; select per wanted rank)
     against the torch reference, the stream built from them equal to the host coding's
     bytes, and the positions found from it on the device equal to the changes."""
-    from dcr_format.codec import classed
-    from dcr_format.codec.delta import _device_classed, _device_positions
+    from dcr_format.codings import classed
+    from dcr_format.delta.delta import _device_classed, _device_positions
 
     gen = torch.Generator().manual_seed(size)
     old = (torch.randn(size, generator=gen) * 0.02).to(dtype)
@@ -510,7 +511,7 @@ def test_pipeline_matches_sequential_diffs_with_one_item_of_lookahead(monkeypatc
         if op == "full" or old is None or old.shape != new.shape:
             assert result.diff is None and result.host is None
             continue
-        from dcr_format.codec.dtypes import bits_view
+        from dcr_format.format.dtypes import bits_view
 
         want = reference.diff(bits_view(old).reshape(-1), bits_view(new).reshape(-1))
         assert _same(result.diff.positions, want.positions)
@@ -693,8 +694,7 @@ def test_publish_and_sync_in_a_fresh_process_through_the_writers_pool(tmp_path):
                     bits[version::7] ^= 1
             writer.publish(state, step=version)
             if version == 1:  # the first diffs imported them on the pool: count launches from now
-                from dcr_format.cuda import triton_kernels as tk
-
+                from dcr_format.kernels import triton_kernels as tk
                 assert tk.INTERPRETED
                 real = tk._launch
                 tk._launch = lambda kernel, *a, **k: (launched.append(1), real(kernel, *a, **k))[1]

@@ -25,14 +25,8 @@ from dcr_format import (
     ThreadCoordinator,
     schema,
 )
-from dcr_format.chain import Chain
-from dcr_format.errors import (
-    ChainBrokenError,
-    IncompleteVersionError,
-    SchemaError,
-    UnsupportedFeatureError,
-)
-from dcr_format.layout import (
+from dcr_format.chain.chain import Chain
+from dcr_format.chain.layout import (
     Layout,
     Piece,
     View,
@@ -44,7 +38,13 @@ from dcr_format.layout import (
     transposed,
     whole,
 )
-from dcr_format.store import open_store
+from dcr_format.errors import (
+    ChainBrokenError,
+    IncompleteVersionError,
+    SchemaError,
+    UnsupportedFeatureError,
+)
+from dcr_format.store.store import open_store
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_bench.py"
 
@@ -359,7 +359,7 @@ def test_piece_entries_carry_consistent_lanes(pieces_store):
 
 
 def test_missing_or_inconsistent_pieces_are_refused(pieces_store):
-    from dcr_format.chain import tensor_changes
+    from dcr_format.chain.chain import tensor_changes
 
     chain = Chain(open_store(pieces_store))
     manifests = chain.manifests(chain.record(1))

@@ -9,10 +9,11 @@ import pytest
 import torch
 import zstandard
 
-from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, schema
-from dcr_format.chain import Chain
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import SchemaError, UnsupportedFeatureError
-from dcr_format.store import open_store
+from dcr_format.format import schema
+from dcr_format.store.store import open_store
 
 FEATURE = "manifest-zstd"
 

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, TargetError
-from dcr_format.chain import Chain
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import ApplyError, BaselineMismatchError, OverwriteRequiredError
-from dcr_format.store import open_store
+from dcr_format.store.store import open_store
 
 H, Q, KV, FF, V = 8, 8, 4, 12, 16
 SPECS = {
@@ -692,8 +692,7 @@ WARM = """
 import torch
 from torch import nn
 from dcr_format import ModuleTarget
-from dcr_format.codec import _native
-
+from dcr_format.codings import _native
 module = nn.Linear(4, 4, dtype=torch.bfloat16)
 target = ModuleTarget(module)
 target.prewarm({"weight": (torch.bfloat16, (4, 4)), "bias": (torch.bfloat16, (4,))})

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, StateDictTarget, Store
-from dcr_format.chain import Chain
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.chain.chain import Chain
+from dcr_format.format.dtypes import bits_view
 from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
-from dcr_format.checkpoint import count_tensors, iter_checkpoint
 from dcr_format.errors import ArgumentError, DcrError
+from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -53,10 +53,10 @@ def test_an_unreadable_checkpoint_file_is_a_target_error(tmp_path):
 
 @pytest.mark.parametrize("limit", ["MAX_MANIFEST_BYTES", "MAX_RECORD_BYTES"])
 def test_a_writer_refuses_objects_readers_would_refuse(tmp_path, monkeypatch, limit):
-    import dcr_format.writers.writer as writer_module
-    from dcr_format.chain import Chain
+    import dcr_format.publish.writer as writer_module
+    from dcr_format.chain.chain import Chain
     from dcr_format.errors import ObjectTooLargeError
-    from dcr_format.store import Store
+    from dcr_format.store.store import Store
 
     url = str(tmp_path / "store")
     monkeypatch.setattr(writer_module, limit, 200)
@@ -68,9 +68,9 @@ def test_a_writer_refuses_objects_readers_would_refuse(tmp_path, monkeypatch, li
 def test_a_hostile_base_record_fails_fast_with_one_short_error():
     import json
 
-    from dcr_format.bases import BaseRecord
+    from dcr_format.chain.bases import BaseRecord
     from dcr_format.errors import SchemaError
-    from dcr_format.schema import parse
+    from dcr_format.format.schema import parse
 
     ref = {"rank": 0, "path": "x", "sha256": "0" * 64, "size": -1}  # each one invalid
     record = {"format_version": 1, "manifests": [ref] * 2000}

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from dcr_format import fingerprint as fp
-from dcr_format.codec import positions as pc
-from dcr_format.codec.dtypes import BY_NAME, UNSIGNED_NP, bits_view
-from dcr_format.cuda import dispatch, reference
+from dcr_format.codings import positions as pc
+from dcr_format.delta import dispatch
+from dcr_format.delta import fingerprint as fp
 from dcr_format.errors import PositionsError
+from dcr_format.format.dtypes import BY_NAME, UNSIGNED_NP, bits_view
+from dcr_format.kernels import reference
 
-native = pytest.importorskip("dcr_format.codec._native")  # numba is a dependency
+native = pytest.importorskip("dcr_format.codings._native")  # numba is a dependency
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FORMAT_DTYPES = ("bool", "uint8", "int8", "int16", "float16", "bfloat16")
@@ -239,7 +240,7 @@ def test_torch_mode_and_lazy_import(monkeypatch):
     assert pc.native_kernels() is native
     torch_mode(monkeypatch)
     assert pc.native_kernels() is None
-    code = "import sys, dcr_format, dcr_format.cli; assert 'numba' not in sys.modules"
+    code = "import sys, dcr_format, dcr_format.cli.main; assert 'numba' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
@@ -498,10 +499,10 @@ def test_apply_refuses_positions_out_of_range():
 
 FORK_CHILD = """
 import os, sys, numba, torch
-from dcr_format import fingerprint as fp
-from dcr_format.codec import _launch as launch
-from dcr_format.codec import positions as pc
-from dcr_format.cuda import dispatch
+from dcr_format.delta import fingerprint as fp
+from dcr_format.kernels import _launch as launch
+from dcr_format.codings import positions as pc
+from dcr_format.delta import dispatch
 native = pc.native_kernels()
 assert native is not None
 x = torch.arange(1 << 18, dtype=torch.int32)
@@ -539,7 +540,7 @@ def test_serial_twins_make_no_parallel_loop():
     parallel loop off: it compiles without numba's warning (errors here) and raises if
     any parallel loop appeared; so does a second twin made from the same options (numba
     empties a dict of options as it reads it), at two signatures."""
-    from dcr_format.codec._launch import serial_twin
+    from dcr_format.kernels._launch import serial_twin
 
     for twin in (serial_twin(_doubled_sum), serial_twin(_doubled_sum)):
         for dtype in (np.float64, np.int32):
@@ -642,7 +643,7 @@ def test_staged_change_reads_what_apply_would_write(width, op, monkeypatch):
 def test_staged_change_then_put_is_apply_change(name, op):
     """stage_change + put_staged leave the tensor as apply_change does, with its lane
     deltas; unput_staged restores it; full changes are refused."""
-    from dcr_format.codec import delta as dl
+    from dcr_format.delta import delta as dl
 
     info = BY_NAME[name]
     rng = np.random.default_rng(60)

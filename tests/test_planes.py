@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dcr_format.codec.planes import from_planes, to_planes
+from dcr_format.codings.planes import from_planes, to_planes
 
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

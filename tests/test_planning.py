@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.format.dtypes import bits_view
 
 
 def test_resident_record_gone_falls_back_to_the_base_right_after_it(tmp_path: Path) -> None:

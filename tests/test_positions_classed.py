@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget, schema
-from dcr_format.chain import Chain
+from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import (
     BaselineCodingError,
     BaselineMismatchError,
     SchemaError,
     UnsupportedFeatureError,
 )
-from dcr_format.store import open_store
+from dcr_format.format import schema
+from dcr_format.store.store import open_store
 from dcr_format.tools import diff
 
 FEATURE = "positions-classed"
@@ -213,7 +214,7 @@ def test_manifests_that_break_the_rules_are_refused(tmp_path: Path) -> None:
     ref = loaded.record.manifests[0]
     raw = json.loads(open_store(store).get(ref.path))
     assert raw["entries"][0]["positions"]["coding"] == "classed"
-    from dcr_format.chain import check_manifest
+    from dcr_format.chain.chain import check_manifest
 
     def check(tree: dict[str, object]) -> None:
         manifest = schema.parse(schema.Manifest, json.dumps(tree).encode(), what="m")

@@ -90,7 +90,7 @@ def test_every_public_name_exists_and_says_what_it_is() -> None:
 
 def test_one_replay() -> None:
     assert dcr_format.replay is dcr_format.tools.replay
-    assert importlib.util.find_spec("dcr_format.readers.replay") is None
+    assert importlib.util.find_spec("dcr_format.sync.replay") is None
     assert "cache_dir" in inspect.signature(dcr_format.replay).parameters
 
 

@@ -26,8 +26,8 @@ from dcr_format import (
     owner,
     replay,
 )
-from dcr_format.chain import Chain, attempt_prefix
-from dcr_format.codec.dtypes import info_for
+from dcr_format.chain.chain import Chain, attempt_prefix
+from dcr_format.format.dtypes import info_for
 
 
 def _dense_bytes(state):

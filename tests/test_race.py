@@ -17,7 +17,7 @@ import torch
 from conftest import assert_same_bits, flip_bits, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
-from dcr_format.chain import Chain
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import CommitConflictError
 from dcr_format.tools import verify
 

@@ -15,19 +15,19 @@ import torch
 from conftest import assert_same_bits, make_state, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.chain import LoadedRecord, commit_key, sha256_hex, state_table
-from dcr_format.codec.delta import FULL, XOR, DecodedDelta
+from dcr_format.chain.chain import LoadedRecord, commit_key, sha256_hex, state_table
+from dcr_format.delta.delta import FULL, XOR, DecodedDelta
 from dcr_format.errors import ChainBrokenError, ShardError, VersionNotFoundError
-from dcr_format.readers._plan import (
+from dcr_format.format.schema import CommitRecord, Manifest, parse
+from dcr_format.store.store import Store
+from dcr_format.sync._plan import (
     check_version,
     choose_versions,
     plan_checks,
     plan_fetch,
     plan_step,
 )
-from dcr_format.readers.targets import Change, Resident
-from dcr_format.schema import CommitRecord, Manifest, parse
-from dcr_format.store import Store
+from dcr_format.targets.targets import Change, Resident
 
 NORM = "model.norm.weight"
 MAX = 16 << 30

@@ -1,4 +1,4 @@
-"""The relay tree (dcr_format/readers/relay.py): members in threads over real gloo links, and
+"""The relay tree (dcr_format/store/relay.py): members in threads over real gloo links, and
 reader groups of 4 and 8 processes on the moto S3 server."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dcr_format.errors import (
     ObjectTooLargeError,
     StoreError,
 )
-from dcr_format.readers.relay import RelayStore
+from dcr_format.store.relay import RelayStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from relay_workers import CountingStore, exact, model

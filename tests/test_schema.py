@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from dcr_format import schema
 from dcr_format.errors import (
     DcrError,
     SchemaError,
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
-from dcr_format.schema import (
+from dcr_format.format import schema
+from dcr_format.format.schema import (
     CheckpointFile,
     CommitRecord,
     Entry,

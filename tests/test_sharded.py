@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from dcr_format import DeltaReader, StateDictTarget
-from dcr_format.chain import Chain
+from dcr_format.chain.chain import Chain
+from dcr_format.chain.layout import Layout, placed, sharded
 from dcr_format.errors import UnsupportedPlacementError
-from dcr_format.layout import Layout, placed, sharded
-from dcr_format.store import open_store
+from dcr_format.store.store import open_store
 
 WORKER = Path(__file__).with_name("sharded_workers.py")
 
@@ -292,7 +292,7 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
     from concurrent.futures import ThreadPoolExecutor
 
     from dcr_format import DeltaWriter, ThreadCoordinator
-    from dcr_format.store import Store
+    from dcr_format.store.store import Store
 
     specs = {"w": ((9, 4), [(0, 1)]), "b": ((6,), [None])}
     layouts = _mesh_layouts(specs, (2,))

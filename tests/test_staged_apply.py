@@ -10,8 +10,8 @@ import torch
 from conftest import assert_same_bits, make_state, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Transaction
-from dcr_format.codec.dtypes import bits_view
 from dcr_format.errors import ApplyError, BaselineMismatchError
+from dcr_format.format.dtypes import bits_view
 
 BF16 = "model.layers.0.self_attn.q_proj.weight"
 

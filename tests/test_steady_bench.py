@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from dcr_format.bench import steady
-from dcr_format.store import Store
-from dcr_format.writers.writer import DeltaWriter
+from dcr_format.publish.writer import DeltaWriter
+from dcr_format.store.store import Store
 
 
 def test_the_dense_round_trip_comes_last_in_a_step_and_settles(tmp_path, monkeypatch):

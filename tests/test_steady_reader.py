@@ -10,10 +10,9 @@ import pytest
 import torch
 from conftest import assert_same_bits, make_state, snapshot
 
-import dcr_format.readers.targets as targets_module
+import dcr_format.targets.targets as targets_module
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, Store
-from dcr_format.chain import Chain, commit_key, sha256_hex
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.chain.chain import Chain, commit_key, sha256_hex
 from dcr_format.errors import (
     ApplyError,
     BaselineMismatchError,
@@ -24,7 +23,8 @@ from dcr_format.errors import (
     StoreError,
     ValuesError,
 )
-from dcr_format.readers.group import ReaderGroup
+from dcr_format.format.dtypes import bits_view
+from dcr_format.sync.group import ReaderGroup
 
 BF16 = "model.layers.0.self_attn.q_proj.weight"
 
@@ -318,7 +318,7 @@ def test_a_cache_that_cannot_be_written_after_the_commit_is_a_warning(tmp_path, 
     blocker.write_text("a file where the cache directory should be")
     writer = DeltaWriter(url, cache_dir=blocker)
     state = make_state(9)
-    with caplog.at_level(logging.WARNING, logger="dcr_format.writers.writer"):
+    with caplog.at_level(logging.WARNING, logger="dcr_format.publish.writer"):
         info = writer.publish(state)
     assert info.version == 0 and writer.version == 0
     assert "is committed" in caplog.text
@@ -417,7 +417,7 @@ def test_a_fetch_worker_decodes_two_entries_rans_values_at_once(tmp_path, monkey
     """A job's entries decode two at a time: the rans values of the first two of the three
     changes decode in one call (decode_rans_pair), the third alone, and the version applies
     bit for bit."""
-    import dcr_format.readers._fetch as fetch_module
+    import dcr_format.sync._fetch as fetch_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     assert all(e.values is not None and e.values.coding in ("ulp", "ulp-shift") for e in entries)
@@ -457,8 +457,8 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
     fetch still runs, before the transaction opens (a rank of a group), does not (the
     tensor may be read again by then). A reader on its own completes every change in its
     transaction, as does a sync of two versions; every one applies bit for bit."""
-    import dcr_format.codec.delta as delta_module
-    import dcr_format.readers.reader as reader_module
+    import dcr_format.delta.delta as delta_module
+    import dcr_format.sync.reader as reader_module
     from dcr_format.bench.refit import lr_for
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
@@ -516,8 +516,8 @@ def test_a_group_member_completes_changes_while_later_ones_are_still_decoded(tmp
     reader decoded the whole version first), and the version still applies bit for bit."""
     import threading
 
-    import dcr_format.readers._fetch as fetch_module
-    import dcr_format.readers.reader as reader_module
+    import dcr_format.sync._fetch as fetch_module
+    import dcr_format.sync.reader as reader_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     _as_group_member(reader)
@@ -568,7 +568,7 @@ def test_a_sync_on_its_own_applies_changes_while_later_ones_are_still_decoded(
     decode waits until an earlier change's new bits are in the target (it would wait in
     vain if the reader decoded the whole version first). The version applies bit for bit,
     verified, and the exponent rows follow every change."""
-    import dcr_format.readers._fetch as fetch_module
+    import dcr_format.sync._fetch as fetch_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     applied, names = _applied_spy(reader, monkeypatch)
@@ -596,7 +596,7 @@ def test_a_decode_failure_after_changes_were_applied_rolls_them_back(tmp_path, m
     """A stream that fails its decoder after the transaction opened (every object was
     fetched and verified, earlier changes are in the target) rolls every change back and
     is raised as it is; the next sync applies the version bit for bit."""
-    import dcr_format.readers._fetch as fetch_module
+    import dcr_format.sync._fetch as fetch_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     applied, names = _applied_spy(reader, monkeypatch)
@@ -677,8 +677,8 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
     next sync, with the shard intact again, applies the version bit for bit."""
     import threading
 
-    import dcr_format.readers._fetch as fetch_module
-    import dcr_format.readers.reader as reader_module
+    import dcr_format.sync._fetch as fetch_module
+    import dcr_format.sync.reader as reader_module
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path, shard_bytes=16)
     if member == "group":
@@ -731,7 +731,7 @@ import os, sys, tempfile
 import torch
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
 from dcr_format.bench.refit import SyntheticTrainer, lr_for
-from dcr_format._pools import _POOLS
+from dcr_format.system.pools import _POOLS
 shapes = {{"a.weight": (300, 512), "b.weight": (200, 512)}}
 trainer = SyntheticTrainer(shapes, seed=5)
 url = tempfile.mkdtemp(dir={tmp!r})

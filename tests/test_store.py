@@ -1,4 +1,4 @@
-"""Conformance tests for dcr_format.store, subclassed per backend.
+"""Conformance tests for dcr_format.store.store, subclassed per backend.
 
 ``StoreConformance`` holds the behaviour every backend must show; each
 ``Test...`` subclass supplies a ``store`` fixture (and the capability it
@@ -29,7 +29,7 @@ from dcr_format.errors import (
     ObjectTooLargeError,
     StoreError,
 )
-from dcr_format.store import TEMP_PREFIX, Capabilities, Store, check_key, open_store
+from dcr_format.store.store import TEMP_PREFIX, Capabilities, Store, check_key, open_store
 
 FIVE_MB = 5 * 1024 * 1024
 

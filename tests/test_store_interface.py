@@ -17,15 +17,6 @@ from fsspec.spec import AbstractFileSystem
 from test_store import _GenericMemoryFileSystem  # noqa: F401 (registers dcrtest://)
 
 import dcr_format
-from dcr_format._stores._base import (
-    TEMP_PREFIX,
-    Backend,
-    ObjectExists,
-    ObjectInfo,
-    ObjectTooLarge,
-    RetryPolicy,
-    temporary_key_problem,
-)
 from dcr_format.errors import (
     CapabilityError,
     InvalidKeyError,
@@ -34,8 +25,17 @@ from dcr_format.errors import (
     ObjectTooLargeError,
     StoreError,
 )
-from dcr_format.readers.relay import RelayStore
-from dcr_format.store import Capabilities, Store, open_store
+from dcr_format.store._base import (
+    TEMP_PREFIX,
+    Backend,
+    ObjectExists,
+    ObjectInfo,
+    ObjectTooLarge,
+    RetryPolicy,
+    temporary_key_problem,
+)
+from dcr_format.store.relay import RelayStore
+from dcr_format.store.store import Capabilities, Store, open_store
 from dcr_format.tools import _doctor, doctor
 
 PACKAGE = Path(dcr_format.__file__).parent
@@ -65,7 +65,7 @@ def memory_store() -> Iterator[Store]:
 
 def _backends(tmp_path: Path) -> dict[str, Any]:
     """One instance of every backend (S3 needs no server to be constructed)."""
-    s3 = pytest.importorskip("dcr_format._stores._s3")
+    s3 = pytest.importorskip("dcr_format.store._s3")
     return {
         "local": Store(tmp_path / "s")._backend,
         "memory": Store("memory://dcr-interface-proto")._backend,
@@ -318,7 +318,7 @@ def test_the_store_retries_what_the_backends_policy_calls_transient() -> None:
 def test_backends_without_transient_failures_never_retry(tmp_path: Path) -> None:
     for store in (Store(tmp_path / "s"), Store("memory://dcr-no-retry"), Store("dcrtest://r")):
         assert store._backend.retry is None
-    s3 = pytest.importorskip("dcr_format._stores._s3")
+    s3 = pytest.importorskip("dcr_format.store._s3")
     backend = s3.S3Backend(
         "s3://bkt/p", {"endpoint_url": "http://127.0.0.1:9"}, single_writer=False
     )
@@ -398,7 +398,7 @@ def _imported(path: Path) -> list[tuple[str, bool]]:
 def test_store_modules_import_only_downward() -> None:
     for path in sorted((PACKAGE / "_stores").glob("*.py")):
         for module, _ in _imported(path):
-            allowed = ("dcr_format._stores", "dcr_format.errors", "dcr_format._fsync")
+            allowed = ("dcr_format.store._backends", "dcr_format.errors", "dcr_format.system.fsync")
             assert module.startswith(allowed), (path, module)
     base = _imported(PACKAGE / "_stores" / "_base.py")
     assert base == []  # the base module depends on nothing of ours
@@ -407,7 +407,7 @@ def test_store_modules_import_only_downward() -> None:
     assert all(top for _, top in _imported(PACKAGE / "store.py"))
     late = [m for m, top in _imported(PACKAGE / "_stores" / "__init__.py") if not top]
     assert sorted(late) == [
-        "dcr_format._stores._fsspec",
-        "dcr_format._stores._memory",
-        "dcr_format._stores._s3",
+        "dcr_format.store._fsspec",
+        "dcr_format.store._memory",
+        "dcr_format.store._s3",
     ]

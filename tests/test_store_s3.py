@@ -19,7 +19,7 @@ from fsspec.asyn import sync
 from test_store import StoreConformance
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store, StoreError
-from dcr_format.chain import Chain, commit_key
+from dcr_format.chain.chain import Chain, commit_key
 from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
@@ -27,12 +27,12 @@ from dcr_format.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
 )
-from dcr_format.store import Capabilities
+from dcr_format.store.store import Capabilities
 from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
 
 pytestmark = pytest.mark.s3
 
-s3 = pytest.importorskip("dcr_format._stores._s3")
+s3 = pytest.importorskip("dcr_format.store._s3")
 S3Backend = s3.S3Backend
 
 
@@ -112,7 +112,7 @@ def test_urls_normalise(moto_server: S3Server) -> None:
 
 
 def test_missing_s3_extra_is_capability_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "dcr_format._stores._s3", None)  # import fails as without s3fs
+    monkeypatch.setitem(sys.modules, "dcr_format.store._s3", None)  # import fails as without s3fs
     with pytest.raises(CapabilityError, match=r"dcr-format\[s3\]"):
         Store("s3://bkt/p")
 

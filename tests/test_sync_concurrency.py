@@ -25,7 +25,7 @@ from dcr_format import (
     Target,
 )
 from dcr_format.errors import TargetBusyError
-from dcr_format.readers import reader as reader_module
+from dcr_format.sync import reader as reader_module
 
 WAIT = 1.5  # seconds the hook waits for the other sync to reach its check too
 
@@ -177,7 +177,7 @@ def test_two_threads_on_one_directory(chain, tmp_path, monkeypatch):
 
 
 def test_a_busy_target_is_refused_after_its_timeout():
-    from dcr_format.readers.targets import claim_target
+    from dcr_format.targets.targets import claim_target
 
     target: Target = StateDictTarget({})
     release = claim_target(target, timeout=None)
@@ -192,7 +192,7 @@ def test_a_busy_target_is_refused_after_its_timeout():
 
 
 def test_a_sync_from_inside_a_sync_of_the_same_target_is_refused_at_once():
-    from dcr_format.readers.targets import claim_target
+    from dcr_format.targets.targets import claim_target
 
     target = StateDictTarget({})
     release = claim_target(target, timeout=None)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, Transaction
 from dcr_format.errors import ChecksumMismatchError
-from dcr_format.readers import _fetch
+from dcr_format.sync import _fetch
 
 OBJECTS = "objects/"
 

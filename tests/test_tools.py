@@ -17,10 +17,10 @@ import torch
 from conftest import assert_same_bits, flip_bits, make_state, snapshot, step_state
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
-from dcr_format.bases import base_record_key
-from dcr_format.chain import Chain, attempt_prefix, commit_key
-from dcr_format.codec.dtypes import bits_view
+from dcr_format.chain.bases import base_record_key
+from dcr_format.chain.chain import Chain, attempt_prefix, commit_key
 from dcr_format.errors import ChainBrokenError, ChecksumMismatchError, VersionNotFoundError
+from dcr_format.format.dtypes import bits_view
 from dcr_format.tools import (
     compact,
     diff,
@@ -555,7 +555,7 @@ def test_gc_grace_keeps_young_orphans_until_they_age(local: Store) -> None:
 
 
 def time_after(**kwargs: float):  # type: ignore[no-untyped-def]
-    from dcr_format.chain import utc_now
+    from dcr_format.chain.chain import utc_now
 
     return utc_now() + timedelta(**kwargs)
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from test_positions_classed import SHAPES, Trainer, entries, equal, shard_bytes
 
-from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, schema
-from dcr_format.chain import Chain, check_manifest
-from dcr_format.codec import features, ulp, values
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format.chain.chain import Chain, check_manifest
+from dcr_format.codings import ulp, values
 from dcr_format.errors import (
     BaselineMismatchError,
     FingerprintMismatchError,
@@ -24,7 +24,8 @@ from dcr_format.errors import (
     UnsupportedFeatureError,
     ValuesError,
 )
-from dcr_format.store import open_store
+from dcr_format.format import features, schema
+from dcr_format.store.store import open_store
 
 FEATURES = ["values-rans", "values-ulp"]
 
@@ -264,7 +265,7 @@ def test_the_fused_ulp_apply_equals_xor_bits_applied(width: int) -> None:
     """On the CPU a ulp change is applied in one pass (old bits read, stepped, new bits
     written, lanes summed): the same bits, before/after and lane deltas as turning the
     differences into XOR bits first and applying those; staging gives the same too."""
-    from dcr_format.cuda import dispatch
+    from dcr_format.delta import dispatch
 
     torch_kind = {2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
     kind = {2: np.uint16, 4: np.uint32, 8: np.uint64}[width]
@@ -324,8 +325,8 @@ def test_a_resolved_ulp_change_applies_stages_and_undoes(
     """resolve() leaves a ulp change as differences where the kernels fuse the step with the
     write (else it gives XOR bits); apply_change, stage_change and undo_delta take either,
     also a fused-ready change met where the kernels are off."""
-    from dcr_format.codec import delta as d
-    from dcr_format.codec.dtypes import info_for
+    from dcr_format.delta import delta as d
+    from dcr_format.format.dtypes import info_for
 
     monkeypatch.setenv("DCR_KERNELS", kernels)
     gen = torch.Generator().manual_seed(2)

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from dcr_format.codec import features, rans, ulp, ulp_shift, values
-from dcr_format.codec.classed import EXPONENT_FIELDS
-from dcr_format.codec.delta import apply_change, decode_delta, encode_tensor, resolve
-from dcr_format.codec.dtypes import info_for
+from dcr_format.codings import rans, ulp, ulp_shift, values
+from dcr_format.codings.classed import EXPONENT_FIELDS
+from dcr_format.delta.delta import apply_change, decode_delta, encode_tensor, resolve
 from dcr_format.errors import (
     ValuesError,
 )
+from dcr_format.format import features
+from dcr_format.format.dtypes import info_for
 
 FEATURES = ["values-rans", "values-ulp", "values-ulp-shift"]
 KINDS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
@@ -307,7 +308,7 @@ def test_the_split_and_join_of_many_changes_on_threads_equal_one_pass() -> None:
     bits from the sum of the shifts before it (tasks share the bytes where one ends inside
     a byte): the same ``y`` and low bits as one pass in this thread, the same differences,
     and for a broken stream the same error as one pass (the first in change order)."""
-    from dcr_format.codec import _native_ulp as native
+    from dcr_format.codings import _native_ulp as native
 
     rng = np.random.default_rng(67)
     n = native.ULP_SERIAL + 2 * native.ULP_TASK + 123

@@ -23,13 +23,14 @@ from dcr_format import (
     state_fingerprint,
     tensor_fingerprint,
 )
-from dcr_format.chain import Chain, resolve_parents, state_table
-from dcr_format.codec import classed, features, rans, ulp, ulp_shift
-from dcr_format.codec.dtypes import bits_view, info_for
-from dcr_format.codec.shard import decode_shard
+from dcr_format.chain.chain import Chain, resolve_parents, state_table
+from dcr_format.codings import classed, rans, ulp, ulp_shift
 from dcr_format.errors import UnsupportedFeatureError
-from dcr_format.schema import Entry, Manifest
-from dcr_format.store import open_store
+from dcr_format.format import features
+from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.schema import Entry, Manifest
+from dcr_format.format.shard import decode_shard
+from dcr_format.store.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 NAMES = (

@@ -13,7 +13,7 @@ from conftest import assert_same_bits, make_state, snapshot, step_state
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
 from dcr_format.errors import ArgumentError, CommitConflictError
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 
 @pytest.fixture(params=["auto", "torch"])
@@ -90,7 +90,7 @@ def test_a_version_that_does_not_commit_puts_every_baseline_back(kernels, tmp_pa
 def test_shards_are_cut_at_a_quarter_of_the_last_publish(tmp_path, monkeypatch):
     """A long-lived writer cuts about four shards a version (at least MIN_SHARD_BYTES, at
     most shard_bytes), so uploads overlap the coding of the rest; readers get the same."""
-    import dcr_format.writers.writer as writer_module
+    import dcr_format.publish.writer as writer_module
 
     monkeypatch.setattr(writer_module, "MIN_SHARD_BYTES", 1 << 10)
     store = Store(str(tmp_path))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dcr_format.codec.delta import encode_tensor
-from dcr_format.writers._part import encoded_entry
+from dcr_format.delta.delta import encode_tensor
+from dcr_format.publish._part import encoded_entry
 
 
 def test_a_delta_entry_names_both_streams_in_the_shards_they_were_queued_in():

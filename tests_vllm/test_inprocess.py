@@ -131,8 +131,8 @@ def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
 def test_engine_that_casts_gets_overwrite_through_the_reader_record(tmp_path: Path) -> None:
     """An fp32 engine's loader casts every bf16 tensor: the engine's prewarm records them in
     readers/<id>.json, the writer sends them as overwrite, and the cast values are exact."""
-    from dcr_format.chain import Chain
-    from dcr_format.store import open_store
+    from dcr_format.chain.chain import Chain
+    from dcr_format.store.store import open_store
 
     store = str(tmp_path / "store")
     trainer = harness.Trainer(store, tied=False)

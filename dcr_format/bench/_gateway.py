@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 
 @contextlib.contextmanager

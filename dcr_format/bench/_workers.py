@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcr_format.readers.reader import DeltaReader
-from dcr_format.readers.relay import RelayStore
-from dcr_format.readers.targets import StateDictTarget
-from dcr_format.store import Store
+from dcr_format.store.relay import RelayStore
+from dcr_format.store.store import Store
+from dcr_format.sync.reader import DeltaReader
+from dcr_format.targets.targets import StateDictTarget
 
 
 class CountingStore(Store):

@@ -1,6 +1,6 @@
 """Codec benchmark: size and speed of real per-step deltas against their entropy bound.
 
-Trains the toy model (``dcr_format.toymodel``) at several learning rates chosen
+Trains the toy model (``dcr_format.cli.toymodel``) at several learning rates chosen
 so that about 0.5%, 1%, 3% and 5% of the bf16 elements change per step, and
 for every measured step encodes the whole model's delta as one shard, exactly
 as a writer would, then reports:
@@ -60,8 +60,9 @@ import numpy as np
 import torch
 import zstandard
 
-from dcr_format.codec.classed import CLASSED
-from dcr_format.codec.delta import (
+from dcr_format.cli.toymodel import Trainer
+from dcr_format.codings.classed import CLASSED
+from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
     XOR,
@@ -71,8 +72,8 @@ from dcr_format.codec.delta import (
     encode_tensor,
     resolve,
 )
-from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.features import (
+from dcr_format.format.dtypes import info_for
+from dcr_format.format.features import (
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
     VALUES_RANS_FEATURE,
@@ -81,10 +82,9 @@ from dcr_format.codec.features import (
     allowed_codings,
     features_for,
 )
-from dcr_format.codec.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
-from dcr_format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
-from dcr_format.toymodel import Trainer
-from dcr_format.writers._part import encoded_entry
+from dcr_format.format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
+from dcr_format.format.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
+from dcr_format.publish._part import encoded_entry
 
 # (target change rate, AdamW learning rate). Calibrated on the toy models at the
 # measured steps (after WARMUP steps; Adam's first steps move weights the most).
@@ -130,7 +130,7 @@ LLAMA_TARGETS: tuple[tuple[float, float], ...] = (
 
 class LlamaTrainer:
     """RL-like AdamW steps on a transformers ``LlamaForCausalLM`` built from a config (no hub):
-    the same API as :class:`dcr_format.toymodel.Trainer` (``step``, ``export_bf16``,
+    the same API as :class:`dcr_format.cli.toymodel.Trainer` (``step``, ``export_bf16``,
     ``num_params``, ``steps``). Batches follow a fixed random successor table (next-token
     loss with a signal); everything is seeded, fp32 master weights, bf16 export."""
 

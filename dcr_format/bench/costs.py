@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 COSTS_FORMAT = "dcr-bench-costs-1"
 
@@ -174,7 +174,7 @@ def derive_costs(
     Only the largest model measured counts for the per-byte costs: fixed overheads
     (commit records, thread pools, process start) weigh least there.
     """
-    from dcr_format.chain import timestamp, utc_now
+    from dcr_format.chain.chain import timestamp, utc_now
 
     largest = max(r["dense_bytes"] for r in local_rows)
     rows = [r for r in local_rows if r["dense_bytes"] == largest]
@@ -212,8 +212,8 @@ def quick_costs(
     import tempfile
 
     from dcr_format.bench.refit import model_shapes, refit_series
-    from dcr_format.readers.relay import DEFAULT_CHUNK_BYTES
-    from dcr_format.writers.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.publish.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.store.relay import DEFAULT_CHUNK_BYTES
 
     with tempfile.TemporaryDirectory(prefix="dcr-costs-") as work:
         store = Store(Path(work) / "store")

@@ -390,7 +390,7 @@ def explain(scenario: Scenario, costs: Costs) -> list[str]:
         f"compute: encode and apply use CPU seconds per dense byte measured on "
         f"{costs.machine.get('cpus')} CPUs (load average "
         f"{costs.machine.get('load_average', ['?'])[0]}) with {_bytes(costs.model_bytes)} models, "
-        f"split over {scenario.workers} workers per node; GPU kernels (dcr_format/cuda) or more "
+        f"split over {scenario.workers} workers per node; GPU kernels (dcr_format/kernels) or more "
         "cores shrink these terms, the network terms stay"
     )
     return lines

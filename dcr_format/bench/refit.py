@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 RATES = (0.005, 0.01, 0.03, 0.05)
 DENSE_KEY = "dense/model.safetensors"
@@ -157,9 +157,9 @@ def refit_series(
     export in memory). The reader and the dense replica start from the base.
     """
     from dcr_format.bench.codec import entropy_bound
-    from dcr_format.readers.reader import DeltaReader
-    from dcr_format.readers.targets import StateDictTarget
-    from dcr_format.writers.writer import DeltaWriter
+    from dcr_format.publish.writer import DeltaWriter
+    from dcr_format.sync.reader import DeltaReader
+    from dcr_format.targets.targets import StateDictTarget
 
     trainer = SyntheticTrainer(shapes, seed=seed)
     writer = DeltaWriter(store)

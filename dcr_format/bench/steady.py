@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dcr_format.bench.refit import RATES, SyntheticTrainer, dense_refit, lr_for, model_shapes
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 if TYPE_CHECKING:
     from dcr_format.bench.costs import Costs
@@ -105,9 +105,9 @@ class _Ends:
     """One configuration's long-lived writer and two readers (prepare/apply, sync)."""
 
     def __init__(self, store: Store, features: Sequence[str]) -> None:
-        from dcr_format.readers.reader import DeltaReader
-        from dcr_format.readers.targets import StateDictTarget
-        from dcr_format.writers.writer import DeltaWriter
+        from dcr_format.publish.writer import DeltaWriter
+        from dcr_format.sync.reader import DeltaReader
+        from dcr_format.targets.targets import StateDictTarget
 
         self.store, self.features = store, ",".join(features) or "none"
         self.writer = DeltaWriter(store, features=features)
@@ -385,8 +385,8 @@ def steady_costs(
     sha256."""
     from dcr_format.bench._gateway import juicefs_store, s3_available
     from dcr_format.bench.costs import derive_costs, relay_costs, sha256_rate, store_costs
-    from dcr_format.readers.relay import DEFAULT_CHUNK_BYTES
-    from dcr_format.writers.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.publish.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.store.relay import DEFAULT_CHUNK_BYTES
 
     large = 32 << 20
     progress("store requests, relay hop, sha256")

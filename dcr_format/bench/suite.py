@@ -36,7 +36,7 @@ from dcr_format.bench.costs import (
 )
 from dcr_format.bench.refit import RATES, SyntheticTrainer, lr_for, model_shapes, refit_series
 from dcr_format.bench.steady import steady_series, summarise
-from dcr_format.store import Store
+from dcr_format.store.store import Store
 
 RESULT_FORMAT = "dcr-bench-1"
 DEFAULT_SIZES_MB = (100.0, 300.0, 1000.0)
@@ -156,7 +156,7 @@ def _fanout(
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
     from dcr_format.bench.fanout import relay_fanout
-    from dcr_format.writers.writer import DeltaWriter
+    from dcr_format.publish.writer import DeltaWriter
 
     trainer = SyntheticTrainer(model_shapes(options.fanout_mb), seed=options.seed + 1)
     writer = DeltaWriter(store)
@@ -178,8 +178,8 @@ def run_suite(
     progress: Callable[[str], None] = lambda message: None,
 ) -> SuiteResult:
     """Measure everything (see the module documentation); takes minutes at default sizes."""
-    from dcr_format.readers.relay import DEFAULT_CHUNK_BYTES
-    from dcr_format.writers.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.publish.writer import DEFAULT_SHARD_BYTES
+    from dcr_format.store.relay import DEFAULT_CHUNK_BYTES
 
     started = time.perf_counter()
     large = (8 if options.quick else 32) << 20  # the large object of the store and relay costs

@@ -44,12 +44,12 @@ from dcr_format.errors import (
     TargetNotUpdatableError,
     VersionNotFoundError,
 )
-from dcr_format.readers.targets import DIR_STATE_FILE
+from dcr_format.targets.targets import DIR_STATE_FILE
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from dcr_format.readers.module import ModuleTarget
+    from dcr_format.targets.module import ModuleTarget
 
 __all__ = [
     "DcrInitInfo",
@@ -232,8 +232,8 @@ class _Syncer:
         previous: _Syncer | None = None,
     ) -> None:
         from dcr_format import DeltaReader, ModuleTarget, Store
-        from dcr_format.chain import Chain
-        from dcr_format.readers.module import all_reduce_lanes
+        from dcr_format.chain.chain import Chain
+        from dcr_format.targets.module import all_reduce_lanes
 
         check_updatable(model)
         load_weights = getattr(model, "load_weights", None)

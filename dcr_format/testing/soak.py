@@ -43,7 +43,7 @@ from typing import Any
 
 __all__ = ["SoakReport", "run", "worker_context"]
 
-PRELOAD = ["dcr_format", "dcr_format.readers.reader", "dcr_format.tools", "dcr_format._stores._s3"]
+PRELOAD = ["dcr_format", "dcr_format.sync.reader", "dcr_format.tools", "dcr_format.store._s3"]
 FAULT_MENU = (
     ("500", False),
     ("500", True),
@@ -377,7 +377,7 @@ def run(
     latest: int | None = None
     verified = 0
     try:
-        from dcr_format.chain import Chain
+        from dcr_format.chain.chain import Chain
 
         latest = Chain(store).latest()
         tensors: dict[str, Any] = {}

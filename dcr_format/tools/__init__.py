@@ -16,10 +16,10 @@ serialisation.
 
 import typing as _typing
 
-from dcr_format._lazy import lazy_names as _lazy_names
+from dcr_format.system.lazy import lazy_names as _lazy_names
 
 if _typing.TYPE_CHECKING:
-    from dcr_format.store import ObjectInfo
+    from dcr_format.store.store import ObjectInfo
     from dcr_format.tools._common import Problem, object_infos, parse_duration
     from dcr_format.tools._compact import CompactResult, compact
     from dcr_format.tools._diff import DiffReport, DiffRow, diff
@@ -33,7 +33,7 @@ if _typing.TYPE_CHECKING:
 # Each name and its module, imported on first use: a command that needs one tool does not
 # load the others (torch among them).
 _WHERE: dict[str, str] = {
-    "ObjectInfo": "dcr_format.store",
+    "ObjectInfo": "dcr_format.store.store",
     **dict.fromkeys(("Problem", "object_infos", "parse_duration"), "dcr_format.tools._common"),
     **dict.fromkeys(("CompactResult", "compact"), "dcr_format.tools._compact"),
     **dict.fromkeys(("DiffReport", "DiffRow", "diff"), "dcr_format.tools._diff"),

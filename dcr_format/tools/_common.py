@@ -8,7 +8,7 @@ from datetime import timedelta
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.errors import DcrError
-from dcr_format.store import ObjectInfo, Store
+from dcr_format.store.store import ObjectInfo, Store
 
 
 class Row(BaseModel):

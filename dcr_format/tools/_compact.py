@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from dcr_format.bases import (
+from dcr_format.chain.bases import (
     BaseRecord,
     alternative_bases,
     base_attempt_prefix,
@@ -25,7 +25,7 @@ from dcr_format.bases import (
     base_shard_key,
     load_base,
 )
-from dcr_format.chain import (
+from dcr_format.chain.chain import (
     Chain,
     LoadedRecord,
     TensorState,
@@ -37,19 +37,19 @@ from dcr_format.chain import (
     timestamp,
     utc_now,
 )
-from dcr_format.codec.delta import FULL, encode_tensor
-from dcr_format.codec.dtypes import info_for
-from dcr_format.codec.features import CHECKPOINT_FILES_FEATURE
-from dcr_format.codec.shard import ZSTD_LEVEL
+from dcr_format.delta.delta import FULL, encode_tensor
 from dcr_format.errors import ChainBrokenError
-from dcr_format.readers.reader import DeltaReader
-from dcr_format.readers.targets import StateDictTarget
-from dcr_format.schema import CheckpointFile, Entry, Manifest, ManifestRef, Stats, ValuesRef
-from dcr_format.store import Store, open_store
+from dcr_format.format.dtypes import info_for
+from dcr_format.format.features import CHECKPOINT_FILES_FEATURE
+from dcr_format.format.schema import CheckpointFile, Entry, Manifest, ManifestRef, Stats, ValuesRef
+from dcr_format.format.shard import ZSTD_LEVEL
+from dcr_format.publish._commit import create_if_absent, require_atomic_create
+from dcr_format.publish._part import ShardWriter
+from dcr_format.store.store import Store, open_store
+from dcr_format.sync.reader import DeltaReader
+from dcr_format.targets.targets import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress, counting_store
-from dcr_format.writers._commit import create_if_absent, require_atomic_create
-from dcr_format.writers._part import ShardWriter
 
 DEFAULT_SHARD_BYTES = 256 << 20
 

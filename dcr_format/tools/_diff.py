@@ -31,18 +31,18 @@ from typing import Literal
 
 import torch
 
-from dcr_format.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
-from dcr_format.codec.classed import CLASSED
-from dcr_format.codec.delta import FULL, XOR, DecodedDelta
-from dcr_format.codec.dtypes import bits_view, info_for
-from dcr_format.codec.shard import decode_shard
-from dcr_format.codec.ulp import ULP
-from dcr_format.codec.ulp_shift import ULP_SHIFT
+from dcr_format.chain.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
+from dcr_format.codings.classed import CLASSED
+from dcr_format.codings.ulp import ULP
+from dcr_format.codings.ulp_shift import ULP_SHIFT
+from dcr_format.delta.delta import FULL, XOR, DecodedDelta
 from dcr_format.errors import VersionNotFoundError
-from dcr_format.readers.reader import DeltaReader, _decode_entry
-from dcr_format.readers.targets import StateDictTarget
-from dcr_format.schema import Entry, Manifest
-from dcr_format.store import Store, open_store
+from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.schema import Entry, Manifest
+from dcr_format.format.shard import decode_shard
+from dcr_format.store.store import Store, open_store
+from dcr_format.sync.reader import DeltaReader, _decode_entry
+from dcr_format.targets.targets import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress
 

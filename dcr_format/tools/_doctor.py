@@ -8,9 +8,9 @@ import uuid
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
-from dcr_format.chain import Chain
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import DcrError, StoreNotInitializedError
-from dcr_format.store import Store, open_store
+from dcr_format.store.store import Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
 PROBE_PREFIX = "doctor/"

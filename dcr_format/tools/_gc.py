@@ -48,8 +48,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from dcr_format.bases import base_record_key, load_base, read_base_record
-from dcr_format.chain import Chain, commit_key, utc_now
+from dcr_format.chain.bases import base_record_key, load_base, read_base_record
+from dcr_format.chain.chain import Chain, commit_key, utc_now
 from dcr_format.errors import (
     ArgumentError,
     CapabilityError,
@@ -57,7 +57,7 @@ from dcr_format.errors import (
     DcrError,
     GraceTooShortError,
 )
-from dcr_format.store import ObjectInfo, Store, open_store
+from dcr_format.store.store import ObjectInfo, Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
 DEFAULT_GRACE = timedelta(hours=1)

@@ -8,11 +8,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel
 
-from dcr_format.bases import alternative_bases
-from dcr_format.chain import Chain, LoadedRecord
-from dcr_format.store import Store, open_store
+from dcr_format.chain.bases import alternative_bases
+from dcr_format.chain.chain import Chain, LoadedRecord
+from dcr_format.publish._info import CommitInfo
+from dcr_format.store.store import Store, open_store
 from dcr_format.tools._common import Row
-from dcr_format.writers._info import CommitInfo
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -9,13 +9,13 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from dcr_format.bases import alternative_bases
-from dcr_format.chain import Chain
+from dcr_format.chain.bases import alternative_bases
+from dcr_format.chain.chain import Chain
 from dcr_format.errors import CapabilityError
-from dcr_format.store import Store, open_store
+from dcr_format.publish._info import CommitInfo
+from dcr_format.store.store import Store, open_store
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._inspect import records, row_from
-from dcr_format.writers._info import CommitInfo
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

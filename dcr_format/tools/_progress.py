@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dcr_format.store import Store
+    from dcr_format.store.store import Store
 
 DEFAULT_INTERVAL = 2.0
 

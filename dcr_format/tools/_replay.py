@@ -21,14 +21,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from dcr_format._fsync import fsync
-from dcr_format.bases import read_base_record
-from dcr_format.chain import Chain
+from dcr_format.chain.bases import read_base_record
+from dcr_format.chain.chain import Chain
+from dcr_format.delta.fingerprint import tensor_fingerprint
 from dcr_format.errors import IntegrityError, TargetError
-from dcr_format.fingerprint import tensor_fingerprint
-from dcr_format.readers.reader import DeltaReader, SyncResult
-from dcr_format.readers.targets import DIR_STATE_FILE, SafetensorsDirTarget, Target
-from dcr_format.store import Store, open_store
+from dcr_format.store.store import Store, open_store
+from dcr_format.sync.reader import DeltaReader, SyncResult
+from dcr_format.system.fsync import fsync
+from dcr_format.targets.targets import DIR_STATE_FILE, SafetensorsDirTarget, Target
 from dcr_format.tools._common import Row
 from dcr_format.tools._progress import Progress, counting_store
 
@@ -156,7 +156,7 @@ def _planned_bytes(reader: DeltaReader, target: Target, version: int) -> int | N
 
 def _check_dir(chain: Chain, target: SafetensorsDirTarget, version: int) -> None:
     """Every tensor of a directory target matches ``version``'s state table."""
-    from dcr_format.chain import state_table
+    from dcr_format.chain.chain import state_table
 
     table = state_table(chain.manifests(chain.record(version)))
     txn = target.begin()

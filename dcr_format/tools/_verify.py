@@ -6,8 +6,8 @@ import os
 
 from pydantic import computed_field
 
-from dcr_format.bases import alternative_bases, base_record_key, load_base
-from dcr_format.chain import (
+from dcr_format.chain.bases import alternative_bases, base_record_key, load_base
+from dcr_format.chain.chain import (
     Chain,
     LoadedRecord,
     ManifestAllowance,
@@ -19,10 +19,10 @@ from dcr_format.chain import (
     table_fingerprint,
 )
 from dcr_format.errors import ChainBrokenError, DcrError, VersionNotFoundError
-from dcr_format.readers.reader import DeltaReader, _check_continuity
-from dcr_format.readers.targets import StateDictTarget
-from dcr_format.schema import Manifest
-from dcr_format.store import Store, open_store
+from dcr_format.format.schema import Manifest
+from dcr_format.store.store import Store, open_store
+from dcr_format.sync.reader import DeltaReader, _check_continuity
+from dcr_format.targets.targets import StateDictTarget
 from dcr_format.tools._common import Problem, Row
 from dcr_format.tools._progress import Progress
 

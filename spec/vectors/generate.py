@@ -37,10 +37,10 @@ import torch
 import zstandard
 
 from dcr_format import DeltaWriter
-from dcr_format.chain import Chain
-from dcr_format.codec.dtypes import BY_NAME
-from dcr_format.fingerprint import state_fingerprint, tensor_fingerprint
-from dcr_format.store import open_store
+from dcr_format.chain.chain import Chain
+from dcr_format.format.dtypes import BY_NAME
+from dcr_format.delta.fingerprint import state_fingerprint, tensor_fingerprint
+from dcr_format.store.store import open_store
 
 HERE = Path(__file__).resolve().parent
 CLOCK_START = datetime(2025, 1, 2, 3, 4, 5, 123456, tzinfo=timezone.utc)

@@ -1,0 +1,734 @@
+"""Per-tensor deltas: choose an op, encode its streams, decode and apply them.
+
+Ops (spec/FORMAT.md, "Ops"):
+
+- ``xor``: positions of changed elements and ``old ^ new`` bits there. Smallest;
+  the receiver must hold exactly the parent's bits.
+- ``overwrite``: the same positions and the new bits. Safe to re-apply.
+- ``full``: every element's bits, no positions.
+
+An ``xor`` entry's positions may be coded against the old bits (``classed``, feature
+``positions-classed``, FORMAT.md §6.5), and its values as ulp differences from them
+(``ulp``, feature ``values-ulp``, §7.5; ``ulp-shift``, feature ``values-ulp-shift``, §7.6,
+which also shifts them by the old value's exponent): where the writer is allowed a coding and it is
+shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change that
+:func:`resolve` completes against the tensor it is about to be applied to.
+
+Diffing and applying run on the tensors' own device, through the kernel
+dispatcher of :mod:`dcr_format.delta.dispatch` (Triton kernels for CUDA tensors,
+their torch reference elsewhere: the results are bit-identical); stream coding
+runs on the host over the compacted payload only, which leaves a GPU through
+pinned memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import zstandard
+
+from dcr_format.codings.classed import (
+    CLASSED,
+    EXPONENT_FIELDS,
+    ClassedStream,
+    choose_classes,
+    class_ranks_of,
+    classed_stream,
+    decode_classed,
+    encode_classed_counted,
+    exponent_rows,
+    move_rows,
+    parse_classed,
+    rows_fit,
+    with_ranks,
+)
+from dcr_format.codings.positions import PositionsChoice, plain_size_floor
+from dcr_format.codings.rans import decode_rans
+from dcr_format.codings.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
+from dcr_format.codings.ulp_shift import ULP_SHIFT, join, parse
+from dcr_format.codings.values import decode_values, encode_values, encode_xor_values
+from dcr_format.delta import dispatch
+from dcr_format.delta.positions import decode_positions_to
+from dcr_format.errors import PositionsError, TargetError, ValuesError
+from dcr_format.format import features
+from dcr_format.format.dtypes import (
+    UNSIGNED_NP,
+    DtypeInfo,
+    bits_to_numpy,
+    bits_view,
+    info_for,
+    numpy_to_bits,
+)
+from dcr_format.format.names import FULL, OPS, OVERWRITE, XOR
+from dcr_format.kernels.reference import Diff
+
+# Above this change rate the encoder also tries ``full`` and keeps the smaller.
+FULL_CANDIDATE_RATE = 0.2
+
+
+@dataclass
+class RowsSlot:
+    """The exponent rows of the old bits a ``classed`` change decodes against
+    (:func:`dcr_format.codings.classed.exponent_rows`, one pass over the tensor): a caller
+    that keeps them from the last change (a long-lived reader) puts them here before
+    :func:`resolve`, which otherwise counts them and leaves them here, so that the caller
+    can move them to the new bits after applying (:func:`rows_after`)."""
+
+    rows: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class DecodedDelta:
+    """One tensor's decoded change, ready to apply on the host (``positions`` None for full)."""
+
+    op: str
+    positions: torch.Tensor | None  # int64, strictly increasing (None: full, or not resolved)
+    values: torch.Tensor  # the dtype's integer bits view
+    # xor positions coded against the old bits, until :func:`resolve` finds them
+    classed: ClassedStream | None = None
+    # the values are zigzag ulp differences against the old bits (``ulp``), until
+    # :func:`resolve` turns them into XOR bits; on the CPU with the compiled kernels it leaves
+    # them, and :func:`apply_change` and :func:`stage_change` read the old bits, step them and
+    # write the new ones in one pass
+    ulp: bool = False
+    # ``ulp-shift``: the values are the shifted differences, and these the stream's origin
+    # and packed low bits (FORMAT.md §7.6), which :func:`resolve` joins them with
+    shift: tuple[int, bytes] | None = None
+    # ``classed``: where the exponent rows of the old bits go (given by a caller that keeps
+    # them, else filled by :func:`resolve` when it counts them)
+    rows: RowsSlot | None = None
+    # resolved ``ulp``: the old bits at the positions, where :func:`resolve` read them and
+    # was asked to keep them (its caller applies the change right after, to the same bits),
+    # so that :func:`apply_change` does not read them again
+    before: torch.Tensor | None = None
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether :func:`resolve` must read the target's old bits before this applies."""
+        return self.classed is not None or self.ulp
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """The streams of one tensor's entry, before they go into a shard."""
+
+    op: str
+    changed: int
+    positions_coding: str | None
+    positions: bytes | None
+    values_coding: str | None
+    values: bytes | None
+    # the change as new bits (overwrite or full), or as XOR bits where the diff's own pass
+    # already advanced the writer's baseline: what brings a baseline to the new bits
+    advance: DecodedDelta | None = None
+    # fingerprint lane deltas of the change, when the diff computed them (FORMAT.md §9.1)
+    lane_deltas: tuple[int, ...] | None = None
+    # the exponent rows of the new bits, where the writer counted or moved them to consider
+    # ``classed`` positions (:func:`dcr_format.codings.classed.exponent_rows`): its next
+    # step's old rows
+    rows: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes before the shard's compression."""
+        return len(self.positions or b"") + len(self.values or b"")
+
+
+def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Flat int64 indices (sorted) where the bits of ``old`` and ``new`` differ."""
+    return dispatch.changed_positions(bits_view(old).reshape(-1), bits_view(new).reshape(-1))
+
+
+def _estimate(values: bytes) -> int:
+    return len(zstandard.ZstdCompressor(level=1).compress(values))
+
+
+def encode_tensor(
+    new: torch.Tensor, old: torch.Tensor | None = None, *, op: str | None = None
+) -> EncodedTensor:
+    """Encode the change from ``old`` to ``new``.
+
+    ``op=None`` chooses by size: ``full`` when there is no comparable ``old``
+    (absent, other dtype or shape), else ``xor``, or ``full`` when the change rate
+    is high and ``full`` encodes smaller. ``xor`` and ``overwrite`` need ``old``.
+    """
+    info_for(new.dtype)  # refuses dtypes the format cannot carry
+    is_comparable = comparable(new, old)
+    if op is not None and op not in OPS:
+        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    if op in (XOR, OVERWRITE) and not is_comparable:
+        raise ValueError(f"op {op!r} needs a baseline of the same dtype and shape")
+    if not is_comparable or op == FULL:
+        return _encode_full(new)
+    assert old is not None
+    found = dispatch.diff(
+        bits_view(old).reshape(-1), bits_view(new).reshape(-1), want_xor=op != OVERWRITE
+    )
+    return encode_diff(new, found, op=op)
+
+
+def comparable(new: torch.Tensor, old: torch.Tensor | None) -> bool:
+    """Whether ``old`` can be the baseline of a positional delta of ``new``."""
+    return old is not None and old.dtype == new.dtype and old.shape == new.shape
+
+
+def encode_diff(
+    new: torch.Tensor,
+    found: Diff,
+    *,
+    op: str | None = None,
+    host: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lane_deltas: tuple[int, ...] | None = None,
+    baseline: torch.Tensor | None = None,
+    rows: np.ndarray | None = None,
+) -> EncodedTensor:
+    """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
+
+    ``found`` holds the positions and the XOR bits (``op`` overwrite: the new bits), and
+    may hold both, on the tensors' device; the result's ``advance`` carries the new bits
+    where it has them, else the XOR bits. ``host`` optionally carries CPU copies of
+    the positions and of the values to encode (already fetched, e.g. by a pipeline);
+    ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer;
+    ``baseline`` the old tensor where it still holds the old bits on a device (there the
+    ``classed`` classes and ranks are computed, :func:`dcr_format.delta.dispatch.class_ranks`);
+    ``rows`` the exponent rows of the old bits where the writer keeps them (host tensors;
+    the result carries those of the new bits, :attr:`EncodedTensor.rows`).
+    """
+    positions, new_values = found.positions, found.new_values
+    changed = int(positions.numel())
+    if changed == 0:  # the bits and so their rows stay as they are
+        return EncodedTensor(
+            op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas, rows=rows
+        )
+    if host is None:
+        picked = new_values if op == OVERWRITE else found.xor_values
+        assert picked is not None
+        host = (dispatch.to_host(positions), dispatch.to_host(picked))
+    at = host[0].numpy()
+    plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
+    pos_coding, pos_bytes = None, None
+    new_rows = None
+    if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
+        runs = None
+        if new.device.type == "cpu":
+            coded, new_rows, runs = encode_classed_counted(
+                at,
+                bits_to_numpy(bits_view(new).reshape(-1)),
+                info_for(new.dtype).name,
+                xor=bits_to_numpy(host[1]),
+                after=None if new_values is None else bits_to_numpy(new_values.cpu()),
+                rows=rows,
+            )
+        else:
+            assert baseline is not None
+            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
+        # below the floor of every plain coding, those need no plan (a pass over the positions)
+        if runs is not None and len(coded) < plain_size_floor(changed, int(at[-1]), runs):
+            pos_coding, pos_bytes = CLASSED, coded
+        else:
+            plain = PositionsChoice(at)
+            if len(coded) < plain.size:
+                pos_coding, pos_bytes = CLASSED, coded
+    if pos_bytes is None:
+        if plain is None:
+            plain = PositionsChoice(at)
+        pos_coding, pos_bytes = plain.coding, plain.encode()
+    xor_bits = bits_to_numpy(host[1])
+    allowed = features.allowed()
+    dtype = info_for(new.dtype).name
+    if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
+        on_device = _device_ulp_of_change(new, found, want_old=True)
+        if on_device is not None:
+            differences, before = on_device
+        else:
+            before = _old_of_change(new, positions, xor_bits, found.new_values)
+            differences = to_ulp(before, before ^ xor_bits)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences, old=before, dtype=dtype)
+    elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
+        on_device = _device_ulp_of_change(new, found, want_old=False)
+        if on_device is not None:
+            differences = on_device[0]
+        else:
+            differences = _ulp_differences(new, positions, xor_bits, found.new_values)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+    else:
+        val_coding, val_bytes = encode_values(xor_bits)
+    if new_values is not None:
+        advance = DecodedDelta(OVERWRITE, positions, new_values)
+    else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
+        assert found.xor_values is not None
+        advance = DecodedDelta(XOR, positions, found.xor_values)
+    delta = EncodedTensor(
+        op or XOR,
+        changed,
+        pos_coding,
+        pos_bytes,
+        val_coding,
+        val_bytes,
+        advance,
+        lane_deltas,
+        new_rows,
+    )
+    if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
+        full = _encode_full(new)
+        assert full.values is not None and val_bytes is not None
+        if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
+            return replace(full, rows=new_rows)  # the same new bits
+    return delta
+
+
+def _device_ulp_of_change(
+    new: torch.Tensor, found: Diff, *, want_old: bool
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The zigzag ulp differences of a change (and, ``want_old``, its old bits) computed on
+    the tensors' device by the Triton kernels (:func:`dispatch.ulp_on_device`), then fetched
+    to the host for the entropy coder; None where they do not run there."""
+    flat = bits_view(new).reshape(-1)
+    if found.xor_values is None or not dispatch.ulp_on_device(flat):
+        return None
+    new_values = found.new_values
+    z, old = dispatch.ulp_of_change(
+        flat,
+        found.positions.to(flat.device),
+        found.xor_values.to(flat.device),
+        None if new_values is None else new_values.to(flat.device),
+        want_old=want_old,
+    )
+    differences = bits_to_numpy(dispatch.to_host(z))
+    before = bits_to_numpy(dispatch.to_host(old)) if old is not None else differences[:0]
+    return differences, before
+
+
+def _ulp_differences(
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    xor_bits: np.ndarray,
+    new_values: torch.Tensor | None,
+) -> np.ndarray:
+    """The zigzag ulp differences of a change (``xor_bits``: its XOR bits on the host)."""
+    if new_values is None and new.device.type == "cpu":  # new bits read in the same loop
+        flat = bits_to_numpy(bits_view(new).reshape(-1))
+        return ulp_of_change(flat, dispatch.to_host(positions).numpy(), xor_bits)
+    before = _old_of_change(new, positions, xor_bits, new_values)
+    return to_ulp(before, before ^ xor_bits)
+
+
+def _old_of_change(
+    new: torch.Tensor,
+    positions: torch.Tensor,
+    xor_bits: np.ndarray,
+    new_values: torch.Tensor | None,
+) -> np.ndarray:
+    """The old bits of a change (``xor_bits``: its XOR bits on the host), from its new bits
+    where the diff kept them, else read from ``new`` at the positions (O(changed))."""
+    if new_values is not None:
+        after = bits_to_numpy(dispatch.to_host(new_values))
+    else:
+        after = _bits_at(bits_view(new).reshape(-1), positions)
+    out: np.ndarray = after ^ xor_bits
+    return out
+
+
+def _bits_at(flat: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
+    """The bits of ``flat`` (a flat bit view) at ``positions``, on the host (O(changed): the
+    gather runs on the tensor's device)."""
+    return bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+
+
+def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
+    """Whether ``classed`` positions are allowed here and can apply to ``new``: a float
+    tensor in host memory (its new bits and the XOR bits give the old ones), or on a device
+    next to its old bits (``baseline``)."""
+    return (
+        CLASSED in features.allowed()
+        and info_for(new.dtype).name in EXPONENT_FIELDS
+        and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
+    )
+
+
+def _device_positions(stream: ClassedStream, old: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The positions of a ``classed`` stream with the class passes on ``old``'s device (the
+    class sizes come to the host to decode the ranks, which go back)."""
+    shift, mask = EXPONENT_FIELDS[dtype]
+    base, count = stream.base, stream.classes
+    sizes = dispatch.class_sizes(old, shift, mask, base, count).cpu().numpy()
+    ranks = torch.from_numpy(class_ranks_of(stream, sizes)).to(old.device)
+    classes = torch.repeat_interleave(
+        torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
+        torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
+    ).to(old.device)
+    return dispatch.class_positions(old, shift, mask, base, count, classes, ranks)
+
+
+def _device_classed(old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> bytes:
+    """The ``classed`` stream with the class passes on the tensors' device (the histograms
+    and the classes and ranks of the changes come to the host, not the tensor)."""
+    name = info_for(dtype).name
+    shift, mask = EXPONENT_FIELDS[name]
+    everything, changed = dispatch.exponent_histograms(old, positions, shift, mask)
+    base, count = choose_classes(everything.cpu().numpy(), changed.cpu().numpy())
+    classes, ranks = dispatch.class_ranks(old, positions, shift, mask, base, count)
+    return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
+
+
+def _encode_full(new: torch.Tensor) -> EncodedTensor:
+    bits = bits_view(new).reshape(-1)
+    advance = DecodedDelta(FULL, None, bits.clone())
+    if new.numel() == 0:  # a full entry of no elements carries no streams
+        return EncodedTensor(FULL, 0, None, None, None, None, advance)
+    coding, data = encode_values(bits_to_numpy(bits))
+    return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
+
+
+def decode_delta(
+    op: str,
+    info: DtypeInfo,
+    numel: int,
+    changed: int,
+    *,
+    positions: tuple[str, bytes | memoryview] | None,
+    values: tuple[str, bytes | memoryview] | None,
+    device: torch.device | str = "cpu",
+    symbols: np.ndarray | None = None,
+) -> DecodedDelta:
+    """Decode an entry's streams (both already checked to exist) onto ``device``; hostile
+    input is refused.
+
+    The streams are parsed and checked on the host. For another device the value planes
+    are copied over (pinned, asynchronously on CUDA) and the positions are expanded there
+    (:func:`dcr_format.delta.positions.decode_positions_to`). ``symbols``, where given: the
+    values' ``rans`` stream (:func:`rans_part`) decoded already, as :func:`decode_rans`
+    decodes it (:func:`dcr_format.codings.rans.decode_rans_pair` decodes two entries' at
+    once).
+    """
+    device = torch.device(device)
+    if changed == 0:
+        empty = torch.empty(0, dtype=info.bits_dtype, device=device)
+        return DecodedDelta(op, torch.empty(0, dtype=torch.int64, device=device), empty)
+    assert values is not None
+    ulp = values[0] in (ULP, ULP_SHIFT)
+    if ulp and (op != XOR or info.name not in FLOAT_DTYPES):
+        raise ValuesError(f"{values[0]} values belong to xor entries of float tensors, not {op!r}")
+    shift: tuple[int, bytes] | None = None
+    if symbols is not None and (
+        not ulp or symbols.shape != (changed,) or symbols.dtype != UNSIGNED_NP[info.width]
+    ):
+        raise ValueError("symbols must be the entry's rans values, decoded (see rans_part)")
+    if values[0] == ULP_SHIFT:  # shifted differences: joined with the low bits by resolve()
+        parsed = parse(values[1], count=changed, width=info.width, dtype=info.name)
+        raw = symbols
+        if raw is None:
+            raw = decode_rans(parsed.coded, count=changed, width=info.width)
+        shift = (parsed.origin, bytes(parsed.low))
+    elif ulp:  # zigzag differences, rANS-coded: XOR bits once resolve() reads the old ones
+        raw = symbols
+        if raw is None:
+            raw = decode_rans(values[1], count=changed, width=info.width)
+    else:
+        raw = decode_values(values[0], values[1], count=changed, width=info.width)
+    vals = dispatch.to_device(numpy_to_bits(raw, info), device)
+    if op == FULL:
+        return DecodedDelta(op, None, vals)
+    assert positions is not None
+    if positions[0] == CLASSED:
+        if op != XOR:
+            raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
+        # the ranks decode now, on the fetch worker; only their select needs the old bits
+        stream = with_ranks(parse_classed(positions[1], count=changed, dtype=info.name), numel)
+        return DecodedDelta(op, None, vals, stream, ulp, shift, RowsSlot())
+    pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
+    return DecodedDelta(op, pos, vals, None, ulp, shift)
+
+
+def rans_part(
+    op: str, info: DtypeInfo, changed: int, values: tuple[str, bytes | memoryview] | None
+) -> bytes | memoryview | None:
+    """The ``rans`` stream :func:`decode_delta` decodes from an entry's values (those of
+    ``ulp`` and ``ulp-shift`` entries), or None: other codings, and streams it refuses
+    (left to it, for the error)."""
+    if values is None or changed < 1 or op != XOR or info.name not in FLOAT_DTYPES:
+        return None
+    if values[0] == ULP:
+        return values[1]
+    if values[0] == ULP_SHIFT:
+        try:
+            return parse(values[1], count=changed, width=info.width, dtype=info.name).coded
+        except ValuesError:
+            return None
+    return None
+
+
+def resolve(
+    delta: DecodedDelta, target: torch.Tensor, *, keep_before: bool = False
+) -> DecodedDelta:
+    """``delta`` completed against ``target`` where it was coded against the old bits: its
+    positions found (``classed``) and its values turned into XOR bits (``ulp``,
+    ``ulp-shift``). ``target`` must hold exactly the bits the entry was made against (its
+    parent's), as any ``xor`` entry needs. Other deltas come back as they are. A positions
+    stream that does not decode against these bits is a :class:`PositionsError`; an
+    ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`.
+    ``keep_before``: the caller applies the result to ``target`` next, with nothing
+    written there in between, so the old bits the select pass read at the positions go
+    with it (``before``) and :func:`apply_change` does not read them again."""
+    if not delta.needs_target:
+        return delta
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    info = info_for(target.dtype)
+    flat = bits_view(target).reshape(-1)
+    positions = delta.positions
+    before: np.ndarray | None = None  # the old bits at the positions, where the select read them
+    if delta.classed is not None and flat.device.type == "cpu":
+        held = bits_to_numpy(flat)
+        if delta.ulp and delta.shift is not None:
+            before = np.empty(sum(delta.classed.counts), dtype=held.dtype)
+        found = _decode_classed_at(delta.classed, delta.rows, held, info.name, before)
+        positions = torch.from_numpy(found).to(delta.values.device)
+    elif delta.classed is not None:  # the class passes on the tensor's device
+        positions = _device_positions(delta.classed, flat, info.name).to(delta.values.device)
+    assert positions is not None
+    values = delta.values
+    if delta.ulp:
+        if positions.numel() and int(positions[-1]) >= flat.numel():
+            raise PositionsError("a position of the change is past the end of the tensor")
+        if delta.shift is None:  # stepped while applying, or turned into XOR bits here
+            ready = DecodedDelta(delta.op, positions, values, ulp=True)
+            return ready if dispatch.fuses_ulp(flat, positions) else _as_xor(ready, flat)
+        if before is None:  # the shifts come from the old bits' exponents
+            before = _bits_at(flat, positions)
+        origin, low = delta.shift
+        z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
+        if dispatch.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
+            kept = numpy_to_bits(before, info) if keep_before else None
+            return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True, before=kept)
+        xor = before ^ from_ulp(before, z)
+        values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
+    return DecodedDelta(delta.op, positions, values)
+
+
+def _decode_classed_at(
+    stream: ClassedStream,
+    slot: RowsSlot | None,
+    held: np.ndarray,
+    dtype: str,
+    before: np.ndarray | None = None,
+) -> np.ndarray:
+    """The positions of a ``classed`` stream against the host bits ``held``, with the rows
+    of ``slot`` where they fit (else counted, and left there). Rows that were given and do
+    not decode are counted again before the stream is refused: a keeper's rows never turn
+    into a refusal that the held bits would not make. ``before``, where given, takes the
+    held bits at the positions."""
+    count, numel = sum(stream.counts), int(held.size)
+    given = slot is not None and rows_fit(slot.rows, numel, dtype)
+    if slot is not None and not given:
+        slot.rows = exponent_rows(held, dtype)
+    rows = None if slot is None else slot.rows
+    try:
+        return decode_classed(
+            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
+        )
+    except PositionsError:
+        if not given:
+            raise
+        assert slot is not None
+        slot.rows = exponent_rows(held, dtype)
+        return decode_classed(
+            stream, held, dtype, count=count, numel=numel, rows=slot.rows, old_at=before
+        )
+
+
+def rows_after(
+    rows: np.ndarray,
+    positions: torch.Tensor,
+    before: torch.Tensor,
+    after: torch.Tensor,
+    dtype: torch.dtype,
+) -> np.ndarray:
+    """The exponent rows of a tensor after a change, from those before it (not changed) and
+    the bits the change found and wrote at its positions (host tensors)."""
+    moved = rows.copy()
+    move_rows(
+        moved,
+        positions.numpy(),
+        bits_to_numpy(before),
+        bits_to_numpy(after),
+        info_for(dtype).name,
+        tally=False,
+    )
+    return moved
+
+
+@dataclass(frozen=True)
+class AppliedBits:
+    """What :func:`apply_change` did to one tensor."""
+
+    saved: torch.Tensor | None  # what :func:`undo_delta` needs (old bits for overwrite/full)
+    before: torch.Tensor | None  # xor/overwrite: the bits at the positions before the change
+    lane_deltas: tuple[int, ...] | None  # xor/overwrite: the change's fingerprint lane deltas
+    after: torch.Tensor | None = None  # ulp: the bits the change wrote (else see after_bits)
+
+
+def _ready_ulp(delta: DecodedDelta) -> torch.Tensor:
+    """The positions of a ``ulp`` change that applies as it is (resolved: no classes or
+    shifts left), refusing any other delta that still needs its target."""
+    if delta.classed is not None or delta.shift is not None or delta.positions is None:
+        raise ValueError("resolve() the change against its target before applying it")
+    return delta.positions
+
+
+def _as_xor(delta: DecodedDelta, flat: torch.Tensor) -> DecodedDelta:
+    """A resolved ``ulp`` change as XOR bits against ``flat`` (where the kernels do not fuse
+    the step with the write)."""
+    positions = _ready_ulp(delta)
+    before = _bits_at(flat, positions)
+    z = bits_to_numpy(dispatch.to_host(delta.values))
+    xor = numpy_to_bits(before ^ from_ulp(before, z), info_for(flat.dtype))
+    return DecodedDelta(delta.op, positions, dispatch.to_device(xor, delta.values.device))
+
+
+def after_bits(delta: DecodedDelta, before: torch.Tensor) -> torch.Tensor:
+    """The bits a resolved ``xor``/``overwrite``/``ulp`` change puts at its positions, given
+    the bits ``before`` there."""
+    values = delta.values.to(before.device)
+    if delta.ulp:
+        if dispatch.ulp_on_device(before):
+            return dispatch.ulp_step(before, values)
+        z = bits_to_numpy(dispatch.to_host(values))
+        old = bits_to_numpy(dispatch.to_host(before))
+        new = numpy_to_bits(from_ulp(old, z), info_for(before.dtype))
+        return dispatch.to_device(new, before.device)
+    return before ^ values if delta.op == XOR else values
+
+
+def apply_change(
+    target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True, keep_old: bool = True
+) -> AppliedBits:
+    """Apply in place, reading the old bits and (``lanes``) summing the fingerprint lane
+    deltas of the change in the same pass (FORMAT.md §9.1), so a reader needs no second
+    look. ``keep_old=False``: a ``full`` write keeps no copy of the bits it replaces (the
+    tensor was new: nothing to undo)."""
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    flat = bits_view(target).reshape(-1)
+    if delta.ulp:  # old bits read, stepped and written in one pass where the kernels can
+        positions = _ready_ulp(delta).to(flat.device)
+        if not dispatch.fuses_ulp(flat, positions):
+            xor = _as_xor(delta, flat)
+            done = apply_change(target, xor, lanes=lanes)
+            assert done.before is not None
+            after = done.before ^ xor.values.to(done.before.device)
+            return AppliedBits(done.before, done.before, done.lane_deltas, after)
+        z = dispatch.to_device(delta.values, flat.device)
+        before, after, lane_deltas = dispatch.apply_ulp_with_lanes(
+            flat, positions, z, lanes=lanes, before=delta.before
+        )
+        return AppliedBits(before, before, lane_deltas if lanes else None, after)
+    values = dispatch.to_device(delta.values, flat.device)
+    if delta.op == FULL:
+        if values.numel() != flat.numel():
+            raise TargetError(f"full value count {values.numel()} != tensor size {flat.numel()}")
+        old = flat.clone() if keep_old else None
+        flat.copy_(values)
+        return AppliedBits(old, None, None)
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    before, lane_deltas = dispatch.apply_with_lanes(
+        flat, positions, values, op=delta.op, lanes=lanes
+    )
+    return AppliedBits(
+        before if delta.op == OVERWRITE else None, before, lane_deltas if lanes else None
+    )
+
+
+@dataclass(frozen=True)
+class StagedChange:
+    """An ``xor``/``overwrite`` change read against a tensor but not yet written: the bits
+    at its positions now (``before``), the bits it puts there (``after``) and its
+    fingerprint lane deltas. :func:`put_staged` writes it; :func:`unput_staged` undoes that."""
+
+    positions: torch.Tensor  # int64, strictly increasing, on the tensor's device
+    before: torch.Tensor
+    after: torch.Tensor
+    lane_deltas: tuple[int, ...]
+
+
+def stage_change(target: torch.Tensor, delta: DecodedDelta) -> StagedChange:
+    """Read, never write, what :func:`apply_change` would do to ``target`` (one pass over
+    the positions), so the tensor can stay in use meanwhile; the write that makes the
+    change (:func:`put_staged`) is then a plain scatter of ``after``."""
+    if delta.op == FULL:
+        raise ValueError("a full change has nothing to stage: apply it")
+    if not target.is_contiguous():
+        raise TargetError("target tensor is not contiguous; pass contiguous tensors")
+    flat = bits_view(target).reshape(-1)
+    if delta.ulp and not dispatch.fuses_ulp(flat, _ready_ulp(delta)):
+        delta = _as_xor(delta, flat)
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    values = dispatch.to_device(delta.values, flat.device)
+    op = ULP if delta.ulp else delta.op
+    before, after, lane_deltas = dispatch.stage_change(flat, positions, values, op=op)
+    return StagedChange(positions, before, after, lane_deltas)
+
+
+def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
+    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
+    flat = bits_view(target).reshape(-1)
+    dispatch.scatter(flat, staged.positions, staged.after, op=OVERWRITE)
+
+
+def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
+    """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
+    flat = bits_view(target).reshape(-1)
+    dispatch.scatter(flat, staged.positions, staged.before, op=OVERWRITE)
+
+
+def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
+    """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
+    return apply_change(target, delta, lanes=False).saved
+
+
+def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | None) -> None:
+    """Revert :func:`apply_delta` (xor is its own inverse; the others restore saved bits)."""
+    flat = bits_view(target).reshape(-1)
+    if delta.op == FULL:
+        assert saved is not None
+        flat.copy_(saved)
+        return
+    assert delta.positions is not None
+    positions = dispatch.to_device(delta.positions, flat.device)
+    if delta.op == XOR and not delta.ulp:  # (a ulp change saved the bits it replaced)
+        dispatch.scatter(flat, positions, dispatch.to_device(delta.values, flat.device), op=XOR)
+    else:
+        assert saved is not None
+        dispatch.scatter(flat, positions, saved.to(flat.device), op=OVERWRITE)
+
+
+__all__ = [
+    "FULL",
+    "OPS",
+    "OVERWRITE",
+    "XOR",
+    "AppliedBits",
+    "DecodedDelta",
+    "EncodedTensor",
+    "RowsSlot",
+    "StagedChange",
+    "after_bits",
+    "apply_change",
+    "apply_delta",
+    "changed_positions",
+    "comparable",
+    "decode_delta",
+    "encode_diff",
+    "encode_tensor",
+    "put_staged",
+    "rans_part",
+    "resolve",
+    "rows_after",
+    "stage_change",
+    "undo_delta",
+    "unput_staged",
+]
