@@ -32,16 +32,11 @@ if _typing.TYPE_CHECKING:
     from dcr_format.store.relay import RelayStore
     from dcr_format.store.store import Store, open_store
     from dcr_format.sync.reader import DeltaReader, SyncResult
+    from dcr_format.targets.change import Applied, Change, Resident
+    from dcr_format.targets.dict import StateDictTarget
+    from dcr_format.targets.directory import SafetensorsDirTarget
     from dcr_format.targets.module import ModuleTarget
-    from dcr_format.targets.targets import (
-        Applied,
-        Change,
-        Resident,
-        SafetensorsDirTarget,
-        StateDictTarget,
-        Target,
-        Transaction,
-    )
+    from dcr_format.targets.protocol import Target, Transaction
     from dcr_format.tools import compact, diff, gc, log, replay, show, verify
 
 # Each public name and the module that defines it: imported on first use, so that
@@ -57,18 +52,10 @@ _WHERE: dict[str, str] = {
     "ModuleTarget": "dcr_format.targets.module",
     **dict.fromkeys(("DeltaReader", "SyncResult"), "dcr_format.sync.reader"),
     "RelayStore": "dcr_format.store.relay",
-    **dict.fromkeys(
-        (
-            "Applied",
-            "Change",
-            "Resident",
-            "SafetensorsDirTarget",
-            "StateDictTarget",
-            "Target",
-            "Transaction",
-        ),
-        "dcr_format.targets.targets",
-    ),
+    **dict.fromkeys(("Applied", "Change", "Resident"), "dcr_format.targets.change"),
+    **dict.fromkeys(("Target", "Transaction"), "dcr_format.targets.protocol"),
+    "StateDictTarget": "dcr_format.targets.dict",
+    "SafetensorsDirTarget": "dcr_format.targets.directory",
     **dict.fromkeys(("Store", "open_store"), "dcr_format.store.store"),
     **dict.fromkeys(
         ("compact", "diff", "gc", "log", "replay", "show", "verify"), "dcr_format.tools"

@@ -212,7 +212,7 @@ def _reader_hooks(stage: str, path: Path) -> None:
     import safetensors.torch
 
     import dcr_format.sync.reader as reader_module
-    import dcr_format.targets.targets as targets_module
+    import dcr_format.targets.directory as targets_module
     from dcr_format import Store
 
     if stage == "fetch":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dcr_format import DeltaReader, SafetensorsDirTarget
 from dcr_format.errors import StalePreparedError, TargetChangedError
-from dcr_format.targets import targets
+from dcr_format.targets import directory as targets
 
 _VERSIONED = re.compile(r"^v[0-9]{20}-[0-9a-f]{8}$")
 

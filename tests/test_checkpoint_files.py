@@ -17,7 +17,7 @@ from dcr_format.cli.main import cli
 from dcr_format.errors import ArgumentError, ChecksumMismatchError, UnsupportedFeatureError
 from dcr_format.publish._files import directory_files
 from dcr_format.store.store import Store, open_store
-from dcr_format.targets.targets import DIR_STATE_FILE
+from dcr_format.targets.directory import DIR_STATE_FILE
 from dcr_format.tools import compact, verify
 
 transformers = pytest.importorskip("transformers")  # in the test extra; skip only if absent

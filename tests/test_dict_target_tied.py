@@ -11,7 +11,7 @@ from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
 from dcr_format.errors import AliasedTensorError
-from dcr_format.targets.targets import Resident
+from dcr_format.targets.change import Resident
 
 VOCAB, HIDDEN = 64, 16
 
@@ -215,7 +215,7 @@ def test_partly_aliased_tensors_are_refused_up_front(make):
 def test_identical_views_form_one_group_of_three():
     """Three names for one tensor: a change through all three is applied once."""
     from dcr_format.delta.delta import XOR, DecodedDelta
-    from dcr_format.targets.targets import Change
+    from dcr_format.targets.change import Change
 
     shared = torch.arange(8, dtype=torch.int16)
     target = StateDictTarget({"x": shared, "y": shared, "z": shared.view(8)})

@@ -32,8 +32,9 @@ from dcr_format.errors import (
 )
 from dcr_format.format.schema import Manifest, check_tensor_name, parse
 from dcr_format.store.store import open_store
-from dcr_format.targets import targets
-from dcr_format.targets.targets import DIR_STATE_FILE, SINGLE_FILE, Resident
+from dcr_format.targets import directory as targets
+from dcr_format.targets.change import Resident
+from dcr_format.targets.directory import DIR_STATE_FILE, SINGLE_FILE
 
 pytestmark = pytest.mark.multiprocess
 

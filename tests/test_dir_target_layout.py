@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
-from dcr_format.targets.targets import INDEX_FILE, SINGLE_FILE
+from dcr_format.targets.directory import INDEX_FILE, SINGLE_FILE
 
 
 def _check_loadable(path: Path, expected: dict[str, torch.Tensor]) -> None:
@@ -63,7 +63,7 @@ def test_a_fresh_directory_has_the_same_files_whatever_order_the_changes_came_in
     from sync to sync; the files they land in do not (names in order, layer 2 before 10)."""
     from dcr_format import Resident
     from dcr_format.delta.delta import FULL, DecodedDelta
-    from dcr_format.targets.targets import Change
+    from dcr_format.targets.change import Change
 
     names = [f"model.layers.{i}.weight" for i in (10, 2, 1, 0, 11, 3)]
     tensors = _tensors(names, 1.0)  # 256 bytes each

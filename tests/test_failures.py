@@ -22,7 +22,7 @@ from conftest import (
 from safetensors.torch import load_file, save_file
 
 import dcr_format.sync.reader as reader_module
-import dcr_format.targets.targets as targets_module
+import dcr_format.targets.protocol as targets_module
 from dcr_format import (
     DcrError,
     DeltaReader,
@@ -49,7 +49,7 @@ from dcr_format.errors import (
     UnsupportedDtypeError,
     VersionNotFoundError,
 )
-from dcr_format.targets.targets import SINGLE_FILE
+from dcr_format.targets.directory import SINGLE_FILE
 
 
 @dataclass

@@ -27,7 +27,7 @@ from dcr_format.sync._plan import (
     plan_fetch,
     plan_step,
 )
-from dcr_format.targets.targets import Change, Resident
+from dcr_format.targets.change import Change, Resident
 
 NORM = "model.norm.weight"
 MAX = 16 << 30

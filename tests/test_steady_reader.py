@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_same_bits, make_state, snapshot
 
-import dcr_format.targets.targets as targets_module
+import dcr_format.targets.protocol as targets_module
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, Store
 from dcr_format.chain.chain import Chain, commit_key, sha256_hex
 from dcr_format.errors import (

@@ -177,7 +177,7 @@ def test_two_threads_on_one_directory(chain, tmp_path, monkeypatch):
 
 
 def test_a_busy_target_is_refused_after_its_timeout():
-    from dcr_format.targets.targets import claim_target
+    from dcr_format.targets.claim import claim_target
 
     target: Target = StateDictTarget({})
     release = claim_target(target, timeout=None)
@@ -192,7 +192,7 @@ def test_a_busy_target_is_refused_after_its_timeout():
 
 
 def test_a_sync_from_inside_a_sync_of_the_same_target_is_refused_at_once():
-    from dcr_format.targets.targets import claim_target
+    from dcr_format.targets.claim import claim_target
 
     target = StateDictTarget({})
     release = claim_target(target, timeout=None)

@@ -11,7 +11,7 @@ from conftest import assert_same_bits, dir_snapshot, make_state, snapshot, step_
 from safetensors.torch import load_file
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, TargetError
-from dcr_format.targets.targets import DIR_STATE_FILE, INDEX_FILE, SINGLE_FILE
+from dcr_format.targets.directory import DIR_STATE_FILE, INDEX_FILE, SINGLE_FILE
 
 
 def _chain(store_url: str, versions: int, seed: int = 0, **writer_options):

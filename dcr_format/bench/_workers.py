@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dcr_format.store.relay import RelayStore
 from dcr_format.store.store import Store
 from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.targets import StateDictTarget
+from dcr_format.targets.dict import StateDictTarget
 
 
 class CountingStore(Store):

@@ -159,7 +159,7 @@ def refit_series(
     from dcr_format.bench.codec import entropy_bound
     from dcr_format.publish.writer import DeltaWriter
     from dcr_format.sync.reader import DeltaReader
-    from dcr_format.targets.targets import StateDictTarget
+    from dcr_format.targets.dict import StateDictTarget
 
     trainer = SyntheticTrainer(shapes, seed=seed)
     writer = DeltaWriter(store)

@@ -107,7 +107,7 @@ class _Ends:
     def __init__(self, store: Store, features: Sequence[str]) -> None:
         from dcr_format.publish.writer import DeltaWriter
         from dcr_format.sync.reader import DeltaReader
-        from dcr_format.targets.targets import StateDictTarget
+        from dcr_format.targets.dict import StateDictTarget
 
         self.store, self.features = store, ",".join(features) or "none"
         self.writer = DeltaWriter(store, features=features)

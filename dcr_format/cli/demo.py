@@ -14,7 +14,7 @@ from dcr_format.format.dtypes import bits_view
 from dcr_format.publish.writer import DeltaWriter
 from dcr_format.store.store import Store
 from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.targets import StateDictTarget
+from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._inspect import row_from
 
 DEFAULT_LR = 1e-6  # an RL-like rate: about 1% of bf16 elements change per step

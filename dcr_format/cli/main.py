@@ -371,7 +371,7 @@ def publish(
 def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
     from dcr_format.sync.reader import DeltaReader
-    from dcr_format.targets.targets import SafetensorsDirTarget
+    from dcr_format.targets.directory import SafetensorsDirTarget
 
     result = DeltaReader(store, SafetensorsDirTarget(into, timeout=wait)).sync(to=version)
 

@@ -44,7 +44,7 @@ from dcr_format.errors import (
     TargetNotUpdatableError,
     VersionNotFoundError,
 )
-from dcr_format.targets.targets import DIR_STATE_FILE
+from dcr_format.targets.directory import DIR_STATE_FILE
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

@@ -46,7 +46,7 @@ from dcr_format.format.shard import decode_shard
 from dcr_format.publish._part import Attempt, ShardWriter, Tensors, Written, pairs
 from dcr_format.sync._plan import stream_limits
 from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.targets import StateDictTarget
+from dcr_format.targets.dict import StateDictTarget
 
 _Region = tuple[str, int]  # canonical name, part
 

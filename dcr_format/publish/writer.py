@@ -119,7 +119,7 @@ from dcr_format.publish._sharded import ShardedPart, is_dtensor, peek_sharded
 from dcr_format.publish.coordinate import Coordinator, SoloCoordinator
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.targets import StateDictTarget
+from dcr_format.targets.dict import StateDictTarget
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
 # coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a

@@ -83,15 +83,10 @@ from dcr_format.sync._plan import (
 from dcr_format.sync._plan import _check_continuity as _check_continuity  # tools/_verify.py
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.system.pools import kept_pool
-from dcr_format.targets.targets import (
-    Applied,
-    Change,
-    Resident,
-    Staged,
-    Target,
-    Transaction,
-    claim_target,
-)
+from dcr_format.targets.change import Applied, Change, Resident
+from dcr_format.targets.claim import claim_target
+from dcr_format.targets.protocol import Target, Transaction
+from dcr_format.targets.reader_side import Staged
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
 AUDIT_EVERY = 100  # syncs between full audits of the resident bits (FORMAT.md §11.3)

@@ -47,7 +47,7 @@ from dcr_format.publish._commit import create_if_absent, require_atomic_create
 from dcr_format.publish._part import ShardWriter
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.targets import StateDictTarget
+from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress, counting_store
 

@@ -28,7 +28,8 @@ from dcr_format.errors import IntegrityError, TargetError
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync.reader import DeltaReader, SyncResult
 from dcr_format.system.fsync import fsync
-from dcr_format.targets.targets import DIR_STATE_FILE, SafetensorsDirTarget, Target
+from dcr_format.targets.directory import DIR_STATE_FILE, SafetensorsDirTarget
+from dcr_format.targets.protocol import Target
 from dcr_format.tools._common import Row
 from dcr_format.tools._progress import Progress, counting_store
 

@@ -1,0 +1,304 @@
+"""Applying one sync's changes to a module (:class:`_ModuleTransaction`).
+
+A change to an ``xor`` name goes straight into the storage its learned placements reach
+(the fused apply of a plain tensor where the name is one contiguous run of a parameter);
+any other change, and every ``full`` write, goes through the module's loader with a
+scratch holding the change, each intercepted write performed or refused by a
+:class:`_Run`, which also keeps its undo and the bits it moved for the read-back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dcr_format.delta.delta import FULL, XOR
+from dcr_format.delta.fingerprint import LANE_PRIMES, tensor_lanes
+from dcr_format.errors import OverwriteRequiredError, TargetError
+from dcr_format.targets.change import Applied, Change, Resident
+from dcr_format.targets.module_trace import _bits, _Copy, _flat, _Interceptor, _view_of
+from dcr_format.targets.placements import LoaderPlan, Placements, _first_of_each
+from dcr_format.targets.protocol import Transaction
+from dcr_format.targets.reader_side import baseline_coding_error
+
+
+class _ModuleTransaction(Transaction):
+    """One sync into a :class:`~dcr_format.ModuleTarget`: the changes go through the loader."""
+
+    def __init__(self, target: Placements) -> None:
+        self.target = target
+        self._held = dict(target._held)
+
+    # names and specs come from what was loaded, not from canonical tensors
+    def names(self) -> set[str]:
+        names = set(self._held)
+        if self.target._declared:  # declared at a version: every planned tensor is held
+            names |= {p.name for p in self.target._plans.values() if p.kind != "absent"}
+        return names
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The canonical tensor as a view of the parameter storage, where the loader places
+        the whole tensor there contiguously in its own order (a slice of a fused parameter);
+        None for any other name (it goes through spec/lanes/apply)."""
+        plan = self.target._plan_of(name)
+        if plan is None or plan.kind != "xor" or not self.target.direct:
+            return None
+        return self.target._canonical_view(plan)
+
+    def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        raise TargetError("a module target writes through its loader, not canonical tensors")
+
+    def drop(self, name: str) -> None:
+        self._held.pop(name, None)  # the parameters stay; the name is just no longer tracked
+
+    def commit(self, resident: Resident) -> None:
+        if self.target._declared:  # declared at a version: every planned tensor is held,
+            for plan in self.target._plans.values():  # not only those this sync changed
+                if plan.kind != "absent":
+                    self._held.setdefault(plan.name, (plan.dtype, tuple(plan.shape)))
+        self.target._held = dict(self._held)
+        self.target._resident = resident
+        self.target._declared = False
+
+    def abort(self) -> None:
+        self._held = dict(self.target._held)
+
+    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        spec = self._held.get(name)
+        if spec is None and self.target._declared:
+            plan = self.target._plan_of(name)
+            if plan is not None:
+                spec = (plan.dtype, plan.shape)
+        return spec
+
+    def prepare(self, changes: Sequence[Change]) -> None:
+        for change in changes:
+            if change.delta.op == FULL:
+                continue
+            if change.delta.positions is not None and change.delta.positions.numel() == 0:
+                continue
+            if change.delta.needs_target:  # no canonical old bits to decode against
+                raise baseline_coding_error(change.name)
+            plan = self.target.plan(change.name, change.dtype, change.shape)
+            if plan.kind == "opaque":
+                raise TargetError(
+                    f"tensor {change.name!r} reaches this module only through {plan.reason}; "
+                    "it can be applied as full only: sync from a base"
+                )
+            if change.delta.op == XOR and plan.kind != "xor":
+                raise OverwriteRequiredError(
+                    f"tensor {change.name!r} cannot be applied as xor to this module: "
+                    f"{plan.reason}; writers must send it as overwrite (this reader records "
+                    "it in readers/<reader-id>.json), or sync from a base"
+                )
+
+    def lanes(self, name: str) -> tuple[int, ...] | None:
+        view = self.tensor(name)
+        return tensor_lanes(view) if view is not None else self.target.read_lanes(name)
+
+    def complete_lanes(
+        self, lanes: dict[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...] | None]:
+        out: dict[str, tuple[int, ...] | None] = {}
+        partial: dict[str, tuple[int, ...]] = {}
+        for name, values in lanes.items():
+            plan = self.target._plan_of(name)
+            if plan is not None and plan.whole:
+                out[name] = values
+            else:
+                partial[name] = values
+                out[name] = None
+        if self.target.reduce_lanes is not None:  # every rank calls it, even with nothing
+            summed = self.target.reduce_lanes(partial)
+            for name in partial:
+                if name in summed:
+                    out[name] = tuple(v % LANE_PRIMES[i] for i, v in enumerate(summed[name]))
+        return out
+
+    def apply(self, change: Change) -> Applied:
+        target = self.target
+        plan = target.plan(change.name, change.dtype, change.shape)
+        delta = change.delta
+        if target.direct and plan.kind == "xor" and delta.op != FULL:
+            if target._canonical_view(plan) is not None:
+                self._held[change.name] = (change.dtype, change.shape)
+                return super().apply(change)  # one fused pass, as on a plain tensor
+            return self._apply_direct(plan, change)
+        scratch = target._scratch_for(change.dtype, change.shape)
+        flat = _bits(scratch, change.name).reshape(-1)
+        positions = None
+        if delta.op == FULL:
+            flat.copy_(delta.values.to(flat.device))
+        else:
+            assert delta.positions is not None
+            positions = delta.positions.to(torch.int64).cpu()
+            flat[positions.to(flat.device)] = delta.values.to(flat.device)
+        values = delta.values.cpu()
+        run = _Run(target, plan, delta.op, positions, values)
+        mode = _Interceptor(target._module_storages(), scratch, run.write)
+        run._mode = mode
+        try:
+            target._run_loader(change.name, scratch, mode)
+            run.finish()
+        except BaseException:
+            run.undo()
+            raise
+        finally:
+            target._clean_scratch(mode, scratch, positions)
+        self._held[change.name] = (change.dtype, change.shape)
+        if delta.op == FULL:
+            lanes = target.read_lanes(change.name) if plan.kind == "xor" else None
+            return Applied(run.undo, lanes=lanes)
+        readback = run.readback()
+        if readback is None:
+            return Applied(run.undo)
+        return Applied(run.undo, *readback)
+
+    def _apply_direct(self, plan: LoaderPlan, change: Change) -> Applied:
+        """The change scattered straight into the storage the loader placed ``plan`` in."""
+        target, delta = self.target, change.delta
+        assert delta.positions is not None
+        positions = delta.positions.to(torch.int64).cpu()
+        run = _Run(target, plan, delta.op, positions, delta.values.cpu())
+        storages = target._storages()
+        try:
+            for copy in plan.copies:
+                if copy.kind != "placement":
+                    continue  # constants the loader wrote (padding) stay as they are
+                k, index = target._select(copy, positions)
+                if k.numel():
+                    run._store(copy, target._storage_tensor(copy, storages), None, k, index)
+        except BaseException:
+            run.undo()
+            raise
+        self._held[change.name] = (change.dtype, change.shape)
+        readback = run.readback()
+        assert readback is not None  # placements only: the bits moved are known
+        return Applied(run.undo, *readback)
+
+
+class _Run:
+    """One loader run applying one change: performs (or refuses) each intercepted write."""
+
+    def __init__(
+        self,
+        target: Placements,
+        plan: LoaderPlan,
+        op: str,
+        positions: torch.Tensor | None,
+        values: torch.Tensor,
+    ) -> None:
+        self.target, self.plan, self.op = target, plan, op
+        self.positions, self.values = positions, values
+        self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.moved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # pos, old, new
+        self.deferred: list[tuple[_Copy, torch.Tensor, torch.Tensor | None]] = []
+        self.exact = True  # every write was a placement: canonical bits can be read back
+
+    def write(self, func, args, kwargs, hits):  # type: ignore[no-untyped-def]
+        if self.op == FULL:
+            for t in hits:  # a dense load of this tensor, old bits kept for the rollback
+                if self.target.rollback_full:
+                    self.saved.append((t, None, t.detach().clone()))
+            return func(*args, **kwargs)
+        mode = self._mode
+        copies = self.target._describe(mode, func, args, kwargs, hits)
+        for copy in copies:
+            if copy.kind == "foreign":
+                continue  # a constant the last full load already wrote (padding)
+            if copy.kind not in ("placement", "transform") or (
+                self.op == XOR and copy.kind != "placement"
+            ):
+                raise OverwriteRequiredError(
+                    f"tensor {self.plan.name!r}: the loader's {copy.op} is not a placement "
+                    "this time; it cannot be applied as " + self.op
+                )
+            src = args[1] if copy.kind == "transform" else None
+            if self.plan.overlapping:
+                self.deferred.append((copy, args[0], src))
+            else:
+                self._write(copy, args[0], src)
+        return args[0]
+
+    _mode: _Interceptor
+
+    def _write(self, copy: _Copy, dst: torch.Tensor, src: torch.Tensor | None) -> None:
+        assert self.positions is not None
+        k, index = self.target._select(copy, self.positions)
+        if k.numel() == 0:
+            return
+        self._store(copy, dst, src, k, index)
+
+    def _store(
+        self,
+        copy: _Copy,
+        dst: torch.Tensor,
+        src: torch.Tensor | None,
+        k: torch.Tensor,
+        index: torch.Tensor,
+    ) -> None:
+        assert self.positions is not None
+        flat = _flat(dst.detach())
+        bits = _bits(flat, self.plan.name)
+        elements = copy.dst.elements(k).to(flat.device)
+        old = bits[elements].clone()
+        if copy.kind == "placement":
+            incoming = self.values[index].to(bits.device)
+            new = old ^ incoming if self.op == XOR else incoming
+            bits[elements] = new
+            self.moved.append((self.positions[index], old.cpu(), new.cpu()))
+        else:
+            assert src is not None
+            source = _flat(src.detach())
+            at = _view_of(src, dst.shape).elements(k).to(source.device)
+            flat[elements] = source[at].to(flat.dtype).to(flat.device)
+            self.exact = False
+        self.saved.append((bits, elements, old))
+
+    def finish(self) -> None:
+        """Overlapping destinations: only the last write of each element counts."""
+        if not self.deferred:
+            return
+        assert self.positions is not None
+        groups: dict[tuple[str, int], list[int]] = {}
+        for index, (copy, _, _) in enumerate(self.deferred):
+            groups.setdefault(copy.storage, []).append(index)
+        for members in groups.values():
+            elements = torch.cat([self.deferred[i][0].dst.elements() for i in members])
+            owner = torch.cat([torch.full((self.deferred[i][0].dst.numel,), i) for i in members])
+            k_all = torch.cat([torch.arange(self.deferred[i][0].dst.numel) for i in members])
+            order = torch.sort(elements, stable=True).indices
+            elements, owner, k_all = elements[order], owner[order], k_all[order]
+            last = torch.ones_like(elements, dtype=torch.bool)
+            last[:-1] = elements[1:] != elements[:-1]
+            for i in members:
+                copy, dst, src = self.deferred[i]
+                mine = k_all[last & (owner == i)]
+                canonical = self.target._canonical_all(copy)[mine]
+                hit = torch.isin(canonical, self.positions)
+                if bool(hit.any()):
+                    at = torch.searchsorted(self.positions, canonical[hit])
+                    self._store(copy, dst, src, mine[hit], at)
+
+    def undo(self) -> None:
+        for target, elements, old in reversed(self.saved):
+            if elements is None:
+                target.copy_(old)
+            else:
+                target[elements] = old
+        self.saved.clear()
+
+    def readback(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Canonical positions moved with their bits before and after (each position once)."""
+        if not self.exact or self.plan.kind != "xor":
+            return None
+        if not self.moved:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, self.values[:0], self.values[:0]
+        positions = torch.cat([m[0] for m in self.moved])
+        old = torch.cat([m[1] for m in self.moved])
+        new = torch.cat([m[2] for m in self.moved])
+        unique, first_old = _first_of_each(positions, old)
+        _, first_new = _first_of_each(positions, new)
+        return unique, first_old, first_new

@@ -1,0 +1,203 @@
+"""The side of a target only the reader uses: no target author implements or calls it.
+
+Every :class:`~dcr_format.Transaction` inherits :class:`ReaderTransaction`, the undo journal
+of a sync (:meth:`~ReaderTransaction.change` applies one change and keeps its undo,
+:meth:`~ReaderTransaction.undo` and :meth:`~ReaderTransaction.rollback` revert them,
+:meth:`~ReaderTransaction.keep_whole_undo` bounds it by the model for a plan of many
+versions), and every :class:`~dcr_format.Target` inherits :class:`StagingSource`, whose
+default offers nothing. The built-in targets add the fast path: tensors offered for
+staging (:meth:`StagingSource.staging`) have their changes read against the live bits
+while the version is still fetched (:class:`Staged`), so that applying one is the write
+alone (:meth:`ReaderTransaction.put`), on the reader's threads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from dcr_format.delta.delta import FULL, StagedChange, put_staged, resolve, unput_staged
+from dcr_format.errors import (
+    BaselineCodingError,
+    BaselineMismatchError,
+    PositionsError,
+    TargetError,
+    ValuesError,
+)
+from dcr_format.format.dtypes import bits_view
+from dcr_format.targets.change import Applied, Change
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A change read, not written, against a live tensor while a version was prepared
+    (:meth:`Target.staging`): its bits before and after and its lane deltas. Applying it is
+    then the write alone (:meth:`Transaction.put`)."""
+
+    tensor: torch.Tensor  # the live tensor it was read from
+    bits: StagedChange
+
+
+class StagingSource:
+    """What a reader may read of a target ahead of its apply; a target offers nothing unless
+    it overrides :meth:`staging` (the built-in dict target does)."""
+
+    def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+        """The live canonical tensors among ``names`` that :meth:`DeltaReader.prepare` may
+        read (never write) while the target stays in use, so that the apply is only the
+        write; the default stages nothing. A reader on its own syncing a one-version plan
+        applies the changes of these tensors while the fetch still decodes others, each
+        through :meth:`Transaction.change` on a thread of its pool, several tensors at once
+        (offer only tensors whose transaction takes that: distinct, untied, contiguous)."""
+        return {}
+
+
+class ReaderTransaction(ABC):
+    """The undo journal of a sync, which the reader runs on every transaction.
+
+    :meth:`change` applies one change (through :meth:`apply`, or :meth:`put` of what was
+    staged for it) and keeps its undo, :meth:`undo` reverts every change so far (newest
+    first), :meth:`rollback` undoes and aborts.
+    """
+
+    @abstractmethod
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The live canonical tensor for ``name``, or None (:meth:`Transaction.tensor`)."""
+
+    @abstractmethod
+    def apply(self, change: Change) -> Applied:
+        """Apply one change in place (:meth:`Transaction.apply`)."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Forget created, replaced and dropped tensors (:meth:`Transaction.abort`)."""
+
+    def _journal(self) -> list[Callable[[], None]]:
+        """The undo of every change made through :meth:`change`, oldest first (kept on the
+        instance, so subclasses need not call an ``__init__``)."""
+        journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
+        return journal
+
+    def keep_whole_undo(self) -> None:
+        """From now on keep the undo of each tensor :meth:`tensor` gives as the bits it held
+        before this transaction first changed it (one copy, in host memory), not as the
+        undo of each change: a transaction of many versions then holds at most one copy
+        of the model, not every change. A tensor a ``full`` write replaced or made needs
+        none after that write."""
+        self.__dict__["_whole_undo"] = {}
+
+    def change(self, change: Change, staged: Staged | None = None) -> Applied:
+        """Apply one change (:meth:`put` of what was staged for it where that still holds,
+        else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        whole: dict[str, torch.Tensor] | None = self.__dict__.get("_whole_undo")
+        if whole is not None:
+            return self._change_whole(change, whole)
+        applied = None if staged is None else self.put(change, staged)
+        if applied is None:
+            applied = self.apply(self.resolved(change))
+        self._journal().append(applied.undo)
+        return applied
+
+    def _change_whole(self, change: Change, whole: dict[str, torch.Tensor]) -> Applied:
+        """:meth:`change` under :meth:`keep_whole_undo`; ``whole``: by name, the tensor whose
+        bits from before the transaction an undo already restores whole."""
+        tensor = self.tensor(change.name)
+        if change.delta.op == FULL or tensor is None:
+            applied = self.apply(self.resolved(change))
+            self._journal().append(applied.undo)
+            written = self.tensor(change.name)
+            if change.delta.op == FULL and written is not None:
+                whole[change.name] = written  # its undo (or the abort) restores it whole
+            return applied
+        if whole.get(change.name) is not tensor:
+            saved = bits_view(tensor).reshape(-1).to("cpu", copy=True)
+            self._journal().append(restore_whole(tensor, saved))
+            whole[change.name] = tensor
+        return replace(self.apply(self.resolved(change)), undo=_nothing)
+
+    def put(self, change: Change, staged: Staged) -> Applied | None:
+        """Write a change staged while preparing: its ``after`` bits, where the tensor it
+        lands in is still the one it was read from (else None: :meth:`apply` it instead).
+
+        The bits and lane deltas are those read at staging. Positions of the change edited
+        since then get the version's bits anyway; an edit made before staging is caught by
+        the lanes as with :meth:`apply`, any other by an audit (FORMAT.md §11.3).
+        """
+        tensor = self.tensor(change.name)
+        if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
+            return None
+        bits = staged.bits
+        put_staged(tensor, bits)
+        return Applied(
+            lambda: unput_staged(tensor, bits),
+            bits.positions,
+            bits.before,
+            bits.after,
+            lane_deltas=bits.lane_deltas,
+        )
+
+    def resolved(self, change: Change) -> Change:
+        """``change`` completed against the tensor it lands in where the writer coded it
+        against the old bits (``classed`` positions, FORMAT.md §6.5; ``ulp`` and ``ulp-shift``
+        values, §7.5-7.6);
+        the tensor then holds exactly those bits (changes apply in version order)."""
+        if not change.delta.needs_target:
+            return change
+        tensor = self.tensor(change.name)
+        if tensor is None:
+            raise TargetError(f"the target lacks tensor {change.name!r}")
+        return resolved_against(change, tensor, keep_before=True)  # applied to it next
+
+    def undo(self) -> None:
+        """Revert every change made through :meth:`change`, newest first; the bits the
+        target held before the sync are back in place (tensors it created or dropped are
+        restored by :meth:`abort`)."""
+        journal = self._journal()
+        while journal:
+            journal.pop()()
+
+    def rollback(self) -> None:
+        """Undo every change and abort: the target is as it was before the sync."""
+        self.undo()
+        self.abort()
+
+
+def _nothing() -> None:
+    """The undo of a change another undo covers."""
+
+
+def restore_whole(tensor: torch.Tensor, saved: torch.Tensor | None) -> Callable[[], None]:
+    """The undo of a ``full`` write: the bits it replaced put back (None: nothing to)."""
+    if saved is None:
+        return lambda: None
+
+    def restore() -> None:
+        bits_view(tensor).reshape(-1).copy_(saved, non_blocking=False)
+
+    return restore
+
+
+def resolved_against(change: Change, old: torch.Tensor, *, keep_before: bool = False) -> Change:
+    """``change`` completed against ``old`` (its tensor's bits before the change;
+    ``keep_before``: see :func:`resolve`)."""
+    try:
+        return replace(change, delta=resolve(change.delta, old, keep_before=keep_before))
+    except (PositionsError, ValuesError) as exc:  # the streams checked out: the bits are not
+        # the parent's (classed positions that do not decode, ulp-shift low bits that do not fit)
+        raise BaselineMismatchError(
+            f"tensor {change.name!r} in the target is not the bits its change was coded "
+            "against; it was changed outside dcr: pull into a fresh target"
+        ) from exc
+
+
+def baseline_coding_error(name: str) -> BaselineCodingError:
+    """The error of a change coded against the old bits (``classed``, ``ulp``, ``ulp-shift``)
+    reaching a target that cannot read ``name``'s canonical old bits."""
+    return BaselineCodingError(
+        f"this version codes {name!r} against its old bits (positions-classed, "
+        "values-ulp or values-ulp-shift), which this target cannot read; its reader record "
+        "asks writers not to from the next version: sync to that one, or from a base"
+    )
