@@ -55,7 +55,7 @@ from dcr_format.targets.targets import (
 
 @dataclass
 class EarlyApply:
-    """A sync's taking of its changes as they are decoded (:meth:`DeltaReader._resolver`).
+    """A sync's taking of its changes as they are decoded (:meth:`Applying._resolver`).
 
     ``alone``, a reader on its own, opens the transaction once everything is verified and
     from then on applies each change on the process's apply pool (:meth:`start`,
@@ -238,7 +238,7 @@ class Applying(Auditing):
         joined) against the live tensor, so that the apply only writes it; a change that
         does not complete is left as it was, for the apply to refuse with the usual error.
         A reader on its own (``early.alone``) completes nothing before: it opens the
-        transaction then (:meth:`_open`, as :meth:`apply` would) and applies each change
+        transaction then (:meth:`_open`, as :meth:`DeltaReader.apply` would) and applies each change
         as it comes, those decoded before first; any failure from there rolls it back.
         """
         if len(plan.steps) != 1:
@@ -293,7 +293,7 @@ class Applying(Auditing):
         the sync holds the model once, not once more decoded (None otherwise).
 
         The transaction opens before the fetch (:meth:`_open`: the checks of
-        :meth:`apply`); a failure from there, of the fetch too, rolls it back."""
+        :meth:`DeltaReader.apply`); a failure from there, of the fetch too, rolls it back."""
         if not early.alone or not self.target.reads_baseline():
             return None
         preliminary = PreparedVersion(
@@ -322,7 +322,7 @@ class Applying(Auditing):
     ) -> DecodedDelta | None:
         """``delta`` completed against the live ``tensor`` it lands in (read only), with the
         rows this reader kept; None where it does not fit that tensor or does not complete
-        (left to :meth:`apply`, which refuses it with the usual error)."""
+        (left to :meth:`DeltaReader.apply`, which refuses it with the usual error)."""
         spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
         if (tensor.dtype, tuple(tensor.shape)) != spec:
             return None
@@ -334,7 +334,7 @@ class Applying(Auditing):
 
     def _stage(self, step: FetchedStep) -> dict[str, Staged]:
         """Read each xor/overwrite change against the live tensor it lands in (nothing is
-        written); a change that does not fit its tensor is left to :meth:`apply`, which
+        written); a change that does not fit its tensor is left to :meth:`DeltaReader.apply`, which
         refuses it with the usual error."""
         wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
         staged: dict[str, Staged] = {}
@@ -384,9 +384,9 @@ class Applying(Auditing):
         """Fetch each version of ``plan`` and apply it before fetching the next, so that a
         sync far behind holds one version decoded, not all of them.
 
-        The transaction opens first (:meth:`_open`: the checks of :meth:`apply`); where the
-        undo of each change would hold more than half the model, it keeps the undo of each
-        tensor as its bits before the sync first changed it instead
+        The transaction opens first (:meth:`_open`: the checks of :meth:`DeltaReader.apply`);
+        where the undo of each change would hold more than half the model, it keeps the undo
+        of each tensor as its bits before the sync first changed it instead
         (:meth:`Transaction.keep_whole_undo`), so the undo too is bounded by the model, not
         the plan; a base's tensors are written as they are decoded. Any failure rolls back
         every version applied so far."""
@@ -395,7 +395,7 @@ class Applying(Auditing):
             _spend=True,
         )  # fmt: skip
         sync = self._open(preliminary, early.audit, prepare=False)
-        early.sync = sync  # a failure of a fetch rolls it back (:meth:`_prepare_for`)
+        early.sync = sync  # a failure of a fetch rolls it back (:meth:`DeltaReader._prepare_for`)
         if _undo_bytes(plan) > self._model_bytes(plan) // 2:  # else the undo of each change
             sync.txn.keep_whole_undo()
         # a base's tensors are written as they are decoded (one writer), as in :meth:`_streamer`
@@ -417,7 +417,7 @@ class Applying(Auditing):
                 sync.txn.prepare([c for c in step_changes(fetched) if c.delta is not SPENT])
                 self._change_step(sync, fetched)
             except BaseException as exc:
-                early.sync = None  # rolled back here, as :meth:`apply` does
+                early.sync = None  # rolled back here, as :meth:`DeltaReader.apply` does
                 raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
             sync.applied.clear()  # the next version changes the same names again
             steps.append(fetched)

@@ -11,6 +11,10 @@ its job decoded it and may complete it against the live target (read only) while
 workers decode the entries after it, instead of waiting for the whole version; it is also
 told once every job has fetched and verified its shards, so that it may start applying
 the entries decoded from then on while the workers decode the rest.
+
+A target that keeps the goal's checkpoint files gets those it lacks, each checked against
+its size and sha256 (:func:`fetch_files`), before any shard; a sync that decodes a base or
+several versions holds at most an eighth of the model inflated (:class:`SyncBudget`).
 """
 
 from __future__ import annotations

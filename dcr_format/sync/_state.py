@@ -5,7 +5,7 @@ and decoded, not yet applied); :class:`ApplyState` is one apply in progress (its
 transaction, and what the checks and changes found); :class:`VerifiedLanes` are the lanes a
 reader verified at its last commit, which the audit policy lets later syncs trust.
 :class:`ReaderState` holds the reader's settings and what it keeps between syncs; the phase
-modules (:mod:`._apply`, :mod:`._diagnose`, :mod:`._audit`, :mod:`._commit`) add the
+modules (``_apply.py``, ``_diagnose.py``, ``_audit.py``, ``_commit.py``) add the
 methods that act on it, and :class:`~dcr_format.sync.reader.DeltaReader` runs them in order.
 """
 
@@ -49,7 +49,7 @@ class PreparedVersion:
     _sync_plan: SyncPlan | None = field(repr=False, default=None)
     # changes of a one-step plan read against the live tensors (Target.staging), by name
     _staged: Mapping[str, Staged] = field(repr=False, default_factory=dict)
-    # a sync's apply, opened while the fetch still decoded (DeltaReader._resolver): its
+    # a sync's apply, opened while the fetch still decoded (Applying._resolver): its
     # changes so far are applied, and DeltaReader.apply goes on with it
     _open: ApplyState | None = field(repr=False, default=None)
     # the goal's checkpoint files for a target that keeps them (None: it keeps none)
@@ -135,7 +135,8 @@ class ReaderState:
     _last_table: tuple[str, dict[str, TensorState]] | None  # (record sha, table)
     _verified: VerifiedLanes | None
     # exponent rows of the resident bits of tensors the last classed change reached, by
-    # name: (fingerprint, rows)
+    # name: (fingerprint, rows), so that the next one need not count them (one pass over
+    # the tensor); keyed by the fingerprint of the bits they describe
     _rows: dict[str, tuple[str, np.ndarray]]
     # the last reader record written: (reader id, overwrite names, reads_baseline)
     _recorded: tuple[str, frozenset[str], bool] | None

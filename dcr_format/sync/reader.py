@@ -1,17 +1,17 @@
 """The rollout side: :class:`DeltaReader` runs a sync as plan, fetch and verify, apply,
-commit.
+commit, each phase in its own module of :mod:`dcr_format.sync`.
 
-1. Plan (:mod:`._plan`): from metadata only, the versions to apply, the objects with their
+1. Plan (``_plan.py``): from metadata only, the versions to apply, the objects with their
    sizes and sha256, each target tensor's change, and the checks.
-2. Fetch and verify (:mod:`._fetch`): parallel verified gets, inflated and decoded within a
+2. Fetch and verify (``_fetch.py``): parallel verified gets, inflated and decoded within a
    budget; nothing touches the target.
-3. Apply (:mod:`._apply`): through the target's transaction, which keeps the undo of every
+3. Apply (``_apply.py``): through the target's transaction, which keeps the undo of every
    change until it commits or rolls back; the baseline checks first and the goal's
-   fingerprints last (:mod:`._diagnose`), reading the resident bits in full when the audit
-   policy says so (:mod:`._audit`). A reader on its own overlaps this with the fetch once
+   fingerprints last (``_diagnose.py``), reading the resident bits in full when the audit
+   policy says so (``_audit.py``). A reader on its own overlaps this with the fetch once
    every object is verified.
 4. Commit: the target records the goal as its resident version, and the reader keeps what
-   the next sync trusts (:mod:`._commit`, which also writes the reader records).
+   the next sync trusts (``_commit.py``, which also writes the reader records).
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from dcr_format.chain.chain import Chain, TensorState, state_table
+from dcr_format.chain.chain import Chain, state_table
 from dcr_format.delta.delta import DecodedDelta
 from dcr_format.errors import (
     ArgumentError,
@@ -154,15 +153,11 @@ class DeltaReader(Applying, Committing):
             if group is None
             else ReaderGroup(group, before_agreeing=epoch)
         )
-        self._last_table: tuple[str, dict[str, TensorState]] | None = None  # (record sha, table)
-        self._verified: VerifiedLanes | None = None
-        # exponent rows of the resident bits of tensors the last classed change reached, by
-        # name: (fingerprint, rows), so that the next one need not count them (one pass over
-        # the tensor); keyed by the fingerprint of the bits they describe
-        self._rows: dict[str, tuple[str, np.ndarray]] = {}
+        self._last_table = None
+        self._verified = None
+        self._rows = {}
         self.reader_id = reader_id
-        # the last reader record written: (reader id, overwrite names, reads_baseline)
-        self._recorded: tuple[str, frozenset[str], bool] | None = None
+        self._recorded = None
 
     def versions(self) -> list[int]:
         """Committed versions of the chain, ascending."""
