@@ -21,7 +21,7 @@ from conftest import (
 )
 from safetensors.torch import load_file, save_file
 
-import dcr_format.sync.reader as reader_module
+import dcr_format.sync._diagnose as diagnose_module
 import dcr_format.targets.protocol as targets_module
 from dcr_format import (
     DcrError,
@@ -362,7 +362,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     before = setup.capture()
     applied = False
     apply_delta = targets_module.apply_change
-    from_lanes = reader_module.fingerprint_from_lanes
+    from_lanes = diagnose_module.fingerprint_from_lanes
 
     def apply_and_note(tensor, delta, **options):
         nonlocal applied
@@ -375,7 +375,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     # "touched" follows the lanes through the change, "all" reads them again: both end in
     # fingerprint_from_lanes
     monkeypatch.setattr(targets_module, "apply_change", apply_and_note)
-    monkeypatch.setattr(reader_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
+    monkeypatch.setattr(diagnose_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
     with pytest.raises(FingerprintMismatchError, match="after applying; the target was rolled"):
         setup.reader(verify=verify).sync()
     assert applied

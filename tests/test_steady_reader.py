@@ -458,7 +458,7 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
     tensor may be read again by then). A reader on its own completes every change in its
     transaction, as does a sync of two versions; every one applies bit for bit."""
     import dcr_format.delta.delta as delta_module
-    import dcr_format.sync.reader as reader_module
+    import dcr_format.sync._apply as apply_module
     from dcr_format.bench.refit import lr_for
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
@@ -481,7 +481,7 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
         return real_apply(flat, positions, z, lanes=lanes, before=before)
 
     monkeypatch.setattr(targets_module, "resolve", spy("transaction"))
-    monkeypatch.setattr(reader_module, "resolve", spy("early"))
+    monkeypatch.setattr(apply_module, "resolve", spy("early"))
     monkeypatch.setattr(delta_module.dispatch, "apply_ulp_with_lanes", apply)
     reader.sync()  # one version: changes decoded before the last are completed early
     assert len(calls) == len(entries)
@@ -516,13 +516,13 @@ def test_a_group_member_completes_changes_while_later_ones_are_still_decoded(tmp
     reader decoded the whole version first), and the version still applies bit for bit."""
     import threading
 
+    import dcr_format.sync._apply as apply_module
     import dcr_format.sync._fetch as fetch_module
-    import dcr_format.sync.reader as reader_module
 
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     _as_group_member(reader)
     completed, waited = threading.Event(), []
-    real_resolve, real_decode = reader_module.resolve, fetch_module._decode_entry
+    real_resolve, real_decode = apply_module.resolve, fetch_module._decode_entry
 
     def resolve(delta, tensor):
         done = real_resolve(delta, tensor)
@@ -534,7 +534,7 @@ def test_a_group_member_completes_changes_while_later_ones_are_still_decoded(tmp
             waited.append(completed.wait(timeout=30))
         return real_decode(entry, manifest, streams, symbols)
 
-    monkeypatch.setattr(reader_module, "resolve", resolve)
+    monkeypatch.setattr(apply_module, "resolve", resolve)
     monkeypatch.setattr(fetch_module, "_decode_entry", decode)
     result = reader.sync()
     assert waited == [True]
@@ -677,8 +677,8 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
     next sync, with the shard intact again, applies the version bit for bit."""
     import threading
 
+    import dcr_format.sync._apply as apply_module
     import dcr_format.sync._fetch as fetch_module
-    import dcr_format.sync.reader as reader_module
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path, shard_bytes=16)
     if member == "group":
@@ -691,7 +691,7 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
     calls, waited, completed, opened = [], [], threading.Event(), []
-    real_resolve, real_get = reader_module.resolve, fetch_module.get_verified
+    real_resolve, real_get = apply_module.resolve, fetch_module.get_verified
     real_begin = reader.target.begin
 
     def resolve(delta, tensor):
@@ -710,7 +710,7 @@ def test_a_failed_shard_after_completed_changes_leaves_the_target_untouched(
         opened.append(True)
         return real_begin()
 
-    monkeypatch.setattr(reader_module, "resolve", resolve)
+    monkeypatch.setattr(apply_module, "resolve", resolve)
     monkeypatch.setattr(fetch_module, "get_verified", get_verified)
     monkeypatch.setattr(reader.target, "begin", begin)
     before = snapshot(tensors)

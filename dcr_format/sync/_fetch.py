@@ -11,6 +11,10 @@ its job decoded it and may complete it against the live target (read only) while
 workers decode the entries after it, instead of waiting for the whole version; it is also
 told once every job has fetched and verified its shards, so that it may start applying
 the entries decoded from then on while the workers decode the rest.
+
+A target that keeps the goal's checkpoint files gets those it lacks, each checked against
+its size and sha256 (:func:`fetch_files`), before any shard; a sync that decodes a base or
+several versions holds at most an eighth of the model inflated (:class:`SyncBudget`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import contextlib
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +99,54 @@ def fetch_step(
     """Fetch, verify and decode one step of a plan (``map_fn``: a thread pool's map;
     ``early``: see :func:`fetch_changes`)."""
     return FetchedStep(step, fetch_changes(store, step.fetch, map_fn, budget, early=early))
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """A version's checkpoint files (FORMAT.md §3.5.6) for a target that keeps them: every
+    file's sha256 by name, and the verified bytes of those the target does not hold."""
+
+    listed: Mapping[str, str]
+    fetched: Mapping[str, bytes]
+
+
+def fetch_files(
+    store: Store,
+    held: Mapping[str, str] | None,
+    manifests: tuple[Manifest, ...],
+    pool: Executor,
+) -> CheckpointFiles | None:
+    """The goal's checkpoint files, for a target that keeps them (``held``: the sha256 of
+    each file it holds, by name; None: it keeps none): each one it does not hold with the
+    same sha256 is fetched and checked (size, then sha256)."""
+    if held is None:
+        return None
+    refs = [ref for manifest in manifests if manifest.rank == 0 for ref in manifest.files]
+    wanted = [ref for ref in refs if held.get(ref.name) != ref.sha256]
+    found = pool.map(
+        lambda ref: get_verified(store, ref.key, size=ref.size, sha256=ref.sha256),
+        wanted,
+    )
+    fetched = {ref.name: data for ref, data in zip(wanted, found, strict=True)}
+    return CheckpointFiles({ref.name: ref.sha256 for ref in refs}, fetched)
+
+
+class SyncBudget(DecodeBudget):
+    """One sync's share of the reader's decode budget: at most ``limit`` bytes of its
+    inflated shards at once (an eighth of the model: a base's shards are as big as the
+    model, and decoding all of them at once would hold it twice), within ``shared``; each
+    job gives back the heap pages it freed."""
+
+    gives_back = True
+
+    def __init__(self, shared: DecodeBudget, limit: int) -> None:
+        super().__init__(max(1, limit))
+        self.shared = shared
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        with super().hold(nbytes), self.shared.hold(nbytes):
+            yield
 
 
 def fetch_changes(

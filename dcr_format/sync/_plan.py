@@ -1,31 +1,41 @@
 """Planning a sync from metadata only: which versions, which objects, which checks.
 
-Everything here is plain data computed from commit records and manifests that the
-reader has already read and validated (FORMAT.md §11.4 step 1); nothing touches a
-store or a target, so a plan can be built and inspected from hand-made records. The
-reader then fetches the plan's objects (:mod:`dcr_format.sync._fetch`) and applies
-the decoded changes through the target's transaction.
+The plan itself is plain data computed from commit records and manifests that have been
+read and validated (FORMAT.md §11.4 step 1): nothing in it touches a shard or a target,
+so a plan can be built and inspected from hand-made records. :func:`read_plan` reads
+and checks those records and manifests from the chain (the resident version's record,
+each version's link to its parent, an alternative base where it fetches less) and builds
+the plan from them. The reader then fetches the plan's objects
+(:mod:`dcr_format.sync._fetch`) and applies the decoded changes through the target's
+transaction (:mod:`dcr_format.sync._apply`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from dcr_format.chain.bases import alternative_bases, load_base, read_base_record
 from dcr_format.chain.chain import (
+    Chain,
     LoadedRecord,
     TensorChange,
     TensorState,
     resolve_parents,
+    state_table,
     table_fingerprint,
     tensor_changes,
 )
 from dcr_format.errors import (
     ChainBrokenError,
+    DcrError,
     DecodeLimitError,
     SchemaError,
     ShardError,
+    TargetError,
     VersionNotFoundError,
 )
 from dcr_format.format.budget import decoded_bytes
@@ -33,6 +43,9 @@ from dcr_format.format.dtypes import info_for
 from dcr_format.format.features import CODING_FEATURES
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.format.shard import positions_bound, shard_decoded_bound
+
+if TYPE_CHECKING:
+    from dcr_format.targets.change import Resident
 
 # what a plan needs to know about the target: does it take this tensor at all?
 Wants = Callable[[str, str, tuple[int, ...]], bool]
@@ -452,3 +465,153 @@ def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
             shard = limits.setdefault(ref.shard, {})
             shard[ref.key] = max(shard.get(ref.key, 0), bound)
     return limits
+
+
+# --- reading the metadata a plan is made from ---------------------------------------------
+
+
+def check_goal(
+    chain: Chain, resident: Resident | None, goal: int, committed: list[int]
+) -> int | None:
+    """The resident version, once the target's chain and the goal are checked."""
+    header = chain.header
+    if resident is not None and resident.chain_id != header.chain_id:
+        raise TargetError(
+            f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
+            "use a fresh target for this store"
+        )
+    if not committed:
+        raise VersionNotFoundError(f"{chain.store.url} has no committed version yet")
+    if goal not in committed:
+        raise VersionNotFoundError(f"version {goal} is not committed in {chain.store.url}")
+    previous = resident.version if resident is not None else None
+    if previous is not None and previous > goal:
+        raise TargetError(
+            f"the target is at version {previous}, newer than {goal}; "
+            "replay older versions into a fresh target"
+        )
+    return previous
+
+
+def plan_versions(
+    chain: Chain, resident: Resident | None, goal: int, committed: list[int]
+) -> tuple[list[int], int | None]:
+    """The versions to apply; the second item is the first version when it starts from
+    that version's alternative base (None otherwise)."""
+    return choose_versions(
+        None if resident is None else resident.version,
+        goal,
+        committed,
+        kind=lambda version: chain.record(version).record.kind,
+        alternatives=lambda: alternative_bases(chain.store),
+        where=chain.store.url,
+        cost=lambda version, alternative: _cost(chain, version, alternative),
+    )
+
+
+def _cost(chain: Chain, version: int, alternative: bool) -> int:
+    """Bytes a version's objects (or its alternative base's) take to fetch, as its
+    record states them (a planning estimate: what is fetched is checked as always);
+    an alternative base that cannot be read counts as never cheaper."""
+    if not alternative:
+        return chain.record(version).record.stats.payload_bytes
+    try:
+        return read_base_record(chain, version)[0].stats.payload_bytes
+    except DcrError:
+        return sys.maxsize
+
+
+def resident_record(chain: Chain, resident: Resident) -> LoadedRecord:
+    """The resident version's commit record, checked against the one the target applied."""
+    loaded = chain.record(resident.version)
+    if resident.record_sha256 is not None and resident.record_sha256 != loaded.sha256:
+        raise ChainBrokenError(
+            f"the commit record of version {resident.version} is not the one the target "
+            "applied (was it rewritten by a second writer?); run `dcr verify` on the "
+            "store and pull into a fresh target"
+        )
+    return loaded
+
+
+def read_plan(
+    chain: Chain,
+    resident: Resident | None,
+    goal: int,
+    committed: list[int],
+    pool: ThreadPoolExecutor,
+    *,
+    wants: Wants,
+    max_shard_bytes: int,
+    table_of: Callable[[LoadedRecord], dict[str, TensorState]],
+) -> SyncPlan:
+    """Read and validate the metadata of every version to apply, and plan from it
+    (``table_of``: a record's state table, where the reader keeps it)."""
+    versions, alternative = plan_versions(chain, resident, goal, committed)
+    # incremental: the plan continues from the resident version (else it starts at a base)
+    incremental = (
+        resident is not None
+        and versions[0] == resident.version + 1
+        and resident.version in set(committed)
+    )
+    parent: LoadedRecord | None = None
+    parent_table: dict[str, TensorState] | None = None
+    if incremental:
+        assert resident is not None
+        parent = resident_record(chain, resident)
+        parent_table = table_of(parent)
+    resident_table = parent_table
+    steps: list[StepPlan] = []
+    for version in versions:
+        loaded = chain.record(version)
+        if parent is not None:
+            chain.check_link(parent, loaded)
+        step = _plan_version(
+            chain,
+            loaded,
+            version == alternative,
+            parent_table,
+            pool,
+            wants=wants,
+            max_shard_bytes=max_shard_bytes,
+        )
+        steps.append(step)
+        parent, parent_table = loaded, step.table
+    return SyncPlan(
+        goal,
+        None if resident is None else resident.version,
+        tuple(steps),
+        incremental,
+        resident_table,
+        plan_checks(steps),
+    )
+
+
+def _plan_version(
+    chain: Chain,
+    loaded: LoadedRecord,
+    alternative: bool,
+    parent_table: dict[str, TensorState] | None,
+    pool: ThreadPoolExecutor,
+    *,
+    wants: Wants,
+    max_shard_bytes: int,
+) -> StepPlan:
+    """Read one version's manifests (or its alternative base), check them, plan it."""
+    if alternative:  # validated like a commit base (FORMAT.md §14)
+        snapshot = load_base(chain, loaded, map_fn=pool.map)
+        manifests, table = snapshot.manifests, snapshot.table
+        metadata = sum(ref.size for ref in snapshot.record.manifests)
+    else:
+        manifests = chain.manifests(loaded, map_fn=pool.map)
+        table = state_table(manifests)
+        manifests = check_version(loaded, manifests, table, parent_table)
+        metadata = sum(ref.size for ref in loaded.record.manifests)
+    return plan_step(
+        loaded,
+        manifests,
+        table,
+        base=alternative or loaded.record.kind == "base",
+        wants=wants,
+        max_shard_bytes=max_shard_bytes,
+        metadata_bytes=metadata,
+    )

@@ -41,7 +41,8 @@ from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.format.shard import decode_shard
 from dcr_format.store.store import Store, open_store
-from dcr_format.sync.reader import DeltaReader, _decode_entry
+from dcr_format.sync._fetch import _decode_entry
+from dcr_format.sync.reader import DeltaReader
 from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress

@@ -26,6 +26,7 @@ from dcr_format.chain.chain import Chain
 from dcr_format.delta.fingerprint import tensor_fingerprint
 from dcr_format.errors import IntegrityError, TargetError
 from dcr_format.store.store import Store, open_store
+from dcr_format.sync._plan import plan_versions
 from dcr_format.sync.reader import DeltaReader, SyncResult
 from dcr_format.system.fsync import fsync
 from dcr_format.targets.directory import DIR_STATE_FILE, SafetensorsDirTarget
@@ -143,7 +144,7 @@ def _planned_bytes(reader: DeltaReader, target: Target, version: int) -> int | N
         committed = reader.chain.versions()
         if version not in committed or (resident is not None and resident.version >= version):
             return None
-        plan, alternative = reader._plan(resident, version, committed)
+        plan, alternative = plan_versions(reader.chain, resident, version, committed)
         total = 0
         for v in plan:
             if v == alternative:

@@ -21,7 +21,8 @@ from dcr_format.chain.chain import (
 from dcr_format.errors import ChainBrokenError, DcrError, VersionNotFoundError
 from dcr_format.format.schema import Manifest
 from dcr_format.store.store import Store, open_store
-from dcr_format.sync.reader import DeltaReader, _check_continuity
+from dcr_format.sync._plan import _check_continuity
+from dcr_format.sync.reader import DeltaReader
 from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Problem, Row
 from dcr_format.tools._progress import Progress

@@ -1,0 +1,503 @@
+"""The apply: the target's transaction, the changes staged and applied, and the apply
+that overlaps the fetch.
+
+A sync opens the transaction (:meth:`Applying._open`: claim the target, check it holds what
+the plan started from, run the baseline checks), applies each version's changes
+(:meth:`Applying._change_step`), and on any failure undoes every change
+(:meth:`Applying._rolled_back`). :meth:`DeltaReader.prepare` reads a one-version plan's
+changes against the live tensors first (:meth:`Applying._stage`), so the apply only writes.
+A reader on its own overlaps the apply with the fetch (:class:`EarlyApply`): it applies
+each change as it is decoded once every object is verified (:meth:`Applying._resolver`),
+writes a base as it is decoded (:meth:`Applying._streamer`), and applies a plan of several
+versions one version after the other (:meth:`Applying._fetch_and_apply`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from dcr_format.codings.positions import compiled, serial_kernels
+from dcr_format.delta.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
+from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
+from dcr_format.errors import (
+    ApplyError,
+    DcrError,
+    FingerprintMismatchError,
+    GroupAbortError,
+    IntegrityError,
+    TargetBusyError,
+    TargetError,
+)
+from dcr_format.format.budget import DecodeBudget
+from dcr_format.format.dtypes import info_for
+from dcr_format.format.schema import Entry
+from dcr_format.sync._audit import Auditing
+from dcr_format.sync._fetch import Early, FetchedStep, fetch_step
+from dcr_format.sync._plan import SyncPlan
+from dcr_format.sync._state import ApplyState, PreparedVersion
+from dcr_format.system.pools import kept_pool
+from dcr_format.targets.change import Applied, Change, Resident
+from dcr_format.targets.claim import claim_target
+from dcr_format.targets.protocol import Transaction
+from dcr_format.targets.reader_side import Staged
+
+
+@dataclass
+class EarlyApply:
+    """A sync's taking of its changes as they are decoded (:meth:`Applying._resolver`).
+
+    ``alone``, a reader on its own, opens the transaction once everything is verified and
+    from then on applies each change on the process's apply pool (:meth:`start`,
+    :meth:`give`, :meth:`finish`; it waits for its own changes only, so readers may share
+    the pool); the first failure there stops the rest and is raised."""
+
+    alone: bool
+    audit: bool  # the sync was asked to audit
+    # changes decoded before the transaction opened, to apply as it opens
+    ready: list[tuple[Entry, DecodedDelta]] = field(default_factory=list)
+    sync: ApplyState | None = None  # the transaction's apply, once open
+    threads: int = 1  # the pool's
+    _apply: Callable[[Entry, DecodedDelta], None] | None = None
+    _applying: ThreadPoolExecutor | None = None
+    _given: list[Future[None]] = field(default_factory=list)
+    _failed: list[BaseException] = field(default_factory=list)
+
+    def start(self, sync: ApplyState, apply: Callable[[Entry, DecodedDelta], None]) -> None:
+        """The transaction is open: apply the changes held so far, and each one given (on
+        a pool kept for the process: its threads keep their memory from sync to sync)."""
+        self.sync, self._apply = sync, apply
+        self._applying = kept_pool("dcr-apply", self.threads)
+        ready, self.ready = self.ready, []
+        for entry, delta in ready:
+            self.give(entry, delta)
+
+    def give(self, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one change on the pool once the transaction is open (else hold it); raises
+        an earlier change's failure instead."""
+        if self._failed:
+            raise self._failed[0]
+        if self._applying is None:
+            self.ready.append((entry, delta))
+        else:
+            self._given.append(self._applying.submit(self._run, entry, delta))
+
+    def _run(self, entry: Entry, delta: DecodedDelta) -> None:
+        if self._failed:
+            return  # the sync fails: the rest is not applied
+        assert self._apply is not None
+        try:
+            # several of the pool's threads fill the cores already
+            with serial_kernels() if self.threads > 1 else contextlib.nullcontext():
+                self._apply(entry, delta)
+        except BaseException as exc:
+            self._failed.append(exc)
+
+    def failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is the failure of a change given (not of the fetch)."""
+        return bool(self._failed) and exc is self._failed[0]
+
+    def finish(self) -> None:
+        """Wait for every change given; raise the first that failed."""
+        wait(self._given)
+        if self._failed:
+            raise self._failed[0]
+
+
+class Applying(Auditing):
+    """The reader's transaction and changes."""
+
+    def _begin(self, *, wait: bool = True) -> tuple[Transaction, Callable[[], None]]:
+        """Claim the target (no other sync of it in this process until the release;
+        ``wait``: for the target's time, else refuse at once with :class:`TargetBusyError`)
+        and open a transaction; any failure to open it is a :class:`TargetError`."""
+        release = claim_target(self.target, self.target.claim_timeout() if wait else 0)
+        try:
+            return self.target.begin(), release
+        except DcrError:
+            release()
+            raise
+        except Exception as exc:
+            release()
+            raise TargetError(
+                f"could not open the target ({exc}); repair or remove the target and pull again"
+            ) from exc
+        except BaseException:
+            release()
+            raise
+
+    def _rolled_back(
+        self, exc: BaseException, txn: Transaction, sync: ApplyState | None, *, as_is: bool = False
+    ) -> BaseException:
+        """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
+        integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
+        self._rows.clear()  # counted again next time, whatever went wrong
+        for step in () if sync is None else sync.steps:  # a prepared version may be retried
+            for _, delta in step.changes:
+                if delta.rows is not None:
+                    delta.rows.rows = None
+        try:
+            txn.undo()
+            if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
+                exc = self._diagnose(exc, sync)  # reads the restored bits
+            txn.abort()
+        finally:
+            if sync is not None:
+                sync.release()  # the target is as it was: the next sync may check it
+        if as_is or isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
+            return exc
+        if isinstance(exc, Exception):
+            error = ApplyError(f"applying failed and was rolled back: {exc}")
+            error.__cause__, error.__suppress_context__ = exc, True  # raise ... from exc
+            return error
+        return exc
+
+    def _open(
+        self, prepared: PreparedVersion, asked: bool, *, prepare: bool = True, wait: bool = True
+    ) -> ApplyState:
+        """Claim the target and open the transaction that applies ``prepared``, then check
+        the target before anything changes (``prepare``: also let the target refuse every
+        change now, where they are all decoded); a failure once it is open rolls it back.
+
+        The target holds what ``prepared`` was planned from (else :class:`StalePreparedError`)
+        is checked under the claim, so no other sync moves it until this one ends.
+        ``wait``: see :meth:`_begin`."""
+        txn, release = self._begin(wait=wait)
+        try:
+            resident = self._check_fresh(prepared)
+        except BaseException:
+            try:
+                txn.abort()
+            finally:
+                release()
+            raise
+        audited = self._audit_due(resident, asked)
+        known = None if audited else self._verified
+        self._verified = None  # dropped on any failure; set again only on commit
+        sync = ApplyState(prepared, txn, audited, known, release)
+        try:
+            self._check_target(sync)
+            if prepare:
+                txn.prepare(_changes(sync, lambda name: True))
+        except BaseException as exc:
+            raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
+        return sync
+
+    def _change_step(self, sync: ApplyState, step: FetchedStep) -> None:
+        """Apply one version's changes (a base first drops the selected names it lacks);
+        those applied while the fetch still decoded are done already."""
+        txn = sync.txn
+        if step.base or not sync.prepared._incremental:
+            for name in txn.names():
+                if self.select(name) and name not in step.table:
+                    txn.drop(name)
+        changes = step.changes
+        for index, (entry, delta) in enumerate(changes):
+            if entry.name not in sync.applied:
+                self._change_entry(sync, entry, delta)
+            if sync.prepared._spend:  # its memory goes now, not with the whole version
+                changes[index] = (entry, SPENT)
+
+    def _change_entry(self, sync: ApplyState, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
+        if entry.op != FULL and entry.changed == 0:
+            return
+        info = info_for(entry.dtype)
+        change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
+        self._give_rows(entry, delta, sync.rows)
+        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name))
+        _follow_rows(sync, entry, delta, applied)
+        if entry.op == FULL:
+            sync.lanes[entry.name] = applied.lanes
+            if entry.changed == 0:
+                return
+        else:
+            # the fingerprint follows the change (O(changed)), from the bits read back
+            sync.lanes[entry.name] = _lanes_after(sync.lanes.get(entry.name), applied)
+        sync.touched.add(entry.name)
+
+    def _resolver(
+        self, plan: SyncPlan, early: EarlyApply, resident: Resident | None, pool: ThreadPoolExecutor
+    ) -> Early | None:
+        """For a one-step plan, what takes each change decoded while the fetch workers
+        decode the changes after it, for a tensor the target offers for reading
+        (:meth:`Target.staging`); None where there is no such change.
+
+        Until every object is fetched and verified, a change coded against the old bits is
+        completed (:func:`resolve`: ``classed`` positions found, ``ulp-shift`` values
+        joined) against the live tensor, so that the apply only writes it; a change that
+        does not complete is left as it was, for the apply to refuse with the usual error.
+        A reader on its own (``early.alone``) completes nothing before: it opens the
+        transaction then (:meth:`_open`, as :meth:`DeltaReader.apply` would) and applies each change
+        as it comes, those decoded before first; any failure from there rolls it back.
+        """
+        if len(plan.steps) != 1:
+            return None  # a later step's old bits are those the earlier steps leave
+        if plan.steps[0].base:
+            return self._streamer(plan, early, resident, pool)
+        names = {
+            entry.name
+            for _, entry in plan.steps[0].fetch.wanted
+            if entry.op != FULL and entry.changed and entry.piece is None
+        }
+        tensors = self.target.staging(names) if names else {}
+        if not tensors:
+            return None
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            tensor = tensors.get(entry.name)
+            if tensor is None:
+                return delta
+            if early.alone:  # applied as soon as the transaction is open
+                early.give(entry, delta)
+                return delta
+            done = self._resolved_live(entry, delta, tensor) if delta.needs_target else None
+            if done is None:
+                return delta
+            return replace(done, rows=delta.rows)  # the rows follow the change (_follow_rows)
+
+        def verified() -> None:
+            preliminary = PreparedVersion(
+                plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
+            )
+            try:  # another sync of the target applies now: this one applies after the fetch
+                sync = self._open(preliminary, early.audit, prepare=False, wait=False)
+            except TargetBusyError:
+                return
+            early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        if not early.alone:
+            return Early(pool, take)
+        # host tensors take changes on every core at once (each on one); the fetch workers
+        # decode on all but one meanwhile
+        cores = kernel_threads()
+        on_host = all(t.device.type == "cpu" for t in tensors.values())
+        early.threads = cores if on_host else 1
+        return Early(pool, take, verified, max(1, cores - 1))
+
+    def _streamer(
+        self, plan: SyncPlan, early: EarlyApply, resident: Resident | None, pool: ThreadPoolExecutor
+    ) -> Early | None:
+        """For a one-step plan of a base, by a reader on its own into a target of canonical
+        tensors: what writes each tensor into the target as soon as it is decoded, so that
+        the sync holds the model once, not once more decoded (None otherwise).
+
+        The transaction opens before the fetch (:meth:`_open`: the checks of
+        :meth:`DeltaReader.apply`); a failure from there, of the fetch too, rolls it back."""
+        if not early.alone or not self.target.reads_baseline():
+            return None
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
+        )
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.threads = 1  # one writer: a target's new tensors are made one at a time
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return SPENT  # the version keeps no copy: the target holds it
+
+        return Early(pool, take, lambda: None, max(1, kernel_threads() - 1))
+
+    def _change_now(self, sync: ApplyState, entry: Entry, delta: DecodedDelta) -> None:
+        """Apply one change while the fetch still decodes others (refused first, as
+        :meth:`Transaction.prepare` would refuse it with the rest)."""
+        info = info_for(entry.dtype)
+        sync.txn.prepare([Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)])
+        self._change_entry(sync, entry, delta)
+        sync.applied.add(entry.name)
+
+    def _resolved_live(
+        self, entry: Entry, delta: DecodedDelta, tensor: torch.Tensor
+    ) -> DecodedDelta | None:
+        """``delta`` completed against the live ``tensor`` it lands in (read only), with the
+        rows this reader kept; None where it does not fit that tensor or does not complete
+        (left to :meth:`DeltaReader.apply`, which refuses it with the usual error)."""
+        spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
+        if (tensor.dtype, tuple(tensor.shape)) != spec:
+            return None
+        self._give_rows(entry, delta, {})
+        try:
+            return resolve(delta, tensor)
+        except (IndexError, DcrError):
+            return None
+
+    def _stage(self, step: FetchedStep) -> dict[str, Staged]:
+        """Read each xor/overwrite change against the live tensor it lands in (nothing is
+        written); a change that does not fit its tensor is left to :meth:`DeltaReader.apply`, which
+        refuses it with the usual error."""
+        wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
+        staged: dict[str, Staged] = {}
+        # read while no other sync changes the tensors (a rollback would restore other bits)
+        release = claim_target(self.target, self.target.claim_timeout())
+        try:
+            for name, tensor in self.target.staging(wanted).items():
+                entry, delta = wanted[name]
+                # codings against the old bits are completed against the live tensor first
+                done = self._resolved_live(entry, delta, tensor)
+                if done is None:
+                    continue
+                try:
+                    staged[name] = Staged(tensor, stage_change(tensor, done))
+                except (IndexError, DcrError):
+                    continue
+        finally:
+            release()
+        return staged
+
+    def _give_rows(
+        self, entry: Entry, delta: DecodedDelta, pending: dict[str, tuple[str, np.ndarray]]
+    ) -> None:
+        """Hand a ``classed`` change the exponent rows of its parent's bits where this reader
+        kept them (``pending``: those of this sync's earlier versions, else the committed
+        ones), so that :func:`resolve` need not count them."""
+        slot = delta.rows
+        if slot is None or slot.rows is not None:
+            return
+        kept = pending.get(entry.name) or self._rows.get(entry.name)
+        if kept is not None and kept[0] == entry.parent_fingerprint:
+            slot.rows = kept[1]
+
+    def _in_turn(self, plan: SyncPlan, early: EarlyApply) -> bool:
+        """Whether a sync applies ``plan`` version by version as each is fetched (a reader on
+        its own, a plan of several versions, a target of canonical tensors)."""
+        return early.alone and len(plan.steps) > 1 and self.target.reads_baseline()
+
+    def _fetch_and_apply(
+        self,
+        plan: SyncPlan,
+        early: EarlyApply,
+        resident: Resident | None,
+        pool: ThreadPoolExecutor,
+        budget: DecodeBudget,
+    ) -> tuple[FetchedStep, ...]:
+        """Fetch each version of ``plan`` and apply it before fetching the next, so that a
+        sync far behind holds one version decoded, not all of them.
+
+        The transaction opens first (:meth:`_open`: the checks of :meth:`DeltaReader.apply`);
+        where the undo of each change would hold more than half the model, it keeps the undo
+        of each tensor as its bits before the sync first changed it instead
+        (:meth:`Transaction.keep_whole_undo`), so the undo too is bounded by the model, not
+        the plan; a base's tensors are written as they are decoded. Any failure rolls back
+        every version applied so far."""
+        preliminary = PreparedVersion(
+            plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan,
+            _spend=True,
+        )  # fmt: skip
+        sync = self._open(preliminary, early.audit, prepare=False)
+        early.sync = sync  # a failure of a fetch rolls it back (:meth:`DeltaReader._prepare_for`)
+        if _undo_bytes(plan) > self._model_bytes(plan) // 2:  # else the undo of each change
+            sync.txn.keep_whole_undo()
+        # a base's tensors are written as they are decoded (one writer), as in :meth:`_streamer`
+        early.threads = 1
+        early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
+
+        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+            early.give(entry, delta)
+            return SPENT
+
+        streaming = Early(pool, take, lambda: None, max(1, kernel_threads() - 1))
+        steps: list[FetchedStep] = []
+        for step in plan.steps:
+            fetched = fetch_step(
+                self.store, step, pool.map, budget, early=streaming if step.base else None
+            )
+            early.finish()  # the changes given are applied before the rest of the version
+            try:
+                sync.txn.prepare([c for c in step_changes(fetched) if c.delta is not SPENT])
+                self._change_step(sync, fetched)
+            except BaseException as exc:
+                early.sync = None  # rolled back here, as :meth:`DeltaReader.apply` does
+                raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
+            sync.applied.clear()  # the next version changes the same names again
+            steps.append(fetched)
+            sync.done += 1
+        return tuple(steps)
+
+    def _model_bytes(self, plan: SyncPlan) -> int:
+        """Bytes of the tensors the goal holds in this reader's target (selected, taken)."""
+        return sum(
+            math.prod(row.shape) * info_for(row.dtype).width
+            for name, row in plan.steps[-1].table.items()
+            if self._wants(name, row.dtype, row.shape)
+        )
+
+
+SPENT = DecodedDelta(FULL, None, torch.empty(0, dtype=torch.uint8))  # a change applied
+
+
+def kernel_threads() -> int:
+    """How many threads the host kernels run on (numba's, else torch's)."""
+    launch = compiled("_launch")
+    return torch.get_num_threads() if launch is None else int(launch.kernel_threads())
+
+
+def _changes(sync: ApplyState, which: Callable[[str], bool]) -> list[Change]:
+    """The changes of ``sync``'s steps to the names ``which`` takes, for
+    :meth:`Transaction.prepare`."""
+    return [
+        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
+        for step in sync.steps
+        for e, d in step.changes
+        if which(e.name)
+    ]
+
+
+def _undo_bytes(plan: SyncPlan) -> int:
+    """About what the undo of each change of ``plan`` would hold (its positions and bits)."""
+    total = 0
+    for step in plan.steps:
+        for _, entry in step.fetch.wanted:
+            width = info_for(entry.dtype).width
+            total += entry.changed * (width if entry.op == FULL else 8 + width)
+    return total
+
+
+def step_changes(step: FetchedStep) -> list[Change]:
+    """The changes of one fetched version, for :meth:`Transaction.prepare`."""
+    return [
+        Change(e.name, info_for(e.dtype).torch_dtype, tuple(e.shape), d) for e, d in step.changes
+    ]
+
+
+def _follow_rows(sync: ApplyState, entry: Entry, delta: DecodedDelta, applied: Applied) -> None:
+    """After a ``classed`` change applied on the host: the exponent rows of the bits it left,
+    from those it decoded against and the bits it read and wrote at every position."""
+    slot = delta.rows
+    sync.rows.pop(entry.name, None)
+    if (
+        slot is None
+        or slot.rows is None
+        or entry.op != XOR
+        or applied.positions is None
+        or applied.before is None
+        or applied.after is None
+        or applied.positions.device.type != "cpu"
+        or int(applied.positions.numel()) != entry.changed
+    ):
+        return
+    rows = rows_after(
+        slot.rows,
+        applied.positions,
+        applied.before,
+        applied.after,
+        info_for(entry.dtype).torch_dtype,
+    )
+    sync.rows[entry.name] = (entry.fingerprint, rows)
+
+
+def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:
+    """A tensor's lanes after a change, from its lanes before and what the apply read back
+    (None when either is unknown: the tensor is then unverified)."""
+    if before is None or applied.positions is None:
+        return None
+    if applied.lane_deltas is not None:
+        return apply_lane_deltas(before, applied.lane_deltas)
+    assert applied.before is not None and applied.after is not None
+    return lanes_after_change(before, applied.positions, applied.before, applied.after)

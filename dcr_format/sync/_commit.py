@@ -1,0 +1,71 @@
+"""The commit's side of a sync: the reader records and what a reader keeps once its target
+holds the goal.
+
+A reader tells writers, in ``readers/<reader_id>.json`` (FORMAT.md §3.6), the tensors its
+target takes only as ``overwrite`` and whether it reads its old bits at all. After the
+target's transaction commits the goal (its resident version), the reader keeps the goal's
+state table, the lanes it verified and the exponent rows of the bits it left.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
+from dcr_format.errors import StoreError
+from dcr_format.format.schema import ReaderRecord
+from dcr_format.sync._audit import Auditing
+from dcr_format.sync._state import ApplyState
+
+READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_log = logging.getLogger(__name__)
+
+
+class Committing(Auditing):
+    """The reader records, and what a commit leaves the reader."""
+
+    def _record_overwrites(self) -> None:
+        """Tell writers which tensors the target needs as ``overwrite`` (``readers/<id>.json``).
+
+        Written when the set changes (an explicit ``reader_id`` also records an empty
+        set once, so a stale list is cleared); without a ``reader_id`` the record is named
+        after its content, so readers that need the same names share one record. A target
+        that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
+        (``reads_baseline`` false: writers then code nothing against the old bits).
+        """
+        names = self.target.overwrite_names()
+        reads_baseline = self.target.reads_baseline()
+        if self.reader_id is None and not names and reads_baseline:
+            return
+        content = "\n".join(sorted(names)) + ("" if reads_baseline else "\n(no baseline)")
+        reader_id = self.reader_id or "auto-" + sha256_hex(content.encode())[:16]
+        if self._recorded == (reader_id, names, reads_baseline):
+            return
+        record = ReaderRecord(
+            reader_id=reader_id,
+            updated=timestamp(utc_now()),
+            overwrite=tuple(sorted(names)),
+            reads_baseline=reads_baseline,
+        )
+        try:
+            self.store.put(f"readers/{reader_id}.json", record.to_json())
+        except StoreError as exc:  # a read-only reader: writers then cannot be told
+            _log.warning("could not write reader record readers/%s.json: %s", reader_id, exc)
+            return
+        self._recorded = (reader_id, names, reads_baseline)
+
+    def _committed(self, sync: ApplyState, found: dict[str, tuple[int, ...]]) -> None:
+        """After the target committed the goal: keep the goal's state table, the lanes the
+        next sync may trust (``found``: those the apply verified) and the exponent rows of
+        the bits the changes left; then release the target."""
+        try:
+            self._last_table = (sync.goal.plan.loaded.sha256, sync.goal.table)
+            self._remember(sync, found)
+            for name in sync.touched:  # rows of bits that changed otherwise are stale: dropped
+                if name in sync.rows:
+                    self._rows[name] = sync.rows[name]
+                else:
+                    self._rows.pop(name, None)
+        finally:
+            sync.release()
