@@ -9,6 +9,9 @@ leaves the arrays and the resident version as they were.
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -144,3 +147,9 @@ def test_the_numpy_target_follows_the_chain_bit_for_bit_and_refusals_change_noth
         reader.sync()
     assert _snapshot(target) == before
     assert target.resident().version == 3
+
+
+def test_the_docs_show_this_example() -> None:
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "pull.md").read_text()
+    for cls in (NumpyTarget, NumpyTransaction):
+        assert inspect.getsource(cls) in docs, f"docs/pull.md no longer shows {cls.__name__}"
