@@ -6,7 +6,7 @@ mesh, HSDP), a :class:`~dcr_format.DeltaWriter` without a layout derives one fro
 tensors themselves: each ``DTensor``'s local shard is placed in its canonical tensor by
 its device mesh and placements (:func:`~dcr_format.chain.layout.placed`), and every plain
 tensor is a whole tensor among ``world_size`` replicas, owned by the canonical part's
-rule (``crc32(name) mod world_size``). The projection part (``writers/_projection.py``)
+rule (``crc32(name) mod world_size``). The projection part (``publish/_projection.py``)
 then diffs each local shard against the rank's own baseline of it and publishes the
 changes in canonical coordinates; a local shard that is one run of its canonical tensor's
 flat elements (``Shard(0)`` of a row-major tensor, a replica, a whole tensor) is diffed
