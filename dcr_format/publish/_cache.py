@@ -35,30 +35,21 @@ class BaselineCache:
         baseline: Mapping[str, torch.Tensor],
         fingerprints: Mapping[str, str],
     ) -> None:
-        """Replace the cache (the tensors first, the JSON naming their version last)."""
-        from safetensors.torch import save_file
-
-        tensor_path, meta_path = self._paths(chain_id)
-        tensor_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tensor_path.with_suffix(".tmp")
-        save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
-        os.replace(tmp, tensor_path)
-        meta = {"version": version, "fingerprints": dict(fingerprints)}
-        tmp_meta = meta_path.with_suffix(".tmp")
-        tmp_meta.write_text(json.dumps(meta))
-        os.replace(tmp_meta, meta_path)
-
-    def keep(
-        self,
-        chain_id: str,
-        version: int,
-        baseline: Mapping[str, torch.Tensor],
-        fingerprints: Mapping[str, str],
-    ) -> None:
-        """Save the baseline of committed ``version``; a failure drops the cache and warns
-        (the version is committed: the cache is only an optimisation)."""
+        """Replace the cache with the baseline of committed ``version`` (the tensors first,
+        the JSON naming their version last); a failure drops the cache and warns (the
+        version is committed: the cache is only an optimisation)."""
         try:
-            self.save(chain_id, version, baseline, fingerprints)
+            from safetensors.torch import save_file
+
+            tensor_path, meta_path = self._paths(chain_id)
+            tensor_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tensor_path.with_suffix(".tmp")
+            save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
+            os.replace(tmp, tensor_path)
+            meta = {"version": version, "fingerprints": dict(fingerprints)}
+            tmp_meta = meta_path.with_suffix(".tmp")
+            tmp_meta.write_text(json.dumps(meta))
+            os.replace(tmp_meta, meta_path)
         except Exception as exc:
             self.drop(chain_id)
             _log.warning(

@@ -304,7 +304,7 @@ class CanonicalPart:
         self._lanes = {name: change.lanes for name, change in pending.items()}
         self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
         if self.cache is not None:
-            self.cache.keep(attempt.chain_id, attempt.version, self._baseline, self._fingerprints)
+            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._fingerprints)
 
 
 def _cached_fingerprint(tensor: torch.Tensor) -> str | None:

@@ -10,6 +10,7 @@ a :class:`~dcr_format.chain.layout.Layout` (``layout=``, ``publish/_projection.p
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -511,11 +512,11 @@ class DeltaWriter:
         manifests = [m for m, _ in found]
         stats = Stats(
             tensors=len(table),
-            total_elements=sum(_numel(t.shape) for t in table.values()),
+            total_elements=sum(math.prod(t.shape) for t in table.values()),
             changed_elements=sum(e.changed for m in manifests for e in m.entries),
             payload_bytes=sum(s.size for m in manifests for s in m.shards)
             + sum(ref.size for _, ref in found),
-            dense_bytes=sum(_numel(t.shape) * info_for(t.dtype).width for t in table.values()),
+            dense_bytes=sum(math.prod(t.shape) * info_for(t.dtype).width for t in table.values()),
         )
         version = attempt.version
         return CommitRecord(
@@ -566,10 +567,3 @@ def _check_options(
     for name, op in (ops or {}).items():
         if op not in OPS:
             raise ArgumentError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
