@@ -1,13 +1,20 @@
 """A writer rank's baseline on local disk, so that a restarted writer need not replay the
-chain: the owned tensors in a safetensors file beside a JSON of their version and
-fingerprints."""
+chain: the owned tensors in a safetensors file beside a JSON of their version, their
+fingerprints and the file's sha256.
+
+The sha256 lets a writer reopening at the cached version trust the recorded fingerprints
+(and skip fingerprinting every tensor) once the file's bytes are shown to be the bytes it
+wrote; a file that does not match is a miss.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,9 +24,19 @@ from dcr_format.targets.targets import StateDictTarget
 _log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Cached:
+    """A cache as loaded: its tensors at their version, and the fingerprints recorded with
+    them where the file's bytes matched the recorded sha256 (None for a cache that records
+    none: its tensors must be fingerprinted to be checked)."""
+
+    target: StateDictTarget
+    fingerprints: dict[str, str] | None
+
+
 class BaselineCache:
-    """A rank's baseline on local disk (safetensors plus a JSON of version and fingerprints),
-    so a restarted writer need not replay the chain."""
+    """A rank's baseline on local disk (safetensors plus a JSON of version, fingerprints and
+    the file's sha256), so a restarted writer need not replay the chain."""
 
     def __init__(self, root: Path, rank: int, world_size: int) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
@@ -45,8 +62,9 @@ class BaselineCache:
             tensor_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = tensor_path.with_suffix(".tmp")
             save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
+            sha256 = _sha256(tmp)
             os.replace(tmp, tensor_path)
-            meta = {"version": version, "fingerprints": dict(fingerprints)}
+            meta = {"version": version, "fingerprints": dict(fingerprints), "sha256": sha256}
             tmp_meta = meta_path.with_suffix(".tmp")
             tmp_meta.write_text(json.dumps(meta))
             os.replace(tmp_meta, meta_path)
@@ -68,9 +86,9 @@ class BaselineCache:
             except OSError:
                 pass
 
-    def load(self, chain_id: str) -> StateDictTarget | None:
-        """A StateDictTarget at the cached version, or None when the cache is absent or
-        unreadable (the caller checks it against the chain)."""
+    def load(self, chain_id: str) -> Cached | None:
+        """The cache at its version, or None when it is absent, unreadable or its file's bytes
+        are not those the JSON records (the caller checks it against the chain)."""
         tensor_path, meta_path = self._paths(chain_id)
         if not tensor_path.exists() or not meta_path.exists():
             return None
@@ -78,8 +96,19 @@ class BaselineCache:
             from safetensors.torch import load_file
 
             meta = json.loads(meta_path.read_text())
-            tensors = load_file(str(tensor_path))
             version = int(meta["version"])
+            fingerprints: dict[str, str] | None = None
+            if "sha256" in meta:
+                if _sha256(tensor_path) != meta["sha256"]:
+                    return None  # damaged since it was written
+                fingerprints = {str(n): str(f) for n, f in dict(meta["fingerprints"]).items()}
+            tensors = load_file(str(tensor_path))
         except Exception:
             return None  # an unreadable cache is just a miss
-        return StateDictTarget(tensors, version=version, chain_id=chain_id)
+        target = StateDictTarget(tensors, version=version, chain_id=chain_id)
+        return Cached(target, fingerprints)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()

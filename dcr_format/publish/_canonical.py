@@ -137,9 +137,10 @@ class CanonicalPart:
         """The cached baseline brought to ``version`` and checked, or None."""
         if self.cache is None:
             return None
-        target = self.cache.load(chain.header.chain_id)
-        if target is None:
+        cached = self.cache.load(chain.header.chain_id)
+        if cached is None:
             return None
+        target = cached.target
         try:
             synced = DeltaReader(chain.store, target, select=self.owns, verify="all").sync(
                 to=version
@@ -148,10 +149,15 @@ class CanonicalPart:
             return None  # a stale or damaged cache: replay from the store instead
         if set(target.tensors) != set(owned):
             return None
-        # a cache already at `version` was not checked by the sync (nothing to apply)
-        if not synced.applied_versions and any(
-            _cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()
-        ):
+        if synced.applied_versions:  # the sync checked the bits it made
+            return target
+        # a cache already at `version` was not checked by the sync (nothing to apply): its
+        # recorded fingerprints stand for its bits where its file matched its sha256
+        if cached.fingerprints is not None:
+            recorded = cached.fingerprints
+            if any(recorded.get(n) != owned[n].fingerprint for n in target.tensors):
+                return None
+        elif any(_cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()):
             return None
         return target
 
