@@ -1,10 +1,10 @@
 """A writer rank's baseline on local disk, so that a restarted writer need not replay the
 chain: the owned tensors in a safetensors file beside a JSON of their version, their
-fingerprints and the file's sha256.
+fingerprint lanes and the file's sha256.
 
-The sha256 lets a writer reopening at the cached version trust the recorded fingerprints
-(and skip fingerprinting every tensor) once the file's bytes are shown to be the bytes it
-wrote; a file that does not match is a miss.
+The sha256 lets a writer reopening at the cached version trust the recorded lanes (and skip
+reading every tensor for its fingerprint, at the reopen and at the next publish) once the
+file's bytes are shown to be the bytes it wrote; a file that does not match is a miss.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Cached:
-    """A cache as loaded: its tensors at their version, and the fingerprints recorded with
-    them where the file's bytes matched the recorded sha256 (None for a cache that records
-    none: its tensors must be fingerprinted to be checked)."""
+    """A cache as loaded: its tensors at their version, and the fingerprint lanes recorded
+    with them where the file's bytes matched the recorded sha256 (None for a cache that
+    records none: its tensors must be fingerprinted to be checked)."""
 
     target: StateDictTarget
-    fingerprints: dict[str, str] | None
+    lanes: dict[str, tuple[int, ...]] | None
 
 
 class BaselineCache:
-    """A rank's baseline on local disk (safetensors plus a JSON of version, fingerprints and
-    the file's sha256), so a restarted writer need not replay the chain."""
+    """A rank's baseline on local disk (safetensors plus a JSON of version, fingerprint lanes
+    and the file's sha256), so a restarted writer need not replay the chain."""
 
     def __init__(self, root: Path, rank: int, world_size: int) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
@@ -50,11 +50,11 @@ class BaselineCache:
         chain_id: str,
         version: int,
         baseline: Mapping[str, torch.Tensor],
-        fingerprints: Mapping[str, str],
+        lanes: Mapping[str, tuple[int, ...]],
     ) -> None:
-        """Replace the cache with the baseline of committed ``version`` (the tensors first,
-        the JSON naming their version last); a failure drops the cache and warns (the
-        version is committed: the cache is only an optimisation)."""
+        """Replace the cache with the baseline of committed ``version`` and its fingerprint
+        lanes (the tensors first, the JSON naming their version last); a failure drops the
+        cache and warns (the version is committed: the cache is only an optimisation)."""
         try:
             from safetensors.torch import save_file
 
@@ -64,7 +64,11 @@ class BaselineCache:
             save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
             sha256 = _sha256(tmp)
             os.replace(tmp, tensor_path)
-            meta = {"version": version, "fingerprints": dict(fingerprints), "sha256": sha256}
+            meta = {
+                "version": version,
+                "lanes": {n: list(values) for n, values in lanes.items()},
+                "sha256": sha256,
+            }
             tmp_meta = meta_path.with_suffix(".tmp")
             tmp_meta.write_text(json.dumps(meta))
             os.replace(tmp_meta, meta_path)
@@ -97,16 +101,19 @@ class BaselineCache:
 
             meta = json.loads(meta_path.read_text())
             version = int(meta["version"])
-            fingerprints: dict[str, str] | None = None
+            lanes: dict[str, tuple[int, ...]] | None = None
             if "sha256" in meta:
                 if _sha256(tensor_path) != meta["sha256"]:
                     return None  # damaged since it was written
-                fingerprints = {str(n): str(f) for n, f in dict(meta["fingerprints"]).items()}
+                lanes = {
+                    str(n): tuple(int(v) for v in values)
+                    for n, values in dict(meta["lanes"]).items()
+                }
             tensors = load_file(str(tensor_path))
         except Exception:
             return None  # an unreadable cache is just a miss
         target = StateDictTarget(tensors, version=version, chain_id=chain_id)
-        return Cached(target, fingerprints)
+        return Cached(target, lanes)
 
 
 def _sha256(path: Path) -> str:

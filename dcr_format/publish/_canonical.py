@@ -123,18 +123,22 @@ class CanonicalPart:
         """The baseline of ``latest``: from the local cache if valid, else from the store."""
         owned = {n: s for n, s in table.items() if self.owns(n)}
         version = latest.record.version
-        target = self._from_cache(chain, version, owned)
-        if target is None:
-            target = StateDictTarget({})
+        found = self._from_cache(chain, version, owned)
+        if found is None:
+            target, lanes = StateDictTarget({}), {}
             DeltaReader(chain.store, target, select=self.owns).sync(to=version)
+        else:
+            target, lanes = found
         self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
         self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
+        self._lanes = lanes  # where unknown, the next publish reads them from the baseline
         self._rows = {}
 
     def _from_cache(
         self, chain: Chain, version: int, owned: dict[str, TensorState]
-    ) -> StateDictTarget | None:
-        """The cached baseline brought to ``version`` and checked, or None."""
+    ) -> tuple[StateDictTarget, dict[str, tuple[int, ...]]] | None:
+        """The cached baseline brought to ``version`` and checked, with its fingerprint lanes
+        where the cache's are those of ``version``, or None."""
         if self.cache is None:
             return None
         cached = self.cache.load(chain.header.chain_id)
@@ -150,16 +154,20 @@ class CanonicalPart:
         if set(target.tensors) != set(owned):
             return None
         if synced.applied_versions:  # the sync checked the bits it made
-            return target
-        # a cache already at `version` was not checked by the sync (nothing to apply): its
-        # recorded fingerprints stand for its bits where its file matched its sha256
-        if cached.fingerprints is not None:
-            recorded = cached.fingerprints
-            if any(recorded.get(n) != owned[n].fingerprint for n in target.tensors):
+            return target, {}
+        # a cache already at `version` was not checked by the sync (nothing to apply): the
+        # lanes recorded with it stand for its bits where its file matched its sha256
+        if cached.lanes is not None:
+            lanes = cached.lanes
+            if any(
+                n not in lanes or _fingerprint(t, lanes[n]) != owned[n].fingerprint
+                for n, t in target.tensors.items()
+            ):
                 return None
-        elif any(_cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()):
+            return target, lanes
+        if any(_cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()):
             return None
-        return target
+        return target, {}
 
     # --- publish --------------------------------------------------------------------------
 
@@ -310,12 +318,21 @@ class CanonicalPart:
         self._lanes = {name: change.lanes for name, change in pending.items()}
         self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
         if self.cache is not None:
-            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._fingerprints)
+            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._lanes)
 
 
 def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
     """Fingerprint of a tensor loaded from the cache (None for a dtype the format lacks)."""
     try:
         return tensor_fingerprint(tensor)
+    except UnsupportedDtypeError:
+        return None
+
+
+def _fingerprint(tensor: torch.Tensor, lanes: tuple[int, ...]) -> str | None:
+    """Fingerprint of a tensor loaded from the cache with the lanes recorded for it (None
+    for a dtype the format lacks)."""
+    try:
+        return fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
     except UnsupportedDtypeError:
         return None
