@@ -125,10 +125,10 @@ class CanonicalPart:
         version = latest.record.version
         found = self._from_cache(chain, version, owned)
         if found is None:
-            target, lanes = StateDictTarget({}), {}
+            target = StateDictTarget({})
             DeltaReader(chain.store, target, select=self.owns).sync(to=version)
-        else:
-            target, lanes = found
+            found = target, {}
+        target, lanes = found
         self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
         self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
         self._lanes = lanes  # where unknown, the next publish reads them from the baseline
