@@ -25,10 +25,11 @@ if _typing.TYPE_CHECKING:
         StoreError,
         TargetError,
     )
+    from dcr_format.publish._canonical import owner
     from dcr_format.publish._info import CommitInfo
     from dcr_format.publish.coordinate import ThreadCoordinator, TorchDistributedCoordinator
     from dcr_format.publish.projection import ProjectionWriter
-    from dcr_format.publish.writer import DeltaWriter, owner
+    from dcr_format.publish.writer import DeltaWriter
     from dcr_format.store.relay import RelayStore
     from dcr_format.store.store import Store, open_store
     from dcr_format.sync.reader import DeltaReader, SyncResult
@@ -65,7 +66,8 @@ _WHERE: dict[str, str] = {
     ),
     "ProjectionWriter": "dcr_format.publish.projection",
     "CommitInfo": "dcr_format.publish._info",
-    **dict.fromkeys(("DeltaWriter", "owner"), "dcr_format.publish.writer"),
+    "DeltaWriter": "dcr_format.publish.writer",
+    "owner": "dcr_format.publish._canonical",
 }
 
 

@@ -89,6 +89,7 @@ def _store(url: str, storage_options: dict[str, Any] | None):
 
 
 def _writer_hooks(stage: str, s3: bool) -> None:
+    import dcr_format.publish._cache as cache_module
     import dcr_format.publish.writer as writer_module
     from dcr_format import Store
     from dcr_format.store.store import TEMP_PREFIX
@@ -145,7 +146,7 @@ def _writer_hooks(stage: str, s3: bool) -> None:
                 die()  # the tensors file is already the new version's
             return replace(src, dst)
 
-        writer_module.os.replace = half_saved  # type: ignore[attr-defined]
+        cache_module.os.replace = half_saved  # type: ignore[attr-defined]
     elif stage not in PROXY_STAGES:
         raise ValueError(f"unknown writer stage {stage!r}; use one of {', '.join(WRITER_STAGES)}")
 

@@ -180,7 +180,7 @@ def test_a_publish_that_fails_while_tensors_code_leaves_every_baseline(monkeypat
     from conftest import assert_same_bits, snapshot
 
     from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-    from dcr_format.publish import writer as writer_module
+    from dcr_format.publish import _canonical as canonical_module
     from dcr_format.store.store import Store
 
     monkeypatch.setattr(pipeline, "CODING_THREADS", 2)
@@ -189,7 +189,7 @@ def test_a_publish_that_fails_while_tensors_code_leaves_every_baseline(monkeypat
     writer = DeltaWriter(store, features=FEATURES)
     writer.publish(old)
     committed = snapshot(old)
-    real = writer_module.encoded_entry
+    real = canonical_module.encoded_entry
     calls = []
 
     def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -198,14 +198,14 @@ def test_a_publish_that_fails_while_tensors_code_leaves_every_baseline(monkeypat
             raise OSError("disk full")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(writer_module, "encoded_entry", failing)
+    monkeypatch.setattr(canonical_module, "encoded_entry", failing)
     with pytest.raises(OSError, match="disk full"):
         writer.publish(new)
     assert_same_bits(writer.baseline, committed)
     pipeline._pool(2).submit(lambda: None).result()
     time.sleep(0.2)
     assert_same_bits(writer.baseline, committed)
-    monkeypatch.setattr(writer_module, "encoded_entry", real)
+    monkeypatch.setattr(canonical_module, "encoded_entry", real)
     writer.publish(new)
     target: dict[str, torch.Tensor] = {}
     DeltaReader(store, StateDictTarget(target)).sync()

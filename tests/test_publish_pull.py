@@ -508,3 +508,72 @@ def test_restarted_writer_falls_back_to_replay_when_the_cache_is_corrupt(
     gets.count = 0
     assert DeltaWriter(store_url, cache_dir=cache).version == 4
     assert gets.count == 0
+
+
+def test_a_restarted_writer_checks_its_cache_by_sha256_not_by_fingerprints(
+    store_url, tmp_path, monkeypatch
+):
+    """Reopening at the cached version checks the cache file's sha256 and takes the
+    fingerprint lanes recorded with it, rather than reading every tensor for its
+    fingerprint (at the reopen and at the next publish); a byte changed in place is a miss
+    (replayed from the store), and a cache that records no sha256 is fingerprinted and
+    refused when its bits differ."""
+    import json
+
+    from dcr_format.publish import _canonical
+
+    cache = tmp_path / "cache"
+    gen = torch.Generator().manual_seed(14)
+    state, states = make_state(14), []
+    first = DeltaWriter(store_url, cache_dir=cache)
+    _publish_run(first, state, gen, 2, states)
+    folder = cache / first.chain.header.chain_id / "rank-00000-of-00001"
+    cached, meta_path = folder / "baseline.safetensors", folder / "baseline.json"
+    fingerprinted: list[str] = []
+    real, real_lanes = _canonical.tensor_fingerprint, _canonical.tensor_lanes
+
+    def spy(tensor):  # type: ignore[no-untyped-def]
+        fingerprinted.append("x")
+        return real(tensor)
+
+    def spy_lanes(tensor):  # type: ignore[no-untyped-def]
+        fingerprinted.append("lanes")
+        return real_lanes(tensor)
+
+    monkeypatch.setattr(_canonical, "tensor_fingerprint", spy)
+    monkeypatch.setattr(_canonical, "tensor_lanes", spy_lanes)
+    gets = _ShardGets(monkeypatch)
+
+    def reopen() -> DeltaWriter:
+        gets.count = 0
+        fingerprinted.clear()
+        again = DeltaWriter(store_url, cache_dir=cache)
+        assert again.version == len(states) - 1
+        assert_same_bits(again.baseline, states[-1])
+        return again
+
+    again = reopen()
+    assert (gets.count, len(fingerprinted)) == (0, 0)  # the sha256 matched: nothing replayed
+    changed = step_state(state, gen)
+    info = again.publish(state)  # new fingerprints from the recorded lanes and the diff
+    assert (info.version, info.changed_elements, fingerprinted) == (2, changed, [])
+    states.append(snapshot(state))
+    target = StateDictTarget({})
+    DeltaReader(store_url, target).sync()
+    assert_same_bits(target.tensors, state)
+    del again
+    good = cached.read_bytes()
+    damaged = bytearray(good)
+    damaged[-1] ^= 0x01  # the last byte of the last tensor's data
+    cached.write_bytes(bytes(damaged))
+    reopen()
+    assert gets.count > 0 and not fingerprinted  # refused by its sha256
+    meta = json.loads(meta_path.read_text())
+    del meta["sha256"]
+    meta_path.write_text(json.dumps(meta))
+    cached.write_bytes(good)
+    reopen()
+    assert gets.count == 0 and len(fingerprinted) == len(states[2])  # checked the old way
+    cached.write_bytes(bytes(damaged))
+    reopen()
+    assert gets.count > 0  # its fingerprints differ: replayed

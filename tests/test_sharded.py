@@ -21,7 +21,8 @@ import torch
 
 from dcr_format import DeltaReader, StateDictTarget
 from dcr_format.chain.chain import Chain
-from dcr_format.chain.layout import Layout, placed, sharded
+from dcr_format.chain.layout import Layout
+from dcr_format.chain.placement import placed, sharded
 from dcr_format.errors import UnsupportedPlacementError
 from dcr_format.store.store import open_store
 

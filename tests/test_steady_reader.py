@@ -318,7 +318,7 @@ def test_a_cache_that_cannot_be_written_after_the_commit_is_a_warning(tmp_path, 
     blocker.write_text("a file where the cache directory should be")
     writer = DeltaWriter(url, cache_dir=blocker)
     state = make_state(9)
-    with caplog.at_level(logging.WARNING, logger="dcr_format.publish.writer"):
+    with caplog.at_level(logging.WARNING, logger="dcr_format.publish._cache"):
         info = writer.publish(state)
     assert info.version == 0 and writer.version == 0
     assert "is committed" in caplog.text

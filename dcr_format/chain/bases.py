@@ -30,8 +30,11 @@ from dcr_format.chain.chain import (
     LoadedRecord,
     ManifestAllowance,
     TensorState,
+    attempt_prefix,
     check_manifest,
+    commit_key,
     get_verified,
+    manifest_key,
     sha256_hex,
     shard_key,
     state_table,
@@ -58,22 +61,22 @@ _BASE_RECORD_KEY = re.compile(r"^bases/([0-9]{20})\.json$")
 
 def base_record_key(version: int) -> str:
     """Key of the alternative base record of version ``version``."""
-    return f"{BASES_PREFIX}{version:020d}.json"
+    return commit_key(version, under=BASES_PREFIX)
 
 
 def base_attempt_prefix(version: int, attempt: str) -> str:
     """Prefix under which one compaction attempt of ``version`` writes its objects."""
-    return f"{BASES_PREFIX}{version:020d}/{attempt}/"
+    return attempt_prefix(version, attempt, under=BASES_PREFIX)
 
 
 def base_manifest_key(version: int, attempt: str, rank: int) -> str:
     """Key of one rank's manifest of an alternative base."""
-    return f"{base_attempt_prefix(version, attempt)}manifest-{rank:05d}.json"
+    return manifest_key(version, attempt, rank, under=BASES_PREFIX)
 
 
 def base_shard_key(version: int, attempt: str, rank: int, index: int) -> str:
     """Key of one rank's ``index``-th shard of an alternative base."""
-    return f"{base_attempt_prefix(version, attempt)}shard-{rank:05d}-{index:05d}.dcrs"
+    return shard_key(version, attempt, rank, index, under=BASES_PREFIX)
 
 
 class BaseRecord(BaseModel):

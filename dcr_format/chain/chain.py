@@ -62,24 +62,28 @@ MAX_RECORD_BYTES = MAX_RECORD_JSON_BYTES  # 1 MiB: ~5,000 writer ranks
 MAX_HEADER_BYTES = MAX_HEADER_JSON_BYTES  # 64 KiB (dcr.json is ~200 bytes)
 
 
-def commit_key(version: int) -> str:
-    """Key of version ``version``'s commit record."""
-    return f"{COMMITS_PREFIX}{version:020d}.json"
+def commit_key(version: int, *, under: str = COMMITS_PREFIX) -> str:
+    """Key of version ``version``'s commit record (``under`` ``bases/``: of its alternative
+    base)."""
+    return f"{under}{version:020d}.json"
 
 
-def attempt_prefix(version: int, attempt: str) -> str:
-    """Prefix under which one publish attempt of a version writes its objects."""
-    return f"{OBJECTS_PREFIX}{version:020d}/{attempt}/"
+def attempt_prefix(version: int, attempt: str, *, under: str = OBJECTS_PREFIX) -> str:
+    """Prefix under which one publish attempt of a version writes its objects (``under``
+    ``bases/``: one compaction attempt)."""
+    return f"{under}{version:020d}/{attempt}/"
 
 
-def manifest_key(version: int, attempt: str, rank: int) -> str:
+def manifest_key(version: int, attempt: str, rank: int, *, under: str = OBJECTS_PREFIX) -> str:
     """Key of one writer rank's manifest."""
-    return f"{attempt_prefix(version, attempt)}manifest-{rank:05d}.json"
+    return f"{attempt_prefix(version, attempt, under=under)}manifest-{rank:05d}.json"
 
 
-def shard_key(version: int, attempt: str, rank: int, index: int) -> str:
+def shard_key(
+    version: int, attempt: str, rank: int, index: int, *, under: str = OBJECTS_PREFIX
+) -> str:
     """Key of one writer rank's ``index``-th shard."""
-    return f"{attempt_prefix(version, attempt)}shard-{rank:05d}-{index:05d}.dcrs"
+    return f"{attempt_prefix(version, attempt, under=under)}shard-{rank:05d}-{index:05d}.dcrs"
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

@@ -3,8 +3,8 @@
 :class:`~dcr_format.DeltaWriter` runs the publish (attempt id, reader records, commit);
 a :class:`Part` is given to it and turns the tensors passed to ``publish`` into this
 rank's manifest and shards, and keeps the baseline they are diffed against. There are
-two: the canonical part (``writers/writer.py``: canonical tensors, owned by name) and
-the projection part (``writers/_projection.py``: local tensors placed by a
+two: the canonical part (``publish/_canonical.py``: canonical tensors, owned by name) and
+the projection part (``publish/_projection.py``: local tensors placed by a
 :class:`~dcr_format.chain.layout.Layout`).
 """
 

@@ -4,9 +4,9 @@ each rank holds it, without gathering a tensor.
 Given tensors that are ``DTensor`` objects (FSDP2, tensor parallelism, both on a 2-D
 mesh, HSDP), a :class:`~dcr_format.DeltaWriter` without a layout derives one from the
 tensors themselves: each ``DTensor``'s local shard is placed in its canonical tensor by
-its device mesh and placements (:func:`~dcr_format.chain.layout.placed`), and every plain
+its device mesh and placements (:func:`~dcr_format.chain.placement.placed`), and every plain
 tensor is a whole tensor among ``world_size`` replicas, owned by the canonical part's
-rule (``crc32(name) mod world_size``). The projection part (``writers/_projection.py``)
+rule (``crc32(name) mod world_size``). The projection part (``publish/_projection.py``)
 then diffs each local shard against the rank's own baseline of it and publishes the
 changes in canonical coordinates; a local shard that is one run of its canonical tensor's
 flat elements (``Shard(0)`` of a row-major tensor, a replica, a whole tensor) is diffed
@@ -27,7 +27,7 @@ import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState
 from dcr_format.chain.layout import Layout, Piece, whole
-from dcr_format.chain.layout import placed as placed_pieces
+from dcr_format.chain.placement import placed as placed_pieces
 from dcr_format.delta.delta import FULL, OVERWRITE, XOR, changed_positions
 from dcr_format.delta.dispatch import diff_with_lanes
 from dcr_format.delta.fingerprint import apply_lane_deltas, fingerprint_from_lanes, lanes_at

@@ -3,7 +3,7 @@
 A writer given a :class:`~dcr_format.chain.layout.Layout` takes the rank's *local* tensors
 (tensor-parallel shards, fused ``qkv``, ...) in ``publish``, diffs them against its
 local baseline and carries the changed positions to canonical flat indices (the
-projection part, ``writers/_projection.py``). :func:`ProjectionWriter` is the short
+projection part, ``publish/_projection.py``). :func:`ProjectionWriter` is the short
 way to write ``DeltaWriter(store, layout=layout, ...)``.
 """
 

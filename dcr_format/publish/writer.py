@@ -2,25 +2,21 @@
 
 :class:`DeltaWriter` runs a publish: rank 0 picks the attempt id and reads the reader
 records, every rank writes its part (shards and manifest), rank 0 commits
-(``writers/_commit.py``) and every rank then advances its baseline. What a rank's part
-is comes from the part it is given: canonical tensors owned by name (this module's
-:class:`CanonicalPart`, the default) or local tensors placed by a
-:class:`~dcr_format.chain.layout.Layout` (``layout=``, ``writers/_projection.py``).
+(``publish/_commit.py``) and every rank then advances its baseline. What a rank's part
+is comes from the part it is given: canonical tensors owned by name (the default,
+``publish/_canonical.py``), DTensors (``publish/_sharded.py``) or local tensors placed by
+a :class:`~dcr_format.chain.layout.Layout` (``layout=``, ``publish/_projection.py``).
 """
 
 from __future__ import annotations
 
-import json
-import logging
+import math
 import os
 import time
-import zlib
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dcr_format.chain.chain import (
@@ -40,52 +36,27 @@ from dcr_format.chain.chain import (
     utc_now,
 )
 from dcr_format.chain.layout import Layout
-from dcr_format.delta import dispatch
 from dcr_format.delta.delta import (
-    FULL,
     OPS,
-    OVERWRITE,
-    XOR,
-    DecodedDelta,
-    EncodedTensor,
-    apply_delta,
-    comparable,
 )
-from dcr_format.delta.fingerprint import (
-    apply_lane_deltas,
-    fingerprint_from_lanes,
-    lanes_after_change,
-    tensor_fingerprint,
-    tensor_lanes,
-)
-from dcr_format.delta.pipeline import encode_stream
 from dcr_format.errors import (
     ArgumentError,
     ChainBrokenError,
     DcrError,
-    IncompleteVersionError,
-    IntegrityError,
     MissingTensorError,
     ObjectTooLargeError,
-    TargetError,
     UnchangedVersionError,
-    UnsupportedDtypeError,
 )
-from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.dtypes import info_for
 from dcr_format.format.features import (
-    BASELINE_FEATURES,
     CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
-    POSITIONS_CLASSED_FEATURE,
-    features_for,
-    within_codings,
     writer_features,
 )
 from dcr_format.format.schema import (
     CheckpointFile,
     CommitRecord,
-    Entry,
     Manifest,
     ManifestRef,
     Stats,
@@ -93,7 +64,8 @@ from dcr_format.format.schema import (
     stored_manifest,
 )
 from dcr_format.format.shard import ZSTD_LEVEL
-from dcr_format.kernels.reference import Diff
+from dcr_format.publish._cache import BaselineCache
+from dcr_format.publish._canonical import CanonicalPart
 from dcr_format.publish._commit import (
     ReaderWishes,
     abort,
@@ -111,15 +83,11 @@ from dcr_format.publish._part import (
     Tensors,
     Written,
     check_publish,
-    encoded_entry,
-    pairs,
 )
 from dcr_format.publish._projection import ProjectionPart
-from dcr_format.publish._sharded import ShardedPart, is_dtensor, peek_sharded
+from dcr_format.publish._sharded import ShardedPart, peek_sharded
 from dcr_format.publish.coordinate import Coordinator, SoloCoordinator
 from dcr_format.store.store import Store, open_store
-from dcr_format.sync.reader import DeltaReader
-from dcr_format.targets.dict import StateDictTarget
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
 # coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a
@@ -128,19 +96,13 @@ from dcr_format.targets.dict import StateDictTarget
 # at least MIN_SHARD_BYTES.
 DEFAULT_SHARD_BYTES = 32 << 20
 MIN_SHARD_BYTES = 4 << 20  # the smallest shard a writer cuts by itself (see _shard_limit)
-_log = logging.getLogger(__name__)
-
-
-def owner(name: str, world_size: int) -> int:
-    """The writer rank that publishes canonical tensor ``name``: crc32(UTF-8 name) mod W."""
-    return zlib.crc32(name.encode()) % world_size
 
 
 class DeltaWriter:
     """Publishes every training step of one writer rank as a version of the chain.
 
     ``tensors`` given to :meth:`publish` are canonical (Hugging Face) tensors; this
-    rank encodes those it owns (see :func:`owner`) and ignores the rest, so a rank
+    rank encodes those it owns (see :func:`~dcr_format.owner`) and ignores the rest, so a rank
     may be handed everything or only its own. The baseline (exact bits of the last
     committed version of the owned tensors) lives on ``baseline_device`` and
     advances only once the commit record is known to exist.
@@ -207,7 +169,7 @@ class DeltaWriter:
         self._part: Part
         if layout is None:
             cache = (
-                None if self.cache_dir is None else _BaselineCache(self.cache_dir, rank, world_size)
+                None if self.cache_dir is None else BaselineCache(self.cache_dir, rank, world_size)
             )
             self._part = CanonicalPart(
                 rank=rank,
@@ -550,11 +512,11 @@ class DeltaWriter:
         manifests = [m for m, _ in found]
         stats = Stats(
             tensors=len(table),
-            total_elements=sum(_numel(t.shape) for t in table.values()),
+            total_elements=sum(math.prod(t.shape) for t in table.values()),
             changed_elements=sum(e.changed for m in manifests for e in m.entries),
             payload_bytes=sum(s.size for m in manifests for s in m.shards)
             + sum(ref.size for _, ref in found),
-            dense_bytes=sum(_numel(t.shape) * info_for(t.dtype).width for t in table.values()),
+            dense_bytes=sum(math.prod(t.shape) * info_for(t.dtype).width for t in table.values()),
         )
         version = attempt.version
         return CommitRecord(
@@ -605,331 +567,3 @@ def _check_options(
     for name, op in (ops or {}).items():
         if op not in OPS:
             raise ArgumentError(f"op {op!r} for {name!r} is not one of {', '.join(OPS)}")
-
-
-# --- the canonical part ---------------------------------------------------------------------
-
-_Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """One tensor's change, held until the commit is known to exist."""
-
-    delta: DecodedDelta | None  # None: no bits changed
-    fingerprint: str
-    lanes: tuple[int, ...]
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    rows: np.ndarray | None = None  # exponent rows of the new bits, where they were counted
-
-
-class CanonicalPart:
-    """A writer rank's part of canonical tensors: those this rank owns (:func:`owner`)."""
-
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        ops: Mapping[str, str],
-        cache: _BaselineCache | None,
-        features: frozenset[str] = frozenset(),
-    ) -> None:
-        self.rank, self.world_size = rank, world_size
-        self.device, self.ops, self.cache = device, ops, cache
-        self.features = features  # codec features its entries may use (values-rans)
-        self._baseline: dict[str, torch.Tensor] = {}
-        self._fingerprints: dict[str, str] = {}
-        self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
-        # exponent rows of the baseline (host tensors the writer considered classed
-        # positions for), so that the next step need not count them again
-        self._rows: dict[str, np.ndarray] = {}
-
-    @property
-    def baseline(self) -> Mapping[str, torch.Tensor]:
-        """The owned tensors' exact bits at the last commit."""
-        return self._baseline
-
-    def owns(self, name: str) -> bool:
-        """Whether this rank publishes ``name``."""
-        return owner(name, self.world_size) == self.rank
-
-    def check_manifest(self, manifest: Manifest, rank: int, key: str) -> None:
-        """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
-        writers' layout and are checked when combined (§4.8)."""
-        for entry in manifest.entries:
-            if entry.piece is None and owner(entry.name, self.world_size) != rank:
-                raise IncompleteVersionError(f"{key} lists {entry.name!r}, owned by another rank")
-
-    # --- restore ------------------------------------------------------------------------
-
-    def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
-        """The baseline of ``latest``: from the local cache if valid, else from the store."""
-        owned = {n: s for n, s in table.items() if self.owns(n)}
-        version = latest.record.version
-        target = self._from_cache(chain, version, owned)
-        if target is None:
-            target = StateDictTarget({})
-            DeltaReader(chain.store, target, select=self.owns).sync(to=version)
-        self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
-        self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
-        self._rows = {}
-
-    def _from_cache(
-        self, chain: Chain, version: int, owned: dict[str, TensorState]
-    ) -> StateDictTarget | None:
-        """The cached baseline brought to ``version`` and checked, or None."""
-        if self.cache is None:
-            return None
-        target = self.cache.load(chain.header.chain_id)
-        if target is None:
-            return None
-        try:
-            synced = DeltaReader(chain.store, target, select=self.owns, verify="all").sync(
-                to=version
-            )
-        except (IntegrityError, TargetError):
-            return None  # a stale or damaged cache: replay from the store instead
-        if set(target.tensors) != set(owned):
-            return None
-        # a cache already at `version` was not checked by the sync (nothing to apply)
-        if not synced.applied_versions and any(
-            _cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()
-        ):
-            return None
-        return target
-
-    # --- publish --------------------------------------------------------------------------
-
-    def write(self, tensors: Tensors, attempt: Attempt) -> Written:
-        """Encode this rank's tensors and upload its shards."""
-        shards = attempt.shards()
-        entries: list[Entry] = []
-        pending: dict[str, _Pending] = {}
-        moved: dict[str, Diff] = {}  # baselines the diff's own pass already advanced (CPU)
-
-        def advanced(item: _Item, found: Diff) -> None:
-            moved[item[0]] = found
-
-        coded: Generator[tuple[_Item, EncodedTensor], None, None] | None = None
-        try:
-            # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
-            # a full shard uploads on a background thread while the next tensors are coded
-            items = self._owned(tensors, attempt)
-            features = self.features
-            if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
-                features -= BASELINE_FEATURES
-            rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
-            coded = encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0]))
-            for (name, tensor, old), encoded in within_codings(features, coded):
-                lanes = self._lanes_after(name, tensor, old, encoded)
-                fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
-                parent = self._fingerprints.get(name) if encoded.op != FULL else None
-                entries.append(
-                    encoded_entry(
-                        name, tensor, encoded, len(entries), shards.add, fingerprint, parent
-                    )
-                )
-                shards.maybe_flush()
-                pending[name] = _Pending(
-                    encoded.advance,
-                    fingerprint,
-                    lanes,
-                    tensor.dtype,
-                    tuple(tensor.shape),
-                    encoded.rows,
-                )
-            missing = sorted(set(self._baseline) - set(pending))
-            if missing and not attempt.base:
-                raise MissingTensorError(
-                    f"{len(missing)} tensors of version {attempt.version - 1} were not given "
-                    f"(first: {missing[0]!r}); pass every tensor each step"
-                )
-            shards.finish()
-            manifest = attempt.manifest(
-                shards, entries, features_for(r.coding for e in entries for r in e.streams)
-            )
-        except BaseException:
-            if coded is not None:  # tensors still coding advance their baselines first
-                coded.close()
-            self._revert(moved)
-            raise
-        finally:
-            shards.close()
-
-        def advance() -> None:
-            self._advance(pending, attempt, moved)
-
-        return Written(manifest, advance, lambda: self._revert(moved))
-
-    def _owned(
-        self, tensors: Tensors, attempt: Attempt
-    ) -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
-        """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
-        seen: set[str] = set()
-        for name, tensor in pairs(tensors):
-            if is_dtensor(tensor):
-                raise ArgumentError(
-                    f"{name!r} is a DTensor in a publish that began with plain tensors; give "
-                    "a stream's tensors as DTensors from the first (a whole tensor replicated: "
-                    "DTensor.from_local(t, mesh, [Replicate()]))"
-                )
-            if not self.owns(name):
-                continue
-            if name in seen:
-                raise ArgumentError(f"tensor {name!r} was given twice in one publish")
-            seen.add(name)
-            tensor = tensor.detach()
-            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
-            old = self._baseline.get(name)
-            op = FULL if attempt.base else self._op_for(name, tensor, old, attempt.overwrite)
-            if op != FULL and comparable(tensor, old) and name not in self._lanes:
-                assert old is not None  # lanes of the old bits, before the diff advances them
-                self._lanes[name] = tensor_lanes(old)
-            yield (name, tensor, old), tensor, old, op
-
-    def _op_for(
-        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, overwrite: frozenset[str]
-    ) -> str | None:
-        """The op of a delta entry: configured, else overwrite where a reader asked for it
-        (and a comparable baseline exists), else chosen by size."""
-        op = self.ops.get(name)
-        if op is None and name in overwrite:
-            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
-                return OVERWRITE
-        return op
-
-    def _lanes_after(
-        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, encoded: EncodedTensor
-    ) -> tuple[int, ...]:
-        """Fingerprint lanes of the new tensor: updated from the change alone when possible."""
-        delta = encoded.advance
-        if old is None or (delta is not None and delta.op == FULL):
-            return tensor_lanes(tensor)
-        base = self._lanes[name]  # _owned read it before the diff could advance ``old``
-        if delta is None:  # no bit changed
-            return base
-        if encoded.lane_deltas is not None:  # the diff's own pass summed them
-            return apply_lane_deltas(base, encoded.lane_deltas)
-        # (a diff that advanced ``old`` in its pass always sums them: ``old`` is not read)
-        assert delta.positions is not None and delta.op == OVERWRITE
-        old_bits = bits_view(old).reshape(-1)[delta.positions]
-        return lanes_after_change(base, delta.positions, old_bits, delta.values)
-
-    # --- advance --------------------------------------------------------------------------
-
-    def _revert(self, moved: dict[str, Diff]) -> None:
-        """Undo the in-place advance of baselines whose version did not commit (XOR bits
-        again at the same positions)."""
-        while moved:
-            name, found = moved.popitem()
-            assert found.xor_values is not None
-            flat = bits_view(self._baseline[name]).reshape(-1)
-            dispatch.scatter(flat, found.positions, found.xor_values, op=XOR)
-
-    def _advance(
-        self, pending: dict[str, _Pending], attempt: Attempt, moved: dict[str, Diff]
-    ) -> None:
-        """The commit exists: bring the baseline to the committed bits, then cache it."""
-        for name in set(self._baseline) - set(pending):
-            del self._baseline[name]  # only a base may drop tensors (checked before)
-        for name, change in pending.items():
-            delta = change.delta
-            if delta is None or name in moved:  # no change, or the diff's pass made it
-                continue
-            if delta.op == FULL:
-                self._baseline[name] = (
-                    delta.values.to(self.device, copy=True).view(change.dtype).reshape(change.shape)
-                )
-            else:
-                apply_delta(self._baseline[name], delta)
-        moved.clear()  # committed: nothing to revert any more
-        self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
-        self._lanes = {name: change.lanes for name, change in pending.items()}
-        self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
-        if self.cache is None:
-            return
-        try:
-            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._fingerprints)
-        except Exception as exc:  # the version is committed: the cache is only an optimisation
-            self.cache.drop(attempt.chain_id)
-            _log.warning(
-                "version %d is committed, but the baseline cache in %s could not be written "
-                "(%s); a restarted writer will rebuild its baseline from the store",
-                attempt.version,
-                self.cache.root,
-                exc,
-            )
-
-
-class _BaselineCache:
-    """A rank's baseline on local disk (safetensors plus a JSON of version and fingerprints),
-    so a restarted writer need not replay the chain."""
-
-    def __init__(self, root: Path, rank: int, world_size: int) -> None:
-        self.root, self.rank, self.world_size = root, rank, world_size
-
-    def _paths(self, chain_id: str) -> tuple[Path, Path]:
-        folder = self.root / chain_id / f"rank-{self.rank:05d}-of-{self.world_size:05d}"
-        return folder / "baseline.safetensors", folder / "baseline.json"
-
-    def save(
-        self,
-        chain_id: str,
-        version: int,
-        baseline: Mapping[str, torch.Tensor],
-        fingerprints: Mapping[str, str],
-    ) -> None:
-        """Replace the cache (the tensors first, the JSON naming their version last)."""
-        from safetensors.torch import save_file
-
-        tensor_path, meta_path = self._paths(chain_id)
-        tensor_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tensor_path.with_suffix(".tmp")
-        save_file({n: t.detach().cpu().contiguous() for n, t in baseline.items()}, str(tmp))
-        os.replace(tmp, tensor_path)
-        meta = {"version": version, "fingerprints": dict(fingerprints)}
-        tmp_meta = meta_path.with_suffix(".tmp")
-        tmp_meta.write_text(json.dumps(meta))
-        os.replace(tmp_meta, meta_path)
-
-    def drop(self, chain_id: str) -> None:
-        """Remove a cache that may be half written (best effort: a miss costs a replay)."""
-        for path in self._paths(chain_id):
-            try:
-                path.unlink(missing_ok=True)
-            except OSError:
-                pass
-
-    def load(self, chain_id: str) -> StateDictTarget | None:
-        """A StateDictTarget at the cached version, or None when the cache is absent or
-        unreadable (the caller checks it against the chain)."""
-        tensor_path, meta_path = self._paths(chain_id)
-        if not tensor_path.exists() or not meta_path.exists():
-            return None
-        try:
-            from safetensors.torch import load_file
-
-            meta = json.loads(meta_path.read_text())
-            tensors = load_file(str(tensor_path))
-            version = int(meta["version"])
-        except Exception:
-            return None  # an unreadable cache is just a miss
-        return StateDictTarget(tensors, version=version, chain_id=chain_id)
-
-
-def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
-    """Fingerprint of a tensor loaded from the cache (None for a dtype the format lacks)."""
-    try:
-        return tensor_fingerprint(tensor)
-    except UnsupportedDtypeError:
-        return None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total

@@ -1,0 +1,338 @@
+"""The canonical part of a publish: the canonical tensors a writer rank owns by name.
+
+:class:`CanonicalPart` keeps the owned tensors' baseline (restored from the local
+:class:`~dcr_format.publish._cache.BaselineCache` or replayed from the store), streams the
+given tensors through the diff and the codings into entries and shards, and advances or
+reverts the baseline once the commit's outcome is known.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dcr_format.chain.chain import Chain, LoadedRecord, TensorState
+from dcr_format.delta import dispatch
+from dcr_format.delta.delta import (
+    FULL,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    EncodedTensor,
+    apply_delta,
+    comparable,
+)
+from dcr_format.delta.fingerprint import (
+    apply_lane_deltas,
+    fingerprint_from_lanes,
+    lanes_after_change,
+    tensor_fingerprint,
+    tensor_lanes,
+)
+from dcr_format.delta.pipeline import encode_stream
+from dcr_format.errors import (
+    ArgumentError,
+    IncompleteVersionError,
+    IntegrityError,
+    MissingTensorError,
+    TargetError,
+    UnsupportedDtypeError,
+)
+from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.features import (
+    BASELINE_FEATURES,
+    POSITIONS_CLASSED_FEATURE,
+    features_for,
+    within_codings,
+)
+from dcr_format.format.schema import Entry, Manifest
+from dcr_format.kernels.reference import Diff
+from dcr_format.publish._cache import BaselineCache
+from dcr_format.publish._part import Attempt, Tensors, Written, encoded_entry, pairs
+from dcr_format.publish._sharded import is_dtensor
+from dcr_format.sync.reader import DeltaReader
+from dcr_format.targets.dict import StateDictTarget
+
+
+def owner(name: str, world_size: int) -> int:
+    """The writer rank that publishes canonical tensor ``name``: crc32(UTF-8 name) mod W."""
+    return zlib.crc32(name.encode()) % world_size
+
+
+_Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """One tensor's change, held until the commit is known to exist."""
+
+    delta: DecodedDelta | None  # None: no bits changed
+    fingerprint: str
+    lanes: tuple[int, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    rows: np.ndarray | None = None  # exponent rows of the new bits, where they were counted
+
+
+class CanonicalPart:
+    """A writer rank's part of canonical tensors: those this rank owns (:func:`owner`)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        ops: Mapping[str, str],
+        cache: BaselineCache | None,
+        features: frozenset[str] = frozenset(),
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device, self.ops, self.cache = device, ops, cache
+        self.features = features  # codec features its entries may use (values-rans)
+        self._baseline: dict[str, torch.Tensor] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
+        # exponent rows of the baseline (host tensors the writer considered classed
+        # positions for), so that the next step need not count them again
+        self._rows: dict[str, np.ndarray] = {}
+
+    @property
+    def baseline(self) -> Mapping[str, torch.Tensor]:
+        """The owned tensors' exact bits at the last commit."""
+        return self._baseline
+
+    def owns(self, name: str) -> bool:
+        """Whether this rank publishes ``name``."""
+        return owner(name, self.world_size) == self.rank
+
+    def check_manifest(self, manifest: Manifest, rank: int, key: str) -> None:
+        """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
+        writers' layout and are checked when combined (§4.8)."""
+        for entry in manifest.entries:
+            if entry.piece is None and owner(entry.name, self.world_size) != rank:
+                raise IncompleteVersionError(f"{key} lists {entry.name!r}, owned by another rank")
+
+    # --- restore ------------------------------------------------------------------------
+
+    def restore(self, chain: Chain, latest: LoadedRecord, table: dict[str, TensorState]) -> None:
+        """The baseline of ``latest``: from the local cache if valid, else from the store."""
+        owned = {n: s for n, s in table.items() if self.owns(n)}
+        version = latest.record.version
+        found = self._from_cache(chain, version, owned)
+        if found is None:
+            target = StateDictTarget({})
+            DeltaReader(chain.store, target, select=self.owns).sync(to=version)
+            found = target, {}
+        target, lanes = found
+        self._baseline = {n: t.to(self.device) for n, t in target.tensors.items()}
+        self._fingerprints = {n: s.fingerprint for n, s in owned.items()}
+        self._lanes = lanes  # where unknown, the next publish reads them from the baseline
+        self._rows = {}
+
+    def _from_cache(
+        self, chain: Chain, version: int, owned: dict[str, TensorState]
+    ) -> tuple[StateDictTarget, dict[str, tuple[int, ...]]] | None:
+        """The cached baseline brought to ``version`` and checked, with its fingerprint lanes
+        where the cache's are those of ``version``, or None."""
+        if self.cache is None:
+            return None
+        cached = self.cache.load(chain.header.chain_id)
+        if cached is None:
+            return None
+        target = cached.target
+        try:
+            synced = DeltaReader(chain.store, target, select=self.owns, verify="all").sync(
+                to=version
+            )
+        except (IntegrityError, TargetError):
+            return None  # a stale or damaged cache: replay from the store instead
+        if set(target.tensors) != set(owned):
+            return None
+        if synced.applied_versions:  # the sync checked the bits it made
+            return target, {}
+        # a cache already at `version` was not checked by the sync (nothing to apply): the
+        # lanes recorded with it stand for its bits where its file matched its sha256
+        if cached.lanes is not None:
+            lanes = cached.lanes
+            if any(
+                n not in lanes or _fingerprint(t, lanes[n]) != owned[n].fingerprint
+                for n, t in target.tensors.items()
+            ):
+                return None
+            return target, lanes
+        if any(_cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()):
+            return None
+        return target, {}
+
+    # --- publish --------------------------------------------------------------------------
+
+    def write(self, tensors: Tensors, attempt: Attempt) -> Written:
+        """Encode this rank's tensors and upload its shards."""
+        shards = attempt.shards()
+        entries: list[Entry] = []
+        pending: dict[str, _Pending] = {}
+        moved: dict[str, Diff] = {}  # baselines the diff's own pass already advanced (CPU)
+
+        def advanced(item: _Item, found: Diff) -> None:
+            moved[item[0]] = found
+
+        coded: Generator[tuple[_Item, EncodedTensor], None, None] | None = None
+        try:
+            # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
+            # a full shard uploads on a background thread while the next tensors are coded
+            items = self._owned(tensors, attempt)
+            features = self.features
+            if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
+                features -= BASELINE_FEATURES
+            rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
+            coded = encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0]))
+            for (name, tensor, old), encoded in within_codings(features, coded):
+                lanes = self._lanes_after(name, tensor, old, encoded)
+                fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
+                parent = self._fingerprints.get(name) if encoded.op != FULL else None
+                entries.append(
+                    encoded_entry(
+                        name, tensor, encoded, len(entries), shards.add, fingerprint, parent
+                    )
+                )
+                shards.maybe_flush()
+                pending[name] = _Pending(
+                    encoded.advance,
+                    fingerprint,
+                    lanes,
+                    tensor.dtype,
+                    tuple(tensor.shape),
+                    encoded.rows,
+                )
+            missing = sorted(set(self._baseline) - set(pending))
+            if missing and not attempt.base:
+                raise MissingTensorError(
+                    f"{len(missing)} tensors of version {attempt.version - 1} were not given "
+                    f"(first: {missing[0]!r}); pass every tensor each step"
+                )
+            shards.finish()
+            manifest = attempt.manifest(
+                shards, entries, features_for(r.coding for e in entries for r in e.streams)
+            )
+        except BaseException:
+            if coded is not None:  # tensors still coding advance their baselines first
+                coded.close()
+            self._revert(moved)
+            raise
+        finally:
+            shards.close()
+
+        def advance() -> None:
+            self._advance(pending, attempt, moved)
+
+        return Written(manifest, advance, lambda: self._revert(moved))
+
+    def _owned(
+        self, tensors: Tensors, attempt: Attempt
+    ) -> Iterator[tuple[_Item, torch.Tensor, torch.Tensor | None, str | None]]:
+        """``(item, new, old, op)`` of each owned tensor, as :func:`encode_stream` takes them."""
+        seen: set[str] = set()
+        for name, tensor in pairs(tensors):
+            if is_dtensor(tensor):
+                raise ArgumentError(
+                    f"{name!r} is a DTensor in a publish that began with plain tensors; give "
+                    "a stream's tensors as DTensors from the first (a whole tensor replicated: "
+                    "DTensor.from_local(t, mesh, [Replicate()]))"
+                )
+            if not self.owns(name):
+                continue
+            if name in seen:
+                raise ArgumentError(f"tensor {name!r} was given twice in one publish")
+            seen.add(name)
+            tensor = tensor.detach()
+            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            old = self._baseline.get(name)
+            op = FULL if attempt.base else self._op_for(name, tensor, old, attempt.overwrite)
+            if op != FULL and comparable(tensor, old) and name not in self._lanes:
+                assert old is not None  # lanes of the old bits, before the diff advances them
+                self._lanes[name] = tensor_lanes(old)
+            yield (name, tensor, old), tensor, old, op
+
+    def _op_for(
+        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, overwrite: frozenset[str]
+    ) -> str | None:
+        """The op of a delta entry: configured, else overwrite where a reader asked for it
+        (and a comparable baseline exists), else chosen by size."""
+        op = self.ops.get(name)
+        if op is None and name in overwrite:
+            if old is not None and old.dtype == tensor.dtype and old.shape == tensor.shape:
+                return OVERWRITE
+        return op
+
+    def _lanes_after(
+        self, name: str, tensor: torch.Tensor, old: torch.Tensor | None, encoded: EncodedTensor
+    ) -> tuple[int, ...]:
+        """Fingerprint lanes of the new tensor: updated from the change alone when possible."""
+        delta = encoded.advance
+        if old is None or (delta is not None and delta.op == FULL):
+            return tensor_lanes(tensor)
+        base = self._lanes[name]  # _owned read it before the diff could advance ``old``
+        if delta is None:  # no bit changed
+            return base
+        if encoded.lane_deltas is not None:  # the diff's own pass summed them
+            return apply_lane_deltas(base, encoded.lane_deltas)
+        # (a diff that advanced ``old`` in its pass always sums them: ``old`` is not read)
+        assert delta.positions is not None and delta.op == OVERWRITE
+        old_bits = bits_view(old).reshape(-1)[delta.positions]
+        return lanes_after_change(base, delta.positions, old_bits, delta.values)
+
+    # --- advance --------------------------------------------------------------------------
+
+    def _revert(self, moved: dict[str, Diff]) -> None:
+        """Undo the in-place advance of baselines whose version did not commit (XOR bits
+        again at the same positions)."""
+        while moved:
+            name, found = moved.popitem()
+            assert found.xor_values is not None
+            flat = bits_view(self._baseline[name]).reshape(-1)
+            dispatch.scatter(flat, found.positions, found.xor_values, op=XOR)
+
+    def _advance(
+        self, pending: dict[str, _Pending], attempt: Attempt, moved: dict[str, Diff]
+    ) -> None:
+        """The commit exists: bring the baseline to the committed bits, then cache it."""
+        for name in set(self._baseline) - set(pending):
+            del self._baseline[name]  # only a base may drop tensors (checked before)
+        for name, change in pending.items():
+            delta = change.delta
+            if delta is None or name in moved:  # no change, or the diff's pass made it
+                continue
+            if delta.op == FULL:
+                self._baseline[name] = (
+                    delta.values.to(self.device, copy=True).view(change.dtype).reshape(change.shape)
+                )
+            else:
+                apply_delta(self._baseline[name], delta)
+        moved.clear()  # committed: nothing to revert any more
+        self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
+        self._lanes = {name: change.lanes for name, change in pending.items()}
+        self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
+        if self.cache is not None:
+            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._lanes)
+
+
+def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
+    """Fingerprint of a tensor loaded from the cache (None for a dtype the format lacks)."""
+    try:
+        return tensor_fingerprint(tensor)
+    except UnsupportedDtypeError:
+        return None
+
+
+def _fingerprint(tensor: torch.Tensor, lanes: tuple[int, ...]) -> str | None:
+    """Fingerprint of a tensor loaded from the cache with the lanes recorded for it (None
+    for a dtype the format lacks)."""
+    try:
+        return fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
+    except UnsupportedDtypeError:
+        return None
