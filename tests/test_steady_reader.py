@@ -445,7 +445,7 @@ class _GroupOfOne(ReaderGroup):
 
 
 def _as_group_member(reader: DeltaReader) -> None:
-    reader.group = _GroupOfOne.solo(before_agreeing=reader.store.end_epoch)
+    reader.group = _GroupOfOne.solo()
 
 
 @pytest.mark.parametrize("member", ["alone", "group"])

@@ -130,7 +130,7 @@ class Store:
     ever writes the store.
 
     ``url`` may also be a backend object (the :class:`Backend` protocol), which
-    carries its own options; :class:`~dcr_format.RelayStore` is a Store over one.
+    carries its own options.
 
     A Store is safe to use from several threads at once.
     """
@@ -204,13 +204,6 @@ class Store:
         """
         with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
             return self._retried(self._backend.probe_conditional_writes)
-
-    def end_epoch(self) -> None:
-        """Hook a reader calls on every member of its group wherever the group agrees.
-
-        A plain store does nothing; a :class:`~dcr_format.RelayStore` closes its
-        relay epoch here (see :mod:`dcr_format.store.relay`).
-        """
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
