@@ -2,7 +2,7 @@
 
 A :class:`Store` is a root URL holding objects named by relative keys
 (``commits/00000000000000000001.json``). It is a thin layer over a backend
-(the :class:`Backend` protocol, private modules under ``dcr_format/store/_backends/``):
+(the :class:`Backend` protocol, private modules ``dcr_format/store/_*.py``):
 the Store checks every key, enforces size limits and capabilities, normalises
 listing prefixes and translates every backend error, in one place
 (``Store._translated``), into the errors of :mod:`dcr_format.errors`. The
