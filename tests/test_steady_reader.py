@@ -731,6 +731,7 @@ FORK_CHILD_SYNC = """
 import os, sys, tempfile
 import torch
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+sys.path.append({benchmarks!r})
 from refit_bench import SyntheticTrainer, lr_for
 from dcr_format.system.pools import _POOLS
 shapes = {{"a.weight": (300, 512), "b.weight": (200, 512)}}
@@ -766,7 +767,10 @@ def test_a_forked_child_syncs_on_an_apply_pool_of_its_own(tmp_path):
     import subprocess
     import sys
 
-    script = FORK_CHILD_SYNC.format(tmp=str(tmp_path), features=_BASELINE_FEATURES)
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    script = FORK_CHILD_SYNC.format(
+        tmp=str(tmp_path), features=_BASELINE_FEATURES, benchmarks=benchmarks
+    )
     result = subprocess.run(
         [sys.executable, "-c", script], timeout=120, capture_output=True, text=True
     )
