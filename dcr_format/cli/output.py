@@ -30,6 +30,7 @@ def progress_bar(iterable: Iterable[Any], *, total: int | None, desc: str) -> It
 def emit(
     fmt: str, data: BaseModel | list[BaseModel] | dict[str, Any], human: Callable[[], None]
 ) -> None:
+    """Print ``data`` as JSON (``--format json``), else call ``human`` to print its view."""
     from pydantic import BaseModel
 
     if fmt == "json":
@@ -44,6 +45,7 @@ def emit(
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print aligned columns: the first left-aligned, the others right-aligned."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
@@ -56,6 +58,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 def human_bytes(n: float) -> str:
+    """``1234567`` -> ``1.2 MB`` (decimal units)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -200,6 +200,7 @@ def version_option(*names: str, help: str, required: bool = False) -> Callable[[
 
 
 def default_cache() -> Path:
+    """Where publish and replay keep the baseline bits: $DCR_CACHE_DIR, else the user cache."""
     base = os.environ.get("DCR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dcr"
     )
