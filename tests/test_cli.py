@@ -180,7 +180,7 @@ def test_pull_waits_for_or_refuses_a_directory_another_sync_holds(tmp_path):
 def test_help_shows_the_default_of_every_option_that_has_one() -> None:
     import click
 
-    from dcr_format.cli.bench import project
+    from dcr_format.cli.explore import project
 
     runs = [(command, cli, [name, "--help"]) for name, command in cli.commands.items()]
     runs.append((project, project, ["--help"]))  # also when run on its own, outside the group

@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.bench
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "codec_bench.py"
-
 
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("codec_bench", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import codec_bench  # benchmarks/ is on sys.path (conftest.py)
+
+    return codec_bench
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +58,10 @@ def test_table_renders(quick_result: dict) -> None:
 
 def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None:
     import torch
+    from codec_bench import _encode_all, _shard_streams
+    from codec_bounds import manifest_bytes
 
     from dcr_format import DeltaWriter, Store
-    from dcr_format.bench.codec import _encode_all, _shard_streams, manifest_bytes
     from dcr_format.chain.chain import Chain
     from dcr_format.format.shard import encode_shard
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import memory_bench as memory
 import pytest
-
-from dcr_format.bench import memory
 
 pytestmark = [
     pytest.mark.bench,

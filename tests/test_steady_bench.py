@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import steady_bench as steady
 
-from dcr_format.bench import steady
 from dcr_format.publish.writer import DeltaWriter
 from dcr_format.store.store import Store
 
@@ -92,7 +92,8 @@ def test_costs_come_from_the_steady_rows(tmp_path, monkeypatch):
     """--save-costs: the projection's per-byte publish and sync costs are the steady rows'
     (a long-lived writer and reader), requests measured on the local store when no
     gateway runs."""
-    from dcr_format.bench import _gateway, costs
+    import bench_costs as costs
+    import bench_gateway as _gateway
 
     rows = steady.steady_series(
         Store(str(tmp_path / "store")), {"w": (64, 64)}, (0.01,), steps=2, label="local"

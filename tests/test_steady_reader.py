@@ -395,7 +395,7 @@ def _classed_chain(tmp_path: Path, shard_bytes: int = 1 << 26):
     """A chain of three bf16 tensors whose deltas are coded against the old bits, its base
     synced by a one-worker reader, and a first delta published (returns the store's URL,
     the reader, its tensors and the delta's state)."""
-    from dcr_format.bench.refit import SyntheticTrainer, lr_for
+    from refit_bench import SyntheticTrainer, lr_for
 
     shapes = {"a.weight": (600, 1024), "b.weight": (500, 1024), "c.weight": (400, 1024)}
     trainer = SyntheticTrainer(shapes, seed=3)
@@ -445,7 +445,7 @@ class _GroupOfOne(ReaderGroup):
 
 
 def _as_group_member(reader: DeltaReader) -> None:
-    reader.group = _GroupOfOne.solo(before_agreeing=reader.store.end_epoch)
+    reader.group = _GroupOfOne.solo()
 
 
 @pytest.mark.parametrize("member", ["alone", "group"])
@@ -457,9 +457,10 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
     fetch still runs, before the transaction opens (a rank of a group), does not (the
     tensor may be read again by then). A reader on its own completes every change in its
     transaction, as does a sync of two versions; every one applies bit for bit."""
+    from refit_bench import lr_for
+
     import dcr_format.delta.delta as delta_module
     import dcr_format.sync._apply as apply_module
-    from dcr_format.bench.refit import lr_for
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
     if member == "group":
@@ -730,7 +731,8 @@ FORK_CHILD_SYNC = """
 import os, sys, tempfile
 import torch
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.bench.refit import SyntheticTrainer, lr_for
+sys.path.append({benchmarks!r})
+from refit_bench import SyntheticTrainer, lr_for
 from dcr_format.system.pools import _POOLS
 shapes = {{"a.weight": (300, 512), "b.weight": (200, 512)}}
 trainer = SyntheticTrainer(shapes, seed=5)
@@ -765,7 +767,10 @@ def test_a_forked_child_syncs_on_an_apply_pool_of_its_own(tmp_path):
     import subprocess
     import sys
 
-    script = FORK_CHILD_SYNC.format(tmp=str(tmp_path), features=_BASELINE_FEATURES)
+    benchmarks = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    script = FORK_CHILD_SYNC.format(
+        tmp=str(tmp_path), features=_BASELINE_FEATURES, benchmarks=benchmarks
+    )
     result = subprocess.run(
         [sys.executable, "-c", script], timeout=120, capture_output=True, text=True
     )

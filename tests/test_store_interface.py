@@ -147,11 +147,20 @@ def test_fsspec_capabilities_follow_what_the_filesystem_implements() -> None:
         store.delete("k")
 
 
-def test_end_epoch_is_a_no_op_on_plain_stores(tmp_path: Path, memory_store: Store) -> None:
+def test_only_a_relay_has_epochs_and_a_reader_closes_them(
+    tmp_path: Path, memory_store: Store
+) -> None:
+    from dcr_format import DeltaReader, StateDictTarget
+
+    assert not hasattr(Store, "end_epoch")  # a plain store knows nothing of relays
     for store in (Store(tmp_path / "s"), memory_store):
         store.put("k", b"1")
-        assert store.end_epoch() is None
-        assert store.list() == ["k"]
+        assert DeltaReader(store, StateDictTarget({})).group._before_agreeing is None
+    relay = RelayStore(Store(tmp_path / "r"), _one_member_group())
+    reader = DeltaReader(relay, StateDictTarget({}))
+    before = relay.stats.epochs
+    reader.group.min(0)  # an agreement point closes the relay's epoch
+    assert relay.stats.epochs == before + 1
 
 
 # --- a Store over any backend ---------------------------------------------------------------
@@ -356,10 +365,9 @@ def test_doctor_sizes_its_large_put_by_kind_not_by_url(
 
 
 def test_nothing_outside_the_store_modules_reaches_into_a_backend() -> None:
-    allowed = {PACKAGE / "store.py", PACKAGE / "readers" / "relay.py"}
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path in allowed or PACKAGE / "_stores" in path.parents:
+        if PACKAGE / "store" in path.parents:
             continue
         text = path.read_text()
         if "._backend" in text or 'url.startswith("s3://")' in text:
@@ -396,16 +404,16 @@ def _imported(path: Path) -> list[tuple[str, bool]]:
 
 
 def test_store_modules_import_only_downward() -> None:
-    for path in sorted((PACKAGE / "_stores").glob("*.py")):
+    for path in sorted((PACKAGE / "store").glob("_*.py")):
         for module, _ in _imported(path):
-            allowed = ("dcr_format.store._backends", "dcr_format.errors", "dcr_format.system.fsync")
+            allowed = ("dcr_format.store._", "dcr_format.errors", "dcr_format.system.fsync")
             assert module.startswith(allowed), (path, module)
-    base = _imported(PACKAGE / "_stores" / "_base.py")
+    base = _imported(PACKAGE / "store" / "_base.py")
     assert base == []  # the base module depends on nothing of ours
     # store.py imports what it uses at the top; only the optional S3 extra and the fsspec
     # backends (which a local store, and every quick command on one, does not need) late
-    assert all(top for _, top in _imported(PACKAGE / "store.py"))
-    late = [m for m, top in _imported(PACKAGE / "_stores" / "__init__.py") if not top]
+    assert all(top for _, top in _imported(PACKAGE / "store" / "store.py"))
+    late = [m for m, top in _imported(PACKAGE / "store" / "_backends.py") if not top]
     assert sorted(late) == [
         "dcr_format.store._fsspec",
         "dcr_format.store._memory",

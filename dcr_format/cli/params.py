@@ -1,16 +1,22 @@
-"""Checks of ``dcr`` command-line values shared by the commands: each bad value is a click
-usage error (exit status 2, one line), found before any work starts; and the options that
-``dcr_format.cli.main`` and ``dcr_format.cli.bench`` both declare."""
+"""The options and checks of ``dcr`` command-line values the commands share: each bad value
+is a click usage error (exit status 2, one line), found before any work starts. ``--store``
+opens the store as the command's argument; the version options name versions of its chain."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
+
+from dcr_format.errors import VersionNotFoundError
+
+if TYPE_CHECKING:
+    from dcr_format.store.store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -92,3 +98,110 @@ def endpoint_url(value: str) -> str:
 def one_line(text: Any) -> str:
     """``text`` with every run of whitespace (newlines included) as one space."""
     return " ".join(str(text).split())
+
+
+VERSION = click.IntRange(min=0)
+"""The type of every argument and option that names a version of the chain."""
+
+
+def _remember(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    if param.name == "endpoint_url" and value:
+        source = ctx.get_parameter_source("endpoint_url")
+        ctx.meta["dcr.endpoint_from_env"] = source == click.core.ParameterSource.ENVIRONMENT
+    ctx.meta[f"dcr.{param.name}"] = value
+
+
+def _open_store(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """The --store URL as a Store, with the (eagerly parsed) S3 endpoint and writer mode."""
+    if value is None:
+        return None
+    from dcr_format.store.store import Store
+
+    endpoint = ctx.meta.get("dcr.endpoint_url")
+    options = None
+    is_s3 = value.startswith(("s3://", "s3a://"))
+    if endpoint and not is_s3 and ctx.meta.get("dcr.endpoint_from_env"):
+        endpoint = None  # AWS_ENDPOINT_URL set for S3 work says nothing about other stores
+    if endpoint:
+        endpoint = endpoint_url(endpoint)
+        if not is_s3:
+            raise click.BadParameter(
+                "--endpoint-url applies to s3:// stores; drop it or pass an s3://bucket/prefix "
+                "store",
+                param=param,
+            )
+        options = {"endpoint_url": endpoint}
+    store = Store(
+        value, storage_options=options, single_writer=bool(ctx.meta.get("dcr.single_writer"))
+    )
+    if store.url.startswith("file://"):
+        root = Path(store.url[len("file://") :])
+        if root.exists() and not root.is_dir():
+            raise click.BadParameter(
+                f"{root} is a file, not a store directory; pass a directory (or a new path)",
+                param=param,
+            )
+    return store
+
+
+def versions_in_chain(store: Store, **named: int | None) -> None:
+    """Every named version (None: not given) is committed in the chain's range."""
+    from dcr_format.chain.chain import Chain
+
+    versions = Chain(store).versions()
+    for option, version in named.items():
+        if version is None:
+            continue
+        if not versions:
+            raise VersionNotFoundError(f"{store.url} has no committed version; publish first")
+        if not versions[0] <= version <= versions[-1]:
+            raise VersionNotFoundError(
+                f"{option} {version}: the chain of {store.url} holds versions "
+                f"{versions[0]}..{versions[-1]}; pick one of those (`dcr log` lists them)"
+            )
+
+
+def STORE_OPTION(command: F) -> F:
+    """``--store`` (env DCR_STORE) plus ``--endpoint-url``: a store the command reads."""
+    command = click.option(
+        "--store",
+        envvar="DCR_STORE",
+        required=True,
+        callback=_open_store,
+        help="Store URL or path (env DCR_STORE): ./refit-store, file:///..., memory://..., "
+        "s3://bucket/prefix",
+    )(command)
+    return click.option(
+        "--endpoint-url",
+        envvar="AWS_ENDPOINT_URL",
+        is_eager=True,
+        expose_value=False,
+        callback=_remember,
+        help="S3 endpoint (default: the AWS environment and config, AWS_ENDPOINT_URL, which "
+        "other stores ignore).",
+    )(command)
+
+
+def WRITER_STORE_OPTION(command: F) -> F:
+    """:func:`STORE_OPTION` plus ``--single-writer``: a store the command writes."""
+    return click.option(
+        "--single-writer",
+        is_flag=True,
+        is_eager=True,
+        expose_value=False,
+        callback=_remember,
+        help="Write to a server that ignores conditional writes: only one writer may run.",
+    )(STORE_OPTION(command))
+
+
+def version_option(*names: str, help: str, required: bool = False) -> Callable[[F], F]:
+    """An option naming a version of the chain (None: not given)."""
+    return click.option(*names, type=VERSION, default=None, required=required, help=help)
+
+
+def default_cache() -> Path:
+    """Where publish and replay keep the baseline bits: $DCR_CACHE_DIR, else the user cache."""
+    base = os.environ.get("DCR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dcr"
+    )
+    return Path(base)

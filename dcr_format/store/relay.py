@@ -68,8 +68,8 @@ import torch
 
 from dcr_format import errors
 from dcr_format.errors import DcrError, StoreError
-from dcr_format.store._base import Kind, ObjectTooLarge, RetryPolicy
-from dcr_format.store.store import Capabilities, ObjectInfo, Store
+from dcr_format.store._base import Capabilities, Kind, ObjectInfo, ObjectTooLarge, RetryPolicy
+from dcr_format.store.store import Store
 
 __all__ = ["RelayStats", "RelayStore"]
 
@@ -447,9 +447,10 @@ class RelayStore(Store):
     documentation for the rules members follow.
 
     It is a Store over a relay backend that wraps ``store``: keys, limits and
-    errors are checked as on any store, ``kind`` is ``"relay"``,
-    ``capabilities.writable`` is False (writes raise ``StoreError``), and
-    :meth:`end_epoch` is the hook a reader calls where its group agrees.
+    errors are checked as on any store, ``kind`` is ``"relay"`` and
+    ``capabilities.writable`` is False (writes raise ``StoreError``). Its
+    :meth:`end_epoch` is its own: a reader given a relay calls it where its group
+    agrees; a plain :class:`Store` has no epochs.
     """
 
     def __init__(

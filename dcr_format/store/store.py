@@ -2,7 +2,7 @@
 
 A :class:`Store` is a root URL holding objects named by relative keys
 (``commits/00000000000000000001.json``). It is a thin layer over a backend
-(the :class:`Backend` protocol, private modules under ``dcr_format/store/_backends/``):
+(the :class:`Backend` protocol, private modules ``dcr_format/store/_*.py``):
 the Store checks every key, enforces size limits and capabilities, normalises
 listing prefixes and translates every backend error, in one place
 (``Store._translated``), into the errors of :mod:`dcr_format.errors`. The
@@ -130,7 +130,7 @@ class Store:
     ever writes the store.
 
     ``url`` may also be a backend object (the :class:`Backend` protocol), which
-    carries its own options; :class:`~dcr_format.RelayStore` is a Store over one.
+    carries its own options.
 
     A Store is safe to use from several threads at once.
     """
@@ -204,13 +204,6 @@ class Store:
         """
         with self._translated("", "probe conditional writes in", where=f"store {self.url}"):
             return self._retried(self._backend.probe_conditional_writes)
-
-    def end_epoch(self) -> None:
-        """Hook a reader calls on every member of its group wherever the group agrees.
-
-        A plain store does nothing; a :class:`~dcr_format.RelayStore` closes its
-        relay epoch here (see :mod:`dcr_format.store.relay`).
-        """
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"

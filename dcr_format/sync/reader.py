@@ -36,6 +36,7 @@ from dcr_format.errors import (
 )
 from dcr_format.format.budget import DecodeBudget
 from dcr_format.format.schema import Entry, Manifest
+from dcr_format.store.relay import RelayStore
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._apply import Applying, EarlyApply, step_changes
 from dcr_format.sync._audit import AUDIT_EVERY, AUDIT_SECONDS
@@ -145,9 +146,8 @@ class DeltaReader(Applying, Committing):
             else DecodeBudget(decode_budget)
         )
         # ranks sharing the target stage, verify and apply together (all or none)
-        # the store's end_epoch hook runs wherever the ranks agree (a RelayStore closes its
-        # relay epoch there, readers/relay.py; a plain store does nothing)
-        epoch = self.store.end_epoch
+        # a relay closes its epoch wherever the ranks agree (store/relay.py)
+        epoch = self.store.end_epoch if isinstance(self.store, RelayStore) else None
         self.group = (
             ReaderGroup.solo(before_agreeing=epoch)
             if group is None

@@ -1,4 +1,4 @@
-"""A model of refit time at scale (``dcr project``), built from costs the suite measured.
+"""A model of refit time at scale (``dcr project``), built from measured costs.
 
 Three methods move one optimizer step's weights from the trainer to every rollout node:
 
@@ -12,7 +12,7 @@ Three methods move one optimizer step's weights from the trainer to every rollou
   rollout cluster's own network (``fabric_gbps`` per node).
 
 Every number that is a property of the software comes from a :class:`Costs`
-record measured by ``dcr bench`` (or a short run): delta bytes per changed
+record (:mod:`dcr_format.cli.costs`, the benchmark suite measures them): delta bytes per changed
 element at each change rate, publish and sync CPU seconds per dense byte, dense
 serialise/load seconds per byte, request latency, relay seconds per byte and per
 round. The scenario supplies what belongs to the cluster: parameters, change rate,
@@ -28,9 +28,10 @@ import itertools
 import math
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dcr_format.bench.costs import Costs, RateCosts
+if TYPE_CHECKING:  # the costs model needs pydantic; `dcr --help` lists this command without it
+    from dcr_format.cli.costs import Costs, RateCosts
 
 FABRIC_GBPS = 100.0
 """Default link of a rollout node inside its cluster: one 100 Gbps Ethernet/RoCE port, the
@@ -117,6 +118,8 @@ class Estimate:
 
 def _interp(costs: Costs, rate: float) -> tuple[RateCosts, bool]:
     """Costs at ``rate``: linear in log(rate) between measured rates, clamped outside."""
+    from dcr_format.cli.costs import RateCosts
+
     points = sorted(costs.rates, key=lambda r: r.rate)
     if rate <= points[0].rate or len(points) == 1:
         return points[0].model_copy(update={"rate": rate}), rate < points[0].rate * 0.9

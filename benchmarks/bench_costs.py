@@ -1,17 +1,19 @@
-"""Per-byte and per-object costs, measured on this machine, that the projection is built from.
+"""Per-byte and per-object costs, measured on this machine, that ``dcr project`` is built from.
 
-:func:`derive_costs` turns the suite's measurements into a :class:`Costs` record
-(written by ``dcr bench --save-costs FILE``); the micro-measurements here fill in
-what the refit rows do not give directly: request latency and throughput of a
-store, the relay's cost per hop, sha256. :func:`quick_costs` is the short
-measurement ``dcr project`` runs when it is given no file.
+:func:`derive_costs` turns the suite's measurements into a
+:class:`~dcr_format.cli.costs.Costs` record (``bench_suite.py --save-costs FILE``);
+the micro-measurements here fill in what the refit rows do not give directly:
+request latency and throughput of a store, the relay's cost per hop, sha256.
+:func:`quick_costs` is the short measurement (about half a minute); run as a
+script it writes the costs file the package ships (``dcr_format/cli/costs.json``):
+
+    .venv/bin/python benchmarks/bench_costs.py [--out FILE] [--mb 24]
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import platform
 import statistics
@@ -22,65 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
+from dcr_format.cli.costs import SHIPPED, Costs, RateCosts
 from dcr_format.store.store import Store
-
-COSTS_FORMAT = "dcr-bench-costs-1"
-
-
-class RateCosts(BaseModel):
-    """Costs at one change rate, per byte of the dense bf16 checkpoint."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    rate: float
-    """The measured share of elements that changed."""
-    bytes_per_changed: float
-    """Stored delta bytes (shards) per changed element."""
-    publish_s_per_byte: float
-    """Writer: diff, encode, fingerprints and local writes, per dense byte (local store)."""
-    sync_s_per_byte: float
-    """Reader: fetch from local disk, sha256, decode, verify and apply, per dense byte."""
-
-
-class Costs(BaseModel):
-    """What the projection needs, every number measured by the suite (or a short run)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    format: str = COSTS_FORMAT
-    source: str
-    created: str
-    machine: dict[str, Any]
-    model_bytes: int
-    """Dense bytes of the model the per-byte costs were measured on."""
-    rates: tuple[RateCosts, ...]
-    dense_serialise_s_per_byte: float
-    dense_load_s_per_byte: float
-    """Deserialise and copy into the resident tensors, per byte."""
-    request_s: float
-    """Latency of one small GET from the store below."""
-    request_store: str
-    get_bytes_per_s: float
-    put_bytes_per_s: float
-    sha256_bytes_per_s: float
-    relay_hop_bytes_per_s: float
-    """One relay hop (leader to one member through gloo on 127.0.0.1), large object."""
-    relay_round_s: float
-    """One relay round of a tiny object (header plus one chunk), per hop."""
-    shard_bytes: int
-    chunk_bytes: int
-
-    def to_json(self) -> str:
-        return self.model_dump_json(indent=2)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Costs:
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != COSTS_FORMAT:
-            raise ValueError(f"{path} is not a {COSTS_FORMAT} file (dcr bench --save-costs)")
-        return cls.model_validate(data)
 
 
 def machine() -> dict[str, Any]:
@@ -132,7 +78,7 @@ def sha256_rate(nbytes: int = 64 << 20) -> float:
 
 def relay_costs(*, nbytes: int = 64 << 20, chunk_bytes: int = 4 << 20) -> dict[str, float]:
     """One relay hop between two processes through gloo on 127.0.0.1 (large, then tiny)."""
-    from dcr_format.bench.fanout import relay_hop
+    from bench_fanout import relay_hop
 
     return relay_hop(nbytes=nbytes, chunk_bytes=chunk_bytes)
 
@@ -207,11 +153,12 @@ def quick_costs(
     rates: Sequence[float] = (0.005, 0.01, 0.03, 0.05),
     progress: Callable[[str], None] = lambda message: None,
 ) -> Costs:
-    """The short measurement ``dcr project`` runs without a costs file (about half a minute):
-    a small model refit over a local store, the local store's requests, one relay hop."""
+    """The short measurement (about half a minute): a small model refit over a local store,
+    the local store's requests, one relay hop."""
     import tempfile
 
-    from dcr_format.bench.refit import model_shapes, refit_series
+    from refit_bench import model_shapes, refit_series
+
     from dcr_format.publish.writer import DEFAULT_SHARD_BYTES
     from dcr_format.store.relay import DEFAULT_CHUNK_BYTES
 
@@ -222,7 +169,7 @@ def quick_costs(
         measured = store_costs(store, large_bytes=16 << 20)
     return derive_costs(
         rows,
-        source=f"dcr project: short measurement ({mb:g} MB model, local store)",
+        source=f"benchmarks/bench_costs.py: short measurement ({mb:g} MB model, local store)",
         store=measured,
         request_store="local",
         relay=relay_costs(nbytes=hop_bytes),
@@ -230,3 +177,29 @@ def quick_costs(
         shard_bytes=DEFAULT_SHARD_BYTES,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Measure the short costs and write them (default: the file the package ships)."""
+    import argparse
+
+    import dcr_format.cli.costs
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default = Path(dcr_format.cli.costs.__file__).with_name(SHIPPED)
+    parser.add_argument("--out", default=str(default), help="costs file to write")
+    parser.add_argument("--mb", type=float, default=24.0, help="model size in MB of bf16")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+
+    def say(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+
+    costs = quick_costs(mb=args.mb, progress=say)
+    Path(args.out).write_text(costs.to_json() + "\n")
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The JuiceFS S3 gateway the benchmarks run against, on 127.0.0.1 (shared by every section).
 
-A leaf of :mod:`dcr_format.bench`: it imports the store and the test servers only, so the
+A leaf of the benchmarks: it imports the store and the test servers only, so the
 suite, the refit and the steady benchmarks can all use it without importing each other.
 """
 

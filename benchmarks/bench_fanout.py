@@ -1,4 +1,4 @@
-"""Relay fan-out against independent readers, with real processes (``bench/_workers.py``)."""
+"""Relay fan-out against independent readers, with real processes (``bench_workers.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def launch(
 ) -> dict[str, Any]:
     """Run ``world`` worker processes of ``role`` in one gloo group; the result they report."""
     with tempfile.TemporaryDirectory(prefix=f"dcr-bench-{role}-") as work:
-        command = [sys.executable, "-m", "dcr_format.bench._workers", role]
+        command = [sys.executable, str(Path(__file__).with_name("bench_workers.py")), role]
         procs = [
             subprocess.Popen(
                 [*command, str(rank), str(world), work, *args],

@@ -1,5 +1,5 @@
-"""Processes of the benchmark suite (``python -m dcr_format.bench._workers ROLE RANK WORLD WORK
-[ROOT]``): they join a gloo group through ``WORK/pg`` and write ``WORK/ROLE-RANK.json``.
+"""Processes of the benchmark suite (``python benchmarks/bench_workers.py ROLE RANK WORLD
+WORK [ROOT]``): they join a gloo group through ``WORK/pg`` and write ``WORK/ROLE-RANK.json``.
 
 - ``fanout``: every member syncs fresh targets from the store at ROOT (reached through the
   AWS environment) as an independent reader and through a relay tree, for the base version

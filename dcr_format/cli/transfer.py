@@ -1,0 +1,139 @@
+"""``dcr publish`` and ``dcr pull``: a checkpoint directory into the chain, and back out.
+
+Each command imports what it needs when it runs: listing the commands stays quick.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import click
+
+from dcr_format.cli.output import emit, human_bytes, progress_bar
+from dcr_format.cli.params import (
+    FORMAT_OPTION,
+    STORE_OPTION,
+    WRITER_STORE_OPTION,
+    default_cache,
+    directory_option,
+    version_option,
+)
+
+if TYPE_CHECKING:
+    from dcr_format.store.store import Store
+
+
+@click.command()
+@click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
+@WRITER_STORE_OPTION
+@click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
+@click.option(
+    "--base-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Write a full base every K versions.",
+)
+@directory_option(
+    "--cache-dir",
+    help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
+)
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="Commit a version even when the checkpoint equals the newest version bit for bit.",
+)
+@FORMAT_OPTION
+def publish(
+    ckpt_dir: str,
+    store: Store,
+    step: int | None,
+    base_every: int | None,
+    cache_dir: str | None,
+    allow_empty: bool,
+    fmt: str,
+) -> None:
+    """Publish a Hugging Face checkpoint directory as the chain's next version.
+
+    The tensors of its safetensors files, and its small files (config, generation config,
+    tokenizer files, chat template: each file directly in the directory of at most 64 MiB,
+    weights in other formats aside), sent only where they changed. A checkpoint equal to the
+    newest version, bit for bit and file for file, commits nothing (exit status 0) unless
+    --allow-empty is given.
+    """
+    from dcr_format.errors import UnchangedVersionError
+    from dcr_format.publish._files import directory_files
+    from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
+    from dcr_format.publish.writer import DeltaWriter
+
+    # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
+    total = count_tensors(ckpt_dir)
+    files, left_out = directory_files(ckpt_dir)
+    for line in left_out:
+        click.echo(f"not sent: {line}", err=True)
+    writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or default_cache())
+    try:
+        info = writer.publish(
+            progress_bar(iter_checkpoint(ckpt_dir), total=total, desc="publish"),
+            step=step,
+            files=files,
+            allow_empty=allow_empty,
+        )
+    except UnchangedVersionError:
+        from dcr_format.chain.chain import Chain
+
+        latest = Chain(store).latest()
+        emit(
+            fmt,
+            {"committed": False, "reason": "unchanged", "version": latest},
+            lambda: click.echo(
+                f"unchanged: {ckpt_dir} equals version {latest} bit for bit; nothing committed "
+                "(--allow-empty commits it anyway)"
+            ),
+        )
+        return
+
+    def human() -> None:
+        click.echo(
+            f"committed version {info.version} ({info.kind}): {info.changed_elements} of "
+            f"{info.total_elements} elements changed ({info.change_rate:.3%}), "
+            f"{human_bytes(info.payload_bytes)} of {human_bytes(info.dense_bytes)} dense "
+            f"({info.ratio:.2%})"
+        )
+
+    emit(fmt, info, human)
+
+
+@click.command()
+@STORE_OPTION
+@directory_option("--into", required=True, help="Checkpoint directory to keep.")
+@version_option("--version", "version", help="Target version (default newest).")
+@click.option(
+    "--wait",
+    "wait",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    help="Seconds to wait while another sync holds the directory (0: refuse at once).",
+)
+@FORMAT_OPTION
+def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
+    """Bring a Hugging Face checkpoint directory to a version of the chain."""
+    from dcr_format.sync.reader import DeltaReader
+    from dcr_format.targets.directory import SafetensorsDirTarget
+
+    result = DeltaReader(store, SafetensorsDirTarget(into, timeout=wait)).sync(to=version)
+
+    def human() -> None:
+        if not result.applied_versions:
+            click.echo(f"{into} is already at version {result.version}")
+        else:
+            click.echo(
+                f"{into} is at version {result.version} (applied "
+                f"{len(result.applied_versions)} versions, "
+                f"{human_bytes(result.payload_bytes)} fetched)"
+            )
+
+    emit(fmt, result, human)
+
+
+COMMANDS = (publish, pull)
+"""The commands this module adds to ``dcr``."""
