@@ -5,7 +5,9 @@
 the micro-measurements here fill in what the refit rows do not give directly:
 request latency and throughput of a store, the relay's cost per hop, sha256.
 :func:`quick_costs` is the short measurement (about half a minute); run as a
-script it writes the costs file the package ships (``dcr_format/cli/costs.json``):
+script it writes a costs file for ``dcr project --costs FILE``. The file the package ships
+(``dcr_format/cli/costs.json``) is ``steady_bench.py --save-costs`` of a 1 GB model on an
+idle 2-vCPU machine, the longer measurement:
 
     .venv/bin/python benchmarks/bench_costs.py [--out FILE] [--mb 24]
 """

@@ -151,13 +151,15 @@ def test_project_from_saved_costs(quick):
 
 
 def test_project_uses_the_shipped_costs_without_a_file():
-    # the package carries the costs file the short measurement (benchmarks/bench_costs.py) wrote
+    # the package carries the costs the steady benchmark wrote for a 1 GB model
     shipped = shipped_costs()
-    assert shipped.source.startswith("benchmarks/bench_costs.py: short measurement")
+    assert shipped.source == "benchmarks/steady_bench.py --save-costs"
+    assert shipped.model_bytes > 900_000_000
     assert 'dcr_format = ["py.typed", "cli/costs.json"]' in (ROOT / "pyproject.toml").read_text()
     result = CliRunner().invoke(project_cmd, ["--params", "120B", "--change", "5%"])
     assert result.exit_code == 0, result.output
-    assert "short measurement" in result.stdout and "120B delta at 5%" in result.stdout
+    assert "costs: benchmarks/steady_bench.py --save-costs" in result.stdout
+    assert "120B delta at 5%" in result.stdout
 
 
 def test_the_plot_goes_under_out_or_a_new_temporary_directory(tmp_path, monkeypatch):

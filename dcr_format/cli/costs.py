@@ -82,5 +82,5 @@ class Costs(BaseModel):
 
 def shipped_costs() -> Costs:
     """The costs shipped with the package (``costs.json`` next to this module), measured by
-    the benchmark suite of a source checkout."""
+    the steady benchmark of a source checkout on a 1 GB model."""
     return Costs.load(Path(__file__).with_name(SHIPPED))
