@@ -31,10 +31,8 @@ def test_trainer_callback_publishes_every_optimizer_step(tmp_path: Path, monkeyp
     from vllm import LLM
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)  # its model and writer; its loop is unused
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
+    # the trainer gives its model and writer; its loop is unused
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
     llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **harness.ENGINE_ARGS)
     sync = DcrWeightSync(trainer.writer, llm, DcrInitInfo(store=store, prefetch=False))
     sync.init()

@@ -67,10 +67,7 @@ def _check_fused(model, state: dict[str, torch.Tensor], layers: int) -> None:  #
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=tied)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=tied)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=tied)
     started = time.perf_counter()
     llm = _engine(ckpt, weight_transfer_config={"backend": "dcr"})
     start_seconds = time.perf_counter() - started
@@ -134,10 +131,7 @@ def test_engine_that_casts_gets_overwrite_through_the_reader_record(tmp_path: Pa
     from dcr_format.chain.chain import Chain
     from dcr_format.store.store import open_store
 
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
     args = {**harness.ENGINE_ARGS, "dtype": "float32"}
     from vllm import LLM
 
