@@ -78,7 +78,8 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    # vLLM refuses a name registered before with ValueError: then it is registered
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(
             BACKEND, "dcr_format.integrations._vllm_engine", "DcrWeightTransferEngine"
         )
@@ -547,8 +548,40 @@ def as_client(client: Any) -> Any:
     return client
 
 
+class _Publisher:
+    """Trainer side of an engine integration: publish with the writer, then update the
+    engines; ``timings`` holds, per version, the seconds of each."""
+
+    writer: Any
+    timings: list[dict[str, float]]
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        step: int | None = None,
+    ) -> int:
+        """Publish ``tensors`` as the next version and update the engines to it."""
+        started = time.perf_counter()
+        info = self.writer.publish(tensors, step=step)
+        published = time.perf_counter()
+        self._update_published(int(info.version))
+        self.timings.append(
+            {
+                "version": float(info.version),
+                "publish_seconds": published - started,
+                "update_seconds": time.perf_counter() - published,
+            }
+        )
+        return int(info.version)
+
+    def _update_published(self, version: int) -> None:
+        """Bring the engines to the ``version`` just published."""
+        raise NotImplementedError
+
+
 @dataclass
-class DcrWeightSync:
+class DcrWeightSync(_Publisher):
     """Trainer side: publish each step with a :class:`~dcr_format.DeltaWriter`, then bring
     the engines behind ``client`` to that version through vLLM's weight-sync protocol.
 
@@ -571,26 +604,9 @@ class DcrWeightSync:
         if self.client is not None:
             self.client.init_weight_transfer_engine(self.init_info.to_dict())
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        step: int | None = None,
-    ) -> int:
-        """Publish ``tensors`` as the next version and update the engines to it."""
-        started = time.perf_counter()
-        info = self.writer.publish(tensors, step=step)
-        published = time.perf_counter()
+    def _update_published(self, version: int) -> None:
         if self.client is not None:
-            self.update(info.version)
-        self.timings.append(
-            {
-                "version": float(info.version),
-                "publish_seconds": published - started,
-                "update_seconds": time.perf_counter() - published,
-            }
-        )
-        return int(info.version)
+            self.update(version)
 
     def publish_model(
         self,
