@@ -53,6 +53,26 @@ ENGINE_ARGS: dict[str, Any] = {
     "enforce_eager": True,
     "seed": 0,
 }
+
+
+def engine(model: Path, **kwargs: Any) -> Any:
+    """An in-process ``vllm.LLM`` on the checkpoint ``model``: the tier's engine arguments,
+    ``kwargs`` over them."""
+    from vllm import LLM
+
+    return LLM(model=str(model), **{**ENGINE_ARGS, **kwargs})
+
+
+def greedy(llm: Any, prompts: list[str] | None = None) -> list[list[int]]:
+    """The greedy tokens ``llm`` generates for ``prompts`` (default: :data:`PROMPTS`)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(
+        prompts or PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 FIGURES = Path(os.environ.get("DCR_VLLM_FIGURES", "/tmp/dcr-vllm-figures.jsonl"))
 
 

@@ -13,18 +13,15 @@ from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
 
 
 def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm import LLM, SamplingParams
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the bit check's callable
     store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
     started = time.perf_counter()
-    llm = LLM(
-        model=str(ckpt),
+    llm = harness.engine(
+        ckpt,
         tensor_parallel_size=2,
         weight_transfer_config={"backend": "dcr"},
         worker_extension_cls="dcr_format.integrations.vllm.DcrWorkerExtension",
-        **harness.ENGINE_ARGS,
     )
     start_seconds = time.perf_counter() - started
     try:
@@ -43,10 +40,7 @@ def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) 
             assert llm.collective_rpc(harness.fused_bits) == [
                 harness.want_fused(state, rank=r, ranks=2) for r in range(2)
             ]
-            outs = llm.generate(
-                harness.PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
-            )
-            got.append([list(o.outputs[0].token_ids) for o in outs])
+            got.append(harness.greedy(llm))
             dirs.append(harness.checkpoint(store, version, tmp_path / f"v{step}", tied=False))
             slowest = max(reports, key=lambda r: r["apply_seconds"])
             rows.append(

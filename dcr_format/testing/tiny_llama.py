@@ -26,23 +26,49 @@ def _transformers() -> Any:
     return transformers
 
 
-def tiny_config(*, tied: bool) -> Any:
-    """A Llama small enough for a shared CPU, with real q/k/v fusion (4 heads, 2 kv heads)."""
+def llama_config(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    tied: bool = False,
+    max_positions: int = 128,
+    **extra: Any,
+) -> Any:
+    """A bf16 Llama config whose special tokens are :func:`save_tokenizer`'s (pad 0, bos 1,
+    eos 2); ``extra`` goes to ``LlamaConfig`` as it is."""
     return _transformers().LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=128,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tied,
         torch_dtype="bfloat16",
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **extra,
+    )
+
+
+def tiny_config(*, tied: bool) -> Any:
+    """A Llama small enough for a shared CPU, with real q/k/v fusion (4 heads, 2 kv heads)."""
+    return llama_config(
+        vocab=VOCAB_SIZE,
+        hidden=128,
+        intermediate=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        tied=tied,
+        architectures=["LlamaForCausalLM"],
+        head_dim=32,
     )
 
 
