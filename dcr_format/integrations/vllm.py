@@ -421,6 +421,22 @@ def _model_dir(vllm_config: Any) -> str | None:
     return str(model) if model else None
 
 
+def worker_syncer(
+    model: torch.nn.Module, info: DcrInitInfo, vllm_config: Any, previous: _Syncer | None
+) -> _Syncer:
+    """A vLLM worker's reader of ``model``, replacing ``previous`` (stopped first; the model
+    holds the version it applied)."""
+    if previous is not None:
+        previous.close()
+    return _Syncer(
+        model,
+        info,
+        model_dir=_model_dir(vllm_config),
+        group=tensor_parallel_group(vllm_config),
+        previous=previous,
+    )
+
+
 class DcrWorkerExtension:
     """A vLLM ``worker_extension_cls`` for engines started without the weight-transfer API:
     ``LLM(..., worker_extension_cls="dcr_format.integrations.vllm.DcrWorkerExtension")``,
@@ -436,15 +452,9 @@ class DcrWorkerExtension:
         """Open the store and prewarm this worker's loader; returns the resident version."""
         info = _parse(DcrInitInfo, init_info, "init_info")
         previous, self._dcr = self._dcr, None
-        if previous is not None:
-            previous.close()
         worker: Any = self
-        self._dcr = _Syncer(
-            worker.model_runner.get_model(),
-            info,
-            model_dir=_model_dir(worker.vllm_config),
-            group=tensor_parallel_group(worker.vllm_config),
-            previous=previous,
+        self._dcr = worker_syncer(
+            worker.model_runner.get_model(), info, worker.vllm_config, previous
         )
         return {"version": self._dcr.version()}
 
