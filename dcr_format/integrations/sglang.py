@@ -159,7 +159,7 @@ def _open(model: torch.nn.Module, info: DcrInitInfo) -> _Syncer:
         if previous is not None:
             previous.close()
         config = getattr(model, "config", None)
-        model_dir = getattr(config, "_name_or_path", None) or None
+        model_dir = getattr(config, "name_or_path", None) or None
         syncer = _Syncer(model, info, model_dir=model_dir, previous=previous)
         _SYNCERS[model] = syncer
         return syncer

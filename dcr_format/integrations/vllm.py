@@ -682,7 +682,8 @@ def _state(model: torch.nn.Module, dtype: torch.dtype, *, gather: bool) -> dict[
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int, int]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        local = getattr(tensor, "_local_tensor", tensor)
+        to_local = getattr(tensor, "to_local", None)  # a DTensor: this rank's shard
+        local = to_local() if callable(to_local) else tensor
         key = (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset())
         if local.numel() and key in seen:
             continue  # a tied alias of a tensor already exported
