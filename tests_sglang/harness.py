@@ -14,6 +14,7 @@ import torch
 from dcr_format.testing import engines
 from dcr_format.testing.engines import EngineServer
 from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them harness.*)
+    PROMPTS,
     VOCAB_SIZE,
     WORDS,
     Trainer,
@@ -23,7 +24,6 @@ from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them 
     tiny_config,
 )
 
-PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 SHIMS = Path(__file__).parent / "shims"
 SGLANG_ENV = {"SGLANG_DISABLE_REQUEST_LOGGING": "1"}
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from dcr_format.testing import engines
 from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them harness.*)
+    PROMPTS,
     VOCAB_SIZE,
     WORDS,
     Trainer,
@@ -99,9 +100,6 @@ def record(mode: str, start_seconds: float, rows: list[tuple[int, float, float, 
             )
             + "\n"
         )
-
-
-PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 
 
 def fresh_greedy(

@@ -17,6 +17,8 @@ WORDS = (
     "green trees near an old river bank and every morning bright sun rises slowly"
 ).split()
 VOCAB_SIZE = 128
+# greedy generation reads these (words of the tokenizer)
+PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 
 
 def _transformers() -> Any:
