@@ -47,22 +47,16 @@ SIZES: dict[str, dict[str, int]] = {
 
 
 def _config(size: str) -> Any:
-    import transformers
+    from dcr_format.testing.tiny_llama import llama_config
 
     s = SIZES[size]
-    return transformers.LlamaConfig(
-        vocab_size=s["vocab"],
-        hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"],
-        num_attention_heads=s["heads"],
-        num_key_value_heads=s["heads"] // 2,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+    return llama_config(
+        vocab=s["vocab"],
+        hidden=s["hidden"],
+        intermediate=s["intermediate"],
+        layers=s["layers"],
+        heads=s["heads"],
+        kv_heads=s["heads"] // 2,
     )
 
 

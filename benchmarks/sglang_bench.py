@@ -53,24 +53,21 @@ def main() -> int:
     from dcr_format import DeltaWriter, replay
     from dcr_format.integrations.sglang import LOAD_FORMAT, DcrSGLangSync
     from dcr_format.integrations.vllm import DcrInitInfo, canonical_state
+    from dcr_format.testing.tiny_llama import llama_config
 
     sys.path.insert(0, str(HERE))
     import harness
 
     heads = max(args.hidden // 64, 1)
-    config = transformers.LlamaConfig(
+    config = llama_config(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        intermediate=args.hidden * 3,
+        layers=args.layers,
+        heads=heads,
+        kv_heads=max(heads // 2, 1),
+        max_positions=256,
         architectures=["LlamaForCausalLM"],
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(heads // 2, 1),
-        max_position_embeddings=256,
-        torch_dtype="bfloat16",
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
     torch.manual_seed(0)
     state = canonical_state(transformers.LlamaForCausalLM(config))

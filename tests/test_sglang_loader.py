@@ -17,6 +17,7 @@ from dcr_format import DeltaWriter
 from dcr_format.errors import EngineUpdateError
 from dcr_format.integrations import sglang as dcr_sglang
 from dcr_format.integrations.sglang import last_outcome, load_weights, request_tensors
+from dcr_format.integrations.vllm import DcrInitInfo
 
 
 class Fused(nn.Module):
@@ -109,3 +110,40 @@ def test_trainer_reads_the_engines_report(tmp_path: Path) -> None:
     assert dcr_sglang._read_report(report) == refused
     with pytest.raises(EngineUpdateError, match="custom-weight-loader"):
         dcr_sglang._read_report(tmp_path / "nothing")
+
+
+class _Engine:
+    """An ``sglang.Engine`` stand-in: its weight update runs dcr's loader on ``model``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def begin_weight_update(self) -> tuple[bool, str]:
+        return True, ""
+
+    def update_weights_from_tensor(self, named, load_format, flush_cache):  # type: ignore[no-untyped-def]
+        assert load_format == dcr_sglang.LOAD_FORMAT and flush_cache
+        load_weights(self.model, named)
+        return True, "Success"
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        return True, ""
+
+
+def test_trainer_publishes_and_brings_the_engine_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    writer.publish(_state(0), step=0)
+    model = Fused()
+    model.load_weights(_state(0).items())
+    info = DcrInitInfo(store=store, version=0, prefetch=False)
+    reports = str(tmp_path / "reports")
+    sync = dcr_sglang.DcrSGLangSync(writer, _Engine(model), info, report_dir=reports)
+    assert sync.init() == 0
+    assert sync.publish(_state(1), step=1) == 1
+    assert torch.equal(model.qk.view(torch.int16), _fused(_state(1)).view(torch.int16))
+    assert sync.timings[0]["version"] == 1.0
+    assert set(sync.timings[0]) == {"version", "publish_seconds", "update_seconds"}

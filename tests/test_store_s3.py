@@ -28,7 +28,8 @@ from dcr_format.errors import (
     ObjectNotFoundError,
 )
 from dcr_format.store.store import Capabilities
-from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server, free_port
+from dcr_format.testing.processes import free_port
+from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server
 
 pytestmark = pytest.mark.s3
 

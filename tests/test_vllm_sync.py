@@ -72,6 +72,18 @@ def test_a_refused_update_leaves_the_session_to_the_engine(tmp_path):
     assert [name for name, _ in client.calls] == ["start", "update"]
 
 
+def test_publish_updates_the_engines_and_records_both_times(tmp_path):
+    sync, client = _sync(tmp_path)
+    assert sync.publish({"w": torch.zeros(8, dtype=torch.bfloat16)}, step=0) == 0
+    assert client.calls[-2] == ("update", {"audit": False, "version": 0})
+    assert sync.timings[0]["version"] == 0.0
+    assert set(sync.timings[0]) == {"version", "publish_seconds", "update_seconds"}
+    # a rank without a client publishes only
+    quiet = DcrWeightSync(sync.writer, None, sync.init_info)
+    assert quiet.publish({"w": torch.ones(8, dtype=torch.bfloat16)}, step=1) == 1
+    assert len(client.calls) == 3 and len(quiet.timings) == 1
+
+
 # --- the engine side's reader, on a vLLM-like model without vLLM -------------------------
 
 from test_module_target import Runtime, checkpoint, step  # noqa: E402

@@ -11,42 +11,31 @@ from typing import Any
 
 import torch
 
+from dcr_format.testing import engines
+from dcr_format.testing.engines import EngineServer
 from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them harness.*)
+    PROMPTS,
     VOCAB_SIZE,
     WORDS,
     Trainer,
     checkpoint,
+    corrupt_shard,
     save_tokenizer,
     tiny_config,
 )
 
-PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 SHIMS = Path(__file__).parent / "shims"
+SGLANG_ENV = {"SGLANG_DISABLE_REQUEST_LOGGING": "1"}
 
 
 def engine_env() -> dict[str, str]:
     """Environment for tiny CPU engines on a shared 2-core machine."""
-    return {
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "SGLANG_DISABLE_REQUEST_LOGGING": "1",
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    }
+    return engines.engine_env(SGLANG_ENV, path=SHIMS)
 
 
 def apply_env() -> None:
     """Set the engine environment in this process (children inherit it)."""
-    for key, value in engine_env().items():
-        if key == "PYTHONPATH":
-            os.environ[key] = value
-        else:
-            os.environ.setdefault(key, value)
-    if str(SHIMS) not in sys.path:
-        sys.path.insert(0, str(SHIMS))
+    if engines.apply_env(engine_env(), path=SHIMS):
         import sitecustomize  # noqa: F401  (the shim, in this process too)
 
 
@@ -57,54 +46,24 @@ SERVER_ARGS = [
     "--random-seed", "0", "--skip-server-warmup", "--log-level", "warning",
 ]  # fmt: skip
 LOADER = "dcr_format.integrations.sglang.load_weights"
-HOST = "127.0.0.1"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
+class Server(EngineServer):
     """An SGLang server process on 127.0.0.1 with dcr's loader, and the calls tests make."""
 
     def __init__(self, model: Path, log: Path) -> None:
-        import subprocess
-        import time
+        def argv(host: str, port: int) -> list[str]:
+            return [
+                sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+                "--host", host, "--port", str(port), "--custom-weight-loader", LOADER,
+                *SERVER_ARGS,
+            ]  # fmt: skip
 
-        self.port = _free_port()
-        self.url = f"http://{HOST}:{self.port}"
-        args = [
-            sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
-            "--host", HOST, "--port", str(self.port), "--custom-weight-loader", LOADER,
-            *SERVER_ARGS,
-        ]  # fmt: skip
-        self.log_path = log
-        self.log = log.open("w")
-        self.started = time.perf_counter()
-        env = {**os.environ, **engine_env()}
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        super().__init__("sglang", argv, env={**os.environ, **engine_env()}, log=log)
 
     def wait(self, timeout: float = 400) -> float:
         """Wait until it serves; returns the seconds it took to start."""
-        import time
-
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"sglang exited {self.proc.returncode}: see {self.log_path}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - self.started
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"sglang did not start in {timeout} s: see {self.log_path}")
+        return super().wait(timeout)
 
     def greedy(self) -> list[list[int]]:
         import requests
@@ -128,17 +87,6 @@ class Server:
         reply.raise_for_status()
         return torch.tensor(reply.json(), dtype=torch.float32)
 
-    def stop(self) -> None:
-        import subprocess
-
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.log.close()
-
 
 def assert_weights(read: Any, state: dict[str, torch.Tensor]) -> None:
     """Every canonical tensor the engine holds (read by canonical name, through SGLang's own
@@ -149,15 +97,6 @@ def assert_weights(read: Any, state: dict[str, torch.Tensor]) -> None:
         got = torch.as_tensor(got, dtype=torch.float32)
         assert torch.equal(got.to(torch.bfloat16).float(), got), name
         assert torch.equal(got.to(torch.bfloat16).view(torch.int16), want.view(torch.int16)), name
-
-
-def corrupt_shard(store: str, version: int) -> None:
-    """Flip one byte in the middle of the first shard of ``version``."""
-    shards = sorted((Path(store) / "objects" / f"{version:020d}").rglob("shard-*.dcrs"))
-    assert shards
-    data = bytearray(shards[0].read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shards[0].write_bytes(bytes(data))
 
 
 ENGINE_ARGS: dict[str, Any] = {

@@ -17,16 +17,11 @@ import harness
 def main(dirs: list[str], prompts: list[str]) -> None:
     harness.apply_env()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # each engine core its own process
-    from vllm import LLM, SamplingParams
-
     out = []
     for model in dirs:
         tp = int(os.environ.get("DCR_TEST_TP", "1"))
-        llm = LLM(model=model, tensor_parallel_size=tp, **harness.ENGINE_ARGS)
-        results = llm.generate(
-            prompts, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
-        )
-        out.append([list(r.outputs[0].token_ids) for r in results])
+        llm = harness.engine(Path(model), tensor_parallel_size=tp)
+        out.append(harness.greedy(llm, prompts))
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()

@@ -4,48 +4,46 @@ AdamW steps with DeltaWriter, and the one patch vLLM's CPU build needs (see docs
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
+from dcr_format.testing import engines
 from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them harness.*)
+    PROMPTS,
     VOCAB_SIZE,
     WORDS,
     Trainer,
     checkpoint,
+    corrupt_shard,
+    first_version,
     save_tokenizer,
     tiny_config,
+    want_fused,
 )
+from dcr_format.testing.tiny_llama import fused_bits as _fused_bits
 
 PLUGINS = Path(__file__).parent / "plugins"  # the test-only CPU patch plugin (a dist-info)
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 
 
 def engine_env() -> dict[str, str]:
     """Environment for tiny CPU engines on a shared 2-core machine."""
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-        "OMP_NUM_THREADS": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(
-            p for p in (str(PLUGINS), os.environ.get("PYTHONPATH", "")) if p
-        ),
-    }
+    return engines.engine_env(VLLM_ENV, path=PLUGINS)
 
 
 def apply_env() -> None:
     """Set the engine environment in this process (children inherit it)."""
-    for key, value in engine_env().items():
-        if key == "PYTHONPATH":
-            os.environ[key] = value
-        else:
-            os.environ.setdefault(key, value)
-    if str(PLUGINS) not in sys.path:
-        sys.path.insert(0, str(PLUGINS))
+    engines.apply_env(engine_env(), path=PLUGINS)
+
+
+def fused_bits(worker: Any) -> list[list[int]]:
+    """Runs in each worker (``collective_rpc``): its fused parameters' bits."""
+    return _fused_bits(worker.model_runner.get_model())
 
 
 ENGINE_ARGS: dict[str, Any] = {
@@ -56,6 +54,26 @@ ENGINE_ARGS: dict[str, Any] = {
     "enforce_eager": True,
     "seed": 0,
 }
+
+
+def engine(model: Path, **kwargs: Any) -> Any:
+    """An in-process ``vllm.LLM`` on the checkpoint ``model``: the tier's engine arguments,
+    ``kwargs`` over them."""
+    from vllm import LLM
+
+    return LLM(model=str(model), **{**ENGINE_ARGS, **kwargs})
+
+
+def greedy(llm: Any, prompts: list[str] | None = None) -> list[list[int]]:
+    """The greedy tokens ``llm`` generates for ``prompts`` (default: :data:`PROMPTS`)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(
+        prompts or PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 FIGURES = Path(os.environ.get("DCR_VLLM_FIGURES", "/tmp/dcr-vllm-figures.jsonl"))
 
 
@@ -82,9 +100,6 @@ def record(mode: str, start_seconds: float, rows: list[tuple[int, float, float, 
             )
             + "\n"
         )
-
-
-PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 
 
 def fresh_greedy(

@@ -35,8 +35,14 @@ def test_entry_point_registers_the_backend_once() -> None:
     assert point.value == "dcr_format.integrations.vllm:register"
     point.load()()
     point.load()()  # idempotent: vLLM loads plugins in every process, maybe twice
-    engine = WeightTransferEngineFactory._registry["dcr"]()
-    assert engine.__name__ == "DcrWeightTransferEngine"
+    vllm_config = SimpleNamespace(parallel_config=None, model_config=None)
+    engine = WeightTransferEngineFactory.create_engine(
+        SimpleNamespace(backend="dcr"),  # type: ignore[arg-type]
+        vllm_config,  # type: ignore[arg-type]
+        torch.device("cpu"),
+        torch.nn.Linear(1, 1),
+    )
+    assert type(engine).__name__ == "DcrWeightTransferEngine"
 
 
 def test_info_is_parsed_strictly() -> None:

@@ -28,14 +28,11 @@ class _Batches(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 def test_trainer_callback_publishes_every_optimizer_step(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import transformers
-    from vllm import LLM
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)  # its model and writer; its loop is unused
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
-    llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **harness.ENGINE_ARGS)
+    # the trainer gives its model and writer; its loop is unused
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
+    llm = harness.engine(ckpt, weight_transfer_config={"backend": "dcr"})
     sync = DcrWeightSync(trainer.writer, llm, DcrInitInfo(store=store, prefetch=False))
     sync.init()
     args = transformers.TrainingArguments(

@@ -18,29 +18,14 @@ import torch
 
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync, engine_report
 
-PROMPTS = harness.PROMPTS
-
 
 @pytest.fixture(autouse=True)
 def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _engine(model: Path, **kwargs: object):  # type: ignore[no-untyped-def]
-    from vllm import LLM
-
-    return LLM(model=str(model), **harness.ENGINE_ARGS, **kwargs)
-
-
 def _model(llm):  # type: ignore[no-untyped-def]
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.get_model()
-
-
-def _greedy(llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    from vllm import SamplingParams
-
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,12 +52,9 @@ def _check_fused(model, state: dict[str, torch.Tensor], layers: int) -> None:  #
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=tied)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=tied)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=tied)
     started = time.perf_counter()
-    llm = _engine(ckpt, weight_transfer_config={"backend": "dcr"})
+    llm = harness.engine(ckpt, weight_transfer_config={"backend": "dcr"})
     start_seconds = time.perf_counter() - started
     sync = DcrWeightSync(
         trainer.writer, llm, DcrInitInfo(store=store, reader_id=f"inproc-{tied}", prefetch=False)
@@ -115,7 +97,7 @@ def test_llm_follows_adamw_steps_bit_exact(tmp_path: Path, tied: bool) -> None:
         # the tied pair is one parameter: vLLM's loader places it twice, it cannot be read back
         assert set(report.unverified) <= ({"model.embed_tokens.weight"} if tied else set())
         _check_fused(model, trainer.export(), cfg.num_hidden_layers)
-        got.append(_greedy(llm))
+        got.append(harness.greedy(llm))
         dirs.append(harness.checkpoint(store, version, tmp_path / f"fresh{step}", tied=tied))
         rows.append(
             (step, sync.timings[-1]["update_seconds"], report.prepare_seconds, report.apply_seconds)
@@ -134,14 +116,8 @@ def test_engine_that_casts_gets_overwrite_through_the_reader_record(tmp_path: Pa
     from dcr_format.chain.chain import Chain
     from dcr_format.store.store import open_store
 
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
-    args = {**harness.ENGINE_ARGS, "dtype": "float32"}
-    from vllm import LLM
-
-    llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **args)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
+    llm = harness.engine(ckpt, weight_transfer_config={"backend": "dcr"}, dtype="float32")
     sync = DcrWeightSync(trainer.writer, llm, DcrInitInfo(store=store, reader_id="fp32"))
     sync.init()
     record = json.loads((Path(store) / "readers" / "fp32.json").read_text())
@@ -157,4 +133,4 @@ def test_engine_that_casts_gets_overwrite_through_the_reader_record(tmp_path: Pa
         qkv = torch.cat([state[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
         assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, qkv.float())
         assert torch.equal(model.lm_head.weight, state["lm_head.weight"].float())
-    _greedy(llm)
+    harness.greedy(llm)

@@ -10,7 +10,6 @@ from pathlib import Path
 import dcr_test_cpu_patch
 import harness
 import pytest
-import torch
 
 from dcr_format.errors import TargetNotUpdatableError
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
@@ -18,53 +17,13 @@ from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
 EXTENSION = "dcr_format.integrations.vllm.DcrWorkerExtension"
 
 
-def _greedy(llm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    from vllm import SamplingParams
-
-    outs = llm.generate(
-        harness.PROMPTS, SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
-    )
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _fused_bits(worker) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    """Runs in the worker: the fused parameters' bits."""
-    model = worker.model_runner.get_model()
-    out = []
-    for layer in model.model.layers:
-        for p in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
-            out.append(p.detach().contiguous().view(torch.int16).reshape(-1).tolist())
-    return out
-
-
-def _want_fused(state: dict[str, torch.Tensor], layers: int) -> list[list[int]]:
-    out = []
-    for i in range(layers):
-        prefix = f"model.layers.{i}"
-        for parts in (
-            [f"{prefix}.self_attn.{x}_proj.weight" for x in "qkv"],
-            [f"{prefix}.mlp.{x}_proj.weight" for x in ("gate", "up")],
-        ):
-            fused = torch.cat([state[n] for n in parts])
-            out.append(fused.contiguous().view(torch.int16).reshape(-1).tolist())
-    return out
-
-
 def test_backend_by_name_in_engine_process(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm import LLM
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the bit check's callable
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
     started = time.perf_counter()
-    llm = LLM(
-        model=str(ckpt),
-        weight_transfer_config={"backend": "dcr"},
-        worker_extension_cls=EXTENSION,
-        **harness.ENGINE_ARGS,
+    llm = harness.engine(
+        ckpt, weight_transfer_config={"backend": "dcr"}, worker_extension_cls=EXTENSION
     )
     start_seconds = time.perf_counter() - started
     try:
@@ -77,14 +36,14 @@ def test_backend_by_name_in_engine_process(tmp_path: Path, monkeypatch) -> None:
             trainer.step()
             version = trainer.publish(step)
             time.sleep(1.5)  # the engine prepares it in the background meanwhile
-            _greedy(llm)  # and keeps serving
+            harness.greedy(llm)  # and keeps serving
             began = time.perf_counter()
             sync.update(version)
             update_seconds = time.perf_counter() - began
             (report,) = llm.collective_rpc("dcr_report")
             assert report["version"] == version and report["prefetched"], report
-            assert llm.collective_rpc(_fused_bits) == [_want_fused(trainer.export(), 2)]
-            got.append(_greedy(llm))
+            assert llm.collective_rpc(harness.fused_bits) == [harness.want_fused(trainer.export())]
+            got.append(harness.greedy(llm))
             dirs.append(harness.checkpoint(store, version, tmp_path / f"v{step}", tied=False))
             rows.append((step, update_seconds, report["prepare_seconds"], report["apply_seconds"]))
         assert harness.fresh_greedy(dirs) == got
@@ -94,14 +53,9 @@ def test_backend_by_name_in_engine_process(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_worker_extension_without_the_transfer_api(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm import LLM
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=True)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=True)
-    llm = LLM(model=str(ckpt), worker_extension_cls=EXTENSION, **harness.ENGINE_ARGS)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=True)
+    llm = harness.engine(ckpt, worker_extension_cls=EXTENSION)
     assert llm.collective_rpc("dcr_init", kwargs={"init_info": {"store": store}}) == [
         {"version": 0}
     ]
@@ -111,27 +65,23 @@ def test_worker_extension_without_the_transfer_api(tmp_path: Path, monkeypatch) 
         (report,) = llm.collective_rpc("dcr_sync", kwargs={"version": version})
         assert report["version"] == version
         assert list(report["applied_versions"]) == [version]
-        assert llm.collective_rpc(_fused_bits) == [_want_fused(trainer.export(), 2)]
+        assert llm.collective_rpc(harness.fused_bits) == [harness.want_fused(trainer.export())]
     with pytest.raises(Exception, match="not committed"):
         llm.collective_rpc("dcr_sync", kwargs={"version": 99})
     assert llm.collective_rpc("dcr_version") == [3]
-    _greedy(llm)
+    harness.greedy(llm)
 
 
 def test_prepacked_cpu_weights_fail_closed(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm import LLM
     from vllm.model_executor.layers import utils
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setattr(
         utils, "dispatch_cpu_unquantized_gemm", dcr_test_cpu_patch.ORIGINAL_DISPATCH
     )
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
-    llm = LLM(model=str(ckpt), weight_transfer_config={"backend": "dcr"}, **harness.ENGINE_ARGS)
-    before = _greedy(llm)
+    store, _, ckpt = harness.first_version(tmp_path, tied=False)
+    llm = harness.engine(ckpt, weight_transfer_config={"backend": "dcr"})
+    before = harness.greedy(llm)
     with pytest.raises(TargetNotUpdatableError, match=r"prepacked the weight of .*docs/vllm.md"):
         llm.init_weight_transfer_engine({"init_info": {"store": store}})
-    assert _greedy(llm) == before  # untouched, still serving
+    assert harness.greedy(llm) == before  # untouched, still serving

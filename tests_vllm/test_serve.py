@@ -7,62 +7,42 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import harness
 import pytest
 import requests
-import torch
 
 from dcr_format.errors import EngineUpdateError
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
-
-HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+from dcr_format.testing.engines import EngineServer
 
 
-class Server:
+class Server(EngineServer):
     """A ``vllm serve`` process and the calls the test makes to it."""
 
     def __init__(self, model: Path, log: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://{HOST}:{self.port}"
         env = {**os.environ, **harness.engine_env(), "VLLM_SERVER_DEV_MODE": "1"}
         env.pop("DCR_KERNELS", None)  # the server uses dcr's default (compiled) kernels
-        args = [
-            sys.executable, str(Path(__file__).parent / "vllm_cli.py"), "serve", str(model),
-            "--host", HOST, "--port", str(self.port),
-            "--weight-transfer-config", json.dumps({"backend": "dcr"}),
-            "--worker-extension-cls", "dcr_test_extension.ProbeExtension",
-            "--dtype", "bfloat16", "--max-model-len", "64", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "64", "--enforce-eager", "--seed", "0",
-        ]  # fmt: skip
-        self.log = log.open("w")
-        started = time.perf_counter()
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited {self.proc.returncode}: see {log}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"vllm serve did not start in 300 s: see {log}")
-        self.start_seconds = time.perf_counter() - started
+
+        def argv(host: str, port: int) -> list[str]:
+            return [
+                sys.executable, str(Path(__file__).parent / "vllm_cli.py"), "serve", str(model),
+                "--host", host, "--port", str(port),
+                "--weight-transfer-config", json.dumps({"backend": "dcr"}),
+                "--worker-extension-cls", "dcr_test_extension.ProbeExtension",
+                "--dtype", "bfloat16", "--max-model-len", "64", "--max-num-seqs", "4",
+                "--max-num-batched-tokens", "64", "--enforce-eager", "--seed", "0",
+            ]  # fmt: skip
+
+        super().__init__("vllm serve", argv, env=env, log=log)
+        try:
+            self.start_seconds = self.wait(300)
+        except BaseException:
+            self.stop()
+            raise
 
     def greedy(self) -> list[list[int]]:
         out = []
@@ -86,40 +66,15 @@ class Server:
         reply.raise_for_status()
         return reply.json()["results"]
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self.log.close()
-
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[Server, harness.Trainer, str]]:
-    store = str(tmp_path / "store")
-    trainer = harness.Trainer(store, tied=False)
-    trainer.publish(0)
-    ckpt = harness.checkpoint(store, 0, tmp_path / "ckpt", tied=False)
+    store, trainer, ckpt = harness.first_version(tmp_path, tied=False)
     server = Server(ckpt, tmp_path / "serve.log")
     try:
         yield server, trainer, store
     finally:
         server.stop()
-
-
-def _want_fused(state: dict[str, torch.Tensor]) -> list[list[int]]:
-    out = []
-    for i in range(2):
-        p = f"model.layers.{i}"
-        for parts in (
-            [f"{p}.self_attn.{x}_proj.weight" for x in "qkv"],
-            [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up")],
-        ):
-            fused = torch.cat([state[n] for n in parts])
-            out.append(fused.contiguous().view(torch.int16).reshape(-1).tolist())
-    return out
 
 
 def test_vllm_serve_driven_by_http_client(served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -135,7 +90,7 @@ def test_vllm_serve_driven_by_http_client(served, tmp_path: Path) -> None:  # ty
         version = sync.publish(trainer.export(), step=step)
         (report,) = server.rpc("dcr_report")
         assert report["version"] == version == step
-        assert server.rpc("test_fused_bits") == [_want_fused(trainer.export())]
+        assert server.rpc("test_fused_bits") == [harness.want_fused(trainer.export())]
         weight_info = requests.get(f"{server.url}/weight_info", timeout=10).json()
         assert weight_info["weight_version"] == str(version)
         got.append(server.greedy())
@@ -165,7 +120,7 @@ def test_vllm_serve_driven_by_http_client(served, tmp_path: Path) -> None:  # ty
     assert server.rpc("test_fused_bits") == before_bits
     assert server.greedy() == before_text
     sync.update(version)
-    assert server.rpc("test_fused_bits") == [_want_fused(trainer.export())]
+    assert server.rpc("test_fused_bits") == [harness.want_fused(trainer.export())]
 
     # scenario 4b: a corrupted shard of the next version (initialised again without
     # prefetch, which would otherwise fetch and verify it before the test corrupts it)
@@ -175,11 +130,7 @@ def test_vllm_serve_driven_by_http_client(served, tmp_path: Path) -> None:  # ty
     assert report is None  # a new reader, still at the version the engine holds
     trainer.step()
     version = trainer.publish(5)
-    shards = sorted((Path(store) / "objects" / f"{version:020d}").rglob("shard-*.dcrs"))
-    assert shards
-    data = bytearray(shards[0].read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shards[0].write_bytes(bytes(data))
+    harness.corrupt_shard(store, version)
     held_bits, held_text = server.rpc("test_fused_bits"), server.greedy()
     with pytest.raises(EngineUpdateError, match=f"did not reach version {version}") as failure:
         sync.update(version)

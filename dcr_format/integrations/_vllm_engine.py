@@ -17,10 +17,9 @@ from dcr_format.integrations.vllm import (
     DcrInitInfo,
     DcrUpdateInfo,
     UpdateReport,
-    _model_dir,
     _parse,
     _Syncer,
-    tensor_parallel_group,
+    worker_syncer,
 )
 
 __all__ = ["DcrWeightTransferEngine"]
@@ -67,15 +66,7 @@ class DcrWeightTransferEngine(WeightTransferEngine[_InitInfo, _UpdateInfo]):
         """Open the store and prewarm the loader (again on a second call, which keeps the
         version the model holds)."""
         previous, self._syncer = self._syncer, None
-        if previous is not None:
-            previous.close()
-        self._syncer = _Syncer(
-            self.model,
-            init_info,
-            model_dir=_model_dir(self.vllm_config),
-            group=tensor_parallel_group(self.vllm_config),
-            previous=previous,
-        )
+        self._syncer = worker_syncer(self.model, init_info, self.vllm_config, previous)
 
     def start_weight_update(self) -> None:
         """Nothing to set up: the version is applied in place by ``update_weights``."""

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,14 @@ from typing import Any
 import torch
 
 from dcr_format.errors import EngineUpdateError, TargetError
-from dcr_format.integrations.vllm import DcrInitInfo, DcrUpdateInfo, UpdateReport, _parse, _Syncer
+from dcr_format.integrations.vllm import (
+    DcrInitInfo,
+    DcrUpdateInfo,
+    UpdateReport,
+    _parse,
+    _Publisher,
+    _Syncer,
+)
 
 __all__ = [
     "LOAD_FORMAT",
@@ -152,7 +159,7 @@ def _open(model: torch.nn.Module, info: DcrInitInfo) -> _Syncer:
         if previous is not None:
             previous.close()
         config = getattr(model, "config", None)
-        model_dir = getattr(config, "_name_or_path", None) or None
+        model_dir = getattr(config, "name_or_path", None) or None
         syncer = _Syncer(model, info, model_dir=model_dir, previous=previous)
         _SYNCERS[model] = syncer
         return syncer
@@ -293,7 +300,7 @@ def _pair(result: Any) -> tuple[bool, str]:
 
 
 @dataclass
-class DcrSGLangSync:
+class DcrSGLangSync(_Publisher):
     """Trainer side: publish each step with a :class:`~dcr_format.DeltaWriter`, then bring
     the SGLang engine behind ``engine`` (a server URL such as ``"http://127.0.0.1:30000"``,
     or an ``sglang.Engine``) to that version.
@@ -333,25 +340,8 @@ class DcrSGLangSync:
         outcome = self._request({"op": "init", "init_info": self.init_info.to_dict()}, "init")
         return outcome.version
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        step: int | None = None,
-    ) -> int:
-        """Publish ``tensors`` as the next version and update the engine to it."""
-        started = time.perf_counter()
-        info = self.writer.publish(tensors, step=step)
-        published = time.perf_counter()
-        self.update(info.version)
-        self.timings.append(
-            {
-                "version": float(info.version),
-                "publish_seconds": published - started,
-                "update_seconds": time.perf_counter() - published,
-            }
-        )
-        return int(info.version)
+    def _update_published(self, version: int) -> None:
+        self.update(version)
 
     def update(self, version: int | None = None, *, audit: bool = False) -> UpdateReport:
         """Bring the engine to ``version`` (default: the newest committed one).

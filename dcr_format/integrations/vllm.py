@@ -78,7 +78,8 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if BACKEND not in WeightTransferEngineFactory._registry:
+    # vLLM refuses a name registered before with ValueError: then it is registered
+    with contextlib.suppress(ValueError):
         WeightTransferEngineFactory.register_engine(
             BACKEND, "dcr_format.integrations._vllm_engine", "DcrWeightTransferEngine"
         )
@@ -420,6 +421,22 @@ def _model_dir(vllm_config: Any) -> str | None:
     return str(model) if model else None
 
 
+def worker_syncer(
+    model: torch.nn.Module, info: DcrInitInfo, vllm_config: Any, previous: _Syncer | None
+) -> _Syncer:
+    """A vLLM worker's reader of ``model``, replacing ``previous`` (stopped first; the model
+    holds the version it applied)."""
+    if previous is not None:
+        previous.close()
+    return _Syncer(
+        model,
+        info,
+        model_dir=_model_dir(vllm_config),
+        group=tensor_parallel_group(vllm_config),
+        previous=previous,
+    )
+
+
 class DcrWorkerExtension:
     """A vLLM ``worker_extension_cls`` for engines started without the weight-transfer API:
     ``LLM(..., worker_extension_cls="dcr_format.integrations.vllm.DcrWorkerExtension")``,
@@ -435,15 +452,9 @@ class DcrWorkerExtension:
         """Open the store and prewarm this worker's loader; returns the resident version."""
         info = _parse(DcrInitInfo, init_info, "init_info")
         previous, self._dcr = self._dcr, None
-        if previous is not None:
-            previous.close()
         worker: Any = self
-        self._dcr = _Syncer(
-            worker.model_runner.get_model(),
-            info,
-            model_dir=_model_dir(worker.vllm_config),
-            group=tensor_parallel_group(worker.vllm_config),
-            previous=previous,
+        self._dcr = worker_syncer(
+            worker.model_runner.get_model(), info, worker.vllm_config, previous
         )
         return {"version": self._dcr.version()}
 
@@ -547,8 +558,40 @@ def as_client(client: Any) -> Any:
     return client
 
 
+class _Publisher:
+    """Trainer side of an engine integration: publish with the writer, then update the
+    engines; ``timings`` holds, per version, the seconds of each."""
+
+    writer: Any
+    timings: list[dict[str, float]]
+
+    def publish(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        step: int | None = None,
+    ) -> int:
+        """Publish ``tensors`` as the next version and update the engines to it."""
+        started = time.perf_counter()
+        info = self.writer.publish(tensors, step=step)
+        published = time.perf_counter()
+        self._update_published(int(info.version))
+        self.timings.append(
+            {
+                "version": float(info.version),
+                "publish_seconds": published - started,
+                "update_seconds": time.perf_counter() - published,
+            }
+        )
+        return int(info.version)
+
+    def _update_published(self, version: int) -> None:
+        """Bring the engines to the ``version`` just published."""
+        raise NotImplementedError
+
+
 @dataclass
-class DcrWeightSync:
+class DcrWeightSync(_Publisher):
     """Trainer side: publish each step with a :class:`~dcr_format.DeltaWriter`, then bring
     the engines behind ``client`` to that version through vLLM's weight-sync protocol.
 
@@ -571,26 +614,9 @@ class DcrWeightSync:
         if self.client is not None:
             self.client.init_weight_transfer_engine(self.init_info.to_dict())
 
-    def publish(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        *,
-        step: int | None = None,
-    ) -> int:
-        """Publish ``tensors`` as the next version and update the engines to it."""
-        started = time.perf_counter()
-        info = self.writer.publish(tensors, step=step)
-        published = time.perf_counter()
+    def _update_published(self, version: int) -> None:
         if self.client is not None:
-            self.update(info.version)
-        self.timings.append(
-            {
-                "version": float(info.version),
-                "publish_seconds": published - started,
-                "update_seconds": time.perf_counter() - published,
-            }
-        )
-        return int(info.version)
+            self.update(version)
 
     def publish_model(
         self,
@@ -656,7 +682,8 @@ def _state(model: torch.nn.Module, dtype: torch.dtype, *, gather: bool) -> dict[
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[str, int, int]] = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        local = getattr(tensor, "_local_tensor", tensor)
+        to_local = getattr(tensor, "to_local", None)  # a DTensor: this rank's shard
+        local = to_local() if callable(to_local) else tensor
         key = (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset())
         if local.numel() and key in seen:
             continue  # a tied alias of a tensor already exported

@@ -11,16 +11,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dcr_format.testing.processes import free_port, stop_process, wait_until
 
 ACCESS_KEY = "dcr-test-key"
 SECRET_KEY = "dcr-test-secret-0123456789"
@@ -46,13 +46,6 @@ AWS_ENV_NAMES = (
 )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1):
@@ -64,13 +57,9 @@ def _answers(url: str) -> bool:
 
 
 def _wait_until_up(url: str, timeout: float, process: subprocess.Popen[Any] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not _answers(url):
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"the server for {url} exited with code {process.returncode}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no answer from {url} within {timeout:.0f} s")
-        time.sleep(0.05)
+    wait_until(
+        lambda: _answers(url), what=f"the server for {url}", timeout=timeout, process=process
+    )
 
 
 class S3Server:
@@ -245,11 +234,5 @@ class JuiceFSGateway(S3Server):
                 self._client.delete_object(Bucket=self.volume, Key=item["Key"])
 
     def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(timeout=10)
+        stop_process(self._process, grace=10)
         self._log.close()

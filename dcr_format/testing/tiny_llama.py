@@ -1,5 +1,6 @@
 """A tiny Llama for the engine tests and benchmarks: its config, a word-level tokenizer, a
-trainer that publishes AdamW steps, and a checkpoint of any version, all made locally (no hub).
+trainer that publishes AdamW steps, and a checkpoint of any version, all made locally (no hub);
+the bits an engine's fused parameters should hold; a shard corrupted on purpose.
 
 The vLLM and SGLang tiers share it; each engine's own environment stays in its harness.
 """
@@ -16,6 +17,8 @@ WORDS = (
     "green trees near an old river bank and every morning bright sun rises slowly"
 ).split()
 VOCAB_SIZE = 128
+# greedy generation reads these (words of the tokenizer)
+PROMPTS = ["the quick brown fox", "seven small birds sing", "every morning bright sun"]
 
 
 def _transformers() -> Any:
@@ -25,23 +28,49 @@ def _transformers() -> Any:
     return transformers
 
 
-def tiny_config(*, tied: bool) -> Any:
-    """A Llama small enough for a shared CPU, with real q/k/v fusion (4 heads, 2 kv heads)."""
+def llama_config(
+    *,
+    vocab: int,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    tied: bool = False,
+    max_positions: int = 128,
+    **extra: Any,
+) -> Any:
+    """A bf16 Llama config whose special tokens are :func:`save_tokenizer`'s (pad 0, bos 1,
+    eos 2); ``extra`` goes to ``LlamaConfig`` as it is."""
     return _transformers().LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=128,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tied,
         torch_dtype="bfloat16",
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
+        **extra,
+    )
+
+
+def tiny_config(*, tied: bool) -> Any:
+    """A Llama small enough for a shared CPU, with real q/k/v fusion (4 heads, 2 kv heads)."""
+    return llama_config(
+        vocab=VOCAB_SIZE,
+        hidden=128,
+        intermediate=128,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        tied=tied,
+        architectures=["LlamaForCausalLM"],
+        head_dim=32,
     )
 
 
@@ -107,3 +136,51 @@ def checkpoint(store: str, version: int, out: Path, *, tied: bool) -> Path:
     tiny_config(tied=tied).save_pretrained(out)
     save_tokenizer(out)
     return out
+
+
+def first_version(tmp: Path, *, tied: bool) -> tuple[str, Trainer, Path]:
+    """A fresh trainer's store under ``tmp`` with version 0 published, and a checkpoint of
+    that version for an engine to start on: ``(store, trainer, checkpoint)``."""
+    store = str(tmp / "store")
+    trainer = Trainer(store, tied=tied)
+    trainer.publish(0)
+    return store, trainer, checkpoint(store, 0, tmp / "ckpt", tied=tied)
+
+
+def fused_bits(model: torch.nn.Module) -> list[list[int]]:
+    """The bits of an engine's fused ``qkv_proj`` and ``gate_up_proj`` weights, in layer
+    order (``model`` is the engine's Llama)."""
+    out = []
+    layers: Any = model.model.layers  # type: ignore[union-attr]
+    for layer in layers:
+        for p in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
+            out.append(p.detach().contiguous().view(torch.int16).reshape(-1).tolist())
+    return out
+
+
+def want_fused(state: dict[str, torch.Tensor], *, rank: int = 0, ranks: int = 1) -> list[list[int]]:
+    """What :func:`fused_bits` gives on tensor-parallel ``rank`` of ``ranks`` when the engine
+    holds ``state`` (canonical tensors): each rank fuses its rows of q, k, v (gate, up)."""
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        size = t.shape[0] // ranks
+        return t[rank * size : (rank + 1) * size]
+
+    out = []
+    layers = tiny_config(tied=False).num_hidden_layers
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        qkv = [part(state[f"{p}.self_attn.{x}_proj.weight"]) for x in "qkv"]
+        gate_up = [part(state[f"{p}.mlp.{x}_proj.weight"]) for x in ("gate", "up")]
+        for pieces in (qkv, gate_up):
+            out.append(torch.cat(pieces).contiguous().view(torch.int16).reshape(-1).tolist())
+    return out
+
+
+def corrupt_shard(store: str, version: int) -> None:
+    """Flip one byte in the middle of the first shard of ``version``."""
+    shards = sorted((Path(store) / "objects" / f"{version:020d}").rglob("shard-*.dcrs"))
+    assert shards
+    data = bytearray(shards[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[0].write_bytes(bytes(data))

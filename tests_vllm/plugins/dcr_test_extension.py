@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from dcr_format.integrations.vllm import DcrWorkerExtension
+from dcr_format.testing.tiny_llama import fused_bits
 
 
 class ProbeExtension(DcrWorkerExtension):
@@ -19,11 +20,7 @@ class ProbeExtension(DcrWorkerExtension):
 
     def test_fused_bits(self) -> list[list[int]]:
         """The bits of every fused qkv_proj and gate_up_proj, in layer order."""
-        out = []
-        for layer in self._model().model.layers:
-            for p in (layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight):
-                out.append(p.detach().contiguous().view(torch.int16).reshape(-1).tolist())
-        return out
+        return fused_bits(self._model())
 
     def test_poke(self) -> None:
         """Flip the lowest bit of one qkv_proj element, outside dcr (call again to undo)."""
