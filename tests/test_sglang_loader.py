@@ -147,3 +147,9 @@ def test_trainer_publishes_and_brings_the_engine_to_it(
     assert torch.equal(model.qk.view(torch.int16), _fused(_state(1)).view(torch.int16))
     assert sync.timings[0]["version"] == 1.0
     assert set(sync.timings[0]) == {"version", "publish_seconds", "update_seconds"}
+    sync.close()
+    assert Path(reports).is_dir()  # a report_dir the caller gave is the caller's
+    with dcr_sglang.DcrSGLangSync(writer, _Engine(model), info) as own:
+        made = Path(own.report_dir or "")
+        assert own.publish(_state(2), step=2) == 2 and made.is_dir()
+    assert not made.exists()

@@ -309,7 +309,7 @@ class DcrSGLangSync(_Publisher):
     ``report_dir``: a directory both sides reach (the same host, or a shared filesystem)
     where the engine's loader writes what each request did (SGLang's own reply to a custom
     loader is always "Success"); by default a temporary directory of this process, for an
-    engine on the same host.
+    engine on the same host, removed by :meth:`close` (or at the end of a ``with`` block).
     """
 
     writer: Any
@@ -330,9 +330,22 @@ class DcrSGLangSync(_Publisher):
                 f"{type(self.engine).__name__} is not an SGLang engine: pass the server's URL "
                 "or an sglang.Engine"
             )
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if self.report_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="dcr-sglang-")
             self.report_dir = self._tmp.name
+
+    def close(self) -> None:
+        """Remove the report directory this object made (a ``report_dir`` given is kept)."""
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> DcrSGLangSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def init(self) -> int | None:
         """Open the store in the engine and learn its loader's placements; returns the version
