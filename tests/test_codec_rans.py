@@ -263,9 +263,9 @@ def test_an_entry_takes_its_rans_values_decoded_ahead() -> None:
     """decode_delta with ``symbols`` (its ulp values' rans stream decoded already, as
     rans_part finds it) gives the change it decodes itself; symbols of another shape or
     width, or for an entry without rans values, are a caller's error."""
-    from dcr_format.codings.ulp import ULP
-    from dcr_format.codings.ulp_shift import ULP_SHIFT, assemble
+    from dcr_format.codings.ulp_shift import assemble
     from dcr_format.delta.delta import rans_part
+    from dcr_format.format.names import ULP, ULP_SHIFT
 
     info = info_for(torch.bfloat16)
     z = ulp_like(9, 500, 2)

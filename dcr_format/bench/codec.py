@@ -61,7 +61,6 @@ import torch
 import zstandard
 
 from dcr_format.cli.toymodel import Trainer
-from dcr_format.codings.classed import CLASSED
 from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
@@ -82,6 +81,7 @@ from dcr_format.format.features import (
     allowed_codings,
     features_for,
 )
+from dcr_format.format.names import CLASSED
 from dcr_format.format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
 from dcr_format.format.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
 from dcr_format.publish._part import encoded_entry

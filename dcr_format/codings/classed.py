@@ -26,7 +26,6 @@ import numpy as np
 from dcr_format.codings import positions as _positions
 from dcr_format.errors import PositionsError
 
-CLASSED = "classed"
 MAX_CLASSES = 16
 # (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
 EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
@@ -567,7 +566,6 @@ def classed_bound(changed: int, numel: int) -> int:
 
 
 __all__ = [
-    "CLASSED",
     "CLASS_HEADER_BITS",
     "EXPONENT_FIELDS",
     "MAX_CLASSES",

@@ -29,11 +29,8 @@ from types import ModuleType
 import numpy as np
 
 from dcr_format.errors import PositionsError
+from dcr_format.format.names import POSITION_CODINGS, RANGES, RICE
 from dcr_format.system.environ import getenv
-
-RICE = "rice"
-RANGES = "ranges"
-POSITION_CODINGS = (RICE, RANGES)
 
 _RICE_HEADER = struct.Struct("<BQQ")  # k, count, unary byte length
 _RANGES_HEADER = struct.Struct("<BBQ")  # gap width, length width, number of runs
@@ -419,6 +416,20 @@ def plain_size_floor(count: int, last: int, runs: int) -> int:
         rice = size if rice is None else min(rice, size)
     assert rice is not None
     return min(_RICE_HEADER.size + rice, _RANGES_HEADER.size + 2 * runs)
+
+
+def rice_bound(changed: int, numel: int) -> int:
+    """The most bytes a ``rice`` stream of ``changed`` of ``numel`` positions can hold and
+    still decode: at most ``max(numel, 63 * changed + 1)`` bits over any k (its unary bits
+    sum the gaps, which a valid stream keeps under ``numel``), plus its header."""
+    return _RICE_HEADER.size + (max(numel, 63 * changed + 1) + 7) // 8 + 2
+
+
+def ranges_bound(changed: int, numel: int) -> int:
+    """The most bytes a ``ranges`` stream of ``changed`` positions can hold and still
+    decode: at most 16 bytes a run and a run per position, plus its header."""
+    del numel
+    return _RANGES_HEADER.size + 16 * changed
 
 
 class PositionsChoice:

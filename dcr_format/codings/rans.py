@@ -35,7 +35,6 @@ from dcr_format.codings.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
 from dcr_format.format.names import UNSIGNED_NP
 
-RANS = "rans"
 PRECISION = 24  # constriction's default model precision (probabilities of 24 bits)
 MAX_TABLE = 255
 MAX_MODEL_BITS = 24  # readers: Q in [1, 24]
@@ -590,7 +589,6 @@ def _decode_reference(data: bytes | memoryview, *, count: int, width: int) -> np
 
 __all__ = [
     "MAX_TABLE",
-    "RANS",
     "Model",
     "choose_model",
     "decode_rans",

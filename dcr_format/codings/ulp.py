@@ -23,7 +23,6 @@ import numpy as np
 
 from dcr_format.errors import ValuesError
 
-ULP = "ulp"
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
@@ -126,4 +125,4 @@ def _from_ulp_reference(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     return _unorder(ordered, width)
 
 
-__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp", "ulp_of_change"]
+__all__ = ["FLOAT_DTYPES", "from_ulp", "to_ulp", "ulp_of_change"]

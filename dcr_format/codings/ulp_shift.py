@@ -30,7 +30,6 @@ from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.codings.rans import length_bytes, read_length
 from dcr_format.errors import ValuesError
 
-ULP_SHIFT = "ulp-shift"
 _HEADER = struct.Struct("<H")
 _KINDS: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -227,7 +226,6 @@ def assemble(origin: int, coded: bytes, low: bytes) -> bytes:
 
 
 __all__ = [
-    "ULP_SHIFT",
     "ShiftStream",
     "assemble",
     "choose_origin",
