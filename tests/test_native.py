@@ -24,6 +24,7 @@ from dcr_format.format.dtypes import BY_NAME, UNSIGNED_NP, bits_view
 from dcr_format.kernels import reference
 
 native = pytest.importorskip("dcr_format.codings._native")  # numba is a dependency
+prange = pytest.importorskip("numba").prange
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FORMAT_DTYPES = ("bool", "uint8", "int8", "int16", "float16", "bfloat16")
@@ -535,17 +536,40 @@ def _doubled_sum(a):  # type: ignore[no-untyped-def]
     return total
 
 
-def test_serial_twins_make_no_parallel_loop():
-    """A twin goes through numba's parallel pipeline with every transformation into a
-    parallel loop off: it compiles without numba's warning (errors here) and raises if
-    any parallel loop appeared; so does a second twin made from the same options (numba
-    empties a dict of options as it reads it), at two signatures."""
-    from dcr_format.kernels._launch import serial_twin
+def _prange_sum(a):  # type: ignore[no-untyped-def]
+    """A kernel body: its loop over tasks a ``prange``, a reduction across them."""
+    total = 0
+    for i in prange(a.size):
+        total += a[i]
+    return total
 
-    for twin in (serial_twin(_doubled_sum), serial_twin(_doubled_sum)):
+
+def test_serial_forms_make_no_parallel_loop():
+    """A serial form goes through numba's parallel pipeline with every transformation into
+    a parallel loop off: it compiles without numba's warning (errors here) and raises if
+    any parallel loop appeared; so does a second one made from the same options (numba
+    empties a dict of options as it reads it), at two signatures."""
+    from dcr_format.kernels._launch import parallel_kernel
+
+    for kernel in (parallel_kernel(_doubled_sum), parallel_kernel(_doubled_sum)):
         for dtype in (np.float64, np.int32):
-            assert twin(np.arange(5, dtype=dtype)) == 20
-        assert len(twin.signatures) == 2
+            assert kernel.serial(np.arange(5, dtype=dtype)) == 20
+        assert len(kernel.serial.signatures) == 2
+        assert kernel.parallel.signatures == []  # only what was asked is compiled
+
+
+def test_one_body_gives_both_forms():
+    """:func:`parallel_kernel` compiles one ``prange`` body in parallel and serially, with
+    the same results, the serial form under a name of its own (numba's disk cache files
+    machine code by name: a shared one would hand one form the other's code)."""
+    from dcr_format.kernels._launch import parallel_kernel
+
+    kernel = parallel_kernel(_prange_sum)
+    a = np.arange(10_000, dtype=np.int64)
+    assert kernel.parallel(a) == kernel.serial(a) == int(a.sum())
+    assert kernel.parallel.py_func is _prange_sum
+    assert kernel.serial.py_func.__qualname__ == "_prange_sum_serial"
+    assert kernel.serial.py_func.__code__ is _prange_sum.__code__
 
 
 def test_forked_children_can_run_kernels():

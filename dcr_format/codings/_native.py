@@ -32,7 +32,7 @@ from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 
 from dcr_format.codings._native_ulp import limits as _ulp_limits
 from dcr_format.codings._native_ulp import stepped as _ulp_stepped
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
 from dcr_format.kernels._native_bits import load_be64
 
@@ -140,15 +140,9 @@ def _rows_table_task(r, sym, table, first, out):  # type: ignore[no-untyped-def]
     out[r, 1] = _combine(b0, b1, start, _P1)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
     for r in prange(out.shape[0]):
-        _rows_table_task(r, sym, table, first, out)
-
-
-@serial_twin
-def _rows_table_serial(sym, table, first, out):  # type: ignore[no-untyped-def]
-    for r in range(out.shape[0]):
         _rows_table_task(r, sym, table, first, out)
 
 
@@ -177,15 +171,9 @@ def _rows_power_task(r, sym, lanes, first, out):  # type: ignore[no-untyped-def]
         out[r, 2] = _combine(c0, c1, start, _P2)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
     for r in prange(out.shape[0]):
-        _rows_power_task(r, sym, lanes, first, out)
-
-
-@serial_twin
-def _rows_power_serial(sym, lanes, first, out):  # type: ignore[no-untyped-def]
-    for r in range(out.shape[0]):
         _rows_power_task(r, sym, lanes, first, out)
 
 
@@ -213,9 +201,9 @@ def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -
     """
     out = np.zeros((_row_count(sym.shape[0], first), 3), dtype=np.uint64)
     if sym.dtype.itemsize <= 2:
-        _launch(_rows_table, _rows_table_serial, out.shape[0], sym, table, first, out)
+        _launch(_rows_table, out.shape[0], sym, table, first, out)
     else:
-        _launch(_rows_power, _rows_power_serial, out.shape[0], sym, lanes, first, out)
+        _launch(_rows_power, out.shape[0], sym, lanes, first, out)
     return _finish_lanes(out, lanes)
 
 
@@ -242,15 +230,9 @@ def _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out):  # type: ign
         out[c, lane] = acc % p
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
     for c in prange(out.shape[0]):
-        _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
-
-
-@serial_twin
-def _pair_lanes_serial(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
-    for c in range(out.shape[0]):
         _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
 
 
@@ -261,7 +243,7 @@ def position_lanes(
     chunks = -(-pos.shape[0] // _CHUNK)
     out = np.zeros((chunks, 3), dtype=np.uint64)
     args = (pos, new if old is None else old, new, old is not None, lanes, table, out)
-    _launch(_pair_lanes, _pair_lanes_serial, chunks, *args)
+    _launch(_pair_lanes, chunks, *args)
     return _finish_lanes(out, lanes)
 
 
@@ -367,17 +349,10 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
     lane_out[c, 2] = acc[2] % _P2
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
     """The fused diff, its tasks in parallel."""
     for c in prange(counts.shape[0]):
-        _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
-
-
-@serial_twin
-def _diff_serial(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
-    """The fused diff in this thread (see :func:`_launch`)."""
-    for c in range(counts.shape[0]):
         _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
 
 
@@ -515,7 +490,7 @@ def _diff_slab(
         _POOL.get(2, n if want[1] else 0, old.dtype),
     )
     args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
-    _launch(_diff, _diff_serial, tasks, *args)
+    _launch(_diff, tasks, *args)
     if tasks == 1:  # most tensors: one task's prefix is the whole output
         total = int(counts[0])
         _POOL.keep_one(total, sum(a.itemsize for a in scratch if a.shape[0]))
@@ -538,18 +513,11 @@ def _gather_task(c, scratch, out, sizes, at):  # type: ignore[no-untyped-def]
         out[2][dst : dst + size] = scratch[2][src : src + size]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _gather(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
     """``out[i][at[c] : at[c] + sizes[c]] = scratch[i][c * TASK :][: sizes[c]]`` for each
     of the three arrays that is not empty, the tasks copied in parallel."""
     for c in prange(sizes.shape[0]):
-        _gather_task(c, scratch, out, sizes, at)
-
-
-@serial_twin
-def _gather_serial(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
-    """:func:`_gather` in this thread: for outputs too small to pay for a parallel region."""
-    for c in range(sizes.shape[0]):
         _gather_task(c, scratch, out, sizes, at)
 
 
@@ -565,7 +533,7 @@ def _gather_tasks(
     nbytes = total * sum(a.itemsize for a in scratch if a.shape[0])
     if total:
         tasks = counts.shape[0] if nbytes >= _SERIAL_GATHER_BYTES else 1
-        _launch(_gather, _gather_serial, tasks, scratch, out, counts, at)
+        _launch(_gather, tasks, scratch, out, counts, at)
     return out[0], out[1], out[2]
 
 
@@ -639,21 +607,10 @@ def _after(b, v, mode, top, ones):  # type: ignore[no-untyped-def]
     return np.uint64(v)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _change(flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
     """Apply or stage a change, its chunks of positions in parallel."""
     for c in prange(lane_out.shape[0]):
-        _change_task(
-            c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
-        )
-
-
-@serial_twin
-def _change_serial(  # type: ignore[no-untyped-def]
-    flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
-):
-    """Apply or stage a change in this thread (see :func:`_launch`)."""
-    for c in range(lane_out.shape[0]):
         _change_task(
             c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
         )
@@ -698,7 +655,7 @@ def _run_change(
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, mode, how, out[0], out[1], lanes, table, lane_out, bad)
-    _launch(_change, _change_serial, chunks, *args)
+    _launch(_change, chunks, *args)
     in_range = not bad[0] if chunks == 1 else not bool(bad.any())  # most changes: one chunk
     return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
 
@@ -771,7 +728,7 @@ def _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  #
     tail_t[t] = run
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
     """One pass over sorted positions, a task per ``_STATS_CHUNK`` of them in parallel:
     each task's sum(gap >> k) for k in [klo, klo + 5] (summed in registers), runs, largest
@@ -783,13 +740,6 @@ def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # ty
     caller's (they were fourteen regions, 2 ms a call).
     """
     for t in prange(part.shape[0]):
-        _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
-
-
-@serial_twin
-def _rice_stats_serial(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """The statistics in this thread (see :func:`_launch`)."""
-    for t in range(part.shape[0]):
         _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
 
 
@@ -820,7 +770,6 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
     runs_t, widest_t, head_t, tail_t, best_t = np.zeros((5, tasks), dtype=np.int64)
     _launch(
         _rice_stats,
-        _rice_stats_serial,
         tasks,
         pos,
         klo,

@@ -52,7 +52,7 @@ from dcr_format.codings._native import (
     tasks_of,
 )
 from dcr_format.codings._native_rans import _put_varint, _varint_len
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import (
     CLASSES,
     TRAILING_ZEROS,
@@ -106,15 +106,9 @@ def _histogram_task(t, bits, shift, mask, out):  # type: ignore[no-untyped-def]
         )
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _histograms(bits, shift, mask, out):  # type: ignore[no-untyped-def]
     for t in prange(out.shape[0]):
-        _histogram_task(t, bits, shift, mask, out)
-
-
-@serial_twin
-def _histograms_serial(bits, shift, mask, out):  # type: ignore[no-untyped-def]
-    for t in range(out.shape[0]):
         _histogram_task(t, bits, shift, mask, out)
 
 
@@ -150,7 +144,7 @@ def histograms(
     positions where ``xor`` is not empty). ``after``: ``bits`` at the positions, where the
     caller has them in order (the writer's diff can write them)."""
     out = np.zeros((tasks_of(bits.shape[0]), mask + 1), dtype=np.int64)
-    _launch(_histograms, _histograms_serial, out.shape[0], bits, shift, mask, out)
+    _launch(_histograms, out.shape[0], bits, shift, mask, out)
     changed = np.zeros(mask + 1, dtype=np.int64)
     given = (
         bits[:0] if after is None else np.ascontiguousarray(after).astype(bits.dtype, copy=False)
@@ -490,33 +484,11 @@ def _ranks_task(  # type: ignore[no-untyped-def]
     adjacent[t] = touching
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _ranks(  # type: ignore[no-untyped-def]
     bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
 ):
     for t in prange(bounds.shape[0] - 1):
-        _ranks_task(
-            t,
-            bits,
-            positions,
-            classes,
-            moved,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            bounds,
-            ranks,
-            adjacent,
-        )
-
-
-@serial_twin
-def _ranks_serial(  # type: ignore[no-untyped-def]
-    bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
-):
-    for t in range(bounds.shape[0] - 1):
         _ranks_task(
             t,
             bits,
@@ -564,7 +536,7 @@ def class_ranks(
     ranks = np.empty(positions.size, dtype=np.int64)
     adjacent = np.zeros(tasks, dtype=np.int64)
     args = (bits, positions, classes, moved, shift, mask, low, count, starts, bounds)
-    _launch(_ranks, _ranks_serial, tasks, *args, ranks, adjacent)
+    _launch(_ranks, tasks, *args, ranks, adjacent)
     return classes, ranks, int(adjacent.sum())
 
 
@@ -642,21 +614,11 @@ def _positions_task(  # type: ignore[no-untyped-def]
     done[t] = o - offsets[t]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _positions(  # type: ignore[no-untyped-def]
     bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
 ):
     for t in prange(offsets.shape[0] - 1):
-        _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
-        )
-
-
-@serial_twin
-def _positions_serial(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
-):
-    for t in range(offsets.shape[0] - 1):
         _positions_task(
             t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
         )
@@ -700,9 +662,9 @@ def positions_of_ranks(
     fields = (bits, shift, mask, _low_base(base, mask), count, starts, ranks, cursor)
     if dense and _DEPOSIT:
         plan = (offsets, out, done, kept)
-        _launch(_dense_positions, _dense_positions_serial, tasks, *fields, *plan)
+        _launch(_dense_positions, tasks, *fields, *plan)
     else:
-        _launch(_positions, _positions_serial, tasks, *fields, first[1:], offsets, out, done, kept)
+        _launch(_positions, tasks, *fields, first[1:], offsets, out, done, kept)
     return out if _found_all(done, offsets) else None
 
 
@@ -790,21 +752,11 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
     done[t] = o - offsets[t]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _dense_positions(  # type: ignore[no-untyped-def]
     bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
 ):
     for t in prange(offsets.shape[0] - 1):
-        _dense_positions_task(
-            t, bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
-        )
-
-
-@serial_twin
-def _dense_positions_serial(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
-):
-    for t in range(offsets.shape[0] - 1):
         _dense_positions_task(
             t, bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
         )
@@ -921,7 +873,7 @@ def _class_part(c, ranks, ends, ks, unary, at, out):  # type: ignore[no-untyped-
     _rice_encode(ranks[ends[c] : ends[c + 1]], ks[c], unary[c], out[here : here + body])
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _plans(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
     for t in prange(owner.max() + 1):
         for c in range(owner.size):
@@ -929,13 +881,7 @@ def _plans(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-un
                 _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
 
 
-@serial_twin
-def _plans_serial(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
-    for c in range(owner.size):
-        _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
-
-
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _parts(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
     for t in prange(owner.max() + 1):
         for c in range(owner.size):
@@ -943,10 +889,7 @@ def _parts(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-d
                 _class_part(c, ranks, ends, ks, unary, at, out)
 
 
-@serial_twin
-def _parts_serial(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
-    for c in range(owner.size):
-        _class_part(c, ranks, ends, ks, unary, at, out)
+_plans_one, _parts_one = _plans.serial, _parts.serial  # compiled code calls plain names
 
 
 @njit(cache=True, inline="always")
@@ -964,15 +907,9 @@ def _tally_chunk(t, classes, ranks, bounds, counts, last):  # type: ignore[no-un
     last[t] = latest
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _tallies(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
     for t in prange(counts.shape[0]):
-        _tally_chunk(t, classes, ranks, bounds, counts, last)
-
-
-@serial_twin
-def _tallies_serial(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
-    for t in range(counts.shape[0]):
         _tally_chunk(t, classes, ranks, bounds, counts, last)
 
 
@@ -985,15 +922,9 @@ def _scatter_chunk(t, classes, ranks, bounds, cursor, out):  # type: ignore[no-u
         at[c] += 1
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _scatter(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
     for t in prange(cursor.shape[0]):
-        _scatter_chunk(t, classes, ranks, bounds, cursor, out)
-
-
-@serial_twin
-def _scatter_serial(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
-    for t in range(cursor.shape[0]):
         _scatter_chunk(t, classes, ranks, bounds, cursor, out)
 
 
@@ -1017,7 +948,7 @@ def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies
     bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks
     counts = np.zeros((chunks, count), dtype=np.int64)
     last = np.full((chunks, count), -1, dtype=np.int64)
-    _launch(_tallies, _tallies_serial, chunks, classes, ranks, bounds, counts, last)
+    _launch(_tallies, chunks, classes, ranks, bounds, counts, last)
     sizes = counts.sum(axis=0)
     final = last.max(axis=0)  # ranks grow along each class: the last chunk's is the largest
     return Tallies(sizes, np.maximum(final, 0), bounds, counts)
@@ -1055,7 +986,7 @@ def by_class(classes: np.ndarray, ranks: np.ndarray, tallies: Tallies) -> np.nda
     cursor = np.cumsum(tallies.counts, axis=0) - tallies.counts + ends[None, :-1]
     out = np.empty(ranks.size, dtype=np.int64)
     args = (classes, ranks, tallies.chunks, cursor, out)
-    _launch(_scatter, _scatter_serial, cursor.shape[0], *args)
+    _launch(_scatter, cursor.shape[0], *args)
     return out
 
 
@@ -1090,9 +1021,9 @@ def _body_one(classes, ranks, sizes, guesses, max_k):  # type: ignore[no-untyped
     owner = np.zeros(sizes.size, dtype=np.int64)
     ks = np.zeros(sizes.size, dtype=np.int64)
     unary = np.zeros(sizes.size, dtype=np.int64)
-    _plans_serial(ordered, ends, guesses, max_k, owner, ks, unary)
+    _plans_one(ordered, ends, guesses, max_k, owner, ks, unary)
     out, at = _layout(sizes, ks, unary)
-    _parts_serial(ordered, ends, ks, unary, owner, at, out)
+    _parts_one(ordered, ends, ks, unary, owner, at, out)
     return out
 
 
@@ -1146,10 +1077,10 @@ def classed_body(
     tasks, owner = _class_tasks(sizes)
     ks = np.zeros(sizes.size, dtype=np.int64)
     unary = np.zeros(sizes.size, dtype=np.int64)
-    _launch(_plans, _plans_serial, tasks, ordered, ends, guesses, max_k, owner, ks, unary)
+    _launch(_plans, tasks, ordered, ends, guesses, max_k, owner, ks, unary)
     out: np.ndarray
     out, at = _layout(sizes, ks, unary)
-    _launch(_parts, _parts_serial, tasks, ordered, ends, ks, unary, owner, at, out)
+    _launch(_parts, tasks, ordered, ends, ks, unary, owner, at, out)
     return out
 
 
@@ -1166,18 +1097,12 @@ def _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed):  # 
         failed[j] = 1
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rice_parts(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
     for t in prange(owner.max() + 1):
         for j in range(ks.size):
             if owner[j] == t:
                 _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
-
-
-@serial_twin
-def _rice_parts_serial(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
-    for j in range(ks.size):
-        _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
 
 
 @njit(cache=True, nogil=True)
@@ -1245,6 +1170,6 @@ def rice_ranks(
     failed = np.zeros(ks.size, dtype=np.uint8)
     tasks, owner = _class_tasks(counts)
     args = (data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
-    _launch(_rice_parts, _rice_parts_serial, tasks, *args)
+    _launch(_rice_parts, tasks, *args)
     bad = np.flatnonzero(failed)
     return int(bad[0]) if bad.size else -1

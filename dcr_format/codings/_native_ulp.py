@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
 
 _GROUP = 64  # changes a 64-bit mask of the shifted ones covers
@@ -187,15 +187,9 @@ def _shift_sum(t, old, origin, shift, mask, cap, sums):  # type: ignore[no-untyp
     sums[t] = np.int64(total)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _shift_sums(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
     for t in prange(sums.size):
-        _shift_sum(t, old, origin, shift, mask, cap, sums)
-
-
-@serial_twin
-def _shift_sums_serial(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
-    for t in range(sums.size):
         _shift_sum(t, old, origin, shift, mask, cap, sums)
 
 
@@ -284,16 +278,9 @@ def _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, hea
     return used
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _split(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
     for t in prange(starts.size):
-        lo, hi = _task_span(t, old.size)
-        _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
-
-
-@serial_twin
-def _split_serial(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
-    for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
         _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
 
@@ -326,7 +313,7 @@ def _starts(
     """Each task's first bit of the low bits, and the bits of all of them."""
     tasks = -(-old.size // ULP_TASK)
     sums = np.empty(tasks, dtype=np.int64)
-    _launch(_shift_sums, _shift_sums_serial, tasks, old, origin, shift, mask, cap, sums)
+    _launch(_shift_sums, tasks, old, origin, shift, mask, cap, sums)
     starts = np.zeros(tasks, dtype=np.int64)
     np.cumsum(sums[:-1], out=starts[1:])
     return starts, int(starts[-1] + sums[-1])
@@ -349,7 +336,7 @@ def split_low(
     starts, total = _starts(old, origin, shift, mask, cap)
     heads = np.zeros(starts.size, dtype=np.uint8)
     args = (old, z, origin, shift, mask, cap, y, low, starts, heads)
-    _launch(_split, _split_serial, starts.size, *args)
+    _launch(_split, starts.size, *args)
     for t in np.flatnonzero(starts & 7).tolist():  # bytes two tasks share
         low[starts[t] >> 3] |= heads[t]
     return (total + 7) // 8
@@ -413,16 +400,9 @@ def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, erro
         errors[t] = 3
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _join(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
     for t in prange(starts.size):
-        lo, hi = _task_span(t, old.size)
-        _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
-
-
-@serial_twin
-def _join_serial(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
-    for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
         _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
 
@@ -468,6 +448,6 @@ def join_low(
     starts, _ = _starts(old, origin, shift, mask, cap)
     errors = np.zeros(starts.size, dtype=np.int64)
     args = (old, y, origin, shift, mask, cap, low, z, starts, errors)
-    _launch(_join, _join_serial, starts.size, *args)
+    _launch(_join, starts.size, *args)
     failed = np.flatnonzero(errors)
     return int(errors[failed[0]]) if failed.size else 0

@@ -58,7 +58,8 @@ def compiled_kernels() -> ModuleType | None:
 
 def compiled(name: str) -> ModuleType | None:
     """The compiled kernels module ``<name>`` of :mod:`dcr_format.codings` (e.g.
-    ``_native_rans``; ``_launch`` is :mod:`dcr_format.kernels`'), imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""
+    ``_native_rans``; ``_launch`` is :mod:`dcr_format.kernels`'), imported on first use,
+    or None where :func:`native_kernels` is (or it cannot load)."""
     if native_kernels() is None:
         return None
     if name not in _COMPILED:  # imported once, not looked up by importlib at every call
