@@ -23,7 +23,6 @@ from dcr_format import (
     ProjectionWriter,
     StateDictTarget,
     ThreadCoordinator,
-    schema,
 )
 from dcr_format.chain.chain import Chain
 from dcr_format.chain.layout import (
@@ -44,6 +43,7 @@ from dcr_format.errors import (
     SchemaError,
     UnsupportedFeatureError,
 )
+from dcr_format.format import schema
 from dcr_format.store.store import open_store
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_bench.py"

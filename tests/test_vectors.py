@@ -19,14 +19,13 @@ from dcr_format import (
     DeltaReader,
     StateDictTarget,
     replay,
-    schema,
     state_fingerprint,
     tensor_fingerprint,
 )
 from dcr_format.chain.chain import Chain, resolve_parents, state_table
 from dcr_format.codings import classed, rans, ulp, ulp_shift
 from dcr_format.errors import UnsupportedFeatureError
-from dcr_format.format import features
+from dcr_format.format import features, schema
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.format.shard import decode_shard
