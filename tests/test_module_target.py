@@ -692,7 +692,7 @@ WARM = """
 import torch
 from torch import nn
 from dcr_format import ModuleTarget
-from dcr_format.codings import _native
+from dcr_format.kernels import numba_kernels as _native
 module = nn.Linear(4, 4, dtype=torch.bfloat16)
 target = ModuleTarget(module)
 target.prewarm({"weight": (torch.bfloat16, (4, 4)), "bias": (torch.bfloat16, (4,))})

@@ -22,8 +22,10 @@ from dcr_format.delta import fingerprint as fp
 from dcr_format.errors import PositionsError
 from dcr_format.format.dtypes import BY_NAME, UNSIGNED_NP, bits_view
 from dcr_format.kernels import reference
+from dcr_format.kernels.native import native_kernels
 
-native = pytest.importorskip("dcr_format.codings._native")  # numba is a dependency
+native = pytest.importorskip("dcr_format.kernels.numba_kernels")  # numba is a dependency
+rice_native = pytest.importorskip("dcr_format.codings._rice_kernels")
 prange = pytest.importorskip("numba").prange
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -166,7 +168,7 @@ def _kernel_accepts(data: bytes, count: int, numel: int, positions: bool) -> boo
     if count == 0:
         return True
     array = np.frombuffer(body, dtype=np.uint8)
-    result = native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+    result = rice_native.rice_decode(array, unary_len, count, k, numel, positions=positions)
     return result is not None
 
 
@@ -219,7 +221,7 @@ def test_hostile_rice_streams_get_the_same_answer_on_both_paths(monkeypatch):
             if accepted is not None:
                 assert accepted == (ref[0] == "ok")
     torch_mode(monkeypatch)
-    assert pc.native_kernels() is None
+    assert native_kernels() is None
     for data, count, numel in hostile_streams()[:40]:
         assert _outcome(pc.decode_rice, data, count=count, numel=numel) == _outcome(
             pc._decode_rice_reference, data, count=count, numel=numel
@@ -238,9 +240,9 @@ def test_hostile_streams_include_both_outcomes():
 
 
 def test_torch_mode_and_lazy_import(monkeypatch):
-    assert pc.native_kernels() is native
+    assert native_kernels() is native
     torch_mode(monkeypatch)
-    assert pc.native_kernels() is None
+    assert native_kernels() is None
     code = "import sys, dcr_format, dcr_format.cli.main; assert 'numba' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
@@ -502,9 +504,9 @@ FORK_CHILD = """
 import os, sys, numba, torch
 from dcr_format.delta import fingerprint as fp
 from dcr_format.kernels import _launch as launch
-from dcr_format.codings import positions as pc
 from dcr_format.delta import dispatch
-native = pc.native_kernels()
+from dcr_format.kernels.native import native_kernels
+native = native_kernels()
 assert native is not None
 x = torch.arange(1 << 18, dtype=torch.int32)
 old = torch.zeros(3 * native.TASK, dtype=torch.int16)
@@ -702,7 +704,7 @@ def test_rice_stats_merge_runs_across_parallel_tasks(layout):
     """Sums, runs, the largest gap and the longest run match a numpy reference when runs
     cross the parallel tasks' boundaries (_STATS_CHUNK positions each), even a whole task long."""
     rng = np.random.default_rng(70)
-    task = native._STATS_CHUNK
+    task = rice_native._STATS_CHUNK
     if layout == "spread":
         pos = np.unique(rng.integers(0, 1 << 32, 3 * task + 17, dtype=np.int64))
     elif layout == "runs across tasks":  # runs of ~1000 with random gaps, one spanning a task
@@ -711,7 +713,7 @@ def test_rice_stats_merge_runs_across_parallel_tasks(layout):
         pos = np.cumsum(gaps + 1) - 1
     else:
         pos = np.arange(5, 5 + 2 * task + 3, dtype=np.int64)
-    sums, runs, widest, longest = native.rice_stats(pos, 2, 7)
+    sums, runs, widest, longest = rice_native.rice_stats(pos, 2, 7)
     want = _stats_reference(pos, 2, 7)
     assert (sums.tolist(), runs, widest, longest) == want
 

@@ -22,6 +22,7 @@ from types import ModuleType
 import numpy as np
 
 from dcr_format.errors import ValuesError
+from dcr_format.kernels.native import compiled
 
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -53,9 +54,7 @@ def _unorder(ordered: np.ndarray, width: int) -> np.ndarray:
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codings.positions import compiled
-
-    return compiled("_native_ulp")
+    return compiled("dcr_format.codings._ulp_kernels")
 
 
 def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:

@@ -37,7 +37,6 @@ from dcr_format.chain.chain import (
     timestamp,
     utc_now,
 )
-from dcr_format.codings.positions import compiled, serial_kernels
 from dcr_format.delta.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
 from dcr_format.delta.fingerprint import (
     apply_lane_deltas,
@@ -63,6 +62,7 @@ from dcr_format.errors import (
 from dcr_format.format.budget import DecodeBudget
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import Entry, Manifest, ReaderRecord
+from dcr_format.kernels.native import compiled, serial_kernels
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._fetch import (
     Early,
