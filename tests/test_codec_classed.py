@@ -406,6 +406,41 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
     assert errors[0] == errors[1]
 
 
+def test_ranks_decoded_ahead_run_in_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`classed.with_ranks` (on a fetch worker, whose siblings fill the cores) decodes
+    the class parts in its own thread, asked explicitly (``serial=True``), also past the
+    size where :func:`classed.class_ranks_of` uses numba's threads by default."""
+    from dcr_format.codings import _classed_rice_kernels as native
+    from dcr_format.kernels import _launch
+
+    real = native._rice_parts
+    launched = []
+
+    def parallel(*args):  # type: ignore[no-untyped-def]
+        launched.append(True)
+        real.parallel(*args)
+
+    monkeypatch.setattr(native, "_rice_parts", _launch.Kernel(parallel, real.serial))
+    rng = np.random.default_rng(43)
+    count = 4
+    wanted = [int(n) for n in rng.integers(20_000, 30_000, count)]
+    assert sum(wanted) >= native._PARALLEL_RANKS
+    sizes = np.array([20 * n + 7 for n in wanted], dtype=np.int64)
+    per_class = [np.sort(rng.choice(int(sizes[c]), wanted[c], replace=False)) for c in range(count)]
+    classes = rng.permutation(np.repeat(np.arange(count), wanted)).astype(np.uint8)
+    ranks = np.empty(classes.size, dtype=np.int64)
+    for c, mine in enumerate(per_class):
+        ranks[classes == c] = mine
+    coded = classed.classed_stream(100, count, classes, ranks)
+    stream = classed.parse_classed(coded, count=classes.size, dtype="bfloat16")
+    ahead = classed.with_ranks(stream, int(sizes.max()))
+    assert ahead.ranks is not None and np.array_equal(ahead.ranks, np.concatenate(per_class))
+    assert np.array_equal(classed.class_ranks_of(stream, sizes, serial=True), ahead.ranks)
+    assert launched == []
+    assert np.array_equal(classed.class_ranks_of(stream, sizes), ahead.ranks)
+    assert launched == ([True] if _launch.kernel_threads() > 1 else [])
+
+
 def test_ranks_decoded_ahead_are_taken_only_where_the_class_sizes_bound_them(
     kernels: str,
 ) -> None:

@@ -364,14 +364,21 @@ def _part_ranks_one(data, parts, counts, sizes, out):  # type: ignore[no-untyped
 
 
 def part_ranks(
-    data: np.ndarray, parts: np.ndarray, counts: np.ndarray, sizes: np.ndarray, out: np.ndarray
+    data: np.ndarray,
+    parts: np.ndarray,
+    counts: np.ndarray,
+    sizes: np.ndarray,
+    out: np.ndarray,
+    *,
+    serial: bool = False,
 ) -> int:
     """The ranks of every class with positions of a ``classed`` stream, class after class,
     into ``out`` (as many as the counts add up to): ``parts`` holds a row ``(class, k, U,
     offset)`` per class with positions, ``counts`` and ``sizes`` the positions and the
     elements of every class. -1 when all decode; else -2 where a class codes more positions
     than it has, or the first part that breaks §6.2 (the caller decodes again for the
-    error). Below :data:`_PARALLEL_RANKS` one compiled call; past it :func:`rice_ranks`."""
+    error). Below :data:`_PARALLEL_RANKS` one compiled call; past it :func:`rice_ranks`
+    (``serial``: in this thread)."""
     if out.size < _PARALLEL_RANKS:
         return int(_part_ranks_one(data, parts, counts, sizes, out))
     classes = parts[:, 0]
@@ -379,7 +386,7 @@ def part_ranks(
     if not bool((want <= limits).all()) or int(want.sum()) != out.size:
         return -2
     ks, unary, offsets = (np.ascontiguousarray(parts[:, i]) for i in (1, 2, 3))
-    return rice_ranks(data, ks, unary, offsets, want, limits, out)
+    return rice_ranks(data, ks, unary, offsets, want, limits, out, serial=serial)
 
 
 def rice_ranks(
@@ -390,17 +397,19 @@ def rice_ranks(
     counts: np.ndarray,
     sizes: np.ndarray,
     out: np.ndarray,
+    *,
+    serial: bool = False,
 ) -> int:
     """Decode the Rice part of every class with positions (part ``j``: ``counts[j]`` ranks
     below ``sizes[j]``, body at ``offsets[j]``) into ``out``, one after the other; -1, or
     the first part that breaks a rule of §6.2 (the caller decodes it again for the error).
     The parts decode in parallel where there are enough ranks (each writes only its own
-    slice of ``out``)."""
+    slice of ``out``), unless ``serial``."""
     at = np.zeros(ks.size, dtype=np.int64)
     np.cumsum(counts[:-1], out=at[1:])
     failed = np.zeros(ks.size, dtype=np.uint8)
     tasks, owner = _class_tasks(counts)
     args = (data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
-    _launch(_rice_parts, tasks, *args)
+    _launch(_rice_parts, tasks, *args, serial=serial)
     bad = np.flatnonzero(failed)
     return int(bad[0]) if bad.size else -1

@@ -25,7 +25,7 @@ import numpy as np
 
 from dcr_format.codings import positions as _positions
 from dcr_format.errors import PositionsError
-from dcr_format.kernels.native import compiled, serial_kernels
+from dcr_format.kernels.native import compiled
 
 MAX_CLASSES = 16
 # (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
@@ -514,8 +514,8 @@ def with_ranks(stream: ClassedStream, numel: int) -> ClassedStream:
     if not stream.parts or stream.ranks is not None:
         return stream
     try:  # on a fetch worker: the others and the select fill the other cores
-        with serial_kernels():
-            ranks = class_ranks_of(stream, np.full(stream.classes, numel, dtype=np.int64))
+        sizes = np.full(stream.classes, numel, dtype=np.int64)
+        ranks = class_ranks_of(stream, sizes, serial=True)
     except PositionsError:
         return stream
     ranks.flags.writeable = False  # shared by every resolve of the change
@@ -534,11 +534,12 @@ def _ranks_within(stream: ClassedStream, ranks: np.ndarray, sizes: np.ndarray) -
     return True
 
 
-def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
+def class_ranks_of(stream: ClassedStream, sizes: np.ndarray, *, serial: bool = False) -> np.ndarray:
     """The ranks every class with changes codes, one class after the other in class order,
     each decoded from its Rice part with the class's size (``sizes``, from the old bits) as
     the range (or taken from :func:`with_ranks` where they lie in it); a class coded with
-    more positions than it holds is a :class:`PositionsError`."""
+    more positions than it holds is a :class:`PositionsError`. ``serial``: the compiled
+    parts decode in this thread only (a caller whose threads already fill the cores)."""
     if stream.ranks is not None and _ranks_within(stream, stream.ranks, sizes):
         return stream.ranks
     native = _native_parts()
@@ -550,6 +551,7 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
             np.array(stream.counts, dtype=np.int64),
             np.ascontiguousarray(sizes, dtype=np.int64),
             out,
+            serial=serial,
         )
         if found == -1:
             return out

@@ -170,11 +170,12 @@ def kernel_threads() -> int:
     return int(_NUMBA.get_num_threads())
 
 
-def _launch(kernel: Kernel, tasks: int, *args: Any) -> None:
-    """Run ``kernel`` over ``tasks`` tasks: its serial form for one task, where parallel
-    kernels are off, or in a :func:`serial_kernels` block; else its parallel form under the
+def _launch(kernel: Kernel, tasks: int, *args: Any, serial: bool = False) -> None:
+    """Run ``kernel`` over ``tasks`` tasks: its serial form for one task, where ``serial``
+    asks for it (a caller whose threads already fill the cores), where parallel kernels are
+    off, or in a :func:`serial_kernels` block; else its parallel form under the
     process-wide launch lock."""
-    if tasks == 1 or (tasks and (_Launches.serial_only or _SERIAL.on)):
+    if tasks == 1 or (tasks and (serial or _Launches.serial_only or _SERIAL.on)):
         kernel.serial(*args)
     elif tasks:
         with _LOCK:
