@@ -65,7 +65,6 @@ from codec_bounds import (
 )
 
 from dcr_format.cli.toymodel import Trainer
-from dcr_format.codings.classed import CLASSED
 from dcr_format.delta.delta import (
     OVERWRITE,
     XOR,
@@ -83,6 +82,7 @@ from dcr_format.format.features import (
     VALUES_ULP_SHIFT_FEATURE,
     allowed_codings,
 )
+from dcr_format.format.names import CLASSED
 from dcr_format.format.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
 
 # (target change rate, AdamW learning rate). Calibrated on the toy models at the

@@ -40,6 +40,7 @@ from dcr_format.codings import positions as pc
 from dcr_format.delta import dispatch
 from dcr_format.delta import fingerprint as fp
 from dcr_format.kernels import reference
+from dcr_format.kernels.native import native_kernels
 
 _CLOCK = time.perf_counter
 
@@ -206,7 +207,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch and numba threads")
     parser.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall")
     args = parser.parse_args()
-    if pc.native_kernels() is None:
+    if native_kernels() is None:
         raise SystemExit("numba is not installed (or DCR_KERNELS=torch): nothing to compare")
     import numba
 

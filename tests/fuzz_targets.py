@@ -34,15 +34,15 @@ with atheris.instrument_imports(include=["dcr_format"]):
     import numpy as np
     import torch
 
-    from dcr_format.codings.classed import CLASSED, encode_classed
-    from dcr_format.codings.positions import POSITION_CODINGS, decode_positions, encode_positions
-    from dcr_format.codings.ulp import ULP, to_ulp
-    from dcr_format.codings.ulp_shift import ULP_SHIFT
-    from dcr_format.codings.values import VALUE_CODINGS, decode_values, encode_xor_values
+    from dcr_format.codings.classed import encode_classed
+    from dcr_format.codings.positions import decode_positions, encode_positions
+    from dcr_format.codings.ulp import to_ulp
+    from dcr_format.codings.values import decode_values, encode_xor_values
     from dcr_format.delta.delta import apply_change, decode_delta, resolve
     from dcr_format.errors import DcrError
     from dcr_format.format.dtypes import info_for
     from dcr_format.format.features import allowed_codings
+    from dcr_format.format.names import CLASSED, POSITION_CODINGS, ULP, ULP_SHIFT, VALUE_CODINGS
     from dcr_format.format.schema import CommitRecord, Manifest, StoreHeader, parse
     from dcr_format.format.shard import decode_shard
 

@@ -203,7 +203,7 @@ def test_layout_is_checked_without_the_old_bits() -> None:
 def test_kernels_across_tasks_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three tasks of the compiled passes (one without positions), a partial last group, and
     changes on task and group edges, with the XOR form: the same bytes and positions."""
-    from dcr_format.codings._native import TASK
+    from dcr_format.kernels.numba_kernels import TASK
 
     n = 2 * TASK + 1000 + 37
     old = weights(12, n)
@@ -314,7 +314,7 @@ def test_the_compiled_class_estimates_are_the_reference_s_doubles() -> None:
     """The compiled estimate of every interval (its odds, numpy's logarithms of them, then
     the reference's operations in its order) is _rice_bits + CLASS_HEADER_BITS bit for bit,
     over counts from a few to past 2^40, none or all changed."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
 
     rng = np.random.default_rng(29)
     totals = np.concatenate(
@@ -368,12 +368,12 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
     """A stream with enough ranks codes and decodes its classes' Rice parts on several
     threads (each class into its own slice): the reference's bytes and ranks, and where
     parts break §6.2 the first broken part is reported (so the error is the reference's)."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_rice_kernels as native
 
     rng = np.random.default_rng(41)
     count = 6
     wanted = [int(n) for n in rng.integers(3_000, 40_000, count)]
-    assert sum(wanted) >= native._PARALLEL_RANKS  # the parallel launch, not its twin
+    assert sum(wanted) >= native._PARALLEL_RANKS  # the parallel launch, not its serial form
     sizes = np.array([20 * n + 7 for n in wanted], dtype=np.int64)
     per_class = [np.sort(rng.choice(int(sizes[c]), wanted[c], replace=False)) for c in range(count)]
     classes = rng.permutation(np.repeat(np.arange(count), wanted)).astype(np.uint8)
@@ -404,6 +404,41 @@ def test_rice_parts_decode_in_parallel_as_the_reference(
             classed.class_ranks_of(stream, short)
         errors.append(str(caught.value))
     assert errors[0] == errors[1]
+
+
+def test_ranks_decoded_ahead_run_in_this_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`classed.with_ranks` (on a fetch worker, whose siblings fill the cores) decodes
+    the class parts in its own thread, asked explicitly (``serial=True``), also past the
+    size where :func:`classed.class_ranks_of` uses numba's threads by default."""
+    from dcr_format.codings import _classed_rice_kernels as native
+    from dcr_format.kernels import _launch
+
+    real = native._rice_parts
+    launched = []
+
+    def parallel(*args):  # type: ignore[no-untyped-def]
+        launched.append(True)
+        real.parallel(*args)
+
+    monkeypatch.setattr(native, "_rice_parts", _launch.Kernel(parallel, real.serial))
+    rng = np.random.default_rng(43)
+    count = 4
+    wanted = [int(n) for n in rng.integers(20_000, 30_000, count)]
+    assert sum(wanted) >= native._PARALLEL_RANKS
+    sizes = np.array([20 * n + 7 for n in wanted], dtype=np.int64)
+    per_class = [np.sort(rng.choice(int(sizes[c]), wanted[c], replace=False)) for c in range(count)]
+    classes = rng.permutation(np.repeat(np.arange(count), wanted)).astype(np.uint8)
+    ranks = np.empty(classes.size, dtype=np.int64)
+    for c, mine in enumerate(per_class):
+        ranks[classes == c] = mine
+    coded = classed.classed_stream(100, count, classes, ranks)
+    stream = classed.parse_classed(coded, count=classes.size, dtype="bfloat16")
+    ahead = classed.with_ranks(stream, int(sizes.max()))
+    assert ahead.ranks is not None and np.array_equal(ahead.ranks, np.concatenate(per_class))
+    assert np.array_equal(classed.class_ranks_of(stream, sizes, serial=True), ahead.ranks)
+    assert launched == []
+    assert np.array_equal(classed.class_ranks_of(stream, sizes), ahead.ranks)
+    assert launched == ([True] if _launch.kernel_threads() > 1 else [])
 
 
 def test_ranks_decoded_ahead_are_taken_only_where_the_class_sizes_bound_them(
@@ -455,7 +490,7 @@ def test_the_select_plan_is_each_class_s_searchsorted_at_each_task_start() -> No
     task's start begin (``np.searchsorted`` of the class's ranks), and where each task's
     positions go; with classes without ranks, ranks on a task's start, before the first
     and past the last start, and tasks that take none."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
 
     rng = np.random.default_rng(11)
     count, tasks = 6, 9
@@ -515,7 +550,7 @@ def _select(
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """``positions_of_ranks`` of the dense or the sparse select pass, and the old bits it
     handed over."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
 
     shift, mask = classed.EXPONENT_FIELDS[dtype]
     starts = native.class_starts(rows, stream.base, stream.classes)
@@ -568,8 +603,8 @@ def test_the_dense_select_pass_finds_what_the_sparse_one_does(dtype: str) -> Non
     the same old bits: three tasks with a partial last group, 1 to 16 classes, positions
     on task and group edges, and groups with none, a few and nearly every element wanted
     (the stores past a group's last position, and near the end of a task's share)."""
-    from dcr_format.codings._native import TASK
     from dcr_format.kernels import _native_bits
+    from dcr_format.kernels.numba_kernels import TASK
 
     if not _native_bits.has_deposit():
         pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
@@ -600,9 +635,9 @@ def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
     sparse pass counts only the positions, so it finds other ones here, which the
     fingerprint check after applying catches); ranks past a class's size are refused
     before either pass runs."""
-    from dcr_format.codings import _native_classes as native
-    from dcr_format.codings._native import TASK
+    from dcr_format.codings import _classed_kernels as native
     from dcr_format.kernels import _native_bits
+    from dcr_format.kernels.numba_kernels import TASK
 
     if not _native_bits.has_deposit():
         pytest.skip("no BMI2 (pdep) on this machine or numba's target: no dense pass")
@@ -644,7 +679,7 @@ def test_the_dense_select_pass_refuses_bits_of_other_classes() -> None:
 def test_the_dense_select_pass_is_taken_where_it_wins() -> None:
     """By default the dense pass runs from one changed element in DENSE_SHARE on, and only
     where the machine's bit deposit is fast."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
 
     assert native.dense_wins(1000, 1000 * native.DENSE_SHARE)
     assert not native.dense_wins(999, 1000 * native.DENSE_SHARE)
@@ -665,7 +700,7 @@ def test_the_select_pass_finds_every_set_bit_of_a_word(picker: str) -> None:
     words dense, sparse and at the edges, against the bits listed one by one."""
     from numba import njit
 
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
     from dcr_format.kernels import _native_bits
 
     if picker == "deposit" and not _native_bits.has_deposit():
@@ -757,7 +792,7 @@ def test_plain_size_floor_bounds_the_plain_choice() -> None:
 def test_the_rank_pass_counts_the_runs_of_the_positions() -> None:
     """``class_ranks`` also counts the positions that directly follow another (across its
     tasks), the runs the writer's size floor takes; the reference path counts the same."""
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_kernels as native
 
     rng = np.random.default_rng(47)
     n = 3 * (1 << 18) + 100
@@ -835,7 +870,7 @@ def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
     ]
     assert got.dtype == np.int64 and got.tolist() == want
     # the compiled guesses (no logarithm) agree wherever they are sure, and say where not
-    from dcr_format.codings import _native_classes as native
+    from dcr_format.codings import _classed_rice_kernels as native
 
     sure = np.empty(counts.size, dtype=np.int64)
     unsure = native.rice_guesses(counts.astype(np.int64), last.astype(np.int64), sure)

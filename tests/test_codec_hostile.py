@@ -12,7 +12,7 @@ import torch
 import zstandard
 
 from dcr_format.codings import positions as pos_codec
-from dcr_format.codings.values import PLANES, decode_values
+from dcr_format.codings.values import decode_values
 from dcr_format.delta.delta import encode_tensor
 from dcr_format.delta.fingerprint import tensor_fingerprint
 from dcr_format.errors import (
@@ -24,6 +24,7 @@ from dcr_format.errors import (
     ValuesError,
 )
 from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.names import PLANES, RANGES, RICE
 from dcr_format.format.shard import (
     MAX_HEADER_BYTES,
     compress,
@@ -33,8 +34,6 @@ from dcr_format.format.shard import (
     pack_streams,
     unpack_streams,
 )
-
-RICE, RANGES = pos_codec.RICE, pos_codec.RANGES
 
 
 def refused(error: type[Exception], call, *args, **kwargs) -> Exception:

@@ -112,7 +112,7 @@ def test_a_dominant_symbol_codes_as_the_reference_does(bits: int) -> None:
 def test_reciprocals_divide_exactly() -> None:
     """Every frequency of up to 14 bits, and others up to 24, against quotients at the
     edges of the range the coder divides (below ``2**63``)."""
-    native = pytest.importorskip("dcr_format.codings._native_rans")
+    native = pytest.importorskip("dcr_format.codings._rans_kernels")
     from numba import njit
 
     from dcr_format.kernels._native_bits import mul_high
@@ -263,9 +263,9 @@ def test_an_entry_takes_its_rans_values_decoded_ahead() -> None:
     """decode_delta with ``symbols`` (its ulp values' rans stream decoded already, as
     rans_part finds it) gives the change it decodes itself; symbols of another shape or
     width, or for an entry without rans values, are a caller's error."""
-    from dcr_format.codings.ulp import ULP
-    from dcr_format.codings.ulp_shift import ULP_SHIFT, assemble
+    from dcr_format.codings.ulp_shift import assemble
     from dcr_format.delta.delta import rans_part
+    from dcr_format.format.names import ULP, ULP_SHIFT
 
     info = info_for(torch.bfloat16)
     z = ulp_like(9, 500, 2)
@@ -633,7 +633,7 @@ def test_compiled_histogram_equals_the_numpy_one() -> None:
     position, the others sorted) gives numpy's values and counts, for few and for many
     distinct values, on both sides of 256, lengths that are not whole rounds of eight, and
     widths 1, 2, 4 and 8."""
-    from dcr_format.codings import _native_rans
+    from dcr_format.codings import _rans_kernels
 
     rng = np.random.default_rng(41)
     cases = [
@@ -657,7 +657,7 @@ def test_compiled_histogram_equals_the_numpy_one() -> None:
     ]
     for data in cases:
         width = data.dtype.itemsize
-        distinct, counts = _native_rans._distinct(data, width)
+        distinct, counts = _rans_kernels._distinct(data, width)
         order = np.lexsort((distinct, -counts))[: rans.MAX_TABLE]
         expected = rans._histogram(data, width)
         assert np.array_equal(distinct[order], expected[0])

@@ -14,7 +14,7 @@ from safetensors.numpy import load as safetensors_load
 
 from dcr_format.codings import positions as pos_codec
 from dcr_format.codings.ulp import FLOAT_DTYPES
-from dcr_format.codings.values import PLANES, decode_values, encode_values
+from dcr_format.codings.values import decode_values, encode_values
 from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
@@ -27,6 +27,7 @@ from dcr_format.delta.delta import (
     undo_delta,
 )
 from dcr_format.format.dtypes import BY_NAME, BY_TORCH, DTYPE_NAMES, UNSIGNED_NP, bits_view
+from dcr_format.format.names import PLANES, POSITION_CODINGS, RANGES, RICE
 from dcr_format.format.shard import (
     SHARD_FORMAT,
     decode_shard,
@@ -355,7 +356,7 @@ def position_sets(draw):
 def test_positions_round_trip_in_both_codings(case):
     positions, numel = case
     sizes = {}
-    for coding in pos_codec.POSITION_CODINGS:
+    for coding in POSITION_CODINGS:
         name, data = pos_codec.encode_positions(positions, coding=coding)
         assert name == coding
         sizes[coding] = len(data)
@@ -385,7 +386,7 @@ def test_positions_round_trip_in_both_codings(case):
 )
 def test_position_edge_cases_on_a_huge_tensor(positions):
     positions = np.array(positions, dtype=np.int64)
-    for coding in (*pos_codec.POSITION_CODINGS, None):
+    for coding in (*POSITION_CODINGS, None):
         name, data = pos_codec.encode_positions(positions, coding=coding)
         got = pos_codec.decode_positions(name, data, count=positions.size, numel=2**40)
         assert np.array_equal(got, positions)
@@ -394,7 +395,7 @@ def test_position_edge_cases_on_a_huge_tensor(positions):
 def test_positions_past_2_53_stay_exact():
     """Positions beyond float64's exact integers (no float promotion in the coders)."""
     positions = np.array([0, 2**53 + 1, 2**53 + 2, 2**62 + 3, 2**63 - 2], dtype=np.int64)
-    for coding in (*pos_codec.POSITION_CODINGS, None):
+    for coding in (*POSITION_CODINGS, None):
         name, data = pos_codec.encode_positions(positions, coding=coding)
         got = pos_codec.decode_positions(name, data, count=positions.size, numel=2**63 - 1)
         assert got.tolist() == positions.tolist()
@@ -402,9 +403,9 @@ def test_positions_past_2_53_stay_exact():
 
 def test_automatic_coding_prefers_ranges_for_runs_and_rice_for_scatter():
     dense = np.arange(10_000, 60_000, dtype=np.int64)
-    assert pos_codec.encode_positions(dense)[0] == pos_codec.RANGES
+    assert pos_codec.encode_positions(dense)[0] == RANGES
     scatter = np.sort(np.random.default_rng(0).choice(10**7, 5000, replace=False)).astype(np.int64)
-    assert pos_codec.encode_positions(scatter)[0] == pos_codec.RICE
+    assert pos_codec.encode_positions(scatter)[0] == RICE
 
 
 # --- values ------------------------------------------------------------------------

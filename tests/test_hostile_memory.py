@@ -26,6 +26,7 @@ from test_fuzz import Chain4, attempt_sync, replaced, resigned
 
 from dcr_format import DeltaWriter
 from dcr_format.codings.positions import encode_ranges, encode_rice
+from dcr_format.codings.registry import positions_bound
 from dcr_format.errors import SchemaError, ShardError
 from dcr_format.format.budget import DecodeBudget, default_budget_bytes
 from dcr_format.format.jsonscan import scan
@@ -36,7 +37,6 @@ from dcr_format.format.shard import (
     encode_shard,
     header_allowance,
     pack_streams,
-    positions_bound,
     shard_decoded_bound,
 )
 from dcr_format.sync._plan import stream_limits

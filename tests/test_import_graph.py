@@ -53,14 +53,7 @@ NOT_FOR_CORE = ("testing", "testing.*")
 
 # (importer, imported) pairs allowed for now, each with the file that must change.
 KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {}
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-    ("format.schema", "codings.classed"): "dcr_format/format/schema.py",
-    ("format.schema", "codings.positions"): "dcr_format/format/schema.py",
-    ("format.schema", "codings.ulp"): "dcr_format/format/schema.py",
-    ("format.schema", "codings.ulp_shift"): "dcr_format/format/schema.py",
-    ("format.schema", "codings.values"): "dcr_format/format/schema.py",
-    ("format.shard", "codings.classed"): "dcr_format/format/shard.py",
-}
+KNOWN_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def module_files(package_dir: Path) -> dict[str, tuple[Path, bool]]:

@@ -47,6 +47,7 @@ from dcr_format.delta.positions import (  # noqa: E402
     decode_positions_to,
 )
 from dcr_format.errors import PositionsError  # noqa: E402
+from dcr_format.format import names  # noqa: E402
 from dcr_format.format.dtypes import info_for  # noqa: E402
 from dcr_format.kernels import reference  # noqa: E402
 from dcr_format.store.store import open_store  # noqa: E402
@@ -376,7 +377,7 @@ def _position_cases() -> list[tuple[np.ndarray, int]]:
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("coding", [pos_codec.RICE, pos_codec.RANGES])
+@pytest.mark.parametrize("coding", [names.RICE, names.RANGES])
 def test_split_position_decoding_matches_the_host(monkeypatch, tk, backend, coding):
     monkeypatch.setenv("DCR_KERNELS", backend)
     for positions, numel in _position_cases():
@@ -394,19 +395,19 @@ def _hostile_streams() -> list[tuple[str, bytes, int, int]]:
 
     valid = np.array([0, 1, 2, 7, 100, 101, 999], dtype=np.int64)
     out = [
-        (pos_codec.RICE, rice_stream([0, 2**62 - 1, 2**62 - 1, 2**62 - 1, 2**62 - 1], 62), 5, 100),
-        (pos_codec.RICE, rice_stream([2**62 - 1] * 4 + [5], 62), 5, 100),
-        (pos_codec.RICE, rice_stream([3, 2**40], 30), 2, 2**40),
-        (pos_codec.RICE, rice_stream([3, 2**40 - 5], 30), 2, 2**40),
-        (pos_codec.RICE, rice_stream([2**62 - 1, 2**62 - 1], 61), 2, 2**63 - 1),
-        (pos_codec.RICE, rice_stream([0, 0, 0], 0, count=4), 3, 10),
-        (pos_codec.RANGES, ranges_stream([0, 0], [1, 0], 1, 1), 3, 10),
-        (pos_codec.RANGES, ranges_stream([5, 2**64 - 1], [3, 0]), 5, 10),
-        (pos_codec.RANGES, ranges_stream([0, 1], [2, 2**64 - 1]), 3, 10),
-        (pos_codec.RANGES, ranges_stream([11], [0], 1, 1), 1, 10),
+        (names.RICE, rice_stream([0, 2**62 - 1, 2**62 - 1, 2**62 - 1, 2**62 - 1], 62), 5, 100),
+        (names.RICE, rice_stream([2**62 - 1] * 4 + [5], 62), 5, 100),
+        (names.RICE, rice_stream([3, 2**40], 30), 2, 2**40),
+        (names.RICE, rice_stream([3, 2**40 - 5], 30), 2, 2**40),
+        (names.RICE, rice_stream([2**62 - 1, 2**62 - 1], 61), 2, 2**63 - 1),
+        (names.RICE, rice_stream([0, 0, 0], 0, count=4), 3, 10),
+        (names.RANGES, ranges_stream([0, 0], [1, 0], 1, 1), 3, 10),
+        (names.RANGES, ranges_stream([5, 2**64 - 1], [3, 0]), 5, 10),
+        (names.RANGES, ranges_stream([0, 1], [2, 2**64 - 1]), 3, 10),
+        (names.RANGES, ranges_stream([11], [0], 1, 1), 1, 10),
     ]
     rng = np.random.default_rng(9)
-    for coding in (pos_codec.RICE, pos_codec.RANGES):
+    for coding in (names.RICE, names.RANGES):
         data = pos_codec.encode_positions(valid, coding=coding)[1]
         out.append((coding, data, 7, 1000))
         for count, numel in ((7, 999), (7, 6), (6, 1000), (8, 1000), (-1, 1000), (7, 1 << 63)):
@@ -620,7 +621,7 @@ def test_ulp_dispatch_runs_on_the_device(triton_mode, monkeypatch):
     assert not dispatch.ulp_on_device(old)
     monkeypatch.setenv("DCR_KERNELS", "triton")
     target = old.clone()
-    before, after, lanes = dispatch.stage_change(target, positions, z, op=dispatch.ULP)
+    before, after, lanes = dispatch.stage_change(target, positions, z, op=names.ULP)
     assert _same(target, old) and _same(after, reference.ulp_step(before, z))
     got_before, got_after, got_lanes = dispatch.apply_ulp_with_lanes(target, positions.cpu(), z)
     assert _same(got_before, before) and _same(got_after, after) and got_lanes == lanes

@@ -692,11 +692,11 @@ WARM = """
 import torch
 from torch import nn
 from dcr_format import ModuleTarget
-from dcr_format.codings import _native
+from dcr_format.kernels import numba_kernels as _native
 module = nn.Linear(4, 4, dtype=torch.bfloat16)
 target = ModuleTarget(module)
 target.prewarm({"weight": (torch.bfloat16, (4, 4)), "bias": (torch.bfloat16, (4,))})
-kernels = (_native._change, _native._change_serial, _native._pair_lanes_serial)
+kernels = (_native._change.parallel, _native._change.serial, _native._pair_lanes.serial)
 assert not any(k.signatures for k in kernels)
 target.warm()
 assert all(k.signatures for k in kernels), [k.signatures for k in kernels]

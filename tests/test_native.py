@@ -22,8 +22,11 @@ from dcr_format.delta import fingerprint as fp
 from dcr_format.errors import PositionsError
 from dcr_format.format.dtypes import BY_NAME, UNSIGNED_NP, bits_view
 from dcr_format.kernels import reference
+from dcr_format.kernels.native import native_kernels
 
-native = pytest.importorskip("dcr_format.codings._native")  # numba is a dependency
+native = pytest.importorskip("dcr_format.kernels.numba_kernels")  # numba is a dependency
+rice_native = pytest.importorskip("dcr_format.codings._rice_kernels")
+prange = pytest.importorskip("numba").prange
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 FORMAT_DTYPES = ("bool", "uint8", "int8", "int16", "float16", "bfloat16")
@@ -165,7 +168,7 @@ def _kernel_accepts(data: bytes, count: int, numel: int, positions: bool) -> boo
     if count == 0:
         return True
     array = np.frombuffer(body, dtype=np.uint8)
-    result = native.rice_decode(array, unary_len, count, k, numel, positions=positions)
+    result = rice_native.rice_decode(array, unary_len, count, k, numel, positions=positions)
     return result is not None
 
 
@@ -218,7 +221,7 @@ def test_hostile_rice_streams_get_the_same_answer_on_both_paths(monkeypatch):
             if accepted is not None:
                 assert accepted == (ref[0] == "ok")
     torch_mode(monkeypatch)
-    assert pc.native_kernels() is None
+    assert native_kernels() is None
     for data, count, numel in hostile_streams()[:40]:
         assert _outcome(pc.decode_rice, data, count=count, numel=numel) == _outcome(
             pc._decode_rice_reference, data, count=count, numel=numel
@@ -237,9 +240,9 @@ def test_hostile_streams_include_both_outcomes():
 
 
 def test_torch_mode_and_lazy_import(monkeypatch):
-    assert pc.native_kernels() is native
+    assert native_kernels() is native
     torch_mode(monkeypatch)
-    assert pc.native_kernels() is None
+    assert native_kernels() is None
     code = "import sys, dcr_format, dcr_format.cli.main; assert 'numba' not in sys.modules"
     env = {k: v for k, v in os.environ.items() if k != "DCR_KERNELS"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
@@ -501,9 +504,9 @@ FORK_CHILD = """
 import os, sys, numba, torch
 from dcr_format.delta import fingerprint as fp
 from dcr_format.kernels import _launch as launch
-from dcr_format.codings import positions as pc
 from dcr_format.delta import dispatch
-native = pc.native_kernels()
+from dcr_format.kernels.native import native_kernels
+native = native_kernels()
 assert native is not None
 x = torch.arange(1 << 18, dtype=torch.int32)
 old = torch.zeros(3 * native.TASK, dtype=torch.int16)
@@ -535,17 +538,40 @@ def _doubled_sum(a):  # type: ignore[no-untyped-def]
     return total
 
 
-def test_serial_twins_make_no_parallel_loop():
-    """A twin goes through numba's parallel pipeline with every transformation into a
-    parallel loop off: it compiles without numba's warning (errors here) and raises if
-    any parallel loop appeared; so does a second twin made from the same options (numba
-    empties a dict of options as it reads it), at two signatures."""
-    from dcr_format.kernels._launch import serial_twin
+def _prange_sum(a):  # type: ignore[no-untyped-def]
+    """A kernel body: its loop over tasks a ``prange``, a reduction across them."""
+    total = 0
+    for i in prange(a.size):
+        total += a[i]
+    return total
 
-    for twin in (serial_twin(_doubled_sum), serial_twin(_doubled_sum)):
+
+def test_serial_forms_make_no_parallel_loop():
+    """A serial form goes through numba's parallel pipeline with every transformation into
+    a parallel loop off: it compiles without numba's warning (errors here) and raises if
+    any parallel loop appeared; so does a second one made from the same options (numba
+    empties a dict of options as it reads it), at two signatures."""
+    from dcr_format.kernels._launch import parallel_kernel
+
+    for kernel in (parallel_kernel(_doubled_sum), parallel_kernel(_doubled_sum)):
         for dtype in (np.float64, np.int32):
-            assert twin(np.arange(5, dtype=dtype)) == 20
-        assert len(twin.signatures) == 2
+            assert kernel.serial(np.arange(5, dtype=dtype)) == 20
+        assert len(kernel.serial.signatures) == 2
+        assert kernel.parallel.signatures == []  # only what was asked is compiled
+
+
+def test_one_body_gives_both_forms():
+    """:func:`parallel_kernel` compiles one ``prange`` body in parallel and serially, with
+    the same results, the serial form under a name of its own (numba's disk cache files
+    machine code by name: a shared one would hand one form the other's code)."""
+    from dcr_format.kernels._launch import parallel_kernel
+
+    kernel = parallel_kernel(_prange_sum)
+    a = np.arange(10_000, dtype=np.int64)
+    assert kernel.parallel(a) == kernel.serial(a) == int(a.sum())
+    assert kernel.parallel.py_func is _prange_sum
+    assert kernel.serial.py_func.__qualname__ == "_prange_sum_serial"
+    assert kernel.serial.py_func.__code__ is _prange_sum.__code__
 
 
 def test_forked_children_can_run_kernels():
@@ -678,7 +704,7 @@ def test_rice_stats_merge_runs_across_parallel_tasks(layout):
     """Sums, runs, the largest gap and the longest run match a numpy reference when runs
     cross the parallel tasks' boundaries (_STATS_CHUNK positions each), even a whole task long."""
     rng = np.random.default_rng(70)
-    task = native._STATS_CHUNK
+    task = rice_native._STATS_CHUNK
     if layout == "spread":
         pos = np.unique(rng.integers(0, 1 << 32, 3 * task + 17, dtype=np.int64))
     elif layout == "runs across tasks":  # runs of ~1000 with random gaps, one spanning a task
@@ -687,7 +713,7 @@ def test_rice_stats_merge_runs_across_parallel_tasks(layout):
         pos = np.cumsum(gaps + 1) - 1
     else:
         pos = np.arange(5, 5 + 2 * task + 3, dtype=np.int64)
-    sums, runs, widest, longest = native.rice_stats(pos, 2, 7)
+    sums, runs, widest, longest = rice_native.rice_stats(pos, 2, 7)
     want = _stats_reference(pos, 2, 7)
     assert (sums.tolist(), runs, widest, longest) == want
 

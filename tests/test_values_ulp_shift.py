@@ -308,7 +308,7 @@ def test_the_split_and_join_of_many_changes_on_threads_equal_one_pass() -> None:
     bits from the sum of the shifts before it (tasks share the bytes where one ends inside
     a byte): the same ``y`` and low bits as one pass in this thread, the same differences,
     and for a broken stream the same error as one pass (the first in change order)."""
-    from dcr_format.codings import _native_ulp as native
+    from dcr_format.codings import _ulp_kernels as native
 
     rng = np.random.default_rng(67)
     n = native.ULP_SERIAL + 2 * native.ULP_TASK + 123

@@ -15,9 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from dcr_format.codings.classed import CLASSED, EXPONENT_FIELDS
-from dcr_format.codings.ulp import ULP
-from dcr_format.codings.ulp_shift import ULP_SHIFT
+from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -35,6 +33,7 @@ from dcr_format.format.features import (
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
 )
+from dcr_format.format.names import CLASSED, ULP, ULP_SHIFT
 from dcr_format.format.schema import (
     MAX_HEADER_JSON_BYTES,
     MAX_MANIFEST_JSON_BYTES,

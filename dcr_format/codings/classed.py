@@ -25,8 +25,8 @@ import numpy as np
 
 from dcr_format.codings import positions as _positions
 from dcr_format.errors import PositionsError
+from dcr_format.kernels.native import compiled
 
-CLASSED = "classed"
 MAX_CLASSES = 16
 # (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
 EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
@@ -225,7 +225,15 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
 
 
 def _native() -> ModuleType | None:
-    return _positions.compiled("_native_classes")
+    """The compiled class passes (:mod:`dcr_format.codings._classed_kernels`), or None where
+    the reference runs."""
+    return compiled("dcr_format.codings._classed_kernels")
+
+
+def _native_parts() -> ModuleType | None:
+    """The compiled class parts (:mod:`dcr_format.codings._classed_rice_kernels`), or None
+    where the reference runs."""
+    return compiled("dcr_format.codings._classed_rice_kernels")
 
 
 def old_bits_of(bits: np.ndarray, positions: np.ndarray, xor: np.ndarray | None) -> np.ndarray:
@@ -348,7 +356,7 @@ def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray
     classes = np.ascontiguousarray(classes)  # any integer dtype (a byte from the CPU pass)
     ranks = np.ascontiguousarray(ranks, dtype=np.int64)
     head = _HEADER.pack(count, base)
-    native = _native()
+    native = _native_parts()
     if native is not None:  # the counts and every class's part in compiled calls
         tallies = native.class_tallies(classes, ranks, count)
         guesses = np.empty(count, dtype=np.int64)
@@ -506,8 +514,8 @@ def with_ranks(stream: ClassedStream, numel: int) -> ClassedStream:
     if not stream.parts or stream.ranks is not None:
         return stream
     try:  # on a fetch worker: the others and the select fill the other cores
-        with _positions.serial_kernels():
-            ranks = class_ranks_of(stream, np.full(stream.classes, numel, dtype=np.int64))
+        sizes = np.full(stream.classes, numel, dtype=np.int64)
+        ranks = class_ranks_of(stream, sizes, serial=True)
     except PositionsError:
         return stream
     ranks.flags.writeable = False  # shared by every resolve of the change
@@ -526,14 +534,15 @@ def _ranks_within(stream: ClassedStream, ranks: np.ndarray, sizes: np.ndarray) -
     return True
 
 
-def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
+def class_ranks_of(stream: ClassedStream, sizes: np.ndarray, *, serial: bool = False) -> np.ndarray:
     """The ranks every class with changes codes, one class after the other in class order,
     each decoded from its Rice part with the class's size (``sizes``, from the old bits) as
     the range (or taken from :func:`with_ranks` where they lie in it); a class coded with
-    more positions than it holds is a :class:`PositionsError`."""
+    more positions than it holds is a :class:`PositionsError`. ``serial``: the compiled
+    parts decode in this thread only (a caller whose threads already fill the cores)."""
     if stream.ranks is not None and _ranks_within(stream, stream.ranks, sizes):
         return stream.ranks
-    native = _native()
+    native = _native_parts()
     if native is not None and stream.parts:  # every class at once; the loop below on errors
         out = np.empty(sum(stream.counts), dtype=np.int64)
         found = native.part_ranks(
@@ -542,6 +551,7 @@ def class_ranks_of(stream: ClassedStream, sizes: np.ndarray) -> np.ndarray:
             np.array(stream.counts, dtype=np.int64),
             np.ascontiguousarray(sizes, dtype=np.int64),
             out,
+            serial=serial,
         )
         if found == -1:
             return out
@@ -567,7 +577,6 @@ def classed_bound(changed: int, numel: int) -> int:
 
 
 __all__ = [
-    "CLASSED",
     "CLASS_HEADER_BITS",
     "EXPONENT_FIELDS",
     "MAX_CLASSES",

@@ -12,7 +12,7 @@ Decoders treat their input as hostile: every count, width and offset is checked
 before anything is allocated from it.
 
 Rice coding, Rice decoding and the choice of coding run as compiled loops
-(:mod:`dcr_format.codings._native`, numba) when numba imports and ``DCR_KERNELS`` is
+(:mod:`dcr_format.codings._rice_kernels`, numba) when numba imports and ``DCR_KERNELS`` is
 not ``torch``; the numpy code here is the reference they reproduce byte for byte. A
 stream the compiled decoder rejects is decoded again by the reference, which raises
 the error (so both paths raise the same :class:`PositionsError`, message included).
@@ -20,20 +20,14 @@ the error (so both paths raise the same :class:`PositionsError`, message include
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import struct
-from functools import lru_cache
 from types import ModuleType
 
 import numpy as np
 
 from dcr_format.errors import PositionsError
-from dcr_format.system.environ import getenv
-
-RICE = "rice"
-RANGES = "ranges"
-POSITION_CODINGS = (RICE, RANGES)
+from dcr_format.format.names import POSITION_CODINGS, RANGES, RICE
+from dcr_format.kernels.native import compiled
 
 _RICE_HEADER = struct.Struct("<BQQ")  # k, count, unary byte length
 _RANGES_HEADER = struct.Struct("<BBQ")  # gap width, length width, number of runs
@@ -41,55 +35,10 @@ _WIDTHS = (1, 2, 4, 8)
 MAX_RICE_K = 62
 
 
-def native_kernels() -> ModuleType | None:
-    """The compiled CPU kernels, or None when ``DCR_KERNELS=torch`` or numba is missing.
-
-    ``DCR_KERNELS`` is read at every call (see :mod:`dcr_format.delta.dispatch`); numba is
-    imported on the first call that wants it, never by ``import dcr_format``.
-    """
-    raw = getenv("DCR_KERNELS")
-    if raw is not None and raw.strip().lower() == "torch":
-        return None
-    return _load_native()
-
-
-def compiled_kernels() -> ModuleType | None:
-    """:func:`native_kernels` for a caller that has read ``DCR_KERNELS`` itself (it is not
-    read again): the compiled CPU kernels, or None where numba cannot load them."""
-    return _load_native()
-
-
-def compiled(name: str) -> ModuleType | None:
-    """The compiled kernels module ``<name>`` of :mod:`dcr_format.codings` (e.g.
-    ``_native_rans``; ``_launch`` is :mod:`dcr_format.kernels`'), imported on first use, or None where :func:`native_kernels` is (or it cannot load)."""
-    if native_kernels() is None:
-        return None
-    if name not in _COMPILED:  # imported once, not looked up by importlib at every call
-        try:
-            package = "kernels" if name == "_launch" else "codings"
-            _COMPILED[name] = importlib.import_module(f"dcr_format.{package}.{name}")
-        except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-            _COMPILED[name] = None
-    return _COMPILED[name]
-
-
-_COMPILED: dict[str, ModuleType | None] = {}
-
-
-def serial_kernels() -> contextlib.AbstractContextManager[None]:
-    """A block in which this thread's compiled kernels run their serial twins
-    (:func:`dcr_format.kernels._launch.serial_kernels`; nothing where they do not load)."""
-    launch = compiled("_launch")
-    return contextlib.nullcontext() if launch is None else launch.serial_kernels()
-
-
-@lru_cache(maxsize=1)
-def _load_native() -> ModuleType | None:
-    try:
-        from dcr_format.codings import _native
-    except (ImportError, OSError, RuntimeError):  # no numba, or numba unusable here
-        return None
-    return _native
+def _kernels() -> ModuleType | None:
+    """The compiled ``rice`` kernels (:mod:`dcr_format.codings._rice_kernels`), or None where
+    the reference runs (:func:`~dcr_format.kernels.native.compiled`)."""
+    return compiled("dcr_format.codings._rice_kernels")
 
 
 def _narrowest_width(max_value: int) -> int:
@@ -171,7 +120,7 @@ class _Plan:
     def of(positions: np.ndarray) -> _Plan | None:
         """The plan, or None where the reference must do it (no numba, no positions, and
         gap sums past 2^53, where numpy's float mean may round)."""
-        native = native_kernels()
+        native = _kernels()
         if native is None or positions.size == 0:
             return None
         if int(positions[-1]) - (int(positions.size) - 1) >= 1 << 53:
@@ -242,7 +191,7 @@ def _rice_native(
 ) -> np.ndarray | None:
     """Compiled decoding of a stream (positions or gaps); None where the reference must run
     (no numba, or a stream the compiled checks reject: the reference raises its error)."""
-    native = native_kernels()
+    native = _kernels()
     if native is None:
         return None
     k, unary_len, body = _rice_header(memoryview(data), count)
@@ -419,6 +368,20 @@ def plain_size_floor(count: int, last: int, runs: int) -> int:
         rice = size if rice is None else min(rice, size)
     assert rice is not None
     return min(_RICE_HEADER.size + rice, _RANGES_HEADER.size + 2 * runs)
+
+
+def rice_bound(changed: int, numel: int) -> int:
+    """The most bytes a ``rice`` stream of ``changed`` of ``numel`` positions can hold and
+    still decode: at most ``max(numel, 63 * changed + 1)`` bits over any k (its unary bits
+    sum the gaps, which a valid stream keeps under ``numel``), plus its header."""
+    return _RICE_HEADER.size + (max(numel, 63 * changed + 1) + 7) // 8 + 2
+
+
+def ranges_bound(changed: int, numel: int) -> int:
+    """The most bytes a ``ranges`` stream of ``changed`` positions can hold and still
+    decode: at most 16 bytes a run and a run per position, plus its header."""
+    del numel
+    return _RANGES_HEADER.size + 16 * changed
 
 
 class PositionsChoice:

@@ -11,7 +11,7 @@ to ``2**24 - (S + 1)``, so its quantisation reproduces exactly the integer model
 step of it is exact integer arithmetic in double precision): the stream is bit-identical
 on every platform and to the pure-Python coder kept here as the reference
 (:func:`_encode_reference`, :func:`_decode_reference`). Where numba is usable, a compiled
-coder and decoder (:mod:`dcr_format.codings._native_rans`) do the same arithmetic in one
+coder and decoder (:mod:`dcr_format.codings._rans_kernels`) do the same arithmetic in one
 loop each, without constriction's per-call model set-up; the tests hold all three equal.
 
 On the ``+-1`` ulp changes that dominate optimizer steps this codes a changed bf16 element
@@ -34,8 +34,8 @@ import numpy as np
 from dcr_format.codings.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
 from dcr_format.format.names import UNSIGNED_NP
+from dcr_format.kernels.native import compiled
 
-RANS = "rans"
 PRECISION = 24  # constriction's default model precision (probabilities of 24 bits)
 MAX_TABLE = 255
 MAX_MODEL_BITS = 24  # readers: Q in [1, 24]
@@ -199,7 +199,7 @@ def _sizes_bits(total: int, sizes: np.ndarray) -> np.ndarray:
 
 def _histogram(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values and their counts, most frequent first (smaller value on ties): the
-    reference of the compiled ``_native_rans.choose``."""
+    reference of the compiled ``_rans_kernels.choose``."""
     if width <= 2 and values.size >= 1 << (8 * width - 3):  # else sorting the values is less
         counts = np.bincount(values, minlength=1 << (8 * width))
         distinct = np.flatnonzero(counts)
@@ -342,7 +342,7 @@ def _constriction_model(freqs: np.ndarray, bits: int) -> Any:  # constriction ha
 
 def encode_rans(values: np.ndarray, model: Model) -> bytes:
     """The ``rans`` stream of ``values`` (unsigned, at least one) under ``model``: coded by
-    the compiled coder (:mod:`dcr_format.codings._native_rans`, one call for the symbols,
+    the compiled coder (:mod:`dcr_format.codings._rans_kernels`, one call for the symbols,
     words, escapes and table varints) where numba is usable, else by ``constriction`` (the
     same bytes; tests compare both with :func:`_encode_reference`)."""
     native = _native()
@@ -444,9 +444,7 @@ def _assemble(parsed: _Parsed, symbols: np.ndarray, count: int, width: int) -> n
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codings.positions import compiled
-
-    return compiled("_native_rans")
+    return compiled("dcr_format.codings._rans_kernels")
 
 
 STREAM_ERRORS: dict[int, str] = {
@@ -590,7 +588,6 @@ def _decode_reference(data: bytes | memoryview, *, count: int, width: int) -> np
 
 __all__ = [
     "MAX_TABLE",
-    "RANS",
     "Model",
     "choose_model",
     "decode_rans",

@@ -22,8 +22,8 @@ from types import ModuleType
 import numpy as np
 
 from dcr_format.errors import ValuesError
+from dcr_format.kernels.native import compiled
 
-ULP = "ulp"
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
@@ -54,9 +54,7 @@ def _unorder(ordered: np.ndarray, width: int) -> np.ndarray:
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codings.positions import compiled
-
-    return compiled("_native_ulp")
+    return compiled("dcr_format.codings._ulp_kernels")
 
 
 def to_ulp(old: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -126,4 +124,4 @@ def _from_ulp_reference(old: np.ndarray, z: np.ndarray) -> np.ndarray:
     return _unorder(ordered, width)
 
 
-__all__ = ["FLOAT_DTYPES", "ULP", "from_ulp", "to_ulp", "ulp_of_change"]
+__all__ = ["FLOAT_DTYPES", "from_ulp", "to_ulp", "ulp_of_change"]

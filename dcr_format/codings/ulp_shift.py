@@ -14,7 +14,7 @@ first, packed from bit 0 of the first byte on (exactly ``ceil(sum(s_k) / 8)`` by
 padding bits 0).
 
 This module holds both ends (:func:`split`, :func:`join`: one compiled loop each, in
-:mod:`dcr_format.codings._native_ulp`, with their numpy references here, which the tests
+:mod:`dcr_format.codings._ulp_kernels`, with their numpy references here, which the tests
 compare them with) and the writer's choice of ``e0`` (:func:`choose_origin`).
 """
 
@@ -29,8 +29,8 @@ import numpy as np
 from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.codings.rans import length_bytes, read_length
 from dcr_format.errors import ValuesError
+from dcr_format.kernels.native import compiled
 
-ULP_SHIFT = "ulp-shift"
 _HEADER = struct.Struct("<H")
 _KINDS: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -49,9 +49,7 @@ def exponents_of(old: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def _native() -> ModuleType | None:
-    from dcr_format.codings.positions import compiled
-
-    return compiled("_native_ulp")
+    return compiled("dcr_format.codings._ulp_kernels")
 
 
 def choose_origin(old: np.ndarray, z: np.ndarray, dtype: str) -> int | None:
@@ -227,7 +225,6 @@ def assemble(origin: int, coded: bytes, low: bytes) -> bytes:
 
 
 __all__ = [
-    "ULP_SHIFT",
     "ShiftStream",
     "assemble",
     "choose_origin",

@@ -24,15 +24,17 @@ import zstandard
 
 from dcr_format.codings import rans, ulp_shift
 from dcr_format.codings.planes import from_planes, to_planes
-from dcr_format.codings.ulp import ULP
-from dcr_format.codings.ulp_shift import ULP_SHIFT
 from dcr_format.errors import ArgumentError, ValuesError
 from dcr_format.format import features
-from dcr_format.format.names import UNSIGNED_NP
+from dcr_format.format.names import (
+    PLANES,
+    RANS,
+    ULP,
+    ULP_SHIFT,
+    UNSIGNED_NP,
+    VALUE_CODINGS,
+)
 
-PLANES = "planes"
-RANS = rans.RANS
-VALUE_CODINGS = (PLANES, RANS)
 _ESTIMATE_LEVEL = 1  # zstd level of the planes estimate a rans stream is compared with
 
 

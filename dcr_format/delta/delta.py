@@ -30,7 +30,6 @@ import torch
 import zstandard
 
 from dcr_format.codings.classed import (
-    CLASSED,
     EXPONENT_FIELDS,
     ClassedStream,
     choose_classes,
@@ -46,8 +45,8 @@ from dcr_format.codings.classed import (
 )
 from dcr_format.codings.positions import PositionsChoice, plain_size_floor
 from dcr_format.codings.rans import decode_rans
-from dcr_format.codings.ulp import FLOAT_DTYPES, ULP, from_ulp, to_ulp, ulp_of_change
-from dcr_format.codings.ulp_shift import ULP_SHIFT, join, parse
+from dcr_format.codings.ulp import FLOAT_DTYPES, from_ulp, to_ulp, ulp_of_change
+from dcr_format.codings.ulp_shift import join, parse
 from dcr_format.codings.values import decode_values, encode_values, encode_xor_values
 from dcr_format.delta import dispatch
 from dcr_format.delta.positions import decode_positions_to
@@ -61,7 +60,7 @@ from dcr_format.format.dtypes import (
     info_for,
     numpy_to_bits,
 )
-from dcr_format.format.names import FULL, OPS, OVERWRITE, XOR
+from dcr_format.format.names import CLASSED, FULL, OPS, OVERWRITE, ULP, ULP_SHIFT, XOR
 from dcr_format.kernels.reference import Diff
 
 # Above this change rate the encoder also tries ``full`` and keeps the smaller.

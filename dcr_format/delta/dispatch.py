@@ -13,14 +13,14 @@ Rules (``DCR_KERNELS``, read at every call):
   ``TRITON_INTERPRET=1`` itself, before anything imports Triton.
 
 CPU tensors under ``auto`` (where :func:`backend_for` says ``torch``) go through the
-compiled numba loops of :mod:`dcr_format.codings._native` when numba imports: one fused
+compiled numba loops of :mod:`dcr_format.kernels.numba_kernels` when numba imports: one fused
 compare-and-compact pass for :func:`diff` (per block, in parallel: count the differing
 elements and note their in-block indices; a prefix sum; then per block gather the
 noted elements only) and one pass over the changed positions for :func:`scatter`.
 ``DCR_KERNELS=torch`` forces the torch reference (:mod:`dcr_format.kernels.reference`),
 which the compiled loops match bit for bit; ``DCR_KERNELS=triton`` keeps Triton (its
 interpreter on CPU tensors). The same ``torch`` setting turns off the compiled Rice
-coding and fingerprint loops (:func:`dcr_format.codings.positions.native_kernels`).
+coding and fingerprint loops (:func:`dcr_format.kernels.native.native_kernels`).
 
 :func:`diff_with_lanes` and :func:`apply_with_lanes` also return the fingerprint lane
 deltas of the change (``sum (g(new) - g(old)) * r`` per lane, see
@@ -144,7 +144,7 @@ def _compiled_for(tensors: tuple[torch.Tensor, ...]) -> ModuleType | None:
     for tensor in tensors:
         if tensor.device.type != "cpu" or tensor.dtype not in _NATIVE_DTYPES:
             return None
-    from dcr_format.codings.positions import compiled_kernels
+    from dcr_format.kernels.native import compiled_kernels
 
     return compiled_kernels()
 

@@ -26,7 +26,7 @@ Evaluation: elements go in rows of 2^16; per row the device sums ``g`` and
 ``g*col`` (both exact in int64), and ``sum g*r`` is recombined from them modulo
 ``p``. For 1- and 2-byte dtypes ``g`` comes from a 65536-entry table per lane.
 
-CPU tensors go through compiled loops (:mod:`dcr_format.codings._native`, numba: one
+CPU tensors go through compiled loops (:mod:`dcr_format.kernels.numba_kernels`, numba: one
 parallel pass of per-row uint64 sums, reduced before they can overflow) when numba
 imports and ``DCR_KERNELS`` is not ``torch``; the torch code here is the reference
 they match exactly. Lane deltas of a change (``sum (g(new) - g(old)) * r``, from
@@ -44,8 +44,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from dcr_format.codings.positions import native_kernels
 from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
+from dcr_format.kernels.native import native_kernels
 
 __all__ = [
     "LANE_PRIMES",

@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dcr_format.codings.positions import compiled
 from dcr_format.codings.ulp import FLOAT_DTYPES
 from dcr_format.delta.dispatch import PendingDiff, diff_with_lanes
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import BASELINE_CODINGS, allowed
+from dcr_format.kernels.native import compiled
 from dcr_format.kernels.reference import OVERWRITE, Diff
 from dcr_format.system.pools import kept_pool
 
@@ -248,7 +248,7 @@ _AHEAD = 2  # tensors queued per thread, so that a thread never waits for the ne
 def _pool(threads: int) -> ThreadPoolExecutor:
     """The process's coding pool of ``threads`` threads, kept for its life (a forked child
     makes its own): each thread keeps the diff's scratch pages between steps
-    (:mod:`dcr_format.codings._native`)."""
+    (:mod:`dcr_format.kernels.numba_kernels`)."""
     return kept_pool("dcr-code", threads)
 
 

@@ -21,14 +21,13 @@ import numpy as np
 import torch
 
 from dcr_format.codings.positions import (
-    RANGES,
-    RICE,
     decode_positions,
     ranges_runs,
     rice_gaps,
 )
 from dcr_format.delta import dispatch
 from dcr_format.errors import PositionsError
+from dcr_format.format.names import RANGES, RICE
 
 
 def _narrow(gaps: np.ndarray) -> np.ndarray:

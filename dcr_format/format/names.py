@@ -1,6 +1,7 @@
-"""The format's names that stored objects carry (dtypes, change ops) and the unsigned numpy
-views of each element width: what the schema validates and the host-side stream codecs use,
-importable without torch (the ``dcr`` commands that only read records start faster)."""
+"""The format's names that stored objects carry (dtypes, change ops, stream codings) and the
+unsigned numpy views of each element width: what the schema validates and the host-side
+stream codecs use, importable without torch (the ``dcr`` commands that only read records
+start faster)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,20 @@ OVERWRITE = "overwrite"
 FULL = "full"
 OPS = (XOR, OVERWRITE, FULL)
 """How an entry changes its tensor (FORMAT.md §4)."""
+
+RICE = "rice"
+RANGES = "ranges"
+CLASSED = "classed"
+POSITION_CODINGS = (RICE, RANGES)
+"""The position codings every reader has (FORMAT.md §6); ``classed`` needs its feature."""
+
+PLANES = "planes"
+RANS = "rans"
+VALUE_CODINGS = (PLANES, RANS)
+"""The value codings of a stream coded alone (FORMAT.md §7); ``rans`` needs its feature."""
+ULP = "ulp"
+ULP_SHIFT = "ulp-shift"
+"""The value codings decoded against the old bits (FORMAT.md §7)."""
 
 UNSIGNED_NP: dict[int, np.dtype[Any]] = {
     1: np.dtype("<u1"),

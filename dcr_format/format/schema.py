@@ -32,11 +32,6 @@ from pydantic import (
     model_validator,
 )
 
-from dcr_format.codings.classed import CLASSED
-from dcr_format.codings.positions import POSITION_CODINGS
-from dcr_format.codings.ulp import ULP
-from dcr_format.codings.ulp_shift import ULP_SHIFT
-from dcr_format.codings.values import VALUE_CODINGS
 from dcr_format.errors import (
     ArgumentError,
     ReservedNameError,
@@ -54,7 +49,15 @@ from dcr_format.format.features import (
     VALUES_ULP_SHIFT_FEATURE,
 )
 from dcr_format.format.jsonscan import scan
-from dcr_format.format.names import DTYPE_NAMES, OPS
+from dcr_format.format.names import (
+    CLASSED,
+    DTYPE_NAMES,
+    OPS,
+    POSITION_CODINGS,
+    ULP,
+    ULP_SHIFT,
+    VALUE_CODINGS,
+)
 
 FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1

@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping
 
 import zstandard
 
-from dcr_format.codings.classed import CLASSED, classed_bound
 from dcr_format.errors import ShardError
 from dcr_format.format.jsonscan import scan
 
@@ -36,8 +35,6 @@ MAX_UNREFERENCED_BYTES = 1 << 20
 (FORMAT.md §4.3 rule 4), their header members, and further ``__metadata__`` members."""
 HEADER_BASE_BYTES = 64  # the 8-byte length, ``{"__metadata__":{"format":"dcr-shard-1"}}``, padding
 HEADER_MEMBER_BYTES = 112  # one stream's member, its key aside (three 20-digit integers)
-_RICE_HEADER_BYTES = 17  # k, count, unary length (FORMAT.md §6.2)
-_RANGES_HEADER_BYTES = 10  # gap width, length width, run count (FORMAT.md §6.3)
 _HEADER_DEPTH = 3  # header object, stream member, shape / data_offsets array
 _LEN = struct.Struct("<Q")
 
@@ -165,24 +162,6 @@ def unpack_streams(blob: bytes | memoryview) -> dict[str, memoryview]:
     data = buf[_LEN.size + header_len :]
     spans = _parse_header(bytes(buf[_LEN.size : _LEN.size + header_len]), len(data))
     return {key: data[begin:end] for begin, end, key in spans}
-
-
-def positions_bound(coding: str, changed: int, numel: int) -> int:
-    """The most bytes a positions stream of ``changed`` of ``numel`` positions can hold and
-    still decode (FORMAT.md §6): ``ranges`` at most 16 bytes a run and a run per position;
-    ``rice`` at most ``max(numel, 63 * changed + 1)`` bits over any k (its unary bits sum the
-    gaps, which a valid stream keeps under ``numel``), plus its header; ``classed``
-    :func:`~dcr_format.codings.classed.classed_bound`."""
-    ranges = _RANGES_HEADER_BYTES + 16 * changed
-    rice = _RICE_HEADER_BYTES + (max(numel, 63 * changed + 1) + 7) // 8 + 2
-    if coding == "ranges":
-        return ranges
-    if coding == "rice":
-        return rice
-    classed = classed_bound(changed, numel)
-    if coding == CLASSED:
-        return classed
-    return max(ranges, rice, classed)  # a coding the schema does not know is refused later
 
 
 def header_allowance(keys: Iterable[str]) -> int:

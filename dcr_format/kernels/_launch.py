@@ -1,20 +1,23 @@
-"""How the compiled kernels run: a parallel kernel or its serial twin.
+"""How the compiled kernels run: a parallel kernel or its serial form.
 
-Private, imported by the compiled kernel modules only. Each parallel kernel has a serial
-twin over the same tasks (one body, two loops), and :func:`_launch` runs the twin for
-one task (no parallel region to start: ~3 us under OpenMP, ~0.2 ms under ``workqueue``
-on a 2-core VM) and in any process forked after this one launched a parallel kernel
-under OpenMP: GNU OpenMP is not fork-safe, and numba terminates such a child at its
-first parallel kernel (a trainer's or a reader's ``multiprocessing`` workers would die).
-``workqueue`` aborts the process when two threads launch parallel kernels at once, so
-every launch holds one process-wide lock.
+Private, imported by the compiled kernel modules only. A kernel is one Python body whose
+loop over its tasks is a ``prange``; :func:`parallel_kernel` compiles it twice, a parallel
+form and a serial one over the same tasks (``prange`` runs as ``range``), and
+:func:`_launch` runs the serial form for one task (no parallel region to start: ~3 us
+under OpenMP, ~0.2 ms under ``workqueue`` on a 2-core VM) and in any process forked after
+this one launched a parallel kernel under OpenMP: GNU OpenMP is not fork-safe, and numba
+terminates such a child at its first parallel kernel (a trainer's or a reader's
+``multiprocessing`` workers would die). ``workqueue`` aborts the process when two threads
+launch parallel kernels at once, so every launch holds one process-wide lock.
 
-The twins are compiled by :func:`serial_twin`: through numba's parallel pipeline with
-every transformation into parallel loops turned off, so they start no parallel region
-(in a forked child either), yet get what that pipeline's passes do to a task's inlined
-body. A plain ``njit`` twin ran the same tasks 1.3-1.8x slower than its parallel kernel
-on one thread (the fused diff of 2.9M elements at 1%: 1.10 against 0.61 ms; the writer's
-rank pass over 128M elements: 64 against 41 ms); compiled so, 0.61 and 48 ms.
+The serial form is compiled through numba's parallel pipeline with every transformation
+into parallel loops turned off, so it starts no parallel region (in a forked child
+either), yet gets what that pipeline's passes do to a task's inlined body. A plain
+``njit`` serial form ran the same tasks 1.3-1.8x slower than the parallel kernel on one
+thread (the fused diff of 2.9M elements at 1%: 1.10 against 0.61 ms; the writer's rank
+pass over 128M elements: 64 against 41 ms); compiled so, 0.61 and 48 ms. numba offers no
+public switch for that pipeline, so this module builds it from numba's compiler classes
+(the numba versions ``pyproject.toml`` allows are the ones it is tested with).
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 from numba.core.compiler import CompilerBase, DefaultPassBuilder
@@ -65,7 +69,7 @@ if hasattr(os, "register_at_fork"):
 
 # numba's parallel pipeline with none of its transformations into parallel loops (an
 # options object: numba empties a dict of options as it reads it, so a dict shared by
-# several twins would leave the later ones every transformation)
+# several serial forms would leave the later ones every transformation)
 _NO_PARALLEL_LOOPS = ParallelOptions(  # type: ignore[no-untyped-call]
     {
         "comprehension": False,
@@ -82,9 +86,9 @@ _NO_PARALLEL_LOOPS = ParallelOptions(  # type: ignore[no-untyped-call]
 
 @register_pass(mutates_CFG=True, analysis_only=False)  # type: ignore[no-untyped-call]
 class _QuietParforPass(ParforPass):
-    """numba's parfor pass without its warning that it made no parallel loop (a twin makes
-    none by design; the test suite turns warnings into errors), and refusing to compile a
-    twin where one appeared after all."""
+    """numba's parfor pass without its warning that it made no parallel loop (a serial form
+    makes none by design; the test suite turns warnings into errors), and refusing to compile
+    a serial form where one appeared after all."""
 
     _name = "dcr_quiet_parfor_pass"
 
@@ -94,11 +98,11 @@ class _QuietParforPass(ParforPass):
             done = bool(super().run_pass(state))  # type: ignore[no-untyped-call]
         for block in state.func_ir.blocks.values():
             if any(isinstance(statement, Parfor) for statement in block.body):
-                raise RuntimeError(f"serial twin {state.func_id.func_name} has a parallel loop")
+                raise RuntimeError(f"serial kernel {state.func_id.func_name} has a parallel loop")
         return done
 
 
-class _TwinCompiler(CompilerBase):
+class _SerialCompiler(CompilerBase):
     """numba's nopython pipeline, with :class:`_QuietParforPass` for the parfor pass."""
 
     def define_pipelines(self) -> list[PassManager]:
@@ -111,16 +115,38 @@ class _TwinCompiler(CompilerBase):
         return [pm]
 
 
-def serial_twin(function: Callable[..., Any]) -> Any:
-    """The serial twin of a parallel kernel (``njit(cache=True, nogil=True)`` otherwise),
-    compiled as the module docstring says."""
-    return _NUMBA.njit(  # numba's stubs type ``parallel`` as a bool only
-        cache=True, nogil=True, parallel=_NO_PARALLEL_LOOPS, pipeline_class=_TwinCompiler
-    )(function)
+class Kernel(NamedTuple):
+    """A kernel's two compiled forms (numba dispatchers) from one body."""
+
+    parallel: Any
+    serial: Any
+
+
+def parallel_kernel(function: Callable[..., Any]) -> Kernel:
+    """``function``, whose loop over its tasks is a ``prange``, compiled twice: with
+    ``njit(cache=True, nogil=True, parallel=True)``, and serially as the module docstring
+    says. The serial form is a copy of the function under its own name (``<name>_serial``):
+    numba's on-disk cache files a function's machine code by its name, not by how it was
+    compiled, so the two forms must not share one."""
+    serial = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        f"{function.__name__}_serial",
+        function.__defaults__,
+        function.__closure__,
+    )
+    serial.__qualname__ = f"{function.__qualname__}_serial"
+    serial.__doc__ = function.__doc__
+    return Kernel(
+        parallel=_NUMBA.njit(cache=True, nogil=True, parallel=True)(function),
+        serial=_NUMBA.njit(  # numba's stubs type ``parallel`` as a bool only
+            cache=True, nogil=True, parallel=_NO_PARALLEL_LOOPS, pipeline_class=_SerialCompiler
+        )(serial),
+    )
 
 
 class _Serial(threading.local):
-    """Whether this thread runs the serial twins only (:func:`serial_kernels`)."""
+    """Whether this thread runs the serial forms only (:func:`serial_kernels`)."""
 
     on = False
 
@@ -130,7 +156,7 @@ _SERIAL = _Serial()
 
 @contextlib.contextmanager
 def serial_kernels(on: bool = True) -> Iterator[None]:
-    """Within the block, kernels launched from this thread run their serial twins (``on``),
+    """Within the block, kernels launched from this thread run their serial forms (``on``),
     as a pool that already fills every core wants (:mod:`dcr_format.delta.pipeline`)."""
     before, _SERIAL.on = _SERIAL.on, on
     try:
@@ -144,16 +170,17 @@ def kernel_threads() -> int:
     return int(_NUMBA.get_num_threads())
 
 
-def _launch(parallel: Any, serial: Any, tasks: int, *args: Any) -> None:
-    """Run a kernel over ``tasks`` tasks: with its ``serial`` twin for one task, where
-    parallel kernels are off, or in a :func:`serial_kernels` block; else with ``parallel``
-    under the process-wide launch lock."""
-    if tasks == 1 or (tasks and (_Launches.serial_only or _SERIAL.on)):
-        serial(*args)
+def _launch(kernel: Kernel, tasks: int, *args: Any, serial: bool = False) -> None:
+    """Run ``kernel`` over ``tasks`` tasks: its serial form for one task, where ``serial``
+    asks for it (a caller whose threads already fill the cores), where parallel kernels are
+    off, or in a :func:`serial_kernels` block; else its parallel form under the
+    process-wide launch lock."""
+    if tasks == 1 or (tasks and (serial or _Launches.serial_only or _SERIAL.on)):
+        kernel.serial(*args)
     elif tasks:
         with _LOCK:
             _Launches.launched = True
-            parallel(*args)
+            kernel.parallel(*args)
 
 
-__all__ = ["_Launches", "_launch", "kernel_threads", "serial_kernels", "serial_twin"]
+__all__ = ["Kernel", "_Launches", "_launch", "kernel_threads", "parallel_kernel", "serial_kernels"]

@@ -9,7 +9,7 @@ defines them, not the target.
 - :func:`class_masks`: the members of each of up to 16 exponent classes among 64
   consecutive elements, a word per class: the block's classes are computed at once and
   narrowed to bytes, then each class is one byte compare of the whole block (the class
-  passes of :mod:`dcr_format.codings._native_classes`).
+  passes of :mod:`dcr_format.codings._classed_kernels`).
 - :func:`popcount`: the set bits of a word (LLVM's ``ctpop``).
 - :func:`deposit_select`: the index of the ``k``-th set bit of a word, as one bit deposit
   (BMI2's ``pdep``) and a count of trailing zeros; :func:`deposit`, the deposit itself.
@@ -17,7 +17,7 @@ defines them, not the target.
   portable select.
 - :func:`mul_high`: the upper 64 bits of the 128-bit product of two uint64 (one
   ``mul``/``mulx`` on x86-64, ``umulh`` on arm64), which turns a division by a number
-  known ahead into a multiply (:mod:`dcr_format.codings._native_rans`).
+  known ahead into a multiply (:mod:`dcr_format.codings._rans_kernels`).
 - :func:`load_be64`: eight bytes from any offset of a byte array as one big-endian word
   (a single unaligned load, byte-swapped on little-endian hosts), so that bit readers
   take a whole field at once instead of byte by byte.

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dcr_format.codings.positions import compiled, serial_kernels
 from dcr_format.delta.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
 from dcr_format.errors import (
@@ -38,6 +37,7 @@ from dcr_format.errors import (
 from dcr_format.format.budget import DecodeBudget
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import Entry
+from dcr_format.kernels.native import compiled, serial_kernels
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._fetch import Early, FetchedStep, fetch_step
 from dcr_format.sync._plan import SyncPlan

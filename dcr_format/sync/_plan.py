@@ -29,6 +29,7 @@ from dcr_format.chain.chain import (
     table_fingerprint,
     tensor_changes,
 )
+from dcr_format.codings.registry import positions_bound
 from dcr_format.errors import (
     ChainBrokenError,
     DcrError,
@@ -42,7 +43,7 @@ from dcr_format.format.budget import decoded_bytes
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.features import CODING_FEATURES
 from dcr_format.format.schema import Entry, Manifest
-from dcr_format.format.shard import positions_bound, shard_decoded_bound
+from dcr_format.format.shard import shard_decoded_bound
 
 if TYPE_CHECKING:
     from dcr_format.targets.change import Resident
@@ -430,7 +431,7 @@ def _check_continuity(
 def stream_limits(manifest: Manifest) -> dict[int, dict[str, int]]:
     """For each shard index of ``manifest``: every stream key its entries name, and the most
     bytes that stream can hold (values exactly ``changed * width``; positions
-    :func:`~dcr_format.format.shard.positions_bound`). Feed ``limits=stream_limits(m)[index]``
+    :func:`~dcr_format.codings.registry.positions_bound`). Feed ``limits=stream_limits(m)[index]``
     to :func:`~dcr_format.format.shard.decode_shard`.
 
     Every entry counts, wanted or not: the shard holds them all. A key named twice (a

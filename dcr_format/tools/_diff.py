@@ -32,12 +32,10 @@ from typing import Literal
 import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
-from dcr_format.codings.classed import CLASSED
-from dcr_format.codings.ulp import ULP
-from dcr_format.codings.ulp_shift import ULP_SHIFT
 from dcr_format.delta.delta import FULL, XOR, DecodedDelta
 from dcr_format.errors import VersionNotFoundError
 from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.names import CLASSED, ULP, ULP_SHIFT
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.format.shard import decode_shard
 from dcr_format.store.store import Store, open_store

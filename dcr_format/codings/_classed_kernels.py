@@ -1,11 +1,11 @@
 """Compiled (numba) kernels of the ``classed`` position coding (:mod:`dcr_format.codings.classed`).
 
-Private, imported on first use like :mod:`dcr_format.codings._native` (numba missing or
+Private, imported on first use (:func:`dcr_format.kernels.native.compiled`; numba missing or
 ``DCR_KERNELS=torch``: the numpy reference in :mod:`~dcr_format.codings.classed` runs); they
 reproduce the reference exactly (``tests/test_codec_classed.py``).
 
 Both ends make two passes over the tensor's old bits (the first only where its rows are
-not kept), in tasks of :data:`~dcr_format.codings._native.TASK` elements that run in
+not kept), in tasks of :data:`~dcr_format.kernels.numba_kernels.TASK` elements that run in
 parallel (through :func:`~dcr_format.kernels._launch._launch`, with serial twins):
 
 1. :func:`histograms`: each task's histogram of the exponent field (four interleaved
@@ -38,21 +38,10 @@ there are their XOR).
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
-import numba
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.codings._native import (
-    TASK,
-    _rice_decode,
-    _rice_encode,
-    tasks_of,
-)
-from dcr_format.codings._native_rans import _put_varint, _varint_len
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import (
     CLASSES,
     TRAILING_ZEROS,
@@ -63,6 +52,7 @@ from dcr_format.kernels._native_bits import (
     has_deposit,
     popcount,
 )
+from dcr_format.kernels.numba_kernels import TASK, tasks_of
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
@@ -106,15 +96,9 @@ def _histogram_task(t, bits, shift, mask, out):  # type: ignore[no-untyped-def]
         )
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _histograms(bits, shift, mask, out):  # type: ignore[no-untyped-def]
     for t in prange(out.shape[0]):
-        _histogram_task(t, bits, shift, mask, out)
-
-
-@serial_twin
-def _histograms_serial(bits, shift, mask, out):  # type: ignore[no-untyped-def]
-    for t in range(out.shape[0]):
         _histogram_task(t, bits, shift, mask, out)
 
 
@@ -150,7 +134,7 @@ def histograms(
     positions where ``xor`` is not empty). ``after``: ``bits`` at the positions, where the
     caller has them in order (the writer's diff can write them)."""
     out = np.zeros((tasks_of(bits.shape[0]), mask + 1), dtype=np.int64)
-    _launch(_histograms, _histograms_serial, out.shape[0], bits, shift, mask, out)
+    _launch(_histograms, out.shape[0], bits, shift, mask, out)
     changed = np.zeros(mask + 1, dtype=np.int64)
     given = (
         bits[:0] if after is None else np.ascontiguousarray(after).astype(bits.dtype, copy=False)
@@ -490,33 +474,11 @@ def _ranks_task(  # type: ignore[no-untyped-def]
     adjacent[t] = touching
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _ranks(  # type: ignore[no-untyped-def]
     bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
 ):
     for t in prange(bounds.shape[0] - 1):
-        _ranks_task(
-            t,
-            bits,
-            positions,
-            classes,
-            moved,
-            shift,
-            mask,
-            base,
-            count,
-            before,
-            bounds,
-            ranks,
-            adjacent,
-        )
-
-
-@serial_twin
-def _ranks_serial(  # type: ignore[no-untyped-def]
-    bits, positions, classes, moved, shift, mask, base, count, before, bounds, ranks, adjacent
-):
-    for t in range(bounds.shape[0] - 1):
         _ranks_task(
             t,
             bits,
@@ -564,7 +526,7 @@ def class_ranks(
     ranks = np.empty(positions.size, dtype=np.int64)
     adjacent = np.zeros(tasks, dtype=np.int64)
     args = (bits, positions, classes, moved, shift, mask, low, count, starts, bounds)
-    _launch(_ranks, _ranks_serial, tasks, *args, ranks, adjacent)
+    _launch(_ranks, tasks, *args, ranks, adjacent)
     return classes, ranks, int(adjacent.sum())
 
 
@@ -642,21 +604,11 @@ def _positions_task(  # type: ignore[no-untyped-def]
     done[t] = o - offsets[t]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _positions(  # type: ignore[no-untyped-def]
     bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
 ):
     for t in prange(offsets.shape[0] - 1):
-        _positions_task(
-            t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
-        )
-
-
-@serial_twin
-def _positions_serial(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
-):
-    for t in range(offsets.shape[0] - 1):
         _positions_task(
             t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, kept
         )
@@ -700,9 +652,9 @@ def positions_of_ranks(
     fields = (bits, shift, mask, _low_base(base, mask), count, starts, ranks, cursor)
     if dense and _DEPOSIT:
         plan = (offsets, out, done, kept)
-        _launch(_dense_positions, _dense_positions_serial, tasks, *fields, *plan)
+        _launch(_dense_positions, tasks, *fields, *plan)
     else:
-        _launch(_positions, _positions_serial, tasks, *fields, first[1:], offsets, out, done, kept)
+        _launch(_positions, tasks, *fields, first[1:], offsets, out, done, kept)
     return out if _found_all(done, offsets) else None
 
 
@@ -790,21 +742,11 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
     done[t] = o - offsets[t]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _dense_positions(  # type: ignore[no-untyped-def]
     bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
 ):
     for t in prange(offsets.shape[0] - 1):
-        _dense_positions_task(
-            t, bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
-        )
-
-
-@serial_twin
-def _dense_positions_serial(  # type: ignore[no-untyped-def]
-    bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
-):
-    for t in range(offsets.shape[0] - 1):
         _dense_positions_task(
             t, bits, shift, mask, base, count, starts, ranks, plan, offsets, out, done, old_at
         )
@@ -834,417 +776,3 @@ def _found_all(done, offsets):  # type: ignore[no-untyped-def]
         if done[t] != offsets[t + 1] - offsets[t]:
             return False
     return True
-
-
-# --- the classes' Rice parts: on one thread, or a few ------------------------------------
-
-_PARALLEL_RANKS = 1 << 16  # changes below which a tensor's classes are coded in this thread
-
-
-def _class_tasks(counts: np.ndarray) -> tuple[int, np.ndarray]:
-    """How many threads code the classes of a stream whose classes have ``counts`` ranks,
-    and each class's task (:func:`_owners`): one task below :data:`_PARALLEL_RANKS` (a
-    parallel launch costs more than it saves), else one per thread numba runs, at most one
-    per class with ranks."""
-    tasks = 1
-    if int(counts.sum()) >= _PARALLEL_RANKS:
-        tasks = max(1, min(int(np.count_nonzero(counts)), numba.get_num_threads()))
-    if tasks == 1:
-        return 1, np.zeros(counts.size, dtype=np.int64)
-    return tasks, _owners(counts, tasks)
-
-
-@njit(cache=True, nogil=True)
-def _owners(counts, tasks):  # type: ignore[no-untyped-def]
-    """Each part's task: the largest parts first, each to the task with the least ranks so
-    far (classes differ in size, so parts split by index would leave a core idle)."""
-    owner = np.zeros(counts.size, dtype=np.int64)
-    load = np.zeros(tasks, dtype=np.int64)
-    for j in np.argsort(-counts, kind="mergesort"):
-        t = np.argmin(load)
-        owner[j] = t
-        load[t] += counts[j]
-    return owner
-
-
-# --- every class's Rice part in a few calls ----------------------------------------------
-# (a tensor has up to 16 classes; one compiled call per class, with its checks and arrays,
-# cost ~40 us each: 0.15 s of a 254-tensor publish). Classes are coded and decoded
-# independently, so past _PARALLEL_RANKS changes each thread takes whole classes, the
-# largest first (balanced by their ranks, as class sizes differ).
-
-
-@njit(cache=True, inline="always")
-def _rice_plan(c, ranks, ends, guesses, max_k, ks, unary):  # type: ignore[no-untyped-def]
-    """Class ``c``'s Rice parameter and unary byte length (FORMAT.md §6.2's choice, as
-    :class:`dcr_format.codings.positions._Plan` makes it): its ranks are
-    ``ranks[ends[c]:ends[c + 1]]``, its k searched in ``[guess - 2, guess + 3]``."""
-    n = ends[c + 1] - ends[c]
-    if n == 0:
-        return
-    low = max(0, guesses[c] - 2)
-    high = min(max_k, guesses[c] + 3)
-    # sum(gap >> (low + j)) for j in 0..5 in registers (a loop over j into an array
-    # was 3.3 ns a rank); those past ``high`` are not looked at
-    s0 = s1 = s2 = s3 = s4 = s5 = 0
-    prev = -1
-    for i in range(ends[c], ends[c + 1]):
-        g = (ranks[i] - prev - 1) >> low
-        prev = ranks[i]
-        s0 += g
-        s1 += g >> 1
-        s2 += g >> 2
-        s3 += g >> 3
-        s4 += g >> 4
-        s5 += g >> 5
-    sums = (s0, s1, s2, s3, s4, s5)
-    best, best_bits = low, s0 + n * (1 + low)
-    for k in range(low + 1, high + 1):
-        bits = sums[k - low] + n * (1 + k)
-        if bits < best_bits:
-            best, best_bits = k, bits
-    ks[c] = best
-    unary[c] = (sums[best - low] + n + 7) // 8
-
-
-@njit(cache=True, inline="always")
-def _class_part(c, ranks, ends, ks, unary, at, out):  # type: ignore[no-untyped-def]
-    """Class ``c``'s part of a ``classed`` stream (its ``k``, varint ``U`` and Rice body)
-    into ``out`` from ``at[c]`` (``out`` zeroed there)."""
-    n = ends[c + 1] - ends[c]
-    if n == 0:
-        return
-    here = at[c]
-    out[here] = np.uint8(ks[c])
-    here = _put_varint(out, here + 1, np.uint64(unary[c]))
-    body = unary[c] + (n * ks[c] + 7) // 8
-    _rice_encode(ranks[ends[c] : ends[c + 1]], ks[c], unary[c], out[here : here + body])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _plans(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
-    for t in prange(owner.max() + 1):
-        for c in range(owner.size):
-            if owner[c] == t:
-                _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
-
-
-@serial_twin
-def _plans_serial(ranks, ends, guesses, max_k, owner, ks, unary):  # type: ignore[no-untyped-def]
-    for c in range(owner.size):
-        _rice_plan(c, ranks, ends, guesses, max_k, ks, unary)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _parts(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
-    for t in prange(owner.max() + 1):
-        for c in range(owner.size):
-            if owner[c] == t:
-                _class_part(c, ranks, ends, ks, unary, at, out)
-
-
-@serial_twin
-def _parts_serial(ranks, ends, ks, unary, owner, at, out):  # type: ignore[no-untyped-def]
-    for c in range(owner.size):
-        _class_part(c, ranks, ends, ks, unary, at, out)
-
-
-@njit(cache=True, inline="always")
-def _tally_chunk(t, classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
-    """Chunk ``t``'s counts, kept in the task's own arrays until the end (rows of one
-    small array written by two threads share cache lines)."""
-    count = counts.shape[1]
-    mine = np.zeros(count, dtype=np.int64)
-    latest = np.full(count, -1, dtype=np.int64)
-    for j in range(bounds[t], bounds[t + 1]):
-        c = classes[j]
-        mine[c] += 1
-        latest[c] = ranks[j]
-    counts[t] = mine
-    last[t] = latest
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _tallies(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
-    for t in prange(counts.shape[0]):
-        _tally_chunk(t, classes, ranks, bounds, counts, last)
-
-
-@serial_twin
-def _tallies_serial(classes, ranks, bounds, counts, last):  # type: ignore[no-untyped-def]
-    for t in range(counts.shape[0]):
-        _tally_chunk(t, classes, ranks, bounds, counts, last)
-
-
-@njit(cache=True, inline="always")
-def _scatter_chunk(t, classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
-    at = cursor[t].copy()  # the task's own (see _tally_chunk)
-    for j in range(bounds[t], bounds[t + 1]):
-        c = classes[j]
-        out[at[c]] = ranks[j]
-        at[c] += 1
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _scatter(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
-    for t in prange(cursor.shape[0]):
-        _scatter_chunk(t, classes, ranks, bounds, cursor, out)
-
-
-@serial_twin
-def _scatter_serial(classes, ranks, bounds, cursor, out):  # type: ignore[no-untyped-def]
-    for t in range(cursor.shape[0]):
-        _scatter_chunk(t, classes, ranks, bounds, cursor, out)
-
-
-class Tallies(NamedTuple):
-    """What :func:`class_tallies` counts of the changes' classes, in position order."""
-
-    sizes: np.ndarray  # the changes of each class
-    last: np.ndarray  # the rank of each class's last change (0 where it has none)
-    chunks: np.ndarray  # the changes' bounds of the chunks counted apart (chunks + 1)
-    counts: np.ndarray  # each chunk's changes of each class (chunks x classes)
-
-
-def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies:
-    """Per class, how many changes it has and the rank of its last one (its largest);
-    counted in chunks of the changes on several threads past :data:`_PARALLEL_RANKS`
-    changes, each chunk's counts kept for :func:`by_class`."""
-    n = classes.size
-    chunks = 1 if n < _PARALLEL_RANKS else max(1, numba.get_num_threads())
-    if chunks == 1:  # one compiled call (the numpy steps below cost more than the count)
-        return Tallies(*_tally_one(classes, ranks, count))
-    bounds = np.arange(chunks + 1, dtype=np.int64) * n // chunks
-    counts = np.zeros((chunks, count), dtype=np.int64)
-    last = np.full((chunks, count), -1, dtype=np.int64)
-    _launch(_tallies, _tallies_serial, chunks, classes, ranks, bounds, counts, last)
-    sizes = counts.sum(axis=0)
-    final = last.max(axis=0)  # ranks grow along each class: the last chunk's is the largest
-    return Tallies(sizes, np.maximum(final, 0), bounds, counts)
-
-
-@njit(cache=True, nogil=True)
-def _tally_one(classes, ranks, count):  # type: ignore[no-untyped-def]
-    """:func:`class_tallies` as one chunk."""
-    bounds = np.array([0, classes.size], dtype=np.int64)
-    counts = np.zeros((1, count), dtype=np.int64)
-    last = np.full((1, count), -1, dtype=np.int64)
-    _tally_chunk(0, classes, ranks, bounds, counts, last)
-    return counts[0].copy(), np.maximum(last[0], 0), bounds, counts
-
-
-@njit(cache=True, nogil=True)
-def _by_class_one(classes, ranks, sizes):  # type: ignore[no-untyped-def]
-    """:func:`by_class` of one chunk."""
-    cursor = np.zeros((1, sizes.size), dtype=np.int64)
-    for c in range(1, sizes.size):
-        cursor[0, c] = cursor[0, c - 1] + sizes[c - 1]
-    out = np.empty(ranks.size, dtype=np.int64)
-    bounds = np.array([0, classes.size], dtype=np.int64)
-    _scatter_chunk(0, classes, ranks, bounds, cursor, out)
-    return out
-
-
-def by_class(classes: np.ndarray, ranks: np.ndarray, tallies: Tallies) -> np.ndarray:
-    """The ranks grouped by class, each class's in their order (the scatter of a counting
-    sort, each chunk of :func:`class_tallies` from where its classes' ranks go)."""
-    if tallies.counts.shape[0] == 1:
-        return _by_class_one(classes, ranks, tallies.sizes)  # type: ignore[no-any-return]
-    ends = np.zeros(tallies.sizes.size + 1, dtype=np.int64)
-    np.cumsum(tallies.sizes, out=ends[1:])
-    cursor = np.cumsum(tallies.counts, axis=0) - tallies.counts + ends[None, :-1]
-    out = np.empty(ranks.size, dtype=np.int64)
-    args = (classes, ranks, tallies.chunks, cursor, out)
-    _launch(_scatter, _scatter_serial, cursor.shape[0], *args)
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _layout(sizes, ks, unary):  # type: ignore[no-untyped-def]
-    """A ``classed`` stream's bytes after its ``K`` and ``base``, zeroed, with the counts
-    written, and where each class's part starts in it."""
-    count = sizes.size
-    size = 0
-    for c in range(count):
-        size += _varint_len(np.uint64(sizes[c]))
-    at = np.zeros(count, dtype=np.int64)
-    for c in range(count):
-        at[c] = size
-        n = sizes[c]
-        if n:
-            size += 1 + _varint_len(np.uint64(unary[c])) + unary[c] + (n * ks[c] + 7) // 8
-    out = np.zeros(size, dtype=np.uint8)
-    here = 0
-    for c in range(count):
-        here = _put_varint(out, here, np.uint64(sizes[c]))
-    return out, at
-
-
-@njit(cache=True, nogil=True)
-def _body_one(classes, ranks, sizes, guesses, max_k):  # type: ignore[no-untyped-def]
-    """:func:`classed_body` in one compiled call, for the changes of one tally chunk."""
-    ends = np.zeros(sizes.size + 1, dtype=np.int64)
-    for c in range(sizes.size):
-        ends[c + 1] = ends[c] + sizes[c]
-    ordered = _by_class_one(classes, ranks, sizes)
-    owner = np.zeros(sizes.size, dtype=np.int64)
-    ks = np.zeros(sizes.size, dtype=np.int64)
-    unary = np.zeros(sizes.size, dtype=np.int64)
-    _plans_serial(ordered, ends, guesses, max_k, owner, ks, unary)
-    out, at = _layout(sizes, ks, unary)
-    _parts_serial(ordered, ends, ks, unary, owner, at, out)
-    return out
-
-
-_NEAR_POWER = 2.0**-40  # relative distance to a power of two under which a guess is unsure
-
-
-@njit(cache=True, nogil=True)
-def rice_guesses(sizes: np.ndarray, last: np.ndarray, out: np.ndarray) -> int:  # pragma: no cover
-    """Each class's Rice guess (:func:`dcr_format.codings.positions.rice_k_guesses`, from
-    its count and last rank) into ``out`` without a logarithm where that is exact: with
-    ``y = max(mean * 0.6931, 1) = m * 2^e`` (``m`` in ``[0.5, 1)``), ``floor(log2(y))`` is
-    ``e - 1`` unless ``y`` lies within ``2^-40`` (relative) of a power of two, where a
-    logarithm correct to within a few ulps may round to either side; those classes get -1
-    and are counted (the caller takes numpy's logarithm, the reference's, for them).
-    ``y = 1`` (a mean gap under 1.44) is 0 exactly."""
-    unsure = 0
-    for c in range(sizes.size):
-        n = sizes[c]
-        if n == 0:
-            out[c] = 0
-            continue
-        mean = np.float64(last[c] - (n - 1)) / np.float64(n)
-        y = max(mean * 0.6931, 1.0)
-        if y == 1.0:
-            out[c] = 0
-            continue
-        m, e = math.frexp(y)
-        if m < 0.5 + _NEAR_POWER or m > 1.0 - _NEAR_POWER:
-            out[c] = -1
-            unsure += 1
-        else:
-            out[c] = e - 1
-    return unsure
-
-
-def classed_body(
-    classes: np.ndarray, ranks: np.ndarray, tallies: Tallies, guesses: np.ndarray, max_k: int
-) -> np.ndarray:
-    """A ``classed`` stream after its ``K`` and ``base`` (FORMAT.md §6.5): the count of
-    every class, then each class's ``k``, varint ``U`` and Rice body, from the changes'
-    classes and ranks in position order (``tallies``: :func:`class_tallies` of them;
-    ``guesses``: each class's §6.2 guess of ``k``). The ranks are grouped by class
-    (:func:`by_class`); past :data:`_PARALLEL_RANKS` changes the classes' plans and parts
-    are then made on several threads, each class by one."""
-    sizes = tallies.sizes
-    if tallies.counts.shape[0] == 1 and classes.size < _PARALLEL_RANKS:
-        return _body_one(classes, ranks, sizes, guesses, max_k)  # type: ignore[no-any-return]
-    ends = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=ends[1:])
-    ordered = by_class(classes, ranks, tallies)
-    tasks, owner = _class_tasks(sizes)
-    ks = np.zeros(sizes.size, dtype=np.int64)
-    unary = np.zeros(sizes.size, dtype=np.int64)
-    _launch(_plans, _plans_serial, tasks, ordered, ends, guesses, max_k, owner, ks, unary)
-    out: np.ndarray
-    out, at = _layout(sizes, ks, unary)
-    _launch(_parts, _parts_serial, tasks, ordered, ends, ks, unary, owner, at, out)
-    return out
-
-
-@njit(cache=True, inline="always")
-def _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed):  # type: ignore[no-untyped-def]
-    """Decode Rice part ``j`` into ``out[at[j]:]``; ``failed[j]`` set where it breaks §6.2."""
-    n, k, u = counts[j], ks[j], unary[j]
-    if u * 8 < n:
-        failed[j] = 1
-        return
-    body = data[offsets[j] : offsets[j] + u + (n * k + 7) // 8]
-    none = np.empty(0, dtype=np.uint64)
-    if _rice_decode(body, u, n, k, sizes[j], out[at[j] : at[j] + n], none, True):
-        failed[j] = 1
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _rice_parts(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
-    for t in prange(owner.max() + 1):
-        for j in range(ks.size):
-            if owner[j] == t:
-                _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
-
-
-@serial_twin
-def _rice_parts_serial(data, ks, unary, offsets, counts, sizes, at, owner, out, failed):  # type: ignore[no-untyped-def]
-    for j in range(ks.size):
-        _rice_part(j, data, ks, unary, offsets, counts, sizes, at, out, failed)
-
-
-@njit(cache=True, nogil=True)
-def _part_ranks_one(data, parts, counts, sizes, out):  # type: ignore[no-untyped-def]
-    """:func:`part_ranks` in this thread, its columns taken from ``parts`` here."""
-    n = parts.shape[0]
-    ks = parts[:, 1].copy()
-    unary = parts[:, 2].copy()
-    offsets = parts[:, 3].copy()
-    want = np.empty(n, dtype=np.int64)
-    limits = np.empty(n, dtype=np.int64)
-    at = np.empty(n, dtype=np.int64)
-    total = 0
-    for j in range(n):
-        c = parts[j, 0]
-        want[j], limits[j], at[j] = counts[c], sizes[c], total
-        if want[j] > limits[j]:
-            return -2
-        total += want[j]
-    if total != out.size:
-        return -2
-    failed = np.zeros(n, dtype=np.uint8)
-    for j in range(n):
-        _rice_part(j, data, ks, unary, offsets, want, limits, at, out, failed)
-        if failed[j]:
-            return j
-    return -1
-
-
-def part_ranks(
-    data: np.ndarray, parts: np.ndarray, counts: np.ndarray, sizes: np.ndarray, out: np.ndarray
-) -> int:
-    """The ranks of every class with positions of a ``classed`` stream, class after class,
-    into ``out`` (as many as the counts add up to): ``parts`` holds a row ``(class, k, U,
-    offset)`` per class with positions, ``counts`` and ``sizes`` the positions and the
-    elements of every class. -1 when all decode; else -2 where a class codes more positions
-    than it has, or the first part that breaks §6.2 (the caller decodes again for the
-    error). Below :data:`_PARALLEL_RANKS` one compiled call; past it :func:`rice_ranks`."""
-    if out.size < _PARALLEL_RANKS:
-        return int(_part_ranks_one(data, parts, counts, sizes, out))
-    classes = parts[:, 0]
-    want, limits = counts[classes], sizes[classes]
-    if not bool((want <= limits).all()) or int(want.sum()) != out.size:
-        return -2
-    ks, unary, offsets = (np.ascontiguousarray(parts[:, i]) for i in (1, 2, 3))
-    return rice_ranks(data, ks, unary, offsets, want, limits, out)
-
-
-def rice_ranks(
-    data: np.ndarray,
-    ks: np.ndarray,
-    unary: np.ndarray,
-    offsets: np.ndarray,
-    counts: np.ndarray,
-    sizes: np.ndarray,
-    out: np.ndarray,
-) -> int:
-    """Decode the Rice part of every class with positions (part ``j``: ``counts[j]`` ranks
-    below ``sizes[j]``, body at ``offsets[j]``) into ``out``, one after the other; -1, or
-    the first part that breaks a rule of §6.2 (the caller decodes it again for the error).
-    The parts decode in parallel where there are enough ranks (each writes only its own
-    slice of ``out``)."""
-    at = np.zeros(ks.size, dtype=np.int64)
-    np.cumsum(counts[:-1], out=at[1:])
-    failed = np.zeros(ks.size, dtype=np.uint8)
-    tasks, owner = _class_tasks(counts)
-    args = (data, ks, unary, offsets, counts, sizes, at, owner, out, failed)
-    _launch(_rice_parts, _rice_parts_serial, tasks, *args)
-    bad = np.flatnonzero(failed)
-    return int(bad[0]) if bad.size else -1

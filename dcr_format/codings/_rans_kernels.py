@@ -1,6 +1,6 @@
 """Compiled (numba) rANS decoder of the ``rans`` value coding (:mod:`dcr_format.codings.rans`).
 
-Private, imported on first use like :mod:`dcr_format.codings._native`. It decodes exactly
+Private, imported on first use (:func:`dcr_format.kernels.native.compiled`). It decodes exactly
 what ``constriction``'s ``AnsCoder`` decodes (FORMAT.md §7.3: 64-bit state, 32-bit words,
 24-bit probabilities), with a lookup table of the ``2**Q`` quantiles instead of a search,
 so one symbol costs a few integer operations; two streams can decode in one loop

@@ -1,23 +1,25 @@
-"""Compiled (numba) CPU kernels: Rice coding, fingerprint lanes, fused diff and apply.
+"""Compiled (numba) CPU kernels of one tensor's change: fingerprint lanes, the fused diff
+and the fused apply (and the ``ulp`` step that apply and the ``ulp`` coding share).
 
-Private. Nothing imports this module eagerly: :func:`dcr_format.codings.positions.native_kernels`
+Private. Nothing imports this module eagerly: :func:`dcr_format.kernels.native.native_kernels`
 imports it on first use (and ``DCR_KERNELS=torch`` never does), so ``import dcr_format``
 works, and starts fast, without numba. Every kernel is compiled on its first call for
 the array types it sees and cached on disk (``cache=True``: next to this file, or in
 numba's user cache directory where that is read-only), so a new process loads
-machine code instead of recompiling.
+machine code instead of recompiling. The codings' own kernels live with their codings
+(:mod:`dcr_format.codings`, modules ``_<coding>_kernels``).
 
-The numpy/torch code in :mod:`dcr_format.codings.positions`, :mod:`dcr_format.delta.fingerprint`
-and :mod:`dcr_format.kernels.reference` stays the reference; these kernels reproduce it bit
-for bit (``tests/test_native.py``). Arithmetic is uint64 or int64 throughout (numba turns
-mixed signed/unsigned 64-bit arithmetic into float64, so every constant is typed), and
-every fingerprint sum is reduced before it can reach 2^64.
+The torch code in :mod:`dcr_format.delta.fingerprint` and :mod:`dcr_format.kernels.reference`
+stays the reference; these kernels reproduce it bit for bit (``tests/test_native.py``).
+Arithmetic is uint64 or int64 throughout (numba turns mixed signed/unsigned 64-bit
+arithmetic into float64, so every constant is typed), and every fingerprint sum is reduced
+before it can reach 2^64.
 
 Every kernel releases the GIL (``nogil``), so reader threads decode streams at the same
 time. numba picks its threading layer as usual (TBB, else OpenMP, else its own
-``workqueue``). Each parallel kernel has a serial twin over the same tasks (one body,
-two loops), and :func:`~dcr_format.kernels._launch._launch` chooses between them (see
-:mod:`dcr_format.kernels._launch`).
+``workqueue``). Each parallel kernel is one body compiled in parallel and serially
+(:func:`~dcr_format.kernels._launch.parallel_kernel`), and
+:func:`~dcr_format.kernels._launch._launch` chooses between the two.
 """
 
 from __future__ import annotations
@@ -28,13 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit, prange
-from numba.cpython.unsafe.numbers import leading_zeros as _leading_zeros
 
-from dcr_format.codings._native_ulp import limits as _ulp_limits
-from dcr_format.codings._native_ulp import stepped as _ulp_stepped
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
-from dcr_format.kernels._native_bits import load_be64
 
 # --- fingerprint constants (dcr_format.delta.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -57,8 +55,6 @@ _ROW = 1 << 16  # full pass: rows aligned to multiples of 2^16 never straddle 2^
 # applies in about 0.08 s against 0.11 (2 cores).
 _CHUNK = 1 << 13
 _GATHER_BLOCK = 1 << 10  # positions whose old bits a change reads ahead of changing them
-
-_LEADING_ZEROS: Any = _leading_zeros  # an intrinsic: callable in kernels only
 
 
 # --- g = (s + c)^5 mod p --------------------------------------------------------------
@@ -140,15 +136,9 @@ def _rows_table_task(r, sym, table, first, out):  # type: ignore[no-untyped-def]
     out[r, 1] = _combine(b0, b1, start, _P1)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rows_table(sym, table, first, out):  # type: ignore[no-untyped-def]
     for r in prange(out.shape[0]):
-        _rows_table_task(r, sym, table, first, out)
-
-
-@serial_twin
-def _rows_table_serial(sym, table, first, out):  # type: ignore[no-untyped-def]
-    for r in range(out.shape[0]):
         _rows_table_task(r, sym, table, first, out)
 
 
@@ -177,15 +167,9 @@ def _rows_power_task(r, sym, lanes, first, out):  # type: ignore[no-untyped-def]
         out[r, 2] = _combine(c0, c1, start, _P2)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _rows_power(sym, lanes, first, out):  # type: ignore[no-untyped-def]
     for r in prange(out.shape[0]):
-        _rows_power_task(r, sym, lanes, first, out)
-
-
-@serial_twin
-def _rows_power_serial(sym, lanes, first, out):  # type: ignore[no-untyped-def]
-    for r in range(out.shape[0]):
         _rows_power_task(r, sym, lanes, first, out)
 
 
@@ -213,9 +197,9 @@ def full_lanes(sym: np.ndarray, table: np.ndarray, lanes: int, first: int = 0) -
     """
     out = np.zeros((_row_count(sym.shape[0], first), 3), dtype=np.uint64)
     if sym.dtype.itemsize <= 2:
-        _launch(_rows_table, _rows_table_serial, out.shape[0], sym, table, first, out)
+        _launch(_rows_table, out.shape[0], sym, table, first, out)
     else:
-        _launch(_rows_power, _rows_power_serial, out.shape[0], sym, lanes, first, out)
+        _launch(_rows_power, out.shape[0], sym, lanes, first, out)
     return _finish_lanes(out, lanes)
 
 
@@ -242,15 +226,9 @@ def _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out):  # type: ign
         out[c, lane] = acc % p
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _pair_lanes(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
     for c in prange(out.shape[0]):
-        _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
-
-
-@serial_twin
-def _pair_lanes_serial(pos, old, new, has_old, lanes, table, out):  # type: ignore[no-untyped-def]
-    for c in range(out.shape[0]):
         _pair_lanes_task(c, pos, old, new, has_old, lanes, table, out)
 
 
@@ -261,7 +239,7 @@ def position_lanes(
     chunks = -(-pos.shape[0] // _CHUNK)
     out = np.zeros((chunks, 3), dtype=np.uint64)
     args = (pos, new if old is None else old, new, old is not None, lanes, table, out)
-    _launch(_pair_lanes, _pair_lanes_serial, chunks, *args)
+    _launch(_pair_lanes, chunks, *args)
     return _finish_lanes(out, lanes)
 
 
@@ -367,17 +345,10 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
     lane_out[c, 2] = acc[2] % _P2
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
     """The fused diff, its tasks in parallel."""
     for c in prange(counts.shape[0]):
-        _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
-
-
-@serial_twin
-def _diff_serial(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
-    """The fused diff in this thread (see :func:`_launch`)."""
-    for c in range(counts.shape[0]):
         _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
 
 
@@ -515,7 +486,7 @@ def _diff_slab(
         _POOL.get(2, n if want[1] else 0, old.dtype),
     )
     args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
-    _launch(_diff, _diff_serial, tasks, *args)
+    _launch(_diff, tasks, *args)
     if tasks == 1:  # most tensors: one task's prefix is the whole output
         total = int(counts[0])
         _POOL.keep_one(total, sum(a.itemsize for a in scratch if a.shape[0]))
@@ -538,18 +509,11 @@ def _gather_task(c, scratch, out, sizes, at):  # type: ignore[no-untyped-def]
         out[2][dst : dst + size] = scratch[2][src : src + size]
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _gather(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
     """``out[i][at[c] : at[c] + sizes[c]] = scratch[i][c * TASK :][: sizes[c]]`` for each
     of the three arrays that is not empty, the tasks copied in parallel."""
     for c in prange(sizes.shape[0]):
-        _gather_task(c, scratch, out, sizes, at)
-
-
-@serial_twin
-def _gather_serial(scratch, out, sizes, at):  # type: ignore[no-untyped-def]
-    """:func:`_gather` in this thread: for outputs too small to pay for a parallel region."""
-    for c in range(sizes.shape[0]):
         _gather_task(c, scratch, out, sizes, at)
 
 
@@ -565,8 +529,37 @@ def _gather_tasks(
     nbytes = total * sum(a.itemsize for a in scratch if a.shape[0])
     if total:
         tasks = counts.shape[0] if nbytes >= _SERIAL_GATHER_BYTES else 1
-        _launch(_gather, _gather_serial, tasks, scratch, out, counts, at)
+        _launch(_gather, tasks, scratch, out, counts, at)
     return out[0], out[1], out[2]
+
+
+# --- ulp steps (the fused apply of ``ulp`` changes, and the ``ulp`` coding's kernels) --------
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ulp_limits(itemsize: int) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
+    """The top bit and all bits of an unsigned integer of ``itemsize`` bytes (as uint64)."""
+    top = _ONE << (np.uint64(8 * itemsize) - _ONE)
+    return top, (top - _ONE) | top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ulp_order(x: np.uint64, top: np.uint64, ones: np.uint64) -> np.uint64:  # pragma: no cover
+    """The bits as an unsigned integer in the order of the floats they are (FORMAT.md §7.5)."""
+    if x & top:
+        return x ^ ones
+    return x ^ top
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ulp_stepped(
+    before: np.uint64, z: np.uint64, top: np.uint64, ones: np.uint64
+) -> np.uint64:  # pragma: no cover - compiled
+    """The bits whose zigzag difference from ``before`` is ``z`` (the inverse of
+    ``_zigzag`` of :mod:`dcr_format.codings._ulp_kernels`)."""
+    d = (z >> _ONE) ^ (ones if z & _ONE else _ZERO)
+    y = (ulp_order(before, top, ones) + d) & ones
+    return y ^ (top if y & top else ones)
 
 
 # --- fused apply -----------------------------------------------------------------------
@@ -589,7 +582,7 @@ def _change_task(  # type: ignore[no-untyped-def]
     the bits after (:data:`XOR_MODE` ...)."""
     write, gathered = how & _WRITE, how & _GATHERED
     n = flat.shape[0]
-    top, ones = _ulp_limits(flat.itemsize)
+    top, ones = ulp_limits(flat.itemsize)
     want_after = after.shape[0] != 0
     lo = c * _CHUNK
     hi = min(lo + _CHUNK, pos.shape[0])
@@ -635,25 +628,14 @@ def _after(b, v, mode, top, ones):  # type: ignore[no-untyped-def]
     if mode == XOR_MODE:
         return np.uint64(b ^ v)
     if mode == ULP_MODE:
-        return _ulp_stepped(np.uint64(b), np.uint64(v), top, ones)
+        return ulp_stepped(np.uint64(b), np.uint64(v), top, ones)
     return np.uint64(v)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _change(flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad):  # type: ignore[no-untyped-def]
     """Apply or stage a change, its chunks of positions in parallel."""
     for c in prange(lane_out.shape[0]):
-        _change_task(
-            c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
-        )
-
-
-@serial_twin
-def _change_serial(  # type: ignore[no-untyped-def]
-    flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
-):
-    """Apply or stage a change in this thread (see :func:`_launch`)."""
-    for c in range(lane_out.shape[0]):
         _change_task(
             c, flat, pos, values, base, mode, how, before, after, lanes, table, lane_out, bad
         )
@@ -698,7 +680,7 @@ def _run_change(
     lane_out = np.zeros((chunks, 3), dtype=np.uint64)
     bad = np.zeros(chunks, dtype=np.uint8)
     args = (flat, pos, values, base, mode, how, out[0], out[1], lanes, table, lane_out, bad)
-    _launch(_change, _change_serial, chunks, *args)
+    _launch(_change, chunks, *args)
     in_range = not bad[0] if chunks == 1 else not bool(bad.any())  # most changes: one chunk
     return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
 
@@ -717,276 +699,3 @@ def stage(
     puts there under ``mode``), and the lane deltas of that change. Returns (all positions
     in range, deltas)."""
     return _run_change(flat, pos, values, base, mode, 0, out, table, lanes)
-
-
-# --- Rice ------------------------------------------------------------------------------
-
-
-_STATS_CHUNK = 1 << 18  # positions per parallel task of the Rice statistics
-
-
-@njit(cache=True, inline="always")
-def _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """Task ``t`` of the Rice statistics: its ``_STATS_CHUNK`` positions."""
-    n = pos.shape[0]
-    lo = t * _STATS_CHUNK
-    hi = min(lo + _STATS_CHUNK, n)
-    prev = pos[lo - 1] if lo > 0 else -1
-    i = lo
-    head = 0
-    while lo > 0 and i < hi and pos[i] == prev + 1:  # the run open before the task
-        prev = pos[i]
-        head += 1
-        i += 1
-    s0 = s1 = s2 = s3 = s4 = s5 = 0
-    runs = 0
-    run = 0
-    best = 0  # may include the task's last run: the merge takes maxima, so that is safe
-    widest = 0
-    for j in range(i, hi):  # branch-free: runs start at random places
-        gap = pos[j] - prev - 1
-        prev = pos[j]
-        g = gap >> klo
-        s0 += g
-        s1 += g >> 1
-        s2 += g >> 2
-        s3 += g >> 3
-        s4 += g >> 4
-        s5 += g >> 5
-        start = (gap != 0) | (j == 0)
-        runs += start
-        run = 1 if start else run + 1
-        best = max(best, run)
-        widest = max(widest, gap)
-    part[t, 0] = s0
-    part[t, 1] = s1
-    part[t, 2] = s2
-    part[t, 3] = s3
-    part[t, 4] = s4
-    part[t, 5] = s5
-    runs_t[t] = runs
-    widest_t[t] = widest
-    head_t[t] = head
-    best_t[t] = best
-    tail_t[t] = run
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _rice_stats(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """One pass over sorted positions, a task per ``_STATS_CHUNK`` of them in parallel:
-    each task's sum(gap >> k) for k in [klo, klo + 5] (summed in registers), runs, largest
-    gap, the zero-gap elements it starts with (``head_t``: they continue the run open
-    before it), its last run's length and its longest run (merged by :func:`_longest_run`).
-
-    Nothing else in here is an array expression: under the ``workqueue`` threading layer
-    each parallel region costs ~0.15 ms to launch, so allocations and reductions are the
-    caller's (they were fourteen regions, 2 ms a call).
-    """
-    for t in prange(part.shape[0]):
-        _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
-
-
-@serial_twin
-def _rice_stats_serial(pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """The statistics in this thread (see :func:`_launch`)."""
-    for t in range(part.shape[0]):
-        _stats_task(t, pos, klo, part, runs_t, widest_t, head_t, tail_t, best_t)
-
-
-@njit(cache=True, nogil=True)
-def _longest_run(runs_t, head_t, tail_t, best_t):  # type: ignore[no-untyped-def]
-    """The longest run over all tasks: a run open at a task's end goes on through the next
-    tasks' heads (and through whole tasks that start no run)."""
-    longest = 0
-    carry = 0  # length of the run open at the end of the tasks so far
-    for t in range(runs_t.shape[0]):
-        if runs_t[t]:
-            longest = max(longest, max(carry + head_t[t], best_t[t]))
-            carry = tail_t[t]
-        else:
-            carry += head_t[t]
-    return max(longest, carry)
-
-
-def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, int, int]:
-    """(sum of gap >> k for k in [klo, khi], runs, largest gap, longest run) of positions;
-    at most six values of k."""
-    if not 0 <= khi - klo <= 5:
-        raise ValueError(f"rice_stats sums at most six values of k, not [{klo}, {khi}]")
-    tasks = -(-pos.shape[0] // _STATS_CHUNK)
-    if tasks == 0:
-        return np.zeros(khi - klo + 1, dtype=np.int64), 0, 0, 0
-    part = np.zeros((tasks, 6), dtype=np.int64)
-    runs_t, widest_t, head_t, tail_t, best_t = np.zeros((5, tasks), dtype=np.int64)
-    _launch(
-        _rice_stats,
-        _rice_stats_serial,
-        tasks,
-        pos,
-        klo,
-        part,
-        runs_t,
-        widest_t,
-        head_t,
-        tail_t,
-        best_t,
-    )
-    longest = _longest_run(runs_t, head_t, tail_t, best_t)
-    sums = part.sum(axis=0)[: khi - klo + 1]
-    return sums, int(runs_t.sum()), int(widest_t.max()), int(longest)
-
-
-@njit(cache=True, inline="always")
-def _put(out, at, acc, held, value, bits):  # type: ignore[no-untyped-def]
-    """Append ``bits`` (<= 32) bits of ``value`` MSB first; flush whole bytes."""
-    acc = (acc << np.uint64(bits)) | np.uint64(value)
-    held += bits
-    while held >= 8:
-        held -= 8
-        out[at] = np.uint8((acc >> np.uint64(held)) & np.uint64(0xFF))
-        at += 1
-    return at, acc, held
-
-
-@njit(cache=True, nogil=True)
-def _rice_encode(pos, k, unary_len, out):  # type: ignore[no-untyped-def]
-    n = pos.shape[0]
-    prev = -1
-    cursor = 0
-    for i in range(n):
-        gap = pos[i] - prev - 1
-        prev = pos[i]
-        cursor += gap >> k
-        out[cursor >> 3] |= np.uint8(0x80 >> (cursor & 7))
-        cursor += 1
-    if k == 0:
-        return
-    mask = (1 << k) - 1
-    at = unary_len
-    acc = _ZERO
-    held = 0
-    prev = -1
-    for i in range(n):
-        gap = pos[i] - prev - 1
-        prev = pos[i]
-        rem = gap & mask
-        if k > 32:
-            at, acc, held = _put(out, at, acc, held, rem >> 32, k - 32)
-            at, acc, held = _put(out, at, acc, held, rem & 0xFFFFFFFF, 32)
-        else:
-            at, acc, held = _put(out, at, acc, held, rem, k)
-    if held:
-        out[at] = np.uint8((acc << np.uint64(8 - held)) & np.uint64(0xFF))
-
-
-def rice_encode(pos: np.ndarray, k: int, unary_len: int, rem_len: int) -> bytes:
-    """Unary bytes then remainder bytes of sorted positions (the header is the caller's)."""
-    out = np.zeros(unary_len + rem_len, dtype=np.uint8)
-    if pos.shape[0]:
-        _rice_encode(pos, k, unary_len, out)
-    return out.tobytes()
-
-
-_TOP = np.uint64(1) << np.uint64(63)
-_WINDOW_K = 56  # the widest remainder a word read at any bit offset of its byte holds
-
-
-@njit(cache=True, inline="always")
-def _unary_word(body, at, unary_len):  # type: ignore[no-untyped-def]
-    """The unary bytes from ``at`` (at most 8, none past ``unary_len``) as the top of a
-    big-endian word, the bits after them zero."""
-    size = body.shape[0]
-    if at + 8 <= size:
-        word = load_be64(body, at)
-    else:
-        word = _ZERO
-        for b in range(8):
-            word <<= np.uint64(8)
-            if at + b < size:
-                word |= np.uint64(body[at + b])
-    held = unary_len - at
-    if held < 8:
-        word &= ~((_ONE << np.uint64(64 - 8 * held)) - _ONE)
-    return word
-
-
-@njit(cache=True, inline="always")
-def _remainder(body, rbit, k):  # type: ignore[no-untyped-def]
-    """The ``k`` bits of ``body`` from bit ``rbit`` (MSB first): one word read where it fits
-    in the array, else bit runs byte by byte."""
-    at = rbit >> 3
-    if at + 8 <= body.shape[0] and k <= _WINDOW_K:
-        word = load_be64(body, at)
-        return np.int64((word << np.uint64(rbit & 7)) >> np.uint64(64 - k))
-    rem = 0
-    need = k
-    while need > 0:
-        avail = 8 - (rbit & 7)
-        take = min(avail, need)
-        bits = (np.int64(body[rbit >> 3]) >> (avail - take)) & ((1 << take) - 1)
-        rem = (rem << take) | bits
-        need -= take
-        rbit += take
-    return rem
-
-
-@njit(cache=True, nogil=True)
-def _rice_decode(body, unary_len, count, k, numel, out_pos, out_gaps, cumulative):  # type: ignore[no-untyped-def]
-    """Decode ``count`` gaps; 0 when the stream is valid, else a non-zero code.
-
-    The codes cover every check of ``rice_gaps`` after its header checks (terminator
-    count, trailing bytes, quotient bound) and, with ``cumulative``, those of ``_finish``
-    (strictly increasing, no wrap-around, in range). The unary bits go a word (8 bytes) at
-    a time, each terminator found by its leading zeros, and each remainder is one shift
-    of a word read at its byte (a loop over bytes and bits mispredicted its exits about
-    every other position: 4-5 ns a position, against 2.7).
-    """
-    qmax = numel >> k
-    unumel = np.uint64(numel)
-    prev_one = np.int64(-1)
-    i = 0
-    rbit = unary_len * 8
-    prev_end = _ZERO
-    for at in range(0, unary_len, 8):
-        word = _unary_word(body, at, unary_len)
-        while word != _ZERO:
-            lz = _LEADING_ZEROS(word)
-            word ^= _TOP >> np.uint64(lz)
-            t = at * 8 + np.int64(lz)
-            q = t - prev_one - 1
-            prev_one = t
-            if i == count:
-                return 1
-            if k:
-                if q > qmax:
-                    return 3
-                gap = (q << k) | _remainder(body, rbit, k)  # <= 2^63 - 1: q <= numel >> k
-                rbit += k
-            else:
-                gap = q
-            if cumulative:
-                end = prev_end + np.uint64(gap) + _ONE
-                if end <= prev_end or end > unumel:
-                    return 4
-                out_pos[i] = np.int64(end - _ONE)
-                prev_end = end
-            else:
-                out_gaps[i] = gap
-            i += 1
-    if i != count:
-        return 1
-    if unary_len != prev_one // 8 + 1:
-        return 2
-    return 0
-
-
-def rice_decode(
-    body: np.ndarray, unary_len: int, count: int, k: int, numel: int, *, positions: bool
-) -> np.ndarray | None:
-    """Positions (int64, ``positions``) or gaps (uint64) of a Rice body; None if invalid."""
-    out_pos = np.empty(count if positions else 0, dtype=np.int64)
-    out_gaps = np.empty(0 if positions else count, dtype=np.uint64)
-    code = _rice_decode(body, unary_len, count, k, numel, out_pos, out_gaps, positions)
-    if code:
-        return None
-    return out_pos if positions else out_gaps

@@ -1,19 +1,21 @@
 """Compiled (numba) kernels of the ``ulp`` value coding (:mod:`dcr_format.codings.ulp`).
 
-Private, imported on first use like :mod:`dcr_format.codings._native`. One loop over the
-changed elements each way, in place of numpy's half a dozen temporaries: the zigzag ulp
+Private, imported on first use (:func:`dcr_format.kernels.native.compiled`). One loop over
+the changed elements each way, in place of numpy's half a dozen temporaries: the zigzag ulp
 differences of new bits against old ones, and back. Arithmetic is on uint64 with every
 operand typed (numba turns mixed signed/unsigned arithmetic into float64), masked to the
-width. The fused apply of :mod:`dcr_format.codings._native` steps the old bits with
-:func:`stepped`; the ``ulp-shift`` loops (:mod:`dcr_format.codings.ulp_shift`) are below,
-one pass each way in this thread up to :data:`ULP_SERIAL` changes and tasks of
-:data:`ULP_TASK` on numba's threads past it (:func:`split_low`, :func:`join_low`: the same
-bytes and errors). Both take the changes 64 at a time: a change whose old exponent is at
-or above the origin has no shift and ``y_k = z_k``, so a vector loop copies the group and
-masks the shifted changes, and only those are visited (:func:`_shifted`). On the
-synthetic trainer's 5% step of a 2.9M-element tensor (145,000 changes, a fifth of a low
-bit each on average) the join went from 375 to 89 us and the split from 401 to 114 us;
-with every change shifted (about 5 low bits each) they cost 8-20% more than one loop.
+width. The step from old bits by a zigzag difference is
+:func:`~dcr_format.kernels.numba_kernels.ulp_stepped`, which the fused apply of
+:mod:`dcr_format.kernels.numba_kernels` shares; the ``ulp-shift`` loops
+(:mod:`dcr_format.codings.ulp_shift`) are below, one pass each way in this thread up to
+:data:`ULP_SERIAL` changes and tasks of :data:`ULP_TASK` on numba's threads past it
+(:func:`split_low`, :func:`join_low`: the same bytes and errors). Both take the changes 64
+at a time: a change whose old exponent is at or above the origin has no shift and ``y_k =
+z_k``, so a vector loop copies the group and masks the shifted changes, and only those are
+visited (:func:`_shifted`). On the synthetic trainer's 5% step of a 2.9M-element tensor
+(145,000 changes, a fifth of a low bit each on average) the join went from 375 to 89 us and
+the split from 401 to 114 us; with every change shifted (about 5 low bits each) they cost
+8-20% more than one loop.
 ``tests/test_values_ulp.py`` and ``tests/test_values_ulp_shift.py`` check them against the
 numpy references.
 """
@@ -23,8 +25,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from dcr_format.kernels._launch import _launch, serial_twin
+from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
+from dcr_format.kernels.numba_kernels import ulp_limits, ulp_order, ulp_stepped
 
 _GROUP = 64  # changes a 64-bit mask of the shifted ones covers
 
@@ -33,44 +36,19 @@ _ZERO = np.uint64(0)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def limits(itemsize: int) -> tuple[np.uint64, np.uint64]:  # pragma: no cover - compiled
-    """The top bit and all bits of an unsigned integer of ``itemsize`` bytes (as uint64)."""
-    top = _ONE << (np.uint64(8 * itemsize) - _ONE)
-    return top, (top - _ONE) | top
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _order(x: np.uint64, top: np.uint64, ones: np.uint64) -> np.uint64:  # pragma: no cover
-    if x & top:
-        return x ^ ones
-    return x ^ top
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _zigzag(
     before: np.uint64, after: np.uint64, top: np.uint64, ones: np.uint64
 ) -> np.uint64:  # pragma: no cover - compiled
     """The zigzag of ``u(after) - u(before)`` (FORMAT.md §7.5)."""
-    d = (_order(after, top, ones) - _order(before, top, ones)) & ones
+    d = (ulp_order(after, top, ones) - ulp_order(before, top, ones)) & ones
     return ((d << _ONE) ^ (ones if d & top else _ZERO)) & ones
-
-
-@njit(cache=True, nogil=True, inline="always")
-def stepped(
-    before: np.uint64, z: np.uint64, top: np.uint64, ones: np.uint64
-) -> np.uint64:  # pragma: no cover - compiled
-    """The bits whose zigzag difference from ``before`` is ``z`` (the inverse of
-    :func:`_zigzag`)."""
-    d = (z >> _ONE) ^ (ones if z & _ONE else _ZERO)
-    y = (_order(before, top, ones) + d) & ones
-    return y ^ (top if y & top else ones)
 
 
 @njit(cache=True, nogil=True)
 def to_ulp(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the zigzag of ``u(new[k]) - u(old[k])`` (FORMAT.md §7.5), all three
     unsigned arrays of one width."""
-    top, ones = limits(old.itemsize)
+    top, ones = ulp_limits(old.itemsize)
     for k in range(old.size):
         out[k] = _zigzag(np.uint64(old[k]), np.uint64(new[k]), top, ones)
 
@@ -79,9 +57,9 @@ def to_ulp(old: np.ndarray, new: np.ndarray, out: np.ndarray) -> None:  # pragma
 def from_ulp(old: np.ndarray, z: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover
     """``out[k]`` = the new bits whose zigzag ulp difference from ``old[k]`` is ``z[k]``
     (the inverse of :func:`to_ulp`)."""
-    top, ones = limits(old.itemsize)
+    top, ones = ulp_limits(old.itemsize)
     for k in range(old.size):
-        out[k] = stepped(np.uint64(old[k]), np.uint64(z[k]), top, ones)
+        out[k] = ulp_stepped(np.uint64(old[k]), np.uint64(z[k]), top, ones)
 
 
 @njit(cache=True, nogil=True)
@@ -91,7 +69,7 @@ def ulp_of_change(
     """The writer's side in one loop: ``out[k]`` = :func:`to_ulp` of the old bits
     ``new[p] ^ xor[k]`` and the new bits ``new[p]`` at ``p = positions[k]`` (no gathered
     copy of either)."""
-    top, ones = limits(new.itemsize)
+    top, ones = ulp_limits(new.itemsize)
     for k in range(positions.size):
         after = np.uint64(new[positions[k]])
         out[k] = _zigzag(after ^ np.uint64(xor[k]), after, top, ones)
@@ -187,15 +165,9 @@ def _shift_sum(t, old, origin, shift, mask, cap, sums):  # type: ignore[no-untyp
     sums[t] = np.int64(total)
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _shift_sums(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
     for t in prange(sums.size):
-        _shift_sum(t, old, origin, shift, mask, cap, sums)
-
-
-@serial_twin
-def _shift_sums_serial(old, origin, shift, mask, cap, sums):  # type: ignore[no-untyped-def]
-    for t in range(sums.size):
         _shift_sum(t, old, origin, shift, mask, cap, sums)
 
 
@@ -238,7 +210,7 @@ def _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, hea
     """Task ``t`` of :func:`split_shifted`, changes ``lo`` to ``hi``: their ``y`` and low
     bits, the low bits from bit ``starts[t]`` of ``low`` on (the bits of the tasks before
     it below); returns the byte after its last."""
-    top, ones = limits(old.itemsize)
+    top, ones = ulp_limits(old.itemsize)
     wide = cap > 32
     start = starts[t]
     used = start >> 3
@@ -284,16 +256,9 @@ def _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, hea
     return used
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _split(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
     for t in prange(starts.size):
-        lo, hi = _task_span(t, old.size)
-        _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
-
-
-@serial_twin
-def _split_serial(old, z, origin, shift, mask, cap, y, low, starts, heads):  # type: ignore[no-untyped-def]
-    for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
         _split_task(t, lo, hi, old, z, origin, shift, mask, cap, y, low, starts, heads)
 
@@ -326,7 +291,7 @@ def _starts(
     """Each task's first bit of the low bits, and the bits of all of them."""
     tasks = -(-old.size // ULP_TASK)
     sums = np.empty(tasks, dtype=np.int64)
-    _launch(_shift_sums, _shift_sums_serial, tasks, old, origin, shift, mask, cap, sums)
+    _launch(_shift_sums, tasks, old, origin, shift, mask, cap, sums)
     starts = np.zeros(tasks, dtype=np.int64)
     np.cumsum(sums[:-1], out=starts[1:])
     return starts, int(starts[-1] + sums[-1])
@@ -349,7 +314,7 @@ def split_low(
     starts, total = _starts(old, origin, shift, mask, cap)
     heads = np.zeros(starts.size, dtype=np.uint8)
     args = (old, z, origin, shift, mask, cap, y, low, starts, heads)
-    _launch(_split, _split_serial, starts.size, *args)
+    _launch(_split, starts.size, *args)
     for t in np.flatnonzero(starts & 7).tolist():  # bytes two tasks share
         low[starts[t] >> 3] |= heads[t]
     return (total + 7) // 8
@@ -361,7 +326,7 @@ def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, erro
     and the low bits from bit ``starts[t]`` on; ``errors[t]`` its first error (0: none), and
     for the last task the check of what follows the low bits. The changes go 64 at a time
     (:func:`_shifted`); only those with a shift take low bits, and only they can fail."""
-    top, ones = limits(old.itemsize)
+    top, ones = ulp_limits(old.itemsize)
     width = np.uint64(8 * old.itemsize)
     size = low.size
     start = starts[t]
@@ -413,16 +378,9 @@ def _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, erro
         errors[t] = 3
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@parallel_kernel
 def _join(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
     for t in prange(starts.size):
-        lo, hi = _task_span(t, old.size)
-        _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
-
-
-@serial_twin
-def _join_serial(old, y, origin, shift, mask, cap, low, z, starts, errors):  # type: ignore[no-untyped-def]
-    for t in range(starts.size):
         lo, hi = _task_span(t, old.size)
         _join_task(t, lo, hi, old, y, origin, shift, mask, cap, low, z, starts, errors)
 
@@ -468,6 +426,6 @@ def join_low(
     starts, _ = _starts(old, origin, shift, mask, cap)
     errors = np.zeros(starts.size, dtype=np.int64)
     args = (old, y, origin, shift, mask, cap, low, z, starts, errors)
-    _launch(_join, _join_serial, starts.size, *args)
+    _launch(_join, starts.size, *args)
     failed = np.flatnonzero(errors)
     return int(errors[failed[0]]) if failed.size else 0
