@@ -9,7 +9,7 @@ import os
 import pytest
 
 from dcr_format.codings.positions import native_kernels
-from dcr_format.delta.dispatch import kernels_mode
+from dcr_format.delta.backend import kernels_mode
 from dcr_format.system.environ import getenv
 
 NAME = "DCR_TEST_ENVIRON_READ"

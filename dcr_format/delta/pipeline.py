@@ -17,10 +17,10 @@ runs on the GPU while i is copied out and then coded on the host (rice/ranges,
 byte planes, zstd) by the consumer. What does not overlap: the compaction of
 i+1 waits for its own total (one short host wait per tensor), and host coding of
 different tensors is sequential. On CPU one fused pass
-(:func:`dcr_format.delta.dispatch.diff_with_lanes`) finds the change and also sums
+(:meth:`dcr_format.delta.backend.Backend.diff_with_lanes`) finds the change and also sums
 its fingerprint lane deltas, so the writer needs no second pass over the changed
-elements. Results equal :func:`dcr_format.delta.dispatch.diff`
-bit for bit.
+elements. Each item's backend is chosen once, when its scan starts, and codes it to the
+end. Results equal :meth:`dcr_format.delta.backend.Backend.diff` bit for bit.
 
 :func:`encode_stream` feeds the pipeline into the host coder and yields exactly
 what :func:`dcr_format.delta.delta.encode_tensor` returns for each item. A stream of CPU
@@ -50,7 +50,8 @@ import torch
 
 from dcr_format.codings.positions import compiled
 from dcr_format.codings.ulp import FLOAT_DTYPES
-from dcr_format.delta.dispatch import PendingDiff, diff_with_lanes
+from dcr_format.delta.backend import Backend, PendingDiff
+from dcr_format.delta.backends import backend_for
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import BASELINE_CODINGS, allowed
 from dcr_format.kernels.reference import OVERWRITE, Diff
@@ -75,12 +76,14 @@ class Compacted:
     host: tuple[torch.Tensor, torch.Tensor] | None  # positions, values to encode (xor or new)
     # fingerprint lane deltas of the change (the CPU's fused pass computes them), else None
     lane_deltas: tuple[int, ...] | None = None
+    backend: Backend | None = None  # the one that found the change
 
 
 @dataclass
 class _State:
     key: Any
     op: str | None
+    backend: Backend | None = None
     pending: PendingDiff | None = None
     lane_deltas: tuple[int, ...] | None = None
     stream: Any = None  # torch.cuda.Stream when on CUDA
@@ -129,6 +132,7 @@ class DeviceDiffPipeline:
             return state
         new_bits, old_bits = bits_view(new).reshape(-1), bits_view(old).reshape(-1)
         want_xor = op != OVERWRITE
+        state.backend = backend = backend_for(old_bits, new_bits)
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
             advance = self.advanced is not None and old_bits.is_contiguous()
@@ -141,7 +145,7 @@ class DeviceDiffPipeline:
                 and not allowed().isdisjoint(BASELINE_CODINGS)
                 and info_for(new.dtype).name in FLOAT_DTYPES
             )
-            state.diff, state.lane_deltas = diff_with_lanes(
+            state.diff, state.lane_deltas = backend.diff_with_lanes(
                 old_bits,
                 new_bits,
                 want_new=not (advance and want_xor) or against_old,
@@ -158,7 +162,7 @@ class DeviceDiffPipeline:
         for tensor in (new_bits, old_bits):
             tensor.record_stream(state.stream)
         with torch.cuda.stream(state.stream):
-            state.pending = PendingDiff(old_bits, new_bits, want_xor=want_xor)
+            state.pending = backend.start_diff(old_bits, new_bits, want_xor=want_xor)
         return state
 
     def _compact(self, state: _State) -> None:
@@ -202,7 +206,7 @@ class DeviceDiffPipeline:
             for tensor in (state.diff.positions, state.diff.new_values, state.diff.xor_values):
                 if tensor is not None:
                     tensor.record_stream(consumer)
-        return Compacted(state.key, state.diff, state.host, state.lane_deltas)
+        return Compacted(state.key, state.diff, state.host, state.lane_deltas, state.backend)
 
     def __iter__(self) -> Iterator[Compacted]:
         items = iter(self.items)
@@ -334,6 +338,7 @@ def _pipelined(
                     # a device baseline still holds the old bits (the CPU pass advanced its own)
                     baseline=None if new.device.type == "cpu" else old,
                     rows=None if rows is None else rows(key),
+                    backend=result.backend,
                 ),
             )
 
