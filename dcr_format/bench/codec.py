@@ -79,7 +79,7 @@ from dcr_format.format.features import (
     VALUES_RANS_FEATURE,
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
-    allowed_codings,
+    EncodeOptions,
     features_for,
 )
 from dcr_format.format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
@@ -240,8 +240,8 @@ def _encode_all(
     op: str,
     features: Sequence[str] = (),
 ) -> list[tuple[str, EncodedTensor]]:
-    with allowed_codings(features):
-        return [(name, encode_tensor(new[name], old[name], op=op)) for name in new]
+    options = EncodeOptions.allowing(features)
+    return [(name, encode_tensor(new[name], old[name], op=op, options=options)) for name in new]
 
 
 def _shard_streams(encoded: list[tuple[str, EncodedTensor]]) -> dict[str, bytes]:

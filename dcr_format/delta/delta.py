@@ -53,7 +53,6 @@ from dcr_format.delta.backend import Backend, to_device, to_host
 from dcr_format.delta.backends import backend_for
 from dcr_format.delta.positions import decode_positions_to
 from dcr_format.errors import PositionsError, TargetError, ValuesError
-from dcr_format.format import features
 from dcr_format.format.dtypes import (
     UNSIGNED_NP,
     DtypeInfo,
@@ -62,6 +61,7 @@ from dcr_format.format.dtypes import (
     info_for,
     numpy_to_bits,
 )
+from dcr_format.format.features import NO_CODINGS, EncodeOptions, allowed_codings
 from dcr_format.format.names import FULL, OPS, OVERWRITE, XOR
 from dcr_format.kernels.reference import Diff
 
@@ -148,13 +148,19 @@ def _estimate(values: bytes) -> int:
 
 
 def encode_tensor(
-    new: torch.Tensor, old: torch.Tensor | None = None, *, op: str | None = None
+    new: torch.Tensor,
+    old: torch.Tensor | None = None,
+    *,
+    op: str | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> EncodedTensor:
     """Encode the change from ``old`` to ``new``.
 
     ``op=None`` chooses by size: ``full`` when there is no comparable ``old``
     (absent, other dtype or shape), else ``xor``, or ``full`` when the change rate
     is high and ``full`` encodes smaller. ``xor`` and ``overwrite`` need ``old``.
+    ``options``: the codings beyond the ones every reader has that the encoder may use
+    (where they are smaller); none by default.
     """
     info_for(new.dtype)  # refuses dtypes the format cannot carry
     is_comparable = comparable(new, old)
@@ -163,12 +169,12 @@ def encode_tensor(
     if op in (XOR, OVERWRITE) and not is_comparable:
         raise ValueError(f"op {op!r} needs a baseline of the same dtype and shape")
     if not is_comparable or op == FULL:
-        return _encode_full(new)
+        return _encode_full(new, options)
     assert old is not None
     old_bits, new_bits = bits_view(old).reshape(-1), bits_view(new).reshape(-1)
     backend = backend_for(old_bits, new_bits)
     found = backend.diff(old_bits, new_bits, want_xor=op != OVERWRITE)
-    return encode_diff(new, found, op=op, backend=backend)
+    return encode_diff(new, found, op=op, backend=backend, options=options)
 
 
 def comparable(new: torch.Tensor, old: torch.Tensor | None) -> bool:
@@ -186,6 +192,7 @@ def encode_diff(
     baseline: torch.Tensor | None = None,
     rows: np.ndarray | None = None,
     backend: Backend | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
@@ -198,7 +205,8 @@ def encode_diff(
     ``classed`` classes and ranks are computed, :meth:`.Backend.class_ranks`);
     ``rows`` the exponent rows of the old bits where the writer keeps them (host tensors;
     the result carries those of the new bits, :attr:`EncodedTensor.rows`); ``backend`` the
-    one that found the change (else chosen for ``new``).
+    one that found the change (else chosen for ``new``); ``options`` the codings allowed
+    (see :func:`encode_tensor`).
     """
     positions, new_values = found.positions, found.new_values
     changed = int(positions.numel())
@@ -216,7 +224,7 @@ def encode_diff(
     plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
     pos_coding, pos_bytes = None, None
     new_rows = None
-    if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
+    if op in (None, XOR) and _classed_wanted(new, baseline, options):  # host[1]: the XOR bits
         runs = None
         if new.device.type == "cpu":
             coded, new_rows, runs = encode_classed_counted(
@@ -242,7 +250,7 @@ def encode_diff(
             plain = PositionsChoice(at)
         pos_coding, pos_bytes = plain.coding, plain.encode()
     xor_bits = bits_to_numpy(host[1])
-    allowed = features.allowed()
+    allowed = options.codings
     dtype = info_for(new.dtype).name
     if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
         on_device = _device_ulp_of_change(new, found, backend, want_old=True)
@@ -251,16 +259,21 @@ def encode_diff(
         else:
             before = _old_of_change(new, positions, xor_bits, found.new_values)
             differences = to_ulp(before, before ^ xor_bits)
-        val_coding, val_bytes = encode_xor_values(xor_bits, differences, old=before, dtype=dtype)
+        with allowed_codings(options.features):  # the value encoders' codings
+            val_coding, val_bytes = encode_xor_values(
+                xor_bits, differences, old=before, dtype=dtype
+            )
     elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
         on_device = _device_ulp_of_change(new, found, backend, want_old=False)
         if on_device is not None:
             differences = on_device[0]
         else:
             differences = _ulp_differences(new, positions, xor_bits, found.new_values)
-        val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+        with allowed_codings(options.features):
+            val_coding, val_bytes = encode_xor_values(xor_bits, differences)
     else:
-        val_coding, val_bytes = encode_values(xor_bits)
+        with allowed_codings(options.features):
+            val_coding, val_bytes = encode_values(xor_bits)
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -278,7 +291,7 @@ def encode_diff(
         new_rows,
     )
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
-        full = _encode_full(new)
+        full = _encode_full(new, options)
         assert full.values is not None and val_bytes is not None
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
             return replace(full, rows=new_rows)  # the same new bits
@@ -343,12 +356,14 @@ def _bits_at(flat: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
     return bits_to_numpy(to_host(flat[positions.to(flat.device)]))
 
 
-def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
+def _classed_wanted(
+    new: torch.Tensor, baseline: torch.Tensor | None, options: EncodeOptions
+) -> bool:
     """Whether ``classed`` positions are allowed here and can apply to ``new``: a float
     tensor in host memory (its new bits and the XOR bits give the old ones), or on a device
     next to its old bits (``baseline``)."""
     return (
-        CLASSED in features.allowed()
+        CLASSED in options.codings
         and info_for(new.dtype).name in EXPONENT_FIELDS
         and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
     )
@@ -383,12 +398,13 @@ def _device_classed(
     return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
 
 
-def _encode_full(new: torch.Tensor) -> EncodedTensor:
+def _encode_full(new: torch.Tensor, options: EncodeOptions) -> EncodedTensor:
     bits = bits_view(new).reshape(-1)
     advance = DecodedDelta(FULL, None, bits.clone())
     if new.numel() == 0:  # a full entry of no elements carries no streams
         return EncodedTensor(FULL, 0, None, None, None, None, advance)
-    coding, data = encode_values(bits_to_numpy(bits))
+    with allowed_codings(options.features):
+        coding, data = encode_values(bits_to_numpy(bits))
     return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
 
 
@@ -513,7 +529,7 @@ def resolve(
             raise PositionsError("a position of the change is past the end of the tensor")
         if delta.shift is None:  # stepped while applying, or turned into XOR bits here
             ready = DecodedDelta(delta.op, positions, values, ulp=True)
-            return ready if backend.fuses_ulp(flat, positions) else _as_xor(ready, flat)
+            return ready if backend.fuses_ulp(flat, positions) else _as_xor(ready, flat, backend)
         if before is None:  # the shifts come from the old bits' exponents
             before = _bits_at(flat, positions)
         origin, low = delta.shift
@@ -596,14 +612,23 @@ def _ready_ulp(delta: DecodedDelta) -> torch.Tensor:
     return delta.positions
 
 
-def _as_xor(delta: DecodedDelta, flat: torch.Tensor) -> DecodedDelta:
+def _as_xor(delta: DecodedDelta, flat: torch.Tensor, backend: Backend) -> DecodedDelta:
     """A resolved ``ulp`` change as XOR bits against ``flat`` (where the kernels do not fuse
-    the step with the write)."""
+    the step with the write), computed on ``flat``'s device."""
     positions = _ready_ulp(delta)
-    before = _bits_at(flat, positions)
-    z = bits_to_numpy(to_host(delta.values))
-    xor = numpy_to_bits(before ^ from_ulp(before, z), info_for(flat.dtype))
+    before = flat[positions.to(flat.device)]
+    xor = before ^ _stepped(before, delta.values, backend)
     return DecodedDelta(delta.op, positions, to_device(xor, delta.values.device))
+
+
+def _stepped(before: torch.Tensor, z: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """The bits ``z`` zigzag ulp differences away from ``before`` (a bit view), on
+    ``before``'s device: the backend's step where it runs the ``ulp`` passes there or the
+    bits are on a device (nothing leaves it), else the host coding's loop."""
+    z = z.to(before.device)
+    if backend.ulp_on_device(before) or before.device.type != "cpu":
+        return backend.ulp_step(before, z)
+    return numpy_to_bits(from_ulp(bits_to_numpy(before), bits_to_numpy(z)), info_for(before.dtype))
 
 
 def after_bits(
@@ -613,14 +638,7 @@ def after_bits(
     the bits ``before`` there (``backend``: theirs, else chosen for them)."""
     values = delta.values.to(before.device)
     if delta.ulp:
-        if backend is None:
-            backend = backend_for(before)
-        if backend.ulp_on_device(before):
-            return backend.ulp_step(before, values)
-        z = bits_to_numpy(to_host(values))
-        old = bits_to_numpy(to_host(before))
-        new = numpy_to_bits(from_ulp(old, z), info_for(before.dtype))
-        return to_device(new, before.device)
+        return _stepped(before, values, backend or backend_for(before))
     return before ^ values if delta.op == XOR else values
 
 
@@ -644,7 +662,7 @@ def apply_change(
     if delta.ulp:  # old bits read, stepped and written in one pass where the kernels can
         positions = _ready_ulp(delta).to(flat.device)
         if not backend.fuses_ulp(flat, positions):
-            xor = _as_xor(delta, flat)
+            xor = _as_xor(delta, flat, backend)
             done = apply_change(target, xor, lanes=lanes, backend=backend)
             assert done.before is not None
             after = done.before ^ xor.values.to(done.before.device)
@@ -697,7 +715,7 @@ def stage_change(
     if backend is None:
         backend = backend_for(flat)
     if delta.ulp and not backend.fuses_ulp(flat, _ready_ulp(delta)):
-        delta = _as_xor(delta, flat)
+        delta = _as_xor(delta, flat, backend)
     assert delta.positions is not None
     positions = to_device(delta.positions, flat.device)
     values = to_device(delta.values, flat.device)

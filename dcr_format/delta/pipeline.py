@@ -36,7 +36,6 @@ that took a publish from 0.46 to 0.40 s at 1% change and from 1.11 to 0.80 s at 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -53,7 +52,7 @@ from dcr_format.codings.ulp import FLOAT_DTYPES
 from dcr_format.delta.backend import Backend, PendingDiff
 from dcr_format.delta.backends import backend_for
 from dcr_format.format.dtypes import bits_view, info_for
-from dcr_format.format.features import BASELINE_CODINGS, allowed
+from dcr_format.format.features import BASELINE_CODINGS, NO_CODINGS, EncodeOptions
 from dcr_format.kernels.reference import OVERWRITE, Diff
 from dcr_format.system.pools import kept_pool
 
@@ -102,15 +101,19 @@ class DeviceDiffPipeline:
     ``new`` in place and calls ``advanced(key, diff)`` right then; the diff holds the XOR
     bits, so ``old[positions] ^= xor_values`` undoes it, and the new bits only when the
     op is ``overwrite`` (they are what it sends). Device tensors are not advanced.
+    ``options``: the codings the items' encoder may use (a coding against the old bits
+    needs the new bits at the positions, which the CPU's pass then keeps).
     """
 
     def __init__(
         self,
         items: Iterable[tuple[Any, ...]],
         advanced: Callable[[Any, Diff], None] | None = None,
+        options: EncodeOptions = NO_CODINGS,
     ) -> None:
         self.items = items
         self.advanced = advanced
+        self.options = options
         self._streams: list[Any] = []
         self._turn = 0
 
@@ -142,7 +145,7 @@ class DeviceDiffPipeline:
             # cache on every element)
             against_old = (
                 want_xor
-                and not allowed().isdisjoint(BASELINE_CODINGS)
+                and not self.options.codings.isdisjoint(BASELINE_CODINGS)
                 and info_for(new.dtype).name in FLOAT_DTYPES
             )
             state.diff, state.lane_deltas = backend.diff_with_lanes(
@@ -222,6 +225,8 @@ def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
+    *,
+    options: EncodeOptions = NO_CODINGS,
 ) -> Generator[tuple[Any, EncodedTensor], None, None]:
     """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined
     on CUDA, on a pool of threads where the first tensor is on the CPU (see the module
@@ -231,16 +236,17 @@ def encode_stream(
     ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`; from
     the pool's threads, but never after the stream ended or was closed: it waits for the
     tensors in flight first). ``rows(key)``: the exponent rows the caller keeps of ``old``,
-    or None (see :func:`dcr_format.delta.delta.encode_diff`).
+    or None (see :func:`dcr_format.delta.delta.encode_diff`). ``options``: the codings the
+    encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`).
     """
     iterator = iter(items)
     first = next(iterator, None)
     if first is None:
         return
     if first[1].device.type == "cpu" and CODING_THREADS > 1:
-        yield from _pooled(first, iterator, advanced, rows)
+        yield from _pooled(first, iterator, advanced, rows, options)
     else:
-        yield from _pipelined(itertools.chain((first,), iterator), advanced, rows)
+        yield from _pipelined(itertools.chain((first,), iterator), advanced, rows, options)
 
 
 CODING_THREADS = 2
@@ -261,11 +267,12 @@ def _code_one(
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
     serial: ModuleType | None,
+    options: EncodeOptions,
 ) -> tuple[Any, EncodedTensor]:
     """One item through :func:`_pipelined` on a pool thread (with the kernels' serial twins
     where ``serial``, the launch module, is given)."""
     with contextlib.nullcontext() if serial is None else serial.serial_kernels():
-        return next(_pipelined([item], advanced, rows))
+        return next(_pipelined([item], advanced, rows, options))
 
 
 def _pooled(
@@ -273,9 +280,10 @@ def _pooled(
     rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
+    options: EncodeOptions,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
-    coded in a copy of the caller's context (the codings allowed) and yielded in order.
+    yielded in order.
     Whatever ends the stream (its end, an error, the caller closing it), every tensor in
     flight has finished before control returns: none advances its baseline later."""
     threads = CODING_THREADS
@@ -290,8 +298,7 @@ def _pooled(
                 item = next(items, None)
                 if item is None:
                     break
-                context = contextvars.copy_context()  # the block the caller's loop is in
-                pending.append(pool.submit(context.run, _code_one, item, advanced, rows, serial))
+                pending.append(pool.submit(_code_one, item, advanced, rows, serial, options))
             if not pending:
                 return
             yield pending.popleft().result()
@@ -305,6 +312,7 @@ def _pipelined(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
     from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
@@ -322,10 +330,10 @@ def _pipelined(
         assert advanced is not None
         advanced(held[index][0], found)
 
-    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell):
+    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell, options):
         key, new, old, op = held.pop(result.key)
         if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
-            yield key, encode_tensor(new, old, op=op)
+            yield key, encode_tensor(new, old, op=op, options=options)
         else:
             yield (
                 key,
@@ -339,6 +347,7 @@ def _pipelined(
                     baseline=None if new.device.type == "cpu" else old,
                     rows=None if rows is None else rows(key),
                     backend=result.backend,
+                    options=options,
                 ),
             )
 

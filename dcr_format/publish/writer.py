@@ -78,8 +78,8 @@ from dcr_format.format.features import (
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
     POSITIONS_CLASSED_FEATURE,
+    EncodeOptions,
     features_for,
-    within_codings,
     writer_features,
 )
 from dcr_format.format.schema import (
@@ -722,8 +722,13 @@ class CanonicalPart:
             if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
                 features -= BASELINE_FEATURES
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
-            coded = encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0]))
-            for (name, tensor, old), encoded in within_codings(features, coded):
+            coded = encode_stream(
+                items,
+                advanced,
+                None if rows is None else lambda i: rows(i[0]),
+                options=EncodeOptions.allowing(features),
+            )
+            for (name, tensor, old), encoded in coded:
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
                 parent = self._fingerprints.get(name) if encoded.op != FULL else None
