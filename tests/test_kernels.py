@@ -355,10 +355,11 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
     for backend in ("torch", "triton"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("DCR_KERNELS", backend)
-            assert _device_classed(bits, positions, dtype) == expected, backend
+            chosen = backend_for(bits, positions)
+            assert _device_classed(bits, positions, dtype, chosen) == expected, backend
             # and back: the reader's class passes on the device find the same positions
             stream = classed.parse_classed(expected, count=positions.numel(), dtype=name)
-            found = _device_positions(stream, bits, name)
+            found = _device_positions(stream, bits, name, chosen)
             assert _same(found.cpu(), positions.cpu()), backend
 
 
