@@ -80,7 +80,7 @@ from dcr_format.format.features import (
     VALUES_RANS_FEATURE,
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
-    allowed_codings,
+    EncodeOptions,
 )
 from dcr_format.format.names import CLASSED
 from dcr_format.format.shard import ZSTD_LEVEL, compress, decode_shard, encode_shard
@@ -196,8 +196,8 @@ def _encode_all(
     op: str,
     features: Sequence[str] = (),
 ) -> list[tuple[str, EncodedTensor]]:
-    with allowed_codings(features):
-        return [(name, encode_tensor(new[name], old[name], op=op)) for name in new]
+    options = EncodeOptions.allowing(features)
+    return [(name, encode_tensor(new[name], old[name], op=op, options=options)) for name in new]
 
 
 def _shard_streams(encoded: list[tuple[str, EncodedTensor]]) -> dict[str, bytes]:

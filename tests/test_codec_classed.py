@@ -838,15 +838,15 @@ def test_a_classed_stream_below_the_floor_plans_no_plain_coding(
         made.append(positions.size)
         return real(positions)
 
-    with features.allowed_codings(["positions-classed"]):
-        want = delta.encode_tensor(new, old, op="xor")
-        monkeypatch.setattr(delta, "PositionsChoice", counting)
-        got = delta.encode_tensor(new, old, op="xor")
-        assert got.positions_coding == "classed" and not made
-        assert (got.positions, got.values) == (want.positions, want.values)
-        monkeypatch.setattr(delta, "plain_size_floor", lambda *args: 0)  # never below it
-        again = delta.encode_tensor(new, old, op="xor")
-        assert made and (again.positions, again.values) == (want.positions, want.values)
+    options = features.EncodeOptions.allowing(["positions-classed"])
+    want = delta.encode_tensor(new, old, op="xor", options=options)
+    monkeypatch.setattr(delta, "PositionsChoice", counting)
+    got = delta.encode_tensor(new, old, op="xor", options=options)
+    assert got.positions_coding == "classed" and not made
+    assert (got.positions, got.values) == (want.positions, want.values)
+    monkeypatch.setattr(delta, "plain_size_floor", lambda *args: 0)  # never below it
+    again = delta.encode_tensor(new, old, op="xor", options=options)
+    assert made and (again.positions, again.values) == (want.positions, want.values)
 
 
 def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from dcr_format.chain.chain import Chain
 from dcr_format.codings import rans, values
 from dcr_format.codings.positions import encode_positions
-from dcr_format.delta.delta import XOR, apply_delta, decode_delta
+from dcr_format.delta.delta import XOR, apply_delta, decode_delta, encode_tensor
 from dcr_format.errors import ArgumentError, SchemaError, UnsupportedFeatureError, ValuesError
 from dcr_format.format import features, schema
 from dcr_format.format.dtypes import info_for
@@ -325,17 +324,14 @@ def test_planes_unless_rans_is_allowed() -> None:
     assert np.array_equal(out, data)
 
 
-def test_within_codings_enables_rans_only_while_items_are_produced() -> None:
-    data = ulp_like(9, 2000)
-
-    def produce() -> Iterator[str]:
-        for _ in range(2):
-            yield values.encode_values(data)[0]
-
-    seen = []
-    for coding in features.within_codings(["values-rans"], produce()):
-        seen.append((coding, values.encode_values(data)[0]))  # the caller's own encoding
-    assert seen == [("rans", "planes"), ("rans", "planes")]
+def test_encode_options_allow_rans_only_where_they_are_passed() -> None:
+    data = torch.from_numpy(ulp_like(9, 2000).view(np.int16)).view(torch.bfloat16)
+    allowed = features.EncodeOptions.allowing(["values-rans", "manifest-zstd"])
+    assert allowed.codings == {"rans"} and allowed.features == ("values-rans",)
+    assert encode_tensor(data, options=allowed).values_coding == "rans"
+    assert encode_tensor(data).values_coding == "planes"  # nothing carried over
+    with features.allowed_codings(["values-rans"]):  # the value encoders' block: not read
+        assert encode_tensor(data).values_coding == "planes"
 
 
 def test_planes_where_rans_does_not_pay() -> None:

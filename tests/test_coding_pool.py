@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dcr_format.delta import dispatch, pipeline
-from dcr_format.format.features import allowed_codings
+from dcr_format.format.features import EncodeOptions
 from dcr_format.kernels import _launch
 from dcr_format.kernels.reference import Diff
 
@@ -48,8 +48,13 @@ def _coded(threads: int, monkeypatch: pytest.MonkeyPatch, seed: int = 1) -> list
     old, new = _model(seed)
     moved: dict[str, Diff] = {}
     items = [(n, new[n], old[n].clone(), None) for n in new]
-    with allowed_codings(FEATURES):
-        out = list(pipeline.encode_stream(items, lambda key, found: moved.update({key: found})))
+    out = list(
+        pipeline.encode_stream(
+            items,
+            lambda key, found: moved.update({key: found}),
+            options=EncodeOptions.allowing(FEATURES),
+        )
+    )
     assert sorted(moved) == sorted(new)  # every baseline advanced in the diff's pass
     for key, _, baseline, _ in items:
         assert torch.equal(baseline.view(torch.uint8), new[key].view(torch.uint8))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from dcr_format.delta.dispatch import kernels_mode
+from dcr_format.delta.backend import kernels_mode
 from dcr_format.kernels.native import native_kernels
 from dcr_format.system.environ import getenv
 

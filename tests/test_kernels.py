@@ -31,8 +31,10 @@ from dcr_format import DeltaReader, DeltaWriter, StateDictTarget  # noqa: E402
 from dcr_format.chain.chain import Chain  # noqa: E402
 from dcr_format.codings import positions as pos_codec  # noqa: E402
 from dcr_format.codings import ulp  # noqa: E402
+from dcr_format.delta import backend as kernels_backend  # noqa: E402
 from dcr_format.delta import delta as delta_codec  # noqa: E402
 from dcr_format.delta import dispatch  # noqa: E402
+from dcr_format.delta.backends import backend_for  # noqa: E402
 from dcr_format.delta.delta import (  # noqa: E402
     OVERWRITE,
     XOR,
@@ -147,7 +149,7 @@ def test_import_and_cpu_path_work_without_triton(tmp_path):
         import dcr_format
         from dcr_format.delta.delta import apply_delta, encode_tensor, decode_delta
         from dcr_format.format.dtypes import info_for
-        from dcr_format.delta.dispatch import KernelsUnavailableError
+        from dcr_format.delta.backend import KernelsUnavailableError
         from dcr_format.delta import dispatch
         old = torch.randn(1000).bfloat16()
         new = old.clone()
@@ -180,25 +182,26 @@ def test_import_and_cpu_path_work_without_triton(tmp_path):
 def test_dispatch_rules(monkeypatch, tk):
     cpu = torch.zeros(3, dtype=torch.int16)
     monkeypatch.delenv("DCR_KERNELS", raising=False)
-    assert dispatch.kernels_mode() == "auto"
-    assert dispatch.backend_for(cpu) == "torch"  # auto: Triton only for CUDA tensors
+    assert kernels_backend.kernels_mode() == "auto"
+    # auto: Triton only for CUDA tensors, the compiled loops for CPU ones
+    assert backend_for(cpu).name == "numba"
     monkeypatch.setenv("DCR_KERNELS", "torch")
-    assert dispatch.backend_for(cpu) == "torch"
+    assert backend_for(cpu).name == "torch"
     monkeypatch.setenv("DCR_KERNELS", " Triton ")
-    assert dispatch.backend_for(cpu) == "triton"  # the interpreter
+    assert backend_for(cpu).name == "triton"  # the interpreter
     monkeypatch.setenv("DCR_KERNELS", "cuda")
     with pytest.raises(ValueError, match="DCR_KERNELS"):
-        dispatch.backend_for(cpu)
+        backend_for(cpu)
     if CUDA:
         monkeypatch.setenv("DCR_KERNELS", "auto")
-        assert dispatch.backend_for(cpu.cuda()) == "triton"
+        assert backend_for(cpu.cuda()).name == "triton"
 
 
 def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch, tk):
     monkeypatch.setenv("DCR_KERNELS", "triton")
     monkeypatch.setattr(tk, "INTERPRETED", False)
-    with pytest.raises(dispatch.KernelsUnavailableError, match="TRITON_INTERPRET=1"):
-        dispatch.backend_for(torch.zeros(3))
+    with pytest.raises(kernels_backend.KernelsUnavailableError, match="TRITON_INTERPRET=1"):
+        backend_for(torch.zeros(3))
 
 
 # --- compare and compact ------------------------------------------------------------------
@@ -353,10 +356,11 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
     for backend in ("torch", "triton"):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("DCR_KERNELS", backend)
-            assert _device_classed(bits, positions, dtype) == expected, backend
+            chosen = backend_for(bits, positions)
+            assert _device_classed(bits, positions, dtype, chosen) == expected, backend
             # and back: the reader's class passes on the device find the same positions
             stream = classed.parse_classed(expected, count=positions.numel(), dtype=name)
-            found = _device_positions(stream, bits, name)
+            found = _device_positions(stream, bits, name, chosen)
             assert _same(found.cpu(), positions.cpu()), backend
 
 
@@ -626,7 +630,7 @@ def test_ulp_dispatch_runs_on_the_device(triton_mode, monkeypatch):
     got_before, got_after, got_lanes = dispatch.apply_ulp_with_lanes(target, positions.cpu(), z)
     assert _same(got_before, before) and _same(got_after, after) and got_lanes == lanes
     assert _same(target[positions], after)
-    assert lanes == dispatch._change_lanes(positions, before, after)
+    assert lanes == kernels_backend.change_lanes(positions, before, after)
     with pytest.raises(IndexError):
         dispatch.apply_ulp_with_lanes(target, torch.tensor([5, 2048], device=DEVICE), z[:2])
     assert _same(target[positions], after)
@@ -792,9 +796,9 @@ def test_cuda_pinned_copies_and_streams(monkeypatch, tk):
     gen = torch.Generator().manual_seed(4)
     old = random_bits(10 * BLOCK + 3, torch.int16, gen)
     new = changed_copy(old, "sparse", gen)
-    host = dispatch.to_host(new)
+    host = kernels_backend.to_host(new)
     assert host.is_pinned() and torch.equal(host, new.cpu())
-    back = dispatch.to_device(host.clone(), DEVICE)
+    back = kernels_backend.to_device(host.clone(), DEVICE)
     assert back.is_cuda and torch.equal(back, new)
     items = [(i, new.view(torch.bfloat16), old.view(torch.bfloat16)) for i in range(6)]
     results = list(DeviceDiffPipeline(items))

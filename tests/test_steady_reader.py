@@ -461,13 +461,14 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
 
     import dcr_format.delta.delta as delta_module
     import dcr_format.sync._apply as apply_module
+    from dcr_format.delta.backend_numba import NumbaBackend
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
     if member == "group":
         _as_group_member(reader)
     calls: list[tuple[str, bool]] = []
     given: list[bool] = []
-    real_resolve, real_apply = delta_module.resolve, delta_module.dispatch.apply_ulp_with_lanes
+    real_resolve, real_apply = delta_module.resolve, NumbaBackend.apply_ulp_with_lanes
 
     def spy(where: str):
         def resolve(delta, target, *, keep_before=False):
@@ -477,13 +478,13 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
 
         return resolve
 
-    def apply(flat, positions, z, *, lanes=True, before=None):
+    def apply(self, flat, positions, z, *, lanes=True, before=None):
         given.append(before is not None)
-        return real_apply(flat, positions, z, lanes=lanes, before=before)
+        return real_apply(self, flat, positions, z, lanes=lanes, before=before)
 
     monkeypatch.setattr(targets_module, "resolve", spy("transaction"))
     monkeypatch.setattr(apply_module, "resolve", spy("early"))
-    monkeypatch.setattr(delta_module.dispatch, "apply_ulp_with_lanes", apply)
+    monkeypatch.setattr(NumbaBackend, "apply_ulp_with_lanes", apply)
     reader.sync()  # one version: changes decoded before the last are completed early
     assert len(calls) == len(entries)
     if member == "group":

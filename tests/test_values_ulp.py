@@ -333,8 +333,7 @@ def test_a_resolved_ulp_change_applies_stages_and_undoes(
     old = (torch.randn(40_000, generator=gen) * 0.02).bfloat16()
     new = (old.float() + 1e-4 * torch.randn(40_000, generator=gen)).bfloat16()
     new = torch.where(torch.rand(40_000, generator=gen) < 0.95, old, new)
-    with features.allowed_codings(FEATURES):
-        enc = d.encode_tensor(new, old)
+    enc = d.encode_tensor(new, old, options=features.EncodeOptions.allowing(FEATURES))
     assert enc.values_coding == "ulp" and enc.positions and enc.values
     decoded = d.decode_delta(
         "xor",

@@ -225,8 +225,7 @@ def test_a_tensor_round_trips_through_encode_decode_and_resolve(
         moved = old.double() + step * torch.randn(50_000, generator=gen, dtype=torch.float64)
         keep = torch.rand(50_000, generator=gen) < 0.97
         new = torch.where(keep, old, moved.to(dtype))
-        with features.allowed_codings(FEATURES):
-            enc = encode_tensor(new, old)
+        enc = encode_tensor(new, old, options=features.EncodeOptions.allowing(FEATURES))
         assert enc.values_coding == "ulp-shift", dtype
         assert enc.positions is not None and enc.values is not None
         delta = decode_delta(

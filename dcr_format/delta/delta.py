@@ -14,11 +14,11 @@ which also shifts them by the old value's exponent): where the writer is allowed
 shorter, :func:`encode_diff` keeps it, and :func:`decode_delta` then returns a change that
 :func:`resolve` completes against the tensor it is about to be applied to.
 
-Diffing and applying run on the tensors' own device, through the kernel
-dispatcher of :mod:`dcr_format.delta.dispatch` (Triton kernels for CUDA tensors,
-their torch reference elsewhere: the results are bit-identical); stream coding
-runs on the host over the compacted payload only, which leaves a GPU through
-pinned memory.
+Diffing and applying run on the tensors' own device, through one
+:class:`~dcr_format.delta.backend.Backend` per tensor (Triton kernels for CUDA tensors, the
+compiled loops for CPU ones, or their torch reference: the results are bit-identical),
+chosen where a function starts on a tensor or given by its caller; stream coding runs on the
+host over the compacted payload only, which leaves a GPU through pinned memory.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from dcr_format.codings.rans import decode_rans
 from dcr_format.codings.ulp import FLOAT_DTYPES, from_ulp, to_ulp, ulp_of_change
 from dcr_format.codings.ulp_shift import join, parse
 from dcr_format.codings.values import decode_values, encode_values, encode_xor_values
-from dcr_format.delta import dispatch
+from dcr_format.delta.backend import Backend, to_device, to_host
+from dcr_format.delta.backends import backend_for
 from dcr_format.delta.positions import decode_positions_to
 from dcr_format.errors import PositionsError, TargetError, ValuesError
-from dcr_format.format import features
 from dcr_format.format.dtypes import (
     UNSIGNED_NP,
     DtypeInfo,
@@ -60,6 +60,7 @@ from dcr_format.format.dtypes import (
     info_for,
     numpy_to_bits,
 )
+from dcr_format.format.features import NO_CODINGS, EncodeOptions, allowed_codings
 from dcr_format.format.names import CLASSED, FULL, OPS, OVERWRITE, ULP, ULP_SHIFT, XOR
 from dcr_format.kernels.reference import Diff
 
@@ -137,7 +138,8 @@ class EncodedTensor:
 
 def changed_positions(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """Flat int64 indices (sorted) where the bits of ``old`` and ``new`` differ."""
-    return dispatch.changed_positions(bits_view(old).reshape(-1), bits_view(new).reshape(-1))
+    old_bits, new_bits = bits_view(old).reshape(-1), bits_view(new).reshape(-1)
+    return backend_for(old_bits, new_bits).changed_positions(old_bits, new_bits)
 
 
 def _estimate(values: bytes) -> int:
@@ -145,13 +147,19 @@ def _estimate(values: bytes) -> int:
 
 
 def encode_tensor(
-    new: torch.Tensor, old: torch.Tensor | None = None, *, op: str | None = None
+    new: torch.Tensor,
+    old: torch.Tensor | None = None,
+    *,
+    op: str | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> EncodedTensor:
     """Encode the change from ``old`` to ``new``.
 
     ``op=None`` chooses by size: ``full`` when there is no comparable ``old``
     (absent, other dtype or shape), else ``xor``, or ``full`` when the change rate
     is high and ``full`` encodes smaller. ``xor`` and ``overwrite`` need ``old``.
+    ``options``: the codings beyond the ones every reader has that the encoder may use
+    (where they are smaller); none by default.
     """
     info_for(new.dtype)  # refuses dtypes the format cannot carry
     is_comparable = comparable(new, old)
@@ -160,12 +168,12 @@ def encode_tensor(
     if op in (XOR, OVERWRITE) and not is_comparable:
         raise ValueError(f"op {op!r} needs a baseline of the same dtype and shape")
     if not is_comparable or op == FULL:
-        return _encode_full(new)
+        return _encode_full(new, options)
     assert old is not None
-    found = dispatch.diff(
-        bits_view(old).reshape(-1), bits_view(new).reshape(-1), want_xor=op != OVERWRITE
-    )
-    return encode_diff(new, found, op=op)
+    old_bits, new_bits = bits_view(old).reshape(-1), bits_view(new).reshape(-1)
+    backend = backend_for(old_bits, new_bits)
+    found = backend.diff(old_bits, new_bits, want_xor=op != OVERWRITE)
+    return encode_diff(new, found, op=op, backend=backend, options=options)
 
 
 def comparable(new: torch.Tensor, old: torch.Tensor | None) -> bool:
@@ -182,6 +190,8 @@ def encode_diff(
     lane_deltas: tuple[int, ...] | None = None,
     baseline: torch.Tensor | None = None,
     rows: np.ndarray | None = None,
+    backend: Backend | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> EncodedTensor:
     """Encode a computed change of ``new`` (the second half of :func:`encode_tensor`).
 
@@ -191,9 +201,11 @@ def encode_diff(
     the positions and of the values to encode (already fetched, e.g. by a pipeline);
     ``lane_deltas`` the change's fingerprint lane deltas, kept for the writer;
     ``baseline`` the old tensor where it still holds the old bits on a device (there the
-    ``classed`` classes and ranks are computed, :func:`dcr_format.delta.dispatch.class_ranks`);
+    ``classed`` classes and ranks are computed, :meth:`.Backend.class_ranks`);
     ``rows`` the exponent rows of the old bits where the writer keeps them (host tensors;
-    the result carries those of the new bits, :attr:`EncodedTensor.rows`).
+    the result carries those of the new bits, :attr:`EncodedTensor.rows`); ``backend`` the
+    one that found the change (else chosen for ``new``); ``options`` the codings allowed
+    (see :func:`encode_tensor`).
     """
     positions, new_values = found.positions, found.new_values
     changed = int(positions.numel())
@@ -201,15 +213,17 @@ def encode_diff(
         return EncodedTensor(
             op or XOR, 0, None, None, None, None, lane_deltas=lane_deltas, rows=rows
         )
+    if backend is None:
+        backend = backend_for(bits_view(new))
     if host is None:
         picked = new_values if op == OVERWRITE else found.xor_values
         assert picked is not None
-        host = (dispatch.to_host(positions), dispatch.to_host(picked))
+        host = (to_host(positions), to_host(picked))
     at = host[0].numpy()
     plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
     pos_coding, pos_bytes = None, None
     new_rows = None
-    if op in (None, XOR) and _classed_wanted(new, baseline):  # host[1]: the XOR bits
+    if op in (None, XOR) and _classed_wanted(new, baseline, options):  # host[1]: the XOR bits
         runs = None
         if new.device.type == "cpu":
             coded, new_rows, runs = encode_classed_counted(
@@ -222,7 +236,7 @@ def encode_diff(
             )
         else:
             assert baseline is not None
-            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype)
+            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
         # below the floor of every plain coding, those need no plan (a pass over the positions)
         if runs is not None and len(coded) < plain_size_floor(changed, int(at[-1]), runs):
             pos_coding, pos_bytes = CLASSED, coded
@@ -235,25 +249,30 @@ def encode_diff(
             plain = PositionsChoice(at)
         pos_coding, pos_bytes = plain.coding, plain.encode()
     xor_bits = bits_to_numpy(host[1])
-    allowed = features.allowed()
+    allowed = options.codings
     dtype = info_for(new.dtype).name
     if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
-        on_device = _device_ulp_of_change(new, found, want_old=True)
+        on_device = _device_ulp_of_change(new, found, backend, want_old=True)
         if on_device is not None:
             differences, before = on_device
         else:
             before = _old_of_change(new, positions, xor_bits, found.new_values)
             differences = to_ulp(before, before ^ xor_bits)
-        val_coding, val_bytes = encode_xor_values(xor_bits, differences, old=before, dtype=dtype)
+        with allowed_codings(options.features):  # the value encoders' codings
+            val_coding, val_bytes = encode_xor_values(
+                xor_bits, differences, old=before, dtype=dtype
+            )
     elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
-        on_device = _device_ulp_of_change(new, found, want_old=False)
+        on_device = _device_ulp_of_change(new, found, backend, want_old=False)
         if on_device is not None:
             differences = on_device[0]
         else:
             differences = _ulp_differences(new, positions, xor_bits, found.new_values)
-        val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+        with allowed_codings(options.features):
+            val_coding, val_bytes = encode_xor_values(xor_bits, differences)
     else:
-        val_coding, val_bytes = encode_values(xor_bits)
+        with allowed_codings(options.features):
+            val_coding, val_bytes = encode_values(xor_bits)
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -271,7 +290,7 @@ def encode_diff(
         new_rows,
     )
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
-        full = _encode_full(new)
+        full = _encode_full(new, options)
         assert full.values is not None and val_bytes is not None
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
             return replace(full, rows=new_rows)  # the same new bits
@@ -279,24 +298,24 @@ def encode_diff(
 
 
 def _device_ulp_of_change(
-    new: torch.Tensor, found: Diff, *, want_old: bool
+    new: torch.Tensor, found: Diff, backend: Backend, *, want_old: bool
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The zigzag ulp differences of a change (and, ``want_old``, its old bits) computed on
-    the tensors' device by the Triton kernels (:func:`dispatch.ulp_on_device`), then fetched
+    the tensors' device by the Triton kernels (:meth:`Backend.ulp_on_device`), then fetched
     to the host for the entropy coder; None where they do not run there."""
     flat = bits_view(new).reshape(-1)
-    if found.xor_values is None or not dispatch.ulp_on_device(flat):
+    if found.xor_values is None or not backend.ulp_on_device(flat):
         return None
     new_values = found.new_values
-    z, old = dispatch.ulp_of_change(
+    z, old = backend.ulp_of_change(
         flat,
         found.positions.to(flat.device),
         found.xor_values.to(flat.device),
         None if new_values is None else new_values.to(flat.device),
         want_old=want_old,
     )
-    differences = bits_to_numpy(dispatch.to_host(z))
-    before = bits_to_numpy(dispatch.to_host(old)) if old is not None else differences[:0]
+    differences = bits_to_numpy(to_host(z))
+    before = bits_to_numpy(to_host(old)) if old is not None else differences[:0]
     return differences, before
 
 
@@ -309,7 +328,7 @@ def _ulp_differences(
     """The zigzag ulp differences of a change (``xor_bits``: its XOR bits on the host)."""
     if new_values is None and new.device.type == "cpu":  # new bits read in the same loop
         flat = bits_to_numpy(bits_view(new).reshape(-1))
-        return ulp_of_change(flat, dispatch.to_host(positions).numpy(), xor_bits)
+        return ulp_of_change(flat, to_host(positions).numpy(), xor_bits)
     before = _old_of_change(new, positions, xor_bits, new_values)
     return to_ulp(before, before ^ xor_bits)
 
@@ -323,7 +342,7 @@ def _old_of_change(
     """The old bits of a change (``xor_bits``: its XOR bits on the host), from its new bits
     where the diff kept them, else read from ``new`` at the positions (O(changed))."""
     if new_values is not None:
-        after = bits_to_numpy(dispatch.to_host(new_values))
+        after = bits_to_numpy(to_host(new_values))
     else:
         after = _bits_at(bits_view(new).reshape(-1), positions)
     out: np.ndarray = after ^ xor_bits
@@ -333,51 +352,58 @@ def _old_of_change(
 def _bits_at(flat: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
     """The bits of ``flat`` (a flat bit view) at ``positions``, on the host (O(changed): the
     gather runs on the tensor's device)."""
-    return bits_to_numpy(dispatch.to_host(flat[positions.to(flat.device)]))
+    return bits_to_numpy(to_host(flat[positions.to(flat.device)]))
 
 
-def _classed_wanted(new: torch.Tensor, baseline: torch.Tensor | None) -> bool:
+def _classed_wanted(
+    new: torch.Tensor, baseline: torch.Tensor | None, options: EncodeOptions
+) -> bool:
     """Whether ``classed`` positions are allowed here and can apply to ``new``: a float
     tensor in host memory (its new bits and the XOR bits give the old ones), or on a device
     next to its old bits (``baseline``)."""
     return (
-        CLASSED in features.allowed()
+        CLASSED in options.codings
         and info_for(new.dtype).name in EXPONENT_FIELDS
         and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
     )
 
 
-def _device_positions(stream: ClassedStream, old: torch.Tensor, dtype: str) -> torch.Tensor:
+def _device_positions(
+    stream: ClassedStream, old: torch.Tensor, dtype: str, backend: Backend
+) -> torch.Tensor:
     """The positions of a ``classed`` stream with the class passes on ``old``'s device (the
     class sizes come to the host to decode the ranks, which go back)."""
     shift, mask = EXPONENT_FIELDS[dtype]
     base, count = stream.base, stream.classes
-    sizes = dispatch.class_sizes(old, shift, mask, base, count).cpu().numpy()
+    sizes = backend.class_sizes(old, shift, mask, base, count).cpu().numpy()
     ranks = torch.from_numpy(class_ranks_of(stream, sizes)).to(old.device)
     classes = torch.repeat_interleave(
         torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
         torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
     ).to(old.device)
-    return dispatch.class_positions(old, shift, mask, base, count, classes, ranks)
+    return backend.class_positions(old, shift, mask, base, count, classes, ranks)
 
 
-def _device_classed(old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> bytes:
+def _device_classed(
+    old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, backend: Backend
+) -> bytes:
     """The ``classed`` stream with the class passes on the tensors' device (the histograms
     and the classes and ranks of the changes come to the host, not the tensor)."""
     name = info_for(dtype).name
     shift, mask = EXPONENT_FIELDS[name]
-    everything, changed = dispatch.exponent_histograms(old, positions, shift, mask)
+    everything, changed = backend.exponent_histograms(old, positions, shift, mask)
     base, count = choose_classes(everything.cpu().numpy(), changed.cpu().numpy())
-    classes, ranks = dispatch.class_ranks(old, positions, shift, mask, base, count)
+    classes, ranks = backend.class_ranks(old, positions, shift, mask, base, count)
     return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
 
 
-def _encode_full(new: torch.Tensor) -> EncodedTensor:
+def _encode_full(new: torch.Tensor, options: EncodeOptions) -> EncodedTensor:
     bits = bits_view(new).reshape(-1)
     advance = DecodedDelta(FULL, None, bits.clone())
     if new.numel() == 0:  # a full entry of no elements carries no streams
         return EncodedTensor(FULL, 0, None, None, None, None, advance)
-    coding, data = encode_values(bits_to_numpy(bits))
+    with allowed_codings(options.features):
+        coding, data = encode_values(bits_to_numpy(bits))
     return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
 
 
@@ -427,7 +453,7 @@ def decode_delta(
             raw = decode_rans(values[1], count=changed, width=info.width)
     else:
         raw = decode_values(values[0], values[1], count=changed, width=info.width)
-    vals = dispatch.to_device(numpy_to_bits(raw, info), device)
+    vals = to_device(numpy_to_bits(raw, info), device)
     if op == FULL:
         return DecodedDelta(op, None, vals)
     assert positions is not None
@@ -460,7 +486,11 @@ def rans_part(
 
 
 def resolve(
-    delta: DecodedDelta, target: torch.Tensor, *, keep_before: bool = False
+    delta: DecodedDelta,
+    target: torch.Tensor,
+    *,
+    keep_before: bool = False,
+    backend: Backend | None = None,
 ) -> DecodedDelta:
     """``delta`` completed against ``target`` where it was coded against the old bits: its
     positions found (``classed``) and its values turned into XOR bits (``ulp``,
@@ -470,13 +500,16 @@ def resolve(
     ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`.
     ``keep_before``: the caller applies the result to ``target`` next, with nothing
     written there in between, so the old bits the select pass read at the positions go
-    with it (``before``) and :func:`apply_change` does not read them again."""
+    with it (``before``) and :func:`apply_change` does not read them again. ``backend``:
+    the target's (else chosen for it)."""
     if not delta.needs_target:
         return delta
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     info = info_for(target.dtype)
     flat = bits_view(target).reshape(-1)
+    if backend is None:
+        backend = backend_for(flat)
     positions = delta.positions
     before: np.ndarray | None = None  # the old bits at the positions, where the select read them
     if delta.classed is not None and flat.device.type == "cpu":
@@ -486,7 +519,8 @@ def resolve(
         found = _decode_classed_at(delta.classed, delta.rows, held, info.name, before)
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
-        positions = _device_positions(delta.classed, flat, info.name).to(delta.values.device)
+        positions = _device_positions(delta.classed, flat, info.name, backend)
+        positions = positions.to(delta.values.device)
     assert positions is not None
     values = delta.values
     if delta.ulp:
@@ -494,16 +528,16 @@ def resolve(
             raise PositionsError("a position of the change is past the end of the tensor")
         if delta.shift is None:  # stepped while applying, or turned into XOR bits here
             ready = DecodedDelta(delta.op, positions, values, ulp=True)
-            return ready if dispatch.fuses_ulp(flat, positions) else _as_xor(ready, flat)
+            return ready if backend.fuses_ulp(flat, positions) else _as_xor(ready, flat, backend)
         if before is None:  # the shifts come from the old bits' exponents
             before = _bits_at(flat, positions)
         origin, low = delta.shift
-        z = join(before, bits_to_numpy(dispatch.to_host(values)), origin, low, info.name)
-        if dispatch.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
+        z = join(before, bits_to_numpy(to_host(values)), origin, low, info.name)
+        if backend.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
             kept = numpy_to_bits(before, info) if keep_before else None
             return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True, before=kept)
         xor = before ^ from_ulp(before, z)
-        values = dispatch.to_device(numpy_to_bits(xor, info), values.device)
+        values = to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values)
 
 
@@ -577,54 +611,67 @@ def _ready_ulp(delta: DecodedDelta) -> torch.Tensor:
     return delta.positions
 
 
-def _as_xor(delta: DecodedDelta, flat: torch.Tensor) -> DecodedDelta:
+def _as_xor(delta: DecodedDelta, flat: torch.Tensor, backend: Backend) -> DecodedDelta:
     """A resolved ``ulp`` change as XOR bits against ``flat`` (where the kernels do not fuse
-    the step with the write)."""
+    the step with the write), computed on ``flat``'s device."""
     positions = _ready_ulp(delta)
-    before = _bits_at(flat, positions)
-    z = bits_to_numpy(dispatch.to_host(delta.values))
-    xor = numpy_to_bits(before ^ from_ulp(before, z), info_for(flat.dtype))
-    return DecodedDelta(delta.op, positions, dispatch.to_device(xor, delta.values.device))
+    before = flat[positions.to(flat.device)]
+    xor = before ^ _stepped(before, delta.values, backend)
+    return DecodedDelta(delta.op, positions, to_device(xor, delta.values.device))
 
 
-def after_bits(delta: DecodedDelta, before: torch.Tensor) -> torch.Tensor:
+def _stepped(before: torch.Tensor, z: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """The bits ``z`` zigzag ulp differences away from ``before`` (a bit view), on
+    ``before``'s device: the backend's step where it runs the ``ulp`` passes there or the
+    bits are on a device (nothing leaves it), else the host coding's loop."""
+    z = z.to(before.device)
+    if backend.ulp_on_device(before) or before.device.type != "cpu":
+        return backend.ulp_step(before, z)
+    return numpy_to_bits(from_ulp(bits_to_numpy(before), bits_to_numpy(z)), info_for(before.dtype))
+
+
+def after_bits(
+    delta: DecodedDelta, before: torch.Tensor, *, backend: Backend | None = None
+) -> torch.Tensor:
     """The bits a resolved ``xor``/``overwrite``/``ulp`` change puts at its positions, given
-    the bits ``before`` there."""
+    the bits ``before`` there (``backend``: theirs, else chosen for them)."""
     values = delta.values.to(before.device)
     if delta.ulp:
-        if dispatch.ulp_on_device(before):
-            return dispatch.ulp_step(before, values)
-        z = bits_to_numpy(dispatch.to_host(values))
-        old = bits_to_numpy(dispatch.to_host(before))
-        new = numpy_to_bits(from_ulp(old, z), info_for(before.dtype))
-        return dispatch.to_device(new, before.device)
+        return _stepped(before, values, backend or backend_for(before))
     return before ^ values if delta.op == XOR else values
 
 
 def apply_change(
-    target: torch.Tensor, delta: DecodedDelta, *, lanes: bool = True, keep_old: bool = True
+    target: torch.Tensor,
+    delta: DecodedDelta,
+    *,
+    lanes: bool = True,
+    keep_old: bool = True,
+    backend: Backend | None = None,
 ) -> AppliedBits:
     """Apply in place, reading the old bits and (``lanes``) summing the fingerprint lane
     deltas of the change in the same pass (FORMAT.md §9.1), so a reader needs no second
     look. ``keep_old=False``: a ``full`` write keeps no copy of the bits it replaces (the
-    tensor was new: nothing to undo)."""
+    tensor was new: nothing to undo). ``backend``: the target's (else chosen for it)."""
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
+    if backend is None:
+        backend = backend_for(flat)
     if delta.ulp:  # old bits read, stepped and written in one pass where the kernels can
         positions = _ready_ulp(delta).to(flat.device)
-        if not dispatch.fuses_ulp(flat, positions):
-            xor = _as_xor(delta, flat)
-            done = apply_change(target, xor, lanes=lanes)
+        if not backend.fuses_ulp(flat, positions):
+            xor = _as_xor(delta, flat, backend)
+            done = apply_change(target, xor, lanes=lanes, backend=backend)
             assert done.before is not None
             after = done.before ^ xor.values.to(done.before.device)
             return AppliedBits(done.before, done.before, done.lane_deltas, after)
-        z = dispatch.to_device(delta.values, flat.device)
-        before, after, lane_deltas = dispatch.apply_ulp_with_lanes(
+        z = to_device(delta.values, flat.device)
+        before, after, lane_deltas = backend.apply_ulp_with_lanes(
             flat, positions, z, lanes=lanes, before=delta.before
         )
         return AppliedBits(before, before, lane_deltas if lanes else None, after)
-    values = dispatch.to_device(delta.values, flat.device)
+    values = to_device(delta.values, flat.device)
     if delta.op == FULL:
         if values.numel() != flat.numel():
             raise TargetError(f"full value count {values.numel()} != tensor size {flat.numel()}")
@@ -632,8 +679,8 @@ def apply_change(
         flat.copy_(values)
         return AppliedBits(old, None, None)
     assert delta.positions is not None
-    positions = dispatch.to_device(delta.positions, flat.device)
-    before, lane_deltas = dispatch.apply_with_lanes(
+    positions = to_device(delta.positions, flat.device)
+    before, lane_deltas = backend.apply_with_lanes(
         flat, positions, values, op=delta.op, lanes=lanes
     )
     return AppliedBits(
@@ -653,7 +700,9 @@ class StagedChange:
     lane_deltas: tuple[int, ...]
 
 
-def stage_change(target: torch.Tensor, delta: DecodedDelta) -> StagedChange:
+def stage_change(
+    target: torch.Tensor, delta: DecodedDelta, *, backend: Backend | None = None
+) -> StagedChange:
     """Read, never write, what :func:`apply_change` would do to ``target`` (one pass over
     the positions), so the tensor can stay in use meanwhile; the write that makes the
     change (:func:`put_staged`) is then a plain scatter of ``after``."""
@@ -662,26 +711,28 @@ def stage_change(target: torch.Tensor, delta: DecodedDelta) -> StagedChange:
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
-    if delta.ulp and not dispatch.fuses_ulp(flat, _ready_ulp(delta)):
-        delta = _as_xor(delta, flat)
+    if backend is None:
+        backend = backend_for(flat)
+    if delta.ulp and not backend.fuses_ulp(flat, _ready_ulp(delta)):
+        delta = _as_xor(delta, flat, backend)
     assert delta.positions is not None
-    positions = dispatch.to_device(delta.positions, flat.device)
-    values = dispatch.to_device(delta.values, flat.device)
+    positions = to_device(delta.positions, flat.device)
+    values = to_device(delta.values, flat.device)
     op = ULP if delta.ulp else delta.op
-    before, after, lane_deltas = dispatch.stage_change(flat, positions, values, op=op)
+    before, after, lane_deltas = backend.stage_change(flat, positions, values, op=op)
     return StagedChange(positions, before, after, lane_deltas)
 
 
 def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
     """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
     flat = bits_view(target).reshape(-1)
-    dispatch.scatter(flat, staged.positions, staged.after, op=OVERWRITE)
+    backend_for(flat).scatter(flat, staged.positions, staged.after, op=OVERWRITE)
 
 
 def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
     """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
     flat = bits_view(target).reshape(-1)
-    dispatch.scatter(flat, staged.positions, staged.before, op=OVERWRITE)
+    backend_for(flat).scatter(flat, staged.positions, staged.before, op=OVERWRITE)
 
 
 def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
@@ -697,12 +748,13 @@ def undo_delta(target: torch.Tensor, delta: DecodedDelta, saved: torch.Tensor | 
         flat.copy_(saved)
         return
     assert delta.positions is not None
-    positions = dispatch.to_device(delta.positions, flat.device)
+    positions = to_device(delta.positions, flat.device)
+    backend = backend_for(flat)
     if delta.op == XOR and not delta.ulp:  # (a ulp change saved the bits it replaced)
-        dispatch.scatter(flat, positions, dispatch.to_device(delta.values, flat.device), op=XOR)
+        backend.scatter(flat, positions, to_device(delta.values, flat.device), op=XOR)
     else:
         assert saved is not None
-        dispatch.scatter(flat, positions, saved.to(flat.device), op=OVERWRITE)
+        backend.scatter(flat, positions, saved.to(flat.device), op=OVERWRITE)
 
 
 __all__ = [

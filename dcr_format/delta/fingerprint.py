@@ -30,7 +30,7 @@ CPU tensors go through compiled loops (:mod:`dcr_format.kernels.numba_kernels`, 
 parallel pass of per-row uint64 sums, reduced before they can overflow) when numba
 imports and ``DCR_KERNELS`` is not ``torch``; the torch code here is the reference
 they match exactly. Lane deltas of a change (``sum (g(new) - g(old)) * r``, from
-:func:`dcr_format.delta.dispatch.diff_with_lanes` or ``apply_with_lanes``) are added
+:meth:`dcr_format.delta.backend.Backend.diff_with_lanes` or ``apply_with_lanes``) are added
 to lanes with :func:`apply_lane_deltas`.
 """
 

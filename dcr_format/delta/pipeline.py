@@ -17,10 +17,10 @@ runs on the GPU while i is copied out and then coded on the host (rice/ranges,
 byte planes, zstd) by the consumer. What does not overlap: the compaction of
 i+1 waits for its own total (one short host wait per tensor), and host coding of
 different tensors is sequential. On CPU one fused pass
-(:func:`dcr_format.delta.dispatch.diff_with_lanes`) finds the change and also sums
+(:meth:`dcr_format.delta.backend.Backend.diff_with_lanes`) finds the change and also sums
 its fingerprint lane deltas, so the writer needs no second pass over the changed
-elements. Results equal :func:`dcr_format.delta.dispatch.diff`
-bit for bit.
+elements. Each item's backend is chosen once, when its scan starts, and codes it to the
+end. Results equal :meth:`dcr_format.delta.backend.Backend.diff` bit for bit.
 
 :func:`encode_stream` feeds the pipeline into the host coder and yields exactly
 what :func:`dcr_format.delta.delta.encode_tensor` returns for each item. A stream of CPU
@@ -36,7 +36,6 @@ that took a publish from 0.46 to 0.40 s at 1% change and from 1.11 to 0.80 s at 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import itertools
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -49,9 +48,10 @@ import numpy as np
 import torch
 
 from dcr_format.codings.ulp import FLOAT_DTYPES
-from dcr_format.delta.dispatch import PendingDiff, diff_with_lanes
+from dcr_format.delta.backend import Backend, PendingDiff
+from dcr_format.delta.backends import backend_for
 from dcr_format.format.dtypes import bits_view, info_for
-from dcr_format.format.features import BASELINE_CODINGS, allowed
+from dcr_format.format.features import BASELINE_CODINGS, NO_CODINGS, EncodeOptions
 from dcr_format.kernels.native import compiled
 from dcr_format.kernels.reference import OVERWRITE, Diff
 from dcr_format.system.pools import kept_pool
@@ -75,12 +75,14 @@ class Compacted:
     host: tuple[torch.Tensor, torch.Tensor] | None  # positions, values to encode (xor or new)
     # fingerprint lane deltas of the change (the CPU's fused pass computes them), else None
     lane_deltas: tuple[int, ...] | None = None
+    backend: Backend | None = None  # the one that found the change
 
 
 @dataclass
 class _State:
     key: Any
     op: str | None
+    backend: Backend | None = None
     pending: PendingDiff | None = None
     lane_deltas: tuple[int, ...] | None = None
     stream: Any = None  # torch.cuda.Stream when on CUDA
@@ -99,15 +101,19 @@ class DeviceDiffPipeline:
     ``new`` in place and calls ``advanced(key, diff)`` right then; the diff holds the XOR
     bits, so ``old[positions] ^= xor_values`` undoes it, and the new bits only when the
     op is ``overwrite`` (they are what it sends). Device tensors are not advanced.
+    ``options``: the codings the items' encoder may use (a coding against the old bits
+    needs the new bits at the positions, which the CPU's pass then keeps).
     """
 
     def __init__(
         self,
         items: Iterable[tuple[Any, ...]],
         advanced: Callable[[Any, Diff], None] | None = None,
+        options: EncodeOptions = NO_CODINGS,
     ) -> None:
         self.items = items
         self.advanced = advanced
+        self.options = options
         self._streams: list[Any] = []
         self._turn = 0
 
@@ -129,6 +135,7 @@ class DeviceDiffPipeline:
             return state
         new_bits, old_bits = bits_view(new).reshape(-1), bits_view(old).reshape(-1)
         want_xor = op != OVERWRITE
+        state.backend = backend = backend_for(old_bits, new_bits)
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
             advance = self.advanced is not None and old_bits.is_contiguous()
@@ -138,10 +145,10 @@ class DeviceDiffPipeline:
             # cache on every element)
             against_old = (
                 want_xor
-                and not allowed().isdisjoint(BASELINE_CODINGS)
+                and not self.options.codings.isdisjoint(BASELINE_CODINGS)
                 and info_for(new.dtype).name in FLOAT_DTYPES
             )
-            state.diff, state.lane_deltas = diff_with_lanes(
+            state.diff, state.lane_deltas = backend.diff_with_lanes(
                 old_bits,
                 new_bits,
                 want_new=not (advance and want_xor) or against_old,
@@ -158,7 +165,7 @@ class DeviceDiffPipeline:
         for tensor in (new_bits, old_bits):
             tensor.record_stream(state.stream)
         with torch.cuda.stream(state.stream):
-            state.pending = PendingDiff(old_bits, new_bits, want_xor=want_xor)
+            state.pending = backend.start_diff(old_bits, new_bits, want_xor=want_xor)
         return state
 
     def _compact(self, state: _State) -> None:
@@ -202,7 +209,7 @@ class DeviceDiffPipeline:
             for tensor in (state.diff.positions, state.diff.new_values, state.diff.xor_values):
                 if tensor is not None:
                     tensor.record_stream(consumer)
-        return Compacted(state.key, state.diff, state.host, state.lane_deltas)
+        return Compacted(state.key, state.diff, state.host, state.lane_deltas, state.backend)
 
     def __iter__(self) -> Iterator[Compacted]:
         items = iter(self.items)
@@ -218,6 +225,8 @@ def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
+    *,
+    options: EncodeOptions = NO_CODINGS,
 ) -> Generator[tuple[Any, EncodedTensor], None, None]:
     """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined
     on CUDA, on a pool of threads where the first tensor is on the CPU (see the module
@@ -227,16 +236,17 @@ def encode_stream(
     ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`; from
     the pool's threads, but never after the stream ended or was closed: it waits for the
     tensors in flight first). ``rows(key)``: the exponent rows the caller keeps of ``old``,
-    or None (see :func:`dcr_format.delta.delta.encode_diff`).
+    or None (see :func:`dcr_format.delta.delta.encode_diff`). ``options``: the codings the
+    encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`).
     """
     iterator = iter(items)
     first = next(iterator, None)
     if first is None:
         return
     if first[1].device.type == "cpu" and CODING_THREADS > 1:
-        yield from _pooled(first, iterator, advanced, rows)
+        yield from _pooled(first, iterator, advanced, rows, options)
     else:
-        yield from _pipelined(itertools.chain((first,), iterator), advanced, rows)
+        yield from _pipelined(itertools.chain((first,), iterator), advanced, rows, options)
 
 
 CODING_THREADS = 2
@@ -257,11 +267,12 @@ def _code_one(
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
     serial: ModuleType | None,
+    options: EncodeOptions,
 ) -> tuple[Any, EncodedTensor]:
     """One item through :func:`_pipelined` on a pool thread (with the kernels' serial twins
     where ``serial``, the launch module, is given)."""
     with contextlib.nullcontext() if serial is None else serial.serial_kernels():
-        return next(_pipelined([item], advanced, rows))
+        return next(_pipelined([item], advanced, rows, options))
 
 
 def _pooled(
@@ -269,9 +280,10 @@ def _pooled(
     rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
+    options: EncodeOptions,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
-    coded in a copy of the caller's context (the codings allowed) and yielded in order.
+    yielded in order.
     Whatever ends the stream (its end, an error, the caller closing it), every tensor in
     flight has finished before control returns: none advances its baseline later."""
     threads = CODING_THREADS
@@ -286,8 +298,7 @@ def _pooled(
                 item = next(items, None)
                 if item is None:
                     break
-                context = contextvars.copy_context()  # the block the caller's loop is in
-                pending.append(pool.submit(context.run, _code_one, item, advanced, rows, serial))
+                pending.append(pool.submit(_code_one, item, advanced, rows, serial, options))
             if not pending:
                 return
             yield pending.popleft().result()
@@ -301,6 +312,7 @@ def _pipelined(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
+    options: EncodeOptions = NO_CODINGS,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
     from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
@@ -318,10 +330,10 @@ def _pipelined(
         assert advanced is not None
         advanced(held[index][0], found)
 
-    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell):
+    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell, options):
         key, new, old, op = held.pop(result.key)
         if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
-            yield key, encode_tensor(new, old, op=op)
+            yield key, encode_tensor(new, old, op=op, options=options)
         else:
             yield (
                 key,
@@ -334,6 +346,8 @@ def _pipelined(
                     # a device baseline still holds the old bits (the CPU pass advanced its own)
                     baseline=None if new.device.type == "cpu" else old,
                     rows=None if rows is None else rows(key),
+                    backend=result.backend,
+                    options=options,
                 ),
             )
 

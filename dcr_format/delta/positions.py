@@ -25,7 +25,8 @@ from dcr_format.codings.positions import (
     ranges_runs,
     rice_gaps,
 )
-from dcr_format.delta import dispatch
+from dcr_format.delta.backend import to_device
+from dcr_format.delta.backends import backend_on
 from dcr_format.errors import PositionsError
 from dcr_format.format.names import RANGES, RICE
 
@@ -48,11 +49,12 @@ def decode_positions_split(
     if count < 0 or count > numel or numel >= 1 << 63:
         raise PositionsError(f"entry declares {count} changed positions for {numel} elements")
     device = torch.device(device)
+    backend = backend_on(device)
     if coding == RANGES:
         starts, lengths = ranges_runs(data, count=count, numel=numel)
-        return dispatch.expand_ranges(
-            dispatch.to_device(torch.from_numpy(starts), device),
-            dispatch.to_device(torch.from_numpy(lengths), device),
+        return backend.expand_ranges(
+            to_device(torch.from_numpy(starts), device),
+            to_device(torch.from_numpy(lengths), device),
             count,
         )
     gaps = rice_gaps(data, count=count, numel=numel)
@@ -62,9 +64,7 @@ def decode_positions_split(
         raise PositionsError(
             f"a rice gap of {int(gaps.max())} is out of range for a tensor of {numel} elements"
         )
-    positions = dispatch.prefix_positions(
-        dispatch.to_device(torch.from_numpy(_narrow(gaps)), device)
-    )
+    positions = backend.prefix_positions(to_device(torch.from_numpy(_narrow(gaps)), device))
     # every step is in [1, numel] < 2^63, so a running sum past 2^63 wraps negative: one check
     # of order and of the last position covers duplicates, wrap-around and range
     wrapped = positions.numel() > 1 and bool((positions[1:] <= positions[:-1]).any())

@@ -11,9 +11,12 @@ Encoders use an allowed coding only where it is smaller, and a manifest lists in
 ``required_features`` the feature of every coding its entries use, so a reader without it
 refuses the version instead of misreading it.
 
-What is allowed travels by context rather than by argument: a writer opens an
-:func:`allowed_codings` block (or wraps its encoding generator in :func:`within_codings`)
-and the encoders below it read :func:`allowed`, so no layer in between passes it down.
+What is allowed travels as an argument: a writer makes one :class:`EncodeOptions` of its
+features and passes it to the tensor encoders (:mod:`dcr_format.delta.delta`,
+:mod:`dcr_format.delta.pipeline`), which pass it down. The value encoders of
+:mod:`dcr_format.codings.values` read the codings allowed from an :func:`allowed_codings`
+block where no ``codings`` argument is given; the tensor encoder opens that block around its
+call, from its options.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from dataclasses import dataclass
 
 from dcr_format.errors import ArgumentError
 
@@ -57,8 +60,6 @@ BASELINE_FEATURES: frozenset[str] = frozenset(
 BASELINE_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in BASELINE_FEATURES)
 """Their codings (``classed``, ``ulp``, ``ulp-shift``): a writer codes them from the new bits
 of a change."""
-T = TypeVar("T")
-
 _ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "dcr_codings", default=frozenset()
 )
@@ -81,19 +82,28 @@ def allowed_codings(features: Iterable[str]) -> Iterator[None]:
         _ALLOWED.reset(token)
 
 
-def within_codings(features: Iterable[str], items: Iterable[T]) -> Iterator[T]:
-    """Iterate ``items`` with :func:`allowed_codings` of ``features`` active while each item
-    is produced (not while the caller handles it): a writer wraps its encoding generator
-    (``for x in within_codings(self.features, encode_stream(...))``) without re-indenting."""
-    features = tuple(features)
-    iterator = iter(items)
-    while True:
-        with allowed_codings(features):
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-        yield item
+@dataclass(frozen=True)
+class EncodeOptions:
+    """What a tensor encoder may use: the codings beyond the ones every reader has that its
+    writer is allowed (``rans``, ``classed``, ``ulp``, ``ulp-shift``). The default allows
+    none of them."""
+
+    codings: frozenset[str] = frozenset()
+
+    @classmethod
+    def allowing(cls, features: Iterable[str]) -> EncodeOptions:
+        """The options of a writer allowed ``features`` (features that name no coding, such
+        as ``manifest-zstd``, are ignored: a writer passes all its features)."""
+        return cls(frozenset(FEATURE_CODINGS[f] for f in features if f in FEATURE_CODINGS))
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The features of the codings allowed, sorted."""
+        return tuple(sorted(CODING_FEATURES[c] for c in self.codings))
+
+
+NO_CODINGS = EncodeOptions()
+"""The options that allow no coding beyond the ones every reader has (the default)."""
 
 
 def writer_features(features: Iterable[str]) -> frozenset[str]:
@@ -122,14 +132,15 @@ __all__ = [
     "FEATURE_CODINGS",
     "IMPLICIT_PARENTS_FEATURE",
     "MANIFEST_ZSTD_FEATURE",
+    "NO_CODINGS",
     "POSITIONS_CLASSED_FEATURE",
     "VALUES_RANS_FEATURE",
     "VALUES_ULP_FEATURE",
     "VALUES_ULP_SHIFT_FEATURE",
     "WRITER_FEATURES",
+    "EncodeOptions",
     "allowed",
     "allowed_codings",
     "features_for",
-    "within_codings",
     "writer_features",
 ]

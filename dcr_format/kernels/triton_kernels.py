@@ -1,9 +1,9 @@
-"""Triton kernels of the device path (imported only through :mod:`dcr_format.delta.dispatch`).
+"""Triton kernels of the device path (imported only by :mod:`dcr_format.delta.backend_triton`).
 
 Importing this module imports Triton and defines the kernels; whether they are
 compiled for the GPU or run by Triton's interpreter (CPU tensors) is fixed at
 that moment by ``TRITON_INTERPRET``, which therefore has to be set before
-Triton is first imported (the dispatcher does that for ``DCR_KERNELS=triton``
+Triton is first imported (the Triton backend does that for ``DCR_KERNELS=triton``
 on a machine without CUDA).
 
 Kernels (each has a torch reference in :mod:`dcr_format.kernels.reference`):

@@ -46,8 +46,8 @@ from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import (
     BASELINE_FEATURES,
     POSITIONS_CLASSED_FEATURE,
+    EncodeOptions,
     features_for,
-    within_codings,
 )
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.kernels.reference import Diff
@@ -190,8 +190,13 @@ class CanonicalPart:
             if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
                 features -= BASELINE_FEATURES
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
-            coded = encode_stream(items, advanced, None if rows is None else lambda i: rows(i[0]))
-            for (name, tensor, old), encoded in within_codings(features, coded):
+            coded = encode_stream(
+                items,
+                advanced,
+                None if rows is None else lambda i: rows(i[0]),
+                options=EncodeOptions.allowing(features),
+            )
+            for (name, tensor, old), encoded in coded:
                 lanes = self._lanes_after(name, tensor, old, encoded)
                 fingerprint = fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
                 parent = self._fingerprints.get(name) if encoded.op != FULL else None
