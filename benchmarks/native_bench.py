@@ -15,7 +15,7 @@ each measurement and reporting medians:
 - applying the change: ``reference.scatter`` + ``lanes_after_change`` vs the fused
   ``apply_with_lanes``;
 - ``classed`` positions (FORMAT.md §6.5) at 1% and 5%, as ratios to ``copy_``: a writer's
-  stream from kept exponent rows (``encode_classed_rows``: the rank pass over every
+  stream from kept exponent rows (``encode_classed_counted``: the rank pass over every
   element) and a reader's decode with kept rows (``decode_classed``: the select pass);
   with ``--threads 1`` and then more, how the passes scale with cores against ``copy_``.
 
@@ -170,7 +170,9 @@ def bench_classes(n: int, repeats: int, rate: float) -> None:
     old_bits, new_bits = old.numpy().view("uint16"), new.numpy().view("uint16")
     xor = found.xor_values.numpy().view("uint16")
     rows = classed.exponent_rows(old_bits, "bfloat16")
-    stream, _ = classed.encode_classed_rows(positions, new_bits, "bfloat16", xor=xor, rows=rows)
+    stream, _, _ = classed.encode_classed_counted(
+        positions, new_bits, "bfloat16", xor=xor, rows=rows
+    )
     decoded = classed.decode_classed(
         stream, old_bits, "bfloat16", count=positions.size, numel=n, rows=rows
     )
@@ -181,7 +183,7 @@ def bench_classes(n: int, repeats: int, rate: float) -> None:
     t = interleaved(
         {
             "copy_": lambda: buffer.copy_(source),
-            "encode": lambda: classed.encode_classed_rows(
+            "encode": lambda: classed.encode_classed_counted(
                 positions, new_bits, "bfloat16", xor=xor, rows=rows
             ),
             "decode": lambda: classed.decode_classed(

@@ -21,7 +21,7 @@ from dcr_format.codings.classed import (
     ROW_ELEMENTS,
     decode_classed,
     encode_classed,
-    encode_classed_rows,
+    encode_classed_counted,
     exponent_rows,
     move_rows,
     rows_fit,
@@ -151,7 +151,7 @@ def test_kept_rows_give_the_same_stream_and_positions(kernels: str, dtype: str) 
     assert encode_classed(positions, new, dtype, xor=xor) == want
     for rows in (None, exponent_rows(old, dtype)):  # counted here, or kept by the writer
         for after in (None, new[positions]):
-            stream, after_rows = encode_classed_rows(
+            stream, after_rows, _ = encode_classed_counted(
                 positions, new, dtype, xor=xor, after=after, rows=rows
             )
             assert stream == want

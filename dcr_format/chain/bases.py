@@ -32,6 +32,8 @@ from dcr_format.chain.chain import (
     TensorState,
     attempt_prefix,
     check_manifest,
+    check_manifest_refs,
+    check_owner,
     commit_key,
     get_verified,
     manifest_key,
@@ -129,19 +131,9 @@ def read_base_record(chain: Chain, version: int) -> tuple[BaseRecord, str, int]:
     key = base_record_key(version)
     data = chain.store.get(key, max_size=MAX_RECORD_BYTES)
     record = parse(BaseRecord, data, what=key)
-    if record.chain_id != chain.header.chain_id:
-        raise ChainBrokenError(
-            f"{key} belongs to chain {record.chain_id}, not this store's "
-            f"{chain.header.chain_id}: remove it (it is optional)"
-        )
-    if record.version != version:
-        raise ChainBrokenError(f"{key} claims version {record.version}; remove it (it is optional)")
-    ranks = sorted(ref.rank for ref in record.manifests)
-    if ranks != list(range(record.world_size)):
-        raise SchemaError(f"{key} lists manifest ranks {ranks} for world size {record.world_size}")
-    for ref in record.manifests:
-        if ref.path != base_manifest_key(version, record.attempt, ref.rank):
-            raise SchemaError(f"{key} points at {ref.path}, outside its own attempt")
+    optional = "remove it (it is optional)"
+    check_owner(record, key, chain.header.chain_id, version, mixed=optional, wrong=optional)
+    check_manifest_refs(record, key, version, under=BASES_PREFIX)
     return record, sha256_hex(data), len(data)
 
 

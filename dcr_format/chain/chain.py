@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Protocol
 
 from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.errors import (
@@ -261,27 +262,21 @@ class Chain:
     def check_record(self, record: CommitRecord, version: int) -> None:
         """Semantic checks of a commit record beyond its schema."""
         key = commit_key(version)
-        if record.chain_id != self.header.chain_id:
-            raise ChainBrokenError(
-                f"{key} belongs to chain {record.chain_id}, not this store's "
-                f"{self.header.chain_id}: the store mixes chains; restore it"
-            )
-        if record.version != version:
-            raise ChainBrokenError(f"{key} claims version {record.version}; the store is corrupt")
+        check_owner(
+            record,
+            key,
+            self.header.chain_id,
+            version,
+            mixed="the store mixes chains; restore it",
+            wrong="the store is corrupt",
+        )
         if version == 0 and (
             record.kind != "base" or record.parent is not None or record.parent_sha256 is not None
         ):
             raise ChainBrokenError(f"{key}: version 0 must be a base with no parent")
         if version > 0 and (record.parent != version - 1 or record.parent_sha256 is None):
             raise ChainBrokenError(f"{key}: version {version} must link to version {version - 1}")
-        ranks = sorted(ref.rank for ref in record.manifests)
-        if ranks != list(range(record.world_size)):
-            raise SchemaError(
-                f"{key} lists manifest ranks {ranks} for world size {record.world_size}"
-            )
-        for ref in record.manifests:
-            if ref.path != manifest_key(version, record.attempt, ref.rank):
-                raise SchemaError(f"{key} points at {ref.path}, outside its own attempt")
+        check_manifest_refs(record, key, version)
 
     def check_link(self, parent: LoadedRecord, child: LoadedRecord) -> None:
         """The child's parent hash must be the sha256 of the parent's stored record."""
@@ -334,6 +329,48 @@ class Chain:
     def state_table(self, manifests: list[Manifest]) -> dict[str, TensorState]:
         """The full tensor table of a version from its manifests."""
         return state_table(manifests)
+
+
+class Owned(Protocol):
+    """What a commit record and an alternative base record share: whose version they are
+    and the manifests they list."""
+
+    @property
+    def chain_id(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def attempt(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def manifests(self) -> tuple[ManifestRef, ...]: ...
+
+
+def check_owner(
+    record: Owned, key: str, chain_id: str, version: int, *, mixed: str, wrong: str
+) -> None:
+    """The record stored at ``key`` must be of chain ``chain_id`` and of ``version``; the
+    error says ``mixed`` (another chain) or ``wrong`` (another version) as what to do."""
+    if record.chain_id != chain_id:
+        raise ChainBrokenError(
+            f"{key} belongs to chain {record.chain_id}, not this store's {chain_id}: {mixed}"
+        )
+    if record.version != version:
+        raise ChainBrokenError(f"{key} claims version {record.version}; {wrong}")
+
+
+def check_manifest_refs(
+    record: Owned, key: str, version: int, *, under: str = OBJECTS_PREFIX
+) -> None:
+    """The record stored at ``key`` must list one manifest per rank of its world size, each
+    at its rank's key in the record's own attempt (below ``under``)."""
+    ranks = sorted(ref.rank for ref in record.manifests)
+    if ranks != list(range(record.world_size)):
+        raise SchemaError(f"{key} lists manifest ranks {ranks} for world size {record.world_size}")
+    for ref in record.manifests:
+        if ref.path != manifest_key(version, record.attempt, ref.rank, under=under):
+            raise SchemaError(f"{key} points at {ref.path}, outside its own attempt")
 
 
 def check_manifest(

@@ -550,6 +550,14 @@ def _write_hits(hits, g0, j, end, bits, out, old_at):  # type: ignore[no-untyped
 
 
 @njit(cache=True, inline="always")
+def _select_span(t, offsets, n):  # type: ignore[no-untyped-def]
+    """Task ``t`` of a select pass: where its positions go in the output (``o`` to
+    ``share``) and the elements it covers (``lo`` to ``hi`` of ``n``)."""
+    lo = t * TASK
+    return offsets[t], offsets[t + 1], lo, min(lo + TASK, n)
+
+
+@njit(cache=True, inline="always")
 def _positions_task(  # type: ignore[no-untyped-def]
     t, bits, shift, mask, base, count, before, ranks, cursor, ends, offsets, out, done, old_at
 ):
@@ -562,13 +570,10 @@ def _positions_task(  # type: ignore[no-untyped-def]
     those the class starts were counted from; nothing is written past its share).
     ``old_at``, where not empty, takes the bits at each position found (in cache there, so a
     caller that needs them does not read the tensor again at positions spread over it)."""
-    o = offsets[t]
-    share = offsets[t + 1]
+    o, share, lo, hi = _select_span(t, offsets, bits.shape[0])
     done[t] = 0
     if o == share:
         return
-    lo = t * TASK
-    hi = min(lo + TASK, bits.shape[0])
     ptr = np.zeros(16, dtype=np.int64)
     far = np.full(16, _FAR, dtype=np.int64)
     for c in range(count):
@@ -687,13 +692,10 @@ def _dense_positions_task(  # type: ignore[no-untyped-def]
 ):
     """Task ``t`` of the dense select pass: as :func:`_positions_task` (``done[t]``: the
     positions found, or -1 where a class does not end its region)."""
-    o = offsets[t]
-    share = offsets[t + 1]
+    o, share, lo, hi = _select_span(t, offsets, bits.shape[0])
     done[t] = 0
     if o == share:
         return
-    lo = t * TASK
-    hi = min(lo + TASK, bits.shape[0])
     at = np.zeros(CLASSES + 1, dtype=np.int64)  # where each class's region starts
     for c in range(count):
         at[c + 1] = at[c] + (starts[t + 1, c] - starts[t, c] + 63) // 64 * 64

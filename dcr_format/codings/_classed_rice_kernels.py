@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from dcr_format.codings._rans_kernels import _put_varint, _varint_len
-from dcr_format.codings._rice_kernels import _rice_decode, _rice_encode
+from dcr_format.codings._rice_kernels import _add_shifted, _rice_decode, _rice_encode
 from dcr_format.kernels._launch import _launch, parallel_kernel
 
 # --- the classes' Rice parts: on one thread, or a few ------------------------------------
@@ -67,21 +67,13 @@ def _rice_plan(c, ranks, ends, guesses, max_k, ks, unary):  # type: ignore[no-un
         return
     low = max(0, guesses[c] - 2)
     high = min(max_k, guesses[c] + 3)
-    # sum(gap >> (low + j)) for j in 0..5 in registers (a loop over j into an array
-    # was 3.3 ns a rank); those past ``high`` are not looked at
-    s0 = s1 = s2 = s3 = s4 = s5 = 0
+    # sum(gap >> (low + j)) for j in 0..5; those past ``high`` are not looked at
+    sums = (0, 0, 0, 0, 0, 0)
     prev = -1
     for i in range(ends[c], ends[c + 1]):
-        g = (ranks[i] - prev - 1) >> low
+        sums = _add_shifted(sums, (ranks[i] - prev - 1) >> low)
         prev = ranks[i]
-        s0 += g
-        s1 += g >> 1
-        s2 += g >> 2
-        s3 += g >> 3
-        s4 += g >> 4
-        s5 += g >> 5
-    sums = (s0, s1, s2, s3, s4, s5)
-    best, best_bits = low, s0 + n * (1 + low)
+    best, best_bits = low, sums[0] + n * (1 + low)
     for k in range(low + 1, high + 1):
         bits = sums[k - low] + n * (1 + k)
         if bits < best_bits:

@@ -260,23 +260,7 @@ def encode_classed(
     positions (a writer whose diff already advanced its baseline holds only those).
     ``after``, optional: ``bits`` at ``positions`` (the compiled passes then read them in
     order instead of at the positions)."""
-    return encode_classed_rows(positions, bits, dtype, xor=xor, after=after)[0]
-
-
-def encode_classed_rows(
-    positions: np.ndarray,
-    bits: np.ndarray,
-    dtype: str,
-    *,
-    xor: np.ndarray | None = None,
-    after: np.ndarray | None = None,
-    rows: np.ndarray | None = None,
-) -> tuple[bytes, np.ndarray]:
-    """:func:`encode_classed_counted` without the count of runs."""
-    stream, after_rows, _ = encode_classed_counted(
-        positions, bits, dtype, xor=xor, after=after, rows=rows
-    )
-    return stream, after_rows
+    return encode_classed_counted(positions, bits, dtype, xor=xor, after=after)[0]
 
 
 def encode_classed_counted(
@@ -590,7 +574,6 @@ __all__ = [
     "decode_classed",
     "encode_classed",
     "encode_classed_counted",
-    "encode_classed_rows",
     "exponent_rows",
     "move_rows",
     "old_bits_of",

@@ -58,6 +58,7 @@ from dcr_format.format.names import (
     ULP_SHIFT,
     VALUE_CODINGS,
 )
+from dcr_format.format.shard import frame_size, inflate
 
 FORMAT_NAME: Final = "dcr"
 FORMAT_VERSION = 1
@@ -573,10 +574,7 @@ def parse_manifest(
         if MANIFEST_ZSTD_FEATURE in manifest.required_features:
             raise SchemaError(f"{what} lists {MANIFEST_ZSTD_FEATURE!r} but is not compressed")
         return manifest
-    try:
-        declared = zstandard.frame_content_size(data)
-    except zstandard.ZstdError as exc:
-        raise SchemaError(f"{what} is not a zstd frame ({exc}); the object is corrupt") from None
+    declared = frame_size(data, what=what, error=SchemaError)
     if not 0 <= declared <= MAX_MANIFEST_JSON_BYTES:
         raise SchemaError(
             f"{what} declares {declared} decoded bytes (the limit is {MAX_MANIFEST_JSON_BYTES} "
@@ -584,15 +582,7 @@ def parse_manifest(
         )
     if admit is not None:
         admit(max(declared, len(data)))
-    try:
-        text = zstandard.ZstdDecompressor().decompress(
-            data, max_output_size=declared, allow_extra_data=False
-        )
-    except zstandard.ZstdError as exc:
-        raise SchemaError(f"{what} does not decompress ({exc}); the object is corrupt") from None
-    if len(text) != declared:
-        raise SchemaError(f"{what} decoded to {len(text)} bytes, not the {declared} it declares")
-    manifest = parse(Manifest, text, what=what)
+    manifest = parse(Manifest, inflate(data, declared, what=what, error=SchemaError), what=what)
     if MANIFEST_ZSTD_FEATURE not in manifest.required_features:
         raise SchemaError(f"{what} is compressed but does not list {MANIFEST_ZSTD_FEATURE!r}")
     return manifest

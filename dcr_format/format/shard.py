@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 
 import zstandard
 
-from dcr_format.errors import ShardError
+from dcr_format.errors import FormatError, ShardError
 from dcr_format.format.jsonscan import scan
 
 SHARD_FORMAT = "dcr-shard-1"
@@ -66,12 +66,33 @@ def encode_shard(streams: Mapping[str, bytes], *, level: int = ZSTD_LEVEL) -> tu
     return compress(blob, level=level), len(blob)
 
 
+def frame_size(stored: bytes | memoryview, *, what: str, error: type[FormatError]) -> int:
+    """The content size a zstd frame declares in its header (-1: none), read before anything
+    is inflated; ``error`` (naming the object ``what``) where ``stored`` is no zstd frame."""
+    try:
+        return int(zstandard.frame_content_size(stored))
+    except zstandard.ZstdError as exc:
+        raise error(f"{what} is not a zstd frame ({exc}); the object is corrupt") from None
+
+
+def inflate(stored: bytes | memoryview, size: int, *, what: str, error: type[FormatError]) -> bytes:
+    """The ``size`` bytes a zstd frame that declares that size decodes to (no more are
+    inflated, trailing bytes are refused); ``error`` (naming the object ``what``) where it
+    does not decompress to them."""
+    try:
+        blob = zstandard.ZstdDecompressor().decompress(
+            stored, max_output_size=size, allow_extra_data=False
+        )
+    except zstandard.ZstdError as exc:
+        raise error(f"{what} does not decompress ({exc}); the object is corrupt") from None
+    if len(blob) != size:
+        raise error(f"{what} decoded to {len(blob)} bytes, not the {size} it declares")
+    return blob
+
+
 def _check_frame(stored: bytes | memoryview, decoded_size: int) -> None:
     """The frame's declared content size MUST equal ``decoded_size`` (checked unallocated)."""
-    try:
-        declared = zstandard.frame_content_size(stored)
-    except zstandard.ZstdError as exc:
-        raise ShardError(f"shard is not a zstd frame ({exc}); the object is corrupt") from None
+    declared = frame_size(stored, what="shard", error=ShardError)
     if declared != decoded_size:
         raise ShardError(
             f"shard frame declares {declared} decoded bytes, the manifest {decoded_size}; "
@@ -86,15 +107,7 @@ def decompress(stored: bytes | memoryview, *, decoded_size: int) -> bytes:
     allocated, so a zstd bomb costs nothing; trailing bytes are refused.
     """
     _check_frame(stored, decoded_size)
-    try:
-        blob = zstandard.ZstdDecompressor().decompress(
-            stored, max_output_size=decoded_size, allow_extra_data=False
-        )
-    except zstandard.ZstdError as exc:
-        raise ShardError(f"shard does not decompress ({exc}); the object is corrupt") from None
-    if len(blob) != decoded_size:
-        raise ShardError(f"shard decoded to {len(blob)} bytes, expected {decoded_size}")
-    return blob
+    return inflate(stored, decoded_size, what="shard", error=ShardError)
 
 
 def _parse_header(text: bytes, data_len: int) -> list[tuple[int, int, str]]:

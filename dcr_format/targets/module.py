@@ -51,14 +51,14 @@ names are reported in ``SyncResult.unverified``, as are names the loader transfo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from dcr_format.targets.change import Resident
 from dcr_format.targets.module_apply import _ModuleTransaction
-from dcr_format.targets.placements import LoaderPlan, Placements
+from dcr_format.targets.placements import LoaderPlan, LoadWeights, Placements, ReduceLanes
 from dcr_format.targets.protocol import Target, Transaction
 
 __all__ = ["LoaderPlan", "ModuleTarget", "all_reduce_lanes"]
@@ -66,7 +66,7 @@ __all__ = ["LoaderPlan", "ModuleTarget", "all_reduce_lanes"]
 
 def all_reduce_lanes(
     group: Any = None,
-) -> Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]:
+) -> ReduceLanes:
     """A ``reduce_lanes`` for :class:`ModuleTarget` over a ``torch.distributed`` group (the
     tensor-parallel ranks of one model replica, a backend that carries objects)."""
 
@@ -115,9 +115,8 @@ class ModuleTarget(Placements, Target):
         self,
         module: torch.nn.Module,
         *,
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
-        reduce_lanes: Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]
-        | None = None,
+        load_weights: LoadWeights | None = None,
+        reduce_lanes: ReduceLanes | None = None,
         version: int | None = None,
         chain_id: str | None = None,
         rollback_full: bool = True,

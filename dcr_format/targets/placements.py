@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 
@@ -36,6 +36,12 @@ from dcr_format.targets.module_trace import (
     _view_of,
     aten,
 )
+
+LoadWeights: TypeAlias = Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+"""A vLLM-style ``load_weights``: takes (name, tensor) pairs."""
+
+ReduceLanes: TypeAlias = Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]
+"""Sums partial fingerprint lanes (by name) over the ranks that share tensors."""
 
 
 @dataclass
@@ -74,9 +80,8 @@ class Placements:
         self,
         module: torch.nn.Module,
         *,
-        load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None,
-        reduce_lanes: Callable[[dict[str, tuple[int, ...]]], dict[str, tuple[int, ...]]]
-        | None = None,
+        load_weights: LoadWeights | None = None,
+        reduce_lanes: ReduceLanes | None = None,
         rollback_full: bool = True,
         direct: bool = True,
         resident: Resident | None = None,
