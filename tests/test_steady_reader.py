@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -461,6 +462,7 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
 
     import dcr_format.delta.delta as delta_module
     import dcr_format.sync._apply as apply_module
+    import dcr_format.sync._fetch as fetch_module
     import dcr_format.targets.reader_side as reader_side_module
     from dcr_format.delta.backend_numba import NumbaBackend
 
@@ -486,7 +488,21 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
     monkeypatch.setattr(reader_side_module, "resolve", spy("transaction"))
     monkeypatch.setattr(apply_module, "resolve", spy("early"))
     monkeypatch.setattr(NumbaBackend, "apply_ulp_with_lanes", apply)
+    real_run_job = fetch_module._run_job
+
+    def run_job_then_wait(*args, **kwargs):
+        # the job ends only once the reader has taken a change early, so that a loaded
+        # machine cannot let it decode and end before the reader's thread looks
+        done = real_run_job(*args, **kwargs)
+        deadline = time.monotonic() + 10
+        while ("early", False) not in calls and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return done
+
+    if member == "group":
+        monkeypatch.setattr(fetch_module, "_run_job", run_job_then_wait)
     reader.sync()  # one version: changes decoded before the last are completed early
+    monkeypatch.setattr(fetch_module, "_run_job", real_run_job)
     assert len(calls) == len(entries)
     if member == "group":
         assert ("early", False) in calls
