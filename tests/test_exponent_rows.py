@@ -27,7 +27,7 @@ from dcr_format.codings.classed import (
     rows_fit,
 )
 from dcr_format.delta import delta as delta_module
-from dcr_format.delta.delta import RowsSlot, _decode_classed_at
+from dcr_format.delta.delta import _decode_classed_at
 from dcr_format.errors import BaselineMismatchError, PositionsError
 
 FEATURE = "positions-classed"
@@ -183,17 +183,16 @@ def test_rows_of_other_bits_are_refused_or_counted_again() -> None:
     with pytest.raises(PositionsError, match="does not decode"):
         decode_classed(code, skewed, "bfloat16", count=at.size, numel=skewed.size, rows=swapped)
     # the resolve path counts the held bits' rows again before refusing, and keeps them
-    slot = RowsSlot(wrong)
     parsed = classed.parse_classed(stream, count=positions.size, dtype="bfloat16")
-    assert np.array_equal(_decode_classed_at(parsed, slot, old, "bfloat16"), positions)
-    assert slot.rows is not None and np.array_equal(slot.rows, counted(old, "bfloat16"))
-    # and a slot without rows gets those it counted
-    empty = RowsSlot()
-    assert np.array_equal(_decode_classed_at(parsed, empty, old, "bfloat16"), positions)
-    assert empty.rows is not None and np.array_equal(empty.rows, slot.rows)
+    found, used = _decode_classed_at(parsed, wrong, old, "bfloat16")
+    assert np.array_equal(found, positions)
+    assert np.array_equal(used, counted(old, "bfloat16"))
+    # and without rows given it gives back those it counted
+    found, fresh = _decode_classed_at(parsed, None, old, "bfloat16")
+    assert np.array_equal(found, positions) and np.array_equal(fresh, used)
     # against bits that are not the parent's, counted afresh, the stream is still refused
     with pytest.raises(PositionsError):
-        _decode_classed_at(parsed, RowsSlot(), other, "bfloat16")
+        _decode_classed_at(parsed, None, other, "bfloat16")
 
 
 class Trainer:
