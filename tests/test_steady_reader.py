@@ -461,6 +461,7 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
 
     import dcr_format.delta.delta as delta_module
     import dcr_format.sync._apply as apply_module
+    import dcr_format.targets.reader_side as reader_side_module
     from dcr_format.delta.backend_numba import NumbaBackend
 
     url, reader, tensors, state, entries = _classed_chain(tmp_path)
@@ -483,7 +484,7 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
         given.append(before is not None)
         return real_apply(self, flat, positions, z, lanes=lanes, before=before)
 
-    monkeypatch.setattr(targets_module, "resolve", spy("transaction"))
+    monkeypatch.setattr(reader_side_module, "resolve", spy("transaction"))
     monkeypatch.setattr(apply_module, "resolve", spy("early"))
     monkeypatch.setattr(NumbaBackend, "apply_ulp_with_lanes", apply)
     reader.sync()  # one version: changes decoded before the last are completed early
