@@ -60,8 +60,18 @@ from dcr_format.format.dtypes import (
     info_for,
     numpy_to_bits,
 )
-from dcr_format.format.features import NO_CODINGS, EncodeOptions, allowed_codings
-from dcr_format.format.names import CLASSED, FULL, OPS, OVERWRITE, ULP, ULP_SHIFT, XOR
+from dcr_format.format.features import NO_CODINGS, EncodeOptions
+from dcr_format.format.names import (
+    CLASSED,
+    FULL,
+    OPS,
+    OVERWRITE,
+    PLANES,
+    RANS,
+    ULP,
+    ULP_SHIFT,
+    XOR,
+)
 from dcr_format.kernels.reference import Diff
 
 # Above this change rate the encoder also tries ``full`` and keeps the smaller.
@@ -282,21 +292,18 @@ def encode_diff(
         else:
             before = _old_of_change(new, positions, xor_bits, found.new_values)
             differences = to_ulp(before, before ^ xor_bits)
-        with allowed_codings(options.features):  # the value encoders' codings
-            val_coding, val_bytes = encode_xor_values(
-                xor_bits, differences, old=before, dtype=dtype
-            )
+        val_coding, val_bytes = encode_xor_values(
+            xor_bits, differences, old=before, dtype=dtype, codings=allowed
+        )
     elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
         on_device = _device_ulp_of_change(new, found, backend, want_old=False)
         if on_device is not None:
             differences = on_device[0]
         else:
             differences = _ulp_differences(new, positions, xor_bits, found.new_values)
-        with allowed_codings(options.features):
-            val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences, codings=allowed)
     else:
-        with allowed_codings(options.features):
-            val_coding, val_bytes = encode_values(xor_bits)
+        val_coding, val_bytes = encode_values(xor_bits, codings=_plain_codings(options))
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -426,9 +433,13 @@ def _encode_full(new: torch.Tensor, options: EncodeOptions) -> EncodedTensor:
     advance = DecodedDelta(FULL, None, bits.clone())
     if new.numel() == 0:  # a full entry of no elements carries no streams
         return EncodedTensor(FULL, 0, None, None, None, None, advance)
-    with allowed_codings(options.features):
-        coding, data = encode_values(bits_to_numpy(bits))
+    coding, data = encode_values(bits_to_numpy(bits), codings=_plain_codings(options))
     return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
+
+
+def _plain_codings(options: EncodeOptions) -> tuple[str, ...]:
+    """The value codings ``options`` allow a stream coded alone (``planes``; ``rans``)."""
+    return (PLANES, RANS) if RANS in options.codings else (PLANES,)
 
 
 def decode_delta(
