@@ -28,11 +28,11 @@ from dcr_format.codings.classed import (
     rows_fit,
 )
 from dcr_format.codings.values import encode_values
-from dcr_format.delta import delta as delta_module
+from dcr_format.delta import classed_change
+from dcr_format.delta.classed_change import decode_classed_at
 from dcr_format.delta.delta import (
     DecodedDelta,
     PendingDelta,
-    _decode_classed_at,
     apply_change,
     decode_delta,
     resolve,
@@ -194,15 +194,15 @@ def test_rows_of_other_bits_are_refused_or_counted_again() -> None:
         decode_classed(code, skewed, "bfloat16", count=at.size, numel=skewed.size, rows=swapped)
     # the resolve path counts the held bits' rows again before refusing, and keeps them
     parsed = classed.parse_classed(stream, count=positions.size, dtype="bfloat16")
-    found, used = _decode_classed_at(parsed, wrong, old, "bfloat16")
+    found, used = decode_classed_at(parsed, wrong, old, "bfloat16")
     assert np.array_equal(found, positions)
     assert np.array_equal(used, counted(old, "bfloat16"))
     # and without rows given it gives back those it counted
-    found, fresh = _decode_classed_at(parsed, None, old, "bfloat16")
+    found, fresh = decode_classed_at(parsed, None, old, "bfloat16")
     assert np.array_equal(found, positions) and np.array_equal(fresh, used)
     # against bits that are not the parent's, counted afresh, the stream is still refused
     with pytest.raises(PositionsError):
-        _decode_classed_at(parsed, None, other, "bfloat16")
+        decode_classed_at(parsed, None, other, "bfloat16")
 
 
 def test_a_pending_change_takes_kept_rows_and_its_resolved_form_gives_them_back() -> None:
@@ -272,7 +272,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(bits, dtype)
 
     monkeypatch.setattr(classed, "exponent_rows", spy)
-    monkeypatch.setattr(delta_module, "exponent_rows", spy)
+    monkeypatch.setattr(classed_change, "exponent_rows", spy)
     return calls
 
 

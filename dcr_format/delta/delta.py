@@ -32,15 +32,8 @@ import zstandard
 from dcr_format.codings.classed import (
     EXPONENT_FIELDS,
     ClassedStream,
-    choose_classes,
-    class_ranks_of,
-    classed_stream,
-    decode_classed,
     encode_classed_counted,
-    exponent_rows,
-    move_rows,
     parse_classed,
-    rows_fit,
     with_ranks,
 )
 from dcr_format.codings.positions import PositionsChoice, plain_size_floor
@@ -50,6 +43,7 @@ from dcr_format.codings.ulp_shift import join, parse
 from dcr_format.codings.values import decode_values, encode_values, encode_xor_values
 from dcr_format.delta.backend import Backend, to_device, to_host
 from dcr_format.delta.backends import backend_for
+from dcr_format.delta.classed_change import decode_classed_at, device_classed, device_positions
 from dcr_format.delta.positions import decode_positions_to
 from dcr_format.errors import PositionsError, TargetError, ValuesError
 from dcr_format.format.dtypes import (
@@ -90,7 +84,7 @@ class DecodedDelta:
     caller applies the change right after, to the same bits), so that :func:`apply_change`
     does not read them again. ``rows``: the exponent rows of the old bits a ``classed``
     change was resolved against (given or counted), for its caller to move to the new bits
-    after applying (:func:`rows_after`)."""
+    after applying (:func:`dcr_format.delta.classed_change.rows_after`)."""
 
     op: str
     positions: torch.Tensor | None  # int64, strictly increasing (None: full)
@@ -270,7 +264,7 @@ def encode_diff(
             )
         else:
             assert baseline is not None
-            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
+            coded = device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
         # below the floor of every plain coding, those need no plan (a pass over the positions)
         if runs is not None and len(coded) < plain_size_floor(changed, int(at[-1]), runs):
             pos_coding, pos_bytes = CLASSED, coded
@@ -397,35 +391,6 @@ def _classed_wanted(
         and info_for(new.dtype).name in EXPONENT_FIELDS
         and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
     )
-
-
-def _device_positions(
-    stream: ClassedStream, old: torch.Tensor, dtype: str, backend: Backend
-) -> torch.Tensor:
-    """The positions of a ``classed`` stream with the class passes on ``old``'s device (the
-    class sizes come to the host to decode the ranks, which go back)."""
-    shift, mask = EXPONENT_FIELDS[dtype]
-    base, count = stream.base, stream.classes
-    sizes = backend.class_sizes(old, shift, mask, base, count).cpu().numpy()
-    ranks = torch.from_numpy(class_ranks_of(stream, sizes)).to(old.device)
-    classes = torch.repeat_interleave(
-        torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
-        torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
-    ).to(old.device)
-    return backend.class_positions(old, shift, mask, base, count, classes, ranks)
-
-
-def _device_classed(
-    old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, backend: Backend
-) -> bytes:
-    """The ``classed`` stream with the class passes on the tensors' device (the histograms
-    and the classes and ranks of the changes come to the host, not the tensor)."""
-    name = info_for(dtype).name
-    shift, mask = EXPONENT_FIELDS[name]
-    everything, changed = backend.exponent_histograms(old, positions, shift, mask)
-    base, count = choose_classes(everything.cpu().numpy(), changed.cpu().numpy())
-    classes, ranks = backend.class_ranks(old, positions, shift, mask, base, count)
-    return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
 
 
 def _encode_full(new: torch.Tensor, options: EncodeOptions) -> EncodedTensor:
@@ -556,10 +521,10 @@ def resolve(
         held = bits_to_numpy(flat)
         if delta.ulp and delta.shift is not None:
             before = np.empty(sum(delta.classed.counts), dtype=held.dtype)
-        found, rows = _decode_classed_at(delta.classed, delta.rows, held, info.name, before)
+        found, rows = decode_classed_at(delta.classed, delta.rows, held, info.name, before)
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
-        positions = _device_positions(delta.classed, flat, info.name, backend)
+        positions = device_positions(delta.classed, flat, info.name, backend)
         positions = positions.to(delta.values.device)
     assert positions is not None
     values = delta.values
@@ -583,56 +548,6 @@ def resolve(
         xor = before ^ from_ulp(before, z)
         values = to_device(numpy_to_bits(xor, info), values.device)
     return DecodedDelta(delta.op, positions, values, rows=rows)
-
-
-def _decode_classed_at(
-    stream: ClassedStream,
-    given: np.ndarray | None,
-    held: np.ndarray,
-    dtype: str,
-    before: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The positions of a ``classed`` stream against the host bits ``held`` and the
-    exponent rows they decoded with: ``given`` where they fit, else counted. Rows that were
-    given and do not decode are counted again before the stream is refused: a keeper's rows
-    never turn into a refusal that the held bits would not make. ``before``, where given,
-    takes the held bits at the positions."""
-    count, numel = sum(stream.counts), int(held.size)
-    fits = given is not None and rows_fit(given, numel, dtype)
-    rows = given if fits and given is not None else exponent_rows(held, dtype)
-    try:
-        found = decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
-        )
-    except PositionsError:
-        if not fits:
-            raise
-        rows = exponent_rows(held, dtype)
-        found = decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
-        )
-    return found, rows
-
-
-def rows_after(
-    rows: np.ndarray,
-    positions: torch.Tensor,
-    before: torch.Tensor,
-    after: torch.Tensor,
-    dtype: torch.dtype,
-) -> np.ndarray:
-    """The exponent rows of a tensor after a change, from those before it (not changed) and
-    the bits the change found and wrote at its positions (host tensors)."""
-    moved = rows.copy()
-    move_rows(
-        moved,
-        positions.numpy(),
-        bits_to_numpy(before),
-        bits_to_numpy(after),
-        info_for(dtype).name,
-        tally=False,
-    )
-    return moved
 
 
 @dataclass(frozen=True)
@@ -825,7 +740,6 @@ __all__ = [
     "rans_part",
     "ready",
     "resolve",
-    "rows_after",
     "stage_change",
     "undo_delta",
     "unput_staged",

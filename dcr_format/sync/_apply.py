@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from dcr_format.delta.classed_change import rows_after
 from dcr_format.delta.delta import (
     FULL,
     XOR,
@@ -30,7 +31,6 @@ from dcr_format.delta.delta import (
     Delta,
     PendingDelta,
     resolve,
-    rows_after,
     stage_change,
 )
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
