@@ -41,7 +41,7 @@ with atheris.instrument_imports(include=["dcr_format"]):
     from dcr_format.delta.delta import apply_change, decode_delta, resolve
     from dcr_format.errors import DcrError
     from dcr_format.format.dtypes import info_for
-    from dcr_format.format.features import allowed_codings
+    from dcr_format.format.features import EncodeOptions
     from dcr_format.format.names import CLASSED, POSITION_CODINGS, ULP, ULP_SHIFT, VALUE_CODINGS
     from dcr_format.format.schema import CommitRecord, Manifest, StoreHeader, parse
     from dcr_format.format.shard import decode_shard
@@ -122,10 +122,13 @@ def baseline_seeds() -> list[bytes]:
     before, after = old[where], new.view(torch.uint16).numpy()[where]
     seeds = []
     for features in ((), ("values-rans",), ("values-ulp",), ("values-ulp-shift",)):
-        with allowed_codings(features):
-            coding, stream = encode_xor_values(
-                before ^ after, to_ulp(before, after), old=before, dtype="bfloat16"
-            )
+        coding, stream = encode_xor_values(
+            before ^ after,
+            to_ulp(before, after),
+            old=before,
+            dtype="bfloat16",
+            codings=EncodeOptions.allowing(features).codings,
+        )
         for positions, placed in (
             ("rice", encode_positions(where, coding="rice")[1]),
             (CLASSED, encode_classed(where, old, "bfloat16")),

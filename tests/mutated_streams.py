@@ -29,7 +29,7 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from dcr_format.codings import classed, rans, ulp_shift
 from dcr_format.codings.planes import to_planes
 from dcr_format.codings.positions import encode_positions
 from dcr_format.codings.ulp import FLOAT_DTYPES, to_ulp
-from dcr_format.delta.delta import RowsSlot, apply_change, decode_delta, resolve
+from dcr_format.delta.delta import PendingDelta, apply_change, decode_delta, resolve
 from dcr_format.errors import DcrError
 from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
 
@@ -167,8 +167,8 @@ def outcome(case: Case, positions: bytes, values: bytes, changed: int, rows: boo
             positions=(case.positions[0], positions),
             values=(case.values[0], values),
         )
-        if rows and isinstance(delta.rows, RowsSlot):
-            delta.rows.rows = classed.exponent_rows(flat_bits(target), case.dtype)
+        if rows and isinstance(delta, PendingDelta) and delta.classed is not None:
+            delta = replace(delta, rows=classed.exponent_rows(flat_bits(target), case.dtype))
         apply_change(target, resolve(delta, target))
     except DcrError as exc:
         return type(exc).__name__

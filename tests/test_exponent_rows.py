@@ -9,6 +9,7 @@ apply (refused, or counted again)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,18 @@ from dcr_format.codings.classed import (
     move_rows,
     rows_fit,
 )
-from dcr_format.delta import delta as delta_module
-from dcr_format.delta.delta import RowsSlot, _decode_classed_at
+from dcr_format.codings.values import encode_values
+from dcr_format.delta import classed_change
+from dcr_format.delta.classed_change import decode_classed_at
+from dcr_format.delta.delta import (
+    DecodedDelta,
+    PendingDelta,
+    apply_change,
+    decode_delta,
+    resolve,
+)
 from dcr_format.errors import BaselineMismatchError, PositionsError
+from dcr_format.format.dtypes import info_for
 
 FEATURE = "positions-classed"
 DTYPES = {
@@ -183,17 +193,50 @@ def test_rows_of_other_bits_are_refused_or_counted_again() -> None:
     with pytest.raises(PositionsError, match="does not decode"):
         decode_classed(code, skewed, "bfloat16", count=at.size, numel=skewed.size, rows=swapped)
     # the resolve path counts the held bits' rows again before refusing, and keeps them
-    slot = RowsSlot(wrong)
     parsed = classed.parse_classed(stream, count=positions.size, dtype="bfloat16")
-    assert np.array_equal(_decode_classed_at(parsed, slot, old, "bfloat16"), positions)
-    assert slot.rows is not None and np.array_equal(slot.rows, counted(old, "bfloat16"))
-    # and a slot without rows gets those it counted
-    empty = RowsSlot()
-    assert np.array_equal(_decode_classed_at(parsed, empty, old, "bfloat16"), positions)
-    assert empty.rows is not None and np.array_equal(empty.rows, slot.rows)
+    found, used = decode_classed_at(parsed, wrong, old, "bfloat16")
+    assert np.array_equal(found, positions)
+    assert np.array_equal(used, counted(old, "bfloat16"))
+    # and without rows given it gives back those it counted
+    found, fresh = decode_classed_at(parsed, None, old, "bfloat16")
+    assert np.array_equal(found, positions) and np.array_equal(fresh, used)
     # against bits that are not the parent's, counted afresh, the stream is still refused
     with pytest.raises(PositionsError):
-        _decode_classed_at(parsed, RowsSlot(), other, "bfloat16")
+        decode_classed_at(parsed, None, other, "bfloat16")
+
+
+def test_a_pending_change_takes_kept_rows_and_its_resolved_form_gives_them_back() -> None:
+    """A ``classed`` change decodes as a :class:`PendingDelta`, which does not apply as it
+    is; :func:`resolve` gives a :class:`DecodedDelta` that carries the rows it decoded with:
+    the ones handed in where they fit (the same array), else those it counted. Resolving
+    changes nothing in the pending change, and a resolved change resolves to itself."""
+    old = weights(3 * ROW_ELEMENTS, "bfloat16", seed=4)
+    new, positions = step(old, "bfloat16", 0.02, 5)
+    code = encode_classed(positions, old, "bfloat16")
+    pending = decode_delta(
+        "xor",
+        info_for(torch.bfloat16),
+        old.size,
+        positions.size,
+        positions=("classed", code),
+        values=encode_values(old[positions] ^ new[positions]),
+    )
+    assert isinstance(pending, PendingDelta) and pending.rows is None
+    target = torch.from_numpy(old.view(np.int16).copy()).view(torch.bfloat16)
+    with pytest.raises(ValueError, match="resolve"):
+        apply_change(target, pending)
+    counted_here = resolve(pending, target)
+    assert isinstance(counted_here, DecodedDelta) and counted_here.positions is not None
+    assert np.array_equal(counted_here.positions.numpy(), positions)
+    assert counted_here.rows is not None
+    assert np.array_equal(counted_here.rows, counted(old, "bfloat16"))
+    kept = exponent_rows(old, "bfloat16")
+    given = resolve(replace(pending, rows=kept), target)
+    assert given.rows is kept and pending.rows is None
+    assert given.positions is not None and torch.equal(given.positions, counted_here.positions)
+    assert resolve(given, target) is given
+    apply_change(target, given)
+    assert np.array_equal(target.view(torch.int16).numpy().view(np.uint16), new)
 
 
 class Trainer:
@@ -229,7 +272,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return real(bits, dtype)
 
     monkeypatch.setattr(classed, "exponent_rows", spy)
-    monkeypatch.setattr(delta_module, "exponent_rows", spy)
+    monkeypatch.setattr(classed_change, "exponent_rows", spy)
     return calls
 
 

@@ -336,7 +336,7 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
     against the torch reference, the stream built from them equal to the host coding's
     bytes, and the positions found from it on the device equal to the changes."""
     from dcr_format.codings import classed
-    from dcr_format.delta.delta import _device_classed, _device_positions
+    from dcr_format.delta.classed_change import device_classed, device_positions
 
     gen = torch.Generator().manual_seed(size)
     old = (torch.randn(size, generator=gen) * 0.02).to(dtype)
@@ -357,10 +357,10 @@ def test_class_ranks_match_the_reference_and_the_host_coding(tk, size, dtype):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("DCR_KERNELS", backend)
             chosen = backend_for(bits, positions)
-            assert _device_classed(bits, positions, dtype, chosen) == expected, backend
+            assert device_classed(bits, positions, dtype, chosen) == expected, backend
             # and back: the reader's class passes on the device find the same positions
             stream = classed.parse_classed(expected, count=positions.numel(), dtype=name)
-            found = _device_positions(stream, bits, name, chosen)
+            found = device_positions(stream, bits, name, chosen)
             assert _same(found.cpu(), positions.cpu()), backend
 
 

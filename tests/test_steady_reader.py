@@ -475,7 +475,8 @@ def test_a_change_completed_just_before_its_apply_keeps_the_old_bits_it_read(
 
     def spy(where: str):
         def resolve(delta, target, *, keep_before=False):
-            if delta.classed is not None or delta.shift is not None:  # not yet completed
+            pending = isinstance(delta, delta_module.PendingDelta)
+            if pending and (delta.classed is not None or delta.shift is not None):
                 calls.append((where, keep_before))
             return real_resolve(delta, target, keep_before=keep_before)
 

@@ -10,8 +10,7 @@ Two codings (spec/FORMAT.md §7):
   feature (:mod:`dcr_format.format.features`), and only where it is smaller.
 
 :func:`encode_values` keeps ``planes`` unless another coding is allowed and wins on exact
-sizes; what is allowed comes from its ``codings`` argument or, by default, from the
-innermost :func:`~dcr_format.format.features.allowed_codings` block of the calling thread.
+sizes; what is allowed is its ``codings`` argument (``planes`` alone by default).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import zstandard
 from dcr_format.codings import rans, ulp_shift
 from dcr_format.codings.planes import from_planes, to_planes
 from dcr_format.errors import ArgumentError, ValuesError
-from dcr_format.format import features
 from dcr_format.format.names import (
     PLANES,
     RANS,
@@ -38,14 +36,13 @@ from dcr_format.format.names import (
 _ESTIMATE_LEVEL = 1  # zstd level of the planes estimate a rans stream is compared with
 
 
-def encode_values(bits: np.ndarray, *, codings: Iterable[str] | None = None) -> tuple[str, bytes]:
+def encode_values(bits: np.ndarray, *, codings: Iterable[str] = (PLANES,)) -> tuple[str, bytes]:
     """Encode an unsigned integer array (the exact bits); returns (coding, stream).
 
-    ``codings``: the codings allowed (default: ``planes`` and the value codings of the
-    current :func:`~dcr_format.format.features.allowed_codings` block). With ``rans``
-    allowed, the rANS stream is kept when it is at most half the raw planes, or else
-    smaller than the raw planes and than the planes compressed at zstd level 1 (FORMAT.md
-    §7.4).
+    ``codings``: the value codings allowed (``planes`` and ``rans``; default: ``planes``
+    alone). With ``rans`` allowed, the rANS stream is kept when it is at most half the raw
+    planes, or else smaller than the raw planes and than the planes compressed at zstd
+    level 1 (FORMAT.md §7.4).
     """
     bits = _unsigned(bits)
     return _encoded(bits, _rans_model(bits, _allowed(codings)))
@@ -57,13 +54,16 @@ def encode_xor_values(
     *,
     old: np.ndarray | None = None,
     dtype: str | None = None,
+    codings: Iterable[str] = (),
 ) -> tuple[str, bytes]:
     """The values of an ``xor`` entry of a float tensor where the writer may use ``ulp`` or
     ``ulp-shift`` (FORMAT.md §7.5-7.6): ``xor`` the XOR bits, ``differences`` the zigzag ulp
     differences of the same elements (:func:`dcr_format.codings.ulp.to_ulp`), ``old`` their
     old bits and ``dtype`` the tensor's dtype name (both needed for ``ulp-shift``). Returns
     (coding, stream): ``ulp``, ``ulp-shift`` or what :func:`encode_values` chooses for the
-    XOR bits.
+    XOR bits. ``codings``: the codings the writer is allowed beyond ``planes``
+    (:attr:`~dcr_format.format.features.EncodeOptions.codings`; of those, ``rans``,
+    ``ulp`` and ``ulp-shift`` play a part here).
 
     The models of every allowed coding are built (§7.4 steps 1-2) and only the one of least
     estimate is encoded (the XOR bits, then ``ulp``, then ``ulp-shift`` on ties): the
@@ -72,8 +72,8 @@ def encode_xor_values(
     stream must also beat those planes compressed at zstd level 1.
     """
     xor, differences = _unsigned(xor), _unsigned(differences)
-    allowed = features.allowed()
-    xor_model = _rans_model(xor, _allowed(None))
+    allowed = frozenset(codings)
+    xor_model = _rans_model(xor, frozenset((PLANES,)) | (allowed & frozenset(VALUE_CODINGS)))
     best: tuple[float, str, Callable[[], bytes]] | None = None
     if ULP in allowed:
         ulp_model = _rans_model(differences, frozenset((RANS,)))
@@ -115,11 +115,8 @@ def _shift_candidate(
     )
 
 
-def _allowed(codings: Iterable[str] | None) -> frozenset[str]:
-    if codings is None:
-        allowed = frozenset((PLANES,)) | (features.allowed() & frozenset(VALUE_CODINGS))
-    else:
-        allowed = frozenset(codings)
+def _allowed(codings: Iterable[str]) -> frozenset[str]:
+    allowed = frozenset(codings)
     unknown = allowed - set(VALUE_CODINGS)
     if unknown:
         raise ArgumentError(f"unknown value codings {sorted(unknown)}; use {VALUE_CODINGS}")

@@ -32,15 +32,8 @@ import zstandard
 from dcr_format.codings.classed import (
     EXPONENT_FIELDS,
     ClassedStream,
-    choose_classes,
-    class_ranks_of,
-    classed_stream,
-    decode_classed,
     encode_classed_counted,
-    exponent_rows,
-    move_rows,
     parse_classed,
-    rows_fit,
     with_ranks,
 )
 from dcr_format.codings.positions import PositionsChoice, plain_size_floor
@@ -50,6 +43,7 @@ from dcr_format.codings.ulp_shift import join, parse
 from dcr_format.codings.values import decode_values, encode_values, encode_xor_values
 from dcr_format.delta.backend import Backend, to_device, to_host
 from dcr_format.delta.backends import backend_for
+from dcr_format.delta.classed_change import decode_classed_at, device_classed, device_positions
 from dcr_format.delta.positions import decode_positions_to
 from dcr_format.errors import PositionsError, TargetError, ValuesError
 from dcr_format.format.dtypes import (
@@ -60,54 +54,88 @@ from dcr_format.format.dtypes import (
     info_for,
     numpy_to_bits,
 )
-from dcr_format.format.features import NO_CODINGS, EncodeOptions, allowed_codings
-from dcr_format.format.names import CLASSED, FULL, OPS, OVERWRITE, ULP, ULP_SHIFT, XOR
+from dcr_format.format.features import NO_CODINGS, EncodeOptions
+from dcr_format.format.names import (
+    CLASSED,
+    FULL,
+    OPS,
+    OVERWRITE,
+    PLANES,
+    RANS,
+    ULP,
+    ULP_SHIFT,
+    XOR,
+)
 from dcr_format.kernels.reference import Diff
 
 # Above this change rate the encoder also tries ``full`` and keeps the smaller.
 FULL_CANDIDATE_RATE = 0.2
 
 
-@dataclass
-class RowsSlot:
-    """The exponent rows of the old bits a ``classed`` change decodes against
-    (:func:`dcr_format.codings.classed.exponent_rows`, one pass over the tensor): a caller
-    that keeps them from the last change (a long-lived reader) puts them here before
-    :func:`resolve`, which otherwise counts them and leaves them here, so that the caller
-    can move them to the new bits after applying (:func:`rows_after`)."""
-
-    rows: np.ndarray | None = None
-
-
 @dataclass(frozen=True)
 class DecodedDelta:
-    """One tensor's decoded change, ready to apply on the host (``positions`` None for full)."""
+    """One tensor's change, ready to apply: its positions (None for ``full``) and the bits
+    it puts there (``xor``: old ^ new; ``overwrite``, ``full``: the new bits).
+
+    ``ulp``: the values are zigzag ulp differences from the old bits instead of XOR bits (a
+    resolved ``ulp`` change where the backend reads the old bits, steps them and writes the
+    new ones in one pass: :func:`apply_change`, :func:`stage_change`). ``before``: the old
+    bits at the positions where :func:`resolve` read them and was asked to keep them (its
+    caller applies the change right after, to the same bits), so that :func:`apply_change`
+    does not read them again. ``rows``: the exponent rows of the old bits a ``classed``
+    change was resolved against (given or counted), for its caller to move to the new bits
+    after applying (:func:`dcr_format.delta.classed_change.rows_after`)."""
 
     op: str
-    positions: torch.Tensor | None  # int64, strictly increasing (None: full, or not resolved)
+    positions: torch.Tensor | None  # int64, strictly increasing (None: full)
     values: torch.Tensor  # the dtype's integer bits view
-    # xor positions coded against the old bits, until :func:`resolve` finds them
-    classed: ClassedStream | None = None
-    # the values are zigzag ulp differences against the old bits (``ulp``), until
-    # :func:`resolve` turns them into XOR bits; on the CPU with the compiled kernels it leaves
-    # them, and :func:`apply_change` and :func:`stage_change` read the old bits, step them and
-    # write the new ones in one pass
     ulp: bool = False
-    # ``ulp-shift``: the values are the shifted differences, and these the stream's origin
-    # and packed low bits (FORMAT.md §7.6), which :func:`resolve` joins them with
-    shift: tuple[int, bytes] | None = None
-    # ``classed``: where the exponent rows of the old bits go (given by a caller that keeps
-    # them, else filled by :func:`resolve` when it counts them)
-    rows: RowsSlot | None = None
-    # resolved ``ulp``: the old bits at the positions, where :func:`resolve` read them and
-    # was asked to keep them (its caller applies the change right after, to the same bits),
-    # so that :func:`apply_change` does not read them again
     before: torch.Tensor | None = None
+    rows: np.ndarray | None = None
 
     @property
     def needs_target(self) -> bool:
-        """Whether :func:`resolve` must read the target's old bits before this applies."""
-        return self.classed is not None or self.ulp
+        """False: nothing left to read from the target before this applies."""
+        return False
+
+
+@dataclass(frozen=True)
+class PendingDelta:
+    """One tensor's ``xor`` change decoded but coded against the old bits it applies to:
+    :func:`resolve` completes it against them into a :class:`DecodedDelta`.
+
+    ``classed``: its positions coded by the old bits' exponent classes (``positions`` None
+    until resolved; FORMAT.md §6.5). ``ulp``: its values are zigzag ulp differences from the
+    old bits (§7.5), and with ``shift``, the stream's origin and packed low bits, shifted
+    differences that the old values' exponents complete (``ulp-shift``, §7.6). ``rows``: the
+    exponent rows of the old bits where the caller kept them
+    (:func:`dcr_format.codings.classed.exponent_rows`), so that :func:`resolve` need not
+    count them."""
+
+    op: str
+    positions: torch.Tensor | None  # int64, strictly increasing; None: ``classed``
+    values: torch.Tensor  # the dtype's integer bits view (ulp differences where ``ulp``)
+    classed: ClassedStream | None = None
+    ulp: bool = False
+    shift: tuple[int, bytes] | None = None
+    rows: np.ndarray | None = None
+
+    @property
+    def needs_target(self) -> bool:
+        """True: :func:`resolve` must read the target's old bits before this applies."""
+        return True
+
+
+# What :func:`decode_delta` gives: a change ready to apply, or one still to resolve.
+Delta = DecodedDelta | PendingDelta
+
+
+def ready(delta: Delta) -> DecodedDelta:
+    """``delta`` as a change ready to apply; a :class:`PendingDelta` is refused (it must be
+    resolved against its target first)."""
+    if isinstance(delta, PendingDelta):
+        raise ValueError("resolve() the change against its target before applying it")
+    return delta
 
 
 @dataclass(frozen=True)
@@ -236,7 +264,7 @@ def encode_diff(
             )
         else:
             assert baseline is not None
-            coded = _device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
+            coded = device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
         # below the floor of every plain coding, those need no plan (a pass over the positions)
         if runs is not None and len(coded) < plain_size_floor(changed, int(at[-1]), runs):
             pos_coding, pos_bytes = CLASSED, coded
@@ -258,21 +286,18 @@ def encode_diff(
         else:
             before = _old_of_change(new, positions, xor_bits, found.new_values)
             differences = to_ulp(before, before ^ xor_bits)
-        with allowed_codings(options.features):  # the value encoders' codings
-            val_coding, val_bytes = encode_xor_values(
-                xor_bits, differences, old=before, dtype=dtype
-            )
+        val_coding, val_bytes = encode_xor_values(
+            xor_bits, differences, old=before, dtype=dtype, codings=allowed
+        )
     elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
         on_device = _device_ulp_of_change(new, found, backend, want_old=False)
         if on_device is not None:
             differences = on_device[0]
         else:
             differences = _ulp_differences(new, positions, xor_bits, found.new_values)
-        with allowed_codings(options.features):
-            val_coding, val_bytes = encode_xor_values(xor_bits, differences)
+        val_coding, val_bytes = encode_xor_values(xor_bits, differences, codings=allowed)
     else:
-        with allowed_codings(options.features):
-            val_coding, val_bytes = encode_values(xor_bits)
+        val_coding, val_bytes = encode_values(xor_bits, codings=_plain_codings(options))
     if new_values is not None:
         advance = DecodedDelta(OVERWRITE, positions, new_values)
     else:  # a diff that advanced its baseline in its own pass kept only the XOR bits
@@ -368,43 +393,18 @@ def _classed_wanted(
     )
 
 
-def _device_positions(
-    stream: ClassedStream, old: torch.Tensor, dtype: str, backend: Backend
-) -> torch.Tensor:
-    """The positions of a ``classed`` stream with the class passes on ``old``'s device (the
-    class sizes come to the host to decode the ranks, which go back)."""
-    shift, mask = EXPONENT_FIELDS[dtype]
-    base, count = stream.base, stream.classes
-    sizes = backend.class_sizes(old, shift, mask, base, count).cpu().numpy()
-    ranks = torch.from_numpy(class_ranks_of(stream, sizes)).to(old.device)
-    classes = torch.repeat_interleave(
-        torch.tensor([c for c, *_ in stream.parts], dtype=torch.int64),
-        torch.tensor([stream.counts[c] for c, *_ in stream.parts], dtype=torch.int64),
-    ).to(old.device)
-    return backend.class_positions(old, shift, mask, base, count, classes, ranks)
-
-
-def _device_classed(
-    old: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, backend: Backend
-) -> bytes:
-    """The ``classed`` stream with the class passes on the tensors' device (the histograms
-    and the classes and ranks of the changes come to the host, not the tensor)."""
-    name = info_for(dtype).name
-    shift, mask = EXPONENT_FIELDS[name]
-    everything, changed = backend.exponent_histograms(old, positions, shift, mask)
-    base, count = choose_classes(everything.cpu().numpy(), changed.cpu().numpy())
-    classes, ranks = backend.class_ranks(old, positions, shift, mask, base, count)
-    return classed_stream(base, count, classes.cpu().numpy(), ranks.cpu().numpy())
-
-
 def _encode_full(new: torch.Tensor, options: EncodeOptions) -> EncodedTensor:
     bits = bits_view(new).reshape(-1)
     advance = DecodedDelta(FULL, None, bits.clone())
     if new.numel() == 0:  # a full entry of no elements carries no streams
         return EncodedTensor(FULL, 0, None, None, None, None, advance)
-    with allowed_codings(options.features):
-        coding, data = encode_values(bits_to_numpy(bits))
+    coding, data = encode_values(bits_to_numpy(bits), codings=_plain_codings(options))
     return EncodedTensor(FULL, new.numel(), None, None, coding, data, advance)
+
+
+def _plain_codings(options: EncodeOptions) -> tuple[str, ...]:
+    """The value codings ``options`` allow a stream coded alone (``planes``; ``rans``)."""
+    return (PLANES, RANS) if RANS in options.codings else (PLANES,)
 
 
 def decode_delta(
@@ -417,7 +417,7 @@ def decode_delta(
     values: tuple[str, bytes | memoryview] | None,
     device: torch.device | str = "cpu",
     symbols: np.ndarray | None = None,
-) -> DecodedDelta:
+) -> Delta:
     """Decode an entry's streams (both already checked to exist) onto ``device``; hostile
     input is refused.
 
@@ -462,9 +462,11 @@ def decode_delta(
             raise PositionsError(f"classed positions belong to xor entries, not {op!r}")
         # the ranks decode now, on the fetch worker; only their select needs the old bits
         stream = with_ranks(parse_classed(positions[1], count=changed, dtype=info.name), numel)
-        return DecodedDelta(op, None, vals, stream, ulp, shift, RowsSlot())
+        return PendingDelta(op, None, vals, stream, ulp, shift)
     pos = decode_positions_to(positions[0], positions[1], count=changed, numel=numel, device=device)
-    return DecodedDelta(op, pos, vals, None, ulp, shift)
+    if ulp:
+        return PendingDelta(op, pos, vals, None, ulp, shift)
+    return DecodedDelta(op, pos, vals)
 
 
 def rans_part(
@@ -486,7 +488,7 @@ def rans_part(
 
 
 def resolve(
-    delta: DecodedDelta,
+    delta: Delta,
     target: torch.Tensor,
     *,
     keep_before: bool = False,
@@ -494,15 +496,17 @@ def resolve(
 ) -> DecodedDelta:
     """``delta`` completed against ``target`` where it was coded against the old bits: its
     positions found (``classed``) and its values turned into XOR bits (``ulp``,
-    ``ulp-shift``). ``target`` must hold exactly the bits the entry was made against (its
-    parent's), as any ``xor`` entry needs. Other deltas come back as they are. A positions
-    stream that does not decode against these bits is a :class:`PositionsError`; an
-    ``ulp-shift`` stream whose low bits do not fit them, a :class:`ValuesError`.
-    ``keep_before``: the caller applies the result to ``target`` next, with nothing
-    written there in between, so the old bits the select pass read at the positions go
-    with it (``before``) and :func:`apply_change` does not read them again. ``backend``:
-    the target's (else chosen for it)."""
-    if not delta.needs_target:
+    ``ulp-shift``; or left ulp differences where the backend steps them while writing).
+    ``target`` must hold exactly the bits the entry was made against (its parent's), as any
+    ``xor`` entry needs. A :class:`DecodedDelta` comes back as it is. A positions stream that
+    does not decode against these bits is a :class:`PositionsError`; an ``ulp-shift``
+    stream whose low bits do not fit them, a :class:`ValuesError`. A ``classed`` change
+    resolved on the host carries the exponent rows it decoded against (``rows``: the
+    delta's where they fit the bits, else counted). ``keep_before``: the caller applies the
+    result to ``target`` next, with nothing written there in between, so the old bits the
+    select pass read at the positions go with it (``before``) and :func:`apply_change` does
+    not read them again. ``backend``: the target's (else chosen for it)."""
+    if isinstance(delta, DecodedDelta):
         return delta
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
@@ -511,15 +515,16 @@ def resolve(
     if backend is None:
         backend = backend_for(flat)
     positions = delta.positions
+    rows: np.ndarray | None = None  # the exponent rows the classed positions decoded against
     before: np.ndarray | None = None  # the old bits at the positions, where the select read them
     if delta.classed is not None and flat.device.type == "cpu":
         held = bits_to_numpy(flat)
         if delta.ulp and delta.shift is not None:
             before = np.empty(sum(delta.classed.counts), dtype=held.dtype)
-        found = _decode_classed_at(delta.classed, delta.rows, held, info.name, before)
+        found, rows = decode_classed_at(delta.classed, delta.rows, held, info.name, before)
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
-        positions = _device_positions(delta.classed, flat, info.name, backend)
+        positions = device_positions(delta.classed, flat, info.name, backend)
         positions = positions.to(delta.values.device)
     assert positions is not None
     values = delta.values
@@ -527,70 +532,22 @@ def resolve(
         if positions.numel() and int(positions[-1]) >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
         if delta.shift is None:  # stepped while applying, or turned into XOR bits here
-            ready = DecodedDelta(delta.op, positions, values, ulp=True)
-            return ready if backend.fuses_ulp(flat, positions) else _as_xor(ready, flat, backend)
+            stepped = DecodedDelta(delta.op, positions, values, ulp=True, rows=rows)
+            if backend.fuses_ulp(flat, positions):
+                return stepped
+            return _as_xor(stepped, flat, backend)
         if before is None:  # the shifts come from the old bits' exponents
             before = _bits_at(flat, positions)
         origin, low = delta.shift
         z = join(before, bits_to_numpy(to_host(values)), origin, low, info.name)
         if backend.fuses_ulp(flat, positions):  # joined: plain ulp differences, stepped
             kept = numpy_to_bits(before, info) if keep_before else None
-            return DecodedDelta(delta.op, positions, numpy_to_bits(z, info), ulp=True, before=kept)
+            return DecodedDelta(
+                delta.op, positions, numpy_to_bits(z, info), ulp=True, before=kept, rows=rows
+            )
         xor = before ^ from_ulp(before, z)
         values = to_device(numpy_to_bits(xor, info), values.device)
-    return DecodedDelta(delta.op, positions, values)
-
-
-def _decode_classed_at(
-    stream: ClassedStream,
-    slot: RowsSlot | None,
-    held: np.ndarray,
-    dtype: str,
-    before: np.ndarray | None = None,
-) -> np.ndarray:
-    """The positions of a ``classed`` stream against the host bits ``held``, with the rows
-    of ``slot`` where they fit (else counted, and left there). Rows that were given and do
-    not decode are counted again before the stream is refused: a keeper's rows never turn
-    into a refusal that the held bits would not make. ``before``, where given, takes the
-    held bits at the positions."""
-    count, numel = sum(stream.counts), int(held.size)
-    given = slot is not None and rows_fit(slot.rows, numel, dtype)
-    if slot is not None and not given:
-        slot.rows = exponent_rows(held, dtype)
-    rows = None if slot is None else slot.rows
-    try:
-        return decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
-        )
-    except PositionsError:
-        if not given:
-            raise
-        assert slot is not None
-        slot.rows = exponent_rows(held, dtype)
-        return decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=slot.rows, old_at=before
-        )
-
-
-def rows_after(
-    rows: np.ndarray,
-    positions: torch.Tensor,
-    before: torch.Tensor,
-    after: torch.Tensor,
-    dtype: torch.dtype,
-) -> np.ndarray:
-    """The exponent rows of a tensor after a change, from those before it (not changed) and
-    the bits the change found and wrote at its positions (host tensors)."""
-    moved = rows.copy()
-    move_rows(
-        moved,
-        positions.numpy(),
-        bits_to_numpy(before),
-        bits_to_numpy(after),
-        info_for(dtype).name,
-        tally=False,
-    )
-    return moved
+    return DecodedDelta(delta.op, positions, values, rows=rows)
 
 
 @dataclass(frozen=True)
@@ -604,10 +561,9 @@ class AppliedBits:
 
 
 def _ready_ulp(delta: DecodedDelta) -> torch.Tensor:
-    """The positions of a ``ulp`` change that applies as it is (resolved: no classes or
-    shifts left), refusing any other delta that still needs its target."""
-    if delta.classed is not None or delta.shift is not None or delta.positions is None:
-        raise ValueError("resolve() the change against its target before applying it")
+    """The positions of a resolved ``ulp`` change."""
+    if delta.positions is None:
+        raise ValueError("an ulp change has positions")
     return delta.positions
 
 
@@ -617,7 +573,7 @@ def _as_xor(delta: DecodedDelta, flat: torch.Tensor, backend: Backend) -> Decode
     positions = _ready_ulp(delta)
     before = flat[positions.to(flat.device)]
     xor = before ^ _stepped(before, delta.values, backend)
-    return DecodedDelta(delta.op, positions, to_device(xor, delta.values.device))
+    return DecodedDelta(delta.op, positions, to_device(xor, delta.values.device), rows=delta.rows)
 
 
 def _stepped(before: torch.Tensor, z: torch.Tensor, backend: Backend) -> torch.Tensor:
@@ -631,10 +587,11 @@ def _stepped(before: torch.Tensor, z: torch.Tensor, backend: Backend) -> torch.T
 
 
 def after_bits(
-    delta: DecodedDelta, before: torch.Tensor, *, backend: Backend | None = None
+    delta: Delta, before: torch.Tensor, *, backend: Backend | None = None
 ) -> torch.Tensor:
     """The bits a resolved ``xor``/``overwrite``/``ulp`` change puts at its positions, given
     the bits ``before`` there (``backend``: theirs, else chosen for them)."""
+    delta = ready(delta)
     values = delta.values.to(before.device)
     if delta.ulp:
         return _stepped(before, values, backend or backend_for(before))
@@ -643,7 +600,7 @@ def after_bits(
 
 def apply_change(
     target: torch.Tensor,
-    delta: DecodedDelta,
+    delta: Delta,
     *,
     lanes: bool = True,
     keep_old: bool = True,
@@ -652,7 +609,9 @@ def apply_change(
     """Apply in place, reading the old bits and (``lanes``) summing the fingerprint lane
     deltas of the change in the same pass (FORMAT.md §9.1), so a reader needs no second
     look. ``keep_old=False``: a ``full`` write keeps no copy of the bits it replaces (the
-    tensor was new: nothing to undo). ``backend``: the target's (else chosen for it)."""
+    tensor was new: nothing to undo). ``backend``: the target's (else chosen for it). A
+    :class:`PendingDelta` is refused: :func:`resolve` it first."""
+    delta = ready(delta)
     if not target.is_contiguous():
         raise TargetError("target tensor is not contiguous; pass contiguous tensors")
     flat = bits_view(target).reshape(-1)
@@ -701,11 +660,12 @@ class StagedChange:
 
 
 def stage_change(
-    target: torch.Tensor, delta: DecodedDelta, *, backend: Backend | None = None
+    target: torch.Tensor, delta: Delta, *, backend: Backend | None = None
 ) -> StagedChange:
     """Read, never write, what :func:`apply_change` would do to ``target`` (one pass over
     the positions), so the tensor can stay in use meanwhile; the write that makes the
     change (:func:`put_staged`) is then a plain scatter of ``after``."""
+    delta = ready(delta)
     if delta.op == FULL:
         raise ValueError("a full change has nothing to stage: apply it")
     if not target.is_contiguous():
@@ -735,7 +695,7 @@ def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
     backend_for(flat).scatter(flat, staged.positions, staged.before, op=OVERWRITE)
 
 
-def apply_delta(target: torch.Tensor, delta: DecodedDelta) -> torch.Tensor | None:
+def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:
     """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
     return apply_change(target, delta, lanes=False).saved
 
@@ -764,8 +724,9 @@ __all__ = [
     "XOR",
     "AppliedBits",
     "DecodedDelta",
+    "Delta",
     "EncodedTensor",
-    "RowsSlot",
+    "PendingDelta",
     "StagedChange",
     "after_bits",
     "apply_change",
@@ -777,8 +738,8 @@ __all__ = [
     "encode_tensor",
     "put_staged",
     "rans_part",
+    "ready",
     "resolve",
-    "rows_after",
     "stage_change",
     "undo_delta",
     "unput_staged",

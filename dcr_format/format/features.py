@@ -13,17 +13,13 @@ refuses the version instead of misreading it.
 
 What is allowed travels as an argument: a writer makes one :class:`EncodeOptions` of its
 features and passes it to the tensor encoders (:mod:`dcr_format.delta.delta`,
-:mod:`dcr_format.delta.pipeline`), which pass it down. The value encoders of
-:mod:`dcr_format.codings.values` read the codings allowed from an :func:`allowed_codings`
-block where no ``codings`` argument is given; the tensor encoder opens that block around its
-call, from its options.
+:mod:`dcr_format.delta.pipeline`), which pass its codings down to the stream encoders
+(:mod:`dcr_format.codings.values`: their ``codings`` argument).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dcr_format.errors import ArgumentError
@@ -60,26 +56,6 @@ BASELINE_FEATURES: frozenset[str] = frozenset(
 BASELINE_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in BASELINE_FEATURES)
 """Their codings (``classed``, ``ulp``, ``ulp-shift``): a writer codes them from the new bits
 of a change."""
-_ALLOWED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "dcr_codings", default=frozenset()
-)
-
-
-def allowed() -> frozenset[str]:
-    """The feature codings the innermost :func:`allowed_codings` block allows (none outside)."""
-    return _ALLOWED.get()
-
-
-@contextlib.contextmanager
-def allowed_codings(features: Iterable[str]) -> Iterator[None]:
-    """Within the block (this thread, or this context), encoders may use the codings of
-    ``features`` (e.g. ``("values-rans",)``). Features that name no coding are ignored (a
-    writer passes all its features)."""
-    token = _ALLOWED.set(frozenset(FEATURE_CODINGS[f] for f in features if f in FEATURE_CODINGS))
-    try:
-        yield
-    finally:
-        _ALLOWED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -139,8 +115,6 @@ __all__ = [
     "VALUES_ULP_SHIFT_FEATURE",
     "WRITER_FEATURES",
     "EncodeOptions",
-    "allowed",
-    "allowed_codings",
     "features_for",
     "writer_features",
 ]

@@ -33,7 +33,8 @@ from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
     XOR,
-    DecodedDelta,
+    Delta,
+    PendingDelta,
     changed_positions,
     decode_delta,
 )
@@ -179,7 +180,7 @@ class ProjectionPart:
         numel = math.prod(entry.shape)
         op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op
         delta = decode_region_entry(entry, streams)
-        if delta.needs_target or delta.shift is not None:
+        if isinstance(delta, PendingDelta):
             return False  # coded against old bits: only a reader of whole tensors resolves it
         positions = delta.positions
         if positions is None:
@@ -394,7 +395,7 @@ class ProjectionPart:
         self._region_dtypes = dtypes
 
 
-def decode_region_entry(entry: Entry, streams: dict[int, dict[str, memoryview]]) -> DecodedDelta:
+def decode_region_entry(entry: Entry, streams: dict[int, dict[str, memoryview]]) -> Delta:
     """Decode one entry from its rank's inflated shards (by index); a full piece decodes as
     its region's overwrite."""
     op = OVERWRITE if entry.op == FULL and entry.piece is not None else entry.op

@@ -28,7 +28,7 @@ import torch
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState
 from dcr_format.chain.layout import Layout, Piece, whole
 from dcr_format.chain.placement import placed as placed_pieces
-from dcr_format.delta.delta import FULL, OVERWRITE, XOR, changed_positions
+from dcr_format.delta.delta import FULL, OVERWRITE, XOR, PendingDelta, changed_positions
 from dcr_format.delta.dispatch import diff_with_lanes
 from dcr_format.delta.fingerprint import apply_lane_deltas, fingerprint_from_lanes, lanes_at
 from dcr_format.errors import ArgumentError, MissingTensorError
@@ -364,7 +364,7 @@ def _replay_entry(
 ) -> None:
     """Apply one of the rank's entries to its replayed region."""
     delta = decode_region_entry(entry, streams)
-    if delta.needs_target or delta.shift is not None:
+    if isinstance(delta, PendingDelta):
         raise _NotReplayable
     info = info_for(entry.dtype)
     if entry.op == FULL:

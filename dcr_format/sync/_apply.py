@@ -23,7 +23,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from dcr_format.delta.delta import FULL, XOR, DecodedDelta, resolve, rows_after, stage_change
+from dcr_format.delta.classed_change import rows_after
+from dcr_format.delta.delta import (
+    FULL,
+    XOR,
+    DecodedDelta,
+    Delta,
+    PendingDelta,
+    resolve,
+    stage_change,
+)
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
 from dcr_format.errors import (
     ApplyError,
@@ -61,15 +70,15 @@ class EarlyApply:
     alone: bool
     audit: bool  # the sync was asked to audit
     # changes decoded before the transaction opened, to apply as it opens
-    ready: list[tuple[Entry, DecodedDelta]] = field(default_factory=list)
+    ready: list[tuple[Entry, Delta]] = field(default_factory=list)
     sync: ApplyState | None = None  # the transaction's apply, once open
     threads: int = 1  # the pool's
-    _apply: Callable[[Entry, DecodedDelta], None] | None = None
+    _apply: Callable[[Entry, Delta], None] | None = None
     _applying: ThreadPoolExecutor | None = None
     _given: list[Future[None]] = field(default_factory=list)
     _failed: list[BaseException] = field(default_factory=list)
 
-    def start(self, sync: ApplyState, apply: Callable[[Entry, DecodedDelta], None]) -> None:
+    def start(self, sync: ApplyState, apply: Callable[[Entry, Delta], None]) -> None:
         """The transaction is open: apply the changes held so far, and each one given (on
         a pool kept for the process: its threads keep their memory from sync to sync)."""
         self.sync, self._apply = sync, apply
@@ -78,7 +87,7 @@ class EarlyApply:
         for entry, delta in ready:
             self.give(entry, delta)
 
-    def give(self, entry: Entry, delta: DecodedDelta) -> None:
+    def give(self, entry: Entry, delta: Delta) -> None:
         """Apply one change on the pool once the transaction is open (else hold it); raises
         an earlier change's failure instead."""
         if self._failed:
@@ -88,7 +97,7 @@ class EarlyApply:
         else:
             self._given.append(self._applying.submit(self._run, entry, delta))
 
-    def _run(self, entry: Entry, delta: DecodedDelta) -> None:
+    def _run(self, entry: Entry, delta: Delta) -> None:
         if self._failed:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
@@ -139,9 +148,13 @@ class Applying(Auditing):
         integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
         self._rows.clear()  # counted again next time, whatever went wrong
         for step in () if sync is None else sync.steps:  # a prepared version may be retried
-            for _, delta in step.changes:
+            for index, (entry, delta) in enumerate(step.changes):
                 if delta.rows is not None:
-                    delta.rows.rows = None
+                    step.changes[index] = (entry, replace(delta, rows=None))
+        staged = None if sync is None else sync.prepared._staged
+        if isinstance(staged, dict):  # the rows they were read against are counted again too
+            for name in list(staged):
+                staged[name] = replace(staged[name], rows=None)
         try:
             txn.undo()
             if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
@@ -204,15 +217,15 @@ class Applying(Auditing):
             if sync.prepared._spend:  # its memory goes now, not with the whole version
                 changes[index] = (entry, SPENT)
 
-    def _change_entry(self, sync: ApplyState, entry: Entry, delta: DecodedDelta) -> None:
+    def _change_entry(self, sync: ApplyState, entry: Entry, delta: Delta) -> None:
         """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
         if entry.op != FULL and entry.changed == 0:
             return
         info = info_for(entry.dtype)
+        delta = self._give_rows(entry, delta, sync.rows)
         change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
-        self._give_rows(entry, delta, sync.rows)
         applied = sync.txn.change(change, sync.prepared._staged.get(entry.name))
-        _follow_rows(sync, entry, delta, applied)
+        _follow_rows(sync, entry, applied)
         if entry.op == FULL:
             sync.lanes[entry.name] = applied.lanes
             if entry.changed == 0:
@@ -250,7 +263,7 @@ class Applying(Auditing):
         if not tensors:
             return None
 
-        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+        def take(entry: Entry, delta: Delta) -> Delta:
             tensor = tensors.get(entry.name)
             if tensor is None:
                 return delta
@@ -258,9 +271,7 @@ class Applying(Auditing):
                 early.give(entry, delta)
                 return delta
             done = self._resolved_live(entry, delta, tensor) if delta.needs_target else None
-            if done is None:
-                return delta
-            return replace(done, rows=delta.rows)  # the rows follow the change (_follow_rows)
+            return delta if done is None else done  # with its rows (_follow_rows)
 
         def verified() -> None:
             preliminary = PreparedVersion(
@@ -299,13 +310,13 @@ class Applying(Auditing):
         early.threads = 1  # one writer: a target's new tensors are made one at a time
         early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
-        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+        def take(entry: Entry, delta: Delta) -> Delta:
             early.give(entry, delta)
             return SPENT  # the version keeps no copy: the target holds it
 
         return Early(pool, take, lambda: None, max(1, kernel_threads() - 1))
 
-    def _change_now(self, sync: ApplyState, entry: Entry, delta: DecodedDelta) -> None:
+    def _change_now(self, sync: ApplyState, entry: Entry, delta: Delta) -> None:
         """Apply one change while the fetch still decodes others (refused first, as
         :meth:`Transaction.prepare` would refuse it with the rest)."""
         info = info_for(entry.dtype)
@@ -313,18 +324,15 @@ class Applying(Auditing):
         self._change_entry(sync, entry, delta)
         sync.applied.add(entry.name)
 
-    def _resolved_live(
-        self, entry: Entry, delta: DecodedDelta, tensor: torch.Tensor
-    ) -> DecodedDelta | None:
+    def _resolved_live(self, entry: Entry, delta: Delta, tensor: torch.Tensor) -> Delta | None:
         """``delta`` completed against the live ``tensor`` it lands in (read only), with the
         rows this reader kept; None where it does not fit that tensor or does not complete
         (left to :meth:`DeltaReader.apply`, which refuses it with the usual error)."""
         spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
         if (tensor.dtype, tuple(tensor.shape)) != spec:
             return None
-        self._give_rows(entry, delta, {})
         try:
-            return resolve(delta, tensor)
+            return resolve(self._give_rows(entry, delta, {}), tensor)
         except (IndexError, DcrError):
             return None
 
@@ -344,7 +352,7 @@ class Applying(Auditing):
                 if done is None:
                     continue
                 try:
-                    staged[name] = Staged(tensor, stage_change(tensor, done))
+                    staged[name] = Staged(tensor, stage_change(tensor, done), done.rows)
                 except (IndexError, DcrError):
                     continue
         finally:
@@ -352,17 +360,18 @@ class Applying(Auditing):
         return staged
 
     def _give_rows(
-        self, entry: Entry, delta: DecodedDelta, pending: dict[str, tuple[str, np.ndarray]]
-    ) -> None:
-        """Hand a ``classed`` change the exponent rows of its parent's bits where this reader
-        kept them (``pending``: those of this sync's earlier versions, else the committed
-        ones), so that :func:`resolve` need not count them."""
-        slot = delta.rows
-        if slot is None or slot.rows is not None:
-            return
+        self, entry: Entry, delta: Delta, pending: dict[str, tuple[str, np.ndarray]]
+    ) -> Delta:
+        """``delta`` with the exponent rows of its parent's bits where it is a ``classed``
+        change without them and this reader kept them (``pending``: those of this sync's
+        earlier versions, else the committed ones), so that :func:`resolve` need not count
+        them."""
+        if not isinstance(delta, PendingDelta) or delta.classed is None or delta.rows is not None:
+            return delta
         kept = pending.get(entry.name) or self._rows.get(entry.name)
         if kept is not None and kept[0] == entry.parent_fingerprint:
-            slot.rows = kept[1]
+            return replace(delta, rows=kept[1])
+        return delta
 
     def _in_turn(self, plan: SyncPlan, early: EarlyApply) -> bool:
         """Whether a sync applies ``plan`` version by version as each is fetched (a reader on
@@ -398,7 +407,7 @@ class Applying(Auditing):
         early.threads = 1
         early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
-        def take(entry: Entry, delta: DecodedDelta) -> DecodedDelta:
+        def take(entry: Entry, delta: Delta) -> Delta:
             early.give(entry, delta)
             return SPENT
 
@@ -466,14 +475,13 @@ def step_changes(step: FetchedStep) -> list[Change]:
     ]
 
 
-def _follow_rows(sync: ApplyState, entry: Entry, delta: DecodedDelta, applied: Applied) -> None:
+def _follow_rows(sync: ApplyState, entry: Entry, applied: Applied) -> None:
     """After a ``classed`` change applied on the host: the exponent rows of the bits it left,
-    from those it decoded against and the bits it read and wrote at every position."""
-    slot = delta.rows
+    from those it was resolved against (:attr:`Applied.rows`) and the bits it read and
+    wrote at every position."""
     sync.rows.pop(entry.name, None)
     if (
-        slot is None
-        or slot.rows is None
+        applied.rows is None
         or entry.op != XOR
         or applied.positions is None
         or applied.before is None
@@ -483,7 +491,7 @@ def _follow_rows(sync: ApplyState, entry: Entry, delta: DecodedDelta, applied: A
     ):
         return
     rows = rows_after(
-        slot.rows,
+        applied.rows,
         applied.positions,
         applied.before,
         applied.after,

@@ -33,7 +33,15 @@ import torch
 
 from dcr_format.chain.chain import TensorChange, TensorState, get_verified, tensor_changes
 from dcr_format.codings.rans import decode_rans_pair
-from dcr_format.delta.delta import FULL, OVERWRITE, XOR, DecodedDelta, decode_delta, rans_part
+from dcr_format.delta.delta import (
+    FULL,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    Delta,
+    decode_delta,
+    rans_part,
+)
 from dcr_format.errors import SchemaError, ShardError
 from dcr_format.format.budget import DecodeBudget
 from dcr_format.format.dtypes import info_for
@@ -45,12 +53,12 @@ from dcr_format.system.memory import give_back_freed
 
 # a pool's map: runs the function over the items in parallel, results in order
 MapFn = Callable[
-    [Callable[[DecodeJob], dict[int, DecodedDelta]], Iterable[DecodeJob]],
-    Iterable[dict[int, DecodedDelta]],
+    [Callable[[DecodeJob], dict[int, Delta]], Iterable[DecodeJob]],
+    Iterable[dict[int, Delta]],
 ]
 Streams = dict[tuple[int, int], dict[str, memoryview]]
 # given each whole entry as soon as it is decoded (on the calling thread): the delta to keep
-Take = Callable[[Entry, DecodedDelta], DecodedDelta]
+Take = Callable[[Entry, Delta], Delta]
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,7 @@ class FetchedStep:
     merged into whole-tensor changes)."""
 
     plan: StepPlan
-    changes: list[tuple[Entry, DecodedDelta]]
+    changes: list[tuple[Entry, Delta]]
 
     @property
     def table(self) -> dict[str, TensorState]:
@@ -156,7 +164,7 @@ def fetch_changes(
     budget: DecodeBudget,
     *,
     early: Early | None = None,
-) -> list[tuple[Entry, DecodedDelta]]:
+) -> list[tuple[Entry, Delta]]:
     """Run every job of ``plan`` in parallel; each wanted tensor's change, pieces merged.
 
     ``early``: the jobs run on its pool and each entry that is not a piece is handed to its
@@ -174,7 +182,7 @@ def fetch_changes(
     """
     budget.refuse_over(plan.output_bytes, "this version's entries")  # before any fetch
     if early is None:
-        decoded: dict[int, DecodedDelta] = {}
+        decoded: dict[int, Delta] = {}
         for part in map_fn(lambda job: _run_job(store, plan, job, budget), plan.jobs):
             decoded.update(part)
     else:
@@ -188,17 +196,17 @@ def fetch_changes(
 
 def _run_jobs_early(
     store: Store, plan: FetchPlan, budget: DecodeBudget, early: Early
-) -> dict[int, DecodedDelta]:
+) -> dict[int, Delta]:
     """:func:`fetch_changes`'s jobs on ``early.pool``, each decoded entry handed to
     ``early.take`` here."""
     # a decoded entry; a job that ended (False: it failed, its future holds the error); or
     # None: a job verified its shards
-    ready: queue.SimpleQueue[tuple[int, DecodedDelta] | bool | None] = queue.SimpleQueue()
+    ready: queue.SimpleQueue[tuple[int, Delta] | bool | None] = queue.SimpleQueue()
     running = [len(plan.jobs)]
     lock = threading.Lock()
     gate = None if early.decoders is None else threading.Semaphore(early.decoders)
 
-    def run(job: DecodeJob) -> dict[int, DecodedDelta]:
+    def run(job: DecodeJob) -> dict[int, Delta]:
         ok = False
         try:
             tell = _Tell(lambda i, d: ready.put((i, d)), lambda: ready.put(None), gate)
@@ -211,7 +219,7 @@ def _run_jobs_early(
             ready.put(ok)
 
     futures = [early.pool.submit(run, job) for job in plan.jobs]
-    decoded: dict[int, DecodedDelta] = {}
+    decoded: dict[int, Delta] = {}
     try:
         ended, verified, failed, opened = 0, 0, False, False
         while ended < len(futures):
@@ -247,7 +255,7 @@ class _Tell:
     that its shards are ``verified`` (before its first entry is decoded); ``gate``, where
     given, is held while it decodes."""
 
-    decoded: Callable[[int, DecodedDelta], None]
+    decoded: Callable[[int, Delta], None]
     verified: Callable[[], None]
     gate: threading.Semaphore | None = None
 
@@ -258,7 +266,7 @@ def _run_job(
     job: DecodeJob,
     budget: DecodeBudget,
     tell: _Tell | None = None,
-) -> dict[int, DecodedDelta]:
+) -> dict[int, Delta]:
     """One job: fetch and inflate its shards within the budget, decode its entries (see
     :class:`_Tell` for what it tells, where given)."""
     with budget.hold(job.decoded_bytes):
@@ -273,7 +281,7 @@ def _run_job(
             tell.verified()
         gate = contextlib.nullcontext() if tell is None or tell.gate is None else tell.gate
         wanted = plan.wanted
-        decoded: dict[int, DecodedDelta] = {}
+        decoded: dict[int, Delta] = {}
         entries = list(job.entries)
         for k in range(0, len(entries), 2):  # two at a time: their rans values decode at once
             pair = entries[k : k + 2]
@@ -335,7 +343,7 @@ def _symbols_ahead(
 
 def _decode_entry(
     entry: Entry, manifest: Manifest, streams: Streams, symbols: np.ndarray | None = None
-) -> DecodedDelta:
+) -> Delta:
     """Decode one entry from the inflated streams of its rank's shards (``symbols``: its
     ``rans`` values, where :func:`_symbols_ahead` decoded them)."""
     return decode_delta(
@@ -350,8 +358,8 @@ def _decode_entry(
 
 
 def merge_pieces(
-    changes: list[tuple[Entry, DecodedDelta]], manifests: list[Manifest]
-) -> list[tuple[Entry, DecodedDelta]]:
+    changes: list[tuple[Entry, Delta]], manifests: list[Manifest]
+) -> list[tuple[Entry, Delta]]:
     """The pieces of one tensor (FORMAT.md §4.8) as whole-tensor changes, one per op.
 
     Full pieces must partition the tensor; the positions of changed pieces must not
@@ -360,8 +368,8 @@ def merge_pieces(
     if not any(entry.piece is not None for entry, _ in changes):
         return changes
     combined = tensor_changes(manifests)
-    order: list[tuple[Entry, DecodedDelta] | str] = []
-    pieces: dict[str, list[tuple[Entry, DecodedDelta]]] = {}
+    order: list[tuple[Entry, Delta] | str] = []
+    pieces: dict[str, list[tuple[Entry, Delta]]] = {}
     for entry, delta in changes:
         if entry.piece is None:
             order.append((entry, delta))
@@ -369,7 +377,7 @@ def merge_pieces(
             if entry.name not in pieces:
                 order.append(entry.name)  # keeps the order of first appearance
             pieces.setdefault(entry.name, []).append((entry, delta))
-    merged: list[tuple[Entry, DecodedDelta]] = []
+    merged: list[tuple[Entry, Delta]] = []
     for item in order:
         if isinstance(item, str):
             merged.extend(_merge_tensor(item, combined[item], pieces[item]))
@@ -379,8 +387,8 @@ def merge_pieces(
 
 
 def _merge_tensor(
-    name: str, change: TensorChange, parts: list[tuple[Entry, DecodedDelta]]
-) -> list[tuple[Entry, DecodedDelta]]:
+    name: str, change: TensorChange, parts: list[tuple[Entry, Delta]]
+) -> list[tuple[Entry, Delta]]:
     """One tensor's pieces (``change``: their combination) as one change per op."""
     numel = math.prod(change.shape)
     positions = torch.cat([d.positions for _, d in parts if d.positions is not None])
@@ -404,7 +412,7 @@ def _merge_tensor(
         return [(entry, DecodedDelta(FULL, None, bits))]
     if positions.numel() > 1 and bool((positions[1:] == positions[:-1]).any()):
         raise SchemaError(f"pieces of tensor {name!r} change the same element twice")
-    merged: list[tuple[Entry, DecodedDelta]] = []
+    merged: list[tuple[Entry, Delta]] = []
     for op in sorted({e.op for e, d in parts if e.changed > 0}) or [XOR]:
         mine = torch.cat(
             [d.positions for e, d in parts if e.op == op and d.positions is not None]

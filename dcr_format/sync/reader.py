@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from dcr_format.chain.chain import Chain, state_table
-from dcr_format.delta.delta import DecodedDelta
+from dcr_format.delta.delta import Delta
 from dcr_format.errors import (
     ArgumentError,
     StalePreparedError,
@@ -403,7 +403,7 @@ class DeltaReader(Applying, Committing):
 
     def _decode_version(
         self, manifests: list[Manifest], pool: ThreadPoolExecutor
-    ) -> tuple[list[tuple[Entry, DecodedDelta]], int]:
+    ) -> tuple[list[tuple[Entry, Delta]], int]:
         """Fetch, verify and decode the shards of one version's ``manifests`` for this
         reader's target; returns the changes (pieces merged) and the shard bytes fetched."""
         plan = plan_fetch(manifests, wants=self._wants, max_shard_bytes=self.max_shard_bytes)

@@ -7,9 +7,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dcr_format.delta.delta import DecodedDelta
+from dcr_format.delta.delta import Delta
 
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")  # the form of Resident.record_sha256
 
@@ -31,7 +32,7 @@ class Change:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    delta: DecodedDelta
+    delta: Delta
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,7 @@ class Applied:
     # optional, xor/overwrite: the lane deltas of the change, summed while applying it (the
     # built-in apply does); None: the reader sums them from ``before`` and ``after``
     lane_deltas: tuple[int, ...] | None = None
+    # optional, ``classed`` xor: the exponent rows of the bits the change was resolved
+    # against (:attr:`DecodedDelta.rows`; the built-in apply passes them on), which the
+    # reader moves to the new bits for the next change; None: counted again then
+    rows: np.ndarray | None = None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dcr_format.delta.delta import FULL, DecodedDelta, after_bits
+from dcr_format.delta.delta import FULL, DecodedDelta, after_bits, ready
 from dcr_format.errors import AliasedTensorError, NotInPlaceError, TargetError
 from dcr_format.format.dtypes import bits_view
 from dcr_format.targets.change import SHA256_HEX, Applied, Change, Resident
@@ -186,7 +186,7 @@ class _DictTransaction(Transaction):
         shared = self._shared.get(key)
         if shared is None or change.name not in shared.waiting:
             applied = super().apply(change)
-            self._shared[key] = _Shared(change.delta, peers, applied)
+            self._shared[key] = _Shared(ready(change.delta), peers, applied)
             return applied
         done = shared.applied
         assert done.positions is not None and done.before is not None and done.after is not None

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from dcr_format.delta.delta import FULL, after_bits, apply_change, undo_delta
+from dcr_format.delta.delta import FULL, after_bits, apply_change, ready, undo_delta
 from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import TargetError
 from dcr_format.format.dtypes import bits_view
@@ -106,7 +106,7 @@ class Transaction(ReaderTransaction):
 
     def apply(self, change: Change) -> Applied:
         """Apply one change in place (FORMAT.md §8.1)."""
-        delta = change.delta
+        delta = ready(change.delta)
         if delta.op == FULL:
             live = self.tensor(change.name)
             tensor = self.full_tensor(change.name, change.dtype, change.shape)
@@ -134,6 +134,7 @@ class Transaction(ReaderTransaction):
             done.before,
             after,
             lane_deltas=done.lane_deltas,
+            rows=delta.rows,
         )
 
 

@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from dcr_format.delta.delta import FULL, StagedChange, put_staged, resolve, unput_staged
@@ -39,6 +40,8 @@ class Staged:
 
     tensor: torch.Tensor  # the live tensor it was read from
     bits: StagedChange
+    # the exponent rows of the bits it was resolved against (``classed``), or None
+    rows: np.ndarray | None = None
 
 
 class StagingSource:
@@ -137,6 +140,7 @@ class ReaderTransaction(ABC):
             bits.before,
             bits.after,
             lane_deltas=bits.lane_deltas,
+            rows=staged.rows,
         )
 
     def resolved(self, change: Change) -> Change:

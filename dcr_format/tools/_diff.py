@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
-from dcr_format.delta.delta import FULL, XOR, DecodedDelta
+from dcr_format.delta.delta import FULL, XOR, Delta
 from dcr_format.errors import VersionNotFoundError
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.names import CLASSED, ULP, ULP_SHIFT
@@ -318,7 +318,7 @@ def _combine(
 
 def _decoded(
     chain: Chain, version: _Version, wanted: set[str], pool: ThreadPoolExecutor
-) -> Iterator[tuple[Manifest, Entry, DecodedDelta]]:
+) -> Iterator[tuple[Manifest, Entry, Delta]]:
     """Decode the changed entries of ``wanted`` tensors in one version (each shard fetched once)."""
     jobs: list[tuple[Manifest, int]] = []
     for manifest in version.manifests:
