@@ -4,6 +4,7 @@ AdamW steps with DeltaWriter, and the one patch vLLM's CPU build needs (see docs
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from dcr_format.testing.tiny_llama import (  # noqa: F401  (the tests name them 
     first_version,
     save_tokenizer,
     tiny_config,
+    tiny_moe_config,
     want_fused,
 )
 from dcr_format.testing.tiny_llama import fused_bits as _fused_bits
@@ -28,6 +30,10 @@ VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # vLLM imports Ray where it is installed, and Ray reads these at import: the tier's Ray
+    # instance (test_ray.py) takes only this run's token, and none is written to ~/.ray
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(32),
 }
 
 

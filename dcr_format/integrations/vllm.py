@@ -14,8 +14,9 @@ Import-light: nothing of vLLM (or transformers) is imported until it is used.
   "dcr_format.integrations.vllm.DcrWorkerExtension"`` and ``collective_rpc("dcr_init",
   kwargs={"init_info": ...})``, ``collective_rpc("dcr_sync", kwargs={"version": N})``.
 - Trainer side: :class:`DcrWeightSync` publishes with :class:`~dcr_format.DeltaWriter` and
-  drives any weight-sync client (vLLM's ``HTTPVLLMWeightSyncClient``,
-  ``RayVLLMWeightSyncClient``, or an ``LLM``) to the version it committed;
+  drives any weight-sync client (vLLM's ``HTTPVLLMWeightSyncClient``, an ``LLM``, Ray
+  actors holding an ``LLM``: their handles or a ``RayVLLMWeightSyncClient``) to the version
+  it committed;
   :func:`dcr_trainer_callback` makes a ``transformers.TrainerCallback`` that does so after
   every optimizer step.
 
@@ -44,6 +45,7 @@ from dcr_format.errors import (
     TargetNotUpdatableError,
     VersionNotFoundError,
 )
+from dcr_format.integrations._vllm_clients import as_client, engine_message
 from dcr_format.targets.directory import DIR_STATE_FILE
 
 if TYPE_CHECKING:
@@ -172,8 +174,15 @@ class UpdateReport:
 def check_updatable(model: torch.nn.Module) -> None:
     """Fail closed (:class:`~dcr_format.TargetNotUpdatableError`) when a layer computes from
     a copy of its weights that ``load_weights`` cannot reach: vLLM's CPU build prepacks
-    unquantized linear weights into oneDNN/SGL handles after loading (docs/vllm.md)."""
+    unquantized linear weights into oneDNN/SGL handles after loading, and the stacked
+    weights of mixture-of-experts layers into its grouped-GEMM layout (docs/vllm.md)."""
     for name, module in model.named_modules():
+        if _prepacked_experts(module):
+            raise TargetNotUpdatableError(
+                f"vLLM's CPU backend repacked the expert weights of {name or 'the model'!r} "
+                "for its MoE kernel, so they cannot be updated in place; keep CPU expert "
+                "weights unpacked (docs/vllm.md) or run the engine on a GPU"
+            )
         kernel = getattr(module, "cpu_linear", None)
         if kernel is None:
             continue
@@ -186,6 +195,19 @@ def check_updatable(model: torch.nn.Module) -> None:
                 "GEMM kernel, so it cannot be updated in place; keep CPU linear weights "
                 "unpacked (docs/vllm.md) or run the engine on a GPU"
             )
+
+
+def _prepacked_experts(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a vLLM MoE layer whose experts' kernel repacked its stacked
+    weights after loading (vLLM's CPU experts: ``cpu_prepack_moe_weight``,
+    ``convert_weight_packed``), unless it kept them for zentorch's kernel."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(getattr(kernel, "impl", kernel), "fused_experts", None)
+    if experts is None or getattr(experts, "_use_zentorch", False):
+        return False
+    process = getattr(type(experts), "process_weights_after_loading", None)
+    names = getattr(getattr(process, "__code__", None), "co_names", ())
+    return any("prepack" in n or n == "convert_weight_packed" for n in names)
 
 
 def resident_version(model_dir: str | None, chain_id: str) -> int:
@@ -520,44 +542,6 @@ def _parse(cls: type[_Info], data: object, what: str) -> _Info:
 # --- the trainer side ------------------------------------------------------------------
 
 
-class _LLMClient:
-    """An in-process ``vllm.LLM`` as a weight-sync client (its methods take request dicts)."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
-
-
-def as_client(client: Any) -> Any:
-    """``client`` as a ``VLLMWeightSyncClient``: an ``LLM`` is adapted, anything with the
-    four methods (HTTP, Ray clients) is used as is."""
-    if hasattr(client, "llm_engine"):
-        return _LLMClient(client)
-    for method in (
-        "init_weight_transfer_engine",
-        "start_weight_update",
-        "update_weights",
-        "finish_weight_update",
-    ):
-        if not callable(getattr(client, method, None)):
-            raise TypeError(
-                f"{type(client).__name__} is not a weight-sync client (no {method}); pass "
-                "vLLM's HTTPVLLMWeightSyncClient, RayVLLMWeightSyncClient or an LLM"
-            )
-    return client
-
-
 class _Publisher:
     """Trainer side of an engine integration: publish with the writer, then update the
     engines; ``timings`` holds, per version, the seconds of each."""
@@ -594,6 +578,8 @@ class _Publisher:
 class DcrWeightSync(_Publisher):
     """Trainer side: publish each step with a :class:`~dcr_format.DeltaWriter`, then bring
     the engines behind ``client`` to that version through vLLM's weight-sync protocol.
+    ``client``: vLLM's ``HTTPVLLMWeightSyncClient``, an ``LLM``, or Ray actors of
+    ``LLM``/``AsyncLLM`` (a handle, a list of handles, or ``RayVLLMWeightSyncClient``).
 
     ``init_info`` is what the engines are initialised with (the store as *they* reach it);
     :meth:`init` sends it once. Only the publishing rank (or rank 0 of several writer
@@ -651,7 +637,7 @@ class DcrWeightSync(_Publisher):
         except Exception as exc:
             goal = "the newest version" if version is None else f"version {version}"
             raise EngineUpdateError(
-                f"the engines did not reach {goal} and kept their weights: {_detail(exc)}"
+                f"the engines did not reach {goal} and kept their weights: {engine_message(exc)}"
             ) from exc
         self.client.finish_weight_update(str(version) if version is not None else None)
 
@@ -660,21 +646,6 @@ def _newest(writer: Any) -> int | None:
     """The newest version committed in the writer's chain (None when it cannot tell)."""
     chain = getattr(writer, "chain", None)
     return None if chain is None else chain.latest()
-
-
-def _detail(exc: BaseException) -> str:
-    """The engine's own message: an HTTP error's JSON body, else the exception's text."""
-    response = getattr(exc, "response", None)
-    if response is not None:
-        try:
-            body = response.json()
-            message = body.get("error", {}).get("message") if isinstance(body, dict) else None
-        except ValueError:
-            message = None
-        text = message or getattr(response, "text", "") or ""
-        if text:
-            return " ".join(str(text).split())[:2000]
-    return " ".join(str(exc).split())[:2000]
 
 
 def _state(model: torch.nn.Module, dtype: torch.dtype, *, gather: bool) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """A tiny Llama for the engine tests and benchmarks: its config, a word-level tokenizer, a
 trainer that publishes AdamW steps, and a checkpoint of any version, all made locally (no hub);
-the bits an engine's fused parameters should hold; a shard corrupted on purpose.
+the bits an engine's fused parameters should hold; a shard corrupted on purpose. A tiny
+mixture-of-experts model (Qwen3-MoE) shares the tokenizer, trainer and checkpoints.
 
 The vLLM and SGLang tiers share it; each engine's own environment stays in its harness.
 """
@@ -74,6 +75,33 @@ def tiny_config(*, tied: bool) -> Any:
     )
 
 
+def tiny_moe_config() -> Any:
+    """A Qwen3-MoE as small as :func:`tiny_config`: 4 experts on every layer, 2 routed per
+    token; expert sizes multiples of 32, so that vLLM's CPU MoE kernel pads nothing."""
+    return _transformers().Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
 def save_tokenizer(out: Path) -> None:
     """A word-level tokenizer over WORDS, built and saved locally."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -96,13 +124,16 @@ def save_tokenizer(out: Path) -> None:
 
 
 class Trainer:
-    """fp32 masters of a tiny Llama stepped by AdamW; publishes bf16 exports with DeltaWriter."""
+    """fp32 masters of a tiny Llama (or of ``config``'s model) stepped by AdamW; publishes bf16
+    exports with DeltaWriter."""
 
-    def __init__(self, store: str, *, tied: bool, seed: int = 0) -> None:
+    def __init__(self, store: str, *, tied: bool, seed: int = 0, config: Any = None) -> None:
         from dcr_format import DeltaWriter
 
         torch.manual_seed(seed)
-        self.model = _transformers().LlamaForCausalLM(tiny_config(tied=tied)).float()
+        config = tiny_config(tied=tied) if config is None else config
+        model_class = getattr(_transformers(), config.architectures[0])
+        self.model = model_class(config).float()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.gen = torch.Generator().manual_seed(seed)
         self.writer = DeltaWriter(store)
@@ -128,23 +159,25 @@ class Trainer:
         return info.version
 
 
-def checkpoint(store: str, version: int, out: Path, *, tied: bool) -> Path:
-    """`dcr replay` of ``version`` into ``out`` plus the config and tokenizer an engine needs."""
+def checkpoint(store: str, version: int, out: Path, *, tied: bool, config: Any = None) -> Path:
+    """`dcr replay` of ``version`` into ``out`` plus the config (default: the tiny Llama's)
+    and tokenizer an engine needs."""
     from dcr_format import replay
 
     replay(store, version, out)
-    tiny_config(tied=tied).save_pretrained(out)
+    (tiny_config(tied=tied) if config is None else config).save_pretrained(out)
     save_tokenizer(out)
     return out
 
 
-def first_version(tmp: Path, *, tied: bool) -> tuple[str, Trainer, Path]:
+def first_version(tmp: Path, *, tied: bool, config: Any = None) -> tuple[str, Trainer, Path]:
     """A fresh trainer's store under ``tmp`` with version 0 published, and a checkpoint of
-    that version for an engine to start on: ``(store, trainer, checkpoint)``."""
+    that version for an engine to start on: ``(store, trainer, checkpoint)``; ``config``:
+    the model's (default: the tiny Llama's)."""
     store = str(tmp / "store")
-    trainer = Trainer(store, tied=tied)
+    trainer = Trainer(store, tied=tied, config=config)
     trainer.publish(0)
-    return store, trainer, checkpoint(store, 0, tmp / "ckpt", tied=tied)
+    return store, trainer, checkpoint(store, 0, tmp / "ckpt", tied=tied, config=config)
 
 
 def fused_bits(model: torch.nn.Module) -> list[list[int]]:
