@@ -79,7 +79,7 @@ def test_moe_engine_follows_updates_bit_exact(tmp_path: Path) -> None:
         assert report is not None and report.version == version == step
         assert report.unverified == ()
         _check_experts(model, state, layers)
-        if step == 2:  # only that expert's elements changed, and only they moved
+        if step == 2:  # the step changed that expert's elements only (and the engine too)
             name = f"model.layers.{layer}.mlp.experts.gate_up_proj"
             changed = (_bits(state[name]) != _bits(before[name])).nonzero()[:, 0].unique()
             assert changed.tolist() == [expert]
