@@ -3,9 +3,9 @@ schedulers' loaders form a reader group over SGLang's own tensor-parallel group.
 
 What each rank holds is read through a test-only loader (sglang_probe) and compared with
 what SGLang's own loader places on that rank from a checkpoint of the same version, bit for
-bit. A weight edited outside dcr on one rank only is refused by that rank's audit, and the
-other rank, whose own part is fine, applies nothing either: both keep their weights and the
-server keeps serving."""
+bit. A weight edited outside dcr on one rank only is refused by the group's audit, and a
+store read that fails on one rank only stops the other rank too: every rank keeps its
+weights and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
         server.wait()
         sync = DcrSGLangSync(trainer.writer, server.url, DcrInitInfo(store=store))
         assert sync.init() == 0
+        assert [(o.ok, o.rank, o.ranks) for o in sync.outcomes] == [(True, 0, TP), (True, 1, TP)]
         for step in (1, 2):
             trainer.step()
             exports.append(trainer.export())
@@ -68,9 +69,11 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
                 harness.state_checkpoint(exports[step], tmp / f"s{step}", tied=False)
             )
             _equal(held, server.shards(tmp / "fresh"))
+        assert held[0][EDITED].shape == (128, 64)  # each rank holds half the columns
         text = server.greedy()
 
-        # rank 1 only: a weight changed outside dcr; its audit refuses, rank 0 follows
+        # rank 1 only: a weight changed outside dcr. The group audits the whole tensor,
+        # so rank 0, whose own columns are untouched, refuses it too
         server.probe({"op": "edit", "rank": 1, "name": EDITED})
         before = server.shards(tmp / "before")
         trainer.step()
@@ -79,13 +82,33 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
         with pytest.raises(EngineUpdateError, match="changed outside dcr") as refused:
             sync.update(version, audit=True)
         assert "at version 2" in str(refused.value)
+        assert [(o.ok, o.version) for o in sync.outcomes] == [(False, 2)] * TP
+        assert all(EDITED in str(o.error) for o in sync.outcomes), sync.outcomes
         _equal(server.shards(tmp / "after"), before)  # neither rank applied anything
         server.greedy()  # still serving
 
-        # the edit undone by SGLang's own loader: now every rank applies
+        # the edit undone by SGLang's own loader
         server.load_from_disk(tmp / "s2")
         assert server.greedy() == text
+        before = server.shards(tmp / "before")
+
+        # a store read fails on rank 1 only: rank 0 fetched its version, yet applies nothing
+        server.probe({"op": "fail-fetch", "rank": 1})
+        with pytest.raises(EngineUpdateError, match="injected") as refused:
+            sync.update(version)
+        first, second = sync.outcomes
+        assert str(first.error).startswith("GroupAbortError"), first
+        assert "rank(s) [1] failed" in str(first.error), first
+        assert "injected" in str(second.error), second
+        assert first.version == second.version == 2
+        _equal(server.shards(tmp / "after"), before)
+        assert server.greedy() == text
+
+        # again: now every rank applies
         assert sync.update(version).version == version
+        assert [(o.ok, o.rank, o.version) for o in sync.outcomes] == [
+            (True, rank, version) for rank in range(TP)
+        ]
         held = server.shards(tmp / "held")
         server.load_from_disk(harness.state_checkpoint(exports[-1], tmp / "s3", tied=False))
         _equal(held, server.shards(tmp / "fresh"))

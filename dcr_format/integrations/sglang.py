@@ -394,6 +394,8 @@ class DcrSGLangSync(_Publisher):
     timeout: float = 600.0
     api_key: str | None = None
     timings: list[dict[str, float]] = field(default_factory=list)
+    outcomes: list[SyncOutcome] = field(default_factory=list, init=False)
+    """What the last request did on each tensor-parallel rank, by rank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, str):
@@ -461,7 +463,8 @@ class DcrSGLangSync(_Publisher):
             raise EngineUpdateError(f"the engine did not take the dcr request: {message}")
         if not closed:
             raise EngineUpdateError(f"the engine did not end the weight update: {closing}")
-        outcome = _read_report(report)
+        self.outcomes = _read_reports(report)
+        outcome = _summary(self.outcomes)
         if not outcome.ok:
             goal = request.get("version")
             what = "start dcr" if op == "init" else f"reach version {goal or 'newest'}"
@@ -472,9 +475,8 @@ class DcrSGLangSync(_Publisher):
         return outcome
 
 
-def _read_report(directory: Path) -> SyncOutcome:
-    """The engine's outcome: every tensor-parallel rank must have answered; a refusal wins,
-    the rank whose own failure stopped the group before those it stopped."""
+def _read_reports(directory: Path) -> list[SyncOutcome]:
+    """Every tensor-parallel rank's outcome, by rank (each rank must have answered)."""
     files = sorted(directory.glob("rank-*.json"))
     if not files:
         raise EngineUpdateError(
@@ -482,22 +484,28 @@ def _read_report(directory: Path) -> SyncOutcome:
             f"--custom-weight-loader {LOAD_FORMAT}, and give DcrSGLangSync a report_dir "
             "the engine reaches"
         )
-    outcomes = [SyncOutcome(**json.loads(f.read_text())) for f in files]
+    outcomes = sorted((SyncOutcome(**json.loads(f.read_text())) for f in files), key=_rank)
     for f in files:
         f.unlink()
     directory.rmdir()
     ranks = max(o.ranks for o in outcomes)
-    refused = sorted(
-        (o for o in outcomes if not o.ok),
-        key=lambda o: (str(o.error).startswith(GroupAbortError.__name__), o.rank),
-    )
-    if refused:
-        return refused[0]
     if len(outcomes) < ranks:
-        answered = sorted(o.rank for o in outcomes)
+        answered = [o.rank for o in outcomes]
         raise EngineUpdateError(
             f"only tensor-parallel ranks {answered} of {ranks} reported into {directory}: "
             "give DcrSGLangSync a report_dir that every rank's host reaches (a shared "
             "filesystem)"
         )
-    return outcomes[0]
+    return outcomes
+
+
+def _rank(outcome: SyncOutcome) -> int:
+    return outcome.rank
+
+
+def _summary(outcomes: list[SyncOutcome]) -> SyncOutcome:
+    """The engine's outcome: a refusal wins, the rank whose own failure stopped the group
+    before the ranks it stopped."""
+    refused = [o for o in outcomes if not o.ok]
+    refused.sort(key=lambda o: str(o.error).startswith(GroupAbortError.__name__))
+    return refused[0] if refused else outcomes[0]
