@@ -87,9 +87,19 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
         _equal(server.shards(tmp / "after"), before)  # neither rank applied anything
         server.greedy()  # still serving
 
-        # the edit undone by SGLang's own loader
+        # an init audits too: refused on every rank, so no rank keeps a reader
+        with pytest.raises(EngineUpdateError, match="did not start dcr"):
+            sync.init()
+        assert [o.ok for o in sync.outcomes] == [False] * TP
+        with pytest.raises(EngineUpdateError, match="send the init request first"):
+            sync.update(version)
+        assert [o.ok for o in sync.outcomes] == [False] * TP
+
+        # the edit undone by SGLang's own loader; the engine holds version 2 again
         server.load_from_disk(tmp / "s2")
         assert server.greedy() == text
+        sync.init_info = DcrInitInfo(store=store, version=2)
+        assert sync.init() == 2
         before = server.shards(tmp / "before")
 
         # a store read fails on rank 1 only: rank 0 fetched its version, yet applies nothing

@@ -14,11 +14,12 @@ server, or the ``sglang.Engine`` it is given).
   version in the background while the engine generates; each update request only applies
   the prepared version, in place, all of it or nothing. With tensor parallelism the
   schedulers' readers form a reader group over SGLang's own gloo group of the
-  tensor-parallel ranks: they agree on the version and every rank applies it or none does.
-  The loader never raises into SGLang (an exception there stops the server): a refused
-  update leaves the weights as they were, is logged, and is reported back in a report file
-  the request names (SGLang answers "Success" to any custom loader, whatever it did, and
-  carries nothing back from it).
+  tensor-parallel ranks: they agree on the version, fetch and verify it inside the update
+  (not in the background), and every rank applies it or none does. The loader never
+  raises into SGLang (an exception there stops the server): a refused update leaves the
+  weights as they were, is logged, and is reported back in a report file the request
+  names (SGLang answers "Success" to any custom loader, whatever it did, and carries
+  nothing back from it).
 - Trainer side: :class:`DcrSGLangSync` publishes with :class:`~dcr_format.DeltaWriter` and
   brings the engine behind a server URL or an ``sglang.Engine`` to the version it
   committed, through ``begin_weight_update``, ``update_weights_from_tensor`` and
@@ -105,7 +106,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]
     in place. ``"report"`` names a directory where each rank writes
     ``rank-<k>.json`` (:class:`SyncOutcome`). Never raises: SGLang stops its scheduler on an
     exception from a loader, so a refusal is reported instead and the weights stay as they
-    were.
+    were. Every tensor-parallel rank receives the same requests; their readers agree over
+    SGLang's tensor-parallel gloo group (an init opens a reader on every rank or on none).
     """
     for name, _ in named_tensors:
         rank = _tp_rank()
