@@ -114,7 +114,8 @@ def main() -> int:
             engine.end_weight_update()
             dense = time.perf_counter() - started
             if i:
-                rows.append((dcr, report.apply_seconds, dense, report.prefetched))
+                inside = 0.0 if report.prefetched else report.prepare_seconds
+                rows.append((dcr, report.apply_seconds, dense, report.prefetched, inside))
     finally:
         engine.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,7 +130,10 @@ def main() -> int:
     )
     print("| what stops generation | seconds |")
     print("|---|---|")
-    print(f"| dcr update (begin, load, end; prepared in the background) | {dcr_pause:.4f} |")
+    where = "in the background" if args.tp == 1 else "inside the update, the ranks together"
+    prepare = statistics.median(r[4] for r in rows)
+    print(f"| dcr update (begin, load, end; prepared {where}) | {dcr_pause:.4f} |")
+    print(f"| of which preparing (fetch, verify) inside the pause | {prepare:.4f} |")
     print(f"| of which the apply inside the engine | {apply:.4f} |")
     print(f"| dense update_weights_from_tensor of the same bits | {dense:.4f} |")
     print(f"dcr pause / dense: {dcr_pause / dense:.2f}x")
