@@ -12,7 +12,11 @@ loader prepare it in the background, then times, as the trainer sees them, both 
   the model's ``load_weights`` (the tensors already in this process's memory).
 
     .venv-sglang/bin/python benchmarks/sglang_bench.py [--hidden 512] [--layers 4]
-        [--vocab 8192] [--steps 5] [--change 0.03]
+        [--vocab 8192] [--steps 5] [--change 0.03] [--tp 1]
+
+With ``--tp 2`` the engine's two tensor-parallel ranks form a reader group: they agree on
+the version and fetch it inside the update (no background preparation), and the dense
+update is split per rank by SGLang.
 
 On a CPU without sgl-kernel the test shims of tests_sglang/shims are put on the path.
 """
@@ -39,6 +43,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--change", type=float, default=0.03, help="fraction changed a step")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     args = parser.parse_args()
 
     if args.device == "cpu":
@@ -46,6 +51,7 @@ def main() -> int:
         import harness
 
         harness.apply_env()
+        os.environ.update(harness.tp_env(args.tp))
     import sglang
     import torch
     import transformers
@@ -89,7 +95,7 @@ def main() -> int:
     replay(store, 0, ckpt)
     config.save_pretrained(ckpt)
     harness.save_tokenizer(ckpt)
-    engine_args = {**harness.ENGINE_ARGS, "device": args.device}
+    engine_args = {**harness.ENGINE_ARGS, "device": args.device, "tp_size": args.tp}
     engine = sglang.Engine(model_path=str(ckpt), custom_weight_loader=[LOAD_FORMAT], **engine_args)
     rows = []
     try:
@@ -108,7 +114,8 @@ def main() -> int:
             engine.end_weight_update()
             dense = time.perf_counter() - started
             if i:
-                rows.append((dcr, report.apply_seconds, dense, report.prefetched))
+                inside = 0.0 if report.prefetched else report.prepare_seconds
+                rows.append((dcr, report.apply_seconds, dense, report.prefetched, inside))
     finally:
         engine.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,13 +123,17 @@ def main() -> int:
     apply = statistics.median(r[1] for r in rows)
     dense = statistics.median(r[2] for r in rows)
     print(
-        f"SGLang {sglang.__version__}, device {args.device}, {params / 1e6:.1f}M parameters "
+        f"SGLang {sglang.__version__}, device {args.device}, tensor parallel {args.tp}, "
+        f"{params / 1e6:.1f}M parameters "
         f"({params * 2 / 1e6:.1f} MB bf16, {len(state)} tensors), {args.change:.0%} changed a "
         f"step, medians of {len(rows)} steps (prefetched: {sum(r[3] for r in rows)})"
     )
     print("| what stops generation | seconds |")
     print("|---|---|")
-    print(f"| dcr update (begin, load, end; prepared in the background) | {dcr_pause:.4f} |")
+    where = "in the background" if args.tp == 1 else "inside the update, the ranks together"
+    prepare = statistics.median(r[4] for r in rows)
+    print(f"| dcr update (begin, load, end; prepared {where}) | {dcr_pause:.4f} |")
+    print(f"| of which preparing (fetch, verify) inside the pause | {prepare:.4f} |")
     print(f"| of which the apply inside the engine | {apply:.4f} |")
     print(f"| dense update_weights_from_tensor of the same bits | {dense:.4f} |")
     print(f"dcr pause / dense: {dcr_pause / dense:.2f}x")

@@ -100,16 +100,36 @@ def test_loader_syncs_in_place_and_reports_refusals(
     assert torch.equal(model.qk.view(torch.int16), _fused(changed).view(torch.int16))
 
 
+def _reports(directory: Path, *outcomes: dcr_sglang.SyncOutcome) -> Path:
+    directory.mkdir()
+    for o in outcomes:
+        (directory / f"rank-{o.rank}.json").write_text(json.dumps(o.to_dict()))
+    return directory
+
+
 def test_trainer_reads_the_engines_report(tmp_path: Path) -> None:
     """The trainer side raises the engine's reason for a refusal, and says where it looked
     when the engine wrote nothing (an engine without dcr's loader)."""
-    report = tmp_path / "r"
-    report.mkdir()
     refused = dcr_sglang.SyncOutcome(False, "sync", 3, 0, "ApplyError: broken")
-    (report / "rank-0.json").write_text(json.dumps(refused.to_dict()))
-    assert dcr_sglang._read_report(report) == refused
+    assert dcr_sglang._read_reports(_reports(tmp_path / "r", refused)) == [refused]
     with pytest.raises(EngineUpdateError, match="custom-weight-loader"):
-        dcr_sglang._read_report(tmp_path / "nothing")
+        dcr_sglang._read_reports(tmp_path / "nothing")
+
+
+def test_trainer_reads_every_tensor_parallel_rank(tmp_path: Path) -> None:
+    """With tensor parallelism the rank whose own failure stopped the group is the reason
+    given, not the ranks it stopped; a rank missing from the reports (a report directory
+    one host does not reach) is an error, not a success."""
+    stopped = dcr_sglang.SyncOutcome(
+        False, "sync", 3, 0, "GroupAbortError: reader rank(s) [1] failed", ranks=2
+    )
+    failed = dcr_sglang.SyncOutcome(False, "sync", 3, 1, "OSError: unreadable", ranks=2)
+    outcomes = dcr_sglang._read_reports(_reports(tmp_path / "a", failed, stopped))
+    assert outcomes == [stopped, failed]
+    assert dcr_sglang._summary(outcomes) == failed
+    applied = dcr_sglang.SyncOutcome(True, "sync", 4, 0, ranks=2)
+    with pytest.raises(EngineUpdateError, match=r"only tensor-parallel ranks \[0\] of 2"):
+        dcr_sglang._read_reports(_reports(tmp_path / "b", applied))
 
 
 class _Engine:

@@ -16,7 +16,6 @@ from typing import Any
 
 import harness
 import pytest
-import requests
 import torch
 
 from dcr_format.errors import EngineUpdateError
@@ -24,18 +23,6 @@ from dcr_format.integrations.sglang import DcrSGLangSync
 from dcr_format.integrations.vllm import DcrInitInfo
 
 STEPS = 3
-
-
-def _fresh_checkpoint(state: dict[str, torch.Tensor], out: Path, *, tied: bool) -> Path:
-    """A checkpoint holding ``state`` as the trainer exported it (what a fresh engine on
-    that version loads)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
-    harness.tiny_config(tied=tied).save_pretrained(out)
-    harness.save_tokenizer(out)
-    return out
 
 
 class _Run:
@@ -51,7 +38,7 @@ class _Run:
             self.exports.append(self.trainer.export())
         self.trainer.writer.publish(self.exports[0], step=0)
         self.ckpt = harness.checkpoint(self.store, 0, tmp / "v0", tied=tied)
-        fresh = _fresh_checkpoint(self.exports[-1], tmp / "fresh", tied=tied)
+        fresh = harness.state_checkpoint(self.exports[-1], tmp / "fresh", tied=tied)
         self.fresh = harness.Server(fresh, tmp / "fresh.log")
 
     def fresh_greedy(self) -> list[list[int]]:
@@ -129,14 +116,6 @@ def test_server_updates_match_fresh_engine(served: tuple[harness.Server, _Run]) 
     assert len(rows) == STEPS
 
 
-def _load_from_disk(server: harness.Server, model: Path) -> None:
-    """SGLang's own update_weights_from_disk (the model's loader): an edit outside dcr."""
-    reply = requests.post(
-        f"{server.url}/update_weights_from_disk", json={"model_path": str(model)}, timeout=300
-    )
-    assert reply.ok and reply.json()["success"], reply.text
-
-
 def test_server_refuses_edit_outside_dcr_and_corrupted_shard(
     served: tuple[harness.Server, _Run],
 ) -> None:
@@ -148,14 +127,14 @@ def test_server_refuses_edit_outside_dcr_and_corrupted_shard(
     original = run.exports[held][name]
     tmp = Path(run.store).parent
     edited = {**run.exports[held], name: (original.float() * 1.5).to(torch.bfloat16)}
-    _load_from_disk(server, _fresh_checkpoint(edited, tmp / "edited", tied=False))
+    server.load_from_disk(harness.state_checkpoint(edited, tmp / "edited", tied=False))
     version = run.next_version()
     with pytest.raises(EngineUpdateError, match="changed outside dcr"):
         sync.update(version, audit=True)
     assert not torch.equal(server.weights(name).to(torch.bfloat16), original)  # untouched
     server.greedy()  # still serving
     # the edit undone: now the update applies
-    _load_from_disk(server, _fresh_checkpoint(run.exports[held], tmp / "held", tied=False))
+    server.load_from_disk(harness.state_checkpoint(run.exports[held], tmp / "held", tied=False))
     sync.update(version)
     harness.assert_weights(server.weights, run.exports[version])
     _refuse_corrupted_shard(sync, run, server.weights, server.greedy)

@@ -12,9 +12,14 @@ server, or the ``sglang.Engine`` it is given).
   The first request opens the store and learns how the model's own ``load_weights`` places
   every tensor (:class:`~dcr_format.ModuleTarget`), then prepares each newly committed
   version in the background while the engine generates; each update request only applies
-  the prepared version, in place, all of it or nothing. The loader never raises into SGLang
-  (an exception there stops the server): a refused update leaves the weights as they were,
-  is logged, and is reported back in a report file the request names.
+  the prepared version, in place, all of it or nothing. With tensor parallelism the
+  schedulers' readers form a reader group over SGLang's own gloo group of the
+  tensor-parallel ranks: they agree on the version, fetch and verify it inside the update
+  (not in the background), and every rank applies it or none does. The loader never
+  raises into SGLang (an exception there stops the server): a refused update leaves the
+  weights as they were, is logged, and is reported back in a report file the request
+  names (SGLang answers "Success" to any custom loader, whatever it did, and carries
+  nothing back from it).
 - Trainer side: :class:`DcrSGLangSync` publishes with :class:`~dcr_format.DeltaWriter` and
   brings the engine behind a server URL or an ``sglang.Engine`` to the version it
   committed, through ``begin_weight_update``, ``update_weights_from_tensor`` and
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 
-from dcr_format.errors import EngineUpdateError, TargetError
+from dcr_format.errors import EngineUpdateError, GroupAbortError, TargetError
 from dcr_format.integrations.vllm import (
     DcrInitInfo,
     DcrUpdateInfo,
@@ -49,6 +54,7 @@ from dcr_format.integrations.vllm import (
     _Publisher,
     _Syncer,
 )
+from dcr_format.sync.group import ReaderGroup
 
 __all__ = [
     "LOAD_FORMAT",
@@ -67,7 +73,8 @@ _log = logging.getLogger(__name__)
 class SyncOutcome:
     """What one request did on one scheduler (tensor-parallel rank): ``ok`` and the version
     the model holds afterwards; ``error`` says why a request was refused; ``report`` is the
-    update's :class:`~dcr_format.integrations.vllm.UpdateReport` as a dict."""
+    update's :class:`~dcr_format.integrations.vllm.UpdateReport` as a dict; ``ranks`` is the
+    number of tensor-parallel ranks that answer the same request."""
 
     ok: bool
     op: str
@@ -75,6 +82,7 @@ class SyncOutcome:
     rank: int = 0
     error: str | None = None
     report: dict[str, Any] | None = None
+    ranks: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (the report file)."""
@@ -98,7 +106,8 @@ def load_weights(model: torch.nn.Module, named_tensors: Sequence[tuple[str, Any]
     in place. ``"report"`` names a directory where each rank writes
     ``rank-<k>.json`` (:class:`SyncOutcome`). Never raises: SGLang stops its scheduler on an
     exception from a loader, so a refusal is reported instead and the weights stay as they
-    were.
+    were. Every tensor-parallel rank receives the same requests; their readers agree over
+    SGLang's tensor-parallel gloo group (an init opens a reader on every rank or on none).
     """
     for name, _ in named_tensors:
         rank = _tp_rank()
@@ -124,10 +133,9 @@ def last_outcome(model: torch.nn.Module) -> SyncOutcome | None:
 def _carry_out(model: torch.nn.Module, request: dict[str, Any], rank: int) -> SyncOutcome:
     op = str(request.get("op"))
     try:
+        ranks = _tp_size()
         if op == "init":
-            info = _parse(DcrInitInfo, request.get("init_info"), "init_info")
-            syncer = _open(model, info)
-            return SyncOutcome(True, op, syncer.version(), rank)
+            return _init(model, request, rank, ranks)
         if op == "sync":
             found = _SYNCERS.get(model)
             if found is None:
@@ -139,30 +147,62 @@ def _carry_out(model: torch.nn.Module, request: dict[str, Any], rank: int) -> Sy
                 version=request.get("version"), audit=bool(request.get("audit", False))
             )
             report = found.update(update)
-            return SyncOutcome(True, op, report.version, rank, report=report.to_dict())
+            return SyncOutcome(True, op, report.version, rank, report=report.to_dict(), ranks=ranks)
         raise ValueError(f"unknown dcr request op {op!r}; the ops are 'init' and 'sync'")
     except Exception as exc:  # never into SGLang: the weights are as they were
-        message = f"{type(exc).__name__}: {_one_line(exc)}"
-        _log.error("dcr: %s request refused, the engine keeps its weights: %s", op, message)
-        return SyncOutcome(False, op, _held(model), rank, message)
+        return _refused(model, op, rank, exc)
 
 
-def _open(model: torch.nn.Module, info: DcrInitInfo) -> _Syncer:
-    """A reader for ``model`` (again on a second init, keeping the version it holds)."""
-    if _tp_size() > 1:
-        raise TargetError(
-            "dcr's SGLang loader runs with tensor parallelism 1 only; start the engine "
-            "with --tp-size 1 (one engine per GPU) or use vLLM's dcr backend"
+def _refused(model: torch.nn.Module, op: str, rank: int, exc: BaseException) -> SyncOutcome:
+    message = f"{type(exc).__name__}: {_one_line(exc)}"
+    _log.error("dcr: %s request refused, the engine keeps its weights: %s", op, message)
+    return SyncOutcome(False, op, _held(model), rank, message, ranks=_tp_size())
+
+
+def _init(model: torch.nn.Module, request: dict[str, Any], rank: int, ranks: int) -> SyncOutcome:
+    """Open a reader on every tensor-parallel rank, or on none: the ranks agree at the end (a
+    rank that could not open its reader makes every rank drop its own)."""
+    group = _tp_group()
+    try:
+        info = _parse(DcrInitInfo, request.get("init_info"), "init_info")
+        syncer = _open(model, info, group)
+    except Exception as exc:
+        if group is not None:
+            ReaderGroup(group).failed_ranks(False)
+        return _refused(model, "init", rank, exc)
+    failed = [] if group is None else ReaderGroup(group).failed_ranks(True)
+    if failed:
+        _drop(model)
+        return _refused(
+            model,
+            "init",
+            rank,
+            GroupAbortError(
+                f"tensor-parallel rank(s) {failed} could not start dcr, so no rank did: see "
+                "their errors, then send the init request again"
+            ),
         )
+    return SyncOutcome(True, "init", syncer.version(), rank, ranks=ranks)
+
+
+def _open(model: torch.nn.Module, info: DcrInitInfo, group: Any) -> _Syncer:
+    """A reader for ``model`` (again on a second init, keeping the version it holds)."""
     with _LOCK:
         previous = _SYNCERS.pop(model, None)
         if previous is not None:
             previous.close()
         config = getattr(model, "config", None)
         model_dir = getattr(config, "name_or_path", None) or None
-        syncer = _Syncer(model, info, model_dir=model_dir, previous=previous)
+        syncer = _Syncer(model, info, model_dir=model_dir, group=group, previous=previous)
         _SYNCERS[model] = syncer
         return syncer
+
+
+def _drop(model: torch.nn.Module) -> None:
+    with _LOCK:
+        syncer = _SYNCERS.pop(model, None)
+    if syncer is not None:
+        syncer.close()
 
 
 def _held(model: torch.nn.Module) -> int | None:
@@ -202,6 +242,24 @@ def _tp_rank() -> int:
 
 def _tp_size() -> int:
     return int(_parallel("tp_size", 1))
+
+
+def _tp_group() -> Any:
+    """SGLang's gloo group of this scheduler's tensor-parallel ranks (None without tensor
+    parallelism): the group SGLang itself coordinates its schedulers over, on CPU and GPU."""
+    if _tp_size() <= 1:
+        return None
+    if int(_parallel("pp_size", 1)) > 1:
+        raise TargetError(
+            "dcr's SGLang loader does not run with pipeline parallelism; start the engine "
+            "with --pp-size 1"
+        )
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group().cpu_group
+    if group is None:
+        raise TargetError("this SGLang engine has no tensor-parallel gloo group for dcr's readers")
+    return group
 
 
 def _parallel(attribute: str, default: int) -> Any:
@@ -244,6 +302,23 @@ class _HTTPClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._ranks: int | None = None
+
+    def ranks(self) -> int:
+        """The server's tensor-parallel size: each rank reads its own payload of a tensor
+        update (its ``/server_info``, asked once)."""
+        if self._ranks is None:
+            import requests
+
+            reply = requests.get(
+                f"{self.url}/server_info", headers=self.headers, timeout=self.timeout
+            )
+            try:
+                size = int(reply.json().get("tp_size") or 1) if reply.ok else 1
+            except (ValueError, TypeError, AttributeError):
+                size = 1
+            self._ranks = max(1, size)
+        return self._ranks
 
     def _post(self, path: str, body: dict[str, Any]) -> tuple[bool, str]:
         import requests
@@ -265,7 +340,7 @@ class _HTTPClient:
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> tuple[bool, str]:
         body = {
-            "serialized_named_tensors": [_serialized(named)],
+            "serialized_named_tensors": [_serialized(named)] * self.ranks(),
             "load_format": LOAD_FORMAT,
             "flush_cache": True,
         }
@@ -310,6 +385,8 @@ class DcrSGLangSync(_Publisher):
     where the engine's loader writes what each request did (SGLang's own reply to a custom
     loader is always "Success"); by default a temporary directory of this process, for an
     engine on the same host, removed by :meth:`close` (or at the end of a ``with`` block).
+    With tensor parallelism every rank writes its own report there, so an engine spanning
+    hosts needs a directory on a filesystem they share.
     """
 
     writer: Any
@@ -319,6 +396,8 @@ class DcrSGLangSync(_Publisher):
     timeout: float = 600.0
     api_key: str | None = None
     timings: list[dict[str, float]] = field(default_factory=list)
+    outcomes: list[SyncOutcome] = field(default_factory=list, init=False)
+    """What the last request did on each tensor-parallel rank, by rank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.engine, str):
@@ -386,7 +465,8 @@ class DcrSGLangSync(_Publisher):
             raise EngineUpdateError(f"the engine did not take the dcr request: {message}")
         if not closed:
             raise EngineUpdateError(f"the engine did not end the weight update: {closing}")
-        outcome = _read_report(report)
+        self.outcomes = _read_reports(report)
+        outcome = _summary(self.outcomes)
         if not outcome.ok:
             goal = request.get("version")
             what = "start dcr" if op == "init" else f"reach version {goal or 'newest'}"
@@ -397,8 +477,8 @@ class DcrSGLangSync(_Publisher):
         return outcome
 
 
-def _read_report(directory: Path) -> SyncOutcome:
-    """The engine's outcome (every rank must have answered; the first refusal wins)."""
+def _read_reports(directory: Path) -> list[SyncOutcome]:
+    """Every tensor-parallel rank's outcome, by rank (each rank must have answered)."""
     files = sorted(directory.glob("rank-*.json"))
     if not files:
         raise EngineUpdateError(
@@ -406,9 +486,28 @@ def _read_report(directory: Path) -> SyncOutcome:
             f"--custom-weight-loader {LOAD_FORMAT}, and give DcrSGLangSync a report_dir "
             "the engine reaches"
         )
-    outcomes = [SyncOutcome(**json.loads(f.read_text())) for f in files]
+    outcomes = sorted((SyncOutcome(**json.loads(f.read_text())) for f in files), key=_rank)
     for f in files:
         f.unlink()
     directory.rmdir()
+    ranks = max(o.ranks for o in outcomes)
+    if len(outcomes) < ranks:
+        answered = [o.rank for o in outcomes]
+        raise EngineUpdateError(
+            f"only tensor-parallel ranks {answered} of {ranks} reported into {directory}: "
+            "give DcrSGLangSync a report_dir that every rank's host reaches (a shared "
+            "filesystem)"
+        )
+    return outcomes
+
+
+def _rank(outcome: SyncOutcome) -> int:
+    return outcome.rank
+
+
+def _summary(outcomes: list[SyncOutcome]) -> SyncOutcome:
+    """The engine's outcome: a refusal wins, the rank whose own failure stopped the group
+    before the ranks it stopped."""
     refused = [o for o in outcomes if not o.ok]
+    refused.sort(key=lambda o: str(o.error).startswith(GroupAbortError.__name__))
     return refused[0] if refused else outcomes[0]
