@@ -270,6 +270,23 @@ class Backend:
         check_op(op)
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
 
+    def put(
+        self,
+        flat: torch.Tensor,
+        positions: torch.Tensor,
+        bits: torch.Tensor,
+        *,
+        expect: torch.Tensor | None = None,
+    ) -> bool:
+        """In place ``flat[p] = b``: the write alone of bits whose change was read before
+        (a staged change's). With ``expect``, the bits at the positions must still be
+        those: else nothing is written and the answer is False. Positions as for
+        :meth:`apply_with_lanes`."""
+        if expect is not None and not torch.equal(flat[positions], expect):
+            return False
+        self.scatter(flat, positions, bits, op=OVERWRITE)
+        return True
+
     def apply_with_lanes(
         self,
         flat: torch.Tensor,

@@ -51,7 +51,7 @@ names are reported in ``SyncResult.unverified``, as are names the loader transfo
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -155,6 +155,24 @@ class ModuleTarget(Placements, Target):
     def reads_baseline(self) -> bool:
         """False: the module's tensors are reached through its loader, not as canonical bits."""
         return False
+
+    def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+        """The canonical views (:meth:`Transaction.tensor`) of the names among ``names`` the
+        loader places whole into one contiguous run of a parameter, so that a prepared
+        version has their changes read against the live bits ahead of the pause, which is
+        then the write alone; nothing where a parameter's storage moved since the
+        placements were learned (the apply learns them again first)."""
+        if not self.direct or self._layout is None or self._current_layout() != self._layout:
+            return {}
+        views = {}
+        for name in names:
+            if name not in self._held and not self._declared:
+                continue  # not held: the sync writes it through apply (a new name)
+            plan = self._plan_of(name)
+            view = None if plan is None or plan.kind != "xor" else self._canonical_view(plan)
+            if view is not None:
+                views[name] = view
+        return views
 
     def overwrite_names(self) -> frozenset[str]:
         """Names whose load path is not bit-preserving (they need ``overwrite``)."""
