@@ -270,22 +270,11 @@ class Backend:
         check_op(op)
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
 
-    def put(
-        self,
-        flat: torch.Tensor,
-        positions: torch.Tensor,
-        bits: torch.Tensor,
-        *,
-        expect: torch.Tensor | None = None,
-    ) -> bool:
-        """In place ``flat[p] = b``: the write alone of bits whose change was read before
-        (a staged change's). With ``expect``, the bits at the positions must still be
-        those: else nothing is written and the answer is False. Positions as for
-        :meth:`apply_with_lanes`."""
-        if expect is not None and not torch.equal(flat[positions], expect):
-            return False
+    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+        """In place ``flat[p] = b``: the write alone of a change whose old bits were read
+        before (a staged change's), positions as for :meth:`apply_with_lanes`; the
+        backends with a leaner loop for it than :meth:`scatter` override it."""
         self.scatter(flat, positions, bits, op=OVERWRITE)
-        return True
 
     def apply_with_lanes(
         self,

@@ -182,33 +182,17 @@ class NumbaBackend(Backend):
         old = self._apply(flat, positions, values, op=op, base=base, lanes=False)[0]
         return old if save else None
 
-    def put(
-        self,
-        flat: torch.Tensor,
-        positions: torch.Tensor,
-        bits: torch.Tensor,
-        *,
-        expect: torch.Tensor | None = None,
-    ) -> bool:
-        if not _applies(flat, positions, bits) or (
-            expect is not None and not _applies(flat, positions, expect)
-        ):
-            return super().put(flat, positions, bits, expect=expect)
+    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+        if not _applies(flat, positions, bits):
+            super().put(flat, positions, bits)
+            return
         where = positions.reshape(-1).contiguous().numpy()
         _check_bounds(where, 0, flat.numel())
-        old = bits[:0] if expect is None else expect
-        status = self.native.put(
-            _unsigned(flat),
-            where,
-            _unsigned(old.reshape(-1).contiguous()),
-            _unsigned(bits.reshape(-1).contiguous()),
-        )
-        if status == 1:
+        if not self.native.put(_unsigned(flat), where, _unsigned(bits.reshape(-1).contiguous())):
             raise IndexError(
                 "positions are not strictly increasing and some are out of range: pass the "
                 "positions of a verified decoder"
             )
-        return bool(status == 0)
 
     def apply_with_lanes(
         self,

@@ -683,18 +683,16 @@ def stage_change(
     return StagedChange(positions, before, after, lane_deltas)
 
 
-def put_staged(target: torch.Tensor, staged: StagedChange) -> bool:
-    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync), where
-    its positions still hold the ``before`` bits read at staging; False (nothing written)
-    where they do not: the change is then applied against the bits there now."""
+def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
+    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
     flat = bits_view(target).reshape(-1)
-    return backend_for(flat).put(flat, staged.positions, staged.after, expect=staged.before)
+    backend_for(flat).put(flat, staged.positions, staged.after)
 
 
 def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
     """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
     flat = bits_view(target).reshape(-1)
-    backend_for(flat).put(flat, staged.positions, staged.before)  # always: an undo
+    backend_for(flat).put(flat, staged.positions, staged.before)
 
 
 def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:

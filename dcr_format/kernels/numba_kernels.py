@@ -689,49 +689,29 @@ _PUT_CHUNK = 1 << 15  # positions a task of :func:`put` writes (fewer: one seria
 
 
 @parallel_kernel
-def _put(flat, pos, expect, bits, status):  # type: ignore[no-untyped-def]
-    """``flat[pos[j]] = bits[j]``, the chunks of positions in parallel. A chunk with a
-    position out of range is marked 1 in ``status`` (that position never written); where
-    ``expect`` is not empty, a chunk whose old bits differ from it is marked 2 and not
-    written at all (its bits are read first, then written: its lines stay in cache). A
-    chunk marked 3 on entry is left alone."""
+def _put(flat, pos, bits, bad):  # type: ignore[no-untyped-def]
+    """``flat[pos[j]] = bits[j]``, the chunks of positions in parallel; a position out of
+    range is skipped (never written) and its chunk marked in ``bad``."""
     n = flat.shape[0]
-    check = expect.shape[0] != 0
-    for c in prange(status.shape[0]):
-        if status[c] == 3:
-            continue
+    for c in prange(bad.shape[0]):
         lo = c * _PUT_CHUNK
         hi = min(lo + _PUT_CHUNK, pos.shape[0])
-        if check:
-            for j in range(lo, hi):
-                p = pos[j]
-                if p >= 0 and p < n and flat[p] != expect[j]:
-                    status[c] = 2
-            if status[c] == 2:
-                continue
         for j in range(lo, hi):
             p = pos[j]
             if p >= 0 and p < n:
                 flat[p] = bits[j]
             else:
-                status[c] = 1
+                bad[c] = 1
 
 
-def put(flat: np.ndarray, pos: np.ndarray, expect: np.ndarray, bits: np.ndarray) -> int:
-    """In place ``flat[p] = b``: the write alone (no lanes), of bits whose change was read
-    before (staged). Where ``expect`` is not empty the old bits must be those (else nothing
-    is left written). Returns 0, 1 (a position out of range: skipped) or 2 (old bits not
-    ``expect``: nothing written)."""
+def put(flat: np.ndarray, pos: np.ndarray, bits: np.ndarray) -> bool:
+    """In place ``flat[p] = b``: the write alone (no old bits read, no lanes summed), of a
+    change read before (staged). Returns whether every position was in range (those out
+    of range are skipped)."""
     chunks = -(-pos.shape[0] // _PUT_CHUNK)
-    status = np.zeros(chunks, dtype=np.uint8)
-    _launch(_put, chunks, flat, pos, expect, bits, status)
-    if chunks == 0 or not status.any():
-        return 0
-    if (status == 2).any():  # the chunks written get their old bits back (they were expect)
-        skip = np.where(status == 2, 3, 0).astype(np.uint8)  # those refused were not written
-        _launch(_put, chunks, flat, pos, expect[:0], expect, skip)
-        return 2
-    return 1
+    bad = np.zeros(chunks, dtype=np.uint8)
+    _launch(_put, chunks, flat, pos, bits, bad)
+    return not bool(bad.any())
 
 
 def stage(

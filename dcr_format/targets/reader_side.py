@@ -123,21 +123,17 @@ class ReaderTransaction(ABC):
 
     def put(self, change: Change, staged: Staged) -> Applied | None:
         """Write a change staged while preparing: its ``after`` bits, where the tensor it
-        lands in is still the one it was read from and still holds the bits read at its
-        positions then (else None, nothing written: :meth:`apply` it instead, against the
-        bits there now).
+        lands in is still the one it was read from (else None: :meth:`apply` it instead).
 
-        The bits and lane deltas are those read at staging, which the write checks at
-        every position it changes: an edit made outside dcr at those positions, before or
-        after staging, is caught by the lanes as with :meth:`apply`, any other by an audit
-        (FORMAT.md §11.3).
+        The bits and lane deltas are those read at staging. Positions of the change edited
+        since then get the version's bits anyway; an edit made before staging is caught by
+        the lanes as with :meth:`apply`, any other by an audit (FORMAT.md §11.3).
         """
         tensor = self.tensor(change.name)
         if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
             return None
         bits = staged.bits
-        if not put_staged(tensor, bits):
-            return None  # its bits moved since staging: applied against those instead
+        put_staged(tensor, bits)
         return Applied(
             lambda: unput_staged(tensor, bits),
             bits.positions,
