@@ -685,7 +685,7 @@ def _run_change(
     return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
-_PUT_CHUNK = 1 << 15  # positions a task of :func:`put` writes (fewer: one serial task)
+_PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial task)
 
 
 @parallel_kernel
