@@ -35,9 +35,13 @@ straight into the learned destinations (the copy's views inverted, O(changed), o
 index table where they do not invert), and where the loader copies the whole tensor
 unchanged into one contiguous run of a parameter (a whole weight, a row block of a fused
 ``qkv_proj``) through a canonical view of that run, with the fused apply a plain tensor
-gets. The loader still runs for the names it transforms and for ``full`` writes. Each sync
+gets. Those names are also offered for staging (:meth:`ModuleTarget.staging`), so that
+:meth:`DeltaReader.prepare` reads their changes against the live bits while the module still
+serves, and the pause of :meth:`DeltaReader.apply` is the write of the changed elements
+alone. The loader still runs for the names it transforms and for ``full`` writes. Each sync
 first checks that every parameter and buffer still has the storage it had when the
-placements were learned, and learns again the names placed in one that moved.
+placements were learned, and learns again the names placed in one that moved (nothing is
+staged meanwhile).
 
 Verification: for ``xor`` names the canonical bits the module holds are read back
 through the inverse of the placements, giving the fingerprint lanes of the canonical
