@@ -57,6 +57,7 @@ def _config(size: str) -> Any:
         layers=s["layers"],
         heads=s["heads"],
         kv_heads=s["heads"] // 2,
+        architectures=["LlamaForCausalLM"],
     )
 
 

@@ -270,6 +270,12 @@ class Backend:
         check_op(op)
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
 
+    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+        """In place ``flat[p] = b``: the write alone of a change whose old bits were read
+        before (a staged change's), positions as for :meth:`apply_with_lanes`; the
+        backends with a leaner loop for it than :meth:`scatter` override it."""
+        self.scatter(flat, positions, bits, op=OVERWRITE)
+
     def apply_with_lanes(
         self,
         flat: torch.Tensor,

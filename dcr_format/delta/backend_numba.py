@@ -182,6 +182,18 @@ class NumbaBackend(Backend):
         old = self._apply(flat, positions, values, op=op, base=base, lanes=False)[0]
         return old if save else None
 
+    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+        if not _applies(flat, positions, bits):
+            super().put(flat, positions, bits)
+            return
+        where = positions.reshape(-1).contiguous().numpy()
+        _check_bounds(where, 0, flat.numel())
+        if not self.native.put(_unsigned(flat), where, _unsigned(bits.reshape(-1).contiguous())):
+            raise IndexError(
+                "positions are not strictly increasing and some are out of range: pass the "
+                "positions of a verified decoder"
+            )
+
     def apply_with_lanes(
         self,
         flat: torch.Tensor,

@@ -686,13 +686,13 @@ def stage_change(
 def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
     """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
     flat = bits_view(target).reshape(-1)
-    backend_for(flat).scatter(flat, staged.positions, staged.after, op=OVERWRITE)
+    backend_for(flat).put(flat, staged.positions, staged.after)
 
 
 def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
     """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
     flat = bits_view(target).reshape(-1)
-    backend_for(flat).scatter(flat, staged.positions, staged.before, op=OVERWRITE)
+    backend_for(flat).put(flat, staged.positions, staged.before)
 
 
 def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:

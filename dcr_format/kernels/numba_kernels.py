@@ -685,6 +685,35 @@ def _run_change(
     return in_range, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
+_PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial task)
+
+
+@parallel_kernel
+def _put(flat, pos, bits, bad):  # type: ignore[no-untyped-def]
+    """``flat[pos[j]] = bits[j]``, the chunks of positions in parallel; a position out of
+    range is skipped (never written) and its chunk marked in ``bad``."""
+    n = flat.shape[0]
+    for c in prange(bad.shape[0]):
+        lo = c * _PUT_CHUNK
+        hi = min(lo + _PUT_CHUNK, pos.shape[0])
+        for j in range(lo, hi):
+            p = pos[j]
+            if p >= 0 and p < n:
+                flat[p] = bits[j]
+            else:
+                bad[c] = 1
+
+
+def put(flat: np.ndarray, pos: np.ndarray, bits: np.ndarray) -> bool:
+    """In place ``flat[p] = b``: the write alone (no old bits read, no lanes summed), of a
+    change read before (staged). Returns whether every position was in range (those out
+    of range are skipped)."""
+    chunks = -(-pos.shape[0] // _PUT_CHUNK)
+    bad = np.zeros(chunks, dtype=np.uint8)
+    _launch(_put, chunks, flat, pos, bits, bad)
+    return not bool(bad.any())
+
+
 def stage(
     flat: np.ndarray,
     pos: np.ndarray,

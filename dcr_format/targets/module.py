@@ -35,9 +35,13 @@ straight into the learned destinations (the copy's views inverted, O(changed), o
 index table where they do not invert), and where the loader copies the whole tensor
 unchanged into one contiguous run of a parameter (a whole weight, a row block of a fused
 ``qkv_proj``) through a canonical view of that run, with the fused apply a plain tensor
-gets. The loader still runs for the names it transforms and for ``full`` writes. Each sync
+gets. Those names are also offered for staging (:meth:`ModuleTarget.staging`), so that
+:meth:`DeltaReader.prepare` reads their changes against the live bits while the module still
+serves, and the pause of :meth:`DeltaReader.apply` is the write of the changed elements
+alone. The loader still runs for the names it transforms and for ``full`` writes. Each sync
 first checks that every parameter and buffer still has the storage it had when the
-placements were learned, and learns again the names placed in one that moved.
+placements were learned, and learns again the names placed in one that moved (nothing is
+staged meanwhile).
 
 Verification: for ``xor`` names the canonical bits the module holds are read back
 through the inverse of the placements, giving the fingerprint lanes of the canonical
@@ -51,7 +55,7 @@ names are reported in ``SyncResult.unverified``, as are names the loader transfo
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -155,6 +159,24 @@ class ModuleTarget(Placements, Target):
     def reads_baseline(self) -> bool:
         """False: the module's tensors are reached through its loader, not as canonical bits."""
         return False
+
+    def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
+        """The canonical views (:meth:`Transaction.tensor`) of the names among ``names`` the
+        loader places whole into one contiguous run of a parameter, so that a prepared
+        version has their changes read against the live bits ahead of the pause, which is
+        then the write alone; nothing where a parameter's storage moved since the
+        placements were learned (the apply learns them again first)."""
+        if not self.direct or self._layout is None or self._current_layout() != self._layout:
+            return {}
+        views = {}
+        for name in names:
+            if name not in self._held and not self._declared:
+                continue  # not held: the sync writes it through apply (a new name)
+            plan = self._plan_of(name)
+            view = None if plan is None or plan.kind != "xor" else self._canonical_view(plan)
+            if view is not None:
+                views[name] = view
+        return views
 
     def overwrite_names(self) -> frozenset[str]:
         """Names whose load path is not bit-preserving (they need ``overwrite``)."""

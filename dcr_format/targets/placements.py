@@ -19,7 +19,14 @@ from typing import Any, TypeAlias
 import torch
 
 from dcr_format.chain.layout import View
-from dcr_format.delta.delta import OVERWRITE, XOR, DecodedDelta, apply_change
+from dcr_format.delta.delta import (
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    apply_change,
+    put_staged,
+    stage_change,
+)
 from dcr_format.delta.fingerprint import LANE_PRIMES, lanes_after_change, lanes_at, tensor_lanes
 from dcr_format.errors import OverwriteRequiredError, TargetError
 from dcr_format.format.dtypes import BY_TORCH, bits_view
@@ -155,14 +162,16 @@ class Placements:
         for dtype in sorted(dtypes, key=str):
             if dtype not in BY_TORCH:
                 continue
-            for count in (1, 3 * 8192):  # one chunk (serial kernels) and several (parallel)
+            for count in (1, 5 * 8192):  # one chunk (serial kernels) and several (parallel)
                 tensor = torch.zeros(count, dtype=dtype)
                 flat = bits_view(tensor)
                 positions = torch.arange(count, dtype=torch.int64)
                 for op in (XOR, OVERWRITE):
-                    done = apply_change(tensor, DecodedDelta(op, positions, flat.clone()))
+                    change = DecodedDelta(op, positions, flat.clone())
+                    done = apply_change(tensor, change)
                     assert done.before is not None
                     lanes_after_change(tensor_lanes(tensor), positions, done.before, flat.clone())
+                    put_staged(tensor, stage_change(tensor, change))  # a prepared version
 
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""

@@ -46,7 +46,7 @@ class Staged:
 
 class StagingSource:
     """What a reader may read of a target ahead of its apply; a target offers nothing unless
-    it overrides :meth:`staging` (the built-in dict target does)."""
+    it overrides :meth:`staging` (the built-in dict and module targets do)."""
 
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
         """The live canonical tensors among ``names`` that :meth:`DeltaReader.prepare` may

@@ -1,0 +1,175 @@
+"""A prepared version into a module: its placed names read ahead, the pause only writes them.
+
+:meth:`DeltaReader.prepare` reads the changes to the names the loader places whole into one
+contiguous run of a parameter (:meth:`ModuleTarget.staging`) against the live bits; the
+apply then writes each one (checking that the bits it replaces are still those it read),
+calls the loader for the rest, and verifies and rolls back exactly as an unprepared apply.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_module_target import (
+    SPECS,
+    XOR_NAMES,
+    Runtime,
+    assert_module,
+    bits_of,
+    checkpoint,
+    counted,
+    step,
+)
+from torch import nn
+
+import dcr_format.targets.reader_side as reader_side
+from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
+from dcr_format.delta.backend import Backend
+from dcr_format.delta.backends import backend_for
+from dcr_format.errors import ApplyError, BaselineMismatchError
+from dcr_format.format.dtypes import bits_view
+
+# placed whole, in order, into one contiguous run (the experts are placed transposed)
+RUNS = {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"}
+RUNS |= {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+
+
+def synced(tmp_path, **target_args):  # type: ignore[no-untyped-def]
+    """A writer at a base and a module synced to it."""
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    calls: list[str] = []
+    target = ModuleTarget(module, load_weights=counted(module, calls), **target_args)
+    reader = DeltaReader(store, target)
+    reader.sync()
+    return writer, state, module, target, reader, calls
+
+
+def test_a_prepared_version_writes_the_placed_names_read_ahead(tmp_path):
+    writer, state, module, target, reader, calls = synced(tmp_path)
+    assert set(target.staging(SPECS)) == RUNS
+    for k in range(3):
+        state = step(state, k)
+        writer.publish(state)
+        prepared = reader.prepare()
+        assert set(prepared._staged) == RUNS
+        calls.clear()
+        result = reader.apply(prepared)
+        assert_module(module, state)
+        assert not set(result.unverified) & XOR_NAMES
+        assert not set(calls) & XOR_NAMES  # the transformed names still go through the loader
+        assert set(calls) == set(SPECS) - XOR_NAMES
+
+
+def test_nothing_is_read_ahead_without_direct_placements(tmp_path):
+    writer, state, module, target, reader, _calls = synced(tmp_path, direct=False)
+    assert target.staging(SPECS) == {}
+    state = step(state, 0)
+    writer.publish(state)
+    reader.apply(reader.prepare())
+    assert_module(module, state)
+
+
+def test_an_edit_before_preparing_is_caught_and_every_write_undone(tmp_path):
+    """An edit outside dcr at a changed position before the prepare fails the verification
+    after every placed name was written; all of them are rolled back."""
+    writer, state, module, target, reader, _ = synced(tmp_path)
+    writer.publish(step(state, 0))
+    with torch.no_grad():  # down_proj, written after q/k/v/o and gate/up
+        module.down.view(-1)[0] += 1
+    before = bits_of(module)
+    prepared = reader.prepare()
+    with pytest.raises(BaselineMismatchError, match="down_proj"):
+        reader.apply(prepared)
+    after = bits_of(module)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert target.resident().version == 0
+
+
+def test_an_edit_between_prepare_and_apply_still_ends_exact(tmp_path):
+    """As for a dict target: the pause writes the version's bits at every changed position,
+    whatever is there; the lanes were read against the bits the prepare found."""
+    writer, state, module, _, reader, _ = synced(tmp_path)
+    state = step(state, 0)
+    writer.publish(state)
+    prepared = reader.prepare()
+    with torch.no_grad():
+        module.down.view(-1)[0] += 1
+    reader.apply(prepared)
+    assert_module(module, state)
+
+
+def test_a_failure_in_the_middle_of_the_writes_undoes_them_all(tmp_path, monkeypatch):
+    writer, state, module, _target, reader, _calls = synced(tmp_path)
+    writer.publish(step(state, 0))
+    prepared = reader.prepare()
+    before = bits_of(module)
+    written: list[int] = []
+    put = reader_side.put_staged
+
+    def failing(tensor, staged):  # type: ignore[no-untyped-def]
+        if len(written) == 3:
+            raise RuntimeError("the engine went away")
+        written.append(1)
+        return put(tensor, staged)
+
+    monkeypatch.setattr(reader_side, "put_staged", failing)
+    with pytest.raises(ApplyError, match="went away"):
+        reader.apply(prepared)
+    after = bits_of(module)
+    assert len(written) == 3 and all(torch.equal(after[n], before[n]) for n in before)
+    monkeypatch.setattr(reader_side, "put_staged", put)
+    state = step(state, 0)
+    reader.apply(reader.prepare())
+    assert_module(module, state)
+
+
+def test_a_storage_moved_after_preparing_is_learned_again_and_written(tmp_path):
+    writer, state, module, target, reader, _calls = synced(tmp_path)
+    state = step(state, 0)
+    writer.publish(state)
+    prepared = reader.prepare()
+    old = module.qkv
+    kept = old.detach().clone()
+    module.qkv = nn.Parameter(old.detach().clone(), requires_grad=False)
+    assert target.staging(SPECS) == {}  # the placements are stale until the next apply
+    result = reader.apply(prepared)
+    assert_module(module, state)
+    assert torch.equal(old, kept)  # nothing written into the storage the module let go of
+    assert not {"q_proj.weight", "k_proj.weight", "v_proj.weight"} & set(result.unverified)
+    assert set(target.staging(SPECS)) == RUNS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("fault", [None, "out of range"])
+def test_put_matches_the_torch_reference(dtype, fault):
+    """The compiled write (several parallel tasks) against the torch reference: the same
+    bits written, the same error for a position out of range."""
+    kernels = pytest.importorskip("dcr_format.kernels.numba_kernels")
+    gen = torch.Generator().manual_seed(3)
+    numel = 5 * kernels._PUT_CHUNK
+    width = torch.empty(0, dtype=dtype).element_size()
+    live = torch.randint(0, 250, (numel * width,), generator=gen, dtype=torch.uint8)
+    flat = bits_view(live.view(dtype)).reshape(-1)
+    positions = torch.randperm(numel, generator=gen)[: 3 * numel // 4].sort().values
+    bits = flat[positions] ^ 1
+    backend = backend_for(flat)
+    assert type(backend) is not Backend  # the compiled loops
+    results = []
+    for each in (backend, Backend()):
+        target = flat.clone()
+        if fault == "out of range":
+            with pytest.raises(IndexError):
+                each.put(target, positions + target.numel(), bits)
+            assert torch.equal(target, flat)
+        else:
+            each.put(target, positions, bits)
+        results.append(target)
+    assert torch.equal(results[0], results[1])
+    if fault is None:
+        want = flat.clone()
+        want[positions] = bits
+        assert torch.equal(results[0], want)
