@@ -42,12 +42,14 @@ from dcr_format.sync._apply import Applying, EarlyApply, step_changes
 from dcr_format.sync._audit import AUDIT_EVERY, AUDIT_SECONDS
 from dcr_format.sync._commit import READER_ID, Committing
 from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch_step
-from dcr_format.sync._plan import check_goal, plan_fetch, read_plan, resident_record
+from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.targets.protocol import Target
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
+# a preparation of several versions holds at most this share of the model decoded
+HELD_SHARE = 0.25
 
 
 class SyncResult(BaseModel):
@@ -218,7 +220,7 @@ class DeltaReader(Applying, Committing):
         try:
             with self.group.stage("fetching and verifying"):
                 prepared = self._prepare(goal, committed, started, early=early)
-                if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
+                if stage and len(prepared.plan) == 1 and not prepared._steps[0].base:
                     staged = self._stage(prepared._steps[0])
                     prepared = replace(
                         prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
@@ -246,7 +248,7 @@ class DeltaReader(Applying, Committing):
                 "this version was prepared by another DeltaReader; prepare it with this one"
             )
         started = time.perf_counter()
-        if prepared._steps:
+        if prepared.plan:
             unverified, audited = self._apply(prepared, audit)
         else:  # already there (no versions, no bytes); still take part in the group's stages
             with self.group.stage("checking its target"):
@@ -344,7 +346,7 @@ class DeltaReader(Applying, Committing):
                 taking = None if early is None else self._resolver(plan, early, resident, pool)
                 steps = tuple(
                     fetch_step(self.store, step, pool.map, budget, early=taking)
-                    for step in plan.steps
+                    for step in plan.steps[: self._held_steps(plan)]
                 )
             if early is not None:
                 early.finish()
@@ -375,6 +377,8 @@ class DeltaReader(Applying, Committing):
                 if sync is None:
                     sync = self._open(prepared, asked)
                     txn = sync.txn
+                    if prepared._deferred and prepared._sync_plan is not None:
+                        self._bound_undo(sync, prepared._sync_plan)
                 else:  # the changes not applied yet are refused now, if at all
                     sync.prepared = replace(prepared, _open=None)
                     sync.txn.prepare(
@@ -388,6 +392,8 @@ class DeltaReader(Applying, Committing):
             with self.group.stage("applying"):
                 for step in sync.steps[sync.done :]:
                     self._change_step(sync, step)
+                if sync.prepared._deferred:
+                    self._apply_deferred(sync, asked)
                 found = self._verify_goal(sync)
                 files = sync.prepared._files
                 if files is not None:
@@ -397,9 +403,24 @@ class DeltaReader(Applying, Committing):
         except BaseException as exc:
             if txn is None:  # nothing was opened (or :meth:`_open` rolled it back)
                 raise
-            raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
+            fetching = sync is not None and exc is sync.fetch_failure  # raised as it is
+            raise self._rolled_back(exc, txn, sync, as_is=fetching)  # noqa: B904
         self._committed(sync, found)
         return sync.unverified, sync.audited
+
+    def _held_steps(self, plan: SyncPlan) -> int:
+        """How many of ``plan``'s steps a preparation fetches and decodes: every step of a
+        one-version plan, else those that decode to at most :data:`HELD_SHARE` of the model
+        together (the apply fetches and applies the rest in turn, :meth:`_apply_deferred`)."""
+        if len(plan.steps) == 1:
+            return 1
+        limit = self._model_bytes(plan) * HELD_SHARE
+        total = 0
+        for held, step in enumerate(plan.steps):
+            total += step.fetch.output_bytes
+            if total > limit:
+                return held
+        return len(plan.steps)
 
     def _decode_version(
         self, manifests: list[Manifest], pool: ThreadPoolExecutor
