@@ -76,9 +76,7 @@ def test_prepare_leaves_large_versions_to_the_apply(chain, monkeypatch):
 
 
 @pytest.mark.parametrize("chain", [2], indirect=True)  # versions large enough to be left
-def test_a_failed_fetch_in_the_apply_rolls_back_and_the_version_applies_again(
-    chain, monkeypatch
-):
+def test_a_failed_fetch_in_the_apply_rolls_back_and_the_version_applies_again(chain, monkeypatch):
     url, states, _ = chain
     tensors: dict[str, torch.Tensor] = {}
     reader = DeltaReader(url, StateDictTarget(tensors))

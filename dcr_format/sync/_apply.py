@@ -225,14 +225,17 @@ class Applying(Auditing):
             if sync.prepared._spend:  # its memory goes now, not with the whole version
                 changes[index] = (entry, SPENT)
 
-    def _change_entry(self, sync: ApplyState, entry: Entry, delta: Delta) -> None:
-        """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
+    def _change_entry(
+        self, sync: ApplyState, entry: Entry, delta: Delta, *, owned: bool = False
+    ) -> None:
+        """Apply one tensor's change and follow its fingerprint lanes and exponent rows
+        (``owned``: see :meth:`Transaction.change`)."""
         if entry.op != FULL and entry.changed == 0:
             return
         info = info_for(entry.dtype)
         delta = self._give_rows(entry, delta, sync.rows)
         change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
-        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name))
+        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name), owned=owned)
         _follow_rows(sync, entry, applied)
         if entry.op == FULL:
             sync.lanes[entry.name] = applied.lanes
@@ -330,7 +333,7 @@ class Applying(Auditing):
         :meth:`Transaction.prepare` would refuse it with the rest)."""
         info = info_for(entry.dtype)
         sync.txn.prepare([Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)])
-        self._change_entry(sync, entry, delta)
+        self._change_entry(sync, entry, delta, owned=True)  # given: the step keeps none
         sync.applied.add(entry.name)
 
     def _resolved_live(self, entry: Entry, delta: Delta, tensor: torch.Tensor) -> Delta | None:

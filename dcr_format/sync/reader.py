@@ -60,7 +60,8 @@ class SyncResult(BaseModel):
     A :meth:`DeltaReader.sync` on its own (no group) starts changing the target once every
     object is fetched and verified, while the last changes are still decoded, and applies a
     base or a plan of several versions as it fetches them: that time counts in
-    ``fetch_seconds``.
+    ``fetch_seconds``. The versions of a plan that :meth:`DeltaReader.prepare` leaves to
+    the apply (a reader far behind) are fetched in ``apply_seconds``.
     ``audited``: the sync read every selected resident tensor in full before applying
     (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
@@ -175,11 +176,13 @@ class DeltaReader(Applying, Committing):
         the last changes, so a stream that fails its decoder is then raised after the
         changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). On
         its own into a target of canonical tensors it also writes a base as it is
-        decoded, and applies a plan of several versions one version after the other
-        (FORMAT.md §11.4, "Applying version by version"): it then holds about the model
-        once more, however far behind, and any failure still rolls every change back. In
-        a reader group every rank syncs to the same version, and all ranks apply it or
-        none does. ``audit`` reads every selected resident tensor in full first.
+        decoded, and on its own into any target it applies a plan of several versions
+        one version after the other (FORMAT.md §11.4, "Applying version by version"): it
+        then holds about the model once more, however far behind, and any failure still
+        rolls every change back. In a reader group every rank syncs to the same version,
+        and all ranks apply it or none does; a plan of several versions is then applied
+        as :meth:`prepare` then :meth:`apply` apply it. ``audit`` reads every selected
+        resident tensor in full first.
 
         One sync at a time applies to a target (in this process; across processes too
         for a directory): a second waits for the first to end, then plans again from
@@ -200,6 +203,13 @@ class DeltaReader(Applying, Committing):
 
         A rollout engine keeps generating while this runs. A prepared version that is not
         applied is simply dropped. In a reader group every rank prepares together.
+
+        A plan of several versions is fetched and decoded here while its versions decode
+        to at most a quarter of the model together; :meth:`apply` fetches and applies the
+        rest one version after the other (FORMAT.md §11.4, "Applying version by
+        version"), so that a reader far behind holds about the model twice at most,
+        however far behind, at the cost of a longer pause. Any failure there, of a fetch
+        too, rolls every change back, and the prepared version may be applied again.
 
         For a single version, the changes to tensors the target offers for staging
         (:meth:`Target.staging`: a dict target's own tensors) are also read against the

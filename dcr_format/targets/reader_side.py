@@ -13,6 +13,7 @@ alone (:meth:`ReaderTransaction.put`), on the reader's threads.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from dcr_format.delta.delta import FULL, StagedChange, put_staged, resolve, unput_staged
+from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import (
     BaselineCodingError,
     BaselineMismatchError,
@@ -28,7 +30,7 @@ from dcr_format.errors import (
     TargetError,
     ValuesError,
 )
-from dcr_format.format.dtypes import bits_view
+from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.targets.change import Applied, Change
 
 
@@ -115,9 +117,24 @@ class ReaderTransaction(ABC):
             return
         self.__dict__["_whole_undo"] = {}
 
-    def change(self, change: Change, staged: Staged | None = None) -> Applied:
+    def adopt(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take ``tensor`` itself as the new tensor ``name`` where the target holds none by
+        that name (True), instead of a copy into a tensor it makes; the default declines."""
+        return False
+
+    def change(
+        self, change: Change, staged: Staged | None = None, *, owned: bool = False
+    ) -> Applied:
         """Apply one change (:meth:`put` of what was staged for it where that still holds,
-        else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        else :meth:`apply`) and keep its undo for :meth:`undo`.
+
+        ``owned``: nothing else holds the change's values, so a ``full`` write of a tensor
+        the target does not hold may take them as the tensor itself (:meth:`adopt`): a base
+        is then held once, not once decoded and once more copied."""
+        if owned and change.delta.op == FULL and self.tensor(change.name) is None:
+            applied = self._adopted(change)
+            if applied is not None:
+                return applied
         whole: dict[str, torch.Tensor] | None = self.__dict__.get("_whole_undo")
         if whole is _ALL:  # every bit it may change was kept at the start
             return replace(self.apply(self.resolved(change)), undo=_nothing)
@@ -128,6 +145,26 @@ class ReaderTransaction(ABC):
             applied = self.apply(self.resolved(change))
         self._journal().append(applied.undo)
         return applied
+
+    def _adopted(self, change: Change) -> Applied | None:
+        """A ``full`` write of a new tensor as its decoded values themselves, where they fit
+        it (its dtype's bits, its size, one contiguous run of their own) and the target
+        takes them (:meth:`adopt`); else None."""
+        values = change.delta.values
+        info = info_for(change.dtype)
+        fits = (
+            values.dtype == info.bits_dtype
+            and values.is_contiguous()
+            and values.numel() == math.prod(change.shape)
+            and values.storage_offset() == 0
+            and values.untyped_storage().nbytes() == values.numel() * values.element_size()
+        )
+        if not fits:
+            return None
+        tensor = values.view(change.dtype).reshape(change.shape)
+        if not self.adopt(change.name, tensor):
+            return None
+        return Applied(restore_whole(tensor, None), lanes=tensor_lanes(tensor))
 
     def _change_whole(self, change: Change, whole: dict[str, torch.Tensor]) -> Applied:
         """:meth:`change` under :meth:`keep_whole_undo`; ``whole``: by name, the tensor whose
