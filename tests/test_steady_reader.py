@@ -670,10 +670,10 @@ def test_a_failed_change_while_fetching_rolls_back_the_others(tmp_path, monkeypa
     real = reader._change_entry
     done: list[str] = []
 
-    def change_entry(sync, entry, delta):
+    def change_entry(sync, entry, delta, **options):
         if entry.name == entries[1].name:
             raise RuntimeError("the target broke")
-        real(sync, entry, delta)
+        real(sync, entry, delta, **options)
         done.append(entry.name)
 
     monkeypatch.setattr(reader, "_change_entry", change_entry)

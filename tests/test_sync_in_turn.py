@@ -60,9 +60,9 @@ def _spy_changes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     changed: list[str] = []
     original = Transaction.change
 
-    def change(self, change, staged=None):
+    def change(self, change, staged=None, **options):
         changed.append(change.name)
-        return original(self, change, staged)
+        return original(self, change, staged, **options)
 
     monkeypatch.setattr(Transaction, "change", change)
     return changed

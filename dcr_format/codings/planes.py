@@ -40,6 +40,7 @@ def from_planes(data: bytes | memoryview, count: int, width: int) -> np.ndarray:
         # np.array copies: for width 1 a contiguous view would alias the (read-only) input
         joined: np.ndarray = np.array(planes[::-1].T, order="C").view(UNSIGNED_NP[width])
         return joined.reshape(count)
-    out: np.ndarray = planes[0].astype(np.uint16) << np.uint16(8)
+    out: np.ndarray = planes[0].astype(np.uint16)
+    out <<= np.uint16(8)  # in place: the values are held once while they are joined
     out |= planes[1]
     return out

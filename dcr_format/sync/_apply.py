@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -48,9 +48,10 @@ from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import Entry
 from dcr_format.kernels.native import compiled, serial_kernels
 from dcr_format.sync._audit import Auditing
-from dcr_format.sync._fetch import Early, FetchedStep, fetch_step
-from dcr_format.sync._plan import SyncPlan
+from dcr_format.sync._fetch import Early, FetchedStep, SyncBudget, fetch_step
+from dcr_format.sync._plan import StepPlan, SyncPlan
 from dcr_format.sync._state import ApplyState, PreparedVersion
+from dcr_format.system.memory import give_back_freed
 from dcr_format.system.pools import kept_pool
 from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.claim import claim_target
@@ -73,6 +74,9 @@ class EarlyApply:
     ready: list[tuple[Entry, Delta]] = field(default_factory=list)
     sync: ApplyState | None = None  # the transaction's apply, once open
     threads: int = 1  # the pool's
+    # a sync writing whole tensors (a base, versions in turn): the memory of each change
+    # applied goes back to the system at once, not held in an arena until the next one
+    gives_back: bool = False
     _apply: Callable[[Entry, Delta], None] | None = None
     _applying: ThreadPoolExecutor | None = None
     _given: list[Future[None]] = field(default_factory=list)
@@ -95,9 +99,10 @@ class EarlyApply:
         if self._applying is None:
             self.ready.append((entry, delta))
         else:
-            self._given.append(self._applying.submit(self._run, entry, delta))
+            self._given.append(self._applying.submit(self._run, entry, [delta]))
 
-    def _run(self, entry: Entry, delta: Delta) -> None:
+    def _run(self, entry: Entry, box: list[Delta]) -> None:
+        delta = box.pop()  # held by nothing else once applied
         if self._failed:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
@@ -107,6 +112,9 @@ class EarlyApply:
                 self._apply(entry, delta)
         except BaseException as exc:
             self._failed.append(exc)
+        if self.gives_back and entry.op == FULL:  # its decoded bits, freed: back to the system
+            del delta
+            give_back_freed()
 
     def failed(self, exc: BaseException) -> bool:
         """Whether ``exc`` is the failure of a change given (not of the fetch)."""
@@ -217,14 +225,17 @@ class Applying(Auditing):
             if sync.prepared._spend:  # its memory goes now, not with the whole version
                 changes[index] = (entry, SPENT)
 
-    def _change_entry(self, sync: ApplyState, entry: Entry, delta: Delta) -> None:
-        """Apply one tensor's change and follow its fingerprint lanes and exponent rows."""
+    def _change_entry(
+        self, sync: ApplyState, entry: Entry, delta: Delta, *, owned: bool = False
+    ) -> None:
+        """Apply one tensor's change and follow its fingerprint lanes and exponent rows
+        (``owned``: see :meth:`Transaction.change`)."""
         if entry.op != FULL and entry.changed == 0:
             return
         info = info_for(entry.dtype)
         delta = self._give_rows(entry, delta, sync.rows)
         change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
-        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name))
+        applied = sync.txn.change(change, sync.prepared._staged.get(entry.name), owned=owned)
         _follow_rows(sync, entry, applied)
         if entry.op == FULL:
             sync.lanes[entry.name] = applied.lanes
@@ -308,6 +319,7 @@ class Applying(Auditing):
         )
         sync = self._open(preliminary, early.audit, prepare=False)
         early.threads = 1  # one writer: a target's new tensors are made one at a time
+        early.gives_back = True
         early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
         def take(entry: Entry, delta: Delta) -> Delta:
@@ -321,7 +333,7 @@ class Applying(Auditing):
         :meth:`Transaction.prepare` would refuse it with the rest)."""
         info = info_for(entry.dtype)
         sync.txn.prepare([Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)])
-        self._change_entry(sync, entry, delta)
+        self._change_entry(sync, entry, delta, owned=True)  # given: the step keeps none
         sync.applied.add(entry.name)
 
     def _resolved_live(self, entry: Entry, delta: Delta, tensor: torch.Tensor) -> Delta | None:
@@ -375,8 +387,8 @@ class Applying(Auditing):
 
     def _in_turn(self, plan: SyncPlan, early: EarlyApply) -> bool:
         """Whether a sync applies ``plan`` version by version as each is fetched (a reader on
-        its own, a plan of several versions, a target of canonical tensors)."""
-        return early.alone and len(plan.steps) > 1 and self.target.reads_baseline()
+        its own, a plan of several versions)."""
+        return early.alone and len(plan.steps) > 1
 
     def _fetch_and_apply(
         self,
@@ -389,22 +401,62 @@ class Applying(Auditing):
         """Fetch each version of ``plan`` and apply it before fetching the next, so that a
         sync far behind holds one version decoded, not all of them.
 
-        The transaction opens first (:meth:`_open`: the checks of :meth:`DeltaReader.apply`);
-        where the undo of each change would hold more than half the model, it keeps the undo
-        of each tensor as its bits before the sync first changed it instead
-        (:meth:`Transaction.keep_whole_undo`), so the undo too is bounded by the model, not
-        the plan; a base's tensors are written as they are decoded. Any failure rolls back
-        every version applied so far."""
+        The transaction opens first (:meth:`_open`: the checks of :meth:`DeltaReader.apply`),
+        then :meth:`_apply_in_turn`. Any failure rolls back every version applied so far."""
         preliminary = PreparedVersion(
             plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan,
             _spend=True,
         )  # fmt: skip
         sync = self._open(preliminary, early.audit, prepare=False)
         early.sync = sync  # a failure of a fetch rolls it back (:meth:`DeltaReader._prepare_for`)
-        if _undo_bytes(plan) > self._model_bytes(plan) // 2:  # else the undo of each change
+        self._bound_undo(sync, plan)
+        try:
+            return tuple(self._apply_in_turn(sync, plan.steps, early, pool, budget))
+        except BaseException as exc:
+            if exc is sync.fetch_failure:
+                raise  # rolled back by :meth:`DeltaReader._prepare_for`, raised as it is
+            early.sync = None  # rolled back here, as :meth:`DeltaReader.apply` does
+            raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
+
+    def _apply_deferred(self, sync: ApplyState, asked: bool) -> None:
+        """Fetch and apply, version by version, the steps :meth:`DeltaReader.prepare` left
+        for the apply (a plan of several versions that decode to more than a share of the
+        model, :meth:`DeltaReader._held_steps`); ``sync`` has applied those before them."""
+        plan = sync.prepared._sync_plan
+        assert plan is not None
+        deferred = sync.prepared._deferred
+        sync.prepared = replace(sync.prepared, _spend=True)  # the prepared steps stay as they were
+        sync.done = len(sync.steps)
+        budget = SyncBudget(self.decode_budget, self._model_bytes(plan) // 8)
+        with ThreadPoolExecutor(self.max_workers) as pool:
+            self._apply_in_turn(sync, deferred, EarlyApply(self.group.alone, asked), pool, budget)
+
+    def _bound_undo(self, sync: ApplyState, plan: SyncPlan) -> None:
+        """Where the undo of each change of ``plan`` would hold more than half the model,
+        keep the undo of each tensor as its bits before the sync first changed it
+        (:meth:`Transaction.keep_whole_undo`; a target without canonical tensors, such as a
+        module, gives the storage to keep: :meth:`Target.held_storage`), so the undo too is
+        bounded by the model, not the plan. Before any change."""
+        if _undo_bytes(plan) <= self._model_bytes(plan) // 2:
+            return  # the undo of each change is smaller
+        storage = None if self.target.reads_baseline() else self.target.held_storage()
+        if storage is None:
             sync.txn.keep_whole_undo()
-        # a base's tensors are written as they are decoded (one writer), as in :meth:`_streamer`
-        early.threads = 1
+        else:
+            sync.txn.keep_whole_undo(storage)
+
+    def _apply_in_turn(
+        self,
+        sync: ApplyState,
+        steps: Sequence[StepPlan],
+        early: EarlyApply,
+        pool: ThreadPoolExecutor,
+        budget: DecodeBudget,
+    ) -> list[FetchedStep]:
+        """Fetch each of ``steps`` and apply it before fetching the next; a base's tensors
+        are written as they are decoded (one writer). A failure to fetch or decode is kept
+        as ``sync.fetch_failure``; the caller rolls back."""
+        early.threads, early.gives_back = 1, True
         early.start(sync, lambda entry, delta: self._change_now(sync, entry, delta))
 
         def take(entry: Entry, delta: Delta) -> Delta:
@@ -412,22 +464,29 @@ class Applying(Auditing):
             return SPENT
 
         streaming = Early(pool, take, lambda: None, max(1, kernel_threads() - 1))
-        steps: list[FetchedStep] = []
-        for step in plan.steps:
-            fetched = fetch_step(
-                self.store, step, pool.map, budget, early=streaming if step.base else None
-            )
-            early.finish()  # the changes given are applied before the rest of the version
-            try:
+        fetched_steps: list[FetchedStep] = []
+        try:
+            for step in steps:
+                try:
+                    fetched = fetch_step(
+                        self.store, step, pool.map, budget, early=streaming if step.base else None
+                    )
+                except BaseException as exc:
+                    if not early.failed(exc):
+                        sync.fetch_failure = exc
+                    raise
+                early.finish()  # the changes given are applied before the rest of the version
                 sync.txn.prepare([c for c in step_changes(fetched) if c.delta is not SPENT])
+                sync.prepared = replace(sync.prepared, _steps=(*sync.prepared._steps, fetched))
                 self._change_step(sync, fetched)
-            except BaseException as exc:
-                early.sync = None  # rolled back here, as :meth:`DeltaReader.apply` does
-                raise self._rolled_back(exc, sync.txn, sync)  # noqa: B904
-            sync.applied.clear()  # the next version changes the same names again
-            steps.append(fetched)
-            sync.done += 1
-        return tuple(steps)
+                sync.applied.clear()  # the next version changes the same names again
+                fetched_steps.append(fetched)
+                sync.done += 1
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                early.finish()  # nothing is applied any more when the caller rolls back
+            raise
+        return fetched_steps
 
     def _model_bytes(self, plan: SyncPlan) -> int:
         """Bytes of the tensors the goal holds in this reader's target (selected, taken)."""

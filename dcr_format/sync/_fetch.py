@@ -240,6 +240,7 @@ def _run_jobs_early(
             late = failed or not (running[0] or opened)
             keep = late or entry.piece is not None
             decoded[index] = delta if keep else early.take(entry, delta)
+            del item, delta  # what was taken is not held here while waiting for the next
     except BaseException:
         for future in futures:  # the running ones end with the pool
             future.cancel()
@@ -289,12 +290,16 @@ def _run_job(
                 ahead = _symbols_ahead([wanted[i] for i in pair], streams)
                 for i, symbols in zip(pair, ahead, strict=True):
                     decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
-            if tell is not None:  # handed over: not kept here (the caller keeps what it takes)
-                for i in pair:
-                    tell.decoded(i, decoded.pop(i))
+                    if tell is not None and i != entries[-1]:
+                        # handed over as soon as decoded: not kept here (the caller keeps what
+                        # it takes), so a base's next entry is decoded while this one is written
+                        tell.decoded(i, decoded.pop(i))
         del streams  # decoded deltas are copies: the shards go before the budget
         if budget.gives_back:  # else another worker's next shard adds to this one's freed pages
             give_back_freed()
+        if tell is not None:  # the last entry once the shards are gone: they are not held
+            for i in list(decoded):  # while it is written
+                tell.decoded(i, decoded.pop(i))
     return decoded
 
 

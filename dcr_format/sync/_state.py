@@ -24,7 +24,7 @@ from dcr_format.format.budget import DecodeBudget
 from dcr_format.format.dtypes import info_for
 from dcr_format.store.store import Store
 from dcr_format.sync._fetch import CheckpointFiles, FetchedStep
-from dcr_format.sync._plan import SyncPlan
+from dcr_format.sync._plan import StepPlan, SyncPlan
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.targets.change import Resident
 from dcr_format.targets.protocol import Target, Transaction
@@ -59,6 +59,15 @@ class PreparedVersion:
     # made by a sync, which applies it once: each change's decoded bits are dropped as soon
     # as it is applied (the steps then no longer hold the version: not applied again)
     _spend: bool = field(repr=False, default=False)
+
+    @property
+    def _deferred(self) -> tuple[StepPlan, ...]:
+        """The steps of the plan not fetched yet: the apply fetches and applies them in turn
+        (:meth:`DeltaReader.prepare` of a plan of several versions that decode to more than
+        a share of the model)."""
+        if self._sync_plan is None:
+            return ()
+        return self._sync_plan.steps[len(self._steps) :]
 
     @property
     def _incremental(self) -> bool:
@@ -102,6 +111,8 @@ class ApplyState:
     rows: dict[str, tuple[str, np.ndarray]] = field(default_factory=dict)
     applied: set[str] = field(default_factory=set)  # the names changed while fetching
     done: int = 0  # the steps applied while fetching (all of their changes)
+    # a failure to fetch or decode a version applied in turn (raised as it is)
+    fetch_failure: BaseException | None = None
 
     @property
     def steps(self) -> tuple[FetchedStep, ...]:

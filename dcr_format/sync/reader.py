@@ -42,12 +42,14 @@ from dcr_format.sync._apply import Applying, EarlyApply, step_changes
 from dcr_format.sync._audit import AUDIT_EVERY, AUDIT_SECONDS
 from dcr_format.sync._commit import READER_ID, Committing
 from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch_step
-from dcr_format.sync._plan import check_goal, plan_fetch, read_plan, resident_record
+from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.targets.protocol import Target
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
+# a preparation of several versions holds at most this share of the model decoded
+HELD_SHARE = 0.25
 
 
 class SyncResult(BaseModel):
@@ -58,7 +60,8 @@ class SyncResult(BaseModel):
     A :meth:`DeltaReader.sync` on its own (no group) starts changing the target once every
     object is fetched and verified, while the last changes are still decoded, and applies a
     base or a plan of several versions as it fetches them: that time counts in
-    ``fetch_seconds``.
+    ``fetch_seconds``. The versions of a plan that :meth:`DeltaReader.prepare` leaves to
+    the apply (a reader far behind) are fetched in ``apply_seconds``.
     ``audited``: the sync read every selected resident tensor in full before applying
     (FORMAT.md §11.3) instead of relying on the lanes it verified at its previous sync.
     ``unverified``: tensors the sync changed (or, with ``verify="all"``, held) whose
@@ -173,11 +176,13 @@ class DeltaReader(Applying, Committing):
         the last changes, so a stream that fails its decoder is then raised after the
         changes so far are rolled back (FORMAT.md §11.4, "Applying while decoding"). On
         its own into a target of canonical tensors it also writes a base as it is
-        decoded, and applies a plan of several versions one version after the other
-        (FORMAT.md §11.4, "Applying version by version"): it then holds about the model
-        once more, however far behind, and any failure still rolls every change back. In
-        a reader group every rank syncs to the same version, and all ranks apply it or
-        none does. ``audit`` reads every selected resident tensor in full first.
+        decoded, and on its own into any target it applies a plan of several versions
+        one version after the other (FORMAT.md §11.4, "Applying version by version"): it
+        then holds about the model once more, however far behind, and any failure still
+        rolls every change back. In a reader group every rank syncs to the same version,
+        and all ranks apply it or none does; a plan of several versions is then applied
+        as :meth:`prepare` then :meth:`apply` apply it. ``audit`` reads every selected
+        resident tensor in full first.
 
         One sync at a time applies to a target (in this process; across processes too
         for a directory): a second waits for the first to end, then plans again from
@@ -199,6 +204,13 @@ class DeltaReader(Applying, Committing):
         A rollout engine keeps generating while this runs. A prepared version that is not
         applied is simply dropped. In a reader group every rank prepares together.
 
+        A plan of several versions is fetched and decoded here while its versions decode
+        to at most a quarter of the model together; :meth:`apply` fetches and applies the
+        rest one version after the other (FORMAT.md §11.4, "Applying version by
+        version"), so that a reader far behind holds about the model twice at most,
+        however far behind, at the cost of a longer pause. Any failure there, of a fetch
+        too, rolls every change back, and the prepared version may be applied again.
+
         For a single version, the changes to tensors the target offers for staging
         (:meth:`Target.staging`: a dict target's own tensors) are also read against the
         live tensors now (the bits before and after, and their fingerprint lane deltas), so
@@ -218,7 +230,7 @@ class DeltaReader(Applying, Committing):
         try:
             with self.group.stage("fetching and verifying"):
                 prepared = self._prepare(goal, committed, started, early=early)
-                if stage and len(prepared._steps) == 1 and not prepared._steps[0].base:
+                if stage and len(prepared.plan) == 1 and not prepared._steps[0].base:
                     staged = self._stage(prepared._steps[0])
                     prepared = replace(
                         prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
@@ -246,7 +258,7 @@ class DeltaReader(Applying, Committing):
                 "this version was prepared by another DeltaReader; prepare it with this one"
             )
         started = time.perf_counter()
-        if prepared._steps:
+        if prepared.plan:
             unverified, audited = self._apply(prepared, audit)
         else:  # already there (no versions, no bytes); still take part in the group's stages
             with self.group.stage("checking its target"):
@@ -344,7 +356,7 @@ class DeltaReader(Applying, Committing):
                 taking = None if early is None else self._resolver(plan, early, resident, pool)
                 steps = tuple(
                     fetch_step(self.store, step, pool.map, budget, early=taking)
-                    for step in plan.steps
+                    for step in plan.steps[: self._held_steps(plan)]
                 )
             if early is not None:
                 early.finish()
@@ -375,6 +387,8 @@ class DeltaReader(Applying, Committing):
                 if sync is None:
                     sync = self._open(prepared, asked)
                     txn = sync.txn
+                    if prepared._deferred and prepared._sync_plan is not None:
+                        self._bound_undo(sync, prepared._sync_plan)
                 else:  # the changes not applied yet are refused now, if at all
                     sync.prepared = replace(prepared, _open=None)
                     sync.txn.prepare(
@@ -388,6 +402,8 @@ class DeltaReader(Applying, Committing):
             with self.group.stage("applying"):
                 for step in sync.steps[sync.done :]:
                     self._change_step(sync, step)
+                if sync.prepared._deferred:
+                    self._apply_deferred(sync, asked)
                 found = self._verify_goal(sync)
                 files = sync.prepared._files
                 if files is not None:
@@ -397,9 +413,24 @@ class DeltaReader(Applying, Committing):
         except BaseException as exc:
             if txn is None:  # nothing was opened (or :meth:`_open` rolled it back)
                 raise
-            raise self._rolled_back(exc, txn, sync)  # noqa: B904 (its own cause, or none)
+            fetching = sync is not None and exc is sync.fetch_failure  # raised as it is
+            raise self._rolled_back(exc, txn, sync, as_is=fetching)  # noqa: B904
         self._committed(sync, found)
         return sync.unverified, sync.audited
+
+    def _held_steps(self, plan: SyncPlan) -> int:
+        """How many of ``plan``'s steps a preparation fetches and decodes: every step of a
+        one-version plan, else those that decode to at most :data:`HELD_SHARE` of the model
+        together (the apply fetches and applies the rest in turn, :meth:`_apply_deferred`)."""
+        if len(plan.steps) == 1:
+            return 1
+        limit = self._model_bytes(plan) * HELD_SHARE
+        total = 0
+        for held, step in enumerate(plan.steps):
+            total += step.fetch.output_bytes
+            if total > limit:
+                return held
+        return len(plan.steps)
 
     def _decode_version(
         self, manifests: list[Manifest], pool: ThreadPoolExecutor

@@ -211,6 +211,18 @@ class _DictTransaction(Transaction):
         if name not in self._previous:
             self._previous[name] = self._tensors.get(name)
 
+    def adopt(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take ``tensor`` itself as the new tensor ``name`` (none is held by that name, and
+        it lies where a new one would be made)."""
+        if name in self._tensors:
+            return False
+        if tensor.device != (self._device or _default_device(self._tensors)):
+            return False
+        self._remember(name)
+        self._tensors[name] = tensor
+        self._fresh[name] = tensor
+        return True
+
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         live = self._tensors.get(name)
         if live is not None and _fits(live, dtype, shape):

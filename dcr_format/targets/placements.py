@@ -420,6 +420,11 @@ class Placements:
         found = [p for p in self._plans.values() if p.name == name and p.kind != "absent"]
         return found[0] if len(found) == 1 else None
 
+    def held_storage(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers (a sync far behind keeps them once as its
+        undo)."""
+        return [*self.module.parameters(), *self.module.buffers()]
+
     def _storages(self) -> dict[tuple[str, int], torch.Tensor]:
         """Parameter and buffer storages by key (kept from one layout check to the next)."""
         if self._by_key is None:

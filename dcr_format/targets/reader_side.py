@@ -13,14 +13,16 @@ alone (:meth:`ReaderTransaction.put`), on the reader's threads.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from dcr_format.delta.delta import FULL, StagedChange, put_staged, resolve, unput_staged
+from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import (
     BaselineCodingError,
     BaselineMismatchError,
@@ -28,7 +30,7 @@ from dcr_format.errors import (
     TargetError,
     ValuesError,
 )
-from dcr_format.format.dtypes import bits_view
+from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.targets.change import Applied, Change
 
 
@@ -57,6 +59,13 @@ class StagingSource:
         (offer only tensors whose transaction takes that: distinct, untied, contiguous)."""
         return {}
 
+    def held_storage(self) -> Sequence[torch.Tensor] | None:
+        """Every tensor holding bits a sync may change, for a target whose transaction
+        cannot give them as canonical tensors (:meth:`Transaction.tensor`), or None (the
+        default): a sync of many versions then keeps these once as its undo
+        (:meth:`ReaderTransaction.keep_whole_undo`) instead of the undo of each change."""
+        return None
+
 
 class ReaderTransaction(ABC):
     """The undo journal of a sync, which the reader runs on every transaction.
@@ -84,18 +93,51 @@ class ReaderTransaction(ABC):
         journal: list[Callable[[], None]] = self.__dict__.setdefault("_undo_journal", [])
         return journal
 
-    def keep_whole_undo(self) -> None:
+    def keep_whole_undo(self, storage: Sequence[torch.Tensor] | None = None) -> None:
         """From now on keep the undo of each tensor :meth:`tensor` gives as the bits it held
         before this transaction first changed it (one copy, in host memory), not as the
         undo of each change: a transaction of many versions then holds at most one copy
         of the model, not every change. A tensor a ``full`` write replaced or made needs
-        none after that write."""
+        none after that write.
+
+        ``storage``: every tensor holding the bits the changes reach, for a target that
+        cannot give them as canonical tensors (:meth:`StagingSource.held_storage`): their
+        bits are kept now, once, and no change keeps an undo of its own."""
+        if storage is not None:
+            journal = self._journal()
+            seen: set[tuple[str, int]] = set()
+            for tensor in storage:
+                memory = tensor.untyped_storage()
+                key = (str(tensor.device), memory.data_ptr())
+                if key not in seen:  # each storage once, whole: its bytes as they are
+                    seen.add(key)
+                    raw = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(memory)
+                    journal.append(restore_whole(raw, raw.to("cpu", copy=True)))
+            self.__dict__["_whole_undo"] = _ALL
+            return
         self.__dict__["_whole_undo"] = {}
 
-    def change(self, change: Change, staged: Staged | None = None) -> Applied:
+    def adopt(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take ``tensor`` itself as the new tensor ``name`` where the target holds none by
+        that name (True), instead of a copy into a tensor it makes; the default declines."""
+        return False
+
+    def change(
+        self, change: Change, staged: Staged | None = None, *, owned: bool = False
+    ) -> Applied:
         """Apply one change (:meth:`put` of what was staged for it where that still holds,
-        else :meth:`apply`) and keep its undo for :meth:`undo`."""
+        else :meth:`apply`) and keep its undo for :meth:`undo`.
+
+        ``owned``: nothing else holds the change's values, so a ``full`` write of a tensor
+        the target does not hold may take them as the tensor itself (:meth:`adopt`): a base
+        is then held once, not once decoded and once more copied."""
+        if owned and change.delta.op == FULL and self.tensor(change.name) is None:
+            applied = self._adopted(change)
+            if applied is not None:
+                return applied
         whole: dict[str, torch.Tensor] | None = self.__dict__.get("_whole_undo")
+        if whole is _ALL:  # every bit it may change was kept at the start
+            return replace(self.apply(self.resolved(change)), undo=_nothing)
         if whole is not None:
             return self._change_whole(change, whole)
         applied = None if staged is None else self.put(change, staged)
@@ -103,6 +145,26 @@ class ReaderTransaction(ABC):
             applied = self.apply(self.resolved(change))
         self._journal().append(applied.undo)
         return applied
+
+    def _adopted(self, change: Change) -> Applied | None:
+        """A ``full`` write of a new tensor as its decoded values themselves, where they fit
+        it (its dtype's bits, its size, one contiguous run of their own) and the target
+        takes them (:meth:`adopt`); else None."""
+        values = change.delta.values
+        info = info_for(change.dtype)
+        fits = (
+            values.dtype == info.bits_dtype
+            and values.is_contiguous()
+            and values.numel() == math.prod(change.shape)
+            and values.storage_offset() == 0
+            and values.untyped_storage().nbytes() == values.numel() * values.element_size()
+        )
+        if not fits:
+            return None
+        tensor = values.view(change.dtype).reshape(change.shape)
+        if not self.adopt(change.name, tensor):
+            return None
+        return Applied(restore_whole(tensor, None), lanes=tensor_lanes(tensor))
 
     def _change_whole(self, change: Change, whole: dict[str, torch.Tensor]) -> Applied:
         """:meth:`change` under :meth:`keep_whole_undo`; ``whole``: by name, the tensor whose
@@ -171,6 +233,9 @@ class ReaderTransaction(ABC):
 
 def _nothing() -> None:
     """The undo of a change another undo covers."""
+
+
+_ALL: dict[str, torch.Tensor] = {}  # keep_whole_undo(storage): every bit kept at the start
 
 
 def restore_whole(tensor: torch.Tensor, saved: torch.Tensor | None) -> Callable[[], None]:
