@@ -212,7 +212,8 @@ class DeltaReader(Applying, Committing):
         too, rolls every change back, and the prepared version may be applied again.
 
         For a single version, the changes to tensors the target offers for staging
-        (:meth:`Target.staging`: a dict target's own tensors) are also read against the
+        (:meth:`Target.staging`: a dict target's own tensors, a module target's names its
+        loader places whole in one run of a parameter) are also read against the
         live tensors now (the bits before and after, and their fingerprint lane deltas), so
         that :meth:`apply` only writes them.
         """
