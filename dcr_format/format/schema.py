@@ -418,6 +418,9 @@ class ReaderRecord(_Model):
     reads_baseline: bool = True
     """Whether the reader reads the exact old bits of the tensors it holds before applying, so
     it decodes positions coded against them (``classed``, FORMAT.md §6.5)."""
+    features: Annotated[tuple[str, ...] | None, FailFast()] = None
+    """The features the reader implements (FORMAT.md §12); None (absent): every feature a
+    writer may use. A writer's default leaves out the features a record does not list."""
 
 
 M = TypeVar("M", bound=BaseModel)
