@@ -496,8 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"steady-state refit, {result['model_mb']:.0f} MB bf16 model of {result['tensors']} "
-        "tensors, medians of each rate"
-        + f", writer features {' | '.join(result['features'])}"
+        "tensors, medians of each rate" + f", writer features {' | '.join(result['features'])}"
     )
     print(format_table(result["summary"]))
     for line in result["skipped"]:
