@@ -529,7 +529,10 @@ def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
 def implicit_parents(manifest: Manifest) -> Manifest:
     """``manifest`` (a delta's) as a writer allowed ``implicit-parents`` stores it: the
     feature listed and every whole entry's ``parent_fingerprint`` null (readers take it from
-    the parent version's state table, FORMAT.md §3.5.5); pieces keep theirs."""
+    the parent version's state table, FORMAT.md §3.5.5); pieces keep theirs. A manifest
+    with no whole entry that names a parent is returned as it is (the feature unused)."""
+    if not any(e.piece is None and e.parent_fingerprint is not None for e in manifest.entries):
+        return manifest
     entries = tuple(
         e if e.piece is not None else e.model_copy(update={"parent_fingerprint": None})
         for e in manifest.entries
