@@ -117,8 +117,9 @@ class DeltaWriter:
     restores the baseline from the store).
 
     With ``reader_records`` (default), rank 0 reads the reader records
-    (``readers/*.json``) at every delta publish and every rank sends the tensors
-    they name as ``overwrite`` (readers whose load path casts or scales them).
+    (``readers/*.json``) at every delta publish (and every base, with the default features)
+    and every rank sends the tensors they name as ``overwrite`` (readers whose load path
+    casts or scales them) and uses the features they read.
 
     ``features`` (FORMAT.md §12) are the writer features: ``values-rans`` (entropy-coded
     values), ``positions-classed``, ``values-ulp`` and ``values-ulp-shift`` (positions and
