@@ -85,11 +85,11 @@ def steady_series(
     steps: int = STEPS,
     label: str,
     seed: int = 0,
-    features: Sequence[str] = (),
+    features: Sequence[str] | None = (),
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict[str, Any]]:
     """One row per step: every stage's seconds, bytes moved, and whether all ends are exact
-    (``features``: the writer's, FORMAT.md §12)."""
+    (``features``: the writer's, FORMAT.md §12; None: its default)."""
     return compared_series(
         [(store, features)],
         shapes,
@@ -104,12 +104,12 @@ def steady_series(
 class _Ends:
     """One configuration's long-lived writer and two readers (prepare/apply, sync)."""
 
-    def __init__(self, store: Store, features: Sequence[str]) -> None:
+    def __init__(self, store: Store, features: Sequence[str] | None) -> None:
         from dcr_format.publish.writer import DeltaWriter
         from dcr_format.sync.reader import DeltaReader
         from dcr_format.targets.dict import StateDictTarget
 
-        self.store, self.features = store, ",".join(features) or "none"
+        self.store, self.features = store, feature_label(features)
         self.writer = DeltaWriter(store, features=features)
         self.staged: dict[str, torch.Tensor] = {}
         self.synced: dict[str, torch.Tensor] = {}
@@ -150,7 +150,7 @@ class _Ends:
 
 
 def compared_series(
-    configs: Sequence[tuple[Store, Sequence[str]]],
+    configs: Sequence[tuple[Store, Sequence[str] | None]],
     shapes: dict[str, tuple[int, ...]],
     rates: Sequence[float] = RATES,
     *,
@@ -313,12 +313,13 @@ def run(
     steps: int,
     stores: Sequence[str],
     links: Sequence[float],
-    features: Sequence[Sequence[str]] = ((),),
+    features: Sequence[Sequence[str] | None] = ((),),
     experts: int = 0,
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Every store configuration in turn; the shaped ones in their own namespace.
-    ``features``: the writer feature sets to run; on the local store they run side by
+    ``features``: the writer feature sets to run (None: the writer's default, with no reader
+    records all six); on the local store they run side by
     side (:func:`compared_series`, one store each), elsewhere one after the other.
     ``experts``: the model's MLPs as that many experts each (:func:`model_shapes`)."""
     torch.manual_seed(0)
@@ -361,7 +362,7 @@ def run(
                         str(Path(__file__).resolve()), "--inside", str(target), "--label",
                         f"s3 {gbit:g} Gbps", "--mb", str(mb), "--steps", str(steps),
                         "--rates", ",".join(str(r) for r in rates),
-                        "--features", ",".join(wanted), "--experts", str(experts),
+                        "--features", feature_label(wanted), "--experts", str(experts),
                     ]  # fmt: skip
                     progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
                     subprocess.run(command, check=True)
@@ -372,7 +373,7 @@ def run(
         "skipped": skipped,
         "model_mb": mb,
         "tensors": len(shapes),
-        "features": [",".join(wanted) or "none" for wanted in features],
+        "features": [feature_label(wanted) for wanted in features],
     }
 
 
@@ -412,6 +413,19 @@ def steady_costs(
     )
 
 
+def feature_set(given: str) -> tuple[str, ...] | None:
+    """A ``--features`` value: ``default`` is the writer's default (None), ``''`` or
+    ``none`` no feature, else the comma-separated features."""
+    if given == "default":
+        return None
+    return tuple(f for f in given.split(",") if f and f != "none")
+
+
+def feature_label(features: Sequence[str] | None) -> str:
+    """How rows name a writer's features (``default``, ``none`` or the list)."""
+    return "default" if features is None else ",".join(features) or "none"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``benchmarks/steady_bench.py``: long-lived writer and readers, medians over steps."""
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -425,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--features",
         action="append",
-        help="the writer's features, comma-separated (FORMAT.md §12; '' or 'none' for none); "
-        "give it again for more writers, run side by side on the local store",
+        help="the writer's features, comma-separated (FORMAT.md §12; '' or 'none' for none, "
+        "'default' (when not given) for the writer's default: all six here); give it again "
+        "for more writers, run side by side on the local store",
     )
     parser.add_argument(
         "--experts",
@@ -451,9 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.experts < 0:
         parser.error("--experts must be 0 or more")
     rates = [float(r) for r in args.rates.split(",") if r]
-    feature_sets = [
-        [f for f in given.split(",") if f and f != "none"] for given in args.features or [""]
-    ]
+    feature_sets = [feature_set(given) for given in args.features or ["default"]]
     features = feature_sets[0]
     if args.inside is not None:  # already inside a shaped namespace: the gateway only
         with tempfile.TemporaryDirectory(prefix="dcr-steady-") as work:
@@ -483,8 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"steady-state refit, {result['model_mb']:.0f} MB bf16 model of {result['tensors']} "
-        "tensors, medians of each rate"
-        + (f", writer features {' | '.join(result['features'])}" if any(feature_sets) else "")
+        "tensors, medians of each rate" + f", writer features {' | '.join(result['features'])}"
     )
     print(format_table(result["summary"]))
     for line in result["skipped"]:

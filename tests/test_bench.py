@@ -98,7 +98,9 @@ def test_quick_json_structure(quick):
         assert 0 < r["delta_bytes"] < 0.1 * r["dense_bytes"]
         assert abs(r["change_rate"] - r["target_rate"]) < 0.3 * r["target_rate"]
         if r["store"] == "local":
-            assert 1.0 < r["delta_vs_bound"] < 2.0  # stored bytes near the entropy bound
+            # stored bytes near the iid entropy bound: the default codings, coded against the
+            # old bits, may go below it
+            assert 0.5 < r["delta_vs_bound"] < 2.0
     steady = data["steady"]  # medians of a long-lived writer and readers, per rate
     assert [r["target_rate"] for r in steady] == rates
     for r in steady:

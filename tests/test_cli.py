@@ -73,7 +73,9 @@ def test_show_sort_and_top(chain) -> None:  # type: ignore[no-untyped-def]
     assert text.startswith("version 3 (delta), parent 2")
     lines = text.splitlines()
     assert len(lines) == 4 + 1 + 2  # summary, features, header, two rows
-    assert lines[3] == "features none" and lines[4].split()[-1] == "coding"
+    # the chain was written with the default features: the version lists those it uses
+    assert lines[3].startswith("features ") and "manifest-zstd" in lines[3]
+    assert lines[4].split()[-1] == "coding"
     rows = _json("show", "3", "--store", store, "--top", "2", "--sort", "changed")["tensors"]
     assert [line.split()[-1] for line in lines[5:]] == [
         f"{r['positions_coding'] or '-'}/{r['values_coding'] or '-'}" for r in rows

@@ -391,7 +391,7 @@ def test_the_safetensors_header_key_is_a_reserved_tensor_name(tmp_path):
     assert check_tensor_name("__metadata__.weight") == "__metadata__.weight"
     assert issubclass(ReservedNameError, ValueError)
     store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
+    writer = DeltaWriter(store, features=())  # a plain JSON manifest, edited below
     writer.publish({"model.metadata__x": torch.ones(3)})
     key = next(Path(store).rglob("manifest-*.json"))
     hostile = key.read_bytes().replace(b"model.metadata__x", b"__metadata__")

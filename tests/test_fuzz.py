@@ -170,7 +170,9 @@ def _dump(obj: dict) -> bytes:
 def chain(tmp_path_factory) -> Chain4:
     url = str(tmp_path_factory.mktemp("fuzz") / "store")
     states = _states()
-    writer = DeltaWriter(url, shard_bytes=64, ops={"model.layers.0.q.weight": "overwrite"})
+    writer = DeltaWriter(  # the plain codings and JSON manifests (featured_chain: all six)
+        url, shard_bytes=64, ops={"model.layers.0.q.weight": "overwrite"}, features=()
+    )
     for state in states:
         writer.publish(state)
     pristine = str(Path(url).with_name("pristine"))

@@ -326,7 +326,7 @@ def _chain(tmp_path: Path, tensors: int = 8) -> Chain4:
             flip_bits(state[name], gen, 5)
         states.append(snapshot(state))
     url = str(tmp_path / "store")
-    writer = DeltaWriter(url, shard_bytes=1)
+    writer = DeltaWriter(url, shard_bytes=1, features=())  # plain JSON manifests: resigned()
     for one in states:
         writer.publish(one)
     return Chain4(url, states, writer.chain.header.chain_id)

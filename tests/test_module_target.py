@@ -268,7 +268,8 @@ def test_prewarm_classifies_every_name(tmp_path):
 @pytest.mark.parametrize("name", sorted(OVERWRITE_NAMES))
 def test_xor_is_refused_where_the_loader_is_not_a_placement(tmp_path, name):
     store = str(tmp_path / "store")
-    writer = DeltaWriter(store, reader_records=False)  # ignores the reader's request
+    # ignores the reader's request; the plain codings, which need no old bits
+    writer = DeltaWriter(store, reader_records=False, features=())
     state = checkpoint()
     writer.publish(state)
     module = Runtime()
@@ -295,7 +296,9 @@ def test_xor_is_refused_where_the_loader_is_not_a_placement(tmp_path, name):
 
 def test_xor_names_go_through_without_a_record(tmp_path):
     store = str(tmp_path / "store")
-    writer = DeltaWriter(store, reader_records=False)
+    # a writer that reads no record sends the plain codings only where told: a module
+    # target cannot read codings against its old bits
+    writer = DeltaWriter(store, reader_records=False, features=())
     state = checkpoint()
     writer.publish(state)
     module = Runtime()

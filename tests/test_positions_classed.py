@@ -90,7 +90,8 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_classed_chain_is_smaller_and_reads_back_exactly(tmp_path: Path, kernels: str) -> None:
     plain_store, classed_store = tmp_path / "plain", tmp_path / "classed"
-    plain, classed = DeltaWriter(plain_store), DeltaWriter(classed_store, features=[FEATURE])
+    plain = DeltaWriter(plain_store, features=())  # the plain codings
+    classed = DeltaWriter(classed_store, features=[FEATURE])
     trainer = Trainer(1, SHAPES)
     states = [trainer.state()]
     for writer in (plain, classed):

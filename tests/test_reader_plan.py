@@ -48,7 +48,8 @@ def _published(versions: int, *, base_every: int = 0) -> tuple[str, dict[int, tu
     version's (record, manifests) as read from the stored bytes. The store is then emptied."""
     url = f"memory://plan-{uuid.uuid4().hex[:12]}"
     state = make_state(5)
-    writer = DeltaWriter(url, base_every=base_every) if base_every else DeltaWriter(url)
+    # plain manifests (JSON, parents named), which this helper parses as they are stored
+    writer = DeltaWriter(url, base_every=base_every or None, features=())
     writer.publish(state)
     for _ in range(versions - 1):
         _step(state, [NORM, "model.layers.1.mlp.up_proj.weight"])

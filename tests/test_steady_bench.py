@@ -117,3 +117,13 @@ def test_save_costs_needs_the_local_store(tmp_path, capsys):
     with pytest.raises(SystemExit):
         steady.main(["--stores", "", "--links", "", "--save-costs", str(tmp_path / "c.json")])
     assert "--save-costs needs the local store" in capsys.readouterr().err
+
+
+def test_features_flag_default_none_and_lists():
+    """``--features``: absent or ``default`` runs the writer's default, ``none`` or ``''``
+    the plain codings, else the list; rows name each so."""
+    assert steady.feature_set("default") is None and steady.feature_label(None) == "default"
+    assert steady.feature_set("none") == () == steady.feature_set("")
+    assert steady.feature_label(()) == "none"
+    assert steady.feature_set("values-rans,none") == ("values-rans",)
+    assert steady.feature_label(("values-rans", "values-ulp")) == "values-rans,values-ulp"

@@ -106,7 +106,7 @@ def test_log_rows_limit_and_since(local: Store) -> None:
 
 
 def test_show_rows_sort_and_top(local: Store) -> None:
-    _chain(local, 3)
+    _chain(local, 3, features=())  # the plain codings: no features, rice and ranges positions
     detail = show(local, 1)
     assert detail.version.version == 1 and detail.attempt == Chain(local).record(1).record.attempt
     assert len(detail.tensors) == len(make_state(0))
@@ -193,7 +193,8 @@ def _true_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[s
 def test_diff_counts_exactly_what_xor_deltas_change(local: Store) -> None:
     gen = torch.Generator().manual_seed(3)
     state = make_state(3)
-    writer = DeltaWriter(local, ops={"lm_head.weight": "overwrite"})
+    # the plain codings: xor entries whose positions count exactly without the old bits
+    writer = DeltaWriter(local, ops={"lm_head.weight": "overwrite"}, features=())
     writer.publish(state)
     q = "model.layers.0.self_attn.q_proj.weight"
     flat = state[q].view(torch.int16).reshape(-1)
@@ -369,7 +370,7 @@ def test_replay_cache_applies_only_the_versions_after_it(local: Store, tmp_path:
 
 
 def test_compact_lets_a_late_joiner_start_at_the_new_base(store: Store) -> None:
-    states = _chain(store, 9)
+    states = _chain(store, 9, features=())  # plain codings: versions 4-7 outweigh a base
     before = DeltaReader(store, StateDictTarget({})).sync()
     assert before.applied_versions[0] == 0
 

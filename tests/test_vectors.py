@@ -29,6 +29,7 @@ from dcr_format.format import features, schema
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.schema import Entry, Manifest
 from dcr_format.format.shard import decode_shard
+from dcr_format.publish._commit import read_reader_records
 from dcr_format.store.store import open_store
 
 VECTORS_DIR = Path(__file__).resolve().parent.parent / "spec" / "vectors"
@@ -42,6 +43,7 @@ NAMES = (
     "implicit-parents",
     "values-ulp-shift",
     "checkpoint-files",
+    "default-codings",
 )
 
 
@@ -414,3 +416,27 @@ def test_a_reader_without_checkpoint_files_refuses_the_vector(
     with pytest.raises(UnsupportedFeatureError, match="checkpoint-files"):
         DeltaReader(store, target).sync(to=0)
     assert target.resident() is None
+
+
+def test_default_codings_vector_uses_every_feature_until_a_reader_cannot_read_old_bits() -> None:
+    """Written with the writer's default features: with no reader records its deltas use the
+    codings against the old bits and the manifest features; once a record says its reader
+    cannot read its old bits, the next version uses none of those codings (the other
+    features stay). A writer reading the vector's records chooses exactly that."""
+    chain = Chain(open_store(VECTORS_DIR / "default-codings" / "store"))
+    expected = expected_of("default-codings")
+    assert expected["writer"]["features"] == "default"
+    used = [chain.record(v["version"]).record.required_features for v in expected["versions"]]
+    assert used[1] == (
+        "implicit-parents",
+        "manifest-zstd",
+        "positions-classed",
+        "values-rans",
+        "values-ulp",
+        "values-ulp-shift",
+    )
+    assert {"positions-classed", "values-ulp-shift"} <= set(used[2])
+    assert used[3] == ("implicit-parents", "manifest-zstd", "values-rans")
+    wishes = read_reader_records(chain.store)
+    assert not wishes.reads_baseline and wishes.limiting == ("engine-0",)
+    assert wishes.features_for(None) == set(used[3])

@@ -32,6 +32,29 @@ FORMAT_OPTION = click.option(
 )
 
 
+def feature_list(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> tuple[str, ...] | None:
+    """``--features``: None (not given: the writer's default), ``none`` (no feature) or a
+    comma-separated list of writer features (checked by the writer)."""
+    if value is None:
+        return None
+    return tuple(f.strip() for f in value.split(",") if f.strip() and f.strip() != "none")
+
+
+FEATURES_OPTION = click.option(
+    "--features",
+    callback=feature_list,
+    default=None,
+    metavar="LIST",
+    help="Writer features (spec FORMAT.md §12), comma-separated, or 'none' for the plain "
+    "codings every reader reads. Default: every feature all the chain's reader records list "
+    "(all six: values-rans, positions-classed, values-ulp, values-ulp-shift, manifest-zstd, "
+    "implicit-parents, when there are no records); the codings against the old bits only "
+    "where every reader reads its old bits.",
+)
+
+
 def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     """Callback: refuse NaN and infinities (click's FloatRange lets them through)."""
     if value is not None and not math.isfinite(value):

@@ -11,6 +11,7 @@ import click
 
 from dcr_format.cli.output import emit, human_bytes, progress_bar
 from dcr_format.cli.params import (
+    FEATURES_OPTION,
     FORMAT_OPTION,
     STORE_OPTION,
     WRITER_STORE_OPTION,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     is_flag=True,
     help="Commit a version even when the checkpoint equals the newest version bit for bit.",
 )
+@FEATURES_OPTION
 @FORMAT_OPTION
 def publish(
     ckpt_dir: str,
@@ -50,6 +52,7 @@ def publish(
     base_every: int | None,
     cache_dir: str | None,
     allow_empty: bool,
+    features: tuple[str, ...] | None,
     fmt: str,
 ) -> None:
     """Publish a Hugging Face checkpoint directory as the chain's next version.
@@ -70,7 +73,9 @@ def publish(
     files, left_out = directory_files(ckpt_dir)
     for line in left_out:
         click.echo(f"not sent: {line}", err=True)
-    writer = DeltaWriter(store, base_every=base_every, cache_dir=cache_dir or default_cache())
+    writer = DeltaWriter(
+        store, base_every=base_every, cache_dir=cache_dir or default_cache(), features=features
+    )
     try:
         info = writer.publish(
             progress_bar(iter_checkpoint(ckpt_dir), total=total, desc="publish"),

@@ -48,7 +48,8 @@ FEATURE_CODINGS: dict[str, str] = {feature: coding for coding, feature in CODING
 WRITER_FEATURES: frozenset[str] = frozenset(
     {*FEATURE_CODINGS, MANIFEST_ZSTD_FEATURE, IMPLICIT_PARENTS_FEATURE}
 )
-"""Every feature a writer may be allowed."""
+"""Every feature a writer may be allowed; by default a writer uses each one its chain's
+recorded readers read (:func:`publish_features`)."""
 BASELINE_FEATURES: frozenset[str] = frozenset(
     {POSITIONS_CLASSED_FEATURE, VALUES_ULP_FEATURE, VALUES_ULP_SHIFT_FEATURE}
 )
@@ -95,6 +96,17 @@ def writer_features(features: Iterable[str]) -> frozenset[str]:
     return chosen
 
 
+def publish_features(
+    allowed: frozenset[str] | None, readers: frozenset[str], reads_baseline: bool
+) -> frozenset[str]:
+    """The features one publish uses (FORMAT.md §12): ``allowed``, the writer's explicit set,
+    or by default (None) every writer feature the chain's recorded readers all read
+    (``readers``); the codings decoded against the old bits (:data:`BASELINE_FEATURES`)
+    only where every recorded reader reads them (``reads_baseline``)."""
+    chosen = WRITER_FEATURES & readers if allowed is None else allowed
+    return chosen if reads_baseline else chosen - BASELINE_FEATURES
+
+
 def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
     """The sorted ``required_features`` that streams of ``codings`` need (for a manifest)."""
     return tuple(sorted({CODING_FEATURES[c] for c in codings if c in CODING_FEATURES}))
@@ -116,5 +128,6 @@ __all__ = [
     "WRITER_FEATURES",
     "EncodeOptions",
     "features_for",
+    "publish_features",
     "writer_features",
 ]

@@ -418,6 +418,9 @@ class ReaderRecord(_Model):
     reads_baseline: bool = True
     """Whether the reader reads the exact old bits of the tensors it holds before applying, so
     it decodes positions coded against them (``classed``, FORMAT.md §6.5)."""
+    features: Annotated[tuple[str, ...] | None, FailFast()] = None
+    """The features the reader implements (FORMAT.md §12); None (absent): every feature a
+    writer may use. A writer's default leaves out the features a record does not list."""
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -526,7 +529,10 @@ def _validate(model: type[M], data: bytes) -> tuple[M | None, str | None]:
 def implicit_parents(manifest: Manifest) -> Manifest:
     """``manifest`` (a delta's) as a writer allowed ``implicit-parents`` stores it: the
     feature listed and every whole entry's ``parent_fingerprint`` null (readers take it from
-    the parent version's state table, FORMAT.md §3.5.5); pieces keep theirs."""
+    the parent version's state table, FORMAT.md §3.5.5); pieces keep theirs. A manifest
+    with no whole entry that names a parent is returned as it is (the feature unused)."""
+    if not any(e.piece is None and e.parent_fingerprint is not None for e in manifest.entries):
+        return manifest
     entries = tuple(
         e if e.piece is not None else e.model_copy(update={"parent_fingerprint": None})
         for e in manifest.entries

@@ -44,7 +44,6 @@ from dcr_format.errors import (
 )
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import (
-    BASELINE_FEATURES,
     POSITIONS_CLASSED_FEATURE,
     EncodeOptions,
     features_for,
@@ -89,11 +88,9 @@ class CanonicalPart:
         device: torch.device,
         ops: Mapping[str, str],
         cache: BaselineCache | None,
-        features: frozenset[str] = frozenset(),
     ) -> None:
         self.rank, self.world_size = rank, world_size
         self.device, self.ops, self.cache = device, ops, cache
-        self.features = features  # codec features its entries may use (values-rans)
         self._baseline: dict[str, torch.Tensor] = {}
         self._fingerprints: dict[str, str] = {}
         self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
@@ -186,9 +183,7 @@ class CanonicalPart:
             # on CUDA the scan of the next tensor overlaps the copy-out and coding of this one;
             # a full shard uploads on a background thread while the next tensors are coded
             items = self._owned(tensors, attempt)
-            features = self.features
-            if not attempt.reads_baseline:  # a reader cannot decode codings against old bits
-                features -= BASELINE_FEATURES
+            features = attempt.features
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
             coded = encode_stream(
                 items,

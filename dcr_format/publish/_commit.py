@@ -41,6 +41,7 @@ from dcr_format.errors import (
     ObjectNotFoundError,
     StoreError,
 )
+from dcr_format.format.features import WRITER_FEATURES, publish_features
 from dcr_format.format.schema import (
     Manifest,
     ManifestRef,
@@ -256,11 +257,20 @@ class ReaderWishes:
 
     overwrite: frozenset[str] = frozenset()  # the union of their ``overwrite`` lists
     reads_baseline: bool = True  # no record says its reader cannot read its old bits
+    features: frozenset[str] = WRITER_FEATURES  # the writer features every record's reader reads
+    limiting: tuple[str, ...] = ()
+    """The readers (sorted ids) whose records leave out a writer feature: they lack it, or
+    cannot read their old bits."""
+
+    def features_for(self, allowed: frozenset[str] | None) -> frozenset[str]:
+        """The features a publish uses given the writer's explicit set (None: its default)."""
+        return publish_features(allowed, self.features, self.reads_baseline)
 
 
 def read_reader_records(store: Store) -> ReaderWishes:
-    """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), and
-    whether all of them read the old bits (``reads_baseline``).
+    """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), whether
+    all of them read the old bits (``reads_baseline``) and the writer features all of them
+    read (a record without ``features`` reads every one).
 
     One listing plus one small get per record. A record that cannot be read or does not
     validate (or names another reader than its key) is skipped: records are requests,
@@ -272,7 +282,9 @@ def read_reader_records(store: Store) -> ReaderWishes:
         return ReaderWishes()
     names: set[str] = set()
     reads_baseline = True
-    for key in keys:
+    features = WRITER_FEATURES
+    limiting: set[str] = set()
+    for key in sorted(keys):
         match = _READER_KEY.match(key)
         if match is None:
             continue
@@ -284,4 +296,8 @@ def read_reader_records(store: Store) -> ReaderWishes:
         if record.reader_id == match.group(1):
             names.update(record.overwrite)
             reads_baseline = reads_baseline and record.reads_baseline
-    return ReaderWishes(frozenset(names), reads_baseline)
+            lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
+            features -= lacks
+            if lacks or not record.reads_baseline:
+                limiting.add(record.reader_id)
+    return ReaderWishes(frozenset(names), reads_baseline, features, tuple(sorted(limiting)))

@@ -23,6 +23,8 @@ class CommitInfo(BaseModel):
     payload_bytes: int
     dense_bytes: int
     state_fingerprint: str
+    required_features: tuple[str, ...] = ()
+    """The features the version uses (its commit record's, FORMAT.md §12)."""
 
     @property
     def change_rate(self) -> float:

@@ -195,8 +195,8 @@ class Attempt:
     zstd_level: int
     overwrite: frozenset[str]
     """Tensors readers asked to receive as ``overwrite`` (reader records, FORMAT.md §3.6)."""
-    reads_baseline: bool = True
-    """Whether every reader record says its reader decodes codings against the old bits."""
+    features: frozenset[str] = frozenset()
+    """The writer features this publish uses (FORMAT.md §12), the same on every rank."""
 
     @property
     def base(self) -> bool:

@@ -10,6 +10,7 @@ a :class:`~dcr_format.chain.layout.Layout` (``layout=``, ``publish/_projection.p
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -52,6 +53,7 @@ from dcr_format.format.features import (
     CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
+    WRITER_FEATURES,
     writer_features,
 )
 from dcr_format.format.schema import (
@@ -96,6 +98,7 @@ from dcr_format.store.store import Store, open_store
 # at least MIN_SHARD_BYTES.
 DEFAULT_SHARD_BYTES = 32 << 20
 MIN_SHARD_BYTES = 4 << 20  # the smallest shard a writer cuts by itself (see _shard_limit)
+_log = logging.getLogger(__name__)
 
 
 class DeltaWriter:
@@ -114,15 +117,20 @@ class DeltaWriter:
     restores the baseline from the store).
 
     With ``reader_records`` (default), rank 0 reads the reader records
-    (``readers/*.json``) at every delta publish and every rank sends the tensors
-    they name as ``overwrite`` (readers whose load path casts or scales them).
+    (``readers/*.json``) at every delta publish (and every base, with the default features)
+    and every rank sends the tensors they name as ``overwrite`` (readers whose load path
+    casts or scales them) and uses the features they read.
 
-    ``features`` (FORMAT.md §12; each makes the chain unreadable to readers without it):
-    ``values-rans`` (entropy-coded values), ``positions-classed``, ``values-ulp`` and
-    ``values-ulp-shift`` (positions and values of ``xor`` entries coded against the old
-    bits; not sent while a reader record says its reader cannot read them),
-    ``manifest-zstd`` (compressed manifests), ``implicit-parents`` (delta manifests without
-    parent fingerprints). Each coding is used per tensor only where it is smaller.
+    ``features`` (FORMAT.md §12) are the writer features: ``values-rans`` (entropy-coded
+    values), ``positions-classed``, ``values-ulp`` and ``values-ulp-shift`` (positions and
+    values of ``xor`` entries coded against the old bits), ``manifest-zstd`` (compressed
+    manifests), ``implicit-parents`` (delta manifests without parent fingerprints). Each
+    coding is used per tensor only where it is smaller. By default (None) every publish uses
+    each feature that every reader record lists (a record without a list reads all six;
+    without records, all six), so a chain is as small as its readers can read. An explicit
+    set is used as given (``()``: the plain codings every reader reads), except that the
+    codings against the old bits are never sent while a reader record says its reader
+    cannot read them. :attr:`last_features` holds what the last publish used.
     """
 
     def __init__(
@@ -143,11 +151,12 @@ class DeltaWriter:
         ids: Callable[[], str] = new_id,
         reader_records: bool = True,
         layout: Layout | None = None,
-        features: Iterable[str] = (),
+        features: Iterable[str] | None = None,
     ) -> None:
         _check_options(rank, world_size, base_every, coordinator, ops)
-        # codec features (FORMAT.md §12) canonical entries may use where they are smaller
-        self.features = writer_features(features)
+        # the writer features (FORMAT.md §12) it was given; None: those its readers read
+        self.features = None if features is None else writer_features(features)
+        self.last_features: frozenset[str] | None = None  # what the last publish used
         if layout is not None and cache_dir is not None:
             raise ArgumentError(
                 "a writer with a layout keeps no baseline cache; leave cache_dir unset"
@@ -177,7 +186,6 @@ class DeltaWriter:
                 device=self.baseline_device,
                 ops=self.ops,
                 cache=cache,
-                features=self.features,
             )
         else:
             self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
@@ -396,14 +404,18 @@ class DeltaWriter:
 
     def _begin(self) -> Attempt:
         """The attempt of the next version; rank 0 picks its id and reads the reader records
-        once, and every rank uses its answer (FORMAT.md §8.4)."""
+        once, and every rank uses its answer (FORMAT.md §8.4): the tensors to send as
+        ``overwrite`` (deltas only) and the features the readers read."""
         version = 0 if self._version is None else self._version + 1
         base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
         mine = None
         if self.rank == 0:
-            records = self.reader_records and not base
+            # a base has no overwrite, but its features are the readers' too
+            records = self.reader_records and (not base or self.features is None)
             mine = (self.ids(), read_reader_records(self.store) if records else ReaderWishes())
         attempt, wishes = self.coordinator.broadcast(mine, rank=self.rank)
+        features = wishes.features_for(self.features)
+        self._explain(version, features, wishes)
         return Attempt(
             store=self.store,
             chain_id=self.chain.header.chain_id,
@@ -414,8 +426,32 @@ class DeltaWriter:
             world_size=self.world_size,
             shard_bytes=self._shard_limit(),
             zstd_level=self.zstd_level,
-            overwrite=wishes.overwrite,
-            reads_baseline=wishes.reads_baseline,
+            overwrite=frozenset() if base else wishes.overwrite,
+            features=features,
+        )
+
+    def _explain(self, version: int, features: frozenset[str], wishes: ReaderWishes) -> None:
+        """Log (rank 0, info) the writer features a publish uses whenever they change, and
+        why features are left out."""
+        if features == self.last_features:
+            return
+        self.last_features = features
+        if self.rank != 0:
+            return
+        left = ", ".join(sorted(WRITER_FEATURES - features))
+        if self.features is not None:
+            why = "as given by features="
+        else:
+            why = "the default: every feature its readers read"
+            if left and wishes.limiting:
+                more = ", ..." if len(wishes.limiting) > 8 else ""
+                why += f"; reader records limiting them: {', '.join(wishes.limiting[:8])}{more}"
+        _log.info(
+            "version %d on uses writer features %s%s (%s)",
+            version,
+            ", ".join(sorted(features)) or "none",
+            f", not {left}" if left else "",
+            why,
         )
 
     def _upload_manifest(self, manifest: Manifest, attempt: Attempt) -> tuple[bytes, Manifest]:
@@ -423,9 +459,9 @@ class DeltaWriter:
         ``manifest-zstd``, a delta's parent fingerprints left to the parent's table when it
         is allowed ``implicit-parents``); returns its bytes as uploaded and the manifest
         they hold."""
-        if IMPLICIT_PARENTS_FEATURE in self.features and manifest.kind == "delta":
+        if IMPLICIT_PARENTS_FEATURE in attempt.features and manifest.kind == "delta":
             manifest = implicit_parents(manifest)
-        if MANIFEST_ZSTD_FEATURE in self.features:
+        if MANIFEST_ZSTD_FEATURE in attempt.features:
             features = tuple(sorted({*manifest.required_features, MANIFEST_ZSTD_FEATURE}))
             manifest = manifest.model_copy(update={"required_features": features})
         text = manifest.to_json()

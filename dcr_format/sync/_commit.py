@@ -2,7 +2,8 @@
 holds the goal.
 
 A reader tells writers, in ``readers/<reader_id>.json`` (FORMAT.md §3.6), the tensors its
-target takes only as ``overwrite`` and whether it reads its old bits at all. After the
+target takes only as ``overwrite``, whether it reads its old bits at all and the features it
+implements. After the
 target's transaction commits the goal (its resident version), the reader keeps the goal's
 state table, the lanes it verified and the exponent rows of the bits it left.
 """
@@ -14,7 +15,7 @@ import re
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
 from dcr_format.errors import StoreError
-from dcr_format.format.schema import ReaderRecord
+from dcr_format.format.schema import KNOWN_FEATURES, ReaderRecord
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
 
@@ -47,6 +48,7 @@ class Committing(Auditing):
             updated=timestamp(utc_now()),
             overwrite=tuple(sorted(names)),
             reads_baseline=reads_baseline,
+            features=tuple(sorted(KNOWN_FEATURES)),
         )
         try:
             self.store.put(f"readers/{reader_id}.json", record.to_json())

@@ -38,8 +38,9 @@ import zstandard
 
 from dcr_format import DeltaWriter
 from dcr_format.chain.chain import Chain
-from dcr_format.format.dtypes import BY_NAME
 from dcr_format.delta.fingerprint import state_fingerprint, tensor_fingerprint
+from dcr_format.format.dtypes import BY_NAME
+from dcr_format.format.schema import KNOWN_FEATURES, ReaderRecord
 from dcr_format.store.store import open_store
 
 HERE = Path(__file__).resolve().parent
@@ -187,7 +188,10 @@ class Vector:
     # the writer's shard size limit; 256 MiB, the reference default when the vectors were
     # made (expected.json records it), unless a vector sets its own
     shard_bytes: int = 256 << 20
-    features: tuple[str, ...] = ()  # codec features the writer may use (FORMAT.md §12)
+    # codec features the writer may use (FORMAT.md §12); None: the writer's default
+    features: tuple[str, ...] | None = ()
+    # reader records (FORMAT.md §3.6) put in the store before the version of that number
+    records: dict[int, list[ReaderRecord]] = field(default_factory=dict)
     # the checkpoint files given with each version (FORMAT.md §3.5.6; None: the previous
     # version's again); empty: the vector publishes no files
     files: list[dict[str, bytes] | None] = field(default_factory=list)
@@ -771,6 +775,70 @@ def checkpoint_files() -> Vector:
     )
 
 
+def default_codings() -> Vector:
+    """What a writer sends by default (FORMAT.md §12): every writer feature while no reader
+    record limits it, each coding per tensor only where it is smaller; then reader records,
+    one of a reader that cannot read its old bits, and no coding against the old bits."""
+    a0 = weights(1101, "bfloat16", 64 * 64)
+    b0 = weights(1102, "bfloat16", 32 * 32)
+    c0 = weights(1103, "float32", 256)
+    d0 = uniform_bits(1104, "int16", 512)
+    e0 = weights(1105, "bfloat16", 32 * 32)
+
+    def state(a: np.ndarray, b: np.ndarray, c: np.ndarray, d: np.ndarray) -> State:
+        return {
+            "model.embed_tokens.weight": Spec("bfloat16", (64, 64), a),
+            "model.layers.0.mlp.down_proj.weight": Spec("bfloat16", (32, 32), b),
+            "model.layers.0.input_layernorm.weight": Spec("float32", (256,), c),
+            "model.layers.0.steps": Spec("int16", (512,), d),
+            "lm_head.weight": Spec("bfloat16", (32, 32), e0),
+        }
+
+    # v1: an optimizer step of the small weights of a (classed positions, values by update
+    # size), random XORs of b (rans or planes), one-ulp steps of a run of c (ranges, ulp), an
+    # integer tensor d (rice, rans), e unchanged
+    a1 = step_scaled(a0, below(a0, "bfloat16", 0x7A, 1111, 3), 1112, "bfloat16", 0x7C)
+    b1 = flip(b0, scattered(1113, 1024, 40), 1114, 0x7FFF)
+    c1 = step_ulps(c0, run(100, 40), 1115, 4)
+    d1 = flip(d0, scattered(1116, 512, 30), 1117, 0x3)
+    # v2: a second step of a, decoded against the bits v1 left
+    a2 = step_scaled(a1, below(a1, "bfloat16", 0x7A, 1121, 3), 1122, "bfloat16", 0x7C)
+    # v3 (after a reader that cannot read its old bits recorded so): a third step of a and
+    # more one-ulp steps of c, coded without the old bits
+    a3 = step_scaled(a2, below(a2, "bfloat16", 0x7A, 1131, 3), 1132, "bfloat16", 0x7C)
+    c3 = step_ulps(c1, run(10, 30), 1133, 4)
+    updated = _stamp(CLOCK_START - timedelta(days=1))
+    return Vector(
+        "default-codings",
+        "the writer's default features (FORMAT.md §12): with no reader records, every "
+        "feature, each coding per tensor where it is smaller (classed positions and update-"
+        "sized values for a step of small weights, rans or planes for random XORs, ranges "
+        "and ulp values for a run of one-ulp steps, rice and rans for an integer tensor, "
+        "compressed manifests with implicit parents); before v3 a reader records that it "
+        "cannot read its old bits (and one record lists no features): v3 uses no coding "
+        "against the old bits",
+        10,
+        [
+            (0, state(a0, b0, c0, d0)),
+            (1, state(a1, b1, c1, d1)),
+            (2, state(a2, b1, c1, d1)),
+            (3, state(a3, b1, c3, d1)),
+        ],
+        features=None,
+        records={
+            3: [
+                ReaderRecord(
+                    reader_id="engine-0",
+                    updated=updated,
+                    reads_baseline=False,
+                    features=tuple(sorted(KNOWN_FEATURES)),
+                ),
+                ReaderRecord(reader_id="trainer-eval", updated=updated),
+            ]
+        },
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -781,6 +849,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     implicit_parents,
     values_ulp_shift,
     checkpoint_files,
+    default_codings,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -859,7 +928,7 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
     clock, ids = _Clock(), _Ids(vector.ids())
     options: dict[str, object] = {}
     options["shard_bytes"] = vector.shard_bytes
-    if vector.features:
+    if vector.features is not None:  # the vectors before default-codings pass them always
         options["features"] = vector.features
     writer = DeltaWriter(
         store_dir, base_every=vector.base_every, ops=vector.ops, clock=clock, ids=ids, **options
@@ -868,6 +937,9 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
     listed: dict[str, bytes] = {}
     for number, (step, state) in enumerate(vector.versions):
         given = vector.files[number] if vector.files else None
+        for record in vector.records.get(number, ()):
+            (store_dir / "readers").mkdir(exist_ok=True)
+            (store_dir / "readers" / f"{record.reader_id}.json").write_bytes(record.to_json())
         info = writer.publish(
             [(name, spec.tensor()) for name, spec in state.items()], step=step, files=given
         )
@@ -921,9 +993,20 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
             "shard_bytes": writer.shard_bytes,
             "zstd_level": writer.zstd_level,
             **({"features": list(vector.features)} if vector.features else {}),
+            **({"features": "default"} if vector.features is None else {}),
             "ids": ids.ids,
             "clock": [_stamp(m) for m in clock.readings],
         },
+        **(
+            {
+                "readers": {
+                    str(n): [f"readers/{r.reader_id}.json" for r in records]
+                    for n, records in vector.records.items()
+                }
+            }
+            if vector.records
+            else {}
+        ),
         "versions": versions,
         "objects": _objects(store_dir),
     }
@@ -942,6 +1025,8 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
         assert isinstance(writer, dict)
         if "implicit-parents" in writer.get("features", ()):
             facts.add("implicit parents")
+        if writer.get("features") == "default" and vector.get("readers"):
+            facts.add("default features with reader records")
         versions = vector["versions"]
         assert isinstance(versions, list)
         listings = [v["files"] for v in versions if "files" in v]
@@ -1015,6 +1100,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "files listed again",
             "a file changed",
             "a file dropped",
+            "default features with reader records",
         }
         - facts
     )
