@@ -315,6 +315,32 @@ def test_xor_names_go_through_without_a_record(tmp_path):
     assert_module(module, changed)
 
 
+def test_a_module_that_joins_late_reads_codings_against_its_placed_bits(tmp_path):
+    # a writer with the default features and no record yet codes against the old bits; a
+    # module reader that starts afterwards decodes those codings wherever its loader places
+    # a name whole (it reads the name's canonical bits there), and applies the chain exactly
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    gen = torch.Generator().manual_seed(5)
+    changed = dict(state)
+    placed_whole = {n for n in XOR_NAMES if not n.startswith("experts.")}  # not transposed
+    for name in placed_whole:
+        old = state[name].float()
+        moved = old + 1e-3 * torch.randn(old.shape, generator=gen)
+        changed[name] = torch.where(old.abs() < 0.01, moved, old).bfloat16()
+    writer.publish(changed)
+    chain = Chain(open_store(store))
+    entries = [e for m in chain.manifests(chain.record(1)) for e in m.entries]
+    assert any(e.positions is not None and e.positions.coding == "classed" for e in entries)
+    module = Runtime()
+    reader = DeltaReader(store, ModuleTarget(module, load_weights=module.load_weights))
+    result = reader.sync()
+    assert result.version == 1 and set(result.unverified) <= OVERWRITE_NAMES
+    assert_module(module, changed)
+
+
 def declared_at_base(tmp_path):  # type: ignore[no-untyped-def]
     """A chain at version 0 and a module loaded from its checkpoint, declared at version 0."""
     store = str(tmp_path / "store")

@@ -78,8 +78,8 @@ class _ModuleTransaction(Transaction):
                 continue
             if change.delta.positions is not None and change.delta.positions.numel() == 0:
                 continue
-            if change.delta.needs_target:  # no canonical old bits to decode against
-                raise baseline_coding_error(change.name)
+            if change.delta.needs_target and self.tensor(change.name) is None:
+                raise baseline_coding_error(change.name)  # no canonical old bits to read
             plan = self.target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":
                 raise TargetError(
