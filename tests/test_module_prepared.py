@@ -26,7 +26,7 @@ import dcr_format.targets.reader_side as reader_side
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
 from dcr_format.delta.backend import Backend
 from dcr_format.delta.backends import backend_for
-from dcr_format.errors import ApplyError, BaselineMismatchError
+from dcr_format.errors import ApplyError, BaselineMismatchError, StalePreparedError
 from dcr_format.format.dtypes import bits_view
 
 # placed whole, in order, into one contiguous run (the experts are placed transposed)
@@ -87,6 +87,30 @@ def test_an_edit_before_preparing_is_caught_and_every_write_undone(tmp_path):
     after = bits_of(module)
     assert all(torch.equal(after[n], before[n]) for n in before)
     assert target.resident().version == 0
+
+
+def test_an_edit_undone_after_preparing_makes_the_preparation_stale(tmp_path):
+    """An edit outside dcr at a changed position before the prepare, undone before the
+    apply: the changes were read against bits the target no longer holds, so the apply
+    undoes every write and says to prepare again (not that the store is damaged); a new
+    preparation applies exactly."""
+    writer, state, module, target, reader, _ = synced(tmp_path)
+    state = step(state, 0)
+    writer.publish(state)
+    saved = module.down.view(-1)[0].clone()
+    with torch.no_grad():
+        module.down.view(-1)[0] += 1
+    prepared = reader.prepare()
+    with torch.no_grad():
+        module.down.view(-1)[0] = saved
+    before = bits_of(module)
+    with pytest.raises(StalePreparedError, match=r"down_proj.*prepare it again"):
+        reader.apply(prepared)
+    after = bits_of(module)
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    assert target.resident().version == 0
+    reader.apply(reader.prepare())
+    assert_module(module, state)
 
 
 def test_an_edit_between_prepare_and_apply_still_ends_exact(tmp_path):

@@ -683,16 +683,21 @@ def stage_change(
     return StagedChange(positions, before, after, lane_deltas)
 
 
-def put_staged(target: torch.Tensor, staged: StagedChange) -> None:
-    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync)."""
+def put_staged(target: torch.Tensor, staged: StagedChange) -> torch.Tensor:
+    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync); returns
+    the bits it replaced, which :func:`unput_staged` puts back (an edit made since the
+    change was staged is then restored too, not the bits the staging read)."""
     flat = bits_view(target).reshape(-1)
-    backend_for(flat).put(flat, staged.positions, staged.after)
+    replaced, _ = backend_for(flat).apply_with_lanes(
+        flat, staged.positions, staged.after, op=OVERWRITE, lanes=False
+    )
+    return replaced
 
 
-def unput_staged(target: torch.Tensor, staged: StagedChange) -> None:
-    """Put back the ``before`` bits :func:`stage_change` read (undo of :func:`put_staged`)."""
+def unput_staged(target: torch.Tensor, staged: StagedChange, replaced: torch.Tensor) -> None:
+    """Put back the bits :func:`put_staged` replaced (its undo)."""
     flat = bits_view(target).reshape(-1)
-    backend_for(flat).put(flat, staged.positions, staged.before)
+    backend_for(flat).put(flat, staged.positions, replaced)
 
 
 def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:

@@ -40,6 +40,7 @@ from dcr_format.errors import (
     FingerprintMismatchError,
     GroupAbortError,
     IntegrityError,
+    StalePreparedError,
     TargetBusyError,
     TargetError,
 )
@@ -171,7 +172,9 @@ class Applying(Auditing):
         finally:
             if sync is not None:
                 sync.release()  # the target is as it was: the next sync may check it
-        if as_is or isinstance(exc, (IntegrityError, TargetError, GroupAbortError)):
+        if as_is or isinstance(
+            exc, (IntegrityError, TargetError, GroupAbortError, StalePreparedError)
+        ):
             return exc
         if isinstance(exc, Exception):
             error = ApplyError(f"applying failed and was rolled back: {exc}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from dcr_format.chain.chain import TensorState
 from dcr_format.delta.fingerprint import fingerprint_from_lanes
 from dcr_format.errors import (
@@ -21,7 +23,7 @@ from dcr_format.errors import (
     StalePreparedError,
     TargetError,
 )
-from dcr_format.format.dtypes import info_for
+from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.sync._plan import SyncPlan
 from dcr_format.sync._state import ApplyState, PreparedVersion, ReaderState, version_of
 from dcr_format.targets.change import Resident
@@ -90,11 +92,16 @@ class Diagnosing(ReaderState):
                 "pull into a fresh target"
             )
 
-    def _diagnose(self, exc: FingerprintMismatchError, sync: ApplyState) -> IntegrityError:
+    def _diagnose(
+        self, exc: FingerprintMismatchError, sync: ApplyState
+    ) -> IntegrityError | StalePreparedError:
         """A mismatch after applying onto trusted lanes: was the target edited outside dcr?
 
         The in-place changes are undone already; a solo reader reads the trusted tensors in
-        full and blames the target when they differ from the resident version.
+        full and blames the target when they differ from the resident version. Where the
+        target is the resident version again but a change staged while preparing read other
+        bits than it holds now (an edit made before the preparation and undone since), the
+        preparation is stale (:class:`StalePreparedError`: prepare it again).
         """
         table = sync.prepared._parent_table
         if not self.group.alone or table is None:
@@ -113,6 +120,12 @@ class Diagnosing(ReaderState):
                 f"tensor {bad[0]!r} in the target is not the bits of version "
                 f"{sync.prepared.previous}; it was changed outside dcr since the last sync "
                 "(nothing was applied): pull into a fresh target"
+            )
+        stale = _stale_staging(sync.prepared)
+        if stale:
+            return StalePreparedError(
+                f"version {sync.prepared.version} was prepared while tensor {stale[0]!r} held "
+                "other bits than it holds now (nothing was applied): prepare it again"
             )
         return exc
 
@@ -249,3 +262,18 @@ def _mismatches(
             if found != fingerprint:
                 bad.append(name)
     return bad, incomplete
+
+
+def _stale_staging(prepared: PreparedVersion) -> list[str]:
+    """The names whose change staged while preparing read bits (``before``) other than the
+    live tensor holds now, sorted."""
+    staged = prepared._staged
+    if not isinstance(staged, dict):
+        return []
+    stale = []
+    for name, item in staged.items():
+        flat = bits_view(item.tensor).reshape(-1)
+        positions = item.bits.positions.to(flat.device)
+        if not torch.equal(flat[positions], item.bits.before.to(flat.device)):
+            stale.append(name)
+    return sorted(stale)

@@ -195,9 +195,9 @@ class ReaderTransaction(ABC):
         if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
             return None
         bits = staged.bits
-        put_staged(tensor, bits)
+        replaced = put_staged(tensor, bits)
         return Applied(
-            lambda: unput_staged(tensor, bits),
+            lambda: unput_staged(tensor, bits, replaced),
             bits.positions,
             bits.before,
             bits.after,
