@@ -215,6 +215,7 @@ def _apply_placed(
 
     moved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # positions, old, new
     deltas: list[tuple[int, ...]] = []
+    reordered = False  # the storage order of the elements differs from the canonical one
     located: dict[
         tuple[tuple[str, int], torch.dtype], list[tuple[_Copy, torch.Tensor, torch.Tensor]]
     ]
@@ -266,6 +267,7 @@ def _apply_placed(
             if elements.numel() > 1 and not bool((elements[1:] > elements[:-1]).all()):
                 order = torch.argsort(elements)  # the kernel takes increasing positions
                 elements, index = elements[order], index[order]
+                reordered = True
             write(bits, elements, positions[index], 0, values[index], False)
     except BaseException:
         undo()
@@ -274,7 +276,7 @@ def _apply_placed(
         empty = torch.empty(0, dtype=torch.int64)
         return Applied(undo, empty, values[:0], values[:0])
     summed = add_lanes(*deltas) if len(deltas) == len(moved) else None
-    if len(moved) == 1:
+    if len(moved) == 1 and not reordered:  # already in canonical order
         return Applied(undo, *moved[0], lane_deltas=summed)
     held = torch.cat([m[0] for m in moved])
     order = torch.argsort(held)
