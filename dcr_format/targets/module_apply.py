@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from dcr_format.chain.layout import View
 from dcr_format.delta.delta import FULL, OVERWRITE, XOR
 from dcr_format.delta.dispatch import apply_with_lanes, scatter
 from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, tensor_lanes
@@ -255,7 +256,11 @@ def _apply_placed(
                     held = positions[lo:hi]
                     write(run, held, held, src.offset, values[lo:hi], True)
                 continue
-            k, index = target._select(copy, positions)
+            found = _column_block(src, host) if prov.kind == "scratch" else None
+            if found is not None:
+                index, k = (torch.from_numpy(a) for a in found)
+            else:
+                k, index = target._select(copy, positions)
             if k.numel():
                 located.setdefault((copy.storage, copy.dst_dtype), []).append(
                     (copy, copy.dst.elements(k), index)
@@ -283,6 +288,21 @@ def _apply_placed(
     old = torch.cat([m[1] for m in moved])[order]
     new = torch.cat([m[2] for m in moved])[order]
     return Applied(undo, held[order], old, new, lane_deltas=summed)
+
+
+def _column_block(view: View, host: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(i, k)`` for a view that is a block of columns of a row-major tensor (rows of
+    ``C`` consecutive elements, ``M >= C`` apart): the sorted positions ``host[i]`` inside it
+    and their elements ``k`` of the view, by arithmetic on the positions between its first
+    and last element; None for any other view."""
+    dims = [(n, s) for n, s in zip(view.sizes, view.strides, strict=True) if n > 1]
+    if len(dims) != 2 or dims[1][1] != 1 or dims[0][1] < dims[1][0]:
+        return None
+    (rows, step), (cols, _) = dims
+    lo, hi = np.searchsorted(host, (view.offset, view.offset + (rows - 1) * step + cols))
+    row, col = np.divmod(host[lo:hi] - view.offset, step)
+    inside = col < cols
+    return np.flatnonzero(inside) + lo, row[inside] * cols + col[inside]
 
 
 class _Run:
