@@ -1,7 +1,8 @@
 """Applying one sync's changes to a module (:class:`_ModuleTransaction`).
 
 A change to an ``xor`` name goes straight into the storage its learned placements reach
-(the fused apply of a plain tensor where the name is one contiguous run of a parameter);
+(the fused apply of a plain tensor where the name is one contiguous run of a parameter, the
+same kernels over the rows or columns of a tensor-parallel shard);
 any other change, and every ``full`` write, goes through the module's loader with a
 scratch holding the change, each intercepted write performed or refused by a
 :class:`_Run`, which also keeps its undo and the bits it moved for the read-back.
