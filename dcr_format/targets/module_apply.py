@@ -203,9 +203,10 @@ def _apply_placed(
     A copy that places a run of consecutive canonical elements into consecutive storage (a
     block of whole rows) takes the slice of the sorted positions that falls in the run, one
     kernel pass over that slice of the storage reading the old bits, writing the new ones and
-    summing the lane deltas at the canonical positions. Any other copy (a block of columns)
-    locates the positions it holds through its learned views (O(changed)), then one kernel
-    pass per parameter storage. What moved, each canonical position once, is read back."""
+    summing the lane deltas at the canonical positions. A block of columns locates the
+    positions it holds by arithmetic on them (:func:`_column_block`), any other copy through
+    its learned views (O(changed)); then one kernel pass per parameter storage. What moved,
+    each canonical position once and in canonical order, is read back."""
     storages = target._storages()
     host = positions.numpy()
     writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []  # bits, at, old, base
