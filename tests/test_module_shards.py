@@ -9,7 +9,12 @@ through the placements learned once; the loader itself (``direct=False``) is the
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ from dcr_format.errors import BaselineMismatchError
 from dcr_format.format.dtypes import bits_view
 from dcr_format.targets.module_apply import _apply_placed
 
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "module_tp_bench.py"
 TP = 2
 SPECS = {
     "q.weight": (8, 6),  # rows of a fused parameter
@@ -232,3 +238,15 @@ def test_a_failed_verification_rolls_every_rank_back(tmp_path):
     in_threads(lambda r: readers[r].sync(), TP)
     for r, m in enumerate(modules):
         assert same(bits_of(m), dense(step(state, 2), r))
+
+
+def test_module_tp_bench_quick_runs():
+    spec = importlib.util.spec_from_file_location("module_tp_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench.main(["--hidden", "32", "--layers", "1", "--steps", "1", "--json"]) == 0
+    result = json.loads(out.getvalue())
+    assert result["tp2"]["pause_s"] > 0 and result["ratio_per_changed"] > 0
