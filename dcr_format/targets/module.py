@@ -31,17 +31,20 @@ before anything is mutated.
 
 Placements learned once: the loader's placement of an ``xor`` name is fixed, so after the
 prewarm a change to it (``xor`` or ``overwrite``) is applied without calling the loader:
-straight into the learned destinations (the copy's views inverted, O(changed), or a sorted
-index table where they do not invert), and where the loader copies the whole tensor
-unchanged into one contiguous run of a parameter (a whole weight, a row block of a fused
-``qkv_proj``) through a canonical view of that run, with the fused apply a plain tensor
-gets. Those names are also offered for staging (:meth:`ModuleTarget.staging`), so that
-:meth:`DeltaReader.prepare` reads their changes against the live bits while the module still
-serves, and the pause of :meth:`DeltaReader.apply` is the write of the changed elements
-alone. The loader still runs for the names it transforms and for ``full`` writes. Each sync
-first checks that every parameter and buffer still has the storage it had when the
-placements were learned, and learns again the names placed in one that moved (nothing is
-staged meanwhile).
+where the loader copies the whole tensor unchanged into one contiguous run of a parameter (a
+whole weight, a row block of a fused ``qkv_proj``) through a canonical view of that run,
+with the fused apply a plain tensor gets; else straight into the learned destinations with
+the same kernels. A tensor-parallel shard's block of rows is a run of consecutive canonical
+positions (the sorted changed positions sliced, one kernel pass that also sums the lane
+deltas); a block of columns locates its positions by arithmetic on them; any other
+placement inverts the copy's views (O(changed)) or looks them up in a sorted index table
+where they do not invert. The names placed whole into one contiguous run are also offered
+for staging (:meth:`ModuleTarget.staging`), so that :meth:`DeltaReader.prepare` reads their
+changes against the live bits while the module still serves, and the pause of
+:meth:`DeltaReader.apply` is the write of the changed elements alone. The loader still
+runs for the names it transforms and for ``full`` writes. Each sync first checks that every
+parameter and buffer still has the storage it had when the placements were learned, and
+learns again the names placed in one that moved (nothing is staged meanwhile).
 
 Verification: for ``xor`` names the canonical bits the module holds are read back
 through the inverse of the placements, giving the fingerprint lanes of the canonical

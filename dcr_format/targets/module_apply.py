@@ -1,7 +1,8 @@
 """Applying one sync's changes to a module (:class:`_ModuleTransaction`).
 
 A change to an ``xor`` name goes straight into the storage its learned placements reach
-(the fused apply of a plain tensor where the name is one contiguous run of a parameter);
+(the fused apply of a plain tensor where the name is one contiguous run of a parameter, the
+same kernels over the rows or columns of a tensor-parallel shard);
 any other change, and every ``full`` write, goes through the module's loader with a
 scratch holding the change, each intercepted write performed or refused by a
 :class:`_Run`, which also keeps its undo and the bits it moved for the read-back.
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from dcr_format.delta.delta import FULL, XOR
-from dcr_format.delta.fingerprint import LANE_PRIMES, tensor_lanes
+from dcr_format.chain.layout import View
+from dcr_format.delta.delta import FULL, OVERWRITE, XOR
+from dcr_format.delta.dispatch import apply_with_lanes, scatter
+from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, tensor_lanes
 from dcr_format.errors import OverwriteRequiredError, TargetError
 from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.module_trace import _bits, _Copy, _flat, _Interceptor, _view_of
@@ -157,10 +161,23 @@ class _ModuleTransaction(Transaction):
 
     def _apply_direct(self, plan: LoaderPlan, change: Change) -> Applied:
         """The change scattered straight into the storage the loader placed ``plan`` in."""
-        target, delta = self.target, change.delta
+        delta = change.delta
         assert delta.positions is not None
         positions = delta.positions.to(torch.int64).cpu()
-        run = _Run(target, plan, delta.op, positions, delta.values.cpu())
+        values = delta.values.cpu()
+        if plan.duplicated:  # a canonical element in several places: each copy on its own
+            applied = self._apply_each(plan, delta.op, positions, values)
+        else:
+            applied = _apply_placed(self.target, plan, delta.op, positions, values)
+        self._held[change.name] = (change.dtype, change.shape)
+        return applied
+
+    def _apply_each(
+        self, plan: LoaderPlan, op: str, positions: torch.Tensor, values: torch.Tensor
+    ) -> Applied:
+        """Copy by copy, the bits each one moved read back per canonical position."""
+        target = self.target
+        run = _Run(target, plan, op, positions, values)
         storages = target._storages()
         try:
             for copy in plan.copies:
@@ -172,10 +189,122 @@ class _ModuleTransaction(Transaction):
         except BaseException:
             run.undo()
             raise
-        self._held[change.name] = (change.dtype, change.shape)
         readback = run.readback()
         assert readback is not None  # placements only: the bits moved are known
         return Applied(run.undo, *readback)
+
+
+def _apply_placed(
+    target: Placements, plan: LoaderPlan, op: str, positions: torch.Tensor, values: torch.Tensor
+) -> Applied:
+    """A change to a name whose canonical elements each sit in one place (a tensor-parallel
+    shard: a block of rows or columns), applied with the kernels of a plain tensor.
+
+    A copy that places a run of consecutive canonical elements into consecutive storage (a
+    block of whole rows) takes the slice of the sorted positions that falls in the run, one
+    kernel pass over that slice of the storage reading the old bits, writing the new ones and
+    summing the lane deltas at the canonical positions. A block of columns locates the
+    positions it holds by arithmetic on them (:func:`_column_block`), any other copy through
+    its learned views (O(changed)); then one kernel pass per parameter storage. What moved,
+    each canonical position once and in canonical order, is read back."""
+    storages = target._storages()
+    host = positions.numpy()
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []  # bits, at, old, base
+
+    def undo() -> None:
+        for bits, where, before, base in reversed(writes):
+            scatter(bits, where, before, op=OVERWRITE, base=base)
+        writes.clear()
+
+    moved: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # positions, old, new
+    deltas: list[tuple[int, ...]] = []
+    reordered = False  # the storage order of the elements differs from the canonical one
+    located: dict[
+        tuple[tuple[str, int], torch.dtype], list[tuple[_Copy, torch.Tensor, torch.Tensor]]
+    ]
+    located = {}
+
+    def write(
+        bits: torch.Tensor,
+        where: torch.Tensor,
+        held: torch.Tensor,
+        base: int,
+        incoming: torch.Tensor,
+        lanes: bool,
+    ) -> None:
+        at = where.to(bits.device)
+        before, lane_deltas = apply_with_lanes(
+            bits, at, incoming.to(bits.device), op=op, base=base, lanes=lanes
+        )
+        writes.append((bits, at, before, base))
+        old = before.cpu()
+        moved.append((held, old, old ^ incoming if op == XOR else incoming))
+        if lanes:
+            deltas.append(lane_deltas)
+
+    try:
+        for copy in plan.copies:
+            if copy.kind != "placement":
+                continue  # constants the loader wrote (padding) stay as they are
+            assert copy.src is not None
+            prov, src = copy.src
+            if prov.kind == "scratch" and src.contiguous and copy.dst.contiguous:
+                lo, hi = (
+                    int(i) for i in np.searchsorted(host, (src.offset, src.offset + src.numel))
+                )
+                if hi > lo:
+                    bits = _bits(target._storage_tensor(copy, storages), plan.name)
+                    run = bits[copy.dst.offset : copy.dst.offset + src.numel]
+                    held = positions[lo:hi]
+                    write(run, held, held, src.offset, values[lo:hi], True)
+                continue
+            found = _column_block(src, host) if prov.kind == "scratch" else None
+            if found is not None:
+                index, k = (torch.from_numpy(a) for a in found)
+            else:
+                k, index = target._select(copy, positions)
+            if k.numel():
+                located.setdefault((copy.storage, copy.dst_dtype), []).append(
+                    (copy, copy.dst.elements(k), index)
+                )
+        for parts in located.values():
+            bits = _bits(target._storage_tensor(parts[0][0], storages), plan.name)
+            elements = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+            index = torch.cat([p[2] for p in parts]) if len(parts) > 1 else parts[0][2]
+            if elements.numel() > 1 and not bool((elements[1:] > elements[:-1]).all()):
+                order = torch.argsort(elements)  # the kernel takes increasing positions
+                elements, index = elements[order], index[order]
+                reordered = True
+            write(bits, elements, positions[index], 0, values[index], False)
+    except BaseException:
+        undo()
+        raise
+    if not moved:
+        empty = torch.empty(0, dtype=torch.int64)
+        return Applied(undo, empty, values[:0], values[:0])
+    summed = add_lanes(*deltas) if len(deltas) == len(moved) else None
+    if len(moved) == 1 and not reordered:  # already in canonical order
+        return Applied(undo, *moved[0], lane_deltas=summed)
+    held = torch.cat([m[0] for m in moved])
+    order = torch.argsort(held)
+    old = torch.cat([m[1] for m in moved])[order]
+    new = torch.cat([m[2] for m in moved])[order]
+    return Applied(undo, held[order], old, new, lane_deltas=summed)
+
+
+def _column_block(view: View, host: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(i, k)`` for a view that is a block of columns of a row-major tensor (rows of
+    ``C`` consecutive elements, ``M >= C`` apart): the sorted positions ``host[i]`` inside it
+    and their elements ``k`` of the view, by arithmetic on the positions between its first
+    and last element; None for any other view."""
+    dims = [(n, s) for n, s in zip(view.sizes, view.strides, strict=True) if n > 1]
+    if len(dims) != 2 or dims[1][1] != 1 or dims[0][1] < dims[1][0]:
+        return None
+    (rows, step), (cols, _) = dims
+    lo, hi = np.searchsorted(host, (view.offset, view.offset + (rows - 1) * step + cols))
+    row, col = np.divmod(host[lo:hi] - view.offset, step)
+    inside = col < cols
+    return np.flatnonzero(inside) + lo, row[inside] * cols + col[inside]
 
 
 class _Run:

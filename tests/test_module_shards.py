@@ -1,0 +1,252 @@
+"""Tensor-parallel shards applied straight into their placements, bit-equal to the loader.
+
+The runtime below places each rank's share of a canonical tensor like vLLM and SGLang do:
+blocks of rows (fused ``qkv``, a vocab-parallel embedding), blocks of columns (row-parallel
+projections), and a few placements a shard can also take (a share placed in two pieces in
+the other order, a column block written transposed, a share placed twice). Every change goes
+through the placements learned once; the loader itself (``direct=False``) is the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from test_module_target import LaneSum, in_threads
+from torch import nn
+
+from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
+from dcr_format.delta.delta import OVERWRITE, XOR
+from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
+from dcr_format.errors import BaselineMismatchError
+from dcr_format.format.dtypes import bits_view
+from dcr_format.targets.module_apply import _apply_placed
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "module_tp_bench.py"
+TP = 2
+SPECS = {
+    "q.weight": (8, 6),  # rows of a fused parameter
+    "k.weight": (4, 6),
+    "o.weight": (6, 8),  # columns
+    "embed.weight": (16, 6),  # rows (vocab-parallel)
+    "split.weight": (8, 6),  # the rank's rows, placed in two pieces, the second first
+    "halves.weight": (6, 8),  # the rank's columns, placed in two pieces, the second first
+    "transposed.weight": (6, 8),  # the rank's columns, placed transposed
+    "twice.weight": (4, 6),  # the rank's rows, placed in two parameters
+}
+
+
+class Shards(nn.Module):
+    """Rank ``rank`` of ``tp``: a loader that narrows each canonical tensor to its share."""
+
+    def __init__(self, rank: int, tp: int = TP) -> None:
+        super().__init__()
+        self.rank, self.tp = rank, tp
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16), requires_grad=False)
+
+        self.qk = param(12 // tp, 6)
+        self.o = param(6, 8 // tp)
+        self.embed = param(16 // tp, 6)
+        self.split = param(8 // tp, 6)
+        self.halves = param(6, 8 // tp)
+        self.transposed = param(8 // tp, 6)
+        self.twice = param(2, 4 // tp, 6)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        r, tp = self.rank, self.tp
+        for name, w in weights:
+            rows, cols = w.shape[0] // tp, w.shape[1] // tp
+            mine_rows = w.narrow(0, r * rows, rows)
+            mine_cols = w.narrow(1, r * cols, cols)
+            if name in ("q.weight", "k.weight"):
+                at = 0 if name == "q.weight" else 8 // tp
+                self.qk.data.narrow(0, at, rows).copy_(mine_rows)
+            elif name == "o.weight":
+                self.o.data.copy_(mine_cols)
+            elif name == "embed.weight":
+                self.embed.data.copy_(mine_rows)
+            elif name == "split.weight":
+                half = rows // 2
+                self.split.data[half:].copy_(mine_rows[:half])
+                self.split.data[:half].copy_(mine_rows[half:])
+            elif name == "halves.weight":
+                half = cols // 2
+                self.halves.data[:, half:].copy_(mine_cols[:, :half])
+                self.halves.data[:, :half].copy_(mine_cols[:, half:])
+            elif name == "transposed.weight":
+                self.transposed.data.copy_(mine_cols.t())
+            elif name == "twice.weight":
+                self.twice.data[0].copy_(mine_rows)
+                self.twice.data[1].copy_(mine_rows)
+            else:
+                raise KeyError(name)
+
+
+def checkpoint() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(*s, generator=gen).bfloat16() for n, s in SPECS.items()}
+
+
+def step(state: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        new = tensor.clone()
+        new.view(-1)[k % 3 :: 4] += 0.125 * (k + 1)
+        out[name] = new
+    return out
+
+
+def bits_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().reshape(-1).view(torch.uint8).clone() for n, p in module.state_dict().items()
+    }
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def dense(state: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    module = Shards(rank)
+    module.load_weights(state.items())
+    return bits_of(module)
+
+
+def test_every_shard_is_placed_and_verified(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules = {d: [Shards(r) for r in range(TP)] for d in (True, False)}
+    lanes = {d: LaneSum(TP) for d in (True, False)}
+    readers = {
+        d: [
+            DeltaReader(
+                store,
+                ModuleTarget(
+                    m, load_weights=m.load_weights, reduce_lanes=lanes[d].rank(r), direct=d
+                ),
+                reader_id=f"rank-{r}-{d}",
+            )
+            for r, m in enumerate(modules[d])
+        ]
+        for d in (True, False)
+    }
+    for d in (True, False):
+        in_threads(lambda r, d=d: readers[d][r].sync(), TP)
+    plans = readers[True][0].target.prewarm({n: (torch.bfloat16, s) for n, s in SPECS.items()})  # type: ignore[attr-defined]
+    assert {n for n, p in plans.items() if p.kind == "xor"} == set(SPECS)
+    assert [n for n, p in plans.items() if p.duplicated] == ["twice.weight"]
+    for k in range(3):
+        state = step(state, k)
+        writer.publish(state)
+        for d in (True, False):
+            results = in_threads(lambda r, d=d: readers[d][r].sync(), TP)
+            assert all(not result.unverified for result in results)
+        for r in range(TP):
+            want = dense(state, r)
+            assert same(bits_of(modules[True][r]), want)
+            assert same(bits_of(modules[False][r]), want)
+
+
+@pytest.mark.parametrize("op", [XOR, OVERWRITE])
+@pytest.mark.parametrize("rank", range(TP))
+def test_the_placed_apply_moves_what_the_copy_by_copy_apply_moves(op, rank):
+    state = checkpoint()
+    fast, slow = Shards(rank), Shards(rank)
+    fast.load_weights(state.items())
+    slow.load_weights(state.items())
+    start = bits_of(fast)
+    targets = [ModuleTarget(m, load_weights=m.load_weights) for m in (fast, slow)]
+    gen = torch.Generator().manual_seed(rank)
+    for name, shape in SPECS.items():
+        if name == "twice.weight":
+            continue  # placed twice: the apply goes copy by copy
+        plans = [t.plan(name, torch.bfloat16, shape) for t in targets]
+        numel = shape[0] * shape[1]
+        positions = torch.sort(torch.randperm(numel, generator=gen)[: numel // 3]).values
+        values = torch.randint(-(1 << 15), 1 << 15, (positions.numel(),), generator=gen)
+        values = values.to(torch.int16)
+        if op == XOR:
+            values |= 1  # every position changes
+        done = _apply_placed(targets[0], plans[0], op, positions, values)
+        txn = targets[1].begin()
+        reference = txn._apply_each(plans[1], op, positions, values)  # type: ignore[attr-defined]
+        assert done.positions is not None and reference.positions is not None
+        assert torch.equal(done.positions, reference.positions), name
+        assert torch.equal(done.before, reference.before), name  # type: ignore[arg-type]
+        assert torch.equal(done.after, reference.after), name  # type: ignore[arg-type]
+        assert same(bits_of(fast), bits_of(slow)), name
+        if done.lane_deltas is not None:  # summed by the kernel at the canonical positions
+            lanes = (1, 2)
+            assert apply_lane_deltas(lanes, done.lane_deltas) == lanes_after_change(
+                lanes,
+                done.positions,
+                done.before,
+                done.after,  # type: ignore[arg-type]
+            )
+        done.undo()
+        reference.undo()
+        assert same(bits_of(fast), start) and same(bits_of(slow), start), name
+    row_runs = {"q.weight", "k.weight", "embed.weight", "split.weight"}
+    for name in row_runs:  # placed as runs of rows: the lanes come from the apply itself
+        plan = targets[0].plan(name, torch.bfloat16, SPECS[name])
+        numel = SPECS[name][0] * SPECS[name][1]
+        every = torch.arange(numel)
+        done = _apply_placed(targets[0], plan, op, every, torch.ones(numel, dtype=torch.int16))
+        assert done.lane_deltas is not None
+        done.undo()
+
+
+def test_a_failed_verification_rolls_every_rank_back(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules = [Shards(r) for r in range(TP)]
+    lanes = LaneSum(TP)
+    targets = [
+        ModuleTarget(m, load_weights=m.load_weights, reduce_lanes=lanes.rank(r))
+        for r, m in enumerate(modules)
+    ]
+    readers = [DeltaReader(store, t, reader_id=f"rank-{r}") for r, t in enumerate(targets)]
+    in_threads(lambda r: readers[r].sync(), TP)
+    state = step(state, 0)
+    state = step(state, 1)
+    writer.publish(state)
+    in_threads(lambda r: readers[r].sync(), TP)
+    writer.publish(step(state, 2))
+    for name, edit in (("o.weight", lambda m: m.o), ("embed.weight", lambda m: m.embed)):
+        with torch.no_grad():  # changed outside dcr at a position the delta changes (0 % 4)
+            bits_view(edit(modules[0])).view(-1)[2] ^= 1
+        before = [bits_of(m) for m in modules]
+        with pytest.raises(BaselineMismatchError, match=re.escape(repr(name))):
+            in_threads(lambda r: readers[r].sync(), TP)
+        for r, m in enumerate(modules):
+            assert same(bits_of(m), before[r])  # every placed change undone, on both ranks
+            assert targets[r].resident().version == 1  # type: ignore[union-attr]
+        with torch.no_grad():
+            bits_view(edit(modules[0])).view(-1)[2] ^= 1
+    in_threads(lambda r: readers[r].sync(), TP)
+    for r, m in enumerate(modules):
+        assert same(bits_of(m), dense(step(state, 2), r))
+
+
+def test_module_tp_bench_quick_runs():
+    spec = importlib.util.spec_from_file_location("module_tp_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench.main(["--hidden", "32", "--layers", "1", "--steps", "1", "--json"]) == 0
+    result = json.loads(out.getvalue())
+    assert result["tp2"]["pause_s"] > 0 and result["ratio_per_changed"] > 0
