@@ -26,6 +26,7 @@ from dcr_format.delta.delta import (
     apply_change,
     put_staged,
     stage_change,
+    unput_staged,
 )
 from dcr_format.delta.fingerprint import LANE_PRIMES, lanes_after_change, lanes_at, tensor_lanes
 from dcr_format.errors import OverwriteRequiredError, TargetError
@@ -171,7 +172,8 @@ class Placements:
                     done = apply_change(tensor, change)
                     assert done.before is not None
                     lanes_after_change(tensor_lanes(tensor), positions, done.before, flat.clone())
-                    put_staged(tensor, stage_change(tensor, change))  # a prepared version
+                    staged = stage_change(tensor, change)  # a prepared version, and its undo
+                    unput_staged(tensor, staged, put_staged(tensor, staged))
 
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""
