@@ -89,17 +89,22 @@ def test_an_edit_before_preparing_is_caught_and_every_write_undone(tmp_path):
     assert target.resident().version == 0
 
 
-def test_an_edit_undone_after_preparing_makes_the_preparation_stale(tmp_path):
+@pytest.mark.parametrize("audited_first", [False, True])
+def test_an_edit_undone_after_preparing_makes_the_preparation_stale(tmp_path, audited_first):
     """An edit outside dcr at a changed position before the prepare, undone before the
-    apply: the changes were read against bits the target no longer holds, so the apply
-    undoes every write and says to prepare again (not that the store is damaged); a new
-    preparation applies exactly."""
+    apply (after an audited apply refused it, as an engine's operator would find it): the
+    changes were read against bits the target no longer holds, so the apply undoes every
+    write and says to prepare again (not that the store is damaged); a new preparation
+    applies exactly."""
     writer, state, module, target, reader, _ = synced(tmp_path)
     state = step(state, 0)
     writer.publish(state)
     saved = module.down.view(-1)[0].clone()
     with torch.no_grad():
         module.down.view(-1)[0] += 1
+    if audited_first:
+        with pytest.raises(BaselineMismatchError, match="down_proj"):
+            reader.apply(reader.prepare(), audit=True)
     prepared = reader.prepare()
     with torch.no_grad():
         module.down.view(-1)[0] = saved

@@ -166,7 +166,7 @@ class Applying(Auditing):
                 staged[name] = replace(staged[name], rows=None)
         try:
             txn.undo()
-            if isinstance(exc, FingerprintMismatchError) and sync is not None and sync.trusted:
+            if isinstance(exc, FingerprintMismatchError) and sync is not None:
                 exc = self._diagnose(exc, sync)  # reads the restored bits
             txn.abort()
         finally:

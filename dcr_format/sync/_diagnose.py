@@ -95,37 +95,43 @@ class Diagnosing(ReaderState):
     def _diagnose(
         self, exc: FingerprintMismatchError, sync: ApplyState
     ) -> IntegrityError | StalePreparedError:
-        """A mismatch after applying onto trusted lanes: was the target edited outside dcr?
+        """A mismatch after applying: was the target edited outside dcr?
 
-        The in-place changes are undone already; a solo reader reads the trusted tensors in
-        full and blames the target when they differ from the resident version. Where the
-        target is the resident version again but a change staged while preparing read other
-        bits than it holds now (an edit made before the preparation and undone since), the
-        preparation is stale (:class:`StalePreparedError`: prepare it again).
+        The in-place changes are undone already. A solo reader with lanes trusted from the
+        previous sync reads those tensors in full and blames the target when they differ
+        from the resident version. Where the target is not found edited but a change staged
+        while preparing read other bits than it holds now (an edit made before the
+        preparation and undone since), the preparation is stale
+        (:class:`StalePreparedError`: prepare it again).
         """
         table = sync.prepared._parent_table
-        if not self.group.alone or table is None:
-            return FingerprintMismatchError(
-                f"{exc} (or the target was changed outside dcr since the last sync: "
-                "sync(audit=True) tells which)"
+        solo = self.group.alone and table is not None
+        if solo and sync.trusted:
+            assert table is not None
+            raw: dict[str, tuple[int, ...]] = {}
+            for name in sorted(sync.trusted):
+                value = sync.txn.lanes(name)
+                if value is not None:
+                    raw[name] = value
+            bad, _ = _mismatches(
+                sync.txn, raw, lambda n: _expected(table[n]) if n in table else None
             )
-        raw: dict[str, tuple[int, ...]] = {}
-        for name in sorted(sync.trusted):
-            value = sync.txn.lanes(name)
-            if value is not None:
-                raw[name] = value
-        bad, _ = _mismatches(sync.txn, raw, lambda n: _expected(table[n]) if n in table else None)
-        if bad:
-            return BaselineMismatchError(
-                f"tensor {bad[0]!r} in the target is not the bits of version "
-                f"{sync.prepared.previous}; it was changed outside dcr since the last sync "
-                "(nothing was applied): pull into a fresh target"
-            )
+            if bad:
+                return BaselineMismatchError(
+                    f"tensor {bad[0]!r} in the target is not the bits of version "
+                    f"{sync.prepared.previous}; it was changed outside dcr since the last sync "
+                    "(nothing was applied): pull into a fresh target"
+                )
         stale = _stale_staging(sync.prepared)
         if stale:
             return StalePreparedError(
                 f"version {sync.prepared.version} was prepared while tensor {stale[0]!r} held "
                 "other bits than it holds now (nothing was applied): prepare it again"
+            )
+        if not solo:
+            return FingerprintMismatchError(
+                f"{exc} (or the target was changed outside dcr since the last sync: "
+                "sync(audit=True) tells which)"
             )
         return exc
 
