@@ -11,22 +11,13 @@ import pytest
 import torch
 from conftest import assert_same_bits, make_state, snapshot
 from test_module_target import Runtime, assert_module, bits_of, checkpoint, step
+from test_sync_in_turn import _step
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget, Transaction
 from dcr_format.errors import ChecksumMismatchError
 from dcr_format.sync import _fetch
 
 OBJECTS = "objects/"
-
-
-def _step(state: dict[str, torch.Tensor], seed: int, share: int) -> None:
-    """Change one element in ``share`` of every float tensor."""
-    gen = torch.Generator().manual_seed(seed)
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            flat = tensor.view(-1)
-            index = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // share)]
-            flat[index] = flat[index] * 1.5 + 0.25
 
 
 @pytest.fixture(params=[2, 200], ids=["most elements change", "few elements change"])
