@@ -55,9 +55,11 @@ def test_a_reader_far_behind_holds_the_model_about_twice(tmp_path):
     assert found["plan"] == [10, 11]  # not 2..11: those fetch more than the base
     # the undo (the bits the base's full writes replace: one copy of the model) and what is
     # in flight (at most an eighth of the model inflated, and its decoded copies): about 2x
+    # with the plain codings; the default codings resolve the version after the base against
+    # the live bits, whose positions (15% of the elements, int64) add about 0.6x: 2.7-2.9x
     # (all of the plan decoded at once, then a copy of each change's undo: 9x)
     ratio = found["peak"] / found["model"]
-    assert ratio <= 2.5, f"the sync from the base added {ratio:.2f}x the model"
+    assert ratio <= 3.25, f"the sync from the base added {ratio:.2f}x the model"
     # 8 versions, each decoded once the one before is applied: under 2x (all at once: 7x)
     found = _worker("sync", store, 1, 9)
     assert found["error"] is None and found["plan"] == list(range(2, 10))
