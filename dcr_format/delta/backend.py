@@ -270,11 +270,14 @@ class Backend:
         check_op(op)
         return reference.scatter(flat, positions, values, op=op, save=save, base=base)
 
-    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
-        """In place ``flat[p] = b``: the write alone of a change whose old bits were read
-        before (a staged change's), positions as for :meth:`apply_with_lanes`; the
-        backends with a leaner loop for it than :meth:`scatter` override it."""
-        self.scatter(flat, positions, bits, op=OVERWRITE)
+    def put(
+        self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor, *, keep: bool = False
+    ) -> torch.Tensor | None:
+        """In place ``flat[p] = b``: the write of a change whose old bits were read before
+        (a staged change's), positions as for :meth:`apply_with_lanes`; ``keep``: returns
+        the bits it replaced (else None). The backends with a leaner loop for it than
+        :meth:`scatter` override it."""
+        return self.scatter(flat, positions, bits, op=OVERWRITE, save=keep)
 
     def apply_with_lanes(
         self,

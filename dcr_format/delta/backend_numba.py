@@ -182,17 +182,23 @@ class NumbaBackend(Backend):
         old = self._apply(flat, positions, values, op=op, base=base, lanes=False)[0]
         return old if save else None
 
-    def put(self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+    def put(
+        self, flat: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor, *, keep: bool = False
+    ) -> torch.Tensor | None:
         if not _applies(flat, positions, bits):
-            super().put(flat, positions, bits)
-            return
+            return super().put(flat, positions, bits, keep=keep)
         where = positions.reshape(-1).contiguous().numpy()
         _check_bounds(where, 0, flat.numel())
-        if not self.native.put(_unsigned(flat), where, _unsigned(bits.reshape(-1).contiguous())):
+        replaced = torch.empty(where.shape[0], dtype=flat.dtype) if keep else None
+        kept = None if replaced is None else _unsigned(replaced)
+        if not self.native.put(
+            _unsigned(flat), where, _unsigned(bits.reshape(-1).contiguous()), kept
+        ):
             raise IndexError(
                 "positions are not strictly increasing and some are out of range: pass the "
                 "positions of a verified decoder"
             )
+        return replaced
 
     def apply_with_lanes(
         self,

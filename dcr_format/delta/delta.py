@@ -688,9 +688,8 @@ def put_staged(target: torch.Tensor, staged: StagedChange) -> torch.Tensor:
     the bits it replaced, which :func:`unput_staged` puts back (an edit made since the
     change was staged is then restored too, not the bits the staging read)."""
     flat = bits_view(target).reshape(-1)
-    replaced, _ = backend_for(flat).apply_with_lanes(
-        flat, staged.positions, staged.after, op=OVERWRITE, lanes=False
-    )
+    replaced = backend_for(flat).put(flat, staged.positions, staged.after, keep=True)
+    assert replaced is not None
     return replaced
 
 

@@ -689,9 +689,10 @@ _PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial
 
 
 @parallel_kernel
-def _put(flat, pos, bits, bad):  # type: ignore[no-untyped-def]
-    """``flat[pos[j]] = bits[j]``, the chunks of positions in parallel; a position out of
-    range is skipped (never written) and its chunk marked in ``bad``."""
+def _put(flat, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
+    """``flat[pos[j]] = bits[j]`` (``keep``: the bits it replaces into ``replaced[j]``
+    first), the chunks of positions in parallel; a position out of range is skipped (never
+    read or written) and its chunk marked in ``bad``."""
     n = flat.shape[0]
     for c in prange(bad.shape[0]):
         lo = c * _PUT_CHUNK
@@ -699,18 +700,25 @@ def _put(flat, pos, bits, bad):  # type: ignore[no-untyped-def]
         for j in range(lo, hi):
             p = pos[j]
             if p >= 0 and p < n:
+                if keep:
+                    replaced[j] = flat[p]
                 flat[p] = bits[j]
             else:
                 bad[c] = 1
 
 
-def put(flat: np.ndarray, pos: np.ndarray, bits: np.ndarray) -> bool:
-    """In place ``flat[p] = b``: the write alone (no old bits read, no lanes summed), of a
-    change read before (staged). Returns whether every position was in range (those out
-    of range are skipped)."""
+def put(
+    flat: np.ndarray, pos: np.ndarray, bits: np.ndarray, replaced: np.ndarray | None = None
+) -> bool:
+    """In place ``flat[p] = b``: the write of a change read before (staged), no lanes
+    summed; ``replaced`` (as long as ``pos``): the bits it replaces are kept there, on the
+    cache lines the write touches anyway. Returns whether every position was in range
+    (those out of range are skipped)."""
     chunks = -(-pos.shape[0] // _PUT_CHUNK)
     bad = np.zeros(chunks, dtype=np.uint8)
-    _launch(_put, chunks, flat, pos, bits, bad)
+    keep = replaced is not None
+    out = replaced if replaced is not None else bits[:0]
+    _launch(_put, chunks, flat, pos, bits, out, keep, bad)
     return not bool(bad.any())
 
 
