@@ -274,7 +274,7 @@ def _reader(reader_id: str, *names: str, reads_baseline: bool = True) -> bytes:
 
 
 def test_reader_records_are_requests_that_a_bad_record_never_breaks(store):
-    assert _commit.read_reader_records(store) == _commit.ReaderWishes(frozenset(), True)
+    assert _commit.read_reader_records(store) == _commit.ReaderWishes(frozenset(), None)
     store.put("readers/a.json", _reader("a", "x", "y"))
     store.put("readers/b.json", _reader("b", "z"))
     store.put("readers/c.json", _reader("not-c", "spoofed", reads_baseline=False))

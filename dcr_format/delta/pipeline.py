@@ -59,6 +59,14 @@ from dcr_format.system.pools import kept_pool
 if TYPE_CHECKING:
     from dcr_format.delta.delta import EncodedTensor
 
+Options = EncodeOptions | Callable[[Any], EncodeOptions]
+"""The codings an encoder may use: the same for every item, or each item's by its key."""
+
+
+def _options_of(options: Options, key: Any) -> EncodeOptions:
+    return options if isinstance(options, EncodeOptions) else options(key)
+
+
 FULL = "full"  # dcr_format.delta.delta.FULL (not imported: the pipeline needs only torch)
 
 
@@ -101,15 +109,15 @@ class DeviceDiffPipeline:
     ``new`` in place and calls ``advanced(key, diff)`` right then; the diff holds the XOR
     bits, so ``old[positions] ^= xor_values`` undoes it, and the new bits only when the
     op is ``overwrite`` (they are what it sends). Device tensors are not advanced.
-    ``options``: the codings the items' encoder may use (a coding against the old bits
-    needs the new bits at the positions, which the CPU's pass then keeps).
+    ``options``: the codings the items' encoder may use, or each item's by its key (a coding
+    against the old bits needs the new bits at the positions, which the CPU's pass then keeps).
     """
 
     def __init__(
         self,
         items: Iterable[tuple[Any, ...]],
         advanced: Callable[[Any, Diff], None] | None = None,
-        options: EncodeOptions = NO_CODINGS,
+        options: Options = NO_CODINGS,
     ) -> None:
         self.items = items
         self.advanced = advanced
@@ -145,7 +153,7 @@ class DeviceDiffPipeline:
             # cache on every element)
             against_old = (
                 want_xor
-                and not self.options.codings.isdisjoint(BASELINE_CODINGS)
+                and not _options_of(self.options, key).codings.isdisjoint(BASELINE_CODINGS)
                 and info_for(new.dtype).name in FLOAT_DTYPES
             )
             state.diff, state.lane_deltas = backend.diff_with_lanes(
@@ -226,7 +234,7 @@ def encode_stream(
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
     *,
-    options: EncodeOptions = NO_CODINGS,
+    options: Options = NO_CODINGS,
 ) -> Generator[tuple[Any, EncodedTensor], None, None]:
     """``(key, encode_tensor(new, old, op=op))`` for each ``(key, new, old, op)``, pipelined
     on CUDA, on a pool of threads where the first tensor is on the CPU (see the module
@@ -237,7 +245,8 @@ def encode_stream(
     the pool's threads, but never after the stream ended or was closed: it waits for the
     tensors in flight first). ``rows(key)``: the exponent rows the caller keeps of ``old``,
     or None (see :func:`dcr_format.delta.delta.encode_diff`). ``options``: the codings the
-    encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`).
+    encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`), or each item's by
+    its key.
     """
     iterator = iter(items)
     first = next(iterator, None)
@@ -280,7 +289,7 @@ def _pooled(
     rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None,
     rows: Callable[[Any], np.ndarray | None] | None,
-    options: EncodeOptions,
+    options: Options,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
     yielded in order.
@@ -298,7 +307,8 @@ def _pooled(
                 item = next(items, None)
                 if item is None:
                     break
-                pending.append(pool.submit(_code_one, item, advanced, rows, serial, options))
+                picked = _options_of(options, item[0])
+                pending.append(pool.submit(_code_one, item, advanced, rows, serial, picked))
             if not pending:
                 return
             yield pending.popleft().result()
@@ -312,28 +322,32 @@ def _pipelined(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
     rows: Callable[[Any], np.ndarray | None] | None = None,
-    options: EncodeOptions = NO_CODINGS,
+    options: Options = NO_CODINGS,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
     from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
 
     held: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, str | None]] = {}
+    chosen: dict[int, EncodeOptions] = {}  # each held item's options
 
     def feed() -> Iterator[tuple[Any, ...]]:
         for index, (key, new, old, op) in enumerate(items):
             if op is not None and op not in OPS:
                 raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
             held[index] = (key, new, old, op)
+            chosen[index] = _options_of(options, key)
             yield index, new, old, op
 
     def tell(index: Any, found: Diff) -> None:
         assert advanced is not None
         advanced(held[index][0], found)
 
-    for result in DeviceDiffPipeline(feed(), None if advanced is None else tell, options):
+    pipeline = DeviceDiffPipeline(feed(), None if advanced is None else tell, chosen.__getitem__)
+    for result in pipeline:
         key, new, old, op = held.pop(result.key)
+        picked = chosen.pop(result.key)
         if result.diff is None:  # full, or no comparable baseline (encode_tensor refuses misuse)
-            yield key, encode_tensor(new, old, op=op, options=options)
+            yield key, encode_tensor(new, old, op=op, options=picked)
         else:
             yield (
                 key,
@@ -347,7 +361,7 @@ def _pipelined(
                     baseline=None if new.device.type == "cpu" else old,
                     rows=None if rows is None else rows(key),
                     backend=result.backend,
-                    options=options,
+                    options=picked,
                 ),
             )
 

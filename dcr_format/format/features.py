@@ -12,7 +12,9 @@ Encoders use an allowed coding only where it is smaller, and a manifest lists in
 refuses the version instead of misreading it.
 
 What is allowed travels as an argument: a writer makes one :class:`EncodeOptions` of its
-features and passes it to the tensor encoders (:mod:`dcr_format.delta.delta`,
+features for each tensor (:class:`PublishCodings`: the codings against the old bits only
+for the tensors every recorded reader reads the old bits of) and passes it to the tensor
+encoders (:mod:`dcr_format.delta.delta`,
 :mod:`dcr_format.delta.pipeline`), which pass its codings down to the stream encoders
 (:mod:`dcr_format.codings.values`: their ``codings`` argument).
 """
@@ -97,14 +99,36 @@ def writer_features(features: Iterable[str]) -> frozenset[str]:
 
 
 def publish_features(
-    allowed: frozenset[str] | None, readers: frozenset[str], reads_baseline: bool
+    allowed: frozenset[str] | None,
+    readers: frozenset[str],
+    baseline_names: frozenset[str] | None,
 ) -> frozenset[str]:
     """The features one publish uses (FORMAT.md §12): ``allowed``, the writer's explicit set,
     or by default (None) every writer feature the chain's recorded readers all read
     (``readers``); the codings decoded against the old bits (:data:`BASELINE_FEATURES`)
-    only where every recorded reader reads them (``reads_baseline``)."""
+    unless no tensor's old bits are read by every recorded reader (``baseline_names``
+    empty; None: every tensor's are). Which tensors may use them: :class:`PublishCodings`."""
     chosen = WRITER_FEATURES & readers if allowed is None else allowed
-    return chosen if reads_baseline else chosen - BASELINE_FEATURES
+    return chosen if baseline_names is None or baseline_names else chosen - BASELINE_FEATURES
+
+
+class PublishCodings:
+    """The codings each tensor of one publish may use: those of its ``features``, except that
+    the codings decoded against the old bits (:data:`BASELINE_CODINGS`) only for the tensors
+    every recorded reader reads the old bits of (``baseline_names``; None: every tensor).
+    One lookup per tensor: both options are made once."""
+
+    __slots__ = ("_all", "_names", "_plain")
+
+    def __init__(self, features: Iterable[str], baseline_names: frozenset[str] | None) -> None:
+        self._all = EncodeOptions.allowing(features)
+        self._plain = EncodeOptions(self._all.codings - BASELINE_CODINGS)
+        self._names = baseline_names
+
+    def for_tensor(self, name: str) -> EncodeOptions:
+        """The options of tensor ``name``."""
+        names = self._names
+        return self._all if names is None or name in names else self._plain
 
 
 def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
@@ -127,6 +151,7 @@ __all__ = [
     "VALUES_ULP_SHIFT_FEATURE",
     "WRITER_FEATURES",
     "EncodeOptions",
+    "PublishCodings",
     "features_for",
     "publish_features",
     "writer_features",

@@ -89,6 +89,10 @@ MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manif
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
 MAX_READER_JSON_BYTES = 1 << 20  # reader records: a list of tensor names
+MAX_BASELINE_NAMES = 4096
+"""The most names a reader record's ``baseline_names`` lists: so many that a writer which
+does not know the member still reads the record (FORMAT.md §3.1: at most 4096 values in
+unknown members beyond one per member)."""
 MAX_MANIFEST_JSON_BYTES = MAX_JSON_BYTES  # ~330 bytes per entry: ~200,000 entries of one rank
 
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
@@ -421,6 +425,28 @@ class ReaderRecord(_Model):
     features: Annotated[tuple[str, ...] | None, FailFast()] = None
     """The features the reader implements (FORMAT.md §12); None (absent): every feature a
     writer may use. A writer's default leaves out the features a record does not list."""
+    baseline_names: Annotated[
+        tuple[TensorName, ...] | None, FailFast(), Field(max_length=MAX_BASELINE_NAMES)
+    ] = None
+    """With ``reads_baseline`` false: the tensors whose exact old bits the reader does read
+    (or never takes), sorted, each once; writers may code those against the old bits. None
+    (absent): none of them. Absent when ``reads_baseline`` is true."""
+
+    @model_validator(mode="after")
+    def _check_baseline_names(self) -> ReaderRecord:
+        names = self.baseline_names
+        if names is None:
+            return self
+        if self.reads_baseline:
+            raise ValueError("baseline_names is given only with reads_baseline false")
+        if any(a >= b for a, b in itertools.pairwise(names)):
+            raise ValueError("baseline_names are not listed once each, in sorted order")
+        return self
+
+    def to_json(self) -> bytes:
+        """As every model, but ``baseline_names`` is left out when absent."""
+        exclude = {"baseline_names"} if self.baseline_names is None else None
+        return self.model_dump_json(exclude=exclude).encode()
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -45,7 +45,7 @@ from dcr_format.errors import (
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import (
     POSITIONS_CLASSED_FEATURE,
-    EncodeOptions,
+    PublishCodings,
     features_for,
 )
 from dcr_format.format.schema import Entry, Manifest
@@ -184,12 +184,13 @@ class CanonicalPart:
             # a full shard uploads on a background thread while the next tensors are coded
             items = self._owned(tensors, attempt)
             features = attempt.features
+            codings = PublishCodings(features, attempt.baseline_names)
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
             coded = encode_stream(
                 items,
                 advanced,
                 None if rows is None else lambda i: rows(i[0]),
-                options=EncodeOptions.allowing(features),
+                options=lambda i: codings.for_tensor(i[0]),
             )
             for (name, tensor, old), encoded in coded:
                 lanes = self._lanes_after(name, tensor, old, encoded)

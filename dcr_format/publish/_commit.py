@@ -256,21 +256,29 @@ class ReaderWishes:
     """What the reader records ask of writers, together (FORMAT.md §3.6)."""
 
     overwrite: frozenset[str] = frozenset()  # the union of their ``overwrite`` lists
-    reads_baseline: bool = True  # no record says its reader cannot read its old bits
+    baseline_names: frozenset[str] | None = None
+    """The tensors every record's reader reads the old bits of (the intersection of the
+    ``baseline_names`` of the records with ``reads_baseline`` false); None: every tensor."""
     features: frozenset[str] = WRITER_FEATURES  # the writer features every record's reader reads
     limiting: tuple[str, ...] = ()
     """The readers (sorted ids) whose records leave out a writer feature: they lack it, or
-    cannot read their old bits."""
+    cannot read the old bits of every tensor."""
+
+    @property
+    def reads_baseline(self) -> bool:
+        """Whether every record's reader reads the old bits of every tensor."""
+        return self.baseline_names is None
 
     def features_for(self, allowed: frozenset[str] | None) -> frozenset[str]:
         """The features a publish uses given the writer's explicit set (None: its default)."""
-        return publish_features(allowed, self.features, self.reads_baseline)
+        return publish_features(allowed, self.features, self.baseline_names)
 
 
 def read_reader_records(store: Store) -> ReaderWishes:
-    """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), whether
-    all of them read the old bits (``reads_baseline``) and the writer features all of them
-    read (a record without ``features`` reads every one).
+    """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), the
+    tensors all of them read the old bits of (``reads_baseline``, else ``baseline_names``)
+    and the writer features all of them read (a record without ``features`` reads every
+    one).
 
     One listing plus one small get per record. A record that cannot be read or does not
     validate (or names another reader than its key) is skipped: records are requests,
@@ -281,7 +289,7 @@ def read_reader_records(store: Store) -> ReaderWishes:
     except StoreError:
         return ReaderWishes()
     names: set[str] = set()
-    reads_baseline = True
+    baseline: frozenset[str] | None = None
     features = WRITER_FEATURES
     limiting: set[str] = set()
     for key in sorted(keys):
@@ -295,9 +303,11 @@ def read_reader_records(store: Store) -> ReaderWishes:
             continue
         if record.reader_id == match.group(1):
             names.update(record.overwrite)
-            reads_baseline = reads_baseline and record.reads_baseline
+            if not record.reads_baseline:
+                reads = frozenset(record.baseline_names or ())
+                baseline = reads if baseline is None else baseline & reads
             lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
             features -= lacks
             if lacks or not record.reads_baseline:
                 limiting.add(record.reader_id)
-    return ReaderWishes(frozenset(names), reads_baseline, features, tuple(sorted(limiting)))
+    return ReaderWishes(frozenset(names), baseline, features, tuple(sorted(limiting)))

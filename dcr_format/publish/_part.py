@@ -197,6 +197,9 @@ class Attempt:
     """Tensors readers asked to receive as ``overwrite`` (reader records, FORMAT.md §3.6)."""
     features: frozenset[str] = frozenset()
     """The writer features this publish uses (FORMAT.md §12), the same on every rank."""
+    baseline_names: frozenset[str] | None = None
+    """The tensors that may use the codings decoded against the old bits (every recorded
+    reader reads their old bits, FORMAT.md §3.6); None: every tensor."""
 
     @property
     def base(self) -> bool:

@@ -50,6 +50,7 @@ from dcr_format.errors import (
 )
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.features import (
+    BASELINE_FEATURES,
     CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
@@ -157,6 +158,7 @@ class DeltaWriter:
         # the writer features (FORMAT.md §12) it was given; None: those its readers read
         self.features = None if features is None else writer_features(features)
         self.last_features: frozenset[str] | None = None  # what the last publish used
+        self._last_baseline: frozenset[str] | None = None  # ... and its tensors against old bits
         if layout is not None and cache_dir is not None:
             raise ArgumentError(
                 "a writer with a layout keeps no baseline cache; leave cache_dir unset"
@@ -428,29 +430,37 @@ class DeltaWriter:
             zstd_level=self.zstd_level,
             overwrite=frozenset() if base else wishes.overwrite,
             features=features,
+            baseline_names=wishes.baseline_names,
         )
 
     def _explain(self, version: int, features: frozenset[str], wishes: ReaderWishes) -> None:
         """Log (rank 0, info) the writer features a publish uses whenever they change, and
-        why features are left out."""
-        if features == self.last_features:
+        why features are left out or used for some tensors only."""
+        against = sorted(features & BASELINE_FEATURES)
+        some = None if not against else wishes.baseline_names  # None: for every tensor
+        if (features, some) == (self.last_features, self._last_baseline):
             return
-        self.last_features = features
+        self.last_features, self._last_baseline = features, some
         if self.rank != 0:
             return
         left = ", ".join(sorted(WRITER_FEATURES - features))
-        if self.features is not None:
-            why = "as given by features="
-        else:
-            why = "the default: every feature its readers read"
-            if left and wishes.limiting:
-                more = ", ..." if len(wishes.limiting) > 8 else ""
-                why += f"; reader records limiting them: {', '.join(wishes.limiting[:8])}{more}"
+        only = ""
+        if some is not None:
+            only = (
+                f"; {', '.join(against)} only for the {len(some)} tensors every reader "
+                "record reads the old bits of"
+            )
+        explicit = self.features is not None
+        why = "as given by features=" if explicit else "the default: every feature its readers read"
+        if (only or (left and not explicit)) and wishes.limiting:
+            more = ", ..." if len(wishes.limiting) > 8 else ""
+            why += f"; reader records limiting them: {', '.join(wishes.limiting[:8])}{more}"
         _log.info(
-            "version %d on uses writer features %s%s (%s)",
+            "version %d on uses writer features %s%s%s (%s)",
             version,
             ", ".join(sorted(features)) or "none",
             f", not {left}" if left else "",
+            only,
             why,
         )
 

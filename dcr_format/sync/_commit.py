@@ -2,10 +2,10 @@
 holds the goal.
 
 A reader tells writers, in ``readers/<reader_id>.json`` (FORMAT.md §3.6), the tensors its
-target takes only as ``overwrite``, whether it reads its old bits at all and the features it
-implements. After the
-target's transaction commits the goal (its resident version), the reader keeps the goal's
-state table, the lanes it verified and the exponent rows of the bits it left.
+target takes only as ``overwrite``, which tensors' old bits it reads and the features it
+implements. After the target's transaction commits the goal (its resident version), the
+reader keeps the goal's state table, the lanes it verified and the exponent rows of the bits
+it left.
 """
 
 from __future__ import annotations
@@ -15,12 +15,26 @@ import re
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
 from dcr_format.errors import StoreError
-from dcr_format.format.schema import KNOWN_FEATURES, ReaderRecord
+from dcr_format.format.schema import KNOWN_FEATURES, MAX_BASELINE_NAMES, ReaderRecord
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
 
 READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _log = logging.getLogger(__name__)
+
+
+def _listed(names: frozenset[str] | None) -> tuple[str, ...]:
+    """A target's :meth:`Target.baseline_names` as a record lists them: sorted, at most
+    :data:`MAX_BASELINE_NAMES` (the first in order where a target gives more)."""
+    listed = sorted(names or ())
+    if len(listed) > MAX_BASELINE_NAMES:
+        _log.warning(
+            "the target reads the old bits of %d tensors; the reader record lists the first "
+            "%d (writers code the others without them)",
+            len(listed),
+            MAX_BASELINE_NAMES,
+        )
+    return tuple(listed[:MAX_BASELINE_NAMES])
 
 
 class Committing(Auditing):
@@ -33,15 +47,19 @@ class Committing(Auditing):
         set once, so a stale list is cleared); without a ``reader_id`` the record is named
         after its content, so readers that need the same names share one record. A target
         that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
-        (``reads_baseline`` false: writers then code nothing against the old bits).
+        (``reads_baseline`` false, with the names whose old bits it does read,
+        :meth:`Target.baseline_names`: writers code the others without the old bits).
         """
         names = self.target.overwrite_names()
         reads_baseline = self.target.reads_baseline()
         if self.reader_id is None and not names and reads_baseline:
             return
-        content = "\n".join(sorted(names)) + ("" if reads_baseline else "\n(no baseline)")
+        readable = None if reads_baseline else _listed(self.target.baseline_names())
+        content = "\n".join(sorted(names))
+        if readable is not None:
+            content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable)
         reader_id = self.reader_id or "auto-" + sha256_hex(content.encode())[:16]
-        if self._recorded == (reader_id, names, reads_baseline):
+        if self._recorded == (reader_id, names, readable):
             return
         record = ReaderRecord(
             reader_id=reader_id,
@@ -49,13 +67,14 @@ class Committing(Auditing):
             overwrite=tuple(sorted(names)),
             reads_baseline=reads_baseline,
             features=tuple(sorted(KNOWN_FEATURES)),
+            baseline_names=readable or None,
         )
         try:
             self.store.put(f"readers/{reader_id}.json", record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
             _log.warning("could not write reader record readers/%s.json: %s", reader_id, exc)
             return
-        self._recorded = (reader_id, names, reads_baseline)
+        self._recorded = (reader_id, names, readable)
 
     def _committed(self, sync: ApplyState, found: dict[str, tuple[int, ...]]) -> None:
         """After the target committed the goal: keep the goal's state table, the lanes the

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from dcr_format.format.schema import MAX_BASELINE_NAMES
 from dcr_format.targets.change import Resident
 from dcr_format.targets.module_apply import _ModuleTransaction
 from dcr_format.targets.placements import LoaderPlan, LoadWeights, Placements, ReduceLanes
@@ -160,8 +161,27 @@ class ModuleTarget(Placements, Target):
         return self.plan(name, dtype, shape).kind != "absent"
 
     def reads_baseline(self) -> bool:
-        """False: the module's tensors are reached through its loader, not as canonical bits."""
+        """False: the module's tensors are reached through its loader, not as canonical bits
+        (except those of :meth:`baseline_names`)."""
         return False
+
+    def baseline_names(self) -> frozenset[str]:
+        """The names learned so far (:meth:`prewarm`) that the loader places whole into one
+        contiguous run of a parameter (their canonical bits are a view of it, which a sync
+        reads and writes directly), then those it places nowhere (another rank's); the
+        largest first where they are more than a reader record lists. Not: tensor-parallel
+        shards, names the loader transforms, transposes or places twice, and every name
+        without ``direct``."""
+        if not self.direct:
+            return frozenset()
+        absent, whole = [], []
+        for plan in self._plans.values():
+            if plan.kind == "absent":
+                absent.append(plan.name)
+            elif plan.kind == "xor" and self._canonical_view(plan) is not None:
+                whole.append((-plan.numel, plan.name))
+        names = [name for _, name in sorted(whole)] + sorted(set(absent))
+        return frozenset(names[:MAX_BASELINE_NAMES])
 
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
         """The canonical views (:meth:`Transaction.tensor`) of the names among ``names`` the

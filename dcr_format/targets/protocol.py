@@ -158,8 +158,18 @@ class Target(StagingSource, ABC):
         """Whether the reader can read the exact canonical bits of the tensors this target
         holds (:meth:`Transaction.tensor`) before applying, so it decodes streams coded
         against them (``classed`` positions, FORMAT.md §6.5; ``ulp`` values, §7.5). A target
-        answering False tells writers through its reader record."""
+        answering False tells writers through its reader record, with the names it does
+        read the old bits of (:meth:`baseline_names`)."""
         return True
+
+    def baseline_names(self) -> frozenset[str] | None:
+        """The canonical names whose streams coded against the old bits the reader can
+        decode into this target: those whose exact canonical bits :meth:`Transaction.tensor`
+        gives, and those it never takes (:meth:`accepts`). None: every name (the default
+        where :meth:`reads_baseline`, else none). The reader records them for writers
+        (FORMAT.md §3.6, at most :data:`~dcr_format.format.schema.MAX_BASELINE_NAMES`),
+        and writers use such codings only for those names."""
+        return None if self.reads_baseline() else frozenset()
 
     def checkpoint_files(self) -> Mapping[str, str] | None:
         """The checkpoint files (FORMAT.md §3.5.6) the target holds from the chain, their
