@@ -1,0 +1,303 @@
+"""Codings against the old bits per tensor (FORMAT.md §3.6 ``baseline_names``, §12.1): a reader
+that reads the old bits of only some tensors lists them in its record, and a writer codes
+against the old bits exactly the tensors every recorded reader reads them of."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from test_positions_classed import coded_against_old_bits
+from torch import nn
+
+from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget
+from dcr_format.chain.chain import Chain
+from dcr_format.errors import SchemaError
+from dcr_format.format import schema
+from dcr_format.format.schema import MAX_BASELINE_NAMES, ReaderRecord, parse
+from dcr_format.publish import _commit
+from dcr_format.store.store import open_store
+
+UPDATED = "2026-01-01T00:00:00Z"
+
+
+def _record(store: str, reader_id: str, **fields: object) -> None:
+    record = ReaderRecord(reader_id=reader_id, updated=UPDATED, **fields)  # type: ignore[arg-type]
+    open_store(store).put(f"readers/{reader_id}.json", record.to_json())
+
+
+def _twins() -> list[dict[str, torch.Tensor]]:
+    """A base and two steps of tensors where the codings against the old bits pay, each twice
+    (``w`` and ``w2``: steps of small bfloat16 weights, classed positions and update-sized
+    values; ``u`` and ``u2``: float32 one-ulp steps, ulp values), and an int16 tensor."""
+    gen = torch.Generator().manual_seed(11)
+    master = torch.randn(96, 96, generator=gen) * 0.02
+    ulps = (torch.rand(4096, generator=gen) + 1.0).view(torch.int32)
+    counts = torch.randint(0, 1 << 14, (4096,), generator=gen, dtype=torch.int16)
+    states = []
+    for _ in range(3):
+        w, u = master.bfloat16(), ulps.clone().view(torch.float32)
+        states.append({"w": w, "w2": w.clone(), "u": u, "u2": u.clone(), "k": counts.clone()})
+        master = master - 2e-3 * torch.sign(torch.randn(96, 96, generator=gen)) * (
+            master.abs() < 0.01
+        )
+        ulps[torch.randint(0, 4096, (120,), generator=gen)] += 1
+        counts[torch.randint(0, 4096, (120,), generator=gen)] ^= 3
+    return states
+
+
+def test_a_writer_codes_against_the_old_bits_only_the_names_every_record_reads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    free = str(tmp_path / "free")
+    writer = DeltaWriter(free)
+    for state in _twins():
+        writer.publish(state)
+    both = {"w", "w2", "u", "u2"}
+    assert coded_against_old_bits(free, 1) == both == coded_against_old_bits(free, 2)
+
+    store = str(tmp_path / "store")
+    _record(store, "engine-a", reads_baseline=False, baseline_names=("k", "u", "w"))
+    _record(store, "engine-b", reads_baseline=False, baseline_names=("u", "w", "w2"))
+    _record(store, "eval")  # reads every tensor's old bits
+    caplog.set_level(logging.INFO, logger="dcr_format.publish.writer")
+    writer = DeltaWriter(store)
+    for state in _twins():
+        writer.publish(state)
+    assert coded_against_old_bits(store, 1) == {"u", "w"} == coded_against_old_bits(store, 2)
+    said = caplog.records[-1].getMessage()
+    assert "positions-classed, values-ulp, values-ulp-shift only for the 2 tensors" in said
+    assert "reader records limiting them: engine-a, engine-b" in said
+    # the twins coded plain take more bytes than those coded against the old bits
+    chain = Chain(open_store(store))
+    sizes = {e.name: e.encoded_bytes for m in chain.manifests(chain.record(1)) for e in m.entries}
+    assert sizes["w"] < sizes["w2"] and sizes["u"] < sizes["u2"]
+    held: dict[str, torch.Tensor] = {}
+    DeltaReader(store, StateDictTarget(held)).sync()
+    for name, tensor in _twins()[-1].items():
+        assert torch.equal(held[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+    # a record of a reader that reads no old bits (no list) leaves every tensor plain
+    _record(store, "old-engine", reads_baseline=False)
+    writer.publish(_twins()[1])
+    assert not coded_against_old_bits(store, 3)
+
+
+# --- a module behind an engine-like loader ---------------------------------------------------
+
+R, C = 64, 128
+NAMES = ("q", "k", "v", "o", "gate", "up", "scaled", "norm")
+WHOLE = {"q", "k", "v", "o"}  # placed whole into one contiguous run of a parameter
+
+
+class Engine(nn.Module):
+    """Loads like an engine: q, k and v fused into one parameter (row blocks) and o whole,
+    placed whole; gate split over two parameters, up transposed, scaled multiplied and norm
+    cast to float32, none of which a reader can read the canonical bits of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def param(*shape: int, dtype: torch.dtype = torch.bfloat16) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.qkv, self.o = param(3 * R, C), param(R, C)
+        self.gate_a, self.gate_b, self.up_t = param(R // 2, C), param(R // 2, C), param(C, R)
+        self.scaled, self.norm = param(R, C), param(C, dtype=torch.float32)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                at = "qkv".index(name) * R
+                self.qkv.data[at : at + R].copy_(w)
+            elif name == "o":
+                self.o.data.copy_(w)
+            elif name == "gate":
+                self.gate_a.data.copy_(w[: R // 2])
+                self.gate_b.data.copy_(w[R // 2 :])
+            elif name == "up":
+                self.up_t.data.copy_(w.t())
+            elif name == "scaled":
+                self.scaled.data.copy_(w * 2)
+            else:
+                self.norm.data.copy_(w)
+        return {name for name, _ in weights}
+
+
+def _bits(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().reshape(-1).view(torch.uint8).clone() for n, p in module.named_parameters()
+    }
+
+
+def _steps(count: int) -> list[dict[str, torch.Tensor]]:
+    """A base and ``count`` optimizer-like steps: about 1% of the weights move by a small
+    update each step (bfloat16 of float32 masters)."""
+    gen = torch.Generator().manual_seed(5)
+    masters = {n: torch.randn(C if n == "norm" else (R, C), generator=gen) * 0.02 for n in NAMES}
+    states = []
+    for _ in range(count + 1):
+        states.append({n: m.bfloat16() for n, m in masters.items()})
+        for m in masters.values():
+            moved = torch.rand(m.shape, generator=gen) < 0.02
+            m += moved * 1e-4 * torch.sign(torch.randn(m.shape, generator=gen))
+    return states
+
+
+def _sync_module(store: str, plain: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """Publish the steps with a module reader syncing each; returns the bytes of the deltas'
+    shards and of the entries of the names placed whole.
+    ``plain``: the reader records that it reads no old bits (the record without a list)."""
+    states = _steps(3)
+    writer = DeltaWriter(store)
+    writer.publish(states[0])
+    module = Engine()
+    target = ModuleTarget(module, load_weights=module.load_weights)
+    if plain:
+        monkeypatch.setattr(target, "baseline_names", lambda: frozenset())
+    reader = DeltaReader(store, target)
+    reader.sync()
+    record = json.loads(open_store(store).get(open_store(store).list("readers/")[0]))
+    assert record["reads_baseline"] is False
+    assert record.get("baseline_names") == (None if plain else sorted(WHOLE))
+    total = whole = 0
+    chain = Chain(open_store(store))
+    for number, state in enumerate(states[1:], start=1):
+        writer.publish(state)
+        coded = coded_against_old_bits(store, number)
+        assert not coded if plain else (coded and coded <= WHOLE)
+        assert reader.sync().version == number
+        dense = Engine()
+        dense.load_weights(state.items())
+        want, got = _bits(dense), _bits(module)
+        assert all(torch.equal(got[n], want[n]) for n in want), number
+        manifests = chain.manifests(chain.record(number))
+        total += sum(s.size for m in manifests for s in m.shards)
+        whole += sum(e.encoded_bytes for m in manifests for e in m.entries if e.name in WHOLE)
+    return total, whole
+
+
+def test_a_module_reader_gets_the_smaller_codings_for_the_names_placed_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listed = _sync_module(str(tmp_path / "listed"), False, monkeypatch)
+    plain = _sync_module(str(tmp_path / "plain"), True, monkeypatch)
+    assert listed[1] < 0.8 * plain[1] and listed[0] < plain[0], (listed, plain)
+
+
+def test_a_tensor_parallel_rank_lists_only_the_names_it_does_not_hold() -> None:
+    """Shards and the names it transforms read no canonical bits; the experts of the other
+    rank it never takes, so any coding of them is fine for it."""
+    import test_module_target as tm
+
+    module = tm.Runtime(tp_rank=0, tp=2)
+    target = ModuleTarget(module, load_weights=module.load_weights)
+    target.prewarm({n: (torch.bfloat16, s) for n, s in tm.SPECS.items()})
+    assert target.baseline_names() == {"experts.2.weight", "experts.3.weight"}
+    assert ModuleTarget(
+        module, load_weights=module.load_weights, direct=False
+    ).baseline_names() == (frozenset())
+
+
+class _Partial(StateDictTarget):
+    """A dict target that says it reads the old bits of ``readable`` only."""
+
+    readable: frozenset[str] = frozenset({"w"})
+
+    def reads_baseline(self) -> bool:
+        return False
+
+    def baseline_names(self) -> frozenset[str]:
+        return self.readable
+
+
+def test_a_reader_rewrites_its_record_when_the_names_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    states = _twins()
+    writer.publish(states[0])
+    target = _Partial({})
+    reader = DeltaReader(store, target, reader_id="rollout-1")
+
+    def listed() -> object:
+        return json.loads(open_store(store).get("readers/rollout-1.json")).get("baseline_names")
+
+    reader.sync()
+    assert listed() == ["w"]
+    target.readable = frozenset({"u", "w", "w2"})
+    writer.publish(states[1])
+    reader.sync()  # the record is written while the sync stages, before the next publish
+    assert listed() == ["u", "w", "w2"]
+    writer.publish(states[2])
+    assert coded_against_old_bits(store, 2) == {"u", "w", "w2"}
+    # a target giving more names than a record holds: the first in order are listed
+    monkeypatch.setattr("dcr_format.sync._commit.MAX_BASELINE_NAMES", 2)
+    target.readable = frozenset({"u", "w", "w2", "k"})
+    reader.sync()
+    assert listed() == ["k", "u"]
+
+
+@pytest.mark.parametrize(
+    ("names", "why"),
+    [
+        ([f"n{i:05d}" for i in range(MAX_BASELINE_NAMES + 1)], "at most 4096 items"),
+        (["a\x07b"], "should match pattern"),
+        (["__metadata__"], "reserved"),
+        ([""], "at least 1 character"),
+        (["w", "u"], "sorted order"),
+        (["u", "u"], "sorted order"),
+        ("w", "valid array"),
+        ([1], "valid string"),
+    ],
+)
+def test_a_hostile_list_is_refused_and_its_record_ignored(
+    tmp_path: Path, names: object, why: str
+) -> None:
+    tree = json.loads(
+        ReaderRecord(reader_id="bad", updated=UPDATED, reads_baseline=False).to_json()
+    )
+    tree["baseline_names"] = names
+    data = json.dumps(tree).encode()
+    with pytest.raises(SchemaError, match=why):
+        parse(ReaderRecord, data, what="readers/bad.json")
+    store = open_store(str(tmp_path / "store"))
+    store.put("readers/bad.json", data)
+    _record(str(tmp_path / "store"), "good", reads_baseline=False, baseline_names=("u", "w"))
+    assert _commit.read_reader_records(store).baseline_names == {"u", "w"}
+
+
+def test_a_list_with_every_tensor_readable_is_refused() -> None:
+    tree = json.loads(ReaderRecord(reader_id="r", updated=UPDATED).to_json())
+    tree["baseline_names"] = ["w"]
+    with pytest.raises(SchemaError, match="only with reads_baseline false"):
+        parse(ReaderRecord, json.dumps(tree).encode(), what="readers/r.json")
+
+
+class _RecordBefore(schema._Model):
+    """A reader record as a writer that does not know ``baseline_names`` reads it."""
+
+    format_version: int = 1
+    reader_id: str
+    updated: str
+    overwrite: tuple[str, ...] = ()
+    reads_baseline: bool = True
+    features: tuple[str, ...] | None = None
+
+
+def test_a_writer_that_does_not_know_the_list_reads_the_record_as_reading_no_old_bits() -> None:
+    """Ignoring the list (an unknown member, FORMAT.md §3.1), it reads ``reads_baseline``
+    false and codes every tensor plain, even at the most names a record lists."""
+    names = tuple(f"model.layers.{i}.weight" for i in range(MAX_BASELINE_NAMES))
+    record = ReaderRecord(
+        reader_id="engine",
+        updated=UPDATED,
+        reads_baseline=False,
+        baseline_names=tuple(sorted(names)),
+    )
+    before = parse(_RecordBefore, record.to_json(), what="readers/engine.json")
+    assert before.reads_baseline is False and before.reader_id == "engine"
