@@ -44,6 +44,7 @@ NAMES = (
     "values-ulp-shift",
     "checkpoint-files",
     "default-codings",
+    "baseline-names",
 )
 
 
@@ -440,3 +441,26 @@ def test_default_codings_vector_uses_every_feature_until_a_reader_cannot_read_ol
     wishes = read_reader_records(chain.store)
     assert not wishes.reads_baseline and wishes.limiting == ("engine-0",)
     assert wishes.features_for(None) == set(used[3])
+
+
+def test_baseline_names_vector_codes_against_old_bits_only_what_every_record_reads() -> None:
+    """The records list the tensors whose old bits their readers read: the versions after
+    them code exactly the tensors every record reads against the old bits, and a writer
+    reading the vector's records chooses that set."""
+    chain = Chain(open_store(VECTORS_DIR / "baseline-names" / "store"))
+    expected = expected_of("baseline-names")
+    readable = {"model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"}
+    readable.add("model.layers.0.steps")
+    for version in (1, 2):
+        assert set(expected["baseline_names"][str(version)]) == readable
+        against = set()
+        for manifest in chain.manifests(chain.record(version)):
+            for entry in manifest.entries:
+                if (entry.positions and entry.positions.coding == "classed") or (
+                    entry.values and entry.values.coding in ("ulp", "ulp-shift")
+                ):
+                    against.add(entry.name)
+        assert against == readable - {"model.layers.0.steps"}  # no float, no ulp
+    wishes = read_reader_records(chain.store)
+    assert wishes.baseline_names == readable
+    assert wishes.limiting == ("engine-0", "engine-1")

@@ -839,6 +839,78 @@ def default_codings() -> Vector:
     )
 
 
+def baseline_names() -> Vector:
+    """Codings against the old bits per tensor (FORMAT.md §3.6 ``baseline_names``, §12.1):
+    reader records that read the old bits of only some tensors; a writer's default codes
+    against the old bits exactly the tensors every record reads the old bits of."""
+    q0 = weights(1201, "bfloat16", 64 * 64)
+    k0 = weights(1202, "bfloat16", 32 * 32)
+    u0 = weights(1203, "bfloat16", 32 * 32)
+    n0 = weights(1204, "float32", 256)
+    d0 = uniform_bits(1205, "int16", 512)
+    q, k, u = (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    )
+    n, d = "model.layers.0.input_layernorm.weight", "model.layers.0.steps"
+
+    def state(*t: np.ndarray) -> State:
+        return {
+            q: Spec("bfloat16", (64, 64), t[0]),
+            k: Spec("bfloat16", (32, 32), t[1]),
+            u: Spec("bfloat16", (32, 32), t[2]),
+            n: Spec("float32", (256,), t[3]),
+            d: Spec("int16", (512,), t[4]),
+        }
+
+    def stepped(bits: np.ndarray, seed: int) -> np.ndarray:
+        return step_scaled(bits, below(bits, "bfloat16", 0x7A, seed, 3), seed + 1, "bfloat16", 0x7C)
+
+    # v1 and v2: steps of the small weights of q, k and u (classed positions and ulp-shift
+    # values pay for each), one-ulp steps of a run of n (ulp values), flipped low bits of d
+    q1, k1, u1 = stepped(q0, 1211), stepped(k0, 1213), stepped(u0, 1215)
+    n1, d1 = step_ulps(n0, run(20, 40), 1217, 4), flip(d0, scattered(1218, 512, 30), 1219, 0x3)
+    q2, k2, u2 = stepped(q1, 1221), stepped(k1, 1223), stepped(u1, 1225)
+    n2 = step_ulps(n1, run(120, 30), 1227, 4)
+    updated = _stamp(CLOCK_START - timedelta(days=1))
+    return Vector(
+        "baseline-names",
+        "codings against the old bits per tensor (FORMAT.md §3.6 baseline_names, §12.1): "
+        "before v1 two reader records that read the old bits of some tensors only, listed in "
+        "baseline_names (engine-0: k_proj, input_layernorm, q_proj, steps; engine-1: "
+        "input_layernorm, q_proj, steps) and one that reads them all; the writer's default "
+        "codes q_proj (classed, ulp-shift) and input_layernorm (ulp) against the old bits, and "
+        "k_proj and up_proj, whose steps are alike, without them; v2 decodes against the bits "
+        "v1 left",
+        11,
+        [
+            (0, state(q0, k0, u0, n0, d0)),
+            (1, state(q1, k1, u1, n1, d1)),
+            (2, state(q2, k2, u2, n2, d1)),
+        ],
+        features=None,
+        records={
+            1: [
+                ReaderRecord(
+                    reader_id="engine-0",
+                    updated=updated,
+                    reads_baseline=False,
+                    features=tuple(sorted(KNOWN_FEATURES)),
+                    baseline_names=tuple(sorted((k, n, q, d))),
+                ),
+                ReaderRecord(
+                    reader_id="engine-1",
+                    updated=updated,
+                    reads_baseline=False,
+                    baseline_names=tuple(sorted((n, q, d))),
+                ),
+                ReaderRecord(reader_id="trainer-eval", updated=updated),
+            ]
+        },
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -850,6 +922,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     values_ulp_shift,
     checkpoint_files,
     default_codings,
+    baseline_names,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -1007,12 +1080,32 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
             if vector.records
             else {}
         ),
+        **_readable(vector),
         "versions": versions,
         "objects": _objects(store_dir),
     }
     text = json.dumps(expected, indent=1) + "\n"
     (folder / "expected.json").write_text(text, encoding="utf-8")
     return expected
+
+
+def _readable(vector: Vector) -> dict[str, object]:
+    """For a vector whose records list ``baseline_names``: the tensors of each version from
+    the records on whose old bits every record reads (FORMAT.md §3.6), by version."""
+    if not any(r.baseline_names for records in vector.records.values() for r in records):
+        return {}
+    out: dict[str, list[str]] = {}
+    held: dict[str, ReaderRecord] = {}
+    for number, (_, state) in enumerate(vector.versions):
+        held.update({r.reader_id: r for r in vector.records.get(number, ())})
+        if not held:
+            continue
+        names = set(state)
+        for record in held.values():
+            if not record.reads_baseline:
+                names &= set(record.baseline_names or ())
+        out[str(number)] = sorted(names)
+    return {"baseline_names": out}
 
 
 def check_coverage(expected: list[dict[str, object]]) -> None:
@@ -1027,6 +1120,25 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             facts.add("implicit parents")
         if writer.get("features") == "default" and vector.get("readers"):
             facts.add("default features with reader records")
+        readable = vector.get("baseline_names", {})
+        assert isinstance(readable, dict)
+        for version in vector["versions"]:  # type: ignore[union-attr]
+            if str(version["version"]) not in readable:
+                continue
+            against = {
+                name
+                for name, e in version["entries"].items()
+                if e["positions"] == "classed" or e["values"] in ("ulp", "ulp-shift")
+            }
+            listed = set(readable[str(version["version"])])
+            assert against <= listed, f"coded against the old bits, not read: {against - listed}"
+            plain = {
+                name
+                for name, e in version["entries"].items()
+                if e["op"] == "xor" and e["changed"] and name not in listed
+            }
+            if against and plain:
+                facts.add("codings against the old bits for some tensors of a version")
         versions = vector["versions"]
         assert isinstance(versions, list)
         listings = [v["files"] for v in versions if "files" in v]
@@ -1101,6 +1213,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "a file changed",
             "a file dropped",
             "default features with reader records",
+            "codings against the old bits for some tensors of a version",
         }
         - facts
     )
