@@ -301,3 +301,38 @@ def test_a_writer_that_does_not_know_the_list_reads_the_record_as_reading_no_old
     )
     before = parse(_RecordBefore, record.to_json(), what="readers/engine.json")
     assert before.reads_baseline is False and before.reader_id == "engine"
+
+
+def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
+    """``benchmarks/module_bytes_bench.py`` on a one-layer Llama-like state: the engine reads
+    the old bits of every name at tp 1, of the whole ones only at tp 2, and every step
+    matches a dense load."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "module_bytes_bench.py"
+    spec = importlib.util.spec_from_file_location("module_bytes_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shapes = {"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)}
+    for part, shape in (
+        ("self_attn.q_proj", (32, 32)),
+        ("self_attn.k_proj", (32, 32)),
+        ("self_attn.v_proj", (32, 32)),
+        ("self_attn.o_proj", (32, 32)),
+        ("mlp.gate_proj", (64, 32)),
+        ("mlp.up_proj", (64, 32)),
+        ("mlp.down_proj", (32, 64)),
+        ("input_layernorm", (32,)),
+    ):
+        shapes[f"model.layers.0.{part}.weight"] = shape
+    gen = torch.Generator().manual_seed(2)
+    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    states = []
+    for _ in range(3):
+        states.append({n: m.bfloat16() for n, m in masters.items()})
+        for m in masters.values():
+            m += (torch.rand(m.shape, generator=gen) < 0.05) * 3e-4
+    assert bench.run(states, listed=True, tp=1)["readable"] == len(shapes)
+    assert bench.run(states, listed=True, tp=2)["readable"] == 3  # embeddings and norms
+    assert bench.run(states, listed=False, tp=1)["readable"] == 0
