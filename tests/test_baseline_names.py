@@ -49,9 +49,11 @@ def _twins() -> list[dict[str, torch.Tensor]]:
     return states
 
 
+@pytest.mark.parametrize("threads", [2, 1])  # 1: the stream a device writer codes, on the host
 def test_a_writer_codes_against_the_old_bits_only_the_names_every_record_reads(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, threads: int
 ) -> None:
+    monkeypatch.setattr("dcr_format.delta.pipeline.CODING_THREADS", threads)
     free = str(tmp_path / "free")
     writer = DeltaWriter(free)
     for state in _twins():
