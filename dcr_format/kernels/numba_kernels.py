@@ -29,7 +29,9 @@ import threading
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
@@ -719,6 +721,66 @@ def put(
     keep = replaced is not None
     out = replaced if replaced is not None else bits[:0]
     _launch(_put, chunks, flat, pos, bits, out, keep, bad)
+    return not bool(bad.any())
+
+
+@intrinsic
+def _pointer(typingctx, address, like):  # type: ignore[no-untyped-def]
+    """The integer ``address`` as a pointer to elements of ``like``'s dtype."""
+    signature = types.CPointer(like.dtype)(address, like)  # type: ignore[no-untyped-call]
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
+
+
+@parallel_kernel
+def _put_all(addresses, sizes, starts, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
+    """:func:`_put` into several tensors at once: segment ``t`` (``pos[starts[t]:starts[t +
+    1]]``) into the ``sizes[t]`` elements at ``addresses[t]``; chunks of the positions in
+    parallel, each walking the segments it spans."""
+    total = pos.shape[0]
+    for c in prange(bad.shape[0]):
+        lo = c * _PUT_CHUNK
+        hi = min(lo + _PUT_CHUNK, total)
+        t = np.searchsorted(starts, lo, side="right") - 1
+        while lo < hi:
+            end = min(hi, starts[t + 1])
+            n = sizes[t]
+            if end > lo:
+                flat = carray(_pointer(addresses[t], bits), (n,))  # type: ignore[call-arg]
+                for j in range(lo, end):
+                    p = pos[j]
+                    if p >= 0 and p < n:
+                        if keep:
+                            replaced[j] = flat[p]
+                        flat[p] = bits[j]
+                    else:
+                        bad[c] = 1
+            lo = end
+            t += 1
+
+
+def put_all(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    starts: np.ndarray,
+    pos: np.ndarray,
+    bits: np.ndarray,
+    replaced: np.ndarray | None = None,
+) -> bool:
+    """:func:`put` into several contiguous tensors in one launch: ``flat_t[pos[j]] = bits[j]``
+    for ``j`` in segment ``t`` (``starts[t]`` to ``starts[t + 1]``), ``flat_t`` the
+    ``sizes[t]`` elements of ``bits``'s dtype at memory address ``addresses[t]`` (int64;
+    the caller checks these are live, contiguous and of that width, and the segments in
+    range); ``replaced`` as for :func:`put`. A position out of range is skipped. Returns
+    whether every position was in range."""
+    chunks = -(-pos.shape[0] // _PUT_CHUNK)
+    bad = np.zeros(chunks, dtype=np.uint8)
+    keep = replaced is not None
+    out = replaced if replaced is not None else bits[:0]
+    _launch(_put_all, chunks, addresses, sizes, starts, pos, bits, out, keep, bad)
     return not bool(bad.any())
 
 
