@@ -29,12 +29,12 @@ import threading
 from typing import Any, NamedTuple
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import intrinsic
-from numba.np.numpy_support import carray
+from numba import njit, prange
+from numba.np.numpy_support import carray  # numba.carray, which its stubs do not export
 
 from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
+from dcr_format.kernels._native_bits import pointer_to, prefetch_write
 
 # --- fingerprint constants (dcr_format.delta.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -688,6 +688,7 @@ def _run_change(
 
 
 _PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial task)
+_AHEAD = 64  # positions a write looks ahead to prefetch the line of
 
 
 @parallel_kernel
@@ -700,6 +701,8 @@ def _put(flat, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
         lo = c * _PUT_CHUNK
         hi = min(lo + _PUT_CHUNK, pos.shape[0])
         for j in range(lo, hi):
+            if j + _AHEAD < hi:  # the line a later write reaches, asked for now
+                prefetch_write(flat, pos[j + _AHEAD])
             p = pos[j]
             if p >= 0 and p < n:
                 if keep:
@@ -724,17 +727,6 @@ def put(
     return not bool(bad.any())
 
 
-@intrinsic
-def _pointer(typingctx, address, like):  # type: ignore[no-untyped-def]
-    """The integer ``address`` as a pointer to elements of ``like``'s dtype."""
-    signature = types.CPointer(like.dtype)(address, like)  # type: ignore[no-untyped-call]
-
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return signature, codegen
-
-
 @parallel_kernel
 def _put_all(addresses, sizes, starts, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
     """:func:`_put` into several tensors at once: segment ``t`` (``pos[starts[t]:starts[t +
@@ -749,8 +741,10 @@ def _put_all(addresses, sizes, starts, pos, bits, replaced, keep, bad):  # type:
             end = min(hi, starts[t + 1])
             n = sizes[t]
             if end > lo:
-                flat = carray(_pointer(addresses[t], bits), (n,))  # type: ignore[call-arg]
+                flat = carray(pointer_to(addresses[t], bits), (n,))
                 for j in range(lo, end):
+                    if j + _AHEAD < end:  # the line a later write reaches, asked for now
+                        prefetch_write(flat, pos[j + _AHEAD])
                     p = pos[j]
                     if p >= 0 and p < n:
                         if keep:
