@@ -22,7 +22,7 @@ from test_module_target import (
 )
 from torch import nn
 
-import dcr_format.targets.reader_side as reader_side
+import dcr_format.sync._apply as apply_module
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
 from dcr_format.delta.backend import Backend
 from dcr_format.delta.backends import backend_for
@@ -136,24 +136,31 @@ def test_a_failure_in_the_middle_of_the_writes_undoes_them_all(tmp_path, monkeyp
     writer.publish(step(state, 0))
     prepared = reader.prepare()
     before = bits_of(module)
-    written: list[int] = []
-    put = reader_side.put_staged
-
-    def failing(tensor, staged):  # type: ignore[no-untyped-def]
-        if len(written) == 3:
-            raise RuntimeError("the engine went away")
-        written.append(1)
-        return put(tensor, staged)
-
-    monkeypatch.setattr(reader_side, "put_staged", failing)
+    written = fail_after_writing(monkeypatch, 3, "the engine went away")
     with pytest.raises(ApplyError, match="went away"):
         reader.apply(prepared)
     after = bits_of(module)
     assert len(written) == 3 and all(torch.equal(after[n], before[n]) for n in before)
-    monkeypatch.setattr(reader_side, "put_staged", put)
+    monkeypatch.undo()
     state = step(state, 0)
     reader.apply(reader.prepare())
     assert_module(module, state)
+
+
+def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Make the apply of a prepared version fail with ``message`` once its staged batch is
+    written and ``count`` of its changes are followed; returns the names followed."""
+    followed: list[str] = []
+    follow = apply_module._follow_rows
+
+    def failing(sync, entry, applied):  # type: ignore[no-untyped-def]
+        if len(followed) == count:
+            raise RuntimeError(message)
+        followed.append(entry.name)
+        return follow(sync, entry, applied)
+
+    monkeypatch.setattr(apply_module, "_follow_rows", failing)
+    return followed
 
 
 def test_a_storage_moved_after_preparing_is_learned_again_and_written(tmp_path):

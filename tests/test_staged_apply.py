@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_bits, make_state, snapshot
+from test_module_prepared import fail_after_writing
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Transaction
 from dcr_format.errors import ApplyError, BaselineMismatchError
@@ -114,21 +115,13 @@ def test_a_failure_while_putting_rolls_every_put_back(synced, monkeypatch):
     reader, tensors, state, at_zero = synced
     prepared = reader.prepare()
     assert len(prepared._staged) > 2
-    calls = []
-    original = Transaction.put
-
-    def failing(self, change, staged):
-        calls.append(change.name)
-        if len(calls) == 3:
-            raise RuntimeError("injected")
-        return original(self, change, staged)
-
-    monkeypatch.setattr(Transaction, "put", failing)
+    written = fail_after_writing(monkeypatch, 2, "injected")
     with pytest.raises(ApplyError, match="injected"):
         reader.apply(prepared)
+    assert len(written) == 2
     assert_same_bits(tensors, at_zero)
     assert reader.target.resident().version == 0
-    monkeypatch.setattr(Transaction, "put", original)
+    monkeypatch.undo()
     reader.sync()
     assert_same_bits(tensors, state)
 

@@ -20,11 +20,14 @@ reader never reads the changed elements a second time to update a fingerprint.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from dcr_format.errors import DcrError
+from dcr_format.format.dtypes import bits_view
 from dcr_format.kernels import reference
 from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
 from dcr_format.system.environ import getenv
@@ -142,6 +145,27 @@ class PendingDiff:
         self.total()
         assert self._diff is not None
         return self._diff
+
+
+def check_segments(positions: torch.Tensor, starts: np.ndarray, sizes: Sequence[int]) -> None:
+    """Raise :class:`IndexError` unless ``starts`` bounds one segment of ``positions`` per
+    size and each segment's first and last position lie below its size (the positions of a
+    segment are strictly increasing: all of them do then)."""
+    where = np.asarray(starts, dtype=np.int64)
+    if where.shape != (len(sizes) + 1,) or where[0] != 0 or where[-1] != positions.numel():
+        raise IndexError("the segments do not cover the positions once per tensor")
+    counts = np.diff(where)
+    if (counts < 0).any():
+        raise IndexError("the segments do not cover the positions once per tensor")
+    full = counts > 0
+    if not full.any():
+        return
+    flat = positions.reshape(-1)
+    ends = torch.from_numpy(np.stack([where[:-1][full], where[1:][full] - 1]))
+    firsts, lasts = flat[ends.to(flat.device)].cpu().numpy()
+    bound = np.asarray(sizes, dtype=np.int64)[full]
+    if (firsts < 0).any() or (lasts >= bound).any():
+        raise IndexError("positions are out of range: pass the positions of a verified decoder")
 
 
 class Backend:
@@ -278,6 +302,39 @@ class Backend:
         the bits it replaced (else None). The backends with a leaner loop for it than
         :meth:`scatter` override it."""
         return self.scatter(flat, positions, bits, op=OVERWRITE, save=keep)
+
+    def put_segments(
+        self,
+        targets: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        bits: torch.Tensor,
+        starts: np.ndarray,
+        *,
+        keep: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`put` of segment ``t`` of ``positions``/``bits`` (``starts[t]`` to
+        ``starts[t + 1]``, int64; positions strictly increasing within a segment) into the
+        bits of ``targets[t]`` (contiguous tensors of ``bits``'s width, any dtype) for every
+        ``t``, in one pass where the backend can: the write of a version's staged changes.
+        ``keep``: returns the bits it replaced, end to end (else None). Whole or nothing:
+        every segment is checked to lie in its tensor first (:class:`IndexError`), and a
+        write that fails part way puts back what it wrote before raising."""
+        flats = [bits_view(t).reshape(-1) for t in targets]
+        check_segments(positions, starts, [f.numel() for f in flats])
+        replaced = torch.empty_like(bits)
+        done = 0
+        try:
+            for done, flat in enumerate(flats):
+                lo, hi = int(starts[done]), int(starts[done + 1])
+                old = self.put(flat, positions[lo:hi], bits[lo:hi], keep=True)
+                assert old is not None
+                replaced[lo:hi] = old
+        except BaseException:  # whole or nothing: the segments written are put back
+            for t in range(done):
+                lo, hi = int(starts[t]), int(starts[t + 1])
+                self.put(flats[t], positions[lo:hi], replaced[lo:hi])
+            raise
+        return replaced if keep else None
 
     def apply_with_lanes(
         self,

@@ -12,12 +12,13 @@ pass). Other tensors, and the class passes, run the torch reference of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
 import torch
 
-from dcr_format.delta.backend import NUMBA, ULP, Backend, check_op, lane_count
+from dcr_format.delta.backend import NUMBA, ULP, Backend, check_op, check_segments, lane_count
 from dcr_format.delta.fingerprint import native_table
 from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
 
@@ -199,6 +200,45 @@ class NumbaBackend(Backend):
                 "positions of a verified decoder"
             )
         return replaced
+
+    def put_segments(
+        self,
+        targets: Sequence[torch.Tensor],
+        positions: torch.Tensor,
+        bits: torch.Tensor,
+        starts: np.ndarray,
+        *,
+        keep: bool = False,
+    ) -> torch.Tensor | None:
+        """As :meth:`Backend.put_segments`, in one launch over every segment (the tensors'
+        memory passed by address: each is checked here to be a contiguous CPU tensor of
+        ``bits``'s width, and its size is read now)."""
+        width = bits.element_size()
+        fits = (
+            _takes(positions, bits)
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and bits.is_contiguous()
+            and all(t.is_cpu and t.element_size() == width and t.is_contiguous() for t in targets)
+        )
+        if not fits:
+            return super().put_segments(targets, positions, bits, starts, keep=keep)
+        sizes = [t.numel() for t in targets]
+        check_segments(positions, starts, sizes)
+        addresses = np.array([t.data_ptr() for t in targets], dtype=np.int64)
+        # the replaced bits are kept even when not asked for: a position out of range
+        # found in the loop (unsorted positions) puts back what the write changed
+        replaced = torch.empty_like(bits)
+        args = (
+            addresses,
+            np.array(sizes, dtype=np.int64),
+            np.asarray(starts, dtype=np.int64),
+            positions.numpy(),
+        )
+        if not self.native.put_all(*args, _unsigned(bits.reshape(-1)), _unsigned(replaced)):
+            self.native.put_all(*args, _unsigned(replaced))  # skips the same positions
+            raise IndexError("positions are out of range: pass the positions of a verified decoder")
+        return replaced if keep else None
 
     def apply_with_lanes(
         self,

@@ -23,6 +23,7 @@ host over the compacted payload only, which leaves a GPU through pinned memory.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -699,6 +700,55 @@ def unput_staged(target: torch.Tensor, staged: StagedChange, replaced: torch.Ten
     backend_for(flat).put(flat, staged.positions, replaced)
 
 
+@dataclass(frozen=True)
+class StagedBatch:
+    """Staged changes to several tensors, their positions and bits end to end (change ``t``
+    at ``starts[t]`` to ``starts[t + 1]``), so that :func:`put_batch` writes them all in
+    one pass."""
+
+    positions: torch.Tensor
+    before: torch.Tensor
+    after: torch.Tensor
+    starts: np.ndarray  # int64, one more than the changes
+
+
+def batch_staged(changes: Sequence[StagedChange]) -> tuple[StagedBatch, list[StagedChange]]:
+    """``changes`` (on one device, of one bit width) end to end, and each change again as
+    views of the batch (so their bits are held once)."""
+    starts = [0]
+    for change in changes:
+        starts.append(starts[-1] + int(change.positions.numel()))
+    batch = StagedBatch(
+        torch.cat([c.positions.reshape(-1) for c in changes]),
+        torch.cat([c.before.reshape(-1) for c in changes]),
+        torch.cat([c.after.reshape(-1) for c in changes]),
+        np.array(starts, dtype=np.int64),
+    )
+    views = [
+        StagedChange(batch.positions[lo:hi], batch.before[lo:hi], batch.after[lo:hi], c.lane_deltas)
+        for c, lo, hi in zip(changes, starts[:-1], starts[1:], strict=True)
+    ]
+    return batch, views
+
+
+def put_batch(targets: Sequence[torch.Tensor], batch: StagedBatch) -> torch.Tensor:
+    """:func:`put_staged` of every change of ``batch`` into ``targets`` (its tensors, in
+    order), in one pass where the backend can; returns the bits it replaced, end to end,
+    which :func:`unput_batch` puts back. Every position is checked to lie in its tensor
+    before anything is written (:class:`IndexError` otherwise, nothing changed)."""
+    backend = backend_for(batch.positions)
+    replaced = backend.put_segments(targets, batch.positions, batch.after, batch.starts, keep=True)
+    assert replaced is not None
+    return replaced
+
+
+def unput_batch(
+    targets: Sequence[torch.Tensor], batch: StagedBatch, replaced: torch.Tensor
+) -> None:
+    """Put back the bits :func:`put_batch` replaced (its undo)."""
+    backend_for(batch.positions).put_segments(targets, batch.positions, replaced, batch.starts)
+
+
 def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:
     """Apply in place; returns what :func:`undo_delta` needs (old bits for overwrite/full)."""
     return apply_change(target, delta, lanes=False).saved
@@ -731,20 +781,24 @@ __all__ = [
     "Delta",
     "EncodedTensor",
     "PendingDelta",
+    "StagedBatch",
     "StagedChange",
     "after_bits",
     "apply_change",
     "apply_delta",
+    "batch_staged",
     "changed_positions",
     "comparable",
     "decode_delta",
     "encode_diff",
     "encode_tensor",
+    "put_batch",
     "put_staged",
     "rans_part",
     "ready",
     "resolve",
     "stage_change",
     "undo_delta",
+    "unput_batch",
     "unput_staged",
 ]

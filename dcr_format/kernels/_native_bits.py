@@ -21,6 +21,11 @@ defines them, not the target.
 - :func:`load_be64`: eight bytes from any offset of a byte array as one big-endian word
   (a single unaligned load, byte-swapped on little-endian hosts), so that bit readers
   take a whole field at once instead of byte by byte.
+- :func:`prefetch_write`: a hint that an element of an array is about to be written
+  (LLVM's ``prefetch``, which never faults), so that a scatter of sparse positions keeps
+  many cache misses in flight instead of waiting on each.
+- :func:`pointer_to`: an integer address as a pointer to elements of an array's dtype,
+  for a kernel that writes into several tensors passed by address.
 """
 
 from __future__ import annotations
@@ -229,6 +234,48 @@ def _load_be64(typingctx: Any, data: Any, at: Any) -> Any:
     return sig, codegen
 
 
+@intrinsic
+def _prefetch_write(typingctx: Any, array: Any, index: Any) -> Any:
+    """Hint that ``array[index]`` will be written soon (``array`` a C-contiguous 1-d
+    array); no effect on results, and no fault whatever ``index`` is."""
+    if not (
+        isinstance(array, types.Array)
+        and array.ndim == 1
+        and array.layout == "C"
+        and isinstance(index, types.Integer)
+    ):
+        return None
+    sig = types.void(array, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_pointer = ir.IntType(8).as_pointer()
+        word = ir.IntType(32)
+        kind = ir.FunctionType(ir.VoidType(), [byte_pointer, word, word, word])
+        prefetch = builder.module.declare_intrinsic("llvm.prefetch", [byte_pointer], kind)
+        at = builder.bitcast(builder.gep(data, [args[1]]), byte_pointer)
+        # a write (1), kept in every cache level (3), of data (1)
+        builder.call(
+            prefetch, [at, ir.Constant(word, 1), ir.Constant(word, 3), ir.Constant(word, 1)]
+        )
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _pointer_to(typingctx: Any, address: Any, like: Any) -> Any:
+    """The integer ``address`` as a pointer to elements of ``like``'s dtype (an array)."""
+    if not (isinstance(address, types.Integer) and isinstance(like, types.Array)):
+        return None
+    sig = types.CPointer(like.dtype)(address, like)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
 # intrinsics are callable in compiled code only; typed Any, as numba's stubs type their
 # decorator's result as taking the typing context too
 class_masks: Any = _class_masks
@@ -237,6 +284,8 @@ popcount: Any = _popcount
 deposit_select: Any = _deposit_select
 load_be64: Any = _load_be64
 mul_high: Any = _mul_high
+pointer_to: Any = _pointer_to
+prefetch_write: Any = _prefetch_write
 
 __all__ = [
     "BLOCK",
@@ -249,5 +298,7 @@ __all__ = [
     "has_deposit",
     "load_be64",
     "mul_high",
+    "pointer_to",
     "popcount",
+    "prefetch_write",
 ]

@@ -30,9 +30,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit, prange
+from numba.np.numpy_support import carray  # numba.carray, which its stubs do not export
 
 from dcr_format.kernels._launch import _launch, parallel_kernel
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
+from dcr_format.kernels._native_bits import pointer_to, prefetch_write
 
 # --- fingerprint constants (dcr_format.delta.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -686,6 +688,7 @@ def _run_change(
 
 
 _PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial task)
+_AHEAD = 64  # positions a write looks ahead to prefetch the line of
 
 
 @parallel_kernel
@@ -698,6 +701,8 @@ def _put(flat, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
         lo = c * _PUT_CHUNK
         hi = min(lo + _PUT_CHUNK, pos.shape[0])
         for j in range(lo, hi):
+            if j + _AHEAD < hi:  # the line a later write reaches, asked for now
+                prefetch_write(flat, pos[j + _AHEAD])
             p = pos[j]
             if p >= 0 and p < n:
                 if keep:
@@ -719,6 +724,57 @@ def put(
     keep = replaced is not None
     out = replaced if replaced is not None else bits[:0]
     _launch(_put, chunks, flat, pos, bits, out, keep, bad)
+    return not bool(bad.any())
+
+
+@parallel_kernel
+def _put_all(addresses, sizes, starts, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
+    """:func:`_put` into several tensors at once: segment ``t`` (``pos[starts[t]:starts[t +
+    1]]``) into the ``sizes[t]`` elements at ``addresses[t]``; chunks of the positions in
+    parallel, each walking the segments it spans."""
+    total = pos.shape[0]
+    for c in prange(bad.shape[0]):
+        lo = c * _PUT_CHUNK
+        hi = min(lo + _PUT_CHUNK, total)
+        t = np.searchsorted(starts, lo, side="right") - 1
+        while lo < hi:
+            end = min(hi, starts[t + 1])
+            n = sizes[t]
+            if end > lo:
+                flat = carray(pointer_to(addresses[t], bits), (n,))
+                for j in range(lo, end):
+                    if j + _AHEAD < end:  # the line a later write reaches, asked for now
+                        prefetch_write(flat, pos[j + _AHEAD])
+                    p = pos[j]
+                    if p >= 0 and p < n:
+                        if keep:
+                            replaced[j] = flat[p]
+                        flat[p] = bits[j]
+                    else:
+                        bad[c] = 1
+            lo = end
+            t += 1
+
+
+def put_all(
+    addresses: np.ndarray,
+    sizes: np.ndarray,
+    starts: np.ndarray,
+    pos: np.ndarray,
+    bits: np.ndarray,
+    replaced: np.ndarray | None = None,
+) -> bool:
+    """:func:`put` into several contiguous tensors in one launch: ``flat_t[pos[j]] = bits[j]``
+    for ``j`` in segment ``t`` (``starts[t]`` to ``starts[t + 1]``), ``flat_t`` the
+    ``sizes[t]`` elements of ``bits``'s dtype at memory address ``addresses[t]`` (int64;
+    the caller checks these are live, contiguous and of that width, and the segments in
+    range); ``replaced`` as for :func:`put`. A position out of range is skipped. Returns
+    whether every position was in range."""
+    chunks = -(-pos.shape[0] // _PUT_CHUNK)
+    bad = np.zeros(chunks, dtype=np.uint8)
+    keep = replaced is not None
+    out = replaced if replaced is not None else bits[:0]
+    _launch(_put_all, chunks, addresses, sizes, starts, pos, bits, out, keep, bad)
     return not bool(bad.any())
 
 

@@ -30,6 +30,8 @@ from dcr_format.delta.delta import (
     DecodedDelta,
     Delta,
     PendingDelta,
+    StagedChange,
+    batch_staged,
     resolve,
     stage_change,
 )
@@ -49,6 +51,7 @@ from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import Entry
 from dcr_format.kernels.native import compiled, serial_kernels
 from dcr_format.sync._audit import Auditing
+from dcr_format.sync._diagnose import fingerprint_of
 from dcr_format.sync._fetch import Early, FetchedStep, SyncBudget, fetch_step
 from dcr_format.sync._plan import StepPlan, SyncPlan
 from dcr_format.sync._state import ApplyState, PreparedVersion
@@ -222,11 +225,42 @@ class Applying(Auditing):
                 if self.select(name) and name not in step.table:
                     txn.drop(name)
         changes = step.changes
+        put = self._put_batches(sync, step) if sync.prepared._staged else set()
         for index, (entry, delta) in enumerate(changes):
-            if entry.name not in sync.applied:
+            if entry.name not in sync.applied and entry.name not in put:
                 self._change_entry(sync, entry, delta)
             if sync.prepared._spend:  # its memory goes now, not with the whole version
                 changes[index] = (entry, SPENT)
+
+    def _put_batches(self, sync: ApplyState, step: FetchedStep) -> set[str]:
+        """Write each batch of changes staged together (:meth:`_stage`) in one pass
+        (:meth:`Transaction.put_batch`) where every change of it is still to apply and
+        takes the write; returns the names written (the rest are applied one by one)."""
+        staged = sync.prepared._staged
+        pending = {
+            e.name: (e, d)
+            for e, d in step.changes
+            if e.op != FULL and e.changed and e.name not in sync.applied
+        }
+        batches = {id(s.batch): s for s in staged.values() if s.batch is not None}
+        done: set[str] = set()
+        for first in batches.values():
+            if not all(name in pending for name in first.names):
+                continue
+            changes = []
+            for name in first.names:
+                entry, delta = pending[name]
+                info = info_for(entry.dtype)
+                changes.append(
+                    (Change(name, info.torch_dtype, tuple(entry.shape), delta), staged[name])
+                )
+            written = sync.txn.put_batch(changes)
+            if written is None:
+                continue
+            for name, applied in zip(first.names, written, strict=True):
+                self._follow(sync, pending[name][0], applied, staged[name].lanes)
+                done.add(name)
+        return done
 
     def _change_entry(
         self, sync: ApplyState, entry: Entry, delta: Delta, *, owned: bool = False
@@ -239,6 +273,18 @@ class Applying(Auditing):
         delta = self._give_rows(entry, delta, sync.rows)
         change = Change(entry.name, info.torch_dtype, tuple(entry.shape), delta)
         applied = sync.txn.change(change, sync.prepared._staged.get(entry.name), owned=owned)
+        self._follow(sync, entry, applied)
+
+    def _follow(
+        self,
+        sync: ApplyState,
+        entry: Entry,
+        applied: Applied,
+        ready: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> None:
+        """Follow one applied change's fingerprint lanes and exponent rows (``ready``: the
+        lanes before and after it, computed when it was staged: taken where the lanes
+        before are still those)."""
         _follow_rows(sync, entry, applied)
         if entry.op == FULL:
             sync.lanes[entry.name] = applied.lanes
@@ -246,7 +292,11 @@ class Applying(Auditing):
                 return
         else:
             # the fingerprint follows the change (O(changed)), from the bits read back
-            sync.lanes[entry.name] = _lanes_after(sync.lanes.get(entry.name), applied)
+            before = sync.lanes.get(entry.name)
+            if ready is not None and before is not None and before == ready[0]:
+                sync.lanes[entry.name] = ready[1]
+            else:
+                sync.lanes[entry.name] = _lanes_after(before, applied)
         sync.touched.add(entry.name)
 
     def _resolver(
@@ -357,6 +407,7 @@ class Applying(Auditing):
         refuses it with the usual error."""
         wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
         staged: dict[str, Staged] = {}
+        trusted = {} if self._verified is None else self._verified.lanes
         # read while no other sync changes the tensors (a rollback would restore other bits)
         release = claim_target(self.target, self.target.claim_timeout())
         try:
@@ -367,12 +418,15 @@ class Applying(Auditing):
                 if done is None:
                     continue
                 try:
-                    staged[name] = Staged(tensor, stage_change(tensor, done), done.rows)
+                    bits = stage_change(tensor, done)
                 except (IndexError, DcrError):
                     continue
+                staged[name] = Staged(
+                    tensor, bits, done.rows, lanes=_lanes_staged(entry, trusted.get(name), bits)
+                )
         finally:
             release()
-        return staged
+        return _batched(staged)
 
     def _give_rows(
         self, entry: Entry, delta: Delta, pending: dict[str, tuple[str, np.ndarray]]
@@ -518,6 +572,37 @@ def _changes(sync: ApplyState, which: Callable[[str], bool]) -> list[Change]:
         for e, d in step.changes
         if which(e.name)
     ]
+
+
+def _lanes_staged(
+    entry: Entry, before: tuple[int, ...] | None, bits: StagedChange
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A staged change's lanes before (``before``: those the reader trusts now) and after,
+    and the fingerprints of both computed (:func:`fingerprint_of` keeps them), so that the
+    checks of the apply compare them without computing them again; None without
+    ``before``."""
+    if before is None:
+        return None
+    after = apply_lane_deltas(before, bits.lane_deltas)
+    shape = tuple(entry.shape)
+    fingerprint_of(entry.dtype, shape, tuple(before))
+    fingerprint_of(entry.dtype, shape, after)
+    return before, after
+
+
+def _batched(staged: dict[str, Staged]) -> dict[str, Staged]:
+    """``staged`` with the changes of each device and bit width end to end in one batch
+    (:func:`batch_staged`), each change a view of its batch, so the apply writes each
+    batch in one pass (:meth:`Transaction.put_batch`)."""
+    groups: dict[tuple[str, torch.dtype], list[str]] = {}
+    for name, one in staged.items():
+        groups.setdefault((str(one.bits.after.device), one.bits.after.dtype), []).append(name)
+    out = dict(staged)
+    for names in groups.values():
+        batch, views = batch_staged([staged[n].bits for n in names])
+        for name, view in zip(names, views, strict=True):
+            out[name] = replace(staged[name], bits=view, batch=batch, names=tuple(names))
+    return out
 
 
 def _undo_bytes(plan: SyncPlan) -> int:

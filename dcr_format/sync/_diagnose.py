@@ -10,6 +10,7 @@ named as such (:class:`~dcr_format.errors.BaselineMismatchError`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -245,6 +246,14 @@ def _check_lanes(
     return incomplete
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def fingerprint_of(dtype: str, shape: tuple[int, ...], lanes: tuple[int, ...]) -> str:
+    """:func:`fingerprint_from_lanes` of a tensor of dtype name ``dtype`` (a pure function:
+    the fingerprints of the lanes a commit verified, and of the lanes a prepared version
+    leaves, are computed once, not again in the pause that checks them)."""
+    return fingerprint_from_lanes(info_for(dtype).torch_dtype, shape, lanes)
+
+
 def _mismatches(
     txn: Transaction,
     raw: dict[str, tuple[int, ...]],
@@ -264,8 +273,7 @@ def _mismatches(
             incomplete.add(name)
         elif want is not None:
             dtype, shape, fingerprint = want
-            found = fingerprint_from_lanes(info_for(dtype).torch_dtype, tuple(shape), whole)
-            if found != fingerprint:
+            if fingerprint_of(dtype, tuple(shape), tuple(whole)) != fingerprint:
                 bad.append(name)
     return bad, incomplete
 

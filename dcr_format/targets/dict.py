@@ -142,12 +142,12 @@ class _DictTransaction(Transaction):
     def tensor(self, name: str) -> torch.Tensor | None:
         return self._tensors.get(name)
 
-    def put(self, change: Change, staged: Staged) -> Applied | None:
+    def _puts(self, change: Change, staged: Staged) -> torch.Tensor | None:
         """As :meth:`Transaction.put`, except for tied tensors (they take a change once,
         through :meth:`apply`)."""
         if change.name in self._aliases:
             return None
-        return super().put(change, staged)
+        return super()._puts(change, staged)
 
     def resolved(self, change: Change) -> Change:
         """As :meth:`Transaction.resolved`; a tied name whose storage the tie's first name

@@ -21,7 +21,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dcr_format.delta.delta import FULL, StagedChange, put_staged, resolve, unput_staged
+from dcr_format.delta.delta import (
+    FULL,
+    StagedBatch,
+    StagedChange,
+    put_batch,
+    put_staged,
+    resolve,
+    unput_batch,
+    unput_staged,
+)
 from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import (
     BaselineCodingError,
@@ -44,6 +53,12 @@ class Staged:
     bits: StagedChange
     # the exponent rows of the bits it was resolved against (``classed``), or None
     rows: np.ndarray | None = None
+    # the changes staged with it, end to end (``bits`` is a view of it), and their names
+    batch: StagedBatch | None = None
+    names: tuple[str, ...] = ()
+    # the lanes the reader trusted for the tensor when it staged the change, and its lanes
+    # after the change (from those and the lane deltas), or None
+    lanes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 class StagingSource:
@@ -191,19 +206,47 @@ class ReaderTransaction(ABC):
         since then get the version's bits anyway; an edit made before staging is caught by
         the lanes as with :meth:`apply`, any other by an audit (FORMAT.md §11.3).
         """
-        tensor = self.tensor(change.name)
-        if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
+        tensor = self._puts(change, staged)
+        if tensor is None:
             return None
         bits = staged.bits
         replaced = put_staged(tensor, bits)
-        return Applied(
-            lambda: unput_staged(tensor, bits, replaced),
-            bits.positions,
-            bits.before,
-            bits.after,
-            lane_deltas=bits.lane_deltas,
-            rows=staged.rows,
-        )
+        return _staged_applied(lambda: unput_staged(tensor, bits, replaced), staged)
+
+    def _puts(self, change: Change, staged: Staged) -> torch.Tensor | None:
+        """The live tensor :meth:`put` writes ``staged`` into (the one it was read from),
+        or None where the change must be applied instead."""
+        tensor = self.tensor(change.name)
+        if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
+            return None
+        return tensor
+
+    def put_batch(self, changes: Sequence[tuple[Change, Staged]]) -> list[Applied] | None:
+        """:meth:`change` of every change of one batch staged together (``changes``: each
+        with what was staged for it, in the batch's order), written in one pass and undone
+        as one; None (nothing written) where any of them would not take :meth:`put`, or
+        where the changes are not exactly the batch's: :meth:`change` each instead."""
+        if not changes or self.__dict__.get("_whole_undo") is not None:
+            return None
+        batch = changes[0][1].batch
+        if batch is None or changes[0][1].names != tuple(c.name for c, _ in changes):
+            return None
+        tensors = []
+        for change, staged in changes:
+            tensor = self._puts(change, staged)
+            if tensor is None or staged.batch is not batch:
+                return None
+            tensors.append(tensor)
+        # the write is whole or nothing (put_batch); its undo is journalled before it
+        replaced: list[torch.Tensor] = []
+
+        def undo() -> None:
+            if replaced:
+                unput_batch(tensors, batch, replaced[0])
+
+        self._journal().append(undo)
+        replaced.append(put_batch(tensors, batch))
+        return [_staged_applied(_nothing, staged) for _, staged in changes]
 
     def resolved(self, change: Change) -> Change:
         """``change`` completed against the tensor it lands in where the writer coded it
@@ -229,6 +272,15 @@ class ReaderTransaction(ABC):
         """Undo every change and abort: the target is as it was before the sync."""
         self.undo()
         self.abort()
+
+
+def _staged_applied(undo: Callable[[], None], staged: Staged) -> Applied:
+    """What :meth:`ReaderTransaction.put` reports of a staged change written."""
+    bits = staged.bits
+    return Applied(
+        undo, bits.positions, bits.before, bits.after, lane_deltas=bits.lane_deltas,
+        rows=staged.rows,
+    )  # fmt: skip
 
 
 def _nothing() -> None:
