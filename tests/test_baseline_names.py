@@ -204,6 +204,32 @@ def test_a_tensor_parallel_rank_lists_only_the_names_it_does_not_hold() -> None:
     ).baseline_names() == (frozenset())
 
 
+def test_a_module_reader_through_its_loader_reads_the_old_bits_of_names_placed_whole(
+    tmp_path: Path,
+) -> None:
+    """Without ``direct`` every change is written through the loader, but a change coded
+    against the old bits is still completed against the canonical view (read only); the
+    target may switch between the two after its record is written."""
+    store = str(tmp_path / "store")
+    states = _steps(4)
+    writer = DeltaWriter(store)
+    writer.publish(states[0])
+    module = Engine()
+    target = ModuleTarget(module, load_weights=module.load_weights, direct=False)
+    reader = DeltaReader(store, target)
+    reader.sync()
+    assert target.baseline_names() == WHOLE
+    for number, state in enumerate(states[1:], start=1):
+        writer.publish(state)
+        assert coded_against_old_bits(store, number)
+        target.direct = number % 2 == 0
+        assert reader.sync().version == number
+        dense = Engine()
+        dense.load_weights(state.items())
+        want, got = _bits(dense), _bits(module)
+        assert all(torch.equal(got[n], want[n]) for n in want), number
+
+
 class _Partial(StateDictTarget):
     """A dict target that says it reads the old bits of ``readable`` only."""
 

@@ -577,6 +577,17 @@ def _as_xor(delta: DecodedDelta, flat: torch.Tensor, backend: Backend) -> Decode
     return DecodedDelta(delta.op, positions, to_device(xor, delta.values.device), rows=delta.rows)
 
 
+def as_xor(delta: Delta, target: torch.Tensor) -> Delta:
+    """A resolved change with ``ulp`` values as the XOR bits it makes against ``target``'s
+    bits (read, never written), for a writer that applies plain XOR (a loader's); any other
+    change as it is."""
+    ready_delta = ready(delta)
+    if not ready_delta.ulp:
+        return delta
+    flat = bits_view(target).reshape(-1)
+    return _as_xor(ready_delta, flat, backend_for(flat))
+
+
 def _stepped(before: torch.Tensor, z: torch.Tensor, backend: Backend) -> torch.Tensor:
     """The bits ``z`` zigzag ulp differences away from ``before`` (a bit view), on
     ``before``'s device: the backend's step where it runs the ``ulp`` passes there or the
@@ -786,6 +797,7 @@ __all__ = [
     "after_bits",
     "apply_change",
     "apply_delta",
+    "as_xor",
     "batch_staged",
     "changed_positions",
     "comparable",

@@ -170,10 +170,7 @@ class ModuleTarget(Placements, Target):
         contiguous run of a parameter (their canonical bits are a view of it, which a sync
         reads and writes directly), then those it places nowhere (another rank's); the
         largest first where they are more than a reader record lists. Not: tensor-parallel
-        shards, names the loader transforms, transposes or places twice, and every name
-        without ``direct``."""
-        if not self.direct:
-            return frozenset()
+        shards, names the loader transforms, transposes or places twice."""
         absent, whole = [], []
         for plan in self._plans.values():
             if plan.kind == "absent":

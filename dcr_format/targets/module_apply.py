@@ -11,12 +11,13 @@ scratch holding the change, each intercepted write performed or refused by a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from dcr_format.chain.layout import View
-from dcr_format.delta.delta import FULL, OVERWRITE, XOR
+from dcr_format.delta.delta import FULL, OVERWRITE, XOR, as_xor
 from dcr_format.delta.dispatch import apply_with_lanes, scatter
 from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, tensor_lanes
 from dcr_format.errors import OverwriteRequiredError, TargetError
@@ -24,7 +25,7 @@ from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.module_trace import _bits, _Copy, _flat, _Interceptor, _view_of
 from dcr_format.targets.placements import LoaderPlan, Placements, _first_of_each
 from dcr_format.targets.protocol import Transaction
-from dcr_format.targets.reader_side import baseline_coding_error
+from dcr_format.targets.reader_side import baseline_coding_error, resolved_against
 
 
 class _ModuleTransaction(Transaction):
@@ -45,10 +46,28 @@ class _ModuleTransaction(Transaction):
         """The canonical tensor as a view of the parameter storage, where the loader places
         the whole tensor there contiguously in its own order (a slice of a fused parameter);
         None for any other name (it goes through spec/lanes/apply)."""
+        return self._old_bits(name) if self.target.direct else None
+
+    def _old_bits(self, name: str) -> torch.Tensor | None:
+        """:meth:`tensor`'s view whether or not the target writes through it (``direct``):
+        the bits a change coded against the old bits is completed against."""
         plan = self.target._plan_of(name)
-        if plan is None or plan.kind != "xor" or not self.target.direct:
+        if plan is None or plan.kind != "xor":
             return None
         return self.target._canonical_view(plan)
+
+    def resolved(self, change: Change) -> Change:
+        """As :meth:`Transaction.resolved`, against the canonical view of the name (read
+        only, so also where every change goes through the loader)."""
+        if not change.delta.needs_target:
+            return change
+        old = self._old_bits(change.name)
+        if old is None:
+            raise baseline_coding_error(change.name)
+        done = resolved_against(change, old, keep_before=True)
+        if self.target.direct:
+            return done
+        return replace(done, delta=as_xor(done.delta, old))  # the loader writes XOR bits
 
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         raise TargetError("a module target writes through its loader, not canonical tensors")
@@ -82,7 +101,7 @@ class _ModuleTransaction(Transaction):
                 continue
             if change.delta.positions is not None and change.delta.positions.numel() == 0:
                 continue
-            if change.delta.needs_target and self.tensor(change.name) is None:
+            if change.delta.needs_target and self._old_bits(change.name) is None:
                 raise baseline_coding_error(change.name)  # no canonical old bits to read
             plan = self.target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":
