@@ -30,6 +30,7 @@ from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
 from dcr_format.format.dtypes import bits_view
+from dcr_format.testing.processes import in_threads
 
 RATE = 0.03
 
@@ -126,26 +127,6 @@ class _LaneSum:
         return reduce
 
 
-def _in_threads(fn: Any, ranks: int) -> list[Any]:
-    results: list[Any] = [None] * ranks
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def bench(hidden: int, layers: int, tp: int, steps: int) -> dict[str, float]:
     """Median pause of ``steps`` versions into the ``tp`` ranks of the decoder."""
     vocab = 8 * hidden
@@ -164,14 +145,14 @@ def bench(hidden: int, layers: int, tp: int, steps: int) -> dict[str, float]:
                 module, load_weights=module.load_weights, reduce_lanes=lanes.rank(r)
             )
             readers.append(DeltaReader(root, target, reader_id=f"rank-{r}"))
-        _in_threads(lambda r: readers[r].sync(), tp)
+        in_threads(lambda r: readers[r].sync(), tp)
         for reader in readers:
             reader.target.warm()  # type: ignore[attr-defined]
         for _ in range(steps):
             state = {n: _perturb(t, gen) for n, t in state.items()}
             writer.publish(state)
             prepared = [reader.prepare() for reader in readers]
-            results = _in_threads(lambda r, p=prepared: readers[r].apply(p[r]), tp)
+            results = in_threads(lambda r, p=prepared: readers[r].apply(p[r]), tp)
             assert not any(result.unverified for result in results)
             pauses.append(max(result.apply_seconds for result in results))
     changed = sum(max(1, int(t.numel() * RATE)) for t in state.values()) / tp

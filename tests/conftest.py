@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
+
+from dcr_format.testing.processes import run_ranks  # noqa: F401 (the tests import it here)
 
 # the benchmark harnesses (benchmarks/*.py) import one another by module name, as when run
 # from a clone; the tests of them import them the same way
@@ -88,26 +89,6 @@ def step_state(state: dict[str, torch.Tensor], gen: torch.Generator, per_tensor:
         if index % 2 == int(torch.randint(0, 2, (1,), generator=gen)):
             changed += flip_bits(state[name], gen, per_tensor)
     return changed
-
-
-def run_ranks(world: int, fn: Callable[[int], object], timeout: float = 60.0):
-    """Run ``fn(rank)`` in one thread per rank; return (results, errors) by rank."""
-    results: list[object] = [None] * world
-    errors: list[BaseException | None] = [None] * world
-
-    def go(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # reported to the test, not to threading
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(world)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a rank hung"
-    return results, errors
 
 
 def dir_snapshot(path: Path) -> tuple[str | None, dict[str, bytes]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_layout import advance, canonical_state, layout_for, locals_for, run_ranks
+from test_layout import advance, canonical_state, layout_for, locals_for
 
 from dcr_format import DeltaReader, DeltaWriter, ProjectionWriter, StateDictTarget, verify
 from dcr_format.chain.chain import Chain, TensorState, resolve_parents, state_table
@@ -22,6 +22,7 @@ from dcr_format.format import schema
 from dcr_format.publish.coordinate import ThreadCoordinator
 from dcr_format.store.store import open_store
 from dcr_format.sync._plan import _check_continuity
+from dcr_format.testing.processes import in_threads
 
 FEATURE = "implicit-parents"
 
@@ -221,7 +222,9 @@ def test_pieces_keep_their_parent_fingerprints(tmp_path: Path) -> None:
     for k in range(3):
         if k:
             state, master = advance(state, master, k)
-        run_ranks(lambda r, s=state, m=master: writers[r].publish(locals_for(layouts[r], s, m)), tp)
+        in_threads(
+            lambda r, s=state, m=master: writers[r].publish(locals_for(layouts[r], s, m)), tp
+        )
     chain = Chain(open_store(store))
     manifests = chain.manifests(chain.record(2))
     pieces = [e for m in manifests for e in m.entries if e.piece is not None]

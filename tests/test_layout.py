@@ -7,7 +7,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from dcr_format.errors import (
 )
 from dcr_format.format import schema
 from dcr_format.store.store import open_store
+from dcr_format.testing.processes import in_threads
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "layout_bench.py"
 
@@ -197,25 +197,6 @@ def locals_for(layout: Layout, state, master) -> dict[str, torch.Tensor]:  # typ
     return out
 
 
-def run_ranks(fn, ranks: int):  # type: ignore[no-untyped-def]
-    results, errors = [None] * ranks, []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def decoded(store: str, version: int) -> dict[str, list[tuple[str, list[int], list[int]]]]:
     """Each tensor's change as readers decode it (pieces merged): op, positions, values."""
     chain = Chain(open_store(store))
@@ -249,7 +230,9 @@ def test_sharded_publish_equals_the_gathered_canonical_publish(tmp_path, tp):
     for k in range(versions):
         if k:
             state, master = advance(state, master, k)
-        run_ranks(lambda r, s=state, m=master: writers[r].publish(locals_for(layouts[r], s, m)), tp)
+        in_threads(
+            lambda r, s=state, m=master: writers[r].publish(locals_for(layouts[r], s, m)), tp
+        )
         reference.publish(state)
     chain_a, chain_b = Chain(open_store(sharded)), Chain(open_store(gathered))
     for version in range(versions):
@@ -282,7 +265,7 @@ def test_data_parallel_replicas_publish_each_element_once(tmp_path):
     for k in range(3):
         if k:
             state, master = advance(state, master, k)
-        run_ranks(
+        in_threads(
             lambda r, s=state, m=master: writers[r].publish(locals_for(layouts[r], s, m)), tp * dp
         )
     chain = Chain(open_store(store))
@@ -307,7 +290,7 @@ def test_a_reopened_projection_writer_continues_the_chain(tmp_path):
             ProjectionWriter(store, layouts[r], rank=r, world_size=tp, coordinator=coordinator)
             for r in range(tp)
         ]
-        run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], s, m)), tp)
+        in_threads(lambda r: writers[r].publish(locals_for(layouts[r], s, m)), tp)
         return writers
 
     publish_all(state, master)
@@ -336,9 +319,9 @@ def pieces_store(tmp_path) -> str:
         for r in range(tp)
     ]
     state, master = canonical_state(3)
-    run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
+    in_threads(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
     state, master = advance(state, master, 1)
-    run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
+    in_threads(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
     return store
 
 
@@ -394,7 +377,7 @@ def test_a_layout_missing_a_piece_is_not_committed(tmp_path):
     ]
     state, master = canonical_state(4)
     with pytest.raises((SchemaError, IncompleteVersionError)):
-        run_ranks(
+        in_threads(
             lambda r: writers[r].publish(
                 {
                     n: t
@@ -419,11 +402,11 @@ def test_pieces_that_do_not_add_up_are_not_committed(tmp_path):
         for r in range(tp)
     ]
     state, master = canonical_state(5)
-    run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
+    in_threads(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
     writers[1]._part._region_lanes[("q", 1)] = (1, 2)  # a rank whose baseline drifted
     state, master = advance(state, master, 1)
     with pytest.raises((ChainBrokenError, IncompleteVersionError)):
-        run_ranks(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
+        in_threads(lambda r: writers[r].publish(locals_for(layouts[r], state, master)), tp)
     assert Chain(open_store(store)).versions() == [0]
 
 

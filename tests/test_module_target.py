@@ -22,6 +22,7 @@ from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, TargetError
 from dcr_format.chain.chain import Chain
 from dcr_format.errors import ApplyError, BaselineMismatchError, OverwriteRequiredError
 from dcr_format.store.store import open_store
+from dcr_format.testing.processes import in_threads
 
 H, Q, KV, FF, V = 8, 8, 4, 12, 16
 SPECS = {
@@ -171,26 +172,6 @@ class LaneSum:
             return {name: tuple(v) for name, v in total.items()}
 
         return reduce
-
-
-def in_threads(fn, ranks: int) -> list:  # type: ignore[no-untyped-def]
-    results: list = [None] * ranks
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
 
 
 def manifest_ops(store: str, version: int) -> dict[str, str]:

@@ -1,13 +1,17 @@
 """Server processes for tests and benchmarks: a free port on 127.0.0.1, waiting until a
-server answers (or its process exits), and stopping a process politely, then firmly."""
+server answers (or its process exits), and stopping a process politely, then firmly; and
+ranks run as threads of one process (:func:`run_ranks`, :func:`in_threads`)."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 def free_port() -> int:
@@ -47,3 +51,36 @@ def stop_process(process: subprocess.Popen[Any], *, grace: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=grace)
+
+
+def run_ranks(
+    world: int, fn: Callable[[int], _T], timeout: float | None = 60.0
+) -> tuple[list[_T | None], list[BaseException | None]]:
+    """Run ``fn(rank)`` for every rank of ``world``, each in a thread of its own; return
+    the results and the errors by rank. A rank still running after ``timeout`` seconds
+    (None: no limit) fails with ``AssertionError("a rank hung")``."""
+    results: list[_T | None] = [None] * world
+    errors: list[BaseException | None] = [None] * world
+
+    def go(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # reported to the caller, not to threading
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=go, args=(r,), daemon=True) for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a rank hung"
+    return results, errors
+
+
+def in_threads(fn: Callable[[int], _T], ranks: int, timeout: float | None = None) -> list[_T]:
+    """:func:`run_ranks` that raises the first rank's error, else returns the results."""
+    results, errors = run_ranks(ranks, fn, timeout)
+    for error in errors:
+        if error is not None:
+            raise error
+    return results  # type: ignore[return-value]
