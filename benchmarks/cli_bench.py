@@ -61,14 +61,15 @@ def _median(argv: list[str], repeat: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(_CPU[-repeat:])
 
 
-# Run in a child process (argv: ckpt store cache into seed rate): a publish and a pull of the
-# checkpoint as saved, then of one more step in the same process; prints JSON: each run's
-# wall and CPU seconds, the kernels each loaded from numba's cache with their seconds, the
-# seconds numba's first-use setup took, and the package modules the commands imported.
+# Run in a child process (argv: ckpt store cache into seed rate steps): a publish and a pull
+# of the checkpoint as saved, then of ``steps`` more steps in the same process; prints JSON:
+# each run's wall and CPU seconds, the kernels each loaded from numba's cache with their
+# seconds, the seconds numba's first-use setup took, and the package modules the commands
+# imported.
 _PROBE = """
 import json, sys, threading, time
 sys.path.insert(0, {here!r})
-ckpt, store, cache, into, seed, rate = sys.argv[1:7]
+ckpt, store, cache, into, seed, rate, steps = sys.argv[1:8]
 import cli_bench, torch
 from safetensors.torch import load_file, save_file
 import numba.core.caching
@@ -100,10 +101,12 @@ def run(*argv):
 publish = ("publish", ckpt, "--store", store, "--cache-dir", cache)
 pull = ("pull", "--store", store, "--into", into)
 first = [run(*publish), run(*pull)]
-tensors = load_file(ckpt + "/model.safetensors")
-cli_bench._step(tensors, float(rate), torch.Generator().manual_seed(int(seed)))
-save_file(tensors, ckpt + "/model.safetensors")
-again = [run(*publish), run(*pull)]
+tensors, again = load_file(ckpt + "/model.safetensors"), []
+gen = torch.Generator().manual_seed(int(seed))
+for _ in range(int(steps)):
+    cli_bench._step(tensors, float(rate), gen)
+    save_file(tensors, ckpt + "/model.safetensors")
+    again.append([run(*publish), run(*pull)])
 modules = sorted(m for m in sys.modules if m.startswith("dcr_format."))
 print(json.dumps({{"first": first, "again": again, "setup": setup, "modules": modules}}))
 """
@@ -124,7 +127,7 @@ def _breakdown(
     save_file(tensors, str(ckpt / "model.safetensors"))
     code = _PROBE.format(here=str(Path(__file__).resolve().parent))
     argv = [sys.executable, "-c", code, str(ckpt), str(store), str(cache), str(into), "3"]
-    run = subprocess.run([*argv, str(rate)], capture_output=True, text=True)
+    run = subprocess.run([*argv, str(rate), str(repeat)], capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"the in-process probe failed:\n{run.stderr}")
     probe = json.loads(run.stdout.splitlines()[-1])
@@ -136,10 +139,13 @@ def _breakdown(
         ("+ numba's setup", f"import torch, numba; {_SETUP}"),
         ("+ the modules", f"import torch, numba; {_SETUP}; import {modules}"),
     ]
-    cpus = [_median([sys.executable, "-c", piece], repeat)[1] for _, piece in pieces]
+    cpus = []
+    for _, piece in pieces:  # the least of several runs: the cost without other work's noise
+        _median([sys.executable, "-c", piece], repeat)
+        cpus.append(min(_CPU[-repeat:]))
     lines = [
-        "where a warm publish and pull spend their CPU (start-up pieces: fresh processes,",
-        f"median of {repeat}; '+' rows: what each adds to the row above; both commands",
+        "where a warm publish and pull spend their CPU (start-up pieces: fresh processes, the",
+        f"least of {repeat} runs; '+' rows: what each adds to the row above; both commands",
         "import the same pieces but for a few of the package's modules):",
     ]
     before = 0.0
@@ -148,13 +154,14 @@ def _breakdown(
         before = cpu
     lines.append(f"  {'start-up before the command runs':<34}{cpus[-1]:7.3f}s")
     for i, name in enumerate(("publish", "pull")):
-        first, again = probe["first"][i], probe["again"][i]
-        loads = first["loads"]
+        loads = probe["first"][i]["loads"]
         slowest = max(loads, key=lambda load: load[1]) if loads else ("-", 0.0)
+        cpu = statistics.median(step[i]["cpu"] for step in probe["again"])
+        wall = statistics.median(step[i]["wall"] for step in probe["again"])
         lines.append(
             f"  {name}: {len(loads)} kernels loaded from numba's cache in "
             f"{sum(s for _, s in loads):.3f} s wall (slowest {slowest[0]}: {slowest[1]:.3f} s); "
-            f"the work alone {again['cpu']:.3f} s cpu, {again['wall']:.3f} s wall"
+            f"the work alone {cpu:.3f} s cpu, {wall:.3f} s wall (median of {repeat} steps)"
         )
     lines.append(f"  numba's first-use setup, in process: {probe['setup']:.3f} s cpu")
     return lines
