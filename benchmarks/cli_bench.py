@@ -10,11 +10,18 @@ Each figure is also given over the ``python -c pass`` of the same interpreter, t
 every command pays; the goals are checked against those. Beside each wall time, the CPU
 time (user + system, every thread) the command used: on a machine other work keeps busy,
 that is the steadier figure.
+
+With ``--breakdown``, where a warm publish and pull spend their CPU time: the start-up
+pieces, each in a fresh process (the interpreter, torch with numpy, numba's import and its
+first-use setup, the package's modules the command imports), the compiled kernels loaded
+from numba's on-disk cache (how many, and their time), and the work alone (a publish and
+pull of one more step in a process that already ran one, so nothing is imported or loaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import statistics
 import subprocess
@@ -54,6 +61,112 @@ def _median(argv: list[str], repeat: int) -> tuple[float, float]:
     return statistics.median(walls), statistics.median(_CPU[-repeat:])
 
 
+# Run in a child process (argv: ckpt store cache into seed rate steps): a publish and a pull
+# of the checkpoint as saved, then of ``steps`` more steps in the same process; prints JSON:
+# each run's wall and CPU seconds, the kernels each loaded from numba's cache with their
+# seconds, the seconds numba's first-use setup took, and the package modules the commands
+# imported.
+_PROBE = """
+import json, sys, threading, time
+sys.path.insert(0, {here!r})
+ckpt, store, cache, into, seed, rate, steps = sys.argv[1:8]
+import cli_bench, torch
+from safetensors.torch import load_file, save_file
+import numba.core.caching
+from numba.core.registry import cpu_target
+began = time.process_time()
+cpu_target.typing_context.refresh()
+cpu_target.target_context.refresh()
+setup = time.process_time() - began
+loads, lock, original = [], threading.Lock(), numba.core.caching.Cache.load_overload
+def load_overload(self, sig, target_context):
+    began = time.perf_counter()
+    try:
+        return original(self, sig, target_context)
+    finally:
+        with lock:
+            loads.append((self._py_func.__qualname__, time.perf_counter() - began))
+numba.core.caching.Cache.load_overload = load_overload
+from dcr_format.cli.main import main
+def run(*argv):
+    del loads[:]
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        main(list(argv))
+    except SystemExit as exc:
+        if exc.code:
+            raise
+    return {{"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu,
+            "loads": list(loads)}}
+publish = ("publish", ckpt, "--store", store, "--cache-dir", cache)
+pull = ("pull", "--store", store, "--into", into)
+first = [run(*publish), run(*pull)]
+tensors, again = load_file(ckpt + "/model.safetensors"), []
+gen = torch.Generator().manual_seed(int(seed))
+for _ in range(int(steps)):
+    cli_bench._step(tensors, float(rate), gen)
+    save_file(tensors, ckpt + "/model.safetensors")
+    again.append([run(*publish), run(*pull)])
+modules = sorted(m for m in sys.modules if m.startswith("dcr_format."))
+print(json.dumps({{"first": first, "again": again, "setup": setup, "modules": modules}}))
+"""
+_SETUP = (
+    "from numba.core.registry import cpu_target; "
+    "cpu_target.typing_context.refresh(); cpu_target.target_context.refresh()"
+)
+
+
+def _breakdown(
+    ckpt: Path, store: Path, cache: Path, into: Path, rate: float, repeat: int, tensors
+) -> list[str]:  # type: ignore[no-untyped-def]
+    """Lines saying where a warm publish and pull spend their CPU time (module docstring)."""
+    import torch
+    from safetensors.torch import save_file
+
+    _step(tensors, rate, torch.Generator().manual_seed(2))
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    code = _PROBE.format(here=str(Path(__file__).resolve().parent))
+    argv = [sys.executable, "-c", code, str(ckpt), str(store), str(cache), str(into), "3"]
+    run = subprocess.run([*argv, str(rate), str(repeat)], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise SystemExit(f"the in-process probe failed:\n{run.stderr}")
+    probe = json.loads(run.stdout.splitlines()[-1])
+    modules = ", ".join(probe["modules"])
+    pieces = [
+        ("python -c pass", "pass"),
+        ("+ torch, numpy", "import torch"),
+        ("+ numba", "import torch, numba"),
+        ("+ numba's setup", f"import torch, numba; {_SETUP}"),
+        ("+ the modules", f"import torch, numba; {_SETUP}; import {modules}"),
+    ]
+    cpus = []
+    for _, piece in pieces:  # the least of several runs: the cost without other work's noise
+        _median([sys.executable, "-c", piece], repeat)
+        cpus.append(min(_CPU[-repeat:]))
+    lines = [
+        "where a warm publish and pull spend their CPU (start-up pieces: fresh processes, the",
+        f"least of {repeat} runs; '+' rows: what each adds to the row above; both commands",
+        "import the same pieces but for a few of the package's modules):",
+    ]
+    before = 0.0
+    for (name, _), cpu in zip(pieces, cpus, strict=True):
+        lines.append(f"  {name:<34}{cpu - before:7.3f}s")
+        before = cpu
+    lines.append(f"  {'start-up before the command runs':<34}{cpus[-1]:7.3f}s")
+    for i, name in enumerate(("publish", "pull")):
+        loads = probe["first"][i]["loads"]
+        slowest = max(loads, key=lambda load: load[1]) if loads else ("-", 0.0)
+        cpu = statistics.median(step[i]["cpu"] for step in probe["again"])
+        wall = statistics.median(step[i]["wall"] for step in probe["again"])
+        lines.append(
+            f"  {name}: {len(loads)} kernels loaded from numba's cache in "
+            f"{sum(s for _, s in loads):.3f} s wall (slowest {slowest[0]}: {slowest[1]:.3f} s); "
+            f"the work alone {cpu:.3f} s cpu, {wall:.3f} s wall (median of {repeat} steps)"
+        )
+    lines.append(f"  numba's first-use setup, in process: {probe['setup']:.3f} s cpu")
+    return lines
+
+
 def _checkpoint(mb: float, seed: int):  # type: ignore[no-untyped-def]
     import torch
 
@@ -87,6 +200,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.01, help="share of elements changed")
     parser.add_argument("--steps", type=int, default=5, help="timed publish+pull steps")
     parser.add_argument("--repeat", type=int, default=7, help="runs of the start-up commands")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also where a publish and pull spend their time"
+    )
     args = parser.parse_args()
 
     import torch
@@ -120,6 +236,10 @@ def main() -> None:
         python = _median([sys.executable, "-c", "pass"], args.repeat)
         version = _median([*DCR, "--version"], args.repeat)
         log = _median([*DCR, "log", "--store", str(store)], args.repeat)
+        breakdown = []
+        if args.breakdown:
+            cache_dir = root / "cache"
+            breakdown = _breakdown(ckpt, store, cache_dir, into, args.rate, args.repeat, tensors)
 
     def median(values: list[float]) -> float:
         return statistics.median(values)
@@ -146,6 +266,9 @@ def main() -> None:
         f"{both[0]:.3f}s (goal {GOAL_PUBLISH_PULL} s: {mark}); cpu {pub[1]:.3f}s + "
         f"{pul[1]:.3f}s (median of {args.steps} steps)"
     )
+
+    if breakdown:
+        print("\n".join(breakdown))
 
 
 if __name__ == "__main__":

@@ -388,13 +388,19 @@ def test_native_benchmark_small_run():
 
 
 def test_cli_benchmark_small_run():
-    """benchmarks/cli_bench.py: every command it times runs, and it reports each goal."""
+    """benchmarks/cli_bench.py: every command it times runs, it reports each goal, and its
+    breakdown names each start-up piece, the kernels loaded and the work of each command."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "cli_bench.py"), "--mb", "1", "--steps", "1",
-         "--repeat", "1"],
+         "--repeat", "1", "--breakdown"],
         capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     lines = result.stdout.splitlines()
     for name in ("python -c pass", "dcr --version", "dcr log", "warm publish, pull"):
         assert any(line.startswith(name) for line in lines), result.stdout
     assert result.stdout.count("goal") == 3
+    for piece in ("+ torch, numpy", "+ numba ", "+ numba's setup", "+ the modules"):
+        assert sum(line.strip().startswith(piece) for line in lines) == 1, result.stdout
+    for command in ("publish", "pull"):
+        (line,) = [line for line in lines if line.strip().startswith(f"{command}: ")]
+        assert "kernels loaded from numba's cache" in line and "the work alone" in line

@@ -184,7 +184,12 @@ def test_help_shows_the_default_of_every_option_that_has_one() -> None:
 
     from dcr_format.cli.explore import project
 
-    runs = [(command, cli, [name, "--help"]) for name, command in cli.commands.items()]
+    context = click.Context(cli)
+    runs: list[tuple[click.Command, click.Command, list[str]]] = []
+    for name in cli.list_commands(context):
+        command = cli.get_command(context, name)
+        assert command is not None, name
+        runs.append((command, cli, [name, "--help"]))
     runs.append((project, project, ["--help"]))  # also when run on its own, outside the group
     for command, entry, args in runs:
         text = " ".join(CliRunner().invoke(entry, args).output.split())

@@ -5,6 +5,7 @@ named line, nothing is created or committed by a command that has nothing to do.
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from click.testing import CliRunner, Result
 from conftest import make_state, step_state
 
 from dcr_format import DeltaWriter
-from dcr_format.cli.main import cli
+from dcr_format.cli.main import COMMAND_MODULES, cli
 from dcr_format.errors import GraceTooShortError
 from dcr_format.tools import gc
 from dcr_format.tools._common import parse_duration
@@ -53,13 +54,21 @@ def test_aws_endpoint_from_the_environment_applies_to_s3_stores_only(store: str)
     assert refused.exit_code == 2 and "applies to s3:// stores" in refused.stderr
 
 
+_HEAVY = ("torch", "numba", "pydantic", "fsspec", "s3fs", "botocore", "aiobotocore", "boto3")
+_COMMAND_MODULES = tuple(
+    f"dcr_format.cli.{module}" for module in ("transfer", "browse", "maintain", "explore")
+)
+
+
 def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
-    """What ``dcr ARGV`` prints, and which of torch, numba, pydantic it imported."""
+    """What ``dcr ARGV`` prints, and which heavy packages (``_HEAVY``) and command modules of
+    the CLI it imported."""
     code = (
         "import sys\n"
         "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
-        "heavy = {m.split('.')[0] for m in sys.modules} & {'torch', 'numba', 'pydantic'}\n"
+        f"heavy = {{m.split('.')[0] for m in sys.modules}} & set({_HEAVY!r})\n"
+        f"heavy |= set(sys.modules) & set({_COMMAND_MODULES!r})\n"
         "print(sorted(heavy))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -71,8 +80,19 @@ def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
 def test_version_and_log_import_only_what_they_need(store: str) -> None:
     out, heavy = _heavy_modules("--version")
     assert out == "dcr, version 0.1.0" and heavy == []
+    # a local store: no S3 or fsspec client; and only the module that defines ``log``
     out, heavy = _heavy_modules("log", "--store", store)
-    assert out.splitlines()[-1].startswith("1 ") and heavy == ["pydantic"]
+    assert out.splitlines()[-1].startswith("1 ")
+    assert heavy == ["dcr_format.cli.browse", "pydantic"]
+
+
+def test_each_command_is_looked_up_in_the_module_that_defines_it() -> None:
+    defined = {
+        command.name: module.rsplit(".", 1)[1]
+        for module in _COMMAND_MODULES
+        for command in importlib.import_module(module).COMMANDS
+    }
+    assert defined == COMMAND_MODULES
 
 
 def test_a_huge_grace_is_one_line_not_an_overflow(store: str) -> None:

@@ -2,12 +2,15 @@
 
 The commands live in one module per group (:mod:`~dcr_format.cli.transfer`,
 :mod:`~dcr_format.cli.browse`, :mod:`~dcr_format.cli.maintain`,
-:mod:`~dcr_format.cli.explore`); each imports what it needs when it runs, so
-``dcr --version`` and ``dcr --help`` import neither torch nor pydantic.
+:mod:`~dcr_format.cli.explore`); a command's module is imported when the command is
+looked up (``dcr log`` imports :mod:`~dcr_format.cli.browse` alone), and each command
+imports what it needs when it runs, so ``dcr --version`` and ``dcr --help`` import
+neither torch nor pydantic.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -15,9 +18,28 @@ from typing import Any
 
 import click
 
-from dcr_format.cli import browse, explore, maintain, transfer
 from dcr_format.cli.params import SHOW_DEFAULTS, one_line
 from dcr_format.errors import DcrError
+
+COMMAND_MODULES: dict[str, str] = {
+    "publish": "transfer",
+    "pull": "transfer",
+    "log": "browse",
+    "show": "browse",
+    "diff": "browse",
+    "replay": "browse",
+    "plot": "browse",
+    "verify": "maintain",
+    "compact": "maintain",
+    "gc": "maintain",
+    "doctor": "maintain",
+    "project": "explore",
+    "demo": "explore",
+}
+"""Each command of ``dcr`` and the module of :mod:`dcr_format.cli` that defines it (in the
+module's ``COMMANDS``), imported when the command is looked up."""
+
+_NO_SUCH_COMMAND: Any = getattr(click.exceptions, "NoSuchCommand", None)  # click >= 8.4
 
 
 def _debug() -> bool:
@@ -32,7 +54,34 @@ class _Group(click.Group):
     and so does a ``ValueError``, ``TypeError`` or ``OSError`` that no check caught.
     Any other exception is a bug and keeps its traceback; ``DCR_DEBUG=1`` shows
     the traceback of every error.
+
+    The commands of :data:`COMMAND_MODULES` are looked up by name, each module imported
+    only when one of its commands is asked for.
     """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMAND_MODULES, *self.commands})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMAND_MODULES.get(cmd_name)
+        if module is None:
+            return super().get_command(ctx, cmd_name)
+        commands: tuple[click.Command, ...] = importlib.import_module(
+            f"dcr_format.cli.{module}"
+        ).COMMANDS
+        return next(command for command in commands if command.name == cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as exc:  # click >= 8.4 suggests names: every command's
+            if _NO_SUCH_COMMAND is None or not isinstance(exc, _NO_SUCH_COMMAND):
+                raise
+            raise _NO_SUCH_COMMAND(
+                exc.command_name, possibilities=self.list_commands(ctx), ctx=ctx
+            ) from None
 
     def main(
         self,
@@ -92,11 +141,6 @@ class _Group(click.Group):
 @click.version_option(package_name="dcr-format")
 def cli() -> None:
     """Bit-exact delta refit of model weights through object storage."""
-
-
-for _module in (transfer, browse, maintain, explore):
-    for _command in _module.COMMANDS:
-        cli.add_command(_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
