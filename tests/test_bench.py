@@ -387,6 +387,25 @@ def test_native_benchmark_small_run():
     assert out.count("x copy_") >= 6
 
 
+def test_pause_benchmark_small_run():
+    """benchmarks/pause_bench.py: both targets' pauses print beside a dense copy, and the
+    memory reads it reports as the write's bound run."""
+    bench = [sys.executable, str(ROOT / "benchmarks" / "pause_bench.py")]
+    run = subprocess.run(
+        [*bench, "--steps", "2", "--layers", "1", "--vocab", "512", "--fraction", "0.03"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    for kind in ("dict", "module"):
+        assert any(
+            line.startswith(kind) and "pause/dense" in line for line in run.stdout.splitlines()
+        )
+    lines = subprocess.run(
+        [*bench, "--lines", "4", "--fraction", "0.01"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    assert lines.stdout.count(" ms") == 3 and "1.0% changed positions" in lines.stdout
+
+
 def test_cli_benchmark_small_run():
     """benchmarks/cli_bench.py: every command it times runs, it reports each goal, and its
     breakdown names each start-up piece, the kernels loaded and the work of each command."""
