@@ -153,11 +153,11 @@ def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # t
     followed: list[str] = []
     follow = apply_module._follow_rows
 
-    def failing(sync, entry, applied):  # type: ignore[no-untyped-def]
+    def failing(sync, entry, *rest):  # type: ignore[no-untyped-def]
         if len(followed) == count:
             raise RuntimeError(message)
         followed.append(entry.name)
-        return follow(sync, entry, applied)
+        return follow(sync, entry, *rest)
 
     monkeypatch.setattr(apply_module, "_follow_rows", failing)
     return followed

@@ -183,3 +183,36 @@ def _second_reader(reader: DeltaReader, at_zero: dict[str, torch.Tensor]):
     second.sync(to=0)
     assert_same_bits(tensors, at_zero)
     return second, tensors
+
+
+def test_exponent_rows_a_staged_change_leaves_are_worked_out_when_staging(
+    tmp_path: Path, monkeypatch
+):
+    """The rows the next ``classed`` change is resolved against are those of the bits the
+    write left, worked out while preparing (none in the pause)."""
+    import dcr_format.sync._apply as apply_module
+    from dcr_format.codings.classed import exponent_rows
+    from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
+
+    state = make_state(11)
+    writer = DeltaWriter(str(tmp_path / "store"))
+    writer.publish(state)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
+    reader.sync()
+    for seed in (12, 13):
+        _step(state, torch.Generator().manual_seed(seed))
+        writer.publish(state)
+        prepared = reader.prepare()
+        ahead = {n for n, s in prepared._staged.items() if s.rows_after is not None}
+        assert ahead  # the default codings code some tensors' positions classed
+        with monkeypatch.context() as patched:
+            patched.setattr(apply_module, "rows_after", lambda *a: pytest.fail("in the pause"))
+            reader.apply(prepared)
+        assert_same_bits(tensors, state)
+        for name in ahead:
+            _, rows = reader._rows[name]
+            dtype = info_for(tensors[name].dtype).name
+            assert np.array_equal(
+                rows, exponent_rows(bits_to_numpy(bits_view(tensors[name])), dtype)
+            )

@@ -258,7 +258,8 @@ class Applying(Auditing):
             if written is None:
                 continue
             for name, applied in zip(first.names, written, strict=True):
-                self._follow(sync, pending[name][0], applied, staged[name].lanes)
+                one = staged[name]
+                self._follow(sync, pending[name][0], applied, one.lanes, one.rows_after)
                 done.add(name)
         return done
 
@@ -281,11 +282,12 @@ class Applying(Auditing):
         entry: Entry,
         applied: Applied,
         ready: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        rows: np.ndarray | None = None,
     ) -> None:
         """Follow one applied change's fingerprint lanes and exponent rows (``ready``: the
         lanes before and after it, computed when it was staged: taken where the lanes
-        before are still those)."""
-        _follow_rows(sync, entry, applied)
+        before are still those; ``rows``: the exponent rows it leaves, computed then)."""
+        _follow_rows(sync, entry, applied, rows)
         if entry.op == FULL:
             sync.lanes[entry.name] = applied.lanes
             if entry.changed == 0:
@@ -422,7 +424,11 @@ class Applying(Auditing):
                 except (IndexError, DcrError):
                     continue
                 staged[name] = Staged(
-                    tensor, bits, done.rows, lanes=_lanes_staged(entry, trusted.get(name), bits)
+                    tensor,
+                    bits,
+                    done.rows,
+                    lanes=_lanes_staged(entry, trusted.get(name), bits),
+                    rows_after=_rows_staged(entry, done.rows, bits),
                 )
         finally:
             release()
@@ -590,6 +596,18 @@ def _lanes_staged(
     return before, after
 
 
+def _rows_staged(entry: Entry, rows: np.ndarray | None, bits: StagedChange) -> np.ndarray | None:
+    """The exponent rows a staged ``classed`` change leaves (:func:`_follow_rows` reads the
+    same bits when it is written), or None where that would not take them."""
+    if rows is None or entry.op != XOR or bits.positions.device.type != "cpu":
+        return None
+    if int(bits.positions.numel()) != entry.changed:
+        return None
+    return rows_after(
+        rows, bits.positions, bits.before, bits.after, info_for(entry.dtype).torch_dtype
+    )
+
+
 def _batched(staged: dict[str, Staged]) -> dict[str, Staged]:
     """``staged`` with the changes of each device and bit width end to end in one batch
     (:func:`batch_staged`), each change a view of its batch, so the apply writes each
@@ -622,10 +640,13 @@ def step_changes(step: FetchedStep) -> list[Change]:
     ]
 
 
-def _follow_rows(sync: ApplyState, entry: Entry, applied: Applied) -> None:
+def _follow_rows(
+    sync: ApplyState, entry: Entry, applied: Applied, ready: np.ndarray | None = None
+) -> None:
     """After a ``classed`` change applied on the host: the exponent rows of the bits it left,
     from those it was resolved against (:attr:`Applied.rows`) and the bits it read and
-    wrote at every position."""
+    wrote at every position (``ready``: those rows, worked out when it was staged from the
+    same bits)."""
     sync.rows.pop(entry.name, None)
     if (
         applied.rows is None
@@ -637,14 +658,15 @@ def _follow_rows(sync: ApplyState, entry: Entry, applied: Applied) -> None:
         or int(applied.positions.numel()) != entry.changed
     ):
         return
-    rows = rows_after(
-        applied.rows,
-        applied.positions,
-        applied.before,
-        applied.after,
-        info_for(entry.dtype).torch_dtype,
-    )
-    sync.rows[entry.name] = (entry.fingerprint, rows)
+    if ready is None:
+        ready = rows_after(
+            applied.rows,
+            applied.positions,
+            applied.before,
+            applied.after,
+            info_for(entry.dtype).torch_dtype,
+        )
+    sync.rows[entry.name] = (entry.fingerprint, ready)
 
 
 def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:

@@ -59,6 +59,8 @@ class Staged:
     # the lanes the reader trusted for the tensor when it staged the change, and its lanes
     # after the change (from those and the lane deltas), or None
     lanes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # the exponent rows of the bits the change leaves (from ``rows`` and its bits), or None
+    rows_after: np.ndarray | None = None
 
 
 class StagingSource:
