@@ -362,7 +362,7 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
     before = setup.capture()
     applied = False
     apply_delta = targets_module.apply_change
-    from_lanes = diagnose_module.fingerprint_from_lanes
+    from_lanes = diagnose_module.fingerprint_of
 
     def apply_and_note(tensor, delta, **options):
         nonlocal applied
@@ -373,9 +373,9 @@ def test_fingerprint_mismatch_after_apply_rolls_back(
         return "0" * 32 if applied else from_lanes(dtype, shape, lanes)
 
     # "touched" follows the lanes through the change, "all" reads them again: both end in
-    # fingerprint_from_lanes
+    # fingerprint_of
     monkeypatch.setattr(targets_module, "apply_change", apply_and_note)
-    monkeypatch.setattr(diagnose_module, "fingerprint_from_lanes", wrong_lanes_after_apply)
+    monkeypatch.setattr(diagnose_module, "fingerprint_of", wrong_lanes_after_apply)
     with pytest.raises(FingerprintMismatchError, match="after applying; the target was rolled"):
         setup.reader(verify=verify).sync()
     assert applied
