@@ -362,6 +362,37 @@ def test_class_rice_parts_equal_the_reference_at_every_scale(
         assert native == reference, scale
 
 
+def test_class_sizes_from_the_exponent_histogram_give_the_counted_stream() -> None:
+    """A writer's class sizes come from its histogram of the changes' old exponents (no
+    count of the classes): each class's count for every base and K, K = 1 and the
+    dtypes' exponent widths included, and the stream with them given (each class's last
+    rank looked for from the end: a class whose only change comes first, an empty class)
+    is the stream that counts them, past the size where the parts are coded apart too."""
+    rng = np.random.default_rng(41)
+    for mask in (0x1F, 0xFF, 0x7FF):
+        for _ in range(200):
+            exponents = np.clip(rng.normal(mask // 2, 4, int(rng.integers(1, 400))), 0, mask)
+            exponents = exponents.astype(np.int64)
+            changed = np.bincount(exponents, minlength=mask + 1)
+            low, top = int(exponents.min()), int(exponents.max())
+            count = int(rng.integers(1, min(16, top - low + 1) + 1))
+            base = int(rng.integers(low, top - count + 2))
+            want = np.bincount(np.clip(exponents - base, 0, count - 1), minlength=count)
+            assert np.array_equal(classed.class_sizes(changed, base, count), want)
+    for n in (3000, 200_000):  # one compiled call; past 65,536 changes the parts apart
+        classes = rng.integers(0, 12, n).astype(np.uint8)
+        classes[classes == 9] = 8  # an empty class
+        classes[classes == 11] = 10
+        classes[0] = 11  # a class whose only change is the first
+        ranks = np.empty(n, dtype=np.int64)
+        for c in range(12):
+            mine = classes == c
+            ranks[mine] = np.cumsum(rng.integers(1, 40, int(mine.sum()))) - 1
+        sizes = np.bincount(classes, minlength=12)
+        counted = classed.classed_stream(100, 12, classes, ranks)
+        assert classed.classed_stream(100, 12, classes, ranks, sizes=sizes) == counted
+
+
 def test_rice_parts_decode_in_parallel_as_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -177,6 +177,36 @@ def class_tallies(classes: np.ndarray, ranks: np.ndarray, count: int) -> Tallies
     return Tallies(sizes, np.maximum(final, 0), bounds, counts)
 
 
+def tallies_of(classes: np.ndarray, ranks: np.ndarray, sizes: np.ndarray) -> Tallies:
+    """:func:`class_tallies` where each class's changes are known (``sizes``: a writer has
+    them from its histogram of the changes' old exponents), so that only each class's
+    last rank is looked for, from the end of the changes back (a few changes at most
+    where every class has many): one chunk."""
+    sizes = np.ascontiguousarray(sizes, dtype=np.int64)
+    chunks = np.array([0, classes.size], dtype=np.int64)
+    return Tallies(sizes, _last_ranks(classes, ranks, sizes), chunks, sizes[None, :].copy())
+
+
+@njit(cache=True, nogil=True)
+def _last_ranks(classes, ranks, sizes):  # type: ignore[no-untyped-def]
+    """The rank of each class's last change (0 where it has none), met walking back from
+    the last change until every class with changes is."""
+    last = np.zeros(sizes.size, dtype=np.int64)
+    met = np.zeros(sizes.size, dtype=np.bool_)
+    left = 0
+    for c in range(sizes.size):
+        left += sizes[c] > 0
+    j = classes.size - 1
+    while left > 0 and j >= 0:
+        c = classes[j]
+        if not met[c]:
+            met[c] = True
+            last[c] = ranks[j]
+            left -= 1
+        j -= 1
+    return last
+
+
 @njit(cache=True, nogil=True)
 def _tally_one(classes, ranks, count):  # type: ignore[no-untyped-def]
     """:func:`class_tallies` as one chunk."""

@@ -330,19 +330,41 @@ def encode_classed_counted(
             if chosen.any():
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
-    stream = classed_stream(base, count, changed_classes, all_ranks)
+    sizes = class_sizes(changed, base, count)
+    stream = classed_stream(base, count, changed_classes, all_ranks, sizes=sizes)
     return stream, after_rows, int(positions.size) - adjacent
 
 
-def classed_stream(base: int, count: int, classes: np.ndarray, ranks: np.ndarray) -> bytes:
+def class_sizes(changed: np.ndarray, base: int, count: int) -> np.ndarray:
+    """How many changes each of the ``count`` classes from ``base`` holds, from
+    ``changed``, the histogram of the changes' old exponents (int64)."""
+    ends = np.cumsum(changed)  # ends[e]: the changes of exponent e or below
+    top = changed.size - 1
+    below = [int(ends[min(base + c, top)]) if base + c >= 0 else 0 for c in range(count - 1)]
+    return np.diff(np.array([0, *below, int(ends[-1])], dtype=np.int64))
+
+
+def classed_stream(
+    base: int,
+    count: int,
+    classes: np.ndarray,
+    ranks: np.ndarray,
+    *,
+    sizes: np.ndarray | None = None,
+) -> bytes:
     """The ``classed`` stream of changed positions given as their classes and ranks (in
-    position order; as :func:`encode_classed` finds them, or a device kernel does)."""
+    position order; as :func:`encode_classed` finds them, or a device kernel does).
+    ``sizes``, where the caller has them: how many of the changes each class holds
+    (:func:`class_sizes`), so that they are not counted again."""
     classes = np.ascontiguousarray(classes)  # any integer dtype (a byte from the CPU pass)
     ranks = np.ascontiguousarray(ranks, dtype=np.int64)
     head = _HEADER.pack(count, base)
     native = _native_parts()
     if native is not None:  # the counts and every class's part in compiled calls
-        tallies = native.class_tallies(classes, ranks, count)
+        if sizes is None:
+            tallies = native.class_tallies(classes, ranks, count)
+        else:
+            tallies = native.tallies_of(classes, ranks, sizes)
         guesses = np.empty(count, dtype=np.int64)
         if native.rice_guesses(tallies.sizes, tallies.last, guesses):  # near a power of two
             guesses = _positions.rice_k_guesses(tallies.sizes, tallies.last)
@@ -568,6 +590,7 @@ __all__ = [
     "ClassedStream",
     "choose_classes",
     "class_ranks_of",
+    "class_sizes",
     "classed_bound",
     "classed_stream",
     "classes_of",

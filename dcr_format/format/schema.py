@@ -77,14 +77,16 @@ KNOWN_FEATURES: frozenset[str] = frozenset(
 )
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 MANIFEST_ZSTD_LEVEL = 19  # a manifest is small and read by every reader: compress it hard
-# ... unless its JSON is large. Its compression is on the publish's critical path (after
-# the last shard, before the commit), and past 64 KiB the higher levels cost far more time
-# than the bytes they save next to the shards. Measured on real manifests: 96 KB of JSON
-# (327 tensors) level 15 18 ms for 9.4 KB, level 9 1.1 ms for 10.6 KB (shards of that
-# version: 4.2 MB); 300 KB (1,000 tensors) level 15 4.3 ms for 29.4 KB, level 9 2.2 ms for
-# 29.0 KB; 920 KB level 15 24 ms, level 9 8 ms, 90 KB both; level 19 took 128-485 ms there
+# ... unless its JSON is past 8 KiB. Its compression is on the publish's critical path
+# (after the last shard, before the commit), and past a few KiB the higher levels cost far
+# more time than the bytes they save next to the shards. Measured on real manifests: 26 KB
+# of JSON (84 tensors of a 300 MB model) level 19 15 ms of CPU for 2,613 bytes, level 9
+# 0.15 ms for 2,757 (shards of that version at 1% change: 1.27 MB); 96 KB of JSON (327
+# tensors) level 15 18 ms for 9.4 KB, level 9 1.1 ms for 10.6 KB (shards: 4.2 MB); 300 KB
+# (1,000 tensors) level 15 4.3 ms for 29.4 KB, level 9 2.2 ms for 29.0 KB; 920 KB level 15
+# 24 ms, level 9 8 ms, 90 KB both; level 19 took 128-485 ms there
 MANIFEST_ZSTD_LARGE_LEVEL = 9
-MANIFEST_ZSTD_LARGE_BYTES = 64 << 10
+MANIFEST_ZSTD_LARGE_BYTES = 8 << 10
 MAX_JSON_BYTES = 64 << 20  # no JSON object of a store is ever larger (the manifest limit)
 MAX_HEADER_JSON_BYTES = 64 << 10  # dcr.json: ~200 bytes
 MAX_RECORD_JSON_BYTES = 1 << 20  # commit and base records: ~1 KB + ~200 bytes per writer rank
