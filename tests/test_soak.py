@@ -1,6 +1,7 @@
 """The soak's short form (dcr_format/testing/soak.py): a writer and four readers in their own
-processes, for about half a minute, through random S3 faults and SIGKILLs of any of them;
-at the end every reader holds exactly the writer's last version.
+processes, for about half a minute (on a busy machine longer, up to two minutes, until the
+readers have synced 20 times), through random S3 faults and SIGKILLs of any of them; at the
+end every reader holds exactly the writer's last version.
 
 The full soak is one command (docs/reliability.md):
 ``.venv/bin/python -m dcr_format.testing.soak --minutes 5``.
@@ -32,6 +33,8 @@ def test_soak_short_form(moto_server, moto_root, tmp_path, reliability):
         kill_every=6.0,
         seed=11,
         deep=False,
+        min_syncs=20,
+        max_seconds=4 * SECONDS,
     )
     assert report.ok, report.problems
     assert report.versions >= 5, report

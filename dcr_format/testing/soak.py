@@ -266,6 +266,16 @@ def _check_dir(path: Path, model: Model, problems: list[str], who: str) -> None:
         problems.append(f"{who}: after SIGKILL the directory is not exactly version {version}")
 
 
+def _syncs(workdir: Path, names: list[str]) -> int:
+    """The syncs the readers' logs record so far."""
+    return sum(
+        event["event"] == "sync"
+        for name in names
+        if name.startswith("reader")
+        for event in _events(workdir / f"{name}.log")
+    )
+
+
 def run(
     seconds: float,
     *,
@@ -280,11 +290,15 @@ def run(
     base_every: int = 20,
     deep: bool = True,
     progress: bool = False,
+    min_syncs: int = 0,
+    max_seconds: float | None = None,
 ) -> SoakReport:
     """Run a soak against the S3 server at ``upstream`` (the store ``root`` on it), with the
     fault proxy between them; ``storage_options`` reach the server (the endpoint is replaced
     by the proxy's). ``deep``: the final check of the chain replays every version (else it
-    checks every object and hash link)."""
+    checks every object and hash link). ``min_syncs``: past ``seconds``, the faults and
+    kills go on until the readers have synced that many times, or ``max_seconds`` have
+    passed (a busy machine syncs less in the same time)."""
     from dcr_format import DcrError, DeltaReader, StateDictTarget, Store
     from dcr_format.testing.faultproxy import FaultProxy, Rule
     from dcr_format.tools import verify
@@ -332,8 +346,16 @@ def run(
         names = ["writer", *(f"reader-{i}" for i in range(readers))]
         processes = {name: start(name) for name in names}
         deadline = started + seconds
+        cap = started + max(seconds, max_seconds or seconds)
         next_kill = started + kill_every if kill_every else None
-        while time.monotonic() < deadline:
+
+        def going() -> bool:
+            now = time.monotonic()
+            if now < deadline:
+                return True
+            return now < cap and _syncs(workdir, names) < min_syncs
+
+        while going():
             time.sleep(0.2)
             for name, process in processes.items():
                 if not process.is_alive():
