@@ -816,6 +816,7 @@ def test_atheris_fuzzes_the_parsers_briefly(chain, tmp_path, reliability):
             "-max_len=65536",
             "-rss_limit_mb=2048",
             "-seed=1",
+            f"-artifact_prefix={tmp_path}/",  # slow or crashing inputs, not into the checkout
         ],
         capture_output=True,
         text=True,
