@@ -707,7 +707,7 @@ module = nn.Linear(4, 4, dtype=torch.bfloat16)
 target = ModuleTarget(module)
 target.prewarm({"weight": (torch.bfloat16, (4, 4)), "bias": (torch.bfloat16, (4,))})
 kernels = (_native._change.parallel, _native._change.serial, _native._pair_lanes.serial,
-           _native._put.parallel, _native._put.serial)
+           _native._put_all.parallel, _native._put_all.serial)
 assert not any(k.signatures for k in kernels)
 target.warm()
 assert all(k.signatures for k in kernels), [k.signatures for k in kernels]

@@ -19,6 +19,7 @@ import torch
 from dcr_format.codings import positions as pc
 from dcr_format.delta import dispatch
 from dcr_format.delta import fingerprint as fp
+from dcr_format.delta.staged import put_staged, unput_staged
 from dcr_format.errors import PositionsError
 from dcr_format.format.dtypes import BY_NAME, UNSIGNED_NP, bits_view
 from dcr_format.kernels import reference
@@ -680,13 +681,13 @@ def test_staged_change_then_put_is_apply_change(name, op):
     live = old.view(info.torch_dtype).clone()
     staged = dl.stage_change(live, change)
     assert torch.equal(bits_view(live), old)
-    replaced = dl.put_staged(live, staged)
+    replaced = put_staged(live, staged)
     assert torch.equal(replaced, staged.before)
     applied = old.view(info.torch_dtype).clone()
     done = dl.apply_change(applied, change)
     assert torch.equal(bits_view(live), bits_view(applied)) and torch.equal(bits_view(live), new)
     assert staged.lane_deltas == done.lane_deltas and torch.equal(staged.before, done.before)
-    dl.unput_staged(live, staged, replaced)
+    unput_staged(live, staged, replaced)
     assert torch.equal(bits_view(live), old)
     with pytest.raises(ValueError, match="full"):
         dl.stage_change(live, dl.DecodedDelta("full", None, new))

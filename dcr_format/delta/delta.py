@@ -23,7 +23,6 @@ host over the compacted payload only, which leaves a GPU through pinned memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -46,6 +45,7 @@ from dcr_format.delta.backend import Backend, to_device, to_host
 from dcr_format.delta.backends import backend_for
 from dcr_format.delta.classed_change import decode_classed_at, device_classed, device_positions
 from dcr_format.delta.positions import decode_positions_to
+from dcr_format.delta.staged import StagedChange
 from dcr_format.errors import PositionsError, TargetError, ValuesError
 from dcr_format.format.dtypes import (
     UNSIGNED_NP,
@@ -659,18 +659,6 @@ def apply_change(
     )
 
 
-@dataclass(frozen=True)
-class StagedChange:
-    """An ``xor``/``overwrite`` change read against a tensor but not yet written: the bits
-    at its positions now (``before``), the bits it puts there (``after``) and its
-    fingerprint lane deltas. :func:`put_staged` writes it; :func:`unput_staged` undoes that."""
-
-    positions: torch.Tensor  # int64, strictly increasing, on the tensor's device
-    before: torch.Tensor
-    after: torch.Tensor
-    lane_deltas: tuple[int, ...]
-
-
 def stage_change(
     target: torch.Tensor, delta: Delta, *, backend: Backend | None = None
 ) -> StagedChange:
@@ -693,71 +681,6 @@ def stage_change(
     op = ULP if delta.ulp else delta.op
     before, after, lane_deltas = backend.stage_change(flat, positions, values, op=op)
     return StagedChange(positions, before, after, lane_deltas)
-
-
-def put_staged(target: torch.Tensor, staged: StagedChange) -> torch.Tensor:
-    """Write a staged change's ``after`` bits into ``target`` (the pause of a sync); returns
-    the bits it replaced, which :func:`unput_staged` puts back (an edit made since the
-    change was staged is then restored too, not the bits the staging read)."""
-    flat = bits_view(target).reshape(-1)
-    replaced = backend_for(flat).put(flat, staged.positions, staged.after, keep=True)
-    assert replaced is not None
-    return replaced
-
-
-def unput_staged(target: torch.Tensor, staged: StagedChange, replaced: torch.Tensor) -> None:
-    """Put back the bits :func:`put_staged` replaced (its undo)."""
-    flat = bits_view(target).reshape(-1)
-    backend_for(flat).put(flat, staged.positions, replaced)
-
-
-@dataclass(frozen=True)
-class StagedBatch:
-    """Staged changes to several tensors, their positions and bits end to end (change ``t``
-    at ``starts[t]`` to ``starts[t + 1]``), so that :func:`put_batch` writes them all in
-    one pass."""
-
-    positions: torch.Tensor
-    before: torch.Tensor
-    after: torch.Tensor
-    starts: np.ndarray  # int64, one more than the changes
-
-
-def batch_staged(changes: Sequence[StagedChange]) -> tuple[StagedBatch, list[StagedChange]]:
-    """``changes`` (on one device, of one bit width) end to end, and each change again as
-    views of the batch (so their bits are held once)."""
-    starts = [0]
-    for change in changes:
-        starts.append(starts[-1] + int(change.positions.numel()))
-    batch = StagedBatch(
-        torch.cat([c.positions.reshape(-1) for c in changes]),
-        torch.cat([c.before.reshape(-1) for c in changes]),
-        torch.cat([c.after.reshape(-1) for c in changes]),
-        np.array(starts, dtype=np.int64),
-    )
-    views = [
-        StagedChange(batch.positions[lo:hi], batch.before[lo:hi], batch.after[lo:hi], c.lane_deltas)
-        for c, lo, hi in zip(changes, starts[:-1], starts[1:], strict=True)
-    ]
-    return batch, views
-
-
-def put_batch(targets: Sequence[torch.Tensor], batch: StagedBatch) -> torch.Tensor:
-    """:func:`put_staged` of every change of ``batch`` into ``targets`` (its tensors, in
-    order), in one pass where the backend can; returns the bits it replaced, end to end,
-    which :func:`unput_batch` puts back. Every position is checked to lie in its tensor
-    before anything is written (:class:`IndexError` otherwise, nothing changed)."""
-    backend = backend_for(batch.positions)
-    replaced = backend.put_segments(targets, batch.positions, batch.after, batch.starts, keep=True)
-    assert replaced is not None
-    return replaced
-
-
-def unput_batch(
-    targets: Sequence[torch.Tensor], batch: StagedBatch, replaced: torch.Tensor
-) -> None:
-    """Put back the bits :func:`put_batch` replaced (its undo)."""
-    backend_for(batch.positions).put_segments(targets, batch.positions, replaced, batch.starts)
 
 
 def apply_delta(target: torch.Tensor, delta: Delta) -> torch.Tensor | None:
@@ -792,25 +715,18 @@ __all__ = [
     "Delta",
     "EncodedTensor",
     "PendingDelta",
-    "StagedBatch",
-    "StagedChange",
     "after_bits",
     "apply_change",
     "apply_delta",
     "as_xor",
-    "batch_staged",
     "changed_positions",
     "comparable",
     "decode_delta",
     "encode_diff",
     "encode_tensor",
-    "put_batch",
-    "put_staged",
     "rans_part",
     "ready",
     "resolve",
     "stage_change",
     "undo_delta",
-    "unput_batch",
-    "unput_staged",
 ]

@@ -691,47 +691,29 @@ _PUT_CHUNK = _CHUNK  # positions a task of :func:`put` writes (fewer: one serial
 _AHEAD = 64  # positions a write looks ahead to prefetch the line of
 
 
-@parallel_kernel
-def _put(flat, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
-    """``flat[pos[j]] = bits[j]`` (``keep``: the bits it replaces into ``replaced[j]``
-    first), the chunks of positions in parallel; a position out of range is skipped (never
-    read or written) and its chunk marked in ``bad``."""
-    n = flat.shape[0]
-    for c in prange(bad.shape[0]):
-        lo = c * _PUT_CHUNK
-        hi = min(lo + _PUT_CHUNK, pos.shape[0])
-        for j in range(lo, hi):
-            if j + _AHEAD < hi:  # the line a later write reaches, asked for now
-                prefetch_write(flat, pos[j + _AHEAD])
-            p = pos[j]
-            if p >= 0 and p < n:
-                if keep:
-                    replaced[j] = flat[p]
-                flat[p] = bits[j]
-            else:
-                bad[c] = 1
-
-
 def put(
     flat: np.ndarray, pos: np.ndarray, bits: np.ndarray, replaced: np.ndarray | None = None
 ) -> bool:
-    """In place ``flat[p] = b``: the write of a change read before (staged), no lanes
-    summed; ``replaced`` (as long as ``pos``): the bits it replaces are kept there, on the
-    cache lines the write touches anyway. Returns whether every position was in range
+    """In place ``flat[p] = b`` (``flat`` a C-contiguous 1-d array of ``bits``'s dtype): the
+    write of a change read before (staged), no lanes summed; ``replaced`` (as long as
+    ``pos``): the bits it replaces are kept there, on the cache lines the write touches
+    anyway. :func:`put_all` with one segment. Returns whether every position was in range
     (those out of range are skipped)."""
-    chunks = -(-pos.shape[0] // _PUT_CHUNK)
-    bad = np.zeros(chunks, dtype=np.uint8)
-    keep = replaced is not None
-    out = replaced if replaced is not None else bits[:0]
-    _launch(_put, chunks, flat, pos, bits, out, keep, bad)
-    return not bool(bad.any())
+    if not flat.flags.c_contiguous or flat.ndim != 1 or flat.dtype != bits.dtype:
+        raise ValueError("put writes a C-contiguous 1-d array of the bits' dtype")
+    addresses = np.array([flat.ctypes.data], dtype=np.int64)
+    sizes = np.array([flat.shape[0]], dtype=np.int64)
+    starts = np.array([0, pos.shape[0]], dtype=np.int64)
+    return put_all(addresses, sizes, starts, pos, bits, replaced)
 
 
 @parallel_kernel
 def _put_all(addresses, sizes, starts, pos, bits, replaced, keep, bad):  # type: ignore[no-untyped-def]
-    """:func:`_put` into several tensors at once: segment ``t`` (``pos[starts[t]:starts[t +
-    1]]``) into the ``sizes[t]`` elements at ``addresses[t]``; chunks of the positions in
-    parallel, each walking the segments it spans."""
+    """``flat[p] = b`` into several tensors at once: segment ``t`` (``pos[starts[t]:starts[t
+    + 1]]``) into the ``sizes[t]`` elements at ``addresses[t]`` (``keep``: the bits it
+    replaces into ``replaced[j]`` first; a position out of range is skipped, never read or
+    written, and its chunk marked in ``bad``); chunks of the positions in parallel, each
+    walking the segments it spans."""
     total = pos.shape[0]
     for c in prange(bad.shape[0]):
         lo = c * _PUT_CHUNK

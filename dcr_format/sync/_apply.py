@@ -30,12 +30,11 @@ from dcr_format.delta.delta import (
     DecodedDelta,
     Delta,
     PendingDelta,
-    StagedChange,
-    batch_staged,
     resolve,
     stage_change,
 )
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
+from dcr_format.delta.staged import StagedChange, batch_staged
 from dcr_format.errors import (
     ApplyError,
     DcrError,

@@ -24,11 +24,10 @@ from dcr_format.delta.delta import (
     XOR,
     DecodedDelta,
     apply_change,
-    put_staged,
     stage_change,
-    unput_staged,
 )
 from dcr_format.delta.fingerprint import LANE_PRIMES, lanes_after_change, lanes_at, tensor_lanes
+from dcr_format.delta.staged import put_staged, unput_staged
 from dcr_format.errors import OverwriteRequiredError, TargetError
 from dcr_format.format.dtypes import BY_TORCH, bits_view
 from dcr_format.targets.change import Resident

@@ -21,17 +21,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from dcr_format.delta.delta import (
-    FULL,
+from dcr_format.delta.delta import FULL, resolve
+from dcr_format.delta.fingerprint import tensor_lanes
+from dcr_format.delta.staged import (
     StagedBatch,
     StagedChange,
     put_batch,
     put_staged,
-    resolve,
     unput_batch,
     unput_staged,
 )
-from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import (
     BaselineCodingError,
     BaselineMismatchError,
