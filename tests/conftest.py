@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
 from dcr_format.testing.processes import run_ranks  # noqa: F401 (the tests import it here)
 
 # the benchmark harnesses (benchmarks/*.py) import one another by module name, as when run
@@ -209,3 +210,27 @@ from _report import (  # noqa: E402
     pytest_sessionfinish,  # noqa: F401
     reliability,  # noqa: F401
 )
+
+
+def scale_elements(state: dict[str, torch.Tensor], gen: torch.Generator, count: int = 40) -> None:
+    """Scale ``count`` random elements of every floating tensor of ``state`` in place."""
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            flat = tensor.view(-1)
+            index = torch.randperm(flat.numel(), generator=gen)[:count]
+            flat[index] = flat[index] * 1.5 + 0.25
+
+
+@pytest.fixture
+def synced(tmp_path: Path):
+    """A chain at version 1 and a reader whose dict target holds version 0."""
+    state = make_state(7)
+    writer = DeltaWriter(str(tmp_path / "store"))
+    writer.publish(state)
+    tensors: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
+    reader.sync()
+    at_zero = snapshot(tensors)
+    scale_elements(state, torch.Generator().manual_seed(8))
+    writer.publish(state)
+    return reader, tensors, state, at_zero

@@ -5,13 +5,11 @@ range, and the reader's use of it (one launch, rolled back whole, verified as be
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_bits, make_state, snapshot
-from test_staged_apply import _step
+from conftest import assert_same_bits, scale_elements
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Transaction
 from dcr_format.delta.backend import Backend
@@ -118,18 +116,10 @@ def test_a_position_out_of_range_is_refused_and_never_written(backend, where):
 
 
 @pytest.fixture
-def prepared_dict(tmp_path: Path):
-    """A dict target at version 0, version 1 published and prepared."""
-    state = make_state(7)
-    writer = DeltaWriter(str(tmp_path / "store"))
-    writer.publish(state)
-    tensors: dict[str, torch.Tensor] = {}
-    reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
-    reader.sync()
-    at_zero = snapshot(tensors)
-    _step(state, torch.Generator().manual_seed(8))
-    writer.publish(state)
-    return reader, tensors, state, at_zero, reader.prepare()
+def prepared_dict(synced):
+    """``synced`` (a dict target at version 0, version 1 published) and version 1 prepared."""
+    reader = synced[0]
+    return (*synced, reader.prepare())
 
 
 def test_a_prepared_version_is_written_in_one_launch(prepared_dict, monkeypatch):
@@ -185,24 +175,19 @@ def _second_reader(reader: DeltaReader, at_zero: dict[str, torch.Tensor]):
     return second, tensors
 
 
-def test_exponent_rows_a_staged_change_leaves_are_worked_out_when_staging(
-    tmp_path: Path, monkeypatch
-):
+def test_exponent_rows_a_staged_change_leaves_are_worked_out_when_staging(synced, monkeypatch):
     """The rows the next ``classed`` change is resolved against are those of the bits the
     write left, worked out while preparing (none in the pause)."""
     import dcr_format.sync._apply as apply_module
     from dcr_format.codings.classed import exponent_rows
     from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
 
-    state = make_state(11)
-    writer = DeltaWriter(str(tmp_path / "store"))
-    writer.publish(state)
-    tensors: dict[str, torch.Tensor] = {}
-    reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
-    reader.sync()
-    for seed in (12, 13):
-        _step(state, torch.Generator().manual_seed(seed))
-        writer.publish(state)
+    reader, tensors, state, _ = synced
+    writer = DeltaWriter(reader.store.url)
+    for seed in (None, 12):  # version 1, then a version 2 resolved against the rows v1 left
+        if seed is not None:
+            scale_elements(state, torch.Generator().manual_seed(seed))
+            writer.publish(state)
         prepared = reader.prepare()
         ahead = {n for n, s in prepared._staged.items() if s.rows_after is not None}
         assert ahead  # the default codings code some tensors' positions classed

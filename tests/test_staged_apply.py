@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_bits, make_state, snapshot
+from conftest import assert_same_bits, make_state, scale_elements, snapshot
 from test_module_prepared import fail_after_writing
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Transaction
@@ -15,29 +15,6 @@ from dcr_format.errors import ApplyError, BaselineMismatchError
 from dcr_format.format.dtypes import bits_view
 
 BF16 = "model.layers.0.self_attn.q_proj.weight"
-
-
-def _step(state: dict[str, torch.Tensor], gen: torch.Generator, count: int = 40) -> None:
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            flat = tensor.view(-1)
-            index = torch.randperm(flat.numel(), generator=gen)[:count]
-            flat[index] = flat[index] * 1.5 + 0.25
-
-
-@pytest.fixture
-def synced(tmp_path: Path):
-    """A chain at version 1 and a reader whose dict target holds version 0."""
-    state = make_state(7)
-    writer = DeltaWriter(str(tmp_path / "store"))
-    writer.publish(state)
-    tensors: dict[str, torch.Tensor] = {}
-    reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
-    reader.sync()
-    at_zero = snapshot(tensors)
-    _step(state, torch.Generator().manual_seed(8))
-    writer.publish(state)
-    return reader, tensors, state, at_zero
 
 
 def _spy_apply(monkeypatch: pytest.MonkeyPatch) -> list:
@@ -135,7 +112,7 @@ def test_tied_tensors_are_not_staged(tmp_path: Path):
     reader = DeltaReader(str(tmp_path / "store"), StateDictTarget(tensors))
     reader.sync()
     tensors["lm_head.weight"] = tensors[BF16]
-    _step(state, torch.Generator().manual_seed(10))
+    scale_elements(state, torch.Generator().manual_seed(10))
     writer.publish(state)
     prepared = reader.prepare()
     assert BF16 not in prepared._staged and "lm_head.weight" not in prepared._staged
