@@ -234,3 +234,29 @@ def synced(tmp_path: Path):
     scale_elements(state, torch.Generator().manual_seed(8))
     writer.publish(state)
     return reader, tensors, state, at_zero
+
+
+def change_share(state: dict[str, torch.Tensor], seed: int, share: int) -> None:
+    """Change one element in ``share`` of every float tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    for tensor in state.values():
+        if tensor.is_floating_point():
+            flat = tensor.view(-1)
+            index = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // share)]
+            flat[index] = flat[index] * 1.5 + 0.25
+
+
+@pytest.fixture(params=[2, 200], ids=["most elements change", "few elements change"])
+def five_versions(tmp_path: Path, request):
+    """A store of versions 0..4 of a dict state, its states, and whether each version
+    changes most elements (decodes to more than a quarter of the model, its undo whole
+    copies) or few."""
+    state = make_state(21)
+    writer = DeltaWriter(str(tmp_path / "store"), reader_records=False)
+    states = []
+    for version in range(5):
+        if version:
+            change_share(state, version, request.param)
+        writer.publish(state)
+        states.append(snapshot(state))
+    return str(tmp_path / "store"), states, request.param == 2

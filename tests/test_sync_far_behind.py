@@ -9,29 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_bits, make_state, snapshot
+from conftest import assert_same_bits
 from test_module_target import Runtime, assert_module, bits_of, checkpoint, step
-from test_sync_in_turn import _step
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget, Transaction
 from dcr_format.errors import ChecksumMismatchError
 from dcr_format.sync import _fetch
 
 OBJECTS = "objects/"
-
-
-@pytest.fixture(params=[2, 200], ids=["most elements change", "few elements change"])
-def chain(tmp_path: Path, request):
-    """Versions 0..4; whether each decodes to more than a quarter of the model."""
-    state = make_state(31)
-    writer = DeltaWriter(str(tmp_path / "store"), reader_records=False)
-    states = []
-    for version in range(5):
-        if version:
-            _step(state, version, request.param)
-        writer.publish(state)
-        states.append(snapshot(state))
-    return str(tmp_path / "store"), states, request.param == 2
 
 
 def _fetched(monkeypatch: pytest.MonkeyPatch, failing: int | None = None) -> list[str]:
@@ -49,8 +34,8 @@ def _fetched(monkeypatch: pytest.MonkeyPatch, failing: int | None = None) -> lis
     return fetched
 
 
-def test_prepare_leaves_large_versions_to_the_apply(chain, monkeypatch):
-    url, states, large = chain
+def test_prepare_leaves_large_versions_to_the_apply(five_versions, monkeypatch):
+    url, states, large = five_versions
     tensors: dict[str, torch.Tensor] = {}
     reader = DeltaReader(url, StateDictTarget(tensors))
     reader.sync(0)
@@ -66,9 +51,11 @@ def test_prepare_leaves_large_versions_to_the_apply(chain, monkeypatch):
     assert bool(last) == large
 
 
-@pytest.mark.parametrize("chain", [2], indirect=True)  # versions large enough to be left
-def test_a_failed_fetch_in_the_apply_rolls_back_and_the_version_applies_again(chain, monkeypatch):
-    url, states, _ = chain
+@pytest.mark.parametrize("five_versions", [2], indirect=True)  # versions large enough to be left
+def test_a_failed_fetch_in_the_apply_rolls_back_and_the_version_applies_again(
+    five_versions, monkeypatch
+):
+    url, states, _ = five_versions
     tensors: dict[str, torch.Tensor] = {}
     reader = DeltaReader(url, StateDictTarget(tensors))
     reader.sync(0)

@@ -3,11 +3,9 @@ failure, of a later fetch too, rolls every version back: the target ends as it w
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import assert_same_bits, make_state, snapshot
+from conftest import assert_same_bits, change_share, make_state, snapshot
 from safetensors.torch import load_file
 
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, StateDictTarget, Transaction
@@ -15,30 +13,6 @@ from dcr_format.errors import ChecksumMismatchError
 from dcr_format.sync import _fetch
 
 OBJECTS = "objects/"
-
-
-def _step(state: dict[str, torch.Tensor], seed: int, share: int) -> None:
-    """Change one element in ``share`` of every float tensor."""
-    gen = torch.Generator().manual_seed(seed)
-    for tensor in state.values():
-        if tensor.is_floating_point():
-            flat = tensor.view(-1)
-            index = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // share)]
-            flat[index] = flat[index] * 1.5 + 0.25
-
-
-@pytest.fixture(params=[2, 200], ids=["most elements change", "few elements change"])
-def chain(tmp_path: Path, request):
-    """Versions 0..4 (changes large enough, or not, for the undo to be whole copies)."""
-    state = make_state(21)
-    writer = DeltaWriter(str(tmp_path / "store"), reader_records=False)
-    states = []
-    for version in range(5):
-        if version:
-            _step(state, version, request.param)
-        writer.publish(state)
-        states.append(snapshot(state))
-    return str(tmp_path / "store"), states, request.param == 2
 
 
 def _fail_fetching(monkeypatch: pytest.MonkeyPatch, version: int) -> list[str]:
@@ -68,8 +42,8 @@ def _spy_changes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return changed
 
 
-def test_a_failed_fetch_rolls_back_the_versions_already_applied(chain, monkeypatch):
-    url, states, large = chain
+def test_a_failed_fetch_rolls_back_the_versions_already_applied(five_versions, monkeypatch):
+    url, states, large = five_versions
     tensors: dict[str, torch.Tensor] = {}
     reader = DeltaReader(url, StateDictTarget(tensors))
     reader.sync(0)
@@ -95,8 +69,8 @@ def test_a_failed_fetch_rolls_back_the_versions_already_applied(chain, monkeypat
     assert_same_bits(tensors, states[4])
 
 
-def test_a_failed_fetch_leaves_a_directory_as_it_was(chain, tmp_path, monkeypatch):
-    url, states, _ = chain
+def test_a_failed_fetch_leaves_a_directory_as_it_was(five_versions, tmp_path, monkeypatch):
+    url, states, _ = five_versions
     target = SafetensorsDirTarget(tmp_path / "model")
     reader = DeltaReader(url, target)
     reader.sync(1)
@@ -117,7 +91,7 @@ def test_a_base_after_deltas_is_written_over_them_and_rolled_back_whole(tmp_path
     states = []
     for version in range(6):  # bases at 0 and 3
         if version:
-            _step(state, version, 3)
+            change_share(state, version, 3)
         writer.publish(state)
         states.append(snapshot(state))
     tensors: dict[str, torch.Tensor] = {}
@@ -133,11 +107,11 @@ def test_a_base_after_deltas_is_written_over_them_and_rolled_back_whole(tmp_path
 
 
 def test_only_syncs_that_decode_up_to_the_model_give_freed_pages_back(
-    chain, monkeypatch: pytest.MonkeyPatch
+    five_versions, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A base or a plan of several versions gives the heap back after each job; a steady
     one-version sync does not (its next sync would fault the same pages in again)."""
-    store, states, _ = chain
+    store, states, _ = five_versions
     trims: list[int] = []
     monkeypatch.setattr(_fetch, "give_back_freed", lambda: trims.append(1))
     target = StateDictTarget({})
