@@ -37,6 +37,17 @@ def _listed(names: frozenset[str] | None) -> tuple[str, ...]:
     return tuple(listed[:MAX_BASELINE_NAMES])
 
 
+def _ranked(reader_id: str | None, rank: int) -> str | None:
+    """The record id of rank ``rank`` of a reader group named ``reader_id``: rank 0 the id
+    itself, any other its own (``<id>.rank<r>``), since ranks that hold different parts of
+    the model read the old bits of different tensors and one record would keep only the
+    last rank's list."""
+    if reader_id is None or rank == 0:
+        return reader_id
+    suffix = f".rank{rank}"
+    return reader_id[: 128 - len(suffix)] + suffix
+
+
 class Committing(Auditing):
     """The reader records, and what a commit leaves the reader."""
 
@@ -58,7 +69,9 @@ class Committing(Auditing):
         content = "\n".join(sorted(names))
         if readable is not None:
             content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable)
-        reader_id = self.reader_id or "auto-" + sha256_hex(content.encode())[:16]
+        reader_id = _ranked(self.reader_id, self.group.rank) or (
+            "auto-" + sha256_hex(content.encode())[:16]
+        )
         if self._recorded == (reader_id, names, readable):
             return
         record = ReaderRecord(
