@@ -438,3 +438,23 @@ def test_ranks_of_a_group_with_one_reader_id_keep_a_record_each(tmp_path: Path) 
             dense.load_weights(state.items())
             want, got = _bits(dense), _bits(module)
             assert all(torch.equal(got[n], want[n]) for n in want), number
+
+
+def test_a_record_of_long_names_is_kept_within_what_writers_read(tmp_path: Path) -> None:
+    """4096 names of 300 characters are more than a record's 1 MiB: the reader lists the
+    first of them that fit, so that writers read the record (one they cannot read they
+    ignore, and would code every tensor against the old bits)."""
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    states = _twins()
+    writer.publish(states[0])
+    target = _Partial({})
+    long = {f"x{i:04d}".ljust(300, "y") for i in range(MAX_BASELINE_NAMES - 1)}
+    target.readable = frozenset({"w", *long})
+    DeltaReader(store, target, reader_id="long").sync()
+    data = open_store(store).get("readers/long.json")
+    assert len(data) <= schema.MAX_READER_JSON_BYTES
+    listed = parse(ReaderRecord, data, what="readers/long.json").baseline_names
+    assert listed is not None and listed[0] == "w" and len(listed) > 3000
+    writer.publish(states[1])
+    assert coded_against_old_bits(store, 1) == {"w"}
