@@ -20,6 +20,7 @@ from dcr_format.format import schema
 from dcr_format.format.schema import MAX_BASELINE_NAMES, ReaderRecord, parse
 from dcr_format.publish import _commit
 from dcr_format.store.store import open_store
+from dcr_format.sync.group import ReaderGroup
 
 UPDATED = "2026-01-01T00:00:00Z"
 
@@ -364,3 +365,96 @@ def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
     assert bench.run(states, listed=True, tp=1)["readable"] == len(shapes)
     assert bench.run(states, listed=True, tp=2)["readable"] == 3  # embeddings and norms
     assert bench.run(states, listed=False, tp=1)["readable"] == 0
+
+
+class _Expert(nn.Module):
+    """Rank ``rank`` of two expert-parallel ranks: it holds its own expert whole; rank 0 also
+    holds rank 1's expert, transposed (no canonical bits to read), rank 1 none of rank 0's."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.mine = nn.Parameter(torch.zeros(R, C, dtype=torch.bfloat16), requires_grad=False)
+        self.other_t = nn.Parameter(torch.zeros(C, R, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        loaded = set()
+        for name, w in weights:
+            if name == f"e{self.rank}":
+                self.mine.data.copy_(w)
+            elif self.rank == 0:
+                self.other_t.data.copy_(w.t())
+            else:
+                continue  # the other rank's expert
+            loaded.add(name)
+        return loaded
+
+
+class _Rank(ReaderGroup):
+    """A reader that is rank ``rank`` of a group, without torch.distributed (it agrees with
+    nobody: the test syncs the ranks one after the other)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(None, solo=True)
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+
+def test_ranks_of_a_group_with_one_reader_id_keep_a_record_each(tmp_path: Path) -> None:
+    """Ranks holding different parts read the old bits of different tensors: each keeps its
+    own record under the group's ``reader_id``, so that a writer codes against the old bits
+    only the tensors every rank reads them of (one shared record would hold the last rank's
+    list, and the other rank could not decode what the writer codes against it)."""
+    gen = torch.Generator().manual_seed(3)
+    masters = {n: torch.randn(R, C, generator=gen) * 0.02 for n in ("e0", "e1")}
+    states = []
+    for _ in range(3):
+        states.append({n: m.bfloat16() for n, m in masters.items()})
+        for m in masters.values():
+            moved = torch.rand(m.shape, generator=gen) < 0.02
+            m += moved * 1e-4 * torch.sign(torch.randn(m.shape, generator=gen))
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    writer.publish(states[0])
+    modules = [_Expert(r) for r in range(2)]
+    readers = []
+    for r, module in enumerate(modules):
+        target = ModuleTarget(module, load_weights=module.load_weights)
+        reader = DeltaReader(store, target, reader_id="rollout")
+        reader.group = _Rank(r)
+        reader.sync()  # rank 1 writes its record last
+        readers.append(reader)
+    assert [r.target.baseline_names() for r in readers] == [{"e0"}, {"e0", "e1"}]
+    assert _commit.read_reader_records(open_store(store)).baseline_names == {"e0"}
+    for number, state in enumerate(states[1:], start=1):
+        writer.publish(state)
+        assert coded_against_old_bits(store, number) == {"e0"}
+        for reader, module in zip(readers, modules, strict=True):
+            assert reader.sync().version == number
+            dense = _Expert(module.rank)
+            dense.load_weights(state.items())
+            want, got = _bits(dense), _bits(module)
+            assert all(torch.equal(got[n], want[n]) for n in want), number
+
+
+def test_a_record_of_long_names_is_kept_within_what_writers_read(tmp_path: Path) -> None:
+    """4096 names of 300 characters are more than a record's 1 MiB: the reader lists the
+    first of them that fit, so that writers read the record (one they cannot read they
+    ignore, and would code every tensor against the old bits)."""
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    states = _twins()
+    writer.publish(states[0])
+    target = _Partial({})
+    long = {f"x{i:04d}".ljust(300, "y") for i in range(MAX_BASELINE_NAMES - 1)}
+    target.readable = frozenset({"w", *long})
+    DeltaReader(store, target, reader_id="long").sync()
+    data = open_store(store).get("readers/long.json")
+    assert len(data) <= schema.MAX_READER_JSON_BYTES
+    listed = parse(ReaderRecord, data, what="readers/long.json").baseline_names
+    assert listed is not None and listed[0] == "w" and len(listed) > 3000
+    writer.publish(states[1])
+    assert coded_against_old_bits(store, 1) == {"w"}

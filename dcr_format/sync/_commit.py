@@ -15,7 +15,12 @@ import re
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
 from dcr_format.errors import StoreError
-from dcr_format.format.schema import KNOWN_FEATURES, MAX_BASELINE_NAMES, ReaderRecord
+from dcr_format.format.schema import (
+    KNOWN_FEATURES,
+    MAX_BASELINE_NAMES,
+    MAX_READER_JSON_BYTES,
+    ReaderRecord,
+)
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
 
@@ -23,18 +28,50 @@ READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _log = logging.getLogger(__name__)
 
 
-def _listed(names: frozenset[str] | None) -> tuple[str, ...]:
+_RECORD_FIXED_BYTES = 2048  # a reader record's JSON besides its lists of names, at most
+
+
+def _name_bytes(name: str) -> int:
+    """Bytes ``name`` takes in a record's JSON list: quoted, escaped, and a comma."""
+    return len(name.encode()) + 3 + name.count('"') + name.count("\\")
+
+
+def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[str, ...]:
     """A target's :meth:`Target.baseline_names` as a record lists them: sorted, at most
-    :data:`MAX_BASELINE_NAMES` (the first in order where a target gives more)."""
+    :data:`MAX_BASELINE_NAMES`, and no more than fit the record (with its ``overwrite``
+    names) in :data:`MAX_READER_JSON_BYTES`, which writers read (the first in order where a
+    target gives more): a record past it writers ignore, and would code every tensor
+    against the old bits."""
     listed = sorted(names or ())
-    if len(listed) > MAX_BASELINE_NAMES:
+    room = MAX_READER_JSON_BYTES - _RECORD_FIXED_BYTES
+    kept = listed[:MAX_BASELINE_NAMES]
+    every = [*overwrite, *kept]
+    if 4 * sum(map(len, every)) + 3 * len(every) > room:  # may not fit: count its bytes
+        room -= sum(map(_name_bytes, overwrite))
+        for count, name in enumerate(kept):
+            room -= _name_bytes(name)
+            if room < 0:
+                kept = kept[:count]
+                break
+    if len(kept) < len(listed):
         _log.warning(
             "the target reads the old bits of %d tensors; the reader record lists the first "
             "%d (writers code the others without them)",
             len(listed),
-            MAX_BASELINE_NAMES,
+            len(kept),
         )
-    return tuple(listed[:MAX_BASELINE_NAMES])
+    return tuple(kept)
+
+
+def _ranked(reader_id: str | None, rank: int) -> str | None:
+    """The record id of rank ``rank`` of a reader group named ``reader_id``: rank 0 the id
+    itself, any other its own (``<id>.rank<r>``), since ranks that hold different parts of
+    the model read the old bits of different tensors and one record would keep only the
+    last rank's list."""
+    if reader_id is None or rank == 0:
+        return reader_id
+    suffix = f".rank{rank}"
+    return reader_id[: 128 - len(suffix)] + suffix
 
 
 class Committing(Auditing):
@@ -54,11 +91,13 @@ class Committing(Auditing):
         reads_baseline = self.target.reads_baseline()
         if self.reader_id is None and not names and reads_baseline:
             return
-        readable = None if reads_baseline else _listed(self.target.baseline_names())
+        readable = None if reads_baseline else _listed(self.target.baseline_names(), names)
         content = "\n".join(sorted(names))
         if readable is not None:
             content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable)
-        reader_id = self.reader_id or "auto-" + sha256_hex(content.encode())[:16]
+        reader_id = _ranked(self.reader_id, self.group.rank) or (
+            "auto-" + sha256_hex(content.encode())[:16]
+        )
         if self._recorded == (reader_id, names, readable):
             return
         record = ReaderRecord(

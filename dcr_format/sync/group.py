@@ -46,6 +46,13 @@ class ReaderGroup:
         """Whether this reader agrees with nobody (no process group)."""
         return self._solo
 
+    @property
+    def rank(self) -> int:
+        """This reader's rank in the group (0 on its own)."""
+        if self._solo:
+            return 0
+        return int(self._dist().get_rank(self._group))
+
     def _dist(self) -> Any:
         import torch.distributed as dist
 

@@ -107,7 +107,8 @@ class DeltaReader(Applying, Committing):
     ``reader_id`` names the reader record (``readers/<reader_id>.json``) in which the
     reader tells writers the tensors its target can take only as ``overwrite`` (a
     module whose loader casts or scales them); without it such a record is named
-    after its content.
+    after its content. In a reader group, rank ``r`` other than 0 names its record
+    ``<reader_id>.rank<r>`` (ranks holding different parts ask different things).
     """
 
     def __init__(
