@@ -89,7 +89,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     # pull
     (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
     (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),
-    (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "version 99 is not committed"),
+    (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "0..6; run `dcr log`"),
     (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "-1 is not in the range"),
     (("pull", *S, "--into", "{new}", "--wait", "-1"), USAGE, "'--wait': -1"),
     # log
@@ -107,7 +107,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("diff", "1", *S), USAGE, "Missing argument 'B'"),
     (("diff", "1", "2", *S, "--top", "-1"), USAGE, "'--top': -1 is not in the range"),
     # replay
-    (("replay", "99", *S, "--out", "{new}"), LIBRARY, "version 99 is not committed"),
+    (("replay", "99", *S, "--out", "{new}"), LIBRARY, "holds versions 0..6; run `dcr log`"),
     (("replay", "3", *S, "--out", "{afile}"), USAGE, "is a file"),
     (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
     (("replay", "3", *S, "--out", "{new}", "--cache-dir", "{afile}"), USAGE, "is a file"),

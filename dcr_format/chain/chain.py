@@ -242,6 +242,19 @@ class Chain:
                 found.append(int(match.group(1)))
         return sorted(found)
 
+    def not_committed(self, version: int, committed: list[int]) -> VersionNotFoundError:
+        """The error for ``version`` missing from ``committed`` (this chain's versions): the
+        range the chain holds, and where to see it."""
+        if not committed:
+            return VersionNotFoundError(
+                f"{self.store.url} has no committed version yet; publish one first"
+            )
+        return VersionNotFoundError(
+            f"version {version} is not committed: the chain of {self.store.url} holds "
+            f"versions {committed[0]}..{committed[-1]}; run `dcr log` to see the committed "
+            "versions"
+        )
+
     def latest(self) -> int | None:
         """The newest committed version, or None for an empty chain."""
         versions = self.versions()

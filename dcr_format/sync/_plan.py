@@ -481,10 +481,8 @@ def check_goal(
             f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
             "use a fresh target for this store"
         )
-    if not committed:
-        raise VersionNotFoundError(f"{chain.store.url} has no committed version yet")
     if goal not in committed:
-        raise VersionNotFoundError(f"version {goal} is not committed in {chain.store.url}")
+        raise chain.not_committed(goal, committed)
     previous = resident.version if resident is not None else None
     if previous is not None and previous > goal:
         raise TargetError(
