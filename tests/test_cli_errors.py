@@ -6,9 +6,11 @@ errors found by the library exit 1 and say what to do. No bad input shows a trac
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,6 +217,21 @@ def test_the_installed_command_prints_one_line(
     )
     assert run.returncode == code, run.stderr
     _one_line_error(run.stderr, code, fragment, run.stdout)
+
+
+def test_a_directory_another_sync_holds_says_how_to_wait(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    lock = os.open(tmp_path / ".policy.dcr.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another sync holds ./policy
+    try:
+        argv = ["pull", "--store", paths["store"], "--into", str(tmp_path / "policy")]
+        result = CliRunner().invoke(cli, [*argv, "--wait", "0"], env={"DCR_DEBUG": None})
+    finally:
+        os.close(lock)
+    assert result.exit_code == LIBRARY
+    line = _one_line_error(result.stderr, LIBRARY, "is being synced by", result.stdout)
+    assert "`dcr pull --wait SECONDS`" in line
 
 
 def test_help_version_and_success_still_exit_zero(paths: dict[str, str]) -> None:

@@ -147,8 +147,8 @@ class SafetensorsDirTarget(Target):
                     if left <= 0:
                         raise TargetBusyError(
                             f"{self.path} is being synced by {_holder(fd)} (lock {lock_path}); "
-                            f"wait for that sync to finish, or give timeout= more than "
-                            f"{self.timeout:g} s"
+                            f"waited {self.timeout:g} s; wait for that sync to finish, or "
+                            "wait longer (`dcr pull --wait SECONDS`, timeout= in Python)"
                         ) from None
                     time.sleep(min(delay, left))
                     delay = min(delay * 2, 0.25)
