@@ -237,6 +237,10 @@ def test_long_tools_report_progress_off_a_terminal(
         assert lines, (what, result.stderr)
         assert any(f"dcr {what}" in line and " s" in line for line in lines), lines
         assert "done" in lines[-1], lines
+        if what == "replay":  # the bytes of the payload, out of the payload's total
+            assert all(" of " in line for line in lines), lines
+            fetched, total = lines[-1].split("done, ")[1].rsplit(", ", 1)[0].split(" of ")
+            assert fetched == total, lines[-1]
 
 
 def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_path: Path) -> None:

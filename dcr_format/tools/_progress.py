@@ -118,13 +118,17 @@ class Progress:
 
 
 def counting_store(store: Store, tick: Callable[[int], Any]) -> Store:
-    """The same store, reporting the size of every object it reads to ``tick``."""
+    """The same store, reporting to ``tick`` the size of every manifest and shard it reads:
+    the payload, as a version's ``payload_bytes`` counts it (records aside)."""
+    from dcr_format.chain.chain import is_payload_key
+
     counted = copy.copy(store)
     get = store.get
 
     def get_counted(key: str, *, max_size: int | None = None) -> bytes:
         data = get(key, max_size=max_size)
-        tick(len(data))
+        if is_payload_key(key):
+            tick(len(data))
         return data
 
     counted.get = get_counted  # type: ignore[method-assign]  # on this copy only
