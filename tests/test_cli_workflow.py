@@ -274,3 +274,23 @@ def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_pat
     renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
     box, area = legend.get_window_extent(renderer), top.get_window_extent(renderer)
     assert box.x0 >= area.x1  # beside the panel: it covers neither bars nor the dense line
+
+
+def test_replay_and_pull_say_where_the_versions_came_from(store: str, tmp_path: Path) -> None:
+    def said(*args: str) -> str:
+        result = _invoke(*args, "--store", store)
+        assert result.exit_code == 0, result.output
+        return result.stdout.strip()
+
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    assert "verified: 1 version applied from the base at version 0," in said(
+        "replay", "0", "--out", a, *cache
+    )
+    assert "verified: 1 version applied from the cache at version 0," in said(
+        "replay", "1", "--out", b, *cache
+    )
+    assert said("replay", "1", "--out", c, *cache).endswith("verified: copied from the cache")
+    assert said("replay", "1", "--out", b, *cache).endswith("verified: already there")
+    pulled = said("pull", "--into", str(tmp_path / "d"), "--version", "0")
+    assert pulled.startswith(f"{tmp_path / 'd'} is at version 0 (applied 1 version, ")

@@ -57,6 +57,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         )
 
 
+def count(n: int, noun: str) -> str:
+    """``count(1, "version")`` -> ``1 version``, ``count(3, "version")`` -> ``3 versions``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def human_bytes(n: float) -> str:
     """``1234567`` -> ``1.2 MB`` (decimal units)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes, progress_bar
+from dcr_format.cli.output import count, emit, human_bytes, progress_bar
 from dcr_format.cli.params import (
     FEATURES_OPTION,
     FORMAT_OPTION,
@@ -133,7 +133,7 @@ def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) ->
         else:
             click.echo(
                 f"{into} is at version {result.version} (applied "
-                f"{len(result.applied_versions)} versions, "
+                f"{count(len(result.applied_versions), 'version')}, "
                 f"{human_bytes(result.payload_bytes)} fetched)"
             )
 
