@@ -12,6 +12,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner, Result
@@ -294,3 +295,14 @@ def test_replay_and_pull_say_where_the_versions_came_from(store: str, tmp_path: 
     assert said("replay", "1", "--out", b, *cache).endswith("verified: already there")
     pulled = said("pull", "--into", str(tmp_path / "d"), "--version", "0")
     assert pulled.startswith(f"{tmp_path / 'd'} is at version 0 (applied 1 version, ")
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    ctx = click.Context(cli)
+    undocumented = [
+        f"dcr {name} {param.opts[0]}"
+        for name in COMMAND_MODULES
+        for param in cli.get_command(ctx, name).params  # type: ignore[union-attr]
+        if isinstance(param, click.Option) and not param.help
+    ]
+    assert undocumented == []

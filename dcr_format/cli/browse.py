@@ -217,7 +217,9 @@ def replay(
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="Plot only the newest N versions."
 )
-@click.option("--dpi", type=click.IntRange(min=10), default=100)
+@click.option(
+    "--dpi", type=click.IntRange(min=10), default=100, help="Resolution of the PNG, dots per inch."
+)
 @FORMAT_OPTION
 def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""

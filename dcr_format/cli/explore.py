@@ -28,8 +28,8 @@ from dcr_format.cli.projection import (
 
 _COUNT = click.IntRange(min=1)  # of nodes, processes, members
 _POSITIVE = click.FloatRange(min=0, min_open=True)
-_CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
-    ("rollout_nodes", _COUNT, None),
+_CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str], ...] = (
+    ("rollout_nodes", _COUNT, "Rollout nodes that each receive every version."),
     ("link_gbps", _POSITIVE, "Network limit of every node into its cluster, each direction."),
     (
         "fabric_gbps",
@@ -39,9 +39,9 @@ _CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
     ("trainer_nodes", _COUNT, "Nodes that publish, each its share."),
     ("workers", _COUNT, "Processes per node encoding or applying a share each (one per GPU)."),
     ("store_gbps", click.FloatRange(min=0), "Aggregate object store bandwidth (0: no limit)."),
-    ("group_size", _COUNT, None),
-    ("fanout", _COUNT, None),
-    ("bytes_per_param", _POSITIVE, None),
+    ("group_size", _COUNT, "Rollout nodes per relay group (one of them reads the store)."),
+    ("fanout", _COUNT, "Members each relay member forwards to (2: a binary tree)."),
+    ("bytes_per_param", _POSITIVE, "Bytes of one parameter in the dense checkpoint (2: bf16)."),
 )
 """``dcr project``'s options for the cluster, in ``--help`` order: (:class:`Scenario` field,
 type, help)."""
