@@ -67,11 +67,13 @@ class SafetensorsDirTarget(Target):
 
     ``path`` becomes a symbolic link to a versioned directory beside it
     (``.<name>.dcr/v<version>-<id>/``) holding ``model.safetensors`` (or shards
-    plus ``model.safetensors.index.json``) and ``dcr-state.json``. A sync writes
-    the new directory completely, fsyncs it, then swaps the link with one
-    rename, so a crash at any moment leaves the old or the new version, never a
-    mix. Everything else in the directory (config, tokenizer, subdirectories,
-    symbolic links) is carried forward as it is.
+    plus ``model.safetensors.index.json``), the version's checkpoint files (config,
+    generation config, tokenizer files, chat template: those the writer published) and
+    ``dcr-state.json``. A sync writes the new directory completely, fsyncs it, then swaps
+    the link with one rename, so a crash at any moment leaves the old or the new version,
+    never a mix. A checkpoint file is written as the version has it (one the writer no
+    longer publishes is removed); everything else in the directory (files, subdirectories
+    and symbolic links you added) is carried forward as it is.
 
     One sync at a time owns the directory: :meth:`begin` takes an exclusive
     ``flock`` on ``.<name>.dcr.lock`` beside it until the transaction commits or
