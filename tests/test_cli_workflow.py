@@ -17,6 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import make_state, step_state
+from safetensors.torch import save_file
 
 from dcr_format import DeltaWriter
 from dcr_format.cli.main import COMMAND_MODULES, cli
@@ -225,8 +226,22 @@ def test_long_tools_report_progress_off_a_terminal(
         if version:
             step_state(state, gen)
         writer.publish(state)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(state, str(ckpt / "model.safetensors"))
+    pulled = str(tmp_path / "pulled")
+    assert _invoke("pull", "--store", store, "--into", pulled, "--version", "1").exit_code == 0
     runs = {
         "replay": ("replay", "3", "--store", store, "--out", str(tmp_path / "r"), "--no-cache"),
+        "pull": ("pull", "--store", store, "--into", pulled),  # from version 1 on
+        "publish": (
+            "publish",
+            str(ckpt),
+            "--store",
+            str(tmp_path / "other"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ),
         "verify --deep": ("verify", "--store", store, "--deep"),
         "diff": ("diff", "0", "3", "--store", store),
         "compact": ("compact", "--store", store, "--at", "2"),
@@ -238,7 +253,7 @@ def test_long_tools_report_progress_off_a_terminal(
         assert lines, (what, result.stderr)
         assert any(f"dcr {what}" in line and " s" in line for line in lines), lines
         assert "done" in lines[-1], lines
-        if what == "replay":  # the bytes of the payload, out of the payload's total
+        if what in ("replay", "pull"):  # the bytes of the payload, out of the payload's total
             assert all(" of " in line for line in lines), lines
             fetched, total = lines[-1].split("done, ")[1].rsplit(", ", 1)[0].split(" of ")
             assert fetched == total, lines[-1]

@@ -57,7 +57,8 @@ COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
 _COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
 _PAYLOAD_KEY = re.compile(
-    r"^(objects|bases)/[0-9]{20}/[0-9a-f]{32}/(manifest-[0-9]{5}\.json|shard-[0-9]{5}-[0-9]{5}\.dcrs)$"
+    r"^(?:objects|bases)/([0-9]{20})/[0-9a-f]{32}/"
+    r"(?:manifest-[0-9]{5}\.json|shard-[0-9]{5}-[0-9]{5}\.dcrs)$"
 )
 MAX_MANIFEST_BYTES = MAX_MANIFEST_JSON_BYTES  # 64 MiB: ~200,000 entries of one rank
 MAX_VERSION_MANIFEST_BYTES = 128 << 20  # all manifests of one version: ~400,000 entries
@@ -89,10 +90,12 @@ def shard_key(
     return f"{attempt_prefix(version, attempt, under=under)}shard-{rank:05d}-{index:05d}.dcrs"
 
 
-def is_payload_key(key: str) -> bool:
-    """Whether ``key`` is a manifest or a shard of an attempt (of a version or an alternative
-    base): the objects whose sizes a commit record's ``payload_bytes`` adds up."""
-    return _PAYLOAD_KEY.match(key) is not None
+def payload_version(key: str) -> int | None:
+    """The version whose manifest or shard (of an attempt, or of an alternative base) ``key``
+    is: the objects whose sizes a commit record's ``payload_bytes`` adds up; None for any
+    other key."""
+    match = _PAYLOAD_KEY.match(key)
+    return int(match.group(1)) if match else None
 
 
 def sha256_hex(data: bytes | memoryview) -> str:

@@ -122,10 +122,11 @@ def publish(
 @FORMAT_OPTION
 def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
-    from dcr_format.sync.reader import DeltaReader
     from dcr_format.targets.directory import SafetensorsDirTarget
+    from dcr_format.tools._replay import sync_with_progress
 
-    result = DeltaReader(store, SafetensorsDirTarget(into, timeout=wait)).sync(to=version)
+    target = SafetensorsDirTarget(into, timeout=wait)
+    result = sync_with_progress(store, target, version, what="pull")
 
     def human() -> None:
         if not result.applied_versions:
