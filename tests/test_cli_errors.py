@@ -146,6 +146,11 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("demo", "--lr", "-1"), USAGE, "'--lr': -1.0 is not in the range"),
     (("demo", "--lr", "nan"), USAGE, "is not a finite number"),
     (("demo", "--size", "huge"), USAGE, "'huge' is not one of"),
+    (
+        ("demo", *S, "--size", "tiny", "--steps", "1"),
+        USAGE,
+        "already holds a chain (versions 0..6)",
+    ),
     # project
     (("project",), USAGE, "Missing option '--params'"),
     (("project", "--params", "bad"), USAGE, "'--params': 'bad' is not a parameter count"),

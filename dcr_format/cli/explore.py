@@ -152,6 +152,9 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
     from dcr_format.cli.demo import run_demo
     from dcr_format.tools._progress import Progress
 
+    if store is not None:
+        _refuse_a_chain(store)
+
     headers = ["version", "change", "delta", "dense", "ratio", "publish", "pull", "apply"]
     widths = [7, 8, 9, 9, 7, 7, 7, 7, 8]
 
@@ -208,6 +211,24 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
         emit(fmt, list(rows), lambda: None)
     if not all(r.verified for r in rows):
         sys.exit(1)
+
+
+def _refuse_a_chain(store: str) -> None:
+    """The demo publishes a model of its own: never into a chain that holds versions."""
+    from dcr_format.chain.chain import Chain
+    from dcr_format.errors import StoreNotInitializedError
+    from dcr_format.store.store import open_store
+
+    try:
+        held = Chain(open_store(store)).versions()
+    except StoreNotInitializedError:
+        return
+    if held:
+        raise click.BadParameter(
+            f"{store} already holds a chain (versions {held[0]}..{held[-1]}), which the demo's "
+            "model would replace; pass a new or empty store, or leave out --store",
+            param_hint="'--store'",
+        )
 
 
 COMMANDS = (project, demo)
