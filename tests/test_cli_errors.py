@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from conftest import make_state, step_state
 from safetensors.torch import save_file
 
-from dcr_format import DeltaWriter
+from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
 from dcr_format.cli.main import cli
 from dcr_format.errors import VersionNotFoundError
 
@@ -45,6 +45,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "badckpt").mkdir()
     (root / "badckpt" / "model.safetensors").write_bytes(b"not safetensors")
     (root / "costs.json").write_text("{not json")
+    DeltaReader(store, SafetensorsDirTarget(root / "at6")).sync()  # a pulled directory
+    DeltaWriter(root / "other", cache_dir=root / "cache").publish(state)  # another chain
     return {
         "store": str(store),
         "ckpt": str(ckpt),
@@ -54,6 +56,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "badckpt": str(root / "badckpt"),
         "costs": str(root / "costs.json"),
         "new": str(root / "new"),  # a path that does not exist
+        "at6": str(root / "at6"),
+        "other": str(root / "other"),
     }
 
 
@@ -112,6 +116,8 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("replay", "99", *S, "--out", "{new}"), LIBRARY, "holds versions 0..6; run `dcr log`"),
     (("replay", "3", *S, "--out", "{afile}"), USAGE, "is a file"),
     (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("replay", "1", *S, "--out", "{at6}"), LIBRARY, "replay older versions into a new directory"),
+    (("pull", "--store", "{other}", "--into", "{at6}"), LIBRARY, "pull or replay into a new dir"),
     (("replay", "3", *S, "--out", "{new}", "--cache-dir", "{afile}"), USAGE, "is a file"),
     # verify
     (("verify", *S, "--from", "5", "--to", "2"), USAGE, "pass the older version to --from"),

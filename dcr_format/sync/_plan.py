@@ -479,7 +479,7 @@ def check_goal(
     if resident is not None and resident.chain_id != header.chain_id:
         raise TargetError(
             f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
-            "use a fresh target for this store"
+            "pull or replay into a new directory (or a new target) for this store"
         )
     if goal not in committed:
         raise chain.not_committed(goal, committed)
@@ -487,7 +487,7 @@ def check_goal(
     if previous is not None and previous > goal:
         raise TargetError(
             f"the target is at version {previous}, newer than {goal}; "
-            "replay older versions into a fresh target"
+            "replay older versions into a new directory (or a new target)"
         )
     return previous
 
