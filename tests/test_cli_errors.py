@@ -245,6 +245,18 @@ def test_a_directory_another_sync_holds_says_how_to_wait(
     assert "`dcr pull --wait SECONDS`" in line
 
 
+def test_a_refused_pull_leaves_no_lock_file_beside_the_directory(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    mine = tmp_path / "ckpt"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # a directory of the user's, not dcr's
+    for command in (["pull", "--into"], ["replay", "3", "--out"]):
+        result = CliRunner().invoke(cli, [*command, str(mine), "--store", paths["store"]])
+        assert result.exit_code == LIBRARY and "not managed by dcr" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def test_help_version_and_success_still_exit_zero(paths: dict[str, str]) -> None:
     runner = CliRunner()
     assert runner.invoke(cli, ["--version"]).exit_code == 0

@@ -247,11 +247,13 @@ class SafetensorsDirTarget(Target):
     def resident(self) -> Resident | None:
         """The version recorded in the directory's ``dcr-state.json``, read under the
         shared lock (waits for a sync in progress, up to ``timeout``)."""
-        if self._held is None and not os.path.lexists(self.path) and not self._lock_path.exists():
-            # no sync has run here (a sync creates the lock file first): nothing is resident,
-            # and a sync refused before it begins leaves no lock file behind
-            self._planned = None
-            return None
+        if self._held is None and not self._lock_path.exists():
+            # no sync has run here (a sync creates the lock file first), and a sync refused
+            # before it begins leaves no lock file behind
+            if not os.path.lexists(self.path):  # nothing is resident
+                self._planned = None
+                return None
+            self._check_managed()  # a directory dcr does not manage is refused here
         lock = None if self._held is not None else self._acquire(exclusive=False)
         try:
             live = self._check_managed()
