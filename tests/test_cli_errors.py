@@ -47,6 +47,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "costs.json").write_text("{not json")
     DeltaReader(store, SafetensorsDirTarget(root / "at6")).sync()  # a pulled directory
     DeltaWriter(root / "other", cache_dir=root / "cache").publish(state)  # another chain
+    assert DeltaWriter(root / "nocommit").version is None  # a chain, no version committed
     return {
         "store": str(store),
         "ckpt": str(ckpt),
@@ -58,6 +59,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "new": str(root / "new"),  # a path that does not exist
         "at6": str(root / "at6"),
         "other": str(root / "other"),
+        "nocommit": str(root / "nocommit"),
     }
 
 
@@ -145,6 +147,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("plot", *S, "--out", "{new}.png", "--limit", "0"), USAGE, "'--limit': 0 is not in"),
     (("plot", *S, "--out", "{new}.png", "--since", "-1"), USAGE, "'--since': -1 is not in"),
     (("plot", *S, "--out", "{new}.png", "--since", "99"), LIBRARY, "pick one of those"),
+    (("plot", "--store", "{nocommit}", "--out", "{new}.png"), LIBRARY, "version to plot; publish"),
     # demo
     (("demo", "--steps", "0"), USAGE, "'--steps': 0 is not in the range"),
     (("demo", "--steps", "-1"), USAGE, "'--steps': -1 is not in the range"),
