@@ -149,19 +149,20 @@ def sync_with_progress(
     with Progress(what, unit="B") as bar:
         reading = counting_store(store, bar.add, versions=planned)
         reader = DeltaReader(reading, target, verify=verify)
-        goal = reader.chain.latest() if version is None else version
-        bar.set_total(None if goal is None else _planned_bytes(reader, target, goal, planned))
+        committed = reader.chain.versions()
+        goal = (committed[-1] if committed else None) if version is None else version
+        if goal is not None:
+            bar.set_total(_planned_bytes(reader, target, goal, committed, planned))
         return reader.sync(to=goal)
 
 
 def _planned_bytes(
-    reader: DeltaReader, target: Target, version: int, planned: set[int]
+    reader: DeltaReader, target: Target, version: int, committed: list[int], planned: set[int]
 ) -> int | None:
     """Payload bytes of the versions a sync to ``version`` will fetch (for the bar's total),
     those versions added to ``planned``."""
     try:
         resident = target.resident()
-        committed = reader.chain.versions()
         if version not in committed or (resident is not None and resident.version >= version):
             return None
         plan, alternative = plan_versions(reader.chain, resident, version, committed)
