@@ -94,6 +94,8 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{badckpt}", *S), LIBRARY, "save the checkpoint again"),
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
+    (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
+    (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull
     (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
     (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),

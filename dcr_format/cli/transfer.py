@@ -68,6 +68,7 @@ def publish(
     from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
     from dcr_format.publish.writer import DeltaWriter
 
+    _outside(store, ckpt_dir)
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
     files, left_out = directory_files(ckpt_dir)
@@ -106,6 +107,22 @@ def publish(
         )
 
     emit(fmt, info, human)
+
+
+def _outside(store: Store, ckpt_dir: str) -> None:
+    """A local store is not the checkpoint directory, nor inside it (its objects would be
+    published as the checkpoint's files)."""
+    import os
+
+    if store.local_root is None:
+        return
+    root, ckpt = os.path.realpath(store.local_root), os.path.realpath(ckpt_dir)
+    if root == ckpt or root.startswith(ckpt.rstrip(os.sep) + os.sep):
+        raise click.BadParameter(
+            f"the store {store.url} is inside the checkpoint directory {ckpt_dir}; publish "
+            "into a store outside it (e.g. --store ./refit-store)",
+            param_hint="'--store'",
+        )
 
 
 @click.command()
