@@ -181,6 +181,19 @@ def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(
     assert "--single-writer" in _invoke("publish", "--help").stdout
 
 
+def test_demo_leaves_the_store_of_dcr_store_alone(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dcr_format.cli.demo as demo
+
+    given: list[str] = []
+    monkeypatch.setattr(demo, "run_demo", lambda where, **_: given.append(str(where)) or [])
+    result = _invoke("demo", "--size", "tiny", "--steps", "1", env={"DCR_STORE": store})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("store: a temporary directory")
+    assert len(given) == 1 and not given[0].startswith(store)
+
+
 def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

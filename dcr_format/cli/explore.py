@@ -125,9 +125,9 @@ def project(
 @click.command()
 @click.option(
     "--store",
-    envvar="DCR_STORE",
     default=None,
-    help="Store to publish into (default: a new temporary directory).",
+    help="A new store to publish into (default: a new temporary directory; DCR_STORE, "
+    "the store of real work, is not used).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=10, help="Training steps.")
 @click.option(
