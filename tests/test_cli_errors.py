@@ -250,6 +250,19 @@ def test_a_directory_another_sync_holds_says_how_to_wait(
     assert "`dcr pull --wait SECONDS`" in line
 
 
+def test_a_finished_sync_is_not_named_as_the_holder(paths: dict[str, str], tmp_path: Path) -> None:
+    argv = ["pull", "--store", paths["store"], "--into", str(tmp_path / "policy")]
+    assert CliRunner().invoke(cli, [*argv, "--version", "5"]).exit_code == 0  # it finished
+    lock = os.open(tmp_path / ".policy.dcr.lock", os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # a reader holds the directory
+    try:
+        result = CliRunner().invoke(cli, [*argv, "--wait", "0"], env={"DCR_DEBUG": None})
+    finally:
+        os.close(lock)
+    line = _one_line_error(result.stderr, LIBRARY, "is being synced by another process")
+    assert f"pid {os.getpid()}" not in line
+
+
 def test_a_refused_pull_leaves_no_lock_file_beside_the_directory(
     paths: dict[str, str], tmp_path: Path
 ) -> None:

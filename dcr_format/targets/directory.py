@@ -6,6 +6,7 @@ link to it with one rename, under a lock file that one sync at a time holds.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -48,14 +49,20 @@ _UNSET = object()
 
 class _Lock:
     """An open lock file holding an ``flock``; the kernel releases it when the fd closes
-    (also when the holder is killed)."""
+    (also when the holder is killed). An exclusive holder's record of itself (pid, host,
+    since) is erased as it releases, so that nobody is later named as a holder it no longer
+    is."""
 
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
+        self.exclusive = False
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
         if fd is not None:
+            if self.exclusive:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
             os.close(fd)
 
     def __del__(self) -> None:
@@ -162,6 +169,7 @@ class SafetensorsDirTarget(Target):
                 }
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(holder).encode(), 0)
+                lock.exclusive = True  # held: its record is erased as it releases
         except OSError as exc:
             lock.release()
             raise TargetUnreadableError(
@@ -557,7 +565,7 @@ def _holder(fd: int) -> str:
         info = json.loads(os.pread(fd, 4096, 0))
         return f"pid {int(info['pid'])} on {str(info['host'])!r} since {info['since']!s}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "another process (it has not recorded its pid yet)"
+        return "another process (one reading it, or a sync that has not recorded its pid yet)"
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
