@@ -192,6 +192,7 @@ def test_demo_leaves_the_store_of_dcr_store_alone(
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("store: a temporary directory")
     assert len(given) == 1 and not given[0].startswith(store)
+    assert "dcr demo: training a tiny model for 1 step\n" in result.stderr
 
 
 def test_demo_streams_its_rows_reports_progress_and_removes_its_store(

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes
+from dcr_format.cli.output import count, emit, human_bytes
 from dcr_format.cli.params import FORMAT_OPTION, SHOW_DEFAULTS, F, finite
 from dcr_format.cli.projection import (
     Scenario,
@@ -192,7 +192,7 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
         click.echo(f"store: {where}")
         line([*headers, "verified"])
     if not sys.stderr.isatty():
-        click.echo(f"dcr demo: training a {size} model for {steps} steps", err=True)
+        click.echo(f"dcr demo: training a {size} model for {count(steps, 'step')}", err=True)
     try:
         with bar:
             rows = run_demo(
