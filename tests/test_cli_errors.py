@@ -6,9 +6,11 @@ errors found by the library exit 1 and say what to do. No bad input shows a trac
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from click.testing import CliRunner
 from conftest import make_state, step_state
 from safetensors.torch import save_file
 
-from dcr_format import DeltaWriter
+from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
 from dcr_format.cli.main import cli
 from dcr_format.errors import VersionNotFoundError
 
@@ -43,6 +45,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "badckpt").mkdir()
     (root / "badckpt" / "model.safetensors").write_bytes(b"not safetensors")
     (root / "costs.json").write_text("{not json")
+    DeltaReader(store, SafetensorsDirTarget(root / "at6")).sync()  # a pulled directory
+    DeltaWriter(root / "other", cache_dir=root / "cache").publish(state)  # another chain
+    assert DeltaWriter(root / "nocommit").version is None  # a chain, no version committed
     return {
         "store": str(store),
         "ckpt": str(ckpt),
@@ -52,6 +57,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "badckpt": str(root / "badckpt"),
         "costs": str(root / "costs.json"),
         "new": str(root / "new"),  # a path that does not exist
+        "at6": str(root / "at6"),
+        "other": str(root / "other"),
+        "nocommit": str(root / "nocommit"),
     }
 
 
@@ -86,10 +94,12 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{badckpt}", *S), LIBRARY, "save the checkpoint again"),
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
+    (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
+    (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull
     (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
     (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),
-    (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "version 99 is not committed"),
+    (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "0..6; run `dcr log`"),
     (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "-1 is not in the range"),
     (("pull", *S, "--into", "{new}", "--wait", "-1"), USAGE, "'--wait': -1"),
     # log
@@ -107,9 +117,11 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("diff", "1", *S), USAGE, "Missing argument 'B'"),
     (("diff", "1", "2", *S, "--top", "-1"), USAGE, "'--top': -1 is not in the range"),
     # replay
-    (("replay", "99", *S, "--out", "{new}"), LIBRARY, "version 99 is not committed"),
+    (("replay", "99", *S, "--out", "{new}"), LIBRARY, "holds versions 0..6; run `dcr log`"),
     (("replay", "3", *S, "--out", "{afile}"), USAGE, "is a file"),
     (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("replay", "1", *S, "--out", "{at6}"), LIBRARY, "replay older versions into a new directory"),
+    (("pull", "--store", "{other}", "--into", "{at6}"), LIBRARY, "pull or replay into a new dir"),
     (("replay", "3", *S, "--out", "{new}", "--cache-dir", "{afile}"), USAGE, "is a file"),
     # verify
     (("verify", *S, "--from", "5", "--to", "2"), USAGE, "pass the older version to --from"),
@@ -137,6 +149,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("plot", *S, "--out", "{new}.png", "--limit", "0"), USAGE, "'--limit': 0 is not in"),
     (("plot", *S, "--out", "{new}.png", "--since", "-1"), USAGE, "'--since': -1 is not in"),
     (("plot", *S, "--out", "{new}.png", "--since", "99"), LIBRARY, "pick one of those"),
+    (("plot", "--store", "{nocommit}", "--out", "{new}.png"), LIBRARY, "version to plot; publish"),
     # demo
     (("demo", "--steps", "0"), USAGE, "'--steps': 0 is not in the range"),
     (("demo", "--steps", "-1"), USAGE, "'--steps': -1 is not in the range"),
@@ -144,6 +157,11 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("demo", "--lr", "-1"), USAGE, "'--lr': -1.0 is not in the range"),
     (("demo", "--lr", "nan"), USAGE, "is not a finite number"),
     (("demo", "--size", "huge"), USAGE, "'huge' is not one of"),
+    (
+        ("demo", *S, "--size", "tiny", "--steps", "1"),
+        USAGE,
+        "already holds a chain (versions 0..6)",
+    ),
     # project
     (("project",), USAGE, "Missing option '--params'"),
     (("project", "--params", "bad"), USAGE, "'--params': 'bad' is not a parameter count"),
@@ -215,6 +233,46 @@ def test_the_installed_command_prints_one_line(
     )
     assert run.returncode == code, run.stderr
     _one_line_error(run.stderr, code, fragment, run.stdout)
+
+
+def test_a_directory_another_sync_holds_says_how_to_wait(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    lock = os.open(tmp_path / ".policy.dcr.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another sync holds ./policy
+    try:
+        argv = ["pull", "--store", paths["store"], "--into", str(tmp_path / "policy")]
+        result = CliRunner().invoke(cli, [*argv, "--wait", "0"], env={"DCR_DEBUG": None})
+    finally:
+        os.close(lock)
+    assert result.exit_code == LIBRARY
+    line = _one_line_error(result.stderr, LIBRARY, "is being synced by", result.stdout)
+    assert "`dcr pull --wait SECONDS`" in line
+
+
+def test_a_finished_sync_is_not_named_as_the_holder(paths: dict[str, str], tmp_path: Path) -> None:
+    argv = ["pull", "--store", paths["store"], "--into", str(tmp_path / "policy")]
+    assert CliRunner().invoke(cli, [*argv, "--version", "5"]).exit_code == 0  # it finished
+    lock = os.open(tmp_path / ".policy.dcr.lock", os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # a reader holds the directory
+    try:
+        result = CliRunner().invoke(cli, [*argv, "--wait", "0"], env={"DCR_DEBUG": None})
+    finally:
+        os.close(lock)
+    line = _one_line_error(result.stderr, LIBRARY, "is being synced by another process")
+    assert f"pid {os.getpid()}" not in line
+
+
+def test_a_refused_pull_leaves_no_lock_file_beside_the_directory(
+    paths: dict[str, str], tmp_path: Path
+) -> None:
+    mine = tmp_path / "ckpt"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")  # a directory of the user's, not dcr's
+    for command in (["pull", "--into"], ["replay", "3", "--out"]):
+        result = CliRunner().invoke(cli, [*command, str(mine), "--store", paths["store"]])
+        assert result.exit_code == LIBRARY and "not managed by dcr" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_help_version_and_success_still_exit_zero(paths: dict[str, str]) -> None:

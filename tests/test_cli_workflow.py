@@ -12,10 +12,12 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import make_state, step_state
+from safetensors.torch import save_file
 
 from dcr_format import DeltaWriter
 from dcr_format.cli.main import COMMAND_MODULES, cli
@@ -179,6 +181,20 @@ def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(
     assert "--single-writer" in _invoke("publish", "--help").stdout
 
 
+def test_demo_leaves_the_store_of_dcr_store_alone(
+    store: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dcr_format.cli.demo as demo
+
+    given: list[str] = []
+    monkeypatch.setattr(demo, "run_demo", lambda where, **_: given.append(str(where)) or [])
+    result = _invoke("demo", "--size", "tiny", "--steps", "1", env={"DCR_STORE": store})
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("store: a temporary directory")
+    assert len(given) == 1 and not given[0].startswith(store)
+    assert "dcr demo: training a tiny model for 1 step\n" in result.stderr
+
+
 def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -224,8 +240,22 @@ def test_long_tools_report_progress_off_a_terminal(
         if version:
             step_state(state, gen)
         writer.publish(state)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(state, str(ckpt / "model.safetensors"))
+    pulled = str(tmp_path / "pulled")
+    assert _invoke("pull", "--store", store, "--into", pulled, "--version", "1").exit_code == 0
     runs = {
         "replay": ("replay", "3", "--store", store, "--out", str(tmp_path / "r"), "--no-cache"),
+        "pull": ("pull", "--store", store, "--into", pulled),  # from version 1 on
+        "publish": (
+            "publish",
+            str(ckpt),
+            "--store",
+            str(tmp_path / "other"),
+            "--cache-dir",
+            str(tmp_path / "c"),
+        ),
         "verify --deep": ("verify", "--store", store, "--deep"),
         "diff": ("diff", "0", "3", "--store", store),
         "compact": ("compact", "--store", store, "--at", "2"),
@@ -237,6 +267,10 @@ def test_long_tools_report_progress_off_a_terminal(
         assert lines, (what, result.stderr)
         assert any(f"dcr {what}" in line and " s" in line for line in lines), lines
         assert "done" in lines[-1], lines
+        if what in ("replay", "pull"):  # the bytes of the payload, out of the payload's total
+            assert all(" of " in line for line in lines), lines
+            fetched, total = lines[-1].split("done, ")[1].rsplit(", ", 1)[0].split(" of ")
+            assert fetched == total, lines[-1]
 
 
 def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_path: Path) -> None:
@@ -270,3 +304,34 @@ def test_plot_marks_compacted_versions_and_keeps_its_legend_off_the_data(tmp_pat
     renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
     box, area = legend.get_window_extent(renderer), top.get_window_extent(renderer)
     assert box.x0 >= area.x1  # beside the panel: it covers neither bars nor the dense line
+
+
+def test_replay_and_pull_say_where_the_versions_came_from(store: str, tmp_path: Path) -> None:
+    def said(*args: str) -> str:
+        result = _invoke(*args, "--store", store)
+        assert result.exit_code == 0, result.output
+        return result.stdout.strip()
+
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    assert "verified: 1 version applied from the base at version 0," in said(
+        "replay", "0", "--out", a, *cache
+    )
+    assert "verified: 1 version applied from the cache at version 0," in said(
+        "replay", "1", "--out", b, *cache
+    )
+    assert said("replay", "1", "--out", c, *cache).endswith("verified: copied from the cache")
+    assert said("replay", "1", "--out", b, *cache).endswith("verified: already there")
+    pulled = said("pull", "--into", str(tmp_path / "d"), "--version", "0")
+    assert pulled.startswith(f"{tmp_path / 'd'} is at version 0 (applied 1 version, ")
+
+
+def test_every_option_of_every_command_says_what_it_does() -> None:
+    ctx = click.Context(cli)
+    undocumented = [
+        f"dcr {name} {param.opts[0]}"
+        for name in COMMAND_MODULES
+        for param in cli.get_command(ctx, name).params  # type: ignore[union-attr]
+        if isinstance(param, click.Option) and not param.help
+    ]
+    assert undocumented == []

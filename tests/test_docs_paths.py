@@ -58,3 +58,47 @@ def test_every_module_a_doc_names_exists(doc: Path) -> None:
         }
     )
     assert missing == [], f"{doc.name} names what the code does not have: {missing}"
+
+
+_DCR_CALL = re.compile(r"\bdcr ([a-z]+)((?:[ \t]+[^\s`|#;)]+)*)")
+
+
+def _dcr_calls(text: str) -> list[tuple[str, str]]:
+    """``(command, its arguments)`` of every ``dcr ...`` in a code line or a code span."""
+    calls = []
+    for line in text.splitlines():
+        code = line.startswith(("    ", "$ "))
+        for part in [line] if code else re.findall(r"`([^`]*)`", line):
+            calls += [(m.group(1), m.group(2)) for m in _DCR_CALL.finditer(part)]
+    return calls
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_dcr_option_a_doc_shows_exists(doc: Path) -> None:
+    import click
+
+    from dcr_format.cli.main import COMMAND_MODULES, cli
+
+    ctx = click.Context(cli)
+    missing = []
+    for command, args in _dcr_calls(doc.read_text()):
+        if command not in COMMAND_MODULES:  # `dcr over S3` in a table of results
+            continue
+        found = cli.get_command(ctx, command)
+        assert found is not None
+        options = {o for p in found.params for o in p.opts} | {"--help"}
+        missing += [
+            f"dcr {command} {flag}"
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", args)
+            if flag not in options
+        ]
+    assert missing == [], f"{doc.name} shows options dcr does not have: {missing}"
+
+
+def test_the_readme_lists_the_dcr_commands_there_are() -> None:
+    from dcr_format.cli.main import COMMAND_MODULES
+
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"^- \*\*The `dcr` command\*\*(.*?)^- ", text, re.S | re.M)
+    assert match, "README.md lost its '- **The `dcr` command**' bullet"
+    assert set(re.findall(r"`(\w+)`", match.group(1))) == set(COMMAND_MODULES)

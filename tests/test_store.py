@@ -376,6 +376,12 @@ class TestLocalBackend:
         expected = f"file://{tmp_path}/s"
         for url in ["s", "./s", "s/", tmp_path / "s", f"file://{tmp_path}/s", f"{tmp_path}/s"]:
             assert Store(url).url == expected
+        assert Store(f"file:{tmp_path}/s").url == expected  # file:/abs, one slash (RFC 8089)
+        assert Store("./s3:/b").url == f"file://{tmp_path}/s3:/b"  # a local directory "s3:"
+        for typo, fix in [("s3:/bucket/run", "s3://bucket/run"), ("memory:/m", "memory://m")]:
+            with pytest.raises(StoreError, match=f"one slash after .*; write {fix}, or ./"):
+                Store(typo)
+        assert not (tmp_path / "s3:").exists()
         Store("s").put("k", b"v")
         assert open_store(expected).get("k") == b"v"
 

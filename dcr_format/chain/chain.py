@@ -56,6 +56,10 @@ HEAD_KEY = "HEAD"
 COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
 _COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
+_PAYLOAD_KEY = re.compile(
+    r"^(?:objects|bases)/([0-9]{20})/[0-9a-f]{32}/"
+    r"(?:manifest-[0-9]{5}\.json|shard-[0-9]{5}-[0-9]{5}\.dcrs)$"
+)
 MAX_MANIFEST_BYTES = MAX_MANIFEST_JSON_BYTES  # 64 MiB: ~200,000 entries of one rank
 MAX_VERSION_MANIFEST_BYTES = 128 << 20  # all manifests of one version: ~400,000 entries
 MAX_RECORD_BYTES = MAX_RECORD_JSON_BYTES  # 1 MiB: ~5,000 writer ranks
@@ -84,6 +88,14 @@ def shard_key(
 ) -> str:
     """Key of one writer rank's ``index``-th shard."""
     return f"{attempt_prefix(version, attempt, under=under)}shard-{rank:05d}-{index:05d}.dcrs"
+
+
+def payload_version(key: str) -> int | None:
+    """The version whose manifest or shard (of an attempt, or of an alternative base) ``key``
+    is: the objects whose sizes a commit record's ``payload_bytes`` adds up; None for any
+    other key."""
+    match = _PAYLOAD_KEY.match(key)
+    return int(match.group(1)) if match else None
 
 
 def sha256_hex(data: bytes | memoryview) -> str:
@@ -241,6 +253,19 @@ class Chain:
             if match:
                 found.append(int(match.group(1)))
         return sorted(found)
+
+    def not_committed(self, version: int, committed: list[int]) -> VersionNotFoundError:
+        """The error for ``version`` missing from ``committed`` (this chain's versions): the
+        range the chain holds, and where to see it."""
+        if not committed:
+            return VersionNotFoundError(
+                f"{self.store.url} has no committed version yet; publish one first"
+            )
+        return VersionNotFoundError(
+            f"version {version} is not committed: the chain of {self.store.url} holds "
+            f"versions {committed[0]}..{committed[-1]}; run `dcr log` to see the committed "
+            "versions"
+        )
 
     def latest(self) -> int | None:
         """The newest committed version, or None for an empty chain."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes, table
+from dcr_format.cli.output import count, emit, human_bytes, table
 from dcr_format.cli.params import (
     FORMAT_OPTION,
     STORE_OPTION,
@@ -197,11 +197,12 @@ def replay(
     result = replay_version(store, version, out, cache_dir=cache, progress=True)
 
     def human() -> None:
+        source = {"base": "the base", "cache": "the cache", "out": out}[result.source]
         if not result.applied_versions:
-            how = f"already there (from the {result.source})"
+            how = f"copied from {source}" if result.source == "cache" else "already there"
         else:
             how = (
-                f"{len(result.applied_versions)} versions applied from the {result.source} at "
+                f"{count(len(result.applied_versions), 'version')} applied from {source} at "
                 f"version {result.start_version}, {human_bytes(result.payload_bytes)} fetched"
             )
         click.echo(f"{out} holds version {result.version}, verified: {how}")
@@ -216,7 +217,9 @@ def replay(
 @click.option(
     "--limit", type=click.IntRange(min=1), default=None, help="Plot only the newest N versions."
 )
-@click.option("--dpi", type=click.IntRange(min=10), default=100)
+@click.option(
+    "--dpi", type=click.IntRange(min=10), default=100, help="Resolution of the PNG, dots per inch."
+)
 @FORMAT_OPTION
 def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""

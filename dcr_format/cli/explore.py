@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes
+from dcr_format.cli.output import count, emit, human_bytes
 from dcr_format.cli.params import FORMAT_OPTION, SHOW_DEFAULTS, F, finite
 from dcr_format.cli.projection import (
     Scenario,
@@ -28,8 +28,8 @@ from dcr_format.cli.projection import (
 
 _COUNT = click.IntRange(min=1)  # of nodes, processes, members
 _POSITIVE = click.FloatRange(min=0, min_open=True)
-_CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
-    ("rollout_nodes", _COUNT, None),
+_CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str], ...] = (
+    ("rollout_nodes", _COUNT, "Rollout nodes that each receive every version."),
     ("link_gbps", _POSITIVE, "Network limit of every node into its cluster, each direction."),
     (
         "fabric_gbps",
@@ -39,9 +39,9 @@ _CLUSTER: tuple[tuple[str, click.ParamType[Any, Any], str | None], ...] = (
     ("trainer_nodes", _COUNT, "Nodes that publish, each its share."),
     ("workers", _COUNT, "Processes per node encoding or applying a share each (one per GPU)."),
     ("store_gbps", click.FloatRange(min=0), "Aggregate object store bandwidth (0: no limit)."),
-    ("group_size", _COUNT, None),
-    ("fanout", _COUNT, None),
-    ("bytes_per_param", _POSITIVE, None),
+    ("group_size", _COUNT, "Rollout nodes per relay group (one of them reads the store)."),
+    ("fanout", _COUNT, "Members each relay member forwards to (2: a binary tree)."),
+    ("bytes_per_param", _POSITIVE, "Bytes of one parameter in the dense checkpoint (2: bf16)."),
 )
 """``dcr project``'s options for the cluster, in ``--help`` order: (:class:`Scenario` field,
 type, help)."""
@@ -125,9 +125,9 @@ def project(
 @click.command()
 @click.option(
     "--store",
-    envvar="DCR_STORE",
     default=None,
-    help="Store to publish into (default: a new temporary directory).",
+    help="A new store to publish into (default: a new temporary directory; DCR_STORE, "
+    "the store of real work, is not used).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=10, help="Training steps.")
 @click.option(
@@ -151,6 +151,9 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
     """
     from dcr_format.cli.demo import run_demo
     from dcr_format.tools._progress import Progress
+
+    if store is not None:
+        _refuse_a_chain(store)
 
     headers = ["version", "change", "delta", "dense", "ratio", "publish", "pull", "apply"]
     widths = [7, 8, 9, 9, 7, 7, 7, 7, 8]
@@ -189,7 +192,7 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
         click.echo(f"store: {where}")
         line([*headers, "verified"])
     if not sys.stderr.isatty():
-        click.echo(f"dcr demo: training a {size} model for {steps} steps", err=True)
+        click.echo(f"dcr demo: training a {size} model for {count(steps, 'step')}", err=True)
     try:
         with bar:
             rows = run_demo(
@@ -208,6 +211,24 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
         emit(fmt, list(rows), lambda: None)
     if not all(r.verified for r in rows):
         sys.exit(1)
+
+
+def _refuse_a_chain(store: str) -> None:
+    """The demo publishes a model of its own: never into a chain that holds versions."""
+    from dcr_format.chain.chain import Chain
+    from dcr_format.errors import StoreNotInitializedError
+    from dcr_format.store.store import open_store
+
+    try:
+        held = Chain(open_store(store)).versions()
+    except StoreNotInitializedError:
+        return
+    if held:
+        raise click.BadParameter(
+            f"{store} already holds a chain (versions {held[0]}..{held[-1]}), which the demo's "
+            "model would replace; pass a new or empty store, or leave out --store",
+            param_hint="'--store'",
+        )
 
 
 COMMANDS = (project, demo)

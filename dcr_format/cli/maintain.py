@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes, table
+from dcr_format.cli.output import count, emit, human_bytes, table
 from dcr_format.cli.params import (
     FORMAT_OPTION,
     STORE_OPTION,
@@ -84,7 +84,7 @@ def _gc_lines(report: Any) -> None:
     """What a gc run deleted (the first 50) and the attempts it kept, one line each."""
     for item in report.deleted[:_GC_SHOWN]:
         click.echo(
-            f"deleted {_gc_item(item)}: {item.objects} objects, {human_bytes(item.bytes)} "
+            f"deleted {_gc_item(item)}: {count(item.objects, 'object')}, {human_bytes(item.bytes)} "
             f"({item.reason})"
         )
     for item in report.kept:
@@ -112,8 +112,8 @@ def _gc_notes(report: Any) -> None:
             "object in the store, so younger orphans wait for a later gc"
         )
     click.echo(
-        f"{verb} {report.deleted_objects} objects, {human_bytes(report.deleted_bytes)}; the chain "
-        f"keeps versions {_version_range(report.oldest_kept, report.latest)}"
+        f"{verb} {count(report.deleted_objects, 'object')}, {human_bytes(report.deleted_bytes)}; "
+        f"the chain keeps versions {_version_range(report.oldest_kept, report.latest)}"
     )
 
 
@@ -145,16 +145,17 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
             click.echo(f"version {p.version}: {p.key}: {p.error}: {p.message}")
         span = _version_range(report.first_version, report.last_version)
         checked = (
-            f"{report.versions_checked} versions ({span}), "
-            f"{report.objects_checked} objects, {report.bases_checked} alternative bases"
+            f"{count(report.versions_checked, 'version')} ({span}), "
+            f"{count(report.objects_checked, 'object')}, "
+            f"{count(report.bases_checked, 'alternative base')}"
         )
         if deep:
-            checked += f", {report.replayed_versions} versions replayed"
+            checked += f", {count(report.replayed_versions, 'version')} replayed"
         if report.ok:
             click.echo(f"ok: {checked}")
         else:
             click.echo(
-                f"broken: {len(report.problems)} problems, first at version "
+                f"broken: {count(len(report.problems), 'problem')}, first at version "
                 f"{report.first_broken_version}; checked {checked}"
             )
 

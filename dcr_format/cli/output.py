@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -13,18 +12,21 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
 
-def progress_bar(iterable: Iterable[Any], *, total: int | None, desc: str) -> Iterable[Any]:
-    """A progress bar on a terminal, nothing otherwise."""
-    from tqdm import tqdm
+def progress_bar(iterable: Iterable[Any], *, total: int | None, desc: str) -> Iterator[Any]:
+    """The items of ``iterable``, counted on stderr as tensors (a bar on a terminal, a line
+    now and then off one: :class:`~dcr_format.tools._progress.Progress`)."""
+    from dcr_format.tools._progress import Progress
 
-    return tqdm(
-        iterable,
-        total=total,
-        desc=desc,
-        unit="tensor",
-        disable=not sys.stderr.isatty(),
-        leave=False,
-    )
+    bar = Progress(desc, total=total, unit="tensors")
+    try:
+        for item in iterable:
+            yield item
+            bar.add()
+    except GeneratorExit:  # the consumer stopped early (an error): no "done" line
+        bar.enabled = False
+        raise
+    finally:
+        bar.close()
 
 
 def emit(
@@ -55,6 +57,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
         )
+
+
+def count(n: int, noun: str) -> str:
+    """``count(1, "version")`` -> ``1 version``, ``count(3, "version")`` -> ``3 versions``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def human_bytes(n: float) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from dcr_format.cli.output import emit, human_bytes, progress_bar
+from dcr_format.cli.output import count, emit, human_bytes, progress_bar
 from dcr_format.cli.params import (
     FEATURES_OPTION,
     FORMAT_OPTION,
@@ -68,6 +68,7 @@ def publish(
     from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
     from dcr_format.publish.writer import DeltaWriter
 
+    _outside(store, ckpt_dir)
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
     files, left_out = directory_files(ckpt_dir)
@@ -108,6 +109,22 @@ def publish(
     emit(fmt, info, human)
 
 
+def _outside(store: Store, ckpt_dir: str) -> None:
+    """A local store is not the checkpoint directory, nor inside it (its objects would be
+    published as the checkpoint's files)."""
+    import os
+
+    if store.local_root is None:
+        return
+    root, ckpt = os.path.realpath(store.local_root), os.path.realpath(ckpt_dir)
+    if root == ckpt or root.startswith(ckpt.rstrip(os.sep) + os.sep):
+        raise click.BadParameter(
+            f"the store {store.url} is inside the checkpoint directory {ckpt_dir}; publish "
+            "into a store outside it (e.g. --store ./refit-store)",
+            param_hint="'--store'",
+        )
+
+
 @click.command()
 @STORE_OPTION
 @directory_option("--into", required=True, help="Checkpoint directory to keep.")
@@ -122,10 +139,11 @@ def publish(
 @FORMAT_OPTION
 def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
-    from dcr_format.sync.reader import DeltaReader
     from dcr_format.targets.directory import SafetensorsDirTarget
+    from dcr_format.tools._replay import sync_with_progress
 
-    result = DeltaReader(store, SafetensorsDirTarget(into, timeout=wait)).sync(to=version)
+    target = SafetensorsDirTarget(into, timeout=wait)
+    result = sync_with_progress(store, target, version, what="pull")
 
     def human() -> None:
         if not result.applied_versions:
@@ -133,7 +151,7 @@ def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) ->
         else:
             click.echo(
                 f"{into} is at version {result.version} (applied "
-                f"{len(result.applied_versions)} versions, "
+                f"{count(len(result.applied_versions), 'version')}, "
                 f"{human_bytes(result.payload_bytes)} fetched)"
             )
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from dcr_format.errors import CapabilityError, StoreError
@@ -21,6 +22,7 @@ from dcr_format.store._local import LocalBackend, local_root
 __all__ = ["describe", "open_backend"]
 
 _S3_SCHEMES = ("s3://", "s3a://")
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)(.*)$", re.S)  # s3:/b, not C:/
 
 
 def describe(exc: BaseException) -> str:
@@ -33,6 +35,8 @@ def open_backend(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None, *, single_writer: bool
 ) -> Backend:
     """The backend for a store URL or path; refusals are named errors that say what to do."""
+    if isinstance(url, str):
+        url = _one_slash(url)
     root = local_root(url)
     if root is not None:
         return LocalBackend(root, single_writer=single_writer)
@@ -61,6 +65,21 @@ def open_backend(
     if type(fs) is MemoryFileSystem:  # only fsspec's own is known to be process-local
         return MemoryBackend(fs, path, single_writer=single_writer)
     return FsspecBackend(fs, path, fsspec_url(fs, url, path), single_writer=single_writer)
+
+
+def _one_slash(url: str) -> str:
+    """``url`` itself, or ``file:/abs`` as the local path ``/abs``; a URL of another scheme
+    with one slash (``s3:/bucket``: a typo, not the local directory ``s3:``) is refused."""
+    match = _ONE_SLASH.match(url)
+    if match is None:
+        return url
+    scheme, rest = match.groups()
+    if scheme.lower() == "file":
+        return "/" + rest
+    raise StoreError(
+        f"store URL {url} has one slash after {scheme}:; write {scheme}://{rest}, or "
+        f"./{url} for a local directory of that name"
+    )
 
 
 def _open_s3(url: str, storage_options: dict[str, Any] | None, *, single_writer: bool) -> Backend:

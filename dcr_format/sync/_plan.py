@@ -479,17 +479,15 @@ def check_goal(
     if resident is not None and resident.chain_id != header.chain_id:
         raise TargetError(
             f"the target holds chain {resident.chain_id}, the store {header.chain_id}; "
-            "use a fresh target for this store"
+            "pull or replay into a new directory (or a new target) for this store"
         )
-    if not committed:
-        raise VersionNotFoundError(f"{chain.store.url} has no committed version yet")
     if goal not in committed:
-        raise VersionNotFoundError(f"version {goal} is not committed in {chain.store.url}")
+        raise chain.not_committed(goal, committed)
     previous = resident.version if resident is not None else None
     if previous is not None and previous > goal:
         raise TargetError(
             f"the target is at version {previous}, newer than {goal}; "
-            "replay older versions into a fresh target"
+            "replay older versions into a new directory (or a new target)"
         )
     return previous
 

@@ -6,6 +6,7 @@ link to it with one rename, under a lock file that one sync at a time holds.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -48,14 +49,20 @@ _UNSET = object()
 
 class _Lock:
     """An open lock file holding an ``flock``; the kernel releases it when the fd closes
-    (also when the holder is killed)."""
+    (also when the holder is killed). An exclusive holder's record of itself (pid, host,
+    since) is erased as it releases, so that nobody is later named as a holder it no longer
+    is."""
 
     def __init__(self, fd: int) -> None:
         self.fd: int | None = fd
+        self.exclusive = False
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
         if fd is not None:
+            if self.exclusive:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, 0)
             os.close(fd)
 
     def __del__(self) -> None:
@@ -67,11 +74,13 @@ class SafetensorsDirTarget(Target):
 
     ``path`` becomes a symbolic link to a versioned directory beside it
     (``.<name>.dcr/v<version>-<id>/``) holding ``model.safetensors`` (or shards
-    plus ``model.safetensors.index.json``) and ``dcr-state.json``. A sync writes
-    the new directory completely, fsyncs it, then swaps the link with one
-    rename, so a crash at any moment leaves the old or the new version, never a
-    mix. Everything else in the directory (config, tokenizer, subdirectories,
-    symbolic links) is carried forward as it is.
+    plus ``model.safetensors.index.json``), the version's checkpoint files (config,
+    generation config, tokenizer files, chat template: those the writer published) and
+    ``dcr-state.json``. A sync writes the new directory completely, fsyncs it, then swaps
+    the link with one rename, so a crash at any moment leaves the old or the new version,
+    never a mix. A checkpoint file is written as the version has it (one the writer no
+    longer publishes is removed); everything else in the directory (files, subdirectories
+    and symbolic links you added) is carried forward as it is.
 
     One sync at a time owns the directory: :meth:`begin` takes an exclusive
     ``flock`` on ``.<name>.dcr.lock`` beside it until the transaction commits or
@@ -147,8 +156,8 @@ class SafetensorsDirTarget(Target):
                     if left <= 0:
                         raise TargetBusyError(
                             f"{self.path} is being synced by {_holder(fd)} (lock {lock_path}); "
-                            f"wait for that sync to finish, or give timeout= more than "
-                            f"{self.timeout:g} s"
+                            f"waited {self.timeout:g} s; wait for that sync to finish, or "
+                            "wait longer (`dcr pull --wait SECONDS`, timeout= in Python)"
                         ) from None
                     time.sleep(min(delay, left))
                     delay = min(delay * 2, 0.25)
@@ -160,6 +169,7 @@ class SafetensorsDirTarget(Target):
                 }
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, json.dumps(holder).encode(), 0)
+                lock.exclusive = True  # held: its record is erased as it releases
         except OSError as exc:
             lock.release()
             raise TargetUnreadableError(
@@ -245,11 +255,13 @@ class SafetensorsDirTarget(Target):
     def resident(self) -> Resident | None:
         """The version recorded in the directory's ``dcr-state.json``, read under the
         shared lock (waits for a sync in progress, up to ``timeout``)."""
-        if self._held is None and not os.path.lexists(self.path) and not self._lock_path.exists():
-            # no sync has run here (a sync creates the lock file first): nothing is resident,
-            # and a sync refused before it begins leaves no lock file behind
-            self._planned = None
-            return None
+        if self._held is None and not self._lock_path.exists():
+            # no sync has run here (a sync creates the lock file first), and a sync refused
+            # before it begins leaves no lock file behind
+            if not os.path.lexists(self.path):  # nothing is resident
+                self._planned = None
+                return None
+            self._check_managed()  # a directory dcr does not manage is refused here
         lock = None if self._held is not None else self._acquire(exclusive=False)
         try:
             live = self._check_managed()
@@ -553,7 +565,7 @@ def _holder(fd: int) -> str:
         info = json.loads(os.pread(fd, 4096, 0))
         return f"pid {int(info['pid'])} on {str(info['host'])!r} since {info['since']!s}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "another process (it has not recorded its pid yet)"
+        return "another process (one reading it, or a sync that has not recorded its pid yet)"
 
 
 def _link_or_copy(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:

@@ -33,7 +33,6 @@ import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState, get_verified, state_table
 from dcr_format.delta.delta import FULL, XOR, Delta
-from dcr_format.errors import VersionNotFoundError
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.names import CLASSED, ULP, ULP_SHIFT
 from dcr_format.format.schema import Entry, Manifest
@@ -240,15 +239,9 @@ def _row(state: TensorState, status: Status, elements: int, exact: bool, version
 def _check_range(chain: Chain, lo: int, hi: int) -> None:
     """Both ends are in the chain's committed range (a gap in between is named on loading)."""
     committed = chain.versions()
-    if not committed:
-        raise VersionNotFoundError(f"{chain.store.url} has no committed version; publish first")
-    first, last = committed[0], committed[-1]
     for version in (lo, hi):
-        if not first <= version <= last:
-            raise VersionNotFoundError(
-                f"version {version} is not committed: the chain of {chain.store.url} holds "
-                f"versions {first}..{last}; run `dcr log` to see the committed versions"
-            )
+        if not committed or not committed[0] <= version <= committed[-1]:
+            raise chain.not_committed(version, committed)
 
 
 def _load_versions(

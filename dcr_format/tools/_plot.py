@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from dcr_format.chain.bases import alternative_bases
 from dcr_format.chain.chain import Chain
-from dcr_format.errors import CapabilityError
+from dcr_format.errors import CapabilityError, VersionNotFoundError
 from dcr_format.publish._info import CommitInfo
 from dcr_format.store.store import Store, open_store
 from dcr_format.tools._common import Row, numel
@@ -108,7 +108,14 @@ def plot(
         raise CapabilityError(
             f"plotting needs matplotlib ({exc}); pip install 'dcr-format[plot]'"
         ) from None
+    store = open_store(store)
     data = plot_data(store, since=since, limit=limit)
+    if not data.versions:
+        after = "" if since is None else f" from version {since} on"
+        raise VersionNotFoundError(
+            f"{store.url} holds no committed version{after} to plot; publish one first, or "
+            "run `dcr log` to see the committed versions"
+        )
     figure = _figure(data, dpi)
     figure.savefig(os.fspath(out), format="png")
     return data

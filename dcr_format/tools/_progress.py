@@ -12,7 +12,7 @@ import copy
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -117,14 +117,22 @@ class Progress:
         self.close()
 
 
-def counting_store(store: Store, tick: Callable[[int], Any]) -> Store:
-    """The same store, reporting the size of every object it reads to ``tick``."""
+def counting_store(
+    store: Store, tick: Callable[[int], Any], *, versions: Container[int] | None = None
+) -> Store:
+    """The same store, reporting to ``tick`` the size of every manifest and shard it reads
+    (of ``versions`` only, where given): the payload, as a version's ``payload_bytes``
+    counts it."""
+    from dcr_format.chain.chain import payload_version
+
     counted = copy.copy(store)
     get = store.get
 
     def get_counted(key: str, *, max_size: int | None = None) -> bytes:
         data = get(key, max_size=max_size)
-        tick(len(data))
+        version = payload_version(key)
+        if version is not None and (versions is None or version in versions):
+            tick(len(data))
         return data
 
     counted.get = get_counted  # type: ignore[method-assign]  # on this copy only

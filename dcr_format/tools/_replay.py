@@ -24,7 +24,7 @@ from typing import Literal
 from dcr_format.chain.bases import read_base_record
 from dcr_format.chain.chain import Chain
 from dcr_format.delta.fingerprint import tensor_fingerprint
-from dcr_format.errors import IntegrityError, TargetError
+from dcr_format.errors import IntegrityError, TargetBusyError, TargetError
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._plan import plan_versions
 from dcr_format.sync.reader import DeltaReader, SyncResult
@@ -131,17 +131,38 @@ def _result(
 def _sync(store: Store, target: Target, version: int, progress: bool) -> SyncResult:
     if not progress:
         return DeltaReader(store, target, verify="all").sync(to=version)
-    with Progress("replay", unit="B") as bar:
-        reader = DeltaReader(counting_store(store, bar.add), target, verify="all")
-        bar.set_total(_planned_bytes(reader, target, version))
-        return reader.sync(to=version)
+    return sync_with_progress(store, target, version, what="replay", verify="all")
 
 
-def _planned_bytes(reader: DeltaReader, target: Target, version: int) -> int | None:
-    """Payload bytes of the versions a sync to ``version`` will fetch (for the bar's total)."""
+def sync_with_progress(
+    store: Store,
+    target: Target,
+    version: int | None,
+    *,
+    what: str,
+    verify: Literal["touched", "all"] = "touched",
+) -> SyncResult:
+    """Sync ``target`` to ``version`` (None: the newest when the sync starts), showing the
+    payload fetched so far against the plan's on stderr (a bar on a terminal, lines off
+    one, named ``what``)."""
+    planned: set[int] = set()  # the versions whose payload the bar counts
+    with Progress(what, unit="B") as bar:
+        reading = counting_store(store, bar.add, versions=planned)
+        reader = DeltaReader(reading, target, verify=verify)
+        committed = reader.chain.versions()
+        goal = (committed[-1] if committed else None) if version is None else version
+        if goal is not None:
+            bar.set_total(_planned_bytes(reader, target, goal, committed, planned))
+        return reader.sync(to=goal)
+
+
+def _planned_bytes(
+    reader: DeltaReader, target: Target, version: int, committed: list[int], planned: set[int]
+) -> int | None:
+    """Payload bytes of the versions a sync to ``version`` will fetch (for the bar's total),
+    those versions added to ``planned``."""
     try:
         resident = target.resident()
-        committed = reader.chain.versions()
         if version not in committed or (resident is not None and resident.version >= version):
             return None
         plan, alternative = plan_versions(reader.chain, resident, version, committed)
@@ -151,7 +172,10 @@ def _planned_bytes(reader: DeltaReader, target: Target, version: int) -> int | N
                 total += read_base_record(reader.chain, v)[0].stats.payload_bytes
             else:
                 total += reader.chain.record(v).record.stats.payload_bytes
+        planned.update(plan)
         return total
+    except TargetBusyError:  # the sync would wait for that holder again: say so at once
+        raise
     except Exception:  # only a progress estimate
         return None
 
