@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -330,3 +331,22 @@ def test_a_bug_keeps_its_traceback(paths: dict[str, str], monkeypatch: pytest.Mo
     _failing_log(bug, monkeypatch)
     result = CliRunner().invoke(cli, ["log", "--store", paths["store"]], env={"DCR_DEBUG": None})
     assert result.exception is bug and result.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "remedy"),
+    [("dcr.json", "restore dcr.json from a copy"), (None, "run `dcr verify` on the store")],
+    ids=["header", "commit-record"],
+)
+def test_a_corrupt_record_says_what_to_do(
+    paths: dict[str, str], tmp_path: Path, key: str | None, remedy: str
+) -> None:
+    from dcr_format.chain.chain import commit_key
+
+    store = tmp_path / "store"
+    shutil.copytree(paths["store"], store)
+    (store / (key or commit_key(6))).write_text("{not json")
+    result = CliRunner().invoke(cli, ["show", "6", "--store", str(store)], env={"DCR_DEBUG": None})
+    assert result.exit_code == LIBRARY
+    line = _one_line_error(result.stderr, LIBRARY, "the object is corrupt")
+    assert remedy in line

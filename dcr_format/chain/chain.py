@@ -7,11 +7,12 @@ version, attempt, rank, parent hash) is checked before anything is used.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Protocol
@@ -190,6 +191,15 @@ class ManifestAllowance:
         return lambda nbytes: self.take(max(0, nbytes - ref.size), ref.path)
 
 
+@contextlib.contextmanager
+def _remedy(what_to_do: str) -> Iterator[None]:
+    """A :class:`SchemaError` of the stored object parsed within says ``what_to_do``."""
+    try:
+        yield
+    except SchemaError as exc:
+        raise SchemaError(f"{exc}; {what_to_do}") from None
+
+
 class Chain:
     """Read access to the chain held by one store."""
 
@@ -208,7 +218,8 @@ class Chain:
                 "or check the store URL"
             )
             data = self._get(HEADER_KEY, MAX_HEADER_BYTES, missing)
-            self._header = parse(StoreHeader, data, what=f"{self.store.url}/{HEADER_KEY}")
+            with _remedy("restore dcr.json from a copy of the store: no version reads without it"):
+                self._header = parse(StoreHeader, data, what=f"{self.store.url}/{HEADER_KEY}")
         return self._header
 
     def _get(self, key: str, max_size: int, missing: DcrError) -> bytes:
@@ -280,7 +291,8 @@ class Chain:
             "run `dcr log` to see the committed versions"
         )
         data = self._get(key, MAX_RECORD_BYTES, missing)
-        record = parse(CommitRecord, data, what=key)
+        with _remedy("run `dcr verify` on the store and restore the record from a copy"):
+            record = parse(CommitRecord, data, what=key)
         self.check_record(record, version)
         return LoadedRecord(record, sha256_hex(data), len(data))
 
