@@ -203,6 +203,22 @@ def _private_cache_dir(tmp_path_factory):
         os.environ["DCR_CACHE_DIR"] = saved
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_progress():
+    """Commands print no progress lines unless a test asks for them (it sets
+    ``DCR_PROGRESS_INTERVAL``): the tests that read stderr line by line see only what they
+    check, however slow the machine."""
+    import os
+
+    saved = os.environ.get("DCR_PROGRESS_INTERVAL")
+    os.environ["DCR_PROGRESS_INTERVAL"] = "3600"
+    yield
+    if saved is None:
+        os.environ.pop("DCR_PROGRESS_INTERVAL", None)
+    else:
+        os.environ["DCR_PROGRESS_INTERVAL"] = saved
+
+
 # --- reliability report (tests/_report.py): case counts of the fault and hostile-input tests ------
 
 from _report import (  # noqa: E402

@@ -335,3 +335,43 @@ def test_every_option_of_every_command_says_what_it_does() -> None:
         if isinstance(param, click.Option) and not param.help
     ]
     assert undocumented == []
+
+
+def test_a_long_step_off_a_terminal_says_it_is_still_working(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gc
+    import threading
+    import time
+
+    from dcr_format.tools import _progress
+
+    monkeypatch.setenv("DCR_PROGRESS_INTERVAL", "0.01")
+    monkeypatch.setattr(_progress, "MIN_QUIET_SECONDS", 0.05)
+
+    def heartbeats(what: str) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == f"dcr progress: {what}"]
+
+    with _progress.Progress("slow", total=3, unit="versions") as bar:
+        bar.add()
+        time.sleep(0.4)  # one long step: lines say it goes on
+    lines = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("dcr slow: still working, 1 of 3 versions, ") for line in lines)
+    assert lines[-1].startswith("dcr slow: done, 1 of 3 versions"), lines
+    time.sleep(0.2)  # closed: nothing more, and its heartbeat has ended
+    assert capsys.readouterr().err == ""
+    assert not heartbeats("slow")
+
+    with pytest.raises(RuntimeError), _progress.Progress("failed", total=2) as bar:
+        bar.add()
+        raise RuntimeError("stop")
+    assert "done" not in capsys.readouterr().err  # a failed run has no "done" line
+
+    forgotten = _progress.Progress("forgotten")  # never closed: its heartbeat ends with it
+    assert heartbeats("forgotten")
+    del forgotten
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while heartbeats("forgotten") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not heartbeats("forgotten")

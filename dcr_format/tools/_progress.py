@@ -3,7 +3,9 @@
 Off a terminal (logs, CI, notebooks) a bar would print nothing useful, so a run prints
 ``dcr <what>: <how far>, <elapsed> s`` every few seconds (``DCR_PROGRESS_INTERVAL``
 seconds, default 2; 0 prints every step) and a last line when it ends, if it printed any.
-A run shorter than the interval prints nothing.
+A run shorter than the interval prints nothing. While one step takes long (the first run
+compiles the kernels), a line says it is still working every ``QUIET_INTERVALS``
+intervals, at least every 10 s, so that a log never goes quiet for long.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Container
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -20,6 +24,8 @@ if TYPE_CHECKING:
     from dcr_format.store.store import Store
 
 DEFAULT_INTERVAL = 2.0
+QUIET_INTERVALS = 5  # intervals without a line before a "still working" one
+MIN_QUIET_SECONDS = 10.0
 
 
 def _interval() -> float:
@@ -57,6 +63,8 @@ class Progress:
         self._printed = False
         self._interval = _interval()
         self._bar: Any = None
+        self._lock = threading.Lock()  # one line at a time, from the work or the heartbeat
+        self._stop: threading.Event | None = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -64,6 +72,15 @@ class Progress:
             self._bar = tqdm(
                 desc=what, total=total, unit=unit or "it", unit_scale=scale, leave=False
             )
+        elif enabled:
+            self._stop = threading.Event()
+            quiet = max(MIN_QUIET_SECONDS, QUIET_INTERVALS * self._interval)
+            threading.Thread(
+                target=_heartbeat,
+                args=(weakref.ref(self), self._stop, quiet),
+                name=f"dcr progress: {what}",
+                daemon=True,
+            ).start()
 
     def set_total(self, total: float | None) -> None:
         """The total, once it is known."""
@@ -82,7 +99,6 @@ class Progress:
             return
         now = time.monotonic()
         if now - self._last >= self._interval:
-            self._last = now
             self._line(self._how_far(), now)
 
     def _how_far(self) -> str:
@@ -93,11 +109,24 @@ class Progress:
         return f"{done} of {_amount(self.total, self.unit)}{noun}"
 
     def _line(self, text: str, now: float) -> None:
-        self._printed = True
-        print(f"dcr {self.what}: {text}, {now - self._started:.1f} s", file=sys.stderr, flush=True)
+        with self._lock:
+            if not self.enabled:
+                return
+            self._printed = True
+            self._last = now
+            line = f"dcr {self.what}: {text}, {now - self._started:.1f} s"
+            print(line, file=sys.stderr, flush=True)
+
+    def _quiet(self, quiet: float) -> None:
+        """The heartbeat's check: a line where none was printed for ``quiet`` seconds."""
+        now = time.monotonic()
+        if self.enabled and now - self._last >= quiet:
+            self._line(f"still working, {self._how_far()}", now)
 
     def close(self) -> None:
         """The step ended: a last line where lines were printed."""
+        if self._stop is not None:
+            self._stop.set()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -114,7 +143,20 @@ class Progress:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if kind is not None:  # failed: no "done" line
+            self.enabled = False
         self.close()
+
+
+def _heartbeat(ref: weakref.ref[Progress], stop: threading.Event, quiet: float) -> None:
+    """Until ``stop`` is set or the progress is gone: a line after each ``quiet`` seconds
+    without one (holding the progress only while it checks)."""
+    while not stop.wait(min(quiet, 1.0)):
+        progress = ref()
+        if progress is None:
+            return
+        progress._quiet(quiet)
+        del progress
 
 
 def counting_store(

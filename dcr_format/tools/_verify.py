@@ -105,25 +105,26 @@ def verify(
             previous = chain.record(versions[0] - 1)
         except DcrError:
             previous = None  # reported when its own range is checked
-    checking = Progress("verify", total=len(versions), unit="versions checked", enabled=progress)
-    for version in versions:
-        checking.add()
-        loaded, table = _check_version(
-            chain, version, previous, previous_table, problems, counts, seen
-        )
-        if loaded is not None and version == committed[0] and version > 0:
-            # the oldest remaining version of a truncated chain: readers start there
-            if loaded.record.kind != "base" and version not in alternatives:
-                unreachable = ChainBrokenError(
-                    f"version {version} is the oldest left in the chain but is neither a base "
-                    "nor has an alternative base: no reader can start there; restore the older "
-                    "versions or compact it"
-                )
-                problems.append(Problem.of(version, commit_key(version), unreachable, "link"))
-        if loaded is not None and version in alternatives:
-            _check_alternative(chain, loaded, problems, counts, seen)
-        previous, previous_table = loaded, table
-    checking.close()
+    with Progress(
+        "verify", total=len(versions), unit="versions checked", enabled=progress
+    ) as checking:
+        for version in versions:
+            checking.add()
+            loaded, table = _check_version(
+                chain, version, previous, previous_table, problems, counts, seen
+            )
+            if loaded is not None and version == committed[0] and version > 0:
+                # the oldest remaining version of a truncated chain: readers start there
+                if loaded.record.kind != "base" and version not in alternatives:
+                    unreachable = ChainBrokenError(
+                        f"version {version} is the oldest left in the chain but is neither a base "
+                        "nor has an alternative base: no reader can start there; restore the older "
+                        "versions or compact it"
+                    )
+                    problems.append(Problem.of(version, commit_key(version), unreachable, "link"))
+            if loaded is not None and version in alternatives:
+                _check_alternative(chain, loaded, problems, counts, seen)
+            previous, previous_table = loaded, table
     replayed = 0
     if deep and versions:
         replayed = _replay_check(chain, versions, alternatives, problems, progress=progress)
