@@ -46,6 +46,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (root / "badckpt").mkdir()
     (root / "badckpt" / "model.safetensors").write_bytes(b"not safetensors")
     (root / "costs.json").write_text("{not json")
+    (root / "both").mkdir()  # a stale single file beside a sharded save's index
+    save_file({"w": torch.ones(4)}, str(root / "both" / "model.safetensors"))
+    save_file({"w": torch.zeros(4)}, str(root / "both" / "model-00001-of-00001.safetensors"))
+    index = '{"weight_map": {"w": "model-00001-of-00001.safetensors"}}'
+    (root / "both" / "model.safetensors.index.json").write_text(index)
     DeltaReader(store, SafetensorsDirTarget(root / "at6")).sync()  # a pulled directory
     DeltaWriter(root / "other", cache_dir=root / "cache").publish(state)  # another chain
     assert DeltaWriter(root / "nocommit").version is None  # a chain, no version committed
@@ -57,6 +62,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "unmanaged": str(root / "unmanaged"),
         "badckpt": str(root / "badckpt"),
         "costs": str(root / "costs.json"),
+        "both": str(root / "both"),
         "new": str(root / "new"),  # a path that does not exist
         "at6": str(root / "at6"),
         "other": str(root / "other"),
@@ -93,6 +99,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{afile}", *S), USAGE, "is a file"),
     (("publish", "{empty}", *S), LIBRARY, "pass a checkpoint directory"),
     (("publish", "{badckpt}", *S), LIBRARY, "save the checkpoint again"),
+    (("publish", "{both}", *S), LIBRARY, "the index is ignored): remove the stale one"),
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
     (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),

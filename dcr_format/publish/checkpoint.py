@@ -13,6 +13,7 @@ import torch
 from dcr_format.errors import TargetError
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # what transformers loads first
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -32,6 +33,12 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
             if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
                 raise TargetError(f"{index} names file {name!r} outside the checkpoint")
             files.append(root / name)
+        single = root / SINGLE_FILE
+        if single.exists() and SINGLE_FILE not in names:
+            raise TargetError(
+                f"{root} holds both {SINGLE_FILE} and {INDEX_FILE}, which names other files "
+                f"(transformers loads {SINGLE_FILE}, the index is ignored): remove the stale one"
+            )
     else:
         files = sorted(root.glob("*.safetensors"))
     if not files:
