@@ -56,6 +56,7 @@ from typing import Any, cast
 
 import torch
 from codec_bounds import (
+    commit_record_bytes,
     conditional_bound,
     entropy_bound,
     huffman_bits,
@@ -233,9 +234,6 @@ def _decode_apply(
         apply_delta(target, resolve(delta, target))  # classed: positions from the old bits
 
 
-COMMIT_RECORD_BYTES = 720
-"""What a reader fetches besides manifests and shards per version: the commit record of one
-writer rank (FORMAT.md §3.4's example is 710 bytes; it does not grow with tensors)."""
 # the codings of the last configuration: rans, and both codings against the old bits
 BASELINE_CODED = (
     VALUES_RANS_FEATURE,
@@ -334,8 +332,16 @@ def measure_step(
     rans_stored, rans_decoded = encode_shard(_shard_streams(rans_enc))
     planes_manifest = manifest_bytes(xor_enc, new, stored=len(xor_stored), decoded=xor_decoded)
     rans_manifest = manifest_bytes(rans_enc, new, stored=len(rans_stored), decoded=rans_decoded)
-    planes_download = len(xor_stored) + planes_manifest + COMMIT_RECORD_BYTES
-    rans_download = len(rans_stored) + rans_manifest + COMMIT_RECORD_BYTES
+    planes_download = (
+        len(xor_stored)
+        + planes_manifest
+        + commit_record_bytes(xor_enc, new, stored=len(xor_stored), manifest=planes_manifest)
+    )
+    rans_download = (
+        len(rans_stored)
+        + rans_manifest
+        + commit_record_bytes(rans_enc, new, stored=len(rans_stored), manifest=rans_manifest)
+    )
     cond_pos_bits, cond_val_bits = conditional_bound(old, new)
     cond_bytes = (cond_pos_bits + cond_val_bits) / 8
     rans_val_raw = sum(len(enc.values or b"") for _, enc in rans_enc)
@@ -351,16 +357,33 @@ def measure_step(
     rans_zmanifest = manifest_bytes(
         rans_enc, new, stored=len(rans_stored), decoded=rans_decoded, compressed=True
     )
-    rans_zdownload = len(rans_stored) + rans_zmanifest + COMMIT_RECORD_BYTES
+    rans_zdownload = (
+        len(rans_stored)
+        + rans_zmanifest
+        + commit_record_bytes(
+            rans_enc, new, stored=len(rans_stored), manifest=rans_zmanifest, compressed=True
+        )
+    )
     # ulp values (read against the old bits) but positions as without conditioning
     ulp_enc = _encode_all(old, new, XOR, (VALUES_RANS_FEATURE, VALUES_ULP_FEATURE))
     ulp_stored, ulp_decoded = encode_shard(_shard_streams(ulp_enc))
+    ulp_manifest = manifest_bytes(
+        ulp_enc, new, stored=len(ulp_stored), decoded=ulp_decoded, compressed=True
+    )
     ulp_zdownload = (
         len(ulp_stored)
-        + manifest_bytes(ulp_enc, new, stored=len(ulp_stored), decoded=ulp_decoded, compressed=True)
-        + COMMIT_RECORD_BYTES
+        + ulp_manifest
+        + commit_record_bytes(
+            ulp_enc, new, stored=len(ulp_stored), manifest=ulp_manifest, compressed=True
+        )
     )
-    cls_download = len(cls_stored) + cls_manifest + COMMIT_RECORD_BYTES
+    cls_download = (
+        len(cls_stored)
+        + cls_manifest
+        + commit_record_bytes(
+            cls_enc, new, stored=len(cls_stored), manifest=cls_manifest, compressed=True
+        )
+    )
     cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)
     cls_val = sum(len(enc.values or b"") for _, enc in cls_enc)

@@ -14,14 +14,28 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import numpy as np
 import torch
 import zstandard
 
+from dcr_format.chain.chain import manifest_key, timestamp
 from dcr_format.delta.delta import FULL, EncodedTensor
-from dcr_format.format.features import MANIFEST_ZSTD_FEATURE, features_for
-from dcr_format.format.schema import Manifest, ShardRef, implicit_parents, stored_manifest
+from dcr_format.format.features import (
+    IMPLICIT_PARENTS_FEATURE,
+    MANIFEST_ZSTD_FEATURE,
+    features_for,
+)
+from dcr_format.format.schema import (
+    CommitRecord,
+    Manifest,
+    ManifestRef,
+    ShardRef,
+    Stats,
+    implicit_parents,
+    stored_manifest,
+)
 from dcr_format.format.shard import ZSTD_LEVEL
 from dcr_format.publish._part import encoded_entry
 
@@ -168,6 +182,56 @@ def manifest_bytes(
         entries=tuple(entries),
     )
     return len(stored_manifest(implicit_parents(manifest) if compressed else manifest))
+
+
+def commit_record_bytes(
+    encoded: list[tuple[str, EncodedTensor]],
+    new: dict[str, torch.Tensor],
+    *,
+    stored: int,
+    manifest: int,
+    compressed: bool = False,
+) -> int:
+    """Exact length of the commit record of a one-rank delta version of ``new`` whose
+    manifest (``manifest`` bytes, :func:`manifest_bytes`) lists ``encoded`` in one shard of
+    ``stored`` bytes: the features its codings need (and the manifest features where
+    ``compressed``), a step number, the stats; fixed-width fields as random hex."""
+    features = set(
+        features_for(c for _, e in encoded for c in (e.positions_coding, e.values_coding))
+    )
+    if compressed:
+        features |= {MANIFEST_ZSTD_FEATURE, IMPLICIT_PARENTS_FEATURE}
+    version = 1
+    attempt = _hex(2**31 + 1, 32)
+    record = CommitRecord(
+        required_features=tuple(sorted(features)),
+        chain_id=_hex(2**31, 32),
+        version=version,
+        kind="delta",
+        parent=version - 1,
+        parent_sha256=_hex(2**31 + 2, 64),
+        step=version,
+        created=timestamp(datetime(2026, 1, 1, tzinfo=timezone.utc)),
+        attempt=attempt,
+        world_size=1,
+        manifests=(
+            ManifestRef(
+                rank=0,
+                path=manifest_key(version, attempt, 0),
+                sha256=_hex(2**31 + 3, 64),
+                size=manifest,
+            ),
+        ),
+        state_fingerprint=_hex(2**31 + 4, 64),
+        stats=Stats(
+            tensors=len(new),
+            total_elements=sum(t.numel() for t in new.values()),
+            changed_elements=sum(e.changed for _, e in encoded),
+            payload_bytes=stored + manifest,
+            dense_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+        ),
+    )
+    return len(record.to_json())
 
 
 def conditional_bound(

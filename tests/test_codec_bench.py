@@ -80,3 +80,43 @@ def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None
     encoded = _encode_all(old, new, "xor")
     stored, decoded = encode_shard(_shard_streams(encoded))
     assert manifest_bytes(encoded, new, stored=len(stored), decoded=decoded) == uploaded.size
+
+
+@pytest.mark.parametrize(
+    "features", [(), ("values-rans", "manifest-zstd", "implicit-parents")], ids=["plain", "rans"]
+)
+def test_commit_record_bytes_is_the_length_of_the_record_a_writer_commits(
+    features: tuple[str, ...],
+) -> None:
+    import torch
+    from codec_bench import _encode_all, _shard_streams
+    from codec_bounds import commit_record_bytes, manifest_bytes
+
+    from dcr_format import DeltaWriter, Store
+    from dcr_format.chain.chain import Chain, commit_key
+    from dcr_format.format.shard import encode_shard
+
+    gen = torch.Generator().manual_seed(1)
+    old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}
+    new = {name: t.clone() for name, t in old.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        where = torch.randint(0, flat.numel(), (200,), generator=gen)
+        flat[where] = (flat[where].float() * 1.01).bfloat16()
+    store = Store(f"memory://codec-bench-record-bytes-{len(features)}")
+    writer = DeltaWriter(store, features=features)
+    writer.publish(old, step=0)
+    writer.publish(new, step=1)
+    committed = len(store.get(commit_key(1)))
+    record = Chain(store).record(1).record
+    encoded = _encode_all(old, new, "xor", features[:1])
+    stored, decoded = encode_shard(_shard_streams(encoded))
+    compressed = bool(features)
+    manifest = manifest_bytes(
+        encoded, new, stored=len(stored), decoded=decoded, compressed=compressed
+    )
+    assert abs(manifest - record.manifests[0].size) <= (1 if compressed else 0)  # zstd of hex
+    got = commit_record_bytes(
+        encoded, new, stored=len(stored), manifest=manifest, compressed=compressed
+    )
+    assert got == committed
