@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,20 +71,18 @@ def writer(rank: int, world: int, work: Path, store: str, versions: int, die_at:
     return out
 
 
-def reader(rank: int, world: int, work: Path, store: str, goal: int, poison: int) -> dict:
-    """Hold this rank's share of the tensors; rank ``poison`` edits its share, so it refuses."""
-    dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=world)
-    mine = lambda name: int(name.split(".")[1]) % world == rank  # noqa: E731
-    tensors: dict[str, torch.Tensor] = {}
-    target = StateDictTarget(tensors)
-    r = DeltaReader(store, target, select=mine, group=dist.group.WORLD)
-    r.sync(to=1)
+def _sync(
+    r: DeltaReader,
+    target: StateDictTarget,
+    tensors: dict[str, torch.Tensor],
+    goal: int,
+    mine: Callable[[str], bool],
+) -> dict:
+    """One audited group sync to ``goal``: what it applied or the error it raised, and
+    whether this rank's share is then exactly that of ``goal`` or untouched."""
     before = _digest(tensors)
-    if rank == poison:
-        next(iter(tensors.values())).view(-1)[0] += 1.0
-        before = _digest(tensors)
-    out: dict = {"rank": rank, "error": None}
-    try:  # the edit may sit where no delta lands: only an audit reads it (FORMAT.md §11.3)
+    out: dict = {"error": None}
+    try:  # an edit may sit where no delta lands: only an audit reads it (FORMAT.md §11.3)
         result = r.sync(to=goal, audit=True)
         out["applied"] = list(result.applied_versions)
     except DcrError as exc:
@@ -94,6 +93,26 @@ def reader(rank: int, world: int, work: Path, store: str, goal: int, poison: int
     )
     out["unchanged"] = _digest(tensors) == before
     out["resident"] = target.resident().version
+    return out
+
+
+def reader(rank: int, world: int, work: Path, store: str, goal: int, poison: int) -> dict:
+    """Hold this rank's share of the tensors and sync the group to ``goal`` twice: first with
+    rank ``poison`` holding an edited share (it refuses, and so the whole group), then with
+    the edit undone (every rank applies)."""
+    dist.init_process_group("gloo", init_method=f"file://{work}/pg", rank=rank, world_size=world)
+    mine = lambda name: int(name.split(".")[1]) % world == rank  # noqa: E731
+    tensors: dict[str, torch.Tensor] = {}
+    target = StateDictTarget(tensors)
+    r = DeltaReader(store, target, select=mine, group=dist.group.WORLD)
+    r.sync(to=1)
+    edited = next(iter(tensors.values()))
+    saved = edited.clone()
+    if rank == poison:
+        edited.view(-1)[0] += 1.0
+    out = {"rank": rank, "poisoned": _sync(r, target, tensors, goal, mine)}
+    edited.copy_(saved)  # the bits of version 1 again
+    out["intact"] = _sync(r, target, tensors, goal, mine)
     dist.barrier()
     return out
 

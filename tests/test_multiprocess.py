@@ -94,16 +94,15 @@ def test_reader_group_applies_all_or_nothing(moto_server, moto_root, tmp_path):
     results = _run("writer", 2, tmp_path / "w", moto_root, moto_server, "4", "-1")
     assert [r["committed"] for r in results] == [[0, 1, 2, 3]] * 2
 
-    # rank 2's share was edited: it refuses, the other three apply nothing either
-    results = _run("reader", 4, tmp_path / "bad", moto_root, moto_server, "3", "2")
-    assert [r["error"] for r in results] == ["GroupAbortError"] * 2 + [
+    # rank 2's share was edited: it refuses, the other three apply nothing either; then, the
+    # edit undone, the same four ranks apply versions 2 and 3
+    results = _run("reader", 4, tmp_path / "r", moto_root, moto_server, "3", "2")
+    assert [r["poisoned"]["error"] for r in results] == ["GroupAbortError"] * 2 + [
         "BaselineMismatchError",
         "GroupAbortError",
     ]
     for r in results:
-        assert r["unchanged"] and r["resident"] == 1
-
-    # every share intact: all four ranks apply versions 2 and 3
-    results = _run("reader", 4, tmp_path / "good", moto_root, moto_server, "3", "-1")
-    for r in results:
-        assert r["error"] is None and r["applied"] == [2, 3] and r["exact"] and r["resident"] == 3
+        assert r["poisoned"]["unchanged"] and r["poisoned"]["resident"] == 1
+        intact = r["intact"]
+        assert intact["error"] is None and intact["applied"] == [2, 3]
+        assert intact["exact"] and intact["resident"] == 3

@@ -3,7 +3,10 @@ and the compiled decoders stay inside their arrays (tests/mutated_streams.py).""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,13 +62,45 @@ def test_damaged_streams_end_alike_on_both_paths(pool: list[streams.Case], relia
     )
 
 
-@pytest.mark.slow  # numba compiles every decoder afresh with the checks (~35 s)
-def test_compiled_decoders_stay_inside_their_arrays(tmp_path: Path, reliability) -> None:
+def _checked_build_cache(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Where the bounds-checked kernels are cached: a directory of pytest's cache named by
+    the source of every compiled kernel (and the numba and Python that compile it), so a
+    build is reused only for the very code it was compiled from and never mixed with the
+    unchecked builds numba caches next to the modules; ``tmp_path`` (compiled afresh)
+    without pytest's cache."""
+    import numba
+
+    import dcr_format
+
+    package = Path(dcr_format.__file__).parent
+    sources = sorted(
+        [*package.glob("kernels/*.py"), *package.glob("codings/_*_kernels.py")],
+        key=lambda path: path.relative_to(package).as_posix(),
+    )
+    digest = hashlib.sha256(f"{numba.__version__} {sys.version} {platform.machine()}".encode())
+    for source in sources:
+        digest.update(source.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(source.read_bytes() + b"\0")
+    cache = getattr(request.config, "cache", None)
+    if cache is None:
+        return tmp_path
+    root = Path(cache.mkdir("numba-boundscheck"))
+    for stale in root.iterdir():  # builds of other sources
+        if stale.name != digest.hexdigest()[:20]:
+            shutil.rmtree(stale, ignore_errors=True)
+    return root / digest.hexdigest()[:20]
+
+
+@pytest.mark.slow  # numba compiles every decoder with the checks (~35 s) unless cached
+def test_compiled_decoders_stay_inside_their_arrays(
+    request: pytest.FixtureRequest, tmp_path: Path, reliability
+) -> None:
     pytest.importorskip("numba")
     env = {
         **os.environ,
         "NUMBA_BOUNDSCHECK": "1",
-        "NUMBA_CACHE_DIR": str(tmp_path),  # compiled afresh, with the checks
+        # only builds with the checks, of this very source
+        "NUMBA_CACHE_DIR": str(_checked_build_cache(request, tmp_path)),
     }
     env.pop("DCR_KERNELS", None)
     runs = int(os.environ.get("DCR_DAMAGED_STREAMS_CHECKED", "1500"))

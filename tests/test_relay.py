@@ -1,5 +1,5 @@
 """The relay tree (dcr_format/store/relay.py): members in threads over real gloo links, and
-reader groups of 4 and 8 processes on the moto S3 server."""
+a reader group of 8 processes on the moto S3 server."""
 
 from __future__ import annotations
 
@@ -237,27 +237,22 @@ def _check_first_sync(results: list[dict], root: str, server, leader: int, versi
             assert not r["leader"] and r["first"]["gets"] == []
 
 
-def test_four_processes_relay_and_refuse_together(moto_server, moto_root, tmp_path):
+def test_eight_processes_read_each_object_once_and_refuse_together(
+    moto_server, moto_root, tmp_path
+):
     _publish(moto_root, 4, storage_options=moto_server.storage_options())
-    # leader 2 forwards to ranks 3 and 0, rank 3 to rank 1; rank 3 (an inner node) is poisoned
-    results = _run(4, tmp_path, moto_root, moto_server, leader=2, poison=3)
-    assert [r.get("exit") for r in results] == [None] * 4, results
+    # leader 2 forwards to ranks 3 and 4, they to 5, 6 and 7, 0, rank 5 to rank 1 (three levels
+    # below the leader); rank 3, an inner node, is poisoned
+    results = _run(8, tmp_path, moto_root, moto_server, leader=2, poison=3)
+    assert [r.get("exit") for r in results] == [None] * 8, results
     _check_first_sync(results, moto_root, moto_server, leader=2, version=1)
-    assert [r["children"] for r in results] == [[], [], [3, 0], [1]]
+    assert [r["children"] for r in results] == [
+        [], [], [3, 4], [5, 6], [7, 0], [1], [], []
+    ]  # fmt: skip
     for r in results:
         assert r["poisoned"] == ("BaselineMismatchError" if r["rank"] == 3 else "GroupAbortError")
         assert r["unchanged"] and r["resident_after_failure"] == 1
         assert r["second"] == {"version": 3, "exact": True}
-
-
-def test_eight_processes_read_each_object_once(moto_server, moto_root, tmp_path):
-    _publish(moto_root, 3, storage_options=moto_server.storage_options())
-    results = _run(8, tmp_path, moto_root, moto_server, leader=0, poison=-1)
-    assert [r.get("exit") for r in results] == [None] * 8, results
-    _check_first_sync(results, moto_root, moto_server, leader=0, version=2)
-    assert [r["children"] for r in results] == [
-        [1, 2], [3, 4], [5, 6], [7], [], [], [], []
-    ]  # fmt: skip
 
 
 def test_a_relay_refuses_listings_with_sizes_and_times(tmp_path):

@@ -8,6 +8,7 @@ prepare then apply, in a group, into a module).
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -38,14 +39,15 @@ def _worker(*args: object) -> dict:
 def test_a_fresh_sync_of_a_base_holds_the_model_about_once(tmp_path, mib, shard_kib):
     store = tmp_path / "store"
     _worker("publish", store, mib, 1, shard_kib)
-    ratios = []
-    for _ in range(3):  # the peak depends on how the fetch workers' shards overlap in time
+    # the model once (its tensors are the decoded values themselves), and what is in flight:
+    # one shard inflated and one tensor decoded (about 1.2x; decoded, then copied: 1.8x,
+    # every run); two workers' shards in flight at once reach 1.5-1.7x on some runs, so the
+    # least of three runs must be within 1.4x (the first run within it settles that)
+    ratios: list[float] = []
+    while len(ratios) < 3 and min(ratios, default=math.inf) > 1.4:
         found = _worker("sync", store, "-")
         assert found["error"] is None and found["plan"] == [0] and found["exact"]
         ratios.append(found["peak"] / found["model"])
-    # the model once (its tensors are the decoded values themselves), and what is in flight:
-    # one shard inflated and one tensor decoded (about 1.2x; decoded, then copied: 1.8x,
-    # every run); two workers' shards in flight at once reach 1.5-1.7x on some runs
     ratio = min(ratios)
     assert ratio <= 1.4, f"a fresh sync added {ratio:.2f}x the model at least ({ratios})"
 
