@@ -91,7 +91,9 @@ def test_weight_sync_drives_an_llm_actor(tmp_path: Path, local_ray: Any) -> None
         with pytest.raises(EngineUpdateError, match="did not reach version 9") as refused:
             sync.update(9)
         # the engine's own message, not Ray's wrapping of it (a traceback)
-        assert str(refused.value).endswith(f"weights: version 9 is not committed in file://{store}")
+        message = str(refused.value)
+        assert f"weights: version 9 is not committed: the chain of file://{store}" in message
+        assert message.endswith("holds versions 0..2; run `dcr log` to see the committed versions")
         (state,) = ray.get(actor.collective_rpc.remote(engine_report))
         assert state["version"] == 2
         assert _greedy(actor) == before  # still serving what it held
