@@ -56,8 +56,8 @@ from typing import Any, cast
 
 import torch
 from codec_bounds import (
-    commit_record_bytes,
     conditional_bound,
+    download_bytes,
     entropy_bound,
     huffman_bits,
     manifest_bytes,
@@ -332,16 +332,8 @@ def measure_step(
     rans_stored, rans_decoded = encode_shard(_shard_streams(rans_enc))
     planes_manifest = manifest_bytes(xor_enc, new, stored=len(xor_stored), decoded=xor_decoded)
     rans_manifest = manifest_bytes(rans_enc, new, stored=len(rans_stored), decoded=rans_decoded)
-    planes_download = (
-        len(xor_stored)
-        + planes_manifest
-        + commit_record_bytes(xor_enc, new, stored=len(xor_stored), manifest=planes_manifest)
-    )
-    rans_download = (
-        len(rans_stored)
-        + rans_manifest
-        + commit_record_bytes(rans_enc, new, stored=len(rans_stored), manifest=rans_manifest)
-    )
+    planes_download = download_bytes(xor_enc, new, stored=len(xor_stored), manifest=planes_manifest)
+    rans_download = download_bytes(rans_enc, new, stored=len(rans_stored), manifest=rans_manifest)
     cond_pos_bits, cond_val_bits = conditional_bound(old, new)
     cond_bytes = (cond_pos_bits + cond_val_bits) / 8
     rans_val_raw = sum(len(enc.values or b"") for _, enc in rans_enc)
@@ -357,12 +349,8 @@ def measure_step(
     rans_zmanifest = manifest_bytes(
         rans_enc, new, stored=len(rans_stored), decoded=rans_decoded, compressed=True
     )
-    rans_zdownload = (
-        len(rans_stored)
-        + rans_zmanifest
-        + commit_record_bytes(
-            rans_enc, new, stored=len(rans_stored), manifest=rans_zmanifest, compressed=True
-        )
+    rans_zdownload = download_bytes(
+        rans_enc, new, stored=len(rans_stored), manifest=rans_zmanifest, compressed=True
     )
     # ulp values (read against the old bits) but positions as without conditioning
     ulp_enc = _encode_all(old, new, XOR, (VALUES_RANS_FEATURE, VALUES_ULP_FEATURE))
@@ -370,19 +358,11 @@ def measure_step(
     ulp_manifest = manifest_bytes(
         ulp_enc, new, stored=len(ulp_stored), decoded=ulp_decoded, compressed=True
     )
-    ulp_zdownload = (
-        len(ulp_stored)
-        + ulp_manifest
-        + commit_record_bytes(
-            ulp_enc, new, stored=len(ulp_stored), manifest=ulp_manifest, compressed=True
-        )
+    ulp_zdownload = download_bytes(
+        ulp_enc, new, stored=len(ulp_stored), manifest=ulp_manifest, compressed=True
     )
-    cls_download = (
-        len(cls_stored)
-        + cls_manifest
-        + commit_record_bytes(
-            cls_enc, new, stored=len(cls_stored), manifest=cls_manifest, compressed=True
-        )
+    cls_download = download_bytes(
+        cls_enc, new, stored=len(cls_stored), manifest=cls_manifest, compressed=True
     )
     cls_entries = sum(enc.positions_coding == CLASSED for _, enc in cls_enc)
     cls_pos = sum(len(enc.positions or b"") for _, enc in cls_enc)

@@ -234,6 +234,22 @@ def commit_record_bytes(
     return len(record.to_json())
 
 
+def download_bytes(
+    encoded: list[tuple[str, EncodedTensor]],
+    new: dict[str, torch.Tensor],
+    *,
+    stored: int,
+    manifest: int,
+    compressed: bool = False,
+) -> int:
+    """What a reader downloads for the version: its shard (``stored`` bytes), its manifest
+    (``manifest`` bytes) and its commit record (:func:`commit_record_bytes`)."""
+    record = commit_record_bytes(
+        encoded, new, stored=stored, manifest=manifest, compressed=compressed
+    )
+    return stored + manifest + record
+
+
 def conditional_bound(
     old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
 ) -> tuple[float, float]:

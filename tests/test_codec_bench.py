@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+from typing import Any
 
 import pytest
 
@@ -56,8 +57,21 @@ def test_table_renders(quick_result: dict) -> None:
     assert len(table.splitlines()) > len(quick_result["rows"]) + 2
 
 
-def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None:
+def _two_versions(*, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Three bf16 tensors and the same with 200 elements of each scaled by 1.01."""
     import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}
+    new = {name: t.clone() for name, t in old.items()}
+    for t in new.values():
+        flat = t.view(-1)
+        where = torch.randint(0, flat.numel(), (200,), generator=gen)
+        flat[where] = (flat[where].float() * 1.01).bfloat16()
+    return old, new
+
+
+def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None:
     from codec_bench import _encode_all, _shard_streams
     from codec_bounds import manifest_bytes
 
@@ -65,13 +79,7 @@ def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None
     from dcr_format.chain.chain import Chain
     from dcr_format.format.shard import encode_shard
 
-    gen = torch.Generator().manual_seed(0)
-    old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}
-    new = {name: t.clone() for name, t in old.items()}
-    for t in new.values():
-        flat = t.view(-1)
-        where = torch.randint(0, flat.numel(), (200,), generator=gen)
-        flat[where] = (flat[where].float() * 1.01).bfloat16()
+    old, new = _two_versions(seed=0)
     store = Store("memory://codec-bench-manifest-bytes")
     writer = DeltaWriter(store, features=())  # the plain codings the benchmark codes here
     writer.publish(old)
@@ -88,7 +96,6 @@ def test_manifest_bytes_is_the_length_of_the_manifest_a_writer_uploads() -> None
 def test_commit_record_bytes_is_the_length_of_the_record_a_writer_commits(
     features: tuple[str, ...],
 ) -> None:
-    import torch
     from codec_bench import _encode_all, _shard_streams
     from codec_bounds import commit_record_bytes
 
@@ -96,13 +103,7 @@ def test_commit_record_bytes_is_the_length_of_the_record_a_writer_commits(
     from dcr_format.chain.chain import Chain, commit_key
     from dcr_format.format.shard import encode_shard
 
-    gen = torch.Generator().manual_seed(1)
-    old = {f"layers.{i}.w": torch.randn(64, 64, generator=gen).bfloat16() for i in range(3)}
-    new = {name: t.clone() for name, t in old.items()}
-    for t in new.values():
-        flat = t.view(-1)
-        where = torch.randint(0, flat.numel(), (200,), generator=gen)
-        flat[where] = (flat[where].float() * 1.01).bfloat16()
+    old, new = _two_versions(seed=1)
     store = Store(f"memory://codec-bench-record-bytes-{len(features)}")
     writer = DeltaWriter(store, features=features)
     writer.publish(old, step=0)
