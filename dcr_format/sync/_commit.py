@@ -120,6 +120,24 @@ def _ranked(reader_id: str | None, rank: int) -> str | None:
     return reader_id[: 128 - len(suffix)] + suffix
 
 
+def _record(
+    record_id: str,
+    updated: str,
+    overwrite: tuple[str, ...],
+    reads_baseline: bool,
+    readable: tuple[str, ...] | None,
+) -> ReaderRecord:
+    """One record (or part) a reader writes: it lists every feature this reader implements."""
+    return ReaderRecord(
+        reader_id=record_id,
+        updated=updated,
+        overwrite=overwrite,
+        reads_baseline=reads_baseline,
+        features=tuple(sorted(KNOWN_FEATURES)),
+        baseline_names=readable or None,
+    )
+
+
 class Committing(Auditing):
     """The reader records, and what a commit leaves the reader."""
 
@@ -152,16 +170,9 @@ class Committing(Auditing):
         parts = _parts(names, readable)
         updated = timestamp(utc_now())
         ids = [reader_id, *(_part_id(reader_id, k) for k in range(1, len(parts)))]
-        try:  # the first record last: its name is the one readers and operators know
-            for record_id, part in reversed(list(zip(ids, parts, strict=True))):
-                record = ReaderRecord(
-                    reader_id=record_id,
-                    updated=updated,
-                    overwrite=part,
-                    reads_baseline=reads_baseline,
-                    features=tuple(sorted(KNOWN_FEATURES)),
-                    baseline_names=readable or None,
-                )
+        try:
+            for record_id, part in zip(ids, parts, strict=True):
+                record = _record(record_id, updated, part, reads_baseline, readable)
                 self.store.put(f"readers/{record_id}.json", record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
             _log.warning("could not write reader record readers/%s.json: %s", record_id, exc)
@@ -189,15 +200,9 @@ class Committing(Auditing):
             try:
                 self.store.delete(key)
             except (StoreError, CapabilityError):
-                record = ReaderRecord(
-                    reader_id=part.group(0),
-                    updated=timestamp(utc_now()),
-                    reads_baseline=reads_baseline,
-                    features=tuple(sorted(KNOWN_FEATURES)),
-                    baseline_names=readable or None,
-                )
+                empty = _record(part.group(0), timestamp(utc_now()), (), reads_baseline, readable)
                 try:
-                    self.store.put(key, record.to_json())
+                    self.store.put(key, empty.to_json())
                 except StoreError as exc:
                     _log.warning("could not delete or clear leftover %s: %s", key, exc)
 
