@@ -172,6 +172,31 @@ def test_a_part_that_cannot_be_deleted_is_rewritten_asking_for_nothing(
     assert read_reader_records(open_store(store)).overwrite == {"a"}
 
 
+class _CastingPartial(_Casting):
+    """A casting target that also reads the old bits of ``w`` only."""
+
+    def reads_baseline(self) -> bool:
+        return False
+
+    def baseline_names(self) -> frozenset[str]:
+        return frozenset({"w"})
+
+
+def test_every_part_lists_the_old_bits_its_reader_reads(tmp_path: Path) -> None:
+    """Writers code against the old bits only the tensors every record reads them of: each
+    part lists the reader's ``baseline_names``, or its parts would leave none."""
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish({"w": torch.zeros(4)})
+    target = _CastingPartial({})
+    target.overwrite = frozenset(_names(1500))
+    DeltaReader(store, target, reader_id="engine").sync()
+    records = _records(store)
+    assert len(records) == 2
+    assert all(r.baseline_names == ("w",) and not r.reads_baseline for r in records.values())
+    wishes = read_reader_records(open_store(store))
+    assert wishes.baseline_names == {"w"} and wishes.overwrite == target.overwrite
+
+
 def test_an_id_ending_like_a_part_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArgumentError, match="part"):
         DeltaReader(str(tmp_path / "store"), StateDictTarget({}), reader_id="engine.part2")
