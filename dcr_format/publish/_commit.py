@@ -43,6 +43,7 @@ from dcr_format.errors import (
 )
 from dcr_format.format.features import WRITER_FEATURES, publish_features
 from dcr_format.format.schema import (
+    MAX_READER_JSON_BYTES,
     Manifest,
     ManifestRef,
     ReaderRecord,
@@ -55,7 +56,6 @@ from dcr_format.store.store import Capabilities, Store
 
 ABORT_MARKER = "ABORTED"
 READERS_PREFIX = "readers/"
-MAX_READER_RECORD_BYTES = 64 << 20
 _READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
 
 T = TypeVar("T")
@@ -280,9 +280,11 @@ def read_reader_records(store: Store) -> ReaderWishes:
     and the writer features all of them read (a record without ``features`` reads every
     one).
 
-    One listing plus one small get per record. A record that cannot be read or does not
-    validate (or names another reader than its key) is skipped: records are requests,
-    never requirements.
+    One listing plus one small get per record. A record that cannot be read, is larger
+    than :data:`MAX_READER_JSON_BYTES` or does not validate (or names another reader than
+    its key) is skipped: records are requests, never requirements. A reader whose names do
+    not fit one record writes them in parts (``<id>.part<k>.json``), each a record of its
+    own, so the union holds them all.
     """
     try:
         keys = store.list(READERS_PREFIX)
@@ -297,7 +299,7 @@ def read_reader_records(store: Store) -> ReaderWishes:
         if match is None:
             continue
         try:
-            data = store.get(key, max_size=MAX_READER_RECORD_BYTES)
+            data = store.get(key, max_size=MAX_READER_JSON_BYTES)  # past it: skipped unread
             record = parse(ReaderRecord, data, what=key)
         except (StoreError, FormatError):
             continue

@@ -14,7 +14,7 @@ import logging
 import re
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
-from dcr_format.errors import StoreError
+from dcr_format.errors import ArgumentError, CapabilityError, StoreError
 from dcr_format.format.schema import (
     KNOWN_FEATURES,
     MAX_BASELINE_NAMES,
@@ -25,10 +25,25 @@ from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
 
 READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_PART = re.compile(r"^(.+)\.part([1-9][0-9]*)$")  # <record id>.part<k>: part k of a record
 _log = logging.getLogger(__name__)
 
 
 _RECORD_FIXED_BYTES = 2048  # a reader record's JSON besides its lists of names, at most
+_ROOM = MAX_READER_JSON_BYTES - _RECORD_FIXED_BYTES  # bytes of names one record holds
+
+
+def check_reader_id(reader_id: str) -> None:
+    """Raise :class:`ArgumentError` unless ``reader_id`` can name a reader's records: it
+    matches :data:`READER_ID` and does not end in ``.part<k>``, the name of part ``k`` of
+    another reader's record."""
+    if not READER_ID.match(reader_id):
+        raise ArgumentError(f"reader_id {reader_id!r} must match {READER_ID.pattern}")
+    if _PART.match(reader_id):
+        raise ArgumentError(
+            f"reader_id {reader_id!r} ends in .part<k>, which names the parts of another "
+            "reader's record; choose an id without that ending"
+        )
 
 
 def _name_bytes(name: str) -> int:
@@ -38,16 +53,17 @@ def _name_bytes(name: str) -> int:
 
 def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[str, ...]:
     """A target's :meth:`Target.baseline_names` as a record lists them: sorted, at most
-    :data:`MAX_BASELINE_NAMES`, and no more than fit the record (with its ``overwrite``
-    names) in :data:`MAX_READER_JSON_BYTES`, which writers read (the first in order where a
-    target gives more): a record past it writers ignore, and would code every tensor
-    against the old bits."""
+    :data:`MAX_BASELINE_NAMES`, and no more than fit the record in
+    :data:`MAX_READER_JSON_BYTES`, which writers read (the first in order where a target
+    gives more): a record past it writers ignore, and would code every tensor against the
+    old bits. Every part of the record lists them (:func:`_parts`), beside ``overwrite``
+    names that keep at least half of it."""
     listed = sorted(names or ())
-    room = MAX_READER_JSON_BYTES - _RECORD_FIXED_BYTES
+    room = _ROOM
     kept = listed[:MAX_BASELINE_NAMES]
     every = [*overwrite, *kept]
     if 4 * sum(map(len, every)) + 3 * len(every) > room:  # may not fit: count its bytes
-        room -= sum(map(_name_bytes, overwrite))
+        room -= min(sum(map(_name_bytes, overwrite)), room // 2)
         for count, name in enumerate(kept):
             room -= _name_bytes(name)
             if room < 0:
@@ -63,6 +79,36 @@ def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[st
     return tuple(kept)
 
 
+def _parts(overwrite: frozenset[str], readable: tuple[str, ...] | None) -> list[tuple[str, ...]]:
+    """The ``overwrite`` names, sorted, in the parts of a record: as many in each as fit
+    beside ``readable`` (which every part lists) within :data:`MAX_READER_JSON_BYTES`;
+    one part (possibly empty) where they all fit."""
+    room = _ROOM - sum(map(_name_bytes, readable or ()))
+    parts: list[tuple[str, ...]] = []
+    part: list[str] = []
+    left = room
+    for name in sorted(overwrite):
+        size = _name_bytes(name)
+        if part and size > left:
+            parts.append(tuple(part))
+            part, left = [], room
+        part.append(name)
+        left -= size
+    parts.append(tuple(part))
+    return parts
+
+
+def _part_id(record_id: str, k: int) -> str:
+    """The id of part ``k`` (from 1) of the record ``record_id``: ``<record_id>.part<k>``;
+    where that is past 128 characters, the end of ``record_id`` gives way to 16 hex
+    digits of its sha256, so that parts of different records keep different ids."""
+    suffix = f".part{k}"
+    if len(record_id) + len(suffix) <= 128:
+        return record_id + suffix
+    digest = "-" + sha256_hex(record_id.encode())[:16]
+    return record_id[: 128 - len(suffix) - len(digest)] + digest + suffix
+
+
 def _ranked(reader_id: str | None, rank: int) -> str | None:
     """The record id of rank ``rank`` of a reader group named ``reader_id``: rank 0 the id
     itself, any other its own (``<id>.rank<r>``), since ranks that hold different parts of
@@ -72,6 +118,24 @@ def _ranked(reader_id: str | None, rank: int) -> str | None:
         return reader_id
     suffix = f".rank{rank}"
     return reader_id[: 128 - len(suffix)] + suffix
+
+
+def _record(
+    record_id: str,
+    updated: str,
+    overwrite: tuple[str, ...],
+    reads_baseline: bool,
+    readable: tuple[str, ...] | None,
+) -> ReaderRecord:
+    """One record (or part) a reader writes: it lists every feature this reader implements."""
+    return ReaderRecord(
+        reader_id=record_id,
+        updated=updated,
+        overwrite=overwrite,
+        reads_baseline=reads_baseline,
+        features=tuple(sorted(KNOWN_FEATURES)),
+        baseline_names=readable or None,
+    )
 
 
 class Committing(Auditing):
@@ -86,6 +150,9 @@ class Committing(Auditing):
         that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
         (``reads_baseline`` false, with the names whose old bits it does read,
         :meth:`Target.baseline_names`: writers code the others without the old bits).
+        Names past what one record holds go on in parts, ``<id>.part<k>.json``, each a
+        whole record (writers take the union of every record's ``overwrite``); parts an
+        earlier, longer set left are deleted.
         """
         names = self.target.overwrite_names()
         reads_baseline = self.target.reads_baseline()
@@ -100,20 +167,44 @@ class Committing(Auditing):
         )
         if self._recorded == (reader_id, names, readable):
             return
-        record = ReaderRecord(
-            reader_id=reader_id,
-            updated=timestamp(utc_now()),
-            overwrite=tuple(sorted(names)),
-            reads_baseline=reads_baseline,
-            features=tuple(sorted(KNOWN_FEATURES)),
-            baseline_names=readable or None,
-        )
+        parts = _parts(names, readable)
+        updated = timestamp(utc_now())
+        ids = [reader_id, *(_part_id(reader_id, k) for k in range(1, len(parts)))]
         try:
-            self.store.put(f"readers/{reader_id}.json", record.to_json())
+            for record_id, part in zip(ids, parts, strict=True):
+                record = _record(record_id, updated, part, reads_baseline, readable)
+                self.store.put(f"readers/{record_id}.json", record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
-            _log.warning("could not write reader record readers/%s.json: %s", reader_id, exc)
+            _log.warning("could not write reader record readers/%s.json: %s", record_id, exc)
             return
+        self._drop_parts(reader_id, len(parts), reads_baseline, readable)
         self._recorded = (reader_id, names, readable)
+
+    def _drop_parts(
+        self, reader_id: str, count: int, reads_baseline: bool, readable: tuple[str, ...] | None
+    ) -> None:
+        """Delete the parts ``count`` and on of record ``reader_id`` (written for a longer
+        set), so that they no longer ask for names; one that cannot be deleted is
+        rewritten asking for none."""
+        try:
+            keys = self.store.list("readers/")
+        except StoreError as exc:
+            _log.warning("could not list readers/ for leftover parts of %s: %s", reader_id, exc)
+            return
+        for key in keys:
+            part = _PART.match(key.removeprefix("readers/").removesuffix(".json"))
+            if part is None or int(part.group(2)) < count:
+                continue
+            if key != f"readers/{_part_id(reader_id, int(part.group(2)))}.json":
+                continue  # another record's part
+            try:
+                self.store.delete(key)
+            except (StoreError, CapabilityError):
+                empty = _record(part.group(0), timestamp(utc_now()), (), reads_baseline, readable)
+                try:
+                    self.store.put(key, empty.to_json())
+                except StoreError as exc:
+                    _log.warning("could not delete or clear leftover %s: %s", key, exc)
 
     def _committed(self, sync: ApplyState, found: dict[str, tuple[int, ...]]) -> None:
         """After the target committed the goal: keep the goal's state table, the lanes the

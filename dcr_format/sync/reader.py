@@ -40,7 +40,7 @@ from dcr_format.store.relay import RelayStore
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._apply import Applying, EarlyApply, step_changes
 from dcr_format.sync._audit import AUDIT_EVERY, AUDIT_SECONDS
-from dcr_format.sync._commit import READER_ID, Committing
+from dcr_format.sync._commit import Committing, check_reader_id
 from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch_step
 from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
@@ -108,7 +108,9 @@ class DeltaReader(Applying, Committing):
     reader tells writers the tensors its target can take only as ``overwrite`` (a
     module whose loader casts or scales them); without it such a record is named
     after its content. In a reader group, rank ``r`` other than 0 names its record
-    ``<reader_id>.rank<r>`` (ranks holding different parts ask different things).
+    ``<reader_id>.rank<r>`` (ranks holding different parts ask different things). Names
+    past what one record holds (1 MiB) go on in ``<record id>.part<k>.json``, so an id
+    must not end in ``.part<k>`` itself.
     """
 
     def __init__(
@@ -128,8 +130,8 @@ class DeltaReader(Applying, Committing):
     ) -> None:
         if verify not in ("touched", "all"):
             raise ArgumentError("verify must be 'touched' or 'all'")
-        if reader_id is not None and not READER_ID.match(reader_id):
-            raise ArgumentError(f"reader_id {reader_id!r} must match {READER_ID.pattern}")
+        if reader_id is not None:
+            check_reader_id(reader_id)
         if audit_every is not None and audit_every < 1:
             raise ArgumentError("audit_every must be a positive number of syncs (or None)")
         if audit_seconds is not None and audit_seconds < 0:
