@@ -165,7 +165,7 @@ def _escaped(
     return v
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _symbols(  # type: ignore[no-untyped-def]
     buf, words, x, nxt, lookup, scaled, starts, shift, size, values, escapes_at, escape_count,
     width, first, count, out, small, escaped,
@@ -212,7 +212,7 @@ def _refused(err, out):  # type: ignore[no-untyped-def]  # pragma: no cover - co
     )  # fmt: skip
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _parse_stream(buf, count, width, out):  # type: ignore[no-untyped-def]  # pragma: no cover
     """The checks and tables of a whole ``rans`` stream (FORMAT.md §7.3) before its
     symbols: (0, or the number of the first rule it breaks, as :func:`decode_stream`

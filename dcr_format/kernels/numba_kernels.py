@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import types
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -302,6 +303,21 @@ def _take(old, new, t, p, k, pos_out, new_out, xor_out, lanes, table, advance, a
     return acc
 
 
+def _renamed(function: Any, name: str) -> Any:
+    """A copy of a compiled function's Python body under another name (numba's on-disk
+    cache files machine code by name, so a second compiled form needs its own)."""
+    body = function.py_func
+    copy = types.FunctionType(body.__code__, body.__globals__, name)
+    copy.__qualname__ = name
+    return copy
+
+
+# _take called rather than inlined: a task's last partial group (at most 63 elements)
+# takes its changes through it, so that the task body holds one inlined copy (two made
+# the fused diff's first compile about a third longer)
+_take_called = njit(cache=True)(_renamed(_take, "_take_called"))
+
+
 @njit(cache=True, inline="always")
 def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
     """Task ``c`` of the fused diff: elements ``c * TASK``.. up to the next task, written
@@ -337,7 +353,7 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
     for i in range(lo + _GROUP * groups, hi):
         t = np.uint64(i)
         if old[t] != new[t]:
-            acc = _take(
+            acc = _take_called(
                 old, new, t, base + i, k, pos_out, new_out, xor_out, lanes, table, advance, acc
             )
             k += 1
