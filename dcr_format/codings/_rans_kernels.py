@@ -24,6 +24,8 @@ _S32 = np.uint64(32)
 _S40 = np.uint64(40)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _ZERO64 = np.uint64(0)
+_S28 = np.uint64(28)
+_MASK28 = np.uint64((1 << 28) - 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -663,7 +665,14 @@ def choose(
     quantized. Returns the table (increasing, uint64), its frequencies (escape last), the
     precision and the estimate. ``values`` must not be empty."""
     distinct, counts = _distinct(values, width)
-    order = np.argsort(-counts, kind="mergesort")[:max_table]  # stable: ties by value
+    # most frequent first, ties by value (the distinct values increase with their index):
+    # one sort of keys (count left out of the total, index), as every sort here is of
+    # uint64, so that numba compiles one sort (an argsort compiles two more); at most 2**28
+    # values (:data:`dcr_format.codings.rans.MAX_VALUES`), so each part fits 28-29 bits
+    keys = np.empty(distinct.size, dtype=np.uint64)
+    for j in range(distinct.size):
+        keys[j] = (np.uint64(values.size - counts[j]) << _S28) | np.uint64(j)
+    order = (np.sort(keys)[:max_table] & _MASK28).astype(np.int64)
     distinct, counts = distinct[order], counts[order]
     n = distinct.size
     total = values.size
@@ -685,12 +694,20 @@ def choose(
     best = int(np.argmin(estimate))
     size, q = sizes[best], bits[best]
     _, freqs = _quantized(counts, size, total, q)
-    by_value = np.argsort(distinct[:size])
+    # the table by value, which is by index in the histogram: one more sort of keys (that
+    # index, then the rank; a table holds at most 255 values)
+    ranked = np.empty(size, dtype=np.uint64)
+    for j in range(size):
+        ranked[j] = (np.uint64(order[j]) << np.uint64(8)) | np.uint64(j)
+    ranked = np.sort(ranked)
+    table = np.empty(size, dtype=np.uint64)
     ordered = np.empty(size + 1, dtype=np.int64)
     for j in range(size):
-        ordered[j] = freqs[by_value[j]]
+        at = np.int64(ranked[j] & np.uint64(0xFF))
+        table[j] = distinct[at]
+        ordered[j] = freqs[at]
     ordered[size] = freqs[size]
-    return distinct[:size][by_value], ordered, q, estimate[best]
+    return table, ordered, q, estimate[best]
 
 
 @njit(cache=True, nogil=True)
