@@ -351,9 +351,10 @@ def decode_stream(
     )
     if err:
         return int(err)
+    # typed zeros: a literal 0 would compile the loop once more
     x, nxt, escaped = _symbols(
         buf, words, x, nxt, lookup, scaled, starts, shift, size, values, at, escapes, width,
-        0, count, out, small, 0,
+        np.int64(0), count, out, small, np.int64(0),
     )  # fmt: skip
     return int(_ended(x, nxt, escaped, escapes))
 
@@ -384,8 +385,8 @@ def decode_pair(
         if not err2:
             err2 = decode_stream(buf2, count2, width, out2)
         return err, err2
-    escaped = escaped2 = 0
-    both = min(count, count2) if small and small2 else 0  # searched tables: one at a time
+    escaped = escaped2 = np.int64(0)  # typed: a literal 0 would compile _symbols once more
+    both = np.int64(min(count, count2) if small and small2 else 0)  # searched: one at a time
     for i in range(both):  # the body of _symbols, once for each stream
         q = x & _MASK24
         q2 = x2 & _MASK24
