@@ -104,9 +104,25 @@ def _quantized(
 
 
 @njit(cache=True, nogil=True)
+def _ascending(order: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The argsort of ``order[:n]`` (distinct values below 2**28, ``n`` at most 2**28) as
+    a sort of uint64 keys (the value, then the index): numba then compiles one sort for
+    the whole module, where an argsort compiles two more."""
+    keys = np.empty(n, dtype=np.uint64)
+    for j in range(n):
+        keys[j] = (np.uint64(order[j]) << _S28) | np.uint64(j)
+    keys = np.sort(keys)
+    ranks = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        ranks[j] = np.int64(keys[j] & _MASK28)
+    return ranks
+
+
+@njit(cache=True, nogil=True)
 def estimates(
     distinct: np.ndarray,
     counts: np.ndarray,
+    order: np.ndarray,
     total: int,
     width: int,
     sizes: np.ndarray,
@@ -114,14 +130,15 @@ def estimates(
 ) -> np.ndarray:  # pragma: no cover - compiled
     """The estimated stream size in bytes of every candidate table size (FORMAT.md §7.4),
     as :func:`dcr_format.codings.rans.choose_model` computes them with arrays. ``distinct``
-    is in table order (most frequent first) and a candidate's table is its first ``size``
-    values: the values of the largest candidate are sorted once, and each candidate's table
-    steps come from one walk of them that skips the values past its size."""
+    is in table order (most frequent first), ``order`` holds the values' ranks by value
+    (any increasing numbering), and a candidate's table is its first ``size`` values: the
+    values of the largest candidate are sorted once, and each candidate's table steps come
+    from one walk of them that skips the values past its size."""
     out = np.empty(sizes.size, dtype=np.int64)
     most = 0
     for r in range(sizes.size):
         most = max(most, sizes[r])
-    by_value = np.argsort(distinct[:most])  # indices into the table order, values increasing
+    by_value = _ascending(order, most)  # indices into the table order, values increasing
     for r in range(sizes.size):
         size = sizes[r]
         q = bits[r]
@@ -691,20 +708,15 @@ def choose(
     bits = np.empty(used, dtype=np.int64)
     for r in range(used):
         bits[r] = min(max_bits, max(total_length, _bit_length(sizes[r] + 1) + 1))
-    estimate = estimates(distinct, counts, total, width, sizes, bits)
+    estimate = estimates(distinct, counts, order, total, width, sizes, bits)
     best = int(np.argmin(estimate))
     size, q = sizes[best], bits[best]
     _, freqs = _quantized(counts, size, total, q)
-    # the table by value, which is by index in the histogram: one more sort of keys (that
-    # index, then the rank; a table holds at most 255 values)
-    ranked = np.empty(size, dtype=np.uint64)
-    for j in range(size):
-        ranked[j] = (np.uint64(order[j]) << np.uint64(8)) | np.uint64(j)
-    ranked = np.sort(ranked)
+    by_value = _ascending(order, size)  # the table by value: by index in the histogram
     table = np.empty(size, dtype=np.uint64)
     ordered = np.empty(size + 1, dtype=np.int64)
     for j in range(size):
-        at = np.int64(ranked[j] & np.uint64(0xFF))
+        at = by_value[j]
         table[j] = distinct[at]
         ordered[j] = freqs[at]
     ordered[size] = freqs[size]
