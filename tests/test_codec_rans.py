@@ -596,8 +596,9 @@ def test_compiled_estimates_count_each_candidates_table_as_the_reference() -> No
         bits = np.full(sizes.size, 20, dtype=np.int64)
         total = int(counts.sum()) + int(rng.integers(0, 50))
         plain = np.arange(n, dtype=np.uint64)  # each candidate's table is 0 .. size - 1
-        got = native.estimates(distinct, counts, total, 2, sizes, bits)
-        base = native.estimates(plain, counts, total, 2, sizes, bits)
+        by_value = np.argsort(np.argsort(distinct)).astype(np.int64)  # each value's rank
+        got = native.estimates(distinct, counts, by_value, total, 2, sizes, bits)
+        base = native.estimates(plain, counts, np.arange(n, dtype=np.int64), total, 2, sizes, bits)
         assert np.array_equal(got - base + sizes, rans._tables_bytes(distinct, sizes))
 
 

@@ -43,7 +43,13 @@ def _owners(counts, tasks):  # type: ignore[no-untyped-def]
     far (classes differ in size, so parts split by index would leave a core idle)."""
     owner = np.zeros(counts.size, dtype=np.int64)
     load = np.zeros(tasks, dtype=np.int64)
-    for j in np.argsort(-counts, kind="mergesort"):
+    placed = np.zeros(counts.size, dtype=np.bool_)
+    for _ in range(counts.size):  # at most 16 parts: the largest left (the first on ties)
+        j = -1
+        for i in range(counts.size):
+            if not placed[i] and (j < 0 or counts[i] > counts[j]):
+                j = i
+        placed[j] = True
         t = np.argmin(load)
         owner[j] = t
         load[t] += counts[j]

@@ -24,6 +24,8 @@ _S32 = np.uint64(32)
 _S40 = np.uint64(40)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _ZERO64 = np.uint64(0)
+_S28 = np.uint64(28)
+_MASK28 = np.uint64((1 << 28) - 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -102,9 +104,25 @@ def _quantized(
 
 
 @njit(cache=True, nogil=True)
+def _ascending(order: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The argsort of ``order[:n]`` (distinct values below 2**28, ``n`` at most 2**28) as
+    a sort of uint64 keys (the value, then the index): numba then compiles one sort for
+    the whole module, where an argsort compiles two more."""
+    keys = np.empty(n, dtype=np.uint64)
+    for j in range(n):
+        keys[j] = (np.uint64(order[j]) << _S28) | np.uint64(j)
+    keys = np.sort(keys)
+    ranks = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        ranks[j] = np.int64(keys[j] & _MASK28)
+    return ranks
+
+
+@njit(cache=True, nogil=True)
 def estimates(
     distinct: np.ndarray,
     counts: np.ndarray,
+    order: np.ndarray,
     total: int,
     width: int,
     sizes: np.ndarray,
@@ -112,14 +130,15 @@ def estimates(
 ) -> np.ndarray:  # pragma: no cover - compiled
     """The estimated stream size in bytes of every candidate table size (FORMAT.md §7.4),
     as :func:`dcr_format.codings.rans.choose_model` computes them with arrays. ``distinct``
-    is in table order (most frequent first) and a candidate's table is its first ``size``
-    values: the values of the largest candidate are sorted once, and each candidate's table
-    steps come from one walk of them that skips the values past its size."""
+    is in table order (most frequent first), ``order`` holds the values' ranks by value
+    (any increasing numbering), and a candidate's table is its first ``size`` values: the
+    values of the largest candidate are sorted once, and each candidate's table steps come
+    from one walk of them that skips the values past its size."""
     out = np.empty(sizes.size, dtype=np.int64)
     most = 0
     for r in range(sizes.size):
         most = max(most, sizes[r])
-    by_value = np.argsort(distinct[:most])  # indices into the table order, values increasing
+    by_value = _ascending(order, most)  # indices into the table order, values increasing
     for r in range(sizes.size):
         size = sizes[r]
         q = bits[r]
@@ -349,9 +368,10 @@ def decode_stream(
     )
     if err:
         return int(err)
+    # typed zeros: a literal 0 would compile the loop once more
     x, nxt, escaped = _symbols(
         buf, words, x, nxt, lookup, scaled, starts, shift, size, values, at, escapes, width,
-        0, count, out, small, 0,
+        np.int64(0), count, out, small, np.int64(0),
     )  # fmt: skip
     return int(_ended(x, nxt, escaped, escapes))
 
@@ -382,8 +402,8 @@ def decode_pair(
         if not err2:
             err2 = decode_stream(buf2, count2, width, out2)
         return err, err2
-    escaped = escaped2 = 0
-    both = min(count, count2) if small and small2 else 0  # searched tables: one at a time
+    escaped = escaped2 = np.int64(0)  # typed: a literal 0 would compile _symbols once more
+    both = np.int64(min(count, count2) if small and small2 else 0)  # searched: one at a time
     for i in range(both):  # the body of _symbols, once for each stream
         q = x & _MASK24
         q2 = x2 & _MASK24
@@ -663,7 +683,14 @@ def choose(
     quantized. Returns the table (increasing, uint64), its frequencies (escape last), the
     precision and the estimate. ``values`` must not be empty."""
     distinct, counts = _distinct(values, width)
-    order = np.argsort(-counts, kind="mergesort")[:max_table]  # stable: ties by value
+    # most frequent first, ties by value (the distinct values increase with their index):
+    # one sort of keys (count left out of the total, index), as every sort here is of
+    # uint64, so that numba compiles one sort (an argsort compiles two more); at most 2**28
+    # values (:data:`dcr_format.codings.rans.MAX_VALUES`), so each part fits 28-29 bits
+    keys = np.empty(distinct.size, dtype=np.uint64)
+    for j in range(distinct.size):
+        keys[j] = (np.uint64(values.size - counts[j]) << _S28) | np.uint64(j)
+    order = (np.sort(keys)[:max_table] & _MASK28).astype(np.int64)
     distinct, counts = distinct[order], counts[order]
     n = distinct.size
     total = values.size
@@ -681,16 +708,19 @@ def choose(
     bits = np.empty(used, dtype=np.int64)
     for r in range(used):
         bits[r] = min(max_bits, max(total_length, _bit_length(sizes[r] + 1) + 1))
-    estimate = estimates(distinct, counts, total, width, sizes, bits)
+    estimate = estimates(distinct, counts, order, total, width, sizes, bits)
     best = int(np.argmin(estimate))
     size, q = sizes[best], bits[best]
     _, freqs = _quantized(counts, size, total, q)
-    by_value = np.argsort(distinct[:size])
+    by_value = _ascending(order, size)  # the table by value: by index in the histogram
+    table = np.empty(size, dtype=np.uint64)
     ordered = np.empty(size + 1, dtype=np.int64)
     for j in range(size):
-        ordered[j] = freqs[by_value[j]]
+        at = by_value[j]
+        table[j] = distinct[at]
+        ordered[j] = freqs[at]
     ordered[size] = freqs[size]
-    return distinct[:size][by_value], ordered, q, estimate[best]
+    return table, ordered, q, estimate[best]
 
 
 @njit(cache=True, nogil=True)

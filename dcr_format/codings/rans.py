@@ -312,7 +312,9 @@ def worth_trying(values: np.ndarray) -> bool:
         return False
     if values.size <= SAMPLE_ABOVE:
         return True
-    sample = values[:: values.size // _SAMPLE_SIZE]
+    # a copy, not a strided view: the compiled model takes contiguous values only, and a
+    # second compiled form for strided ones would double its first compile
+    sample = np.ascontiguousarray(values[:: values.size // _SAMPLE_SIZE])
     _, estimate = choose_model(sample)
     return estimate < 0.85 * sample.size * values.dtype.itemsize
 
