@@ -12,7 +12,12 @@ from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget
 from dcr_format.chain.chain import Chain
-from dcr_format.errors import ArgumentError, CapabilityError
+from dcr_format.errors import (
+    ArgumentError,
+    BaselineCodingError,
+    CapabilityError,
+    OverwriteRequiredError,
+)
 from dcr_format.format.schema import MAX_READER_JSON_BYTES, ReaderRecord, parse
 from dcr_format.publish._commit import read_reader_records
 from dcr_format.store.store import Store, open_store
@@ -200,3 +205,58 @@ def test_every_part_lists_the_old_bits_its_reader_reads(tmp_path: Path) -> None:
 def test_an_id_ending_like_a_part_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArgumentError, match="part"):
         DeltaReader(str(tmp_path / "store"), StateDictTarget({}), reader_id="engine.part2")
+
+
+def _casting_reader(store: str) -> tuple[DeltaReader, _Cast]:
+    module = _Cast(["a.weight", "b.weight"])
+    target = ModuleTarget(module, load_weights=module.load_weights)
+    return DeltaReader(store, target, reader_id="rollout"), module
+
+
+def _steps(count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(9)
+    states = [{n: torch.randn(SIZE, generator=gen) for n in ("a.weight", "b.weight")}]
+    for _ in range(count - 1):
+        states.append({n: t.clone() for n, t in states[-1].items()})
+        for t in states[-1].values():  # a few elements of each: xor, were it allowed
+            t[torch.randint(0, SIZE, (2,), generator=gen)] += 0.25
+    return states
+
+
+def test_readers_sharing_an_id_with_other_needs_are_told_their_record_was_replaced(
+    tmp_path: Path,
+) -> None:
+    """Two readers given one ``reader_id`` whose targets need different things (an engine
+    whose loader casts its tensors, and one that takes them as they are) replace each
+    other's record, and writers follow the last one written: the casting reader then gets
+    changes it cannot take, and its error says why and what to do (before, it said its
+    record asks writers not to, which no longer held). Where its own record is in place
+    (a version published before it) the error is the plain one."""
+    states = _steps(3)
+    early = str(tmp_path / "early")
+    writer = DeltaWriter(early)
+    writer.publish(states[0])
+    writer.publish(states[1])  # before any record
+    casting, _ = _casting_reader(early)
+    assert casting.sync(to=0).version == 0
+    with pytest.raises((OverwriteRequiredError, BaselineCodingError)) as plain:
+        casting.sync()
+    assert "reader_id" not in str(plain.value)
+
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    writer.publish(states[0])
+    casting, module = _casting_reader(store)
+    assert casting.sync().version == 0
+    writer.publish(states[1])  # the record asks for overwrite: taken
+    assert casting.sync().version == 1
+    other = DeltaReader(store, StateDictTarget({}), reader_id="rollout")
+    assert other.sync().version == 1  # takes every tensor as it is: an empty request
+    assert _records(store)["rollout"].overwrite == ()
+    writer.publish(states[2])
+    with pytest.raises((OverwriteRequiredError, BaselineCodingError)) as replaced:
+        casting.sync()
+    message = str(replaced.value)
+    assert "readers/rollout.json" in message and "give each its own reader_id" in message
+    want = torch.cat([states[1][n] for n in ("a.weight", "b.weight")]).bfloat16()
+    assert torch.equal(module.flat.view(torch.int16), want.view(torch.int16))  # still 1

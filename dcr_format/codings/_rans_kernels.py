@@ -175,7 +175,7 @@ def estimates(
 
 @njit(cache=True, nogil=True, inline="always")
 def _escaped(
-    buf: np.ndarray, at: int, count: int, e: int, width: int
+    buf: np.ndarray, at: int, count: int, e: int | np.int64, width: int
 ) -> np.uint64:  # pragma: no cover
     """Escaped value ``e`` of ``count`` in planes at ``at`` (plane t: byte width-1-t)."""
     v = np.uint64(0)

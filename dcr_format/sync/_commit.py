@@ -10,16 +10,26 @@ it left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+from collections.abc import Iterator
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
-from dcr_format.errors import ArgumentError, CapabilityError, StoreError
+from dcr_format.errors import (
+    ArgumentError,
+    BaselineCodingError,
+    CapabilityError,
+    FormatError,
+    OverwriteRequiredError,
+    StoreError,
+)
 from dcr_format.format.schema import (
     KNOWN_FEATURES,
     MAX_BASELINE_NAMES,
     MAX_READER_JSON_BYTES,
     ReaderRecord,
+    parse,
 )
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
@@ -179,6 +189,44 @@ class Committing(Auditing):
             return
         self._drop_parts(reader_id, len(parts), reads_baseline, readable)
         self._recorded = (reader_id, names, readable)
+
+    @contextlib.contextmanager
+    def _explaining(self) -> Iterator[None]:
+        """Within the block, a change this target cannot take as it was sent
+        (:class:`OverwriteRequiredError`, :class:`BaselineCodingError`) while the record in
+        which this reader asked for it holds another reader's request is raised saying so:
+        readers that share a ``reader_id`` but need different things (engines of another
+        configuration) replace each other's record, writers follow the last one written, and
+        the others fail every version."""
+        try:
+            yield
+        except (OverwriteRequiredError, BaselineCodingError) as exc:
+            key = self._replaced_record()
+            if key is None:
+                raise
+            what = str(exc).split("; ", 1)[0]
+            raise type(exc)(
+                f"{what}; {key}, in which this reader asks writers for what it can take, "
+                "now holds the request of another reader with the same reader_id and other "
+                "needs (an engine of another configuration): give each its own reader_id"
+            ) from exc
+
+    def _replaced_record(self) -> str | None:
+        """The key of this reader's record where the store holds another request there
+        than the one this reader last wrote (None: the same, none written, or unreadable)."""
+        if self._recorded is None:
+            return None
+        reader_id, names, readable = self._recorded
+        key = f"readers/{reader_id}.json"
+        try:
+            record = parse(
+                ReaderRecord, self.store.get(key, max_size=MAX_READER_JSON_BYTES), what=key
+            )
+        except (StoreError, FormatError):
+            return None
+        mine = (_parts(names, readable)[0], readable is None, readable or None)
+        found = (record.overwrite, record.reads_baseline, record.baseline_names or None)
+        return None if found == mine else key
 
     def _drop_parts(
         self, reader_id: str, count: int, reads_baseline: bool, readable: tuple[str, ...] | None

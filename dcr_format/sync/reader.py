@@ -193,7 +193,9 @@ class DeltaReader(Applying, Committing):
         """
         for attempt in range(3 if self.group.alone else 1):
             try:
-                return self.apply(self._prepare_for(to, stage=False, audit=audit), audit=audit)
+                with self._explaining():
+                    prepared = self._prepare_for(to, stage=False, audit=audit)
+                return self.apply(prepared, audit=audit)
             except (StalePreparedError, TargetChangedError):
                 # another sync moved the target between planning and applying: plan again
                 if attempt == 2 or not self.group.alone:
@@ -220,7 +222,8 @@ class DeltaReader(Applying, Committing):
         live tensors now (the bits before and after, and their fingerprint lane deltas), so
         that :meth:`apply` only writes them.
         """
-        return self._prepare_for(to, stage=True)
+        with self._explaining():
+            return self._prepare_for(to, stage=True)
 
     def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
         """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it)."""
@@ -263,7 +266,8 @@ class DeltaReader(Applying, Committing):
             )
         started = time.perf_counter()
         if prepared.plan:
-            unverified, audited = self._apply(prepared, audit)
+            with self._explaining():
+                unverified, audited = self._apply(prepared, audit)
         else:  # already there (no versions, no bytes); still take part in the group's stages
             with self.group.stage("checking its target"):
                 self._check_fresh(prepared)
