@@ -9,6 +9,7 @@ import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -152,10 +153,13 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     cache = ("--cache-dir", str(tmp_path / "cache"))
     ckpt = _checkpoint(tmp_path / "ckpt", make_state(0))
     assert _invoke("publish", ckpt, "--store", store, *cache).exit_code == 0
-    again = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    listed = Store(store).list()
+    again = _invoke("publish", ckpt, "--store", store, *cache)
     assert again.exit_code == 0, again.output
     assert again.stdout.startswith("unchanged:") and "nothing committed" in again.stdout
-    assert Store(store).list("commits/") == [f"commits/{0:020d}.json"]
+    assert Store(store).list() == listed  # a delta that uploads nothing leaves no marker
+    as_base = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    assert as_base.stdout.startswith("unchanged:"), as_base.output
     forced = _invoke("publish", ckpt, "--store", store, *cache, "--allow-empty")
     assert "committed version 1" in forced.stdout, forced.output
     (tmp_path / "ckpt" / "config.json").write_text('{"changed": true}')  # a file alone is a change
@@ -164,10 +168,31 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     # the writer option under it: nothing committed, and the next change still publishes
     writer = DeltaWriter(store, cache_dir=tmp_path / "cache2")
     state = make_state(0)
+    listed = Store(store).list()
     with pytest.raises(UnchangedVersionError):
         writer.publish(state, allow_empty=False)
+    assert Store(store).list() == listed
     step_state(state, torch.Generator().manual_seed(3))
     assert writer.publish(state, allow_empty=False).version == 3
+
+
+def test_a_publish_that_fails_after_uploading_a_shard_marks_its_attempt(tmp_path: Path) -> None:
+    from dcr_format import Store
+
+    store = Store(tmp_path / "store")
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache", shard_bytes=64)
+    state = make_state(0)
+
+    def interrupted() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from list(state.items())[:4]  # more than a 64-byte shard: one is uploaded
+        raise OSError("the checkpoint file could not be read")
+
+    with pytest.raises(OSError, match="could not be read"):
+        writer.publish(interrupted())
+    keys = store.list("objects/")
+    assert any("/shard-" in k for k in keys)
+    assert sum(k.endswith("/ABORTED") for k in keys) == 1
+    assert writer.publish(state).version == 0  # the next try starts afresh
 
 
 def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(
