@@ -5,6 +5,7 @@ named line, nothing is created or committed by a command that has nothing to do.
 from __future__ import annotations
 
 import ast
+import gc as collector
 import importlib
 import os
 import subprocess
@@ -63,30 +64,37 @@ _COMMAND_MODULES = tuple(
 )
 
 
-def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
-    """What ``dcr ARGV`` prints, and which heavy packages (``_HEAVY``) and command modules of
-    the CLI it imported."""
+def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int]]:
+    """What ``dcr ARGV`` prints, which heavy packages (``_HEAVY``) and command modules of
+    the CLI it imported, and whether its garbage collector is on after it and how many
+    objects it froze."""
     code = (
-        "import sys\n"
+        "import gc, sys\n"
         "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         f"heavy = {{m.split('.')[0] for m in sys.modules}} & set({_HEAVY!r})\n"
         f"heavy |= set(sys.modules) & set({_COMMAND_MODULES!r})\n"
         "print(sorted(heavy))\n"
+        "print((gc.isenabled(), gc.get_freeze_count()))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    *out, heavy = run.stdout.splitlines()
-    return "\n".join(out), ast.literal_eval(heavy)
+    *out, heavy, collector = run.stdout.splitlines()
+    return "\n".join(out), ast.literal_eval(heavy), ast.literal_eval(collector)
 
 
 def test_version_and_log_import_only_what_they_need(store: str) -> None:
-    out, heavy = _heavy_modules("--version")
-    assert out == "dcr, version 0.1.0" and heavy == []
+    out, heavy, gc_state = _heavy_modules("--version")
+    assert out == "dcr, version 0.1.0" and heavy == [] and gc_state == (True, 0)
     # a local store: no S3 or fsspec client; and only the module that defines ``log``
-    out, heavy = _heavy_modules("log", "--store", store)
+    out, heavy, (enabled, frozen) = _heavy_modules("log", "--store", store)
     assert out.splitlines()[-1].startswith("1 ")
     assert heavy == ["dcr_format.cli.browse", "pydantic"]
+    # what the command imported is frozen, out of the collector's way; the work collects
+    assert enabled and frozen > 10_000
+    # a caller that runs the command in its own process keeps its collector as it was
+    assert _invoke("log", "--store", store).exit_code == 0
+    assert collector.isenabled() and collector.get_freeze_count() == 0
 
 
 def test_each_command_is_looked_up_in_the_module_that_defines_it() -> None:
