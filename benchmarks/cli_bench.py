@@ -159,10 +159,12 @@ def _breakdown(
         ("+ numba, the kernel modules", f"{imported}; import numba, {kernels}"),
         ("+ numba's setup", f"{imported}; import numba, {kernels}; {_SETUP}"),
     ]
-    cpus = []
-    for _, piece in pieces:  # the least of several runs: the cost without other work's noise
-        _median([sys.executable, "-c", piece], repeat)
-        cpus.append(min(_CPU[-repeat:]))
+    runs: list[list[float]] = [[] for _ in pieces]
+    for _ in range(repeat):  # rounds over the pieces: other work's load falls on all alike
+        for piece, cpu in zip(pieces, runs, strict=True):
+            _timed([sys.executable, "-c", piece[1]])
+            cpu.append(_CPU[-1])
+    cpus = [min(cpu) for cpu in runs]  # the least of several runs: the cost without noise
     lines = [
         "where a warm publish and pull spend their CPU (start-up pieces: fresh processes, the",
         f"least of {repeat} runs; '+' rows: what each adds to the row above; both commands",
