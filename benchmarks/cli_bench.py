@@ -150,11 +150,13 @@ def _breakdown(
     probe = json.loads(run.stdout.splitlines()[-1])
     modules = ", ".join(m for m in probe["modules"] if not _imports_numba(m))
     kernels = ", ".join(m for m in probe["modules"] if _imports_numba(m))
-    imports = "import gc; gc.disable(); import torch"  # as cli.main.command_imports runs them
+    # as cli.main.command_imports runs them; each piece freezes what it imported, as the
+    # command does, so that no piece pays a collection at exit the command does not
+    imports = "import gc; gc.disable(); import torch"
     imported = f"{imports}; import {modules}; gc.freeze(); gc.enable()"
     pieces = [
         ("python -c pass", "pass"),
-        ("+ torch, numpy", imports),
+        ("+ torch, numpy", f"{imports}; gc.freeze()"),
         ("+ the package's modules", imported),
         ("+ numba, the kernel modules", f"{imported}; import numba, {kernels}"),
         ("+ numba's setup", f"{imported}; import numba, {kernels}; {_SETUP}"),
