@@ -124,7 +124,9 @@ def _imports_numba(module: str) -> bool:
     """Whether a module of the package imports numba: the compiled kernels (the codings'
     ``_<coding>_kernels`` among them) and how they run."""
     name = module.rsplit(".", 1)[1]
-    return name == "_launch" or (name.endswith("_kernels") and "triton" not in name)
+    return name in ("_launch", "_native_bits") or (
+        name.endswith("_kernels") and "triton" not in name
+    )
 
 
 _SETUP = (
