@@ -64,20 +64,23 @@ _COMMAND_MODULES = tuple(
 )
 
 
-def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int]]:
+def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int, str | None]]:
     """What ``dcr ARGV`` prints, which heavy packages (``_HEAVY``) and command modules of
-    the CLI it imported, and whether its garbage collector is on after it and how many
-    objects it froze."""
+    the CLI it imported, and whether its garbage collector is on after it, how many objects
+    it froze and the OpenMP wait policy it left for its kernels."""
     code = (
-        "import gc, sys\n"
+        "import gc, os, sys\n"
         "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         f"heavy = {{m.split('.')[0] for m in sys.modules}} & set({_HEAVY!r})\n"
         f"heavy |= set(sys.modules) & set({_COMMAND_MODULES!r})\n"
         "print(sorted(heavy))\n"
-        "print((gc.isenabled(), gc.get_freeze_count()))\n"
+        "print((gc.isenabled(), gc.get_freeze_count(), os.environ.get('OMP_WAIT_POLICY')))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert run.returncode == 0, run.stderr
     *out, heavy, collector = run.stdout.splitlines()
     return "\n".join(out), ast.literal_eval(heavy), ast.literal_eval(collector)
@@ -85,9 +88,9 @@ def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int]]:
 
 def test_version_and_log_import_only_what_they_need(store: str) -> None:
     out, heavy, gc_state = _heavy_modules("--version")
-    assert out == "dcr, version 0.1.0" and heavy == [] and gc_state == (True, 0)
+    assert out == "dcr, version 0.1.0" and heavy == [] and gc_state == (True, 0, "PASSIVE")
     # a local store: no S3 or fsspec client; and only the module that defines ``log``
-    out, heavy, (enabled, frozen) = _heavy_modules("log", "--store", store)
+    out, heavy, (enabled, frozen, _) = _heavy_modules("log", "--store", store)
     assert out.splitlines()[-1].startswith("1 ")
     assert heavy == ["dcr_format.cli.browse", "pydantic"]
     # what the command imported is frozen, out of the collector's way; the work collects
