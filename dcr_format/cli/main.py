@@ -159,9 +159,10 @@ def command_imports() -> Iterator[None]:
     In the ``dcr`` process, the cyclic garbage collector is off within the block and the
     objects the block left are frozen after it (:func:`gc.freeze`): an import makes
     hundreds of thousands of objects that live as long as the process, and the collector's
-    full passes over them, which find nothing, cost a publish or a pull about 0.3 s. The
-    work after the block collects its own garbage as usual. Elsewhere (a caller invoking
-    :data:`cli` in its own process) the block changes nothing.
+    full passes over them (during the imports, numba's set-up after them, and at exit),
+    which find nothing, cost a publish or a pull 0.7-0.9 s of CPU. The work after the block
+    collects its own garbage as usual. Elsewhere (a caller invoking :data:`cli` in its own
+    process) the block changes nothing.
     """
     if not _Process.own or not gc.isenabled():
         yield
