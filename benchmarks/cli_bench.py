@@ -12,16 +12,22 @@ time (user + system, every thread) the command used: on a machine other work kee
 that is the steadier figure.
 
 With ``--breakdown``, where a warm publish and pull spend their CPU time: the start-up
-pieces, each in a fresh process (the interpreter, torch with numpy, numba's import and its
-first-use setup, the package's modules the command imports), the compiled kernels loaded
-from numba's on-disk cache (how many, and their time), and the work alone (a publish and
-pull of one more step in a process that already ran one, so nothing is imported or loaded).
+pieces, each in a fresh process as the command runs them (the interpreter, torch with numpy
+and the package's modules the command imports, with the garbage collector off and frozen
+after, then numba's import and its first-use setup), the compiled kernels loaded from
+numba's on-disk cache (how many, and their time), and the work alone (a publish and pull of
+one more step in a process that already ran one, so nothing is imported or loaded).
+
+The commands run with Python's bytecode caches as an installed package has them:
+``PYTHONDONTWRITEBYTECODE`` is dropped from their environment, so the first command writes
+the caches of a source checkout and the others read them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -36,6 +42,8 @@ GOAL_PUBLISH_PULL = 1.5  # seconds, a warm publish and pull together
 
 
 _CPU: list[float] = []  # CPU seconds of each command run, in order
+# the commands' environment: bytecode caches written and read (module docstring)
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
 def _children_cpu() -> float:
@@ -47,7 +55,7 @@ def _timed(argv: list[str]) -> float:
     """Wall seconds of one run of ``argv`` (its CPU seconds are appended to ``_CPU``)."""
     cpu = _children_cpu()
     started = time.perf_counter()
-    run = subprocess.run(argv, capture_output=True, text=True)
+    run = subprocess.run(argv, capture_output=True, text=True, env=_ENV)
     elapsed = time.perf_counter() - started
     _CPU.append(_children_cpu() - cpu)
     if run.returncode != 0:
@@ -110,6 +118,17 @@ for _ in range(int(steps)):
 modules = sorted(m for m in sys.modules if m.startswith("dcr_format."))
 print(json.dumps({{"first": first, "again": again, "setup": setup, "modules": modules}}))
 """
+
+
+def _imports_numba(module: str) -> bool:
+    """Whether a module of the package imports numba: the compiled kernels (the codings'
+    ``_<coding>_kernels`` among them) and how they run."""
+    name = module.rsplit(".", 1)[1]
+    return name in ("_launch", "_native_bits") or (
+        name.endswith("_kernels") and "triton" not in name
+    )
+
+
 _SETUP = (
     "from numba.core.registry import cpu_target; "
     "cpu_target.typing_context.refresh(); cpu_target.target_context.refresh()"
@@ -127,22 +146,29 @@ def _breakdown(
     save_file(tensors, str(ckpt / "model.safetensors"))
     code = _PROBE.format(here=str(Path(__file__).resolve().parent))
     argv = [sys.executable, "-c", code, str(ckpt), str(store), str(cache), str(into), "3"]
-    run = subprocess.run([*argv, str(rate), str(repeat)], capture_output=True, text=True)
+    run = subprocess.run([*argv, str(rate), str(repeat)], capture_output=True, text=True, env=_ENV)
     if run.returncode != 0:
         raise SystemExit(f"the in-process probe failed:\n{run.stderr}")
     probe = json.loads(run.stdout.splitlines()[-1])
-    modules = ", ".join(probe["modules"])
+    modules = ", ".join(m for m in probe["modules"] if not _imports_numba(m))
+    kernels = ", ".join(m for m in probe["modules"] if _imports_numba(m))
+    # as cli.main.command_imports runs them; each piece freezes what it imported, as the
+    # command does, so that no piece pays a collection at exit the command does not
+    imports = "import gc; gc.disable(); import torch"
+    imported = f"{imports}; import {modules}; gc.freeze(); gc.enable()"
     pieces = [
         ("python -c pass", "pass"),
-        ("+ torch, numpy", "import torch"),
-        ("+ numba", "import torch, numba"),
-        ("+ numba's setup", f"import torch, numba; {_SETUP}"),
-        ("+ the modules", f"import torch, numba; {_SETUP}; import {modules}"),
+        ("+ torch, numpy", f"{imports}; gc.freeze()"),
+        ("+ the package's modules", imported),
+        ("+ numba, the kernel modules", f"{imported}; import numba, {kernels}"),
+        ("+ numba's setup", f"{imported}; import numba, {kernels}; {_SETUP}"),
     ]
-    cpus = []
-    for _, piece in pieces:  # the least of several runs: the cost without other work's noise
-        _median([sys.executable, "-c", piece], repeat)
-        cpus.append(min(_CPU[-repeat:]))
+    runs: list[list[float]] = [[] for _ in pieces]
+    for _ in range(repeat):  # rounds over the pieces: other work's load falls on all alike
+        for piece, cpu in zip(pieces, runs, strict=True):
+            _timed([sys.executable, "-c", piece[1]])
+            cpu.append(_CPU[-1])
+    cpus = [min(cpu) for cpu in runs]  # the least of several runs: the cost without noise
     lines = [
         "where a warm publish and pull spend their CPU (start-up pieces: fresh processes, the",
         f"least of {repeat} runs; '+' rows: what each adds to the row above; both commands",

@@ -427,7 +427,8 @@ def test_cli_benchmark_small_run():
     for name in ("python -c pass", "dcr --version", "dcr log", "warm publish, pull"):
         assert any(line.startswith(name) for line in lines), result.stdout
     assert result.stdout.count("goal") == 3
-    for piece in ("+ torch, numpy", "+ numba ", "+ numba's setup", "+ the modules"):
+    pieces = ("+ torch, numpy", "+ the package's modules", "+ numba, the kernel", "+ numba's setup")
+    for piece in pieces:
         assert sum(line.strip().startswith(piece) for line in lines) == 1, result.stdout
     for command in ("publish", "pull"):
         (line,) = [line for line in lines if line.strip().startswith(f"{command}: ")]

@@ -5,10 +5,12 @@ named line, nothing is created or committed by a command that has nothing to do.
 from __future__ import annotations
 
 import ast
+import gc as collector
 import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -62,30 +64,40 @@ _COMMAND_MODULES = tuple(
 )
 
 
-def _heavy_modules(*argv: str) -> tuple[str, list[str]]:
-    """What ``dcr ARGV`` prints, and which heavy packages (``_HEAVY``) and command modules of
-    the CLI it imported."""
+def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int, str | None]]:
+    """What ``dcr ARGV`` prints, which heavy packages (``_HEAVY``) and command modules of
+    the CLI it imported, and whether its garbage collector is on after it, how many objects
+    it froze and the OpenMP wait policy it left for its kernels."""
     code = (
-        "import sys\n"
+        "import gc, os, sys\n"
         "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         f"heavy = {{m.split('.')[0] for m in sys.modules}} & set({_HEAVY!r})\n"
         f"heavy |= set(sys.modules) & set({_COMMAND_MODULES!r})\n"
         "print(sorted(heavy))\n"
+        "print((gc.isenabled(), gc.get_freeze_count(), os.environ.get('OMP_WAIT_POLICY')))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert run.returncode == 0, run.stderr
-    *out, heavy = run.stdout.splitlines()
-    return "\n".join(out), ast.literal_eval(heavy)
+    *out, heavy, collector = run.stdout.splitlines()
+    return "\n".join(out), ast.literal_eval(heavy), ast.literal_eval(collector)
 
 
 def test_version_and_log_import_only_what_they_need(store: str) -> None:
-    out, heavy = _heavy_modules("--version")
-    assert out == "dcr, version 0.1.0" and heavy == []
+    out, heavy, gc_state = _heavy_modules("--version")
+    assert out == "dcr, version 0.1.0" and heavy == [] and gc_state == (True, 0, "PASSIVE")
     # a local store: no S3 or fsspec client; and only the module that defines ``log``
-    out, heavy = _heavy_modules("log", "--store", store)
+    out, heavy, (enabled, frozen, _) = _heavy_modules("log", "--store", store)
     assert out.splitlines()[-1].startswith("1 ")
     assert heavy == ["dcr_format.cli.browse", "pydantic"]
+    # what the command imported is frozen, out of the collector's way; the work collects
+    assert enabled and frozen > 10_000
+    # a caller that runs the command in its own process keeps its collector as it was
+    assert _invoke("log", "--store", store).exit_code == 0
+    assert collector.isenabled() and collector.get_freeze_count() == 0
 
 
 def test_each_command_is_looked_up_in_the_module_that_defines_it() -> None:
@@ -152,10 +164,13 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     cache = ("--cache-dir", str(tmp_path / "cache"))
     ckpt = _checkpoint(tmp_path / "ckpt", make_state(0))
     assert _invoke("publish", ckpt, "--store", store, *cache).exit_code == 0
-    again = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    listed = Store(store).list()
+    again = _invoke("publish", ckpt, "--store", store, *cache)
     assert again.exit_code == 0, again.output
     assert again.stdout.startswith("unchanged:") and "nothing committed" in again.stdout
-    assert Store(store).list("commits/") == [f"commits/{0:020d}.json"]
+    assert Store(store).list() == listed  # a delta that uploads nothing leaves no marker
+    as_base = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
+    assert as_base.stdout.startswith("unchanged:"), as_base.output
     forced = _invoke("publish", ckpt, "--store", store, *cache, "--allow-empty")
     assert "committed version 1" in forced.stdout, forced.output
     (tmp_path / "ckpt" / "config.json").write_text('{"changed": true}')  # a file alone is a change
@@ -164,10 +179,31 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     # the writer option under it: nothing committed, and the next change still publishes
     writer = DeltaWriter(store, cache_dir=tmp_path / "cache2")
     state = make_state(0)
+    listed = Store(store).list()
     with pytest.raises(UnchangedVersionError):
         writer.publish(state, allow_empty=False)
+    assert Store(store).list() == listed
     step_state(state, torch.Generator().manual_seed(3))
     assert writer.publish(state, allow_empty=False).version == 3
+
+
+def test_a_publish_that_fails_after_uploading_a_shard_marks_its_attempt(tmp_path: Path) -> None:
+    from dcr_format import Store
+
+    store = Store(tmp_path / "store")
+    writer = DeltaWriter(store, cache_dir=tmp_path / "cache", shard_bytes=64)
+    state = make_state(0)
+
+    def interrupted() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from list(state.items())[:4]  # more than a 64-byte shard: one is uploaded
+        raise OSError("the checkpoint file could not be read")
+
+    with pytest.raises(OSError, match="could not be read"):
+        writer.publish(interrupted())
+    keys = store.list("objects/")
+    assert any("/shard-" in k for k in keys)
+    assert sum(k.endswith("/ABORTED") for k in keys) == 1
+    assert writer.publish(state).version == 0  # the next try starts afresh
 
 
 def test_a_refused_pull_leaves_no_lock_file_and_pull_offers_no_writer_option(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dcr_format.cli.main import command_imports
 from dcr_format.cli.output import count, emit, human_bytes, table
 from dcr_format.cli.params import (
     FORMAT_OPTION,
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 @FORMAT_OPTION
 def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> None:
     """One row per committed version (kind "delta+base": compacted, it has an alternative base)."""
-    from dcr_format.tools import log
+    with command_imports():
+        from dcr_format.tools import log
 
     rows = log(store, limit=limit, since=since)
 
@@ -87,7 +89,8 @@ def log_cmd(store: Store, limit: int | None, since: int | None, fmt: str) -> Non
 @FORMAT_OPTION
 def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: str) -> None:
     """The commit record of VERSION and its tensors."""
-    from dcr_format.tools import show as show_version
+    with command_imports():
+        from dcr_format.tools import show as show_version
 
     detail = show_version(store, version, sort=sort_key, top=top)
 
@@ -142,7 +145,8 @@ def diff(
     a: int, b: int, store: Store, exact: bool, include_unchanged: bool, top: int | None, fmt: str
 ) -> None:
     """Which tensors, and how many elements, differ between versions A and B."""
-    from dcr_format.tools import diff as diff_versions
+    with command_imports():
+        from dcr_format.tools import diff as diff_versions
 
     report = diff_versions(
         store, a, b, exact=exact, include_unchanged=include_unchanged, progress=True
@@ -191,7 +195,8 @@ def replay(
     version: int, store: Store, out: str, cache_dir: str | None, no_cache: bool, fmt: str
 ) -> None:
     """Materialise VERSION as a Hugging Face checkpoint directory, every tensor verified."""
-    from dcr_format.tools import replay as replay_version
+    with command_imports():
+        from dcr_format.tools import replay as replay_version
 
     cache = None if no_cache else (cache_dir or default_cache())
     result = replay_version(store, version, out, cache_dir=cache, progress=True)
@@ -223,7 +228,8 @@ def replay(
 @FORMAT_OPTION
 def plot(store: Store, out: str, since: int | None, limit: int | None, dpi: int, fmt: str) -> None:
     """Bytes and change rate per version, and change rate by layer (needs matplotlib)."""
-    from dcr_format.tools import plot as draw
+    with command_imports():
+        from dcr_format.tools import plot as draw
 
     versions_in_chain(store, **{"--since": since})
     data = draw(store, out, since=since, limit=limit, dpi=dpi)

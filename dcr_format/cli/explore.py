@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from dcr_format.cli.main import command_imports
 from dcr_format.cli.output import count, emit, human_bytes
 from dcr_format.cli.params import FORMAT_OPTION, SHOW_DEFAULTS, F, finite
 from dcr_format.cli.projection import (
@@ -149,8 +150,9 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
 
     Without --store the demo publishes into a temporary directory and removes it at the end.
     """
-    from dcr_format.cli.demo import run_demo
-    from dcr_format.tools._progress import Progress
+    with command_imports():
+        from dcr_format.cli.demo import run_demo
+        from dcr_format.tools._progress import Progress
 
     if store is not None:
         _refuse_a_chain(store)

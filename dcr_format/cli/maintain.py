@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from dcr_format.cli.main import command_imports
 from dcr_format.cli.output import count, emit, human_bytes, table
 from dcr_format.cli.params import (
     FORMAT_OPTION,
@@ -130,7 +131,8 @@ def _gc_notes(report: Any) -> None:
 @FORMAT_OPTION
 def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: str) -> None:
     """Check every object of the chain (exit status 1 if anything is broken)."""
-    from dcr_format.tools import verify as verify_chain
+    with command_imports():
+        from dcr_format.tools import verify as verify_chain
 
     if start is not None and end is not None and start > end:
         raise click.BadParameter(
@@ -176,7 +178,8 @@ def verify(store: Store, start: int | None, end: int | None, deep: bool, fmt: st
 @FORMAT_OPTION
 def compact(store: Store, at: int, shard_mb: int, fmt: str) -> None:
     """Write an alternative base of a version: late joiners start there (spec §14)."""
-    from dcr_format.tools import compact as compact_version
+    with command_imports():
+        from dcr_format.tools import compact as compact_version
 
     result = compact_version(store, at, shard_bytes=shard_mb << 20, progress=True)
 
@@ -238,7 +241,8 @@ def gc(
     fmt: str,
 ) -> None:
     """Delete uncommitted attempts and the versions before the kept range."""
-    from dcr_format.tools import gc as collect
+    with command_imports():
+        from dcr_format.tools import gc as collect
 
     report = collect(
         store,
@@ -268,7 +272,8 @@ def gc(
 @FORMAT_OPTION
 def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
     """Probe the store's capabilities and say which uses are safe (exit 1 if a probe failed)."""
-    from dcr_format.tools import doctor as probe
+    with command_imports():
+        from dcr_format.tools import doctor as probe
 
     report = probe(store, large_bytes=None if large_mb is None else large_mb << 20)
 

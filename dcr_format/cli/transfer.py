@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dcr_format.cli.main import command_imports
 from dcr_format.cli.output import count, emit, human_bytes, progress_bar
 from dcr_format.cli.params import (
     FEATURES_OPTION,
@@ -63,10 +64,11 @@ def publish(
     newest version, bit for bit and file for file, commits nothing (exit status 0) unless
     --allow-empty is given.
     """
-    from dcr_format.errors import UnchangedVersionError
-    from dcr_format.publish._files import directory_files
-    from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
-    from dcr_format.publish.writer import DeltaWriter
+    with command_imports():
+        from dcr_format.errors import UnchangedVersionError
+        from dcr_format.publish._files import directory_files
+        from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
+        from dcr_format.publish.writer import DeltaWriter
 
     _outside(store, ckpt_dir)
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
@@ -139,8 +141,9 @@ def _outside(store: Store, ckpt_dir: str) -> None:
 @FORMAT_OPTION
 def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
-    from dcr_format.targets.directory import SafetensorsDirTarget
-    from dcr_format.tools._replay import sync_with_progress
+    with command_imports():
+        from dcr_format.targets.directory import SafetensorsDirTarget
+        from dcr_format.tools._replay import sync_with_progress
 
     target = SafetensorsDirTarget(into, timeout=wait)
     result = sync_with_progress(store, target, version, what="pull")

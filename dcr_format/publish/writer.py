@@ -327,11 +327,12 @@ class DeltaWriter:
         try:
             listed = self._put_files(chosen)
             written = self._part.write(settled, attempt)
-            if not allow_empty:
-                self._refuse_unchanged(written, attempt, listed)
+            unchanged = not allow_empty and self._unchanged(written, listed)
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
+        if unchanged:
+            self._refuse_unchanged(written, attempt)
         encoded = clock()
         try:
             manifest = written.manifest
@@ -375,20 +376,24 @@ class DeltaWriter:
                 held.add(ref.sha256)
         return listed
 
-    def _refuse_unchanged(
-        self, written: Written, attempt: Attempt, listed: tuple[CheckpointFile, ...]
-    ) -> None:
-        """Raise :class:`UnchangedVersionError` (baseline reverted) where the written
-        version's tensors equal the newest version's, bit for bit, and its files are the
-        same."""
+    def _unchanged(self, written: Written, listed: tuple[CheckpointFile, ...]) -> bool:
+        """Whether the written version's tensors equal the newest version's, bit for bit,
+        and its files are the same."""
         if self._record is None or listed != self._files:
-            return
+            return False
         table = state_table([written.manifest])
-        if table_fingerprint(table) != self._record.record.state_fingerprint:
-            return
+        return table_fingerprint(table) == self._record.record.state_fingerprint
+
+    def _refuse_unchanged(self, written: Written, attempt: Attempt) -> None:
+        """Revert the baseline and raise :class:`UnchangedVersionError`. The attempt is
+        marked abandoned only where it uploaded a shard: with one writer rank (the only
+        kind that refuses an unchanged version) no other rank waits for the marker, and an
+        attempt that put no object leaves nothing in the store."""
         written.revert()
+        if written.manifest.shards:
+            self._abort(attempt.version, attempt.id)
         raise UnchangedVersionError(
-            f"the tensors equal version {self._record.record.version}'s bit for bit: version "
+            f"the tensors equal version {attempt.version - 1}'s bit for bit: version "
             f"{attempt.version} would change nothing, so nothing was committed (allow_empty "
             "commits it anyway)"
         )
