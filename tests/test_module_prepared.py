@@ -151,7 +151,7 @@ def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # t
     """Make the apply of a prepared version fail with ``message`` once its staged batch is
     written and ``count`` of its changes are followed; returns the names followed."""
     followed: list[str] = []
-    follow = apply_module._follow_rows
+    follow = apply_module._follow_staged
 
     def failing(sync, entry, *rest):  # type: ignore[no-untyped-def]
         if len(followed) == count:
@@ -159,7 +159,7 @@ def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # t
         followed.append(entry.name)
         return follow(sync, entry, *rest)
 
-    monkeypatch.setattr(apply_module, "_follow_rows", failing)
+    monkeypatch.setattr(apply_module, "_follow_staged", failing)
     return followed
 
 

@@ -100,7 +100,10 @@ class Placements:
         self.direct = direct
         self._resident = resident
         self._declared = self._resident is not None  # held names come from the plans
-        self._held: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        # by canonical name, the plan and canonical view the pause looks up for it (found
+        # from ``_held``, ``_plans`` and ``_views``; forgotten whenever one of them changes)
+        self._named: dict[str, tuple[LoaderPlan | None, torch.Tensor | None]] = {}
+        self._held = {}
         self._plans: dict[tuple[str, torch.dtype, tuple[int, ...]], LoaderPlan] = {}
         self._extents: dict[tuple[str, int], list[tuple[int, int, str, list[_Copy]]]] = {}
         self._scratch: torch.Tensor | None = None
@@ -109,6 +112,17 @@ class Placements:
         self._layout: dict[str, tuple[str, int]] | None = None
         self._by_key: dict[tuple[str, int], torch.Tensor] | None = None
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] = {}
+
+    @property
+    def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The canonical names the module holds, with their dtype and shape (as committed;
+        a transaction works on its own copy and sets it again on commit)."""
+        return self._held_names
+
+    @_held.setter
+    def _held(self, held: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self._held_names = held
+        self._named.clear()
 
     def _current_layout(self) -> dict[str, tuple[str, int]]:
         return {
@@ -138,6 +152,7 @@ class Placements:
             del self._plans[key]
         self._layout = layout
         self._views.clear()
+        self._named.clear()
         self._extents.clear()
         for plan in self._plans.values():  # the shared-storage index, without the stale names
             if plan.kind in ("xor", "overwrite"):
@@ -184,7 +199,8 @@ class Placements:
             plan = self._record(name, dtype, tuple(shape))
             self._plans[key] = plan
             if plan.kind in ("xor", "overwrite"):
-                self._check_shared(plan)
+                self._check_shared(plan)  # may make another name's plan overwrite
+            self._named.clear()
         return plan
 
     def _record(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
@@ -415,11 +431,30 @@ class Placements:
         return lanes_at(pos, val)
 
     def _plan_of(self, name: str) -> LoaderPlan | None:
+        """The plan of the tensor ``name`` the module holds (else of the one plan learned
+        for that name), or None."""
+        return self._lookup(name)[0]
+
+    def _view_of_name(self, name: str) -> torch.Tensor | None:
+        """The canonical view (:meth:`_canonical_view`) of ``name``'s ``xor`` plan, or
+        None."""
+        return self._lookup(name)[1]
+
+    def _lookup(self, name: str) -> tuple[LoaderPlan | None, torch.Tensor | None]:
+        """``name``'s plan and ``xor`` canonical view, kept until the held names, the plans
+        or the views change (each sync looks them up several times a tensor)."""
+        found = self._named.get(name)
+        if found is not None:
+            return found
         spec = self._held.get(name)
         if spec is not None:
-            return self._plans.get((name, *spec))
-        found = [p for p in self._plans.values() if p.name == name and p.kind != "absent"]
-        return found[0] if len(found) == 1 else None
+            plan = self._plans.get((name, *spec))
+        else:
+            named = [p for p in self._plans.values() if p.name == name and p.kind != "absent"]
+            plan = named[0] if len(named) == 1 else None
+        view = None if plan is None or plan.kind != "xor" else self._canonical_view(plan)
+        self._named[name] = found = (plan, view)
+        return found
 
     def held_storage(self) -> list[torch.Tensor]:
         """The module's parameters and buffers (a sync far behind keeps them once as its
