@@ -209,3 +209,41 @@ def test_put_matches_the_torch_reference(dtype, fault):
         want = flat.clone()
         want[positions] = bits
         assert torch.equal(results[0], want)
+
+
+def test_the_view_looked_up_by_name_follows_a_storage_moved_in_place(tmp_path):
+    """A sync looks each name's plan and canonical view up once and keeps them; a
+    parameter whose storage moves (``param.data = ...``) gets views of its new storage."""
+    writer, state, module, target, reader, _ = synced(tmp_path)
+    kept = target._view_of_name("q_proj.weight")
+    assert kept is not None and target._view_of_name("q_proj.weight") is kept
+    assert kept.untyped_storage().data_ptr() == module.qkv.untyped_storage().data_ptr()
+    old = module.qkv.data
+    module.qkv.data = old.clone()  # the same parameter, another storage
+    txn = target.begin()
+    view = txn.tensor("q_proj.weight")
+    txn.abort()
+    assert view is not None and view is not kept
+    assert view.untyped_storage().data_ptr() == module.qkv.untyped_storage().data_ptr()
+    before = old.clone()
+    for k in range(2):
+        state = step(state, k)
+        writer.publish(state)
+        reader.apply(reader.prepare())
+        assert_module(module, state)
+    assert torch.equal(old, before)  # nothing written into the storage let go of
+
+
+def test_the_plan_looked_up_by_name_follows_the_plans_learned_and_the_names_held():
+    module = nn.Linear(4, 4, bias=False)  # one float32 weight, loaded by load_state_dict
+    target = ModuleTarget(module)
+    exact = target.plan("weight", torch.float32, (4, 4))
+    assert exact.kind == "xor" and target._plan_of("weight") is exact
+    assert target._view_of_name("weight") is not None
+    cast = target.plan("weight", torch.bfloat16, (4, 4))  # the loader casts: another plan
+    assert cast.kind == "overwrite"
+    assert target._plan_of("weight") is None  # two plans and none held: no single one
+    target._held = {"weight": (torch.bfloat16, (4, 4))}
+    assert target._plan_of("weight") is cast and target._view_of_name("weight") is None
+    target._held = {"weight": (torch.float32, (4, 4))}
+    assert target._plan_of("weight") is exact and target._view_of_name("weight") is not None
