@@ -191,6 +191,11 @@ class Placements:
 
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""
+        named = self._named.get(name)  # the plan looked up by name, where it is this one
+        if named is not None:
+            plan = named[0]
+            if plan is not None and plan.dtype == dtype and plan.shape == shape:
+                return plan
         key = (name, dtype, tuple(shape))
         plan = self._plans.get(key)
         if plan is None:
