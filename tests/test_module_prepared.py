@@ -247,3 +247,26 @@ def test_the_plan_looked_up_by_name_follows_the_plans_learned_and_the_names_held
     assert target._plan_of("weight") is cast and target._view_of_name("weight") is None
     target._held = {"weight": (torch.float32, (4, 4))}
     assert target._plan_of("weight") is exact and target._view_of_name("weight") is not None
+
+
+def test_the_layout_checked_names_every_parameter_and_buffer_as_torch_does():
+    """The layout a sync checks (one walk of the submodules) is ``named_parameters`` and
+    ``named_buffers`` with duplicates kept: shared submodules and tied weights under each
+    name, unset entries left out."""
+    from dcr_format.targets.module_trace import _key
+
+    module = nn.Module()
+    module.a = nn.Linear(3, 3)
+    module.b = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    module.again = module.b  # one submodule under two names
+    module.tied = module.a.weight
+    module.register_buffer("kept", torch.zeros(2))
+    module.register_buffer("unset", None)
+    module.register_parameter("missing", None)
+    named = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    layout = ModuleTarget(module)._current_layout()
+    assert layout == {name: _key(tensor) for name, tensor in named}
+    assert "again.1.running_mean" in layout and "tied" in layout

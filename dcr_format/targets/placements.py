@@ -125,13 +125,17 @@ class Placements:
         self._named.clear()
 
     def _current_layout(self) -> dict[str, tuple[str, int]]:
-        return {
-            n: _key(t)
-            for n, t in [
-                *self.module.named_parameters(remove_duplicate=False),
-                *self.module.named_buffers(remove_duplicate=False),
-            ]
-        }
+        """Where each parameter and buffer lives, by its name in the module (the names
+        ``named_parameters``/``named_buffers`` give, duplicates kept; one walk of the
+        submodules for both)."""
+        layout = {}
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
+            dot = prefix + "." if prefix else ""
+            for members in (module._parameters, module._buffers):
+                for name, tensor in members.items():
+                    if tensor is not None:
+                        layout[dot + name] = _key(tensor)
+        return layout
 
     def _check_layout(self) -> None:
         """Learn the placements again of the names placed in a parameter or buffer whose
