@@ -151,7 +151,7 @@ def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # t
     """Make the apply of a prepared version fail with ``message`` once its staged batch is
     written and ``count`` of its changes are followed; returns the names followed."""
     followed: list[str] = []
-    follow = apply_module._follow_rows
+    follow = apply_module._follow_staged
 
     def failing(sync, entry, *rest):  # type: ignore[no-untyped-def]
         if len(followed) == count:
@@ -159,7 +159,7 @@ def fail_after_writing(monkeypatch, count: int, message: str) -> list[str]:  # t
         followed.append(entry.name)
         return follow(sync, entry, *rest)
 
-    monkeypatch.setattr(apply_module, "_follow_rows", failing)
+    monkeypatch.setattr(apply_module, "_follow_staged", failing)
     return followed
 
 
@@ -209,3 +209,64 @@ def test_put_matches_the_torch_reference(dtype, fault):
         want = flat.clone()
         want[positions] = bits
         assert torch.equal(results[0], want)
+
+
+def test_the_view_looked_up_by_name_follows_a_storage_moved_in_place(tmp_path):
+    """A sync looks each name's plan and canonical view up once and keeps them; a
+    parameter whose storage moves (``param.data = ...``) gets views of its new storage."""
+    writer, state, module, target, reader, _ = synced(tmp_path)
+    kept = target._view_of_name("q_proj.weight")
+    assert kept is not None and target._view_of_name("q_proj.weight") is kept
+    assert kept.untyped_storage().data_ptr() == module.qkv.untyped_storage().data_ptr()
+    old = module.qkv.data
+    module.qkv.data = old.clone()  # the same parameter, another storage
+    txn = target.begin()
+    view = txn.tensor("q_proj.weight")
+    txn.abort()
+    assert view is not None and view is not kept
+    assert view.untyped_storage().data_ptr() == module.qkv.untyped_storage().data_ptr()
+    before = old.clone()
+    for k in range(2):
+        state = step(state, k)
+        writer.publish(state)
+        reader.apply(reader.prepare())
+        assert_module(module, state)
+    assert torch.equal(old, before)  # nothing written into the storage let go of
+
+
+def test_the_plan_looked_up_by_name_follows_the_plans_learned_and_the_names_held():
+    module = nn.Linear(4, 4, bias=False)  # one float32 weight, loaded by load_state_dict
+    target = ModuleTarget(module)
+    exact = target.plan("weight", torch.float32, (4, 4))
+    assert exact.kind == "xor" and target._plan_of("weight") is exact
+    assert target._view_of_name("weight") is not None
+    cast = target.plan("weight", torch.bfloat16, (4, 4))  # the loader casts: another plan
+    assert cast.kind == "overwrite"
+    assert target._plan_of("weight") is None  # two plans and none held: no single one
+    target._held = {"weight": (torch.bfloat16, (4, 4))}
+    assert target._plan_of("weight") is cast and target._view_of_name("weight") is None
+    target._held = {"weight": (torch.float32, (4, 4))}
+    assert target._plan_of("weight") is exact and target._view_of_name("weight") is not None
+
+
+def test_the_layout_checked_names_every_parameter_and_buffer_as_torch_does():
+    """The layout a sync checks (one walk of the submodules) is ``named_parameters`` and
+    ``named_buffers`` with duplicates kept: shared submodules and tied weights under each
+    name, unset entries left out."""
+    from dcr_format.targets.module_trace import _key
+
+    module = nn.Module()
+    module.a = nn.Linear(3, 3)
+    module.b = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    module.again = module.b  # one submodule under two names
+    module.tied = module.a.weight
+    module.register_buffer("kept", torch.zeros(2))
+    module.register_buffer("unset", None)
+    module.register_parameter("missing", None)
+    named = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    layout = ModuleTarget(module)._current_layout()
+    assert layout == {name: _key(tensor) for name, tensor in named}
+    assert "again.1.running_mean" in layout and "tied" in layout

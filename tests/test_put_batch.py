@@ -4,6 +4,7 @@ range, and the reader's use of it (one launch, rolled back whole, verified as be
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
@@ -201,3 +202,35 @@ def test_exponent_rows_a_staged_change_leaves_are_worked_out_when_staging(synced
             assert np.array_equal(
                 rows, exponent_rows(bits_to_numpy(bits_view(tensors[name])), dtype)
             )
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_batch_of_few_positions_is_written_on_one_thread(small, monkeypatch):
+    """Below :data:`SERIAL_PUT` positions a batch is written by the serial kernels (no
+    parallel region to start), at or above it by the parallel ones; the same bits either
+    way, and its undo puts back the same."""
+    from dcr_format.delta import staged as staged_module
+
+    gen = torch.Generator().manual_seed(8)
+    sizes = [300, 7, 1000, 64]
+    positions, starts = _segments(sizes, gen, 0.3)
+    changes = []
+    for lo, hi in itertools.pairwise(starts):
+        at = positions[lo:hi]
+        bits = torch.randint(-100, 100, (at.numel(),), generator=gen).to(torch.int16)
+        changes.append(staged_module.StagedChange(at, bits, bits ^ 5, (0, 0)))
+    batch, _ = staged_module.batch_staged(changes)
+    count = batch.positions.numel()
+    monkeypatch.setattr(staged_module, "SERIAL_PUT", count + 1 if small else count)
+    serial: list[int] = []
+    real = staged_module.serial_kernels
+    monkeypatch.setattr(staged_module, "serial_kernels", lambda: serial.append(1) or real())
+    tensors, buffer = _tensors(torch.bfloat16, sizes, torch.Generator().manual_seed(9))
+    original = buffer.clone()
+    replaced = staged_module.put_batch(tensors, batch)
+    assert len(serial) == (1 if small else 0)
+    reference, again = _tensors(torch.bfloat16, sizes, torch.Generator().manual_seed(9))
+    Backend().put_segments(reference, batch.positions, batch.after, batch.starts)
+    assert torch.equal(_raw(buffer), _raw(again))
+    staged_module.unput_batch(tensors, batch, replaced)
+    assert torch.equal(_raw(buffer), _raw(original))

@@ -7,6 +7,7 @@ change of one bit width end to end and written in one pass (:func:`put_batch`,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 
 from dcr_format.delta.backends import backend_for
 from dcr_format.format.dtypes import bits_view
+from dcr_format.kernels.native import serial_kernels
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,10 @@ def put_batch(targets: Sequence[torch.Tensor], batch: StagedBatch) -> torch.Tens
     which :func:`unput_batch` puts back. Every position is checked to lie in its tensor
     before anything is written (:class:`IndexError` otherwise, nothing changed)."""
     backend = backend_for(batch.positions)
-    replaced = backend.put_segments(targets, batch.positions, batch.after, batch.starts, keep=True)
+    with _serial_below(batch):
+        replaced = backend.put_segments(
+            targets, batch.positions, batch.after, batch.starts, keep=True
+        )
     assert replaced is not None
     return replaced
 
@@ -91,7 +96,22 @@ def unput_batch(
     targets: Sequence[torch.Tensor], batch: StagedBatch, replaced: torch.Tensor
 ) -> None:
     """Put back the bits :func:`put_batch` replaced (its undo)."""
-    backend_for(batch.positions).put_segments(targets, batch.positions, replaced, batch.starts)
+    with _serial_below(batch):
+        backend_for(batch.positions).put_segments(targets, batch.positions, replaced, batch.starts)
+
+
+SERIAL_PUT = 1 << 16
+"""Fewer changed elements in a batch than this are written on the calling thread alone: a
+parallel region costs more to start than their write (about 0.2 ms on an idle 2-core host,
+and milliseconds where its threads wait for a busy host's cores), which at this size is
+well under a millisecond on one thread."""
+
+
+def _serial_below(batch: StagedBatch) -> contextlib.AbstractContextManager[None]:
+    """The serial kernels for a batch of fewer than :data:`SERIAL_PUT` positions."""
+    if batch.positions.numel() < SERIAL_PUT:
+        return serial_kernels()
+    return contextlib.nullcontext()
 
 
 __all__ = [

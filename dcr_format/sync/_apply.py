@@ -237,29 +237,22 @@ class Applying(Auditing):
         takes the write; returns the names written (the rest are applied one by one)."""
         staged = sync.prepared._staged
         pending = {
-            e.name: (e, d)
-            for e, d in step.changes
+            e.name: e
+            for e, _ in step.changes
             if e.op != FULL and e.changed and e.name not in sync.applied
         }
         batches = {id(s.batch): s for s in staged.values() if s.batch is not None}
         done: set[str] = set()
         for first in batches.values():
-            if not all(name in pending for name in first.names):
+            names = first.names
+            if not all(name in pending for name in names):
                 continue
-            changes = []
-            for name in first.names:
-                entry, delta = pending[name]
-                info = info_for(entry.dtype)
-                changes.append(
-                    (Change(name, info.torch_dtype, tuple(entry.shape), delta), staged[name])
-                )
-            written = sync.txn.put_batch(changes)
-            if written is None:
+            ones = [staged[name] for name in names]
+            if not sync.txn.put_batch(names, ones):
                 continue
-            for name, applied in zip(first.names, written, strict=True):
-                one = staged[name]
-                self._follow(sync, pending[name][0], applied, one.lanes, one.rows_after)
-                done.add(name)
+            for name, one in zip(names, ones, strict=True):
+                _follow_staged(sync, pending[name], one)
+            done.update(names)
         return done
 
     def _change_entry(
@@ -666,6 +659,26 @@ def _follow_rows(
             info_for(entry.dtype).torch_dtype,
         )
     sync.rows[entry.name] = (entry.fingerprint, ready)
+
+
+def _follow_staged(sync: ApplyState, entry: Entry, staged: Staged) -> None:
+    """:meth:`Applying._follow` of a change written as it was staged (its positions, bits
+    and lane deltas are those read then; its exponent rows after, and its lanes before
+    and after, were worked out then from the same bits)."""
+    name = entry.name
+    if staged.rows_after is None:  # what _follow_rows finds it cannot follow
+        sync.rows.pop(name, None)
+    else:
+        sync.rows[name] = (entry.fingerprint, staged.rows_after)
+    before = sync.lanes.get(name)
+    ready = staged.lanes
+    if ready is not None and before is not None and before == ready[0]:
+        sync.lanes[name] = ready[1]
+    elif before is None:
+        sync.lanes[name] = None
+    else:
+        sync.lanes[name] = apply_lane_deltas(before, staged.bits.lane_deltas)
+    sync.touched.add(name)
 
 
 def _lanes_after(before: tuple[int, ...] | None, applied: Applied) -> tuple[int, ...] | None:

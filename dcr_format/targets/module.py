@@ -192,8 +192,7 @@ class ModuleTarget(Placements, Target):
         for name in names:
             if name not in self._held and not self._declared:
                 continue  # not held: the sync writes it through apply (a new name)
-            plan = self._plan_of(name)
-            view = None if plan is None or plan.kind != "xor" else self._canonical_view(plan)
+            view = self._view_of_name(name)
             if view is not None:
                 views[name] = view
         return views

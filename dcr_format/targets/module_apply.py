@@ -51,10 +51,7 @@ class _ModuleTransaction(Transaction):
     def _old_bits(self, name: str) -> torch.Tensor | None:
         """:meth:`tensor`'s view whether or not the target writes through it (``direct``):
         the bits a change coded against the old bits is completed against."""
-        plan = self.target._plan_of(name)
-        if plan is None or plan.kind != "xor":
-            return None
-        return self.target._canonical_view(plan)
+        return self.target._view_of_name(name)
 
     def resolved(self, change: Change) -> Change:
         """As :meth:`Transaction.resolved`, against the canonical view of the name (read
@@ -96,14 +93,16 @@ class _ModuleTransaction(Transaction):
         return spec
 
     def prepare(self, changes: Sequence[Change]) -> None:
+        target = self.target
         for change in changes:
-            if change.delta.op == FULL:
+            delta = change.delta
+            if delta.op == FULL:
                 continue
-            if change.delta.positions is not None and change.delta.positions.numel() == 0:
+            if delta.positions is not None and delta.positions.numel() == 0:
                 continue
-            if change.delta.needs_target and self._old_bits(change.name) is None:
+            if delta.needs_target and target._view_of_name(change.name) is None:
                 raise baseline_coding_error(change.name)  # no canonical old bits to read
-            plan = self.target.plan(change.name, change.dtype, change.shape)
+            plan = target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":
                 raise TargetError(
                     f"tensor {change.name!r} reaches this module only through {plan.reason}; "
@@ -125,8 +124,9 @@ class _ModuleTransaction(Transaction):
     ) -> dict[str, tuple[int, ...] | None]:
         out: dict[str, tuple[int, ...] | None] = {}
         partial: dict[str, tuple[int, ...]] = {}
+        plan_of = self.target._plan_of
         for name, values in lanes.items():
-            plan = self.target._plan_of(name)
+            plan = plan_of(name)
             if plan is not None and plan.whole:
                 out[name] = values
             else:

@@ -82,7 +82,9 @@ def _preimage(
 
 
 def _key(t: torch.Tensor) -> tuple[str, int]:
-    return (t.device.type, t.untyped_storage().data_ptr())
+    """Where a tensor's storage lives: its device type and the storage's address."""
+    # ``is_cpu`` first: ``t.device`` makes a new object (a sync keys every parameter)
+    return ("cpu" if t.is_cpu else t.device.type, t.untyped_storage().data_ptr())
 
 
 def _tensors(value: Any) -> Iterable[torch.Tensor]:

@@ -100,7 +100,10 @@ class Placements:
         self.direct = direct
         self._resident = resident
         self._declared = self._resident is not None  # held names come from the plans
-        self._held: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        # by canonical name, the plan and canonical view the pause looks up for it (found
+        # from ``_held``, ``_plans`` and ``_views``; forgotten whenever one of them changes)
+        self._named: dict[str, tuple[LoaderPlan | None, torch.Tensor | None]] = {}
+        self._held = {}
         self._plans: dict[tuple[str, torch.dtype, tuple[int, ...]], LoaderPlan] = {}
         self._extents: dict[tuple[str, int], list[tuple[int, int, str, list[_Copy]]]] = {}
         self._scratch: torch.Tensor | None = None
@@ -110,14 +113,29 @@ class Placements:
         self._by_key: dict[tuple[str, int], torch.Tensor] | None = None
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] = {}
 
+    @property
+    def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The canonical names the module holds, with their dtype and shape (as committed;
+        a transaction works on its own copy and sets it again on commit)."""
+        return self._held_names
+
+    @_held.setter
+    def _held(self, held: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        self._held_names = held
+        self._named.clear()
+
     def _current_layout(self) -> dict[str, tuple[str, int]]:
-        return {
-            n: _key(t)
-            for n, t in [
-                *self.module.named_parameters(remove_duplicate=False),
-                *self.module.named_buffers(remove_duplicate=False),
-            ]
-        }
+        """Where each parameter and buffer lives, by its name in the module (the names
+        ``named_parameters``/``named_buffers`` give, duplicates kept; one walk of the
+        submodules for both)."""
+        layout = {}
+        for prefix, module in self.module.named_modules(remove_duplicate=False):
+            dot = prefix + "." if prefix else ""
+            for members in (module._parameters, module._buffers):
+                for name, tensor in members.items():
+                    if tensor is not None:
+                        layout[dot + name] = _key(tensor)
+        return layout
 
     def _check_layout(self) -> None:
         """Learn the placements again of the names placed in a parameter or buffer whose
@@ -138,6 +156,7 @@ class Placements:
             del self._plans[key]
         self._layout = layout
         self._views.clear()
+        self._named.clear()
         self._extents.clear()
         for plan in self._plans.values():  # the shared-storage index, without the stale names
             if plan.kind in ("xor", "overwrite"):
@@ -176,6 +195,11 @@ class Placements:
 
     def plan(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
         """How the loader takes canonical tensor ``name`` (cached; one recording run)."""
+        named = self._named.get(name)  # the plan looked up by name, where it is this one
+        if named is not None:
+            plan = named[0]
+            if plan is not None and plan.dtype == dtype and plan.shape == shape:
+                return plan
         key = (name, dtype, tuple(shape))
         plan = self._plans.get(key)
         if plan is None:
@@ -184,7 +208,8 @@ class Placements:
             plan = self._record(name, dtype, tuple(shape))
             self._plans[key] = plan
             if plan.kind in ("xor", "overwrite"):
-                self._check_shared(plan)
+                self._check_shared(plan)  # may make another name's plan overwrite
+            self._named.clear()
         return plan
 
     def _record(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> LoaderPlan:
@@ -415,11 +440,30 @@ class Placements:
         return lanes_at(pos, val)
 
     def _plan_of(self, name: str) -> LoaderPlan | None:
+        """The plan of the tensor ``name`` the module holds (else of the one plan learned
+        for that name), or None."""
+        return self._lookup(name)[0]
+
+    def _view_of_name(self, name: str) -> torch.Tensor | None:
+        """The canonical view (:meth:`_canonical_view`) of ``name``'s ``xor`` plan, or
+        None."""
+        return self._lookup(name)[1]
+
+    def _lookup(self, name: str) -> tuple[LoaderPlan | None, torch.Tensor | None]:
+        """``name``'s plan and ``xor`` canonical view, kept until the held names, the plans
+        or the views change (each sync looks them up several times a tensor)."""
+        found = self._named.get(name)
+        if found is not None:
+            return found
         spec = self._held.get(name)
         if spec is not None:
-            return self._plans.get((name, *spec))
-        found = [p for p in self._plans.values() if p.name == name and p.kind != "absent"]
-        return found[0] if len(found) == 1 else None
+            plan = self._plans.get((name, *spec))
+        else:
+            named = [p for p in self._plans.values() if p.name == name and p.kind != "absent"]
+            plan = named[0] if len(named) == 1 else None
+        view = None if plan is None or plan.kind != "xor" else self._canonical_view(plan)
+        self._named[name] = found = (plan, view)
+        return found
 
     def held_storage(self) -> list[torch.Tensor]:
         """The module's parameters and buffers (a sync far behind keeps them once as its

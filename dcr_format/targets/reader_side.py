@@ -222,21 +222,24 @@ class ReaderTransaction(ABC):
             return None
         return tensor
 
-    def put_batch(self, changes: Sequence[tuple[Change, Staged]]) -> list[Applied] | None:
-        """:meth:`change` of every change of one batch staged together (``changes``: each
-        with what was staged for it, in the batch's order), written in one pass and undone
-        as one; None (nothing written) where any of them would not take :meth:`put`, or
-        where the changes are not exactly the batch's: :meth:`change` each instead."""
-        if not changes or self.__dict__.get("_whole_undo") is not None:
-            return None
-        batch = changes[0][1].batch
-        if batch is None or changes[0][1].names != tuple(c.name for c, _ in changes):
-            return None
+    def put_batch(self, names: Sequence[str], staged: Sequence[Staged]) -> bool:
+        """:meth:`change` of every change of one batch staged together (``names``, each
+        with what was staged for it in ``staged``, in the batch's order; none of them a
+        ``full`` write), written in one pass and undone as one. False (nothing written)
+        where any of them would not take :meth:`put`, or where the changes are not exactly
+        the batch's: :meth:`change` each instead. What each change did is what was staged
+        for it (:class:`Staged`: its positions, bits before and after, lane deltas)."""
+        if not staged or self.__dict__.get("_whole_undo") is not None:
+            return False
+        batch = staged[0].batch
+        if batch is None or staged[0].names != tuple(names):
+            return False
         tensors = []
-        for change, staged in changes:
-            tensor = self._puts(change, staged)
-            if tensor is None or staged.batch is not batch:
-                return None
+        tensor_of = self.tensor
+        for name, one in zip(names, staged, strict=True):
+            tensor = tensor_of(name)
+            if tensor is None or tensor is not one.tensor or one.batch is not batch:
+                return False
             tensors.append(tensor)
         # the write is whole or nothing (put_batch); its undo is journalled before it
         replaced: list[torch.Tensor] = []
@@ -247,7 +250,7 @@ class ReaderTransaction(ABC):
 
         self._journal().append(undo)
         replaced.append(put_batch(tensors, batch))
-        return [_staged_applied(_nothing, staged) for _, staged in changes]
+        return True
 
     def resolved(self, change: Change) -> Change:
         """``change`` completed against the tensor it lands in where the writer coded it
