@@ -88,7 +88,7 @@ def test_publish_updates_the_engines_and_records_both_times(tmp_path):
 
 from test_module_target import Runtime, checkpoint, step  # noqa: E402
 
-from dcr_format.errors import BaselineMismatchError  # noqa: E402
+from dcr_format.errors import BaselineMismatchError, VersionNotFoundError  # noqa: E402
 from dcr_format.integrations.vllm import DcrUpdateInfo, _Syncer  # noqa: E402
 
 
@@ -129,3 +129,41 @@ def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
     assert "restart the engine on a `dcr replay`" in str(caught.value)
     assert "fresh target" not in str(caught.value)
     assert syncer.version() == 0
+
+
+def test_an_update_holds_the_collector_off_while_it_runs(tmp_path):
+    """The engine is paused for the whole update: Python's cyclic collector (a full pass
+    walks the engine's heap) is held off while the reader prepares and applies, and is on
+    again after, after a refusal too; where the engine had it off, it stays off."""
+    import gc
+
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    module.load_weights(state.items())
+    info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
+    syncer = _Syncer(module, info, model_dir=None)
+    writer.publish(step(state, 0))  # after the engine recorded the names it transforms
+    seen: list[bool] = []
+    apply = syncer.reader.apply
+
+    def watched(prepared, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(gc.isenabled())
+        return apply(prepared, **kwargs)
+
+    syncer.reader.apply = watched  # type: ignore[method-assign]
+    assert gc.isenabled()
+    assert syncer.update(DcrUpdateInfo()).version == 1
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(VersionNotFoundError):
+        syncer.update(DcrUpdateInfo(version=7))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        writer.publish(step(step(state, 0), 1))
+        assert syncer.update(DcrUpdateInfo()).version == 2
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()

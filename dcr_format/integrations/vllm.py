@@ -27,6 +27,7 @@ its ``dcr-state.json`` names the version the engine holds. docs/vllm.md has the 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import threading
@@ -349,7 +350,7 @@ class _Syncer:
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
             prefetched = prepared is not None and prepared.version == goal
-            with _for_engine():
+            with _for_engine(), _collector_held():
                 if not prefetched:
                     prepared = self.reader.prepare(goal)
                 try:
@@ -397,6 +398,22 @@ _ENGINE_REMEDY = (
     "restart the engine on a `dcr replay` of the version it should hold (or initialise "
     "it with init_info 'version' set to the version its checkpoint holds)"
 )
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's cyclic collector held off for the block, where it was on: the engine is
+    paused, and a collection falling there walks the whole engine's heap (a full pass over
+    a large process takes tens to hundreds of milliseconds); what the block leaves is
+    collected as usual after it."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @contextlib.contextmanager
