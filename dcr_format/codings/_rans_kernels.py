@@ -105,9 +105,9 @@ def _quantized(
 
 @njit(cache=True, nogil=True)
 def _ascending(order: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
-    """The argsort of ``order[:n]`` (distinct values below 2**28, ``n`` at most 2**28) as
-    a sort of uint64 keys (the value, then the index): numba then compiles one sort for
-    the whole module, where an argsort compiles two more."""
+    """The stable argsort of ``order[:n]`` (values from 0 to below 2**28, ``n`` at most
+    2**28; ties by index) as a sort of uint64 keys (the value, then the index): numba then
+    compiles one sort for the whole module, where an argsort compiles two more."""
     keys = np.empty(n, dtype=np.uint64)
     for j in range(n):
         keys[j] = (np.uint64(order[j]) << _S28) | np.uint64(j)
@@ -684,13 +684,9 @@ def choose(
     precision and the estimate. ``values`` must not be empty."""
     distinct, counts = _distinct(values, width)
     # most frequent first, ties by value (the distinct values increase with their index):
-    # one sort of keys (count left out of the total, index), as every sort here is of
-    # uint64, so that numba compiles one sort (an argsort compiles two more); at most 2**28
-    # values (:data:`dcr_format.codings.rans.MAX_VALUES`), so each part fits 28-29 bits
-    keys = np.empty(distinct.size, dtype=np.uint64)
-    for j in range(distinct.size):
-        keys[j] = (np.uint64(values.size - counts[j]) << _S28) | np.uint64(j)
-    order = (np.sort(keys)[:max_table] & _MASK28).astype(np.int64)
+    # by what each count leaves of the total, below 2**28
+    # (:data:`dcr_format.codings.rans.MAX_VALUES`)
+    order = _ascending(values.size - counts, distinct.size)[:max_table]
     distinct, counts = distinct[order], counts[order]
     n = distinct.size
     total = values.size

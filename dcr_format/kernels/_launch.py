@@ -122,21 +122,29 @@ class Kernel(NamedTuple):
     serial: Any
 
 
+def renamed(function: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """A copy of the Python function ``function`` under its name with ``suffix`` added:
+    numba's on-disk cache files a function's machine code by its name, not by how it was
+    compiled, so a second compiled form of one body needs a name of its own."""
+    copy = types.FunctionType(
+        function.__code__,
+        function.__globals__,
+        f"{function.__name__}{suffix}",
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__qualname__ = f"{function.__qualname__}{suffix}"
+    copy.__doc__ = function.__doc__
+    return copy
+
+
 def parallel_kernel(function: Callable[..., Any]) -> Kernel:
     """``function``, whose loop over its tasks is a ``prange``, compiled twice: with
     ``njit(cache=True, nogil=True, parallel=True)``, and serially as the module docstring
     says. The serial form is a copy of the function under its own name (``<name>_serial``):
     numba's on-disk cache files a function's machine code by its name, not by how it was
     compiled, so the two forms must not share one."""
-    serial = types.FunctionType(
-        function.__code__,
-        function.__globals__,
-        f"{function.__name__}_serial",
-        function.__defaults__,
-        function.__closure__,
-    )
-    serial.__qualname__ = f"{function.__qualname__}_serial"
-    serial.__doc__ = function.__doc__
+    serial = renamed(function, "_serial")
     return Kernel(
         parallel=_NUMBA.njit(cache=True, nogil=True, parallel=True)(function),
         serial=_NUMBA.njit(  # numba's stubs type ``parallel`` as a bool only
@@ -183,4 +191,12 @@ def _launch(kernel: Kernel, tasks: int, *args: Any, serial: bool = False) -> Non
             kernel.parallel(*args)
 
 
-__all__ = ["Kernel", "_Launches", "_launch", "kernel_threads", "parallel_kernel", "serial_kernels"]
+__all__ = [
+    "Kernel",
+    "_Launches",
+    "_launch",
+    "kernel_threads",
+    "parallel_kernel",
+    "renamed",
+    "serial_kernels",
+]

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import mmap
 import threading
-import types
 from typing import Any, NamedTuple
 
 import numpy as np
 from numba import njit, prange
 from numba.np.numpy_support import carray  # numba.carray, which its stubs do not export
 
-from dcr_format.kernels._launch import _launch, parallel_kernel
+from dcr_format.kernels._launch import _launch, parallel_kernel, renamed
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
 from dcr_format.kernels._native_bits import pointer_to, prefetch_write
 
@@ -303,19 +302,10 @@ def _take(old, new, t, p, k, pos_out, new_out, xor_out, lanes, table, advance, a
     return acc
 
 
-def _renamed(function: Any, name: str) -> Any:
-    """A copy of a compiled function's Python body under another name (numba's on-disk
-    cache files machine code by name, so a second compiled form needs its own)."""
-    body = function.py_func
-    copy = types.FunctionType(body.__code__, body.__globals__, name)
-    copy.__qualname__ = name
-    return copy
-
-
 # _take called rather than inlined: a task's last partial group (at most 63 elements)
 # takes its changes through it, so that the task body holds one inlined copy (two made
 # the fused diff's first compile about a third longer)
-_take_called = njit(cache=True)(_renamed(_take, "_take_called"))
+_take_called = njit(cache=True)(renamed(_take.py_func, "_called"))
 
 
 @njit(cache=True, inline="always")
