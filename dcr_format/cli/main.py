@@ -11,7 +11,6 @@ neither torch nor pydantic.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import os
 import sys
@@ -22,6 +21,7 @@ import click
 
 from dcr_format.cli.params import SHOW_DEFAULTS, one_line
 from dcr_format.errors import DcrError
+from dcr_format.system.collector import collector_off
 
 COMMAND_MODULES: dict[str, str] = {
     "publish": "transfer",
@@ -164,15 +164,11 @@ def command_imports() -> Iterator[None]:
     collects its own garbage as usual. Elsewhere (a caller invoking :data:`cli` in its own
     process) the block changes nothing.
     """
-    if not _Process.own or not gc.isenabled():
+    if not _Process.own:
         yield
         return
-    gc.disable()
-    try:
+    with collector_off(freeze=True):
         yield
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

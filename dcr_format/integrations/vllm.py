@@ -27,7 +27,6 @@ its ``dcr-state.json`` names the version the engine holds. docs/vllm.md has the 
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import threading
@@ -47,6 +46,7 @@ from dcr_format.errors import (
     VersionNotFoundError,
 )
 from dcr_format.integrations._vllm_clients import as_client, engine_message
+from dcr_format.system.collector import collector_off
 from dcr_format.targets.directory import DIR_STATE_FILE
 
 if TYPE_CHECKING:
@@ -350,7 +350,9 @@ class _Syncer:
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
             prefetched = prepared is not None and prepared.version == goal
-            with _for_engine(), _collector_held():
+            # the engine is paused: no collection walks its whole heap meanwhile (a full
+            # pass over a large process takes tens to hundreds of milliseconds)
+            with _for_engine(), collector_off():
                 if not prefetched:
                     prepared = self.reader.prepare(goal)
                 try:
@@ -398,22 +400,6 @@ _ENGINE_REMEDY = (
     "restart the engine on a `dcr replay` of the version it should hold (or initialise "
     "it with init_info 'version' set to the version its checkpoint holds)"
 )
-
-
-@contextlib.contextmanager
-def _collector_held() -> Iterator[None]:
-    """Python's cyclic collector held off for the block, where it was on: the engine is
-    paused, and a collection falling there walks the whole engine's heap (a full pass over
-    a large process takes tens to hundreds of milliseconds); what the block leaves is
-    collected as usual after it."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @contextlib.contextmanager
