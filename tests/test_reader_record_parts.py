@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_baseline_names import _Rank
 from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget, StateDictTarget
@@ -21,7 +22,6 @@ from dcr_format.errors import (
 from dcr_format.format.schema import MAX_READER_JSON_BYTES, ReaderRecord, parse
 from dcr_format.publish._commit import read_reader_records
 from dcr_format.store.store import Store, open_store
-from dcr_format.sync.group import ReaderGroup
 
 NAME_CHARS = 1000  # a record holds about a thousand names of this length
 SIZE = 64  # elements of each tensor
@@ -100,18 +100,6 @@ class _Casting(StateDictTarget):
 
     def overwrite_names(self) -> frozenset[str]:
         return self.overwrite
-
-
-class _Rank(ReaderGroup):
-    """A reader that is rank ``rank`` of a group, without torch.distributed."""
-
-    def __init__(self, rank: int) -> None:
-        super().__init__(None, solo=True)
-        self._rank = rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
 
 
 @pytest.mark.parametrize(("reader_id", "rank"), [("engine", 0), ("e" * 128, 0), ("e" * 128, 1)])

@@ -112,7 +112,9 @@ def test_an_engine_reports_the_version_it_verified_not_the_one_claimed(tmp_path)
     assert start().version() == 0
 
 
-def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
+def _recorded_engine(tmp_path):  # type: ignore[no-untyped-def]
+    """An engine at version 0, and version 1 published after the engine recorded the names
+    it transforms: (writer, version 0's state, module, syncer)."""
     store = str(tmp_path / "store")
     writer = DeltaWriter(store)
     state = checkpoint()
@@ -122,6 +124,11 @@ def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
     info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
     syncer = _Syncer(module, info, model_dir=None)
     writer.publish(step(state, 0))  # after the engine recorded the names it transforms
+    return writer, state, module, syncer
+
+
+def test_an_engine_refusal_says_what_to_do_on_an_engine(tmp_path):
+    _, _, module, syncer = _recorded_engine(tmp_path)
     with torch.no_grad():
         module.qkv[0, 0] += 1  # changed outside dcr where the next delta changes it
     with pytest.raises(BaselineMismatchError) as caught:
@@ -137,15 +144,7 @@ def test_an_update_holds_the_collector_off_while_it_runs(tmp_path):
     again after, after a refusal too; where the engine had it off, it stays off."""
     import gc
 
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    module = Runtime()
-    module.load_weights(state.items())
-    info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
-    syncer = _Syncer(module, info, model_dir=None)
-    writer.publish(step(state, 0))  # after the engine recorded the names it transforms
+    writer, state, _, syncer = _recorded_engine(tmp_path)
     seen: list[bool] = []
     apply = syncer.reader.apply
 
