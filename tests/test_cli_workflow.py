@@ -18,12 +18,12 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from conftest import make_state, step_state
+from conftest import assert_same_bits, make_state, step_state
 from safetensors.torch import save_file
 
 from dcr_format import DeltaWriter
 from dcr_format.cli.main import COMMAND_MODULES, cli
-from dcr_format.errors import GraceTooShortError
+from dcr_format.errors import ArgumentError, GraceTooShortError
 from dcr_format.tools import gc
 from dcr_format.tools._common import parse_duration
 
@@ -171,6 +171,7 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     assert Store(store).list() == listed  # a delta that uploads nothing leaves no marker
     as_base = _invoke("publish", ckpt, "--store", store, *cache, "--base-every", "1")
     assert as_base.stdout.startswith("unchanged:"), as_base.output
+    assert Store(store).list() == listed  # found before the base was uploaded in full
     forced = _invoke("publish", ckpt, "--store", store, *cache, "--allow-empty")
     assert "committed version 1" in forced.stdout, forced.output
     (tmp_path / "ckpt" / "config.json").write_text('{"changed": true}')  # a file alone is a change
@@ -185,6 +186,34 @@ def test_publishing_an_unchanged_checkpoint_commits_nothing(tmp_path: Path) -> N
     assert Store(store).list() == listed
     step_state(state, torch.Generator().manual_seed(3))
     assert writer.publish(state, allow_empty=False).version == 3
+
+
+def test_a_base_held_back_while_unchanged_publishes_every_tensor_once_it_differs(
+    tmp_path: Path,
+) -> None:
+    from dcr_format import DeltaReader, StateDictTarget, Store
+    from dcr_format.errors import UnchangedVersionError
+
+    store = Store(tmp_path / "store")
+    writer = DeltaWriter(store, base_every=1)
+    state = make_state(0)
+    writer.publish(state)
+    names = list(state)
+    with pytest.raises(UnchangedVersionError):  # streamed once: found after the last tensor
+        writer.publish(iter(list(state.items())), allow_empty=False)
+    with pytest.raises(ArgumentError, match="given twice"):  # held names are still checked
+        writer.publish([(names[0], state[names[0]])] * 2, allow_empty=False)
+    assert not any("/shard-" in k for k in store.list("objects/00000000000000000001/"))
+    changed = dict(state)
+    last = names[-1]  # every tensor before it is held back, then given from the baseline
+    changed[last] = state[last] + 1
+    assert writer.publish(iter(list(changed.items())), allow_empty=False).version == 1
+    fewer = {n: t for n, t in changed.items() if n != last}  # a base may drop a tensor
+    assert writer.publish(fewer, allow_empty=False).version == 2
+    for version, expected in ((1, changed), (2, fewer)):
+        target = StateDictTarget({})
+        DeltaReader(store, target).sync(version)
+        assert_same_bits(target.tensors, expected)
 
 
 def test_a_publish_that_fails_after_uploading_a_shard_marks_its_attempt(tmp_path: Path) -> None:

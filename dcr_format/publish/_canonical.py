@@ -65,6 +65,50 @@ def owner(name: str, world_size: int) -> int:
 _Item = tuple[str, torch.Tensor, "torch.Tensor | None"]  # name, new tensor, baseline
 
 
+class SameAsBaseline(Exception):
+    """Every tensor given to :func:`held_while_unchanged` equals the baseline bit for bit."""
+
+
+def held_while_unchanged(
+    tensors: Tensors, baseline: Mapping[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pairs of a base that may equal ``baseline``, found so before it is coded.
+
+    While every tensor so far equals its baseline bit for bit, each is held back by name.
+    At the first that does not, the held ones are given (as the baseline's own tensors,
+    which hold the same bits) before it, and the rest as they come: the publish goes on as
+    if given ``tensors``. Where the stream ends with every tensor held and exactly the
+    baseline's names given, :class:`SameAsBaseline` is raised, and nothing was coded or
+    uploaded. A base is every tensor in full, so finding it unchanged after writing it
+    would upload the whole checkpoint for nothing.
+    """
+    held: dict[str, None] = {}
+    stream = pairs(tensors)
+    for name, tensor in stream:
+        old = baseline.get(name)
+        if name not in held and old is not None and _same_bits(tensor, old):
+            held[name] = None
+            continue
+        yield from ((n, baseline[n]) for n in held)
+        yield name, tensor
+        yield from stream
+        return
+    if held.keys() == baseline.keys():
+        raise SameAsBaseline
+    yield from ((n, baseline[n]) for n in held)
+
+
+def _same_bits(tensor: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain tensor with ``old``'s dtype, shape, device and bits."""
+    return (
+        not is_dtensor(tensor)
+        and tensor.dtype == old.dtype
+        and tensor.shape == old.shape
+        and tensor.device == old.device
+        and torch.equal(bits_view(tensor.detach()), bits_view(old))
+    )
+
+
 @dataclass(frozen=True)
 class _Pending:
     """One tensor's change, held until the commit is known to exist."""

@@ -68,7 +68,7 @@ from dcr_format.format.schema import (
 )
 from dcr_format.format.shard import ZSTD_LEVEL
 from dcr_format.publish._cache import BaselineCache
-from dcr_format.publish._canonical import CanonicalPart
+from dcr_format.publish._canonical import CanonicalPart, SameAsBaseline, held_while_unchanged
 from dcr_format.publish._commit import (
     ReaderWishes,
     abort,
@@ -326,8 +326,18 @@ class DeltaWriter:
         started = clock()
         try:
             listed = self._put_files(chosen)
+            if (
+                not allow_empty
+                and attempt.base
+                and self._record is not None
+                and listed == self._files
+                and isinstance(self._part, CanonicalPart)
+            ):  # a base found unchanged before it is uploaded in full
+                settled = held_while_unchanged(settled, self._part.baseline)
             written = self._part.write(settled, attempt)
             unchanged = not allow_empty and self._unchanged(written, listed)
+        except SameAsBaseline:
+            raise self._unchanged_error(attempt.version) from None  # nothing was uploaded
         except BaseException:
             self._abort(attempt.version, attempt.id)  # no manifest of ours: it cannot commit
             raise
@@ -392,10 +402,13 @@ class DeltaWriter:
         written.revert()
         if written.manifest.shards:
             self._abort(attempt.version, attempt.id)
-        raise UnchangedVersionError(
-            f"the tensors equal version {attempt.version - 1}'s bit for bit: version "
-            f"{attempt.version} would change nothing, so nothing was committed (allow_empty "
-            "commits it anyway)"
+        raise self._unchanged_error(attempt.version)
+
+    @staticmethod
+    def _unchanged_error(version: int) -> UnchangedVersionError:
+        return UnchangedVersionError(
+            f"the tensors equal version {version - 1}'s bit for bit: version {version} "
+            "would change nothing, so nothing was committed (allow_empty commits it anyway)"
         )
 
     def _shard_limit(self) -> int:
