@@ -324,7 +324,7 @@ def _readers_table(report: Any) -> None:
             (r.reader_id, str(len(r.keys)), written, _age(r.age_seconds), str(r.overwrite), old,
              features, "skip" if r.problem else "honour")
         )  # fmt: skip
-    for column in (5, 6, 7):  # text columns read left-aligned (table right-aligns the rest)
+    for column in (5, 6):  # text columns read left-aligned (table right-aligns the rest)
         width = max(len(row[column]) for row in rows)
         rows = [(*r[:column], r[column].ljust(width), *r[column + 1 :]) for r in rows]
     table(rows[0], rows[1:])
