@@ -246,5 +246,6 @@ def test_readers_sharing_an_id_with_other_needs_are_told_their_record_was_replac
         casting.sync()
     message = str(replaced.value)
     assert "readers/rollout.json" in message and "give each its own reader_id" in message
+    assert _records(store)["rollout"].overwrite == ()  # left to the other: no tug of war
     want = torch.cat([states[1][n] for n in ("a.weight", "b.weight")]).bfloat16()
     assert torch.equal(module.flat.view(torch.int16), want.view(torch.int16))  # still 1

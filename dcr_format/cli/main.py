@@ -35,6 +35,7 @@ COMMAND_MODULES: dict[str, str] = {
     "compact": "maintain",
     "gc": "maintain",
     "doctor": "maintain",
+    "readers": "maintain",
     "project": "explore",
     "demo": "explore",
 }

@@ -1,4 +1,4 @@
-"""Operator tools: ``dcr verify``, ``compact``, ``gc`` and ``doctor``.
+"""Operator tools: ``dcr verify``, ``compact``, ``gc``, ``doctor`` and ``readers``.
 
 Each command imports what it needs when it runs: listing the commands stays quick.
 """
@@ -292,5 +292,106 @@ def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
         sys.exit(1)
 
 
-COMMANDS = (verify, compact, gc, doctor)
+def _optional_duration(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> timedelta | None:
+    return None if value is None else _duration(ctx, param, value)
+
+
+def _age(seconds: float | None) -> str:
+    """``90`` -> ``1m``, ``7200`` -> ``2h``, ``259200`` -> ``3d``; ``-`` where unknown."""
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if abs(seconds) >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _readers_table(report: Any) -> None:
+    """One row per reader: what its record asks of writers, and when it was written."""
+    if not report.readers:
+        click.echo(f"no reader records in {report.store}")
+        return
+    rows: list[tuple[str, ...]] = [
+        ("reader", "records", "written", "age", "overwrite", "old bits", "features", "writers")
+    ]
+    for r in report.readers:
+        written = "-" if r.written is None else r.written.strftime("%Y-%m-%d %H:%M:%S")
+        old = f"{r.baseline_names} listed" if r.reads_old_bits == "listed" else r.reads_old_bits
+        features = "lacks " + ",".join(r.lacks) if r.lacks else "every"
+        rows.append(
+            (r.reader_id, str(len(r.keys)), written, _age(r.age_seconds), str(r.overwrite), old,
+             features, "skip" if r.problem else "honour")
+        )  # fmt: skip
+    for column in (5, 6):  # text columns read left-aligned (table right-aligns the rest)
+        width = max(len(row[column]) for row in rows)
+        rows = [(*r[:column], r[column].ljust(width), *r[column + 1 :]) for r in rows]
+    table(rows[0], rows[1:])
+    live = sum(r.live for r in report.readers)
+    click.echo(
+        f"{count(len(report.readers), 'reader')}, {live} written within the hour (live); "
+        "times in UTC"
+    )
+    for r in report.readers:
+        if r.problem:
+            click.echo(f"writers skip {r.reader_id}: {r.problem}")
+
+
+def _removed_lines(result: Any) -> None:
+    """What was removed, and which of those readers are probably still running."""
+    verb = "would remove" if result.dry_run else "removed"
+    if not result.removed:
+        click.echo("no reader record to remove")
+    for r in result.removed:
+        click.echo(
+            f"{verb} reader {r.reader_id}: {', '.join(r.keys)} (written {_age(r.age_seconds)} ago)"
+        )
+    for reader_id in result.live:
+        click.echo(
+            f"note: {reader_id} wrote its record within the hour: that reader is live and "
+            "writes its record again within the hour (at once if a version arrives in a coding "
+            "it cannot take)"
+        )
+
+
+@click.command()
+@STORE_OPTION
+@click.option(
+    "--remove",
+    "remove",
+    multiple=True,
+    metavar="ID",
+    help="Delete the record of this reader, with its parts (repeat for more).",
+)
+@click.option(
+    "--remove-older-than",
+    "older_than",
+    default=None,
+    callback=_optional_duration,
+    metavar="DURATION",
+    help="Delete the records not written for longer (12h, 7d): a syncing reader writes its "
+    "record every hour.",
+)
+@click.option("--dry-run", is_flag=True, help="Print what would be removed and delete nothing.")
+@FORMAT_OPTION
+def readers(
+    store: Store, remove: tuple[str, ...], older_than: timedelta | None, dry_run: bool, fmt: str
+) -> None:
+    """List the reader records writers honour; remove those of readers that are gone."""
+    with command_imports():
+        from dcr_format.tools import readers as list_readers
+        from dcr_format.tools import remove_readers
+
+    if not remove and older_than is None:
+        if dry_run:
+            raise click.UsageError("--dry-run applies to --remove and --remove-older-than")
+        report = list_readers(store)
+        emit(fmt, report, lambda: _readers_table(report))
+        return
+    result = remove_readers(store, remove, older_than=older_than, dry_run=dry_run)
+    emit(fmt, result, lambda: _removed_lines(result))
+
+
+COMMANDS = (verify, compact, gc, doctor, readers)
 """The commands this module adds to ``dcr``."""

@@ -12,7 +12,6 @@ Plain functions over a :class:`~dcr_format.store.store.Store`; no writer state.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from dcr_format.chain.chain import (
     manifest_key,
     sha256_hex,
 )
+from dcr_format.chain.readers import READER_KEY, READERS_PREFIX, load_reader_record
 from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
@@ -43,20 +43,15 @@ from dcr_format.errors import (
 )
 from dcr_format.format.features import WRITER_FEATURES, publish_features
 from dcr_format.format.schema import (
-    MAX_READER_JSON_BYTES,
     Manifest,
     ManifestRef,
-    ReaderRecord,
     manifest_json_size,
-    parse,
     parse_manifest,
 )
 from dcr_format.publish._part import Attempt
 from dcr_format.store.store import Capabilities, Store
 
 ABORT_MARKER = "ABORTED"
-READERS_PREFIX = "readers/"
-_READER_KEY = re.compile(r"^readers/([A-Za-z0-9._-]{1,128})\.json$")
 
 T = TypeVar("T")
 ManifestCheck = Callable[[Manifest, int, str], None]
@@ -281,8 +276,8 @@ def read_reader_records(store: Store) -> ReaderWishes:
     one).
 
     One listing plus one small get per record. A record that cannot be read, is larger
-    than :data:`MAX_READER_JSON_BYTES` or does not validate (or names another reader than
-    its key) is skipped: records are requests, never requirements. A reader whose names do
+    than its size limit (1 MiB) or does not validate (or names another reader than its
+    key) is skipped: records are requests, never requirements. A reader whose names do
     not fit one record writes them in parts (``<id>.part<k>.json``), each a record of its
     own, so the union holds them all.
     """
@@ -295,12 +290,11 @@ def read_reader_records(store: Store) -> ReaderWishes:
     features = WRITER_FEATURES
     limiting: set[str] = set()
     for key in sorted(keys):
-        match = _READER_KEY.match(key)
+        match = READER_KEY.match(key)
         if match is None:
             continue
         try:
-            data = store.get(key, max_size=MAX_READER_JSON_BYTES)  # past it: skipped unread
-            record = parse(ReaderRecord, data, what=key)
+            record = load_reader_record(store, key)  # past its size limit: skipped unread
         except (StoreError, FormatError):
             continue
         if record.reader_id == match.group(1):

@@ -12,14 +12,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterator
+from time import monotonic
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
+from dcr_format.chain.readers import (
+    PART_ID,
+    READER_ID,
+    READERS_PREFIX,
+    RECORD_REFRESH_SECONDS,
+    load_reader_record,
+    part_id,
+    reader_key,
+)
 from dcr_format.errors import (
     ArgumentError,
     BaselineCodingError,
     CapabilityError,
+    DcrError,
     FormatError,
     OverwriteRequiredError,
     StoreError,
@@ -29,13 +39,10 @@ from dcr_format.format.schema import (
     MAX_BASELINE_NAMES,
     MAX_READER_JSON_BYTES,
     ReaderRecord,
-    parse,
 )
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
 
-READER_ID = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-_PART = re.compile(r"^(.+)\.part([1-9][0-9]*)$")  # <record id>.part<k>: part k of a record
 _log = logging.getLogger(__name__)
 
 
@@ -49,7 +56,7 @@ def check_reader_id(reader_id: str) -> None:
     another reader's record."""
     if not READER_ID.match(reader_id):
         raise ArgumentError(f"reader_id {reader_id!r} must match {READER_ID.pattern}")
-    if _PART.match(reader_id):
+    if PART_ID.match(reader_id):
         raise ArgumentError(
             f"reader_id {reader_id!r} ends in .part<k>, which names the parts of another "
             "reader's record; choose an id without that ending"
@@ -108,17 +115,6 @@ def _parts(overwrite: frozenset[str], readable: tuple[str, ...] | None) -> list[
     return parts
 
 
-def _part_id(record_id: str, k: int) -> str:
-    """The id of part ``k`` (from 1) of the record ``record_id``: ``<record_id>.part<k>``;
-    where that is past 128 characters, the end of ``record_id`` gives way to 16 hex
-    digits of its sha256, so that parts of different records keep different ids."""
-    suffix = f".part{k}"
-    if len(record_id) + len(suffix) <= 128:
-        return record_id + suffix
-    digest = "-" + sha256_hex(record_id.encode())[:16]
-    return record_id[: 128 - len(suffix) - len(digest)] + digest + suffix
-
-
 def _ranked(reader_id: str | None, rank: int) -> str | None:
     """The record id of rank ``rank`` of a reader group named ``reader_id``: rank 0 the id
     itself, any other its own (``<id>.rank<r>``), since ranks that hold different parts of
@@ -155,14 +151,15 @@ class Committing(Auditing):
         """Tell writers which tensors the target needs as ``overwrite`` (``readers/<id>.json``).
 
         Written when the set changes (an explicit ``reader_id`` also records an empty
-        set once, so a stale list is cleared); without a ``reader_id`` the record is named
-        after its content, so readers that need the same names share one record. A target
-        that cannot read its old bits (:meth:`Target.reads_baseline`) always has a record
-        (``reads_baseline`` false, with the names whose old bits it does read,
-        :meth:`Target.baseline_names`: writers code the others without the old bits).
-        Names past what one record holds go on in parts, ``<id>.part<k>.json``, each a
-        whole record (writers take the union of every record's ``overwrite``); parts an
-        earlier, longer set left are deleted.
+        set once, so a stale list is cleared), and again, unchanged but for ``updated``, at
+        the first call :data:`RECORD_REFRESH_SECONDS` after this reader last wrote it;
+        without a ``reader_id`` the record is named after its content, so readers that need
+        the same names share one record. A target that cannot read its old bits
+        (:meth:`Target.reads_baseline`) always has a record (``reads_baseline`` false, with
+        the names whose old bits it does read, :meth:`Target.baseline_names`: writers code
+        the others without the old bits). Names past what one record holds go on in parts,
+        ``<id>.part<k>.json``, each a whole record (writers take the union of every record's
+        ``overwrite``); parts an earlier, longer set left are deleted.
         """
         names = self.target.overwrite_names()
         reads_baseline = self.target.reads_baseline()
@@ -175,34 +172,40 @@ class Committing(Auditing):
         reader_id = _ranked(self.reader_id, self.group.rank) or (
             "auto-" + sha256_hex(content.encode())[:16]
         )
-        if self._recorded == (reader_id, names, readable):
+        now, last = monotonic(), self._recorded
+        same = last is not None and last[:3] == (reader_id, names, readable)
+        if last is not None and same and now - last[3] < RECORD_REFRESH_SECONDS:
             return
         parts = _parts(names, readable)
         updated = timestamp(utc_now())
-        ids = [reader_id, *(_part_id(reader_id, k) for k in range(1, len(parts)))]
+        ids = [reader_id, *(part_id(reader_id, k) for k in range(1, len(parts)))]
         try:
             for record_id, part in zip(ids, parts, strict=True):
                 record = _record(record_id, updated, part, reads_baseline, readable)
-                self.store.put(f"readers/{record_id}.json", record.to_json())
+                self.store.put(reader_key(record_id), record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
-            _log.warning("could not write reader record readers/%s.json: %s", record_id, exc)
+            _log.warning("could not write reader record %s: %s", reader_key(record_id), exc)
             return
-        self._drop_parts(reader_id, len(parts), reads_baseline, readable)
-        self._recorded = (reader_id, names, readable)
+        if not same:  # a refresh writes the same parts: none to drop
+            self._drop_parts(reader_id, len(parts), reads_baseline, readable)
+        self._recorded = (reader_id, names, readable, now)
 
     @contextlib.contextmanager
     def _explaining(self) -> Iterator[None]:
         """Within the block, a change this target cannot take as it was sent
-        (:class:`OverwriteRequiredError`, :class:`BaselineCodingError`) while the record in
-        which this reader asked for it holds another reader's request is raised saying so:
-        readers that share a ``reader_id`` but need different things (engines of another
-        configuration) replace each other's record, writers follow the last one written, and
-        the others fail every version."""
+        (:class:`OverwriteRequiredError`, :class:`BaselineCodingError`) is raised as it is,
+        after this reader wrote its record again (an operator may have removed it while the
+        reader ran: writers then follow it again from their next version). Where the record
+        in which this reader asked for it holds another reader's request, it is raised saying
+        so and the record is left as it is: readers that share a ``reader_id`` but need
+        different things (engines of another configuration) replace each other's record,
+        writers follow the last one written, and the others fail every version."""
         try:
             yield
         except (OverwriteRequiredError, BaselineCodingError) as exc:
             key = self._replaced_record()
             if key is None:
+                self._record_again()
                 raise
             what = str(exc).split("; ", 1)[0]
             raise type(exc)(
@@ -211,17 +214,24 @@ class Committing(Auditing):
                 "needs (an engine of another configuration): give each its own reader_id"
             ) from exc
 
+    def _record_again(self) -> None:
+        """Forget the record last written and write it now (best effort: a failure to is
+        logged, and the next sync writes it)."""
+        self._recorded = None
+        try:
+            self._record_overwrites()
+        except DcrError as exc:  # the sync's own error is the one to raise
+            _log.warning("could not write this reader's record again: %s", exc)
+
     def _replaced_record(self) -> str | None:
         """The key of this reader's record where the store holds another request there
         than the one this reader last wrote (None: the same, none written, or unreadable)."""
         if self._recorded is None:
             return None
-        reader_id, names, readable = self._recorded
-        key = f"readers/{reader_id}.json"
+        reader_id, names, readable, _ = self._recorded
+        key = reader_key(reader_id)
         try:
-            record = parse(
-                ReaderRecord, self.store.get(key, max_size=MAX_READER_JSON_BYTES), what=key
-            )
+            record = load_reader_record(self.store, key)
         except (StoreError, FormatError):
             return None
         mine = (_parts(names, readable)[0], readable is None, readable or None)
@@ -235,15 +245,15 @@ class Committing(Auditing):
         set), so that they no longer ask for names; one that cannot be deleted is
         rewritten asking for none."""
         try:
-            keys = self.store.list("readers/")
+            keys = self.store.list(READERS_PREFIX)
         except StoreError as exc:
             _log.warning("could not list readers/ for leftover parts of %s: %s", reader_id, exc)
             return
         for key in keys:
-            part = _PART.match(key.removeprefix("readers/").removesuffix(".json"))
+            part = PART_ID.match(key.removeprefix(READERS_PREFIX).removesuffix(".json"))
             if part is None or int(part.group(2)) < count:
                 continue
-            if key != f"readers/{_part_id(reader_id, int(part.group(2)))}.json":
+            if key != reader_key(part_id(reader_id, int(part.group(2)))):
                 continue  # another record's part
             try:
                 self.store.delete(key)

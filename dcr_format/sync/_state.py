@@ -152,8 +152,8 @@ class ReaderState:
     # the tensor); keyed by the fingerprint of the bits they describe
     _rows: dict[str, tuple[str, np.ndarray]]
     # the last reader record written: (reader id, overwrite names, the names whose old bits
-    # it reads where it cannot read them all, else None)
-    _recorded: tuple[str, frozenset[str], tuple[str, ...] | None] | None
+    # it reads where it cannot read them all, else None, time.monotonic() when written)
+    _recorded: tuple[str, frozenset[str], tuple[str, ...] | None, float] | None
 
     def _wants(self, name: str, dtype: str, shape: tuple[int, ...]) -> bool:
         """Selected, and a tensor the target takes at all (not another rank's shard)."""

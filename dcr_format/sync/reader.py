@@ -110,7 +110,9 @@ class DeltaReader(Applying, Committing):
     after its content. In a reader group, rank ``r`` other than 0 names its record
     ``<reader_id>.rank<r>`` (ranks holding different parts ask different things). Names
     past what one record holds (1 MiB) go on in ``<record id>.part<k>.json``, so an id
-    must not end in ``.part<k>`` itself.
+    must not end in ``.part<k>`` itself. The reader writes its record again every hour it
+    syncs, and at once after a sync that failed on a change it cannot take, so a record
+    an operator removed (``dcr readers``) comes back while its reader runs.
     """
 
     def __init__(

@@ -11,7 +11,9 @@ serialisation.
 - :func:`compact`: write an alternative base of a version (FORMAT.md §14);
 - :func:`gc`: delete uncommitted attempts and versions older than the kept range;
 - :func:`doctor`: probe a store's capabilities;
-- :func:`plot`: bytes and change rate per version, by layer.
+- :func:`plot`: bytes and change rate per version, by layer;
+- :func:`readers`, :func:`remove_readers`: the reader records writers honour, and removing
+  those of readers that are gone.
 """
 
 import typing as _typing
@@ -27,6 +29,13 @@ if _typing.TYPE_CHECKING:
     from dcr_format.tools._gc import DEFAULT_GRACE, GcItem, GcReport, gc
     from dcr_format.tools._inspect import LogRow, TensorRow, VersionDetail, log, show
     from dcr_format.tools._plot import PlotData, PlotVersion, plot, plot_data
+    from dcr_format.tools._readers import (
+        ReaderInfo,
+        ReadersReport,
+        RemovedReaders,
+        readers,
+        remove_readers,
+    )
     from dcr_format.tools._replay import ReplayResult, replay
     from dcr_format.tools._verify import VerifyReport, verify
 
@@ -43,6 +52,10 @@ _WHERE: dict[str, str] = {
         ("LogRow", "TensorRow", "VersionDetail", "log", "show"), "dcr_format.tools._inspect"
     ),
     **dict.fromkeys(("PlotData", "PlotVersion", "plot", "plot_data"), "dcr_format.tools._plot"),
+    **dict.fromkeys(
+        ("ReaderInfo", "ReadersReport", "RemovedReaders", "readers", "remove_readers"),
+        "dcr_format.tools._readers",
+    ),
     **dict.fromkeys(("ReplayResult", "replay"), "dcr_format.tools._replay"),
     **dict.fromkeys(("VerifyReport", "verify"), "dcr_format.tools._verify"),
 }
@@ -65,6 +78,9 @@ __all__ = [
     "PlotData",
     "PlotVersion",
     "Problem",
+    "ReaderInfo",
+    "ReadersReport",
+    "RemovedReaders",
     "ReplayResult",
     "TensorRow",
     "Verdict",
@@ -79,6 +95,8 @@ __all__ = [
     "parse_duration",
     "plot",
     "plot_data",
+    "readers",
+    "remove_readers",
     "replay",
     "show",
     "verify",
