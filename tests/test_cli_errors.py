@@ -102,6 +102,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{both}", *S), LIBRARY, "the index is ignored): remove the stale one"),
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
+    (("publish", "{ckpt}", *S, "--step", str(1 << 63)), USAGE, "outside the range a commit"),
     (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
     (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull

@@ -18,6 +18,7 @@ from dcr_format.cli.params import (
     WRITER_STORE_OPTION,
     default_cache,
     directory_option,
+    trainer_step,
     version_option,
 )
 
@@ -28,7 +29,13 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
 @WRITER_STORE_OPTION
-@click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    callback=trainer_step,
+    help="Trainer step recorded in the commit.",
+)
 @click.option(
     "--base-every",
     type=click.IntRange(min=1),

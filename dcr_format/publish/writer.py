@@ -310,7 +310,7 @@ class DeltaWriter:
                 "allow_empty=False needs a single writer rank; publish with allow_empty=True"
             )
         try:
-            check_publish(tensors)  # bad input fails the version before it begins
+            check_publish(tensors, step)  # bad input fails the version before it begins
         except DcrError:
             if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
                 self._open()
