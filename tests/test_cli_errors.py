@@ -103,6 +103,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
     (("publish", "{ckpt}", *S, "--step", str(1 << 63)), USAGE, "outside the range a commit"),
+    (("publish", "{ckpt}", *S, "--features", "values-rans,typo"), USAGE, "writer features"),
     (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
     (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull
