@@ -24,3 +24,27 @@ def test_a_step_no_commit_record_holds_is_refused_before_the_version(
         writer.publish(state, step=step)  # type: ignore[arg-type]
     assert sorted(Store(tmp_path / "store").list("")) == before  # no attempt was begun
     assert writer.publish(state, step=1 << 62).version == 1  # the writer carries on
+
+
+def test_a_cache_dir_under_home_is_expanded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cache_dir="~/.cache/dcr"`` (as docs/operate.md writes it) and DCR_CACHE_DIR="~/..."
+    mean the home directory, not a directory named ``~`` in the working directory."""
+    from dcr_format import tools
+    from dcr_format.cli.params import default_cache
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    writer = DeltaWriter(tmp_path / "store", cache_dir="~/.cache/dcr")
+    writer.publish(state, step=0)
+    tools.replay(tmp_path / "store", 0, tmp_path / "out", cache_dir="~/.cache/dcr")
+    monkeypatch.setenv("DCR_CACHE_DIR", "~/dcr-cache")
+    assert default_cache() == home / "dcr-cache"
+    assert list(work.iterdir()) == []  # no "~" directory here
+    assert list((home / ".cache" / "dcr").glob("*/replay"))  # the replay cache
+    assert [p for p in (home / ".cache" / "dcr").rglob("*") if "replay" not in p.parts]

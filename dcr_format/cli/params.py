@@ -249,4 +249,4 @@ def default_cache() -> Path:
     base = os.environ.get("DCR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dcr"
     )
-    return Path(base)
+    return Path(base).expanduser()

@@ -169,7 +169,7 @@ class DeltaWriter:
         self.base_every = base_every
         self.coordinator = coordinator or SoloCoordinator()
         self.ops = dict(ops or {})
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.baseline_device = torch.device(baseline_device)
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
         self._last_streams: int | None = None  # stream bytes this rank wrote last publish
