@@ -48,3 +48,24 @@ def test_a_cache_dir_under_home_is_expanded(
     assert list(work.iterdir()) == []  # no "~" directory here
     assert list((home / ".cache" / "dcr").glob("*/replay"))  # the replay cache
     assert [p for p in (home / ".cache" / "dcr").rglob("*") if "replay" not in p.parts]
+
+
+def test_a_step_that_goes_backwards_is_published_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The step is informational: a resumed trainer may repeat steps, so the version is
+    published, but a mistyped step is pointed out."""
+    writer = DeltaWriter(tmp_path / "store")
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    with caplog.at_level("WARNING", logger="dcr_format.publish.writer"):
+        writer.publish(state, step=10)
+        state["w"][0] += 1
+        writer.publish(state, step=11)
+        assert not caplog.records  # steps that advance: nothing to say
+        state["w"][1] += 1
+        info = writer.publish(state, step=4)
+    assert info.version == 2 and info.step == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 4 is not after step 11 of version 1, the newest; publishing it as given "
+        "(check the step, unless the trainer resumed from an earlier checkpoint)"
+    ]

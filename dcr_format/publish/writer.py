@@ -319,6 +319,7 @@ class DeltaWriter:
             raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
+        self._note_step(step)
         settled = self._settle(tensors)
         assert settled is not None
         attempt = self._begin()
@@ -360,6 +361,22 @@ class DeltaWriter:
             "advance_s": clock() - committed,
         }
         return CommitInfo.from_record(loaded.record)
+
+    def _note_step(self, step: int | None) -> None:
+        """Log a warning where ``step`` does not come after the newest version's step: a
+        mistyped step, or a trainer resumed from an earlier checkpoint (then expected). The
+        step is informational (FORMAT.md §3.4), so the version is published as given."""
+        newest = None if self._record is None else self._record.record
+        if self.rank == 0 and step is not None and newest is not None and newest.step is not None:
+            if step <= newest.step:
+                _log.warning(
+                    "step %d is not after step %d of version %d, the newest; publishing it "
+                    "as given (check the step, unless the trainer resumed from an earlier "
+                    "checkpoint)",
+                    step,
+                    newest.step,
+                    newest.version,
+                )
 
     def _put_files(self, files: dict[str, bytes] | None) -> tuple[CheckpointFile, ...]:
         """Upload the files whose bytes the previous version does not hold (``files/<sha256>``)
