@@ -69,3 +69,16 @@ def test_a_step_that_goes_backwards_is_published_with_a_warning(
         "step 4 is not after step 11 of version 1, the newest; publishing it as given "
         "(check the step, unless the trainer resumed from an earlier checkpoint)"
     ]
+
+
+def test_a_dropped_tensor_says_how_to_drop_it(tmp_path: Path) -> None:
+    """A delta cannot drop a tensor; the error names the way that can: a base."""
+    from dcr_format.errors import MissingTensorError
+
+    state = {"w": torch.arange(8, dtype=torch.float32), "v": torch.ones(3)}
+    DeltaWriter(tmp_path / "store").publish(state)
+    del state["v"]
+    with pytest.raises(MissingTensorError, match=r"publish a base to drop tensors \(dcr publish"):
+        DeltaWriter(tmp_path / "store").publish(state)
+    info = DeltaWriter(tmp_path / "store", base_every=1).publish(state)  # what it says to do
+    assert (info.version, info.kind, info.tensors) == (1, "base", 1)
