@@ -82,3 +82,26 @@ def test_a_dropped_tensor_says_how_to_drop_it(tmp_path: Path) -> None:
         DeltaWriter(tmp_path / "store").publish(state)
     info = DeltaWriter(tmp_path / "store", base_every=1).publish(state)  # what it says to do
     assert (info.version, info.kind, info.tensors) == (1, "base", 1)
+
+
+def test_dcr_publish_that_loses_a_race_says_to_run_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's "reopen the writer" is not something a command-line user can do."""
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    import dcr_format.publish._commit as commit
+    from dcr_format.cli.main import cli
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.ones(4)}, str(ckpt / "model.safetensors"))
+    monkeypatch.setattr(commit, "create_if_absent", lambda *a, **k: False)  # a rival won
+    argv = ["publish", str(ckpt), "--store", str(tmp_path / "store")]
+    result = CliRunner().invoke(cli, [*argv, "--cache-dir", str(tmp_path / "cache")])
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "dcr: error: another writer committed this version while this publish ran, so "
+        f"nothing of {ckpt} was committed; run the command again to publish it on top\n"
+    )

@@ -72,7 +72,7 @@ def publish(
     --allow-empty is given.
     """
     with command_imports():
-        from dcr_format.errors import UnchangedVersionError
+        from dcr_format.errors import CommitConflictError, UnchangedVersionError
         from dcr_format.publish._files import directory_files
         from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
         from dcr_format.publish.writer import DeltaWriter
@@ -93,6 +93,11 @@ def publish(
             files=files,
             allow_empty=allow_empty,
         )
+    except CommitConflictError:
+        raise CommitConflictError(
+            "another writer committed this version while this publish ran, so nothing of "
+            f"{ckpt_dir} was committed; run the command again to publish it on top"
+        ) from None
     except UnchangedVersionError:
         from dcr_format.chain.chain import Chain
 
