@@ -105,3 +105,28 @@ def test_dcr_publish_that_loses_a_race_says_to_run_it_again(
         "dcr: error: another writer committed this version while this publish ran, so "
         f"nothing of {ckpt} was committed; run the command again to publish it on top\n"
     )
+
+
+def test_a_mistyped_dcr_kernels_is_named_not_wrapped_as_an_apply_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcr_format import DeltaReader, StateDictTarget
+
+    state = {"w": torch.arange(64, dtype=torch.float32)}
+    writer = DeltaWriter(tmp_path / "store")
+    writer.publish(state)
+    state["w"][3] += 1
+    writer.publish(state)
+    held: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(tmp_path / "store", StateDictTarget(held))
+    reader.sync(to=0)
+    before = held["w"].clone()
+    monkeypatch.setenv("DCR_KERNELS", "Numba")
+    with pytest.raises(ArgumentError) as caught:
+        reader.sync()
+    assert str(caught.value) == (
+        "DCR_KERNELS='Numba' is not one of auto, triton, torch; set it to one of those, or unset it"
+    )
+    assert torch.equal(held["w"], before)  # nothing applied
+    monkeypatch.delenv("DCR_KERNELS")
+    assert reader.sync().version == 1
