@@ -110,6 +110,9 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
             f"({v.ratio:.2%})"
         )
         click.echo(f"features {', '.join(detail.required_features) or 'none'}")
+        if detail.files:
+            listed = (f"{n} ({human_bytes(size)})" for n, size in sorted(detail.files.items()))
+            click.echo(f"files {', '.join(listed)}")
         table(
             ["tensor", "dtype", "shape", "op", "changed", "bytes", "share", "coding"],
             [
