@@ -130,3 +130,10 @@ def test_a_mistyped_dcr_kernels_is_named_not_wrapped_as_an_apply_failure(
     assert torch.equal(held["w"], before)  # nothing applied
     monkeypatch.delenv("DCR_KERNELS")
     assert reader.sync().version == 1
+
+
+def test_a_checkpoint_file_given_as_text_says_to_pass_bytes(tmp_path: Path) -> None:
+    writer = DeltaWriter(tmp_path / "store")
+    with pytest.raises(ArgumentError, match=r"not bytes; pass the file's bytes \(text.encode\(\)"):
+        writer.publish({"w": torch.ones(2)}, files={"config.json": '{"a": 1}'})  # type: ignore[dict-item]
+    assert writer.publish({"w": torch.ones(2)}, files={"config.json": b'{"a": 1}'}).version == 0
