@@ -50,20 +50,6 @@ def feature_list(
     return chosen
 
 
-def trainer_step(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
-    """``--step``: a usage error unless a commit record can hold it."""
-    if value is None:
-        return None
-    from dcr_format.errors import ArgumentError
-    from dcr_format.publish._part import check_step
-
-    try:
-        check_step(value)
-    except ArgumentError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return value
-
-
 FEATURES_OPTION = click.option(
     "--features",
     callback=feature_list,

@@ -18,7 +18,6 @@ from dcr_format.cli.params import (
     WRITER_STORE_OPTION,
     default_cache,
     directory_option,
-    trainer_step,
     version_option,
 )
 
@@ -29,13 +28,7 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("ckpt_dir", type=click.Path(exists=True, file_okay=False))
 @WRITER_STORE_OPTION
-@click.option(
-    "--step",
-    type=int,
-    default=None,
-    callback=trainer_step,
-    help="Trainer step recorded in the commit.",
-)
+@click.option("--step", type=int, default=None, help="Trainer step recorded in the commit.")
 @click.option(
     "--base-every",
     type=click.IntRange(min=1),
@@ -72,11 +65,16 @@ def publish(
     --allow-empty is given.
     """
     with command_imports():
-        from dcr_format.errors import CommitConflictError, UnchangedVersionError
+        from dcr_format.errors import ArgumentError, CommitConflictError, UnchangedVersionError
         from dcr_format.publish._files import directory_files
+        from dcr_format.publish._part import check_step
         from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
         from dcr_format.publish.writer import DeltaWriter
 
+    try:
+        check_step(step)  # a usage error, before any work
+    except ArgumentError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--step'") from None
     _outside(store, ckpt_dir)
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
