@@ -137,3 +137,35 @@ def test_a_checkpoint_file_given_as_text_says_to_pass_bytes(tmp_path: Path) -> N
     with pytest.raises(ArgumentError, match=r"not bytes; pass the file's bytes \(text.encode\(\)"):
         writer.publish({"w": torch.ones(2)}, files={"config.json": '{"a": 1}'})  # type: ignore[dict-item]
     assert writer.publish({"w": torch.ones(2)}, files={"config.json": b'{"a": 1}'}).version == 0
+
+
+def test_the_dcr_command_prints_library_warnings_as_its_own_lines(tmp_path: Path) -> None:
+    """A warning the library logs (here: a step that goes backwards) is one
+    ``dcr: warning:`` line on stderr, not a bare line from Python's last-resort handler."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    DeltaWriter(tmp_path / "store").publish({"w": torch.zeros(4)}, step=5)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.ones(4)}, str(ckpt / "model.safetensors"))
+    env = {k: v for k, v in os.environ.items() if k != "DCR_DEBUG"}
+    env["DCR_PROGRESS_INTERVAL"] = "1000"  # no progress lines
+    argv = ["publish", str(ckpt), "--store", str(tmp_path / "store"), "--step", "3"]
+    argv += ["--cache-dir", str(tmp_path / "cache")]
+    run = subprocess.run(
+        [sys.executable, "-c", "from dcr_format.cli.main import main; main()", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("committed version 1 (delta)")
+    assert run.stderr == (
+        "dcr: warning: step 3 is not after step 5 of version 0, the newest; publishing it as "
+        "given (check the step, unless the trainer resumed from an earlier checkpoint)\n"
+    )
