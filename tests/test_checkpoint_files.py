@@ -115,6 +115,21 @@ def test_cli_publish_and_pull_give_a_checkpoint_that_loads(tmp_path, monkeypatch
     assert puts == []
 
 
+def test_show_lists_the_files_a_version_carries(tmp_path) -> None:
+    store = str(tmp_path / "store")
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    writer = DeltaWriter(store)
+    writer.publish(state, files={"config.json": b'{"a": 1}', "tokenizer.json": b"{}"})
+    state["w"][0] += 1
+    writer.publish(state)  # files=None: the previous version's files
+    lines = _run("show", "1", "--store", store).splitlines()
+    assert lines[4] == "files config.json (8 B), tokenizer.json (2 B)"
+    detail = json.loads(_run("show", "1", "--store", store, "--format", "json"))
+    assert detail["files"] == {"config.json": 8, "tokenizer.json": 2}
+    writer.publish(state, files={}, allow_empty=True)  # no files: no line
+    assert not _run("show", "2", "--store", store).splitlines()[4].startswith("files")
+
+
 def test_files_follow_the_versions_into_every_directory(tmp_path, monkeypatch) -> None:
     store = str(tmp_path / "store")
     state = {"w": torch.arange(8, dtype=torch.float32)}

@@ -61,6 +61,12 @@ def test_log_limit_since_and_human_columns(chain) -> None:  # type: ignore[no-un
     assert lines[1].split()[:2] == ["5", "base"] and lines[2].split()[:3] == ["6", "delta", "5"]
 
 
+def test_show_prints_a_missing_parent_and_step_as_dcr_log_does(tmp_path: Path) -> None:
+    DeltaWriter(tmp_path / "store").publish({"w": torch.ones(4)})  # no step given
+    text = _run("show", "0", "--store", str(tmp_path / "store"))
+    assert text.startswith("version 0 (base), parent -, step -, created "), text
+
+
 def test_show_sort_and_top(chain) -> None:  # type: ignore[no-untyped-def]
     store, _ = chain
     detail = _json("show", "3", "--store", store, "--top", "3")

@@ -40,6 +40,9 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     ckpt.mkdir()
     save_file({"w": torch.ones(4)}, str(ckpt / "model.safetensors"))
     (root / "empty").mkdir()
+    (root / "binckpt").mkdir()  # saved with torch.save, not safetensors
+    torch.save({"w": torch.ones(4)}, root / "binckpt" / "pytorch_model.bin")
+    (root / "binckpt" / "config.json").write_text("{}")
     (root / "afile").write_text("not a directory")
     (root / "unmanaged").mkdir()
     (root / "unmanaged" / "notes.txt").write_text("someone else's")
@@ -58,6 +61,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "store": str(store),
         "ckpt": str(ckpt),
         "empty": str(root / "empty"),
+        "binckpt": str(root / "binckpt"),
         "afile": str(root / "afile"),
         "unmanaged": str(root / "unmanaged"),
         "badckpt": str(root / "badckpt"),
@@ -98,10 +102,13 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{new}", *S), USAGE, "does not exist"),
     (("publish", "{afile}", *S), USAGE, "is a file"),
     (("publish", "{empty}", *S), LIBRARY, "pass a checkpoint directory"),
+    (("publish", "{binckpt}", *S), LIBRARY, "save the checkpoint as safetensors"),
     (("publish", "{badckpt}", *S), LIBRARY, "save the checkpoint again"),
     (("publish", "{both}", *S), LIBRARY, "the index is ignored): remove the stale one"),
     (("publish", "{ckpt}", *S, "--cache-dir", "{afile}"), USAGE, "is a file"),
     (("publish", "{ckpt}", *S, "--step", "x"), USAGE, "is not a valid integer"),
+    (("publish", "{ckpt}", *S, "--step", str(1 << 63)), USAGE, "outside the range a commit"),
+    (("publish", "{ckpt}", *S, "--features", "values-rans,typo"), USAGE, "writer features"),
     (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
     (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull

@@ -97,8 +97,9 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
     def human() -> None:
         v = detail.version
         click.echo(
-            f"version {v.version} ({v.kind}{'+base' if v.compacted else ''}), parent {v.parent}, "
-            f"step {v.step}, created {v.created}"
+            f"version {v.version} ({v.kind}{'+base' if v.compacted else ''}), "
+            f"parent {'-' if v.parent is None else v.parent}, "
+            f"step {'-' if v.step is None else v.step}, created {v.created}"
         )
         click.echo(
             f"state {detail.state_fingerprint}  attempt {detail.attempt}  ranks {v.writer_ranks}"
@@ -109,6 +110,9 @@ def show(version: int, store: Store, top: int | None, sort_key: ShowSort, fmt: s
             f"({v.ratio:.2%})"
         )
         click.echo(f"features {', '.join(detail.required_features) or 'none'}")
+        if detail.files:
+            listed = (f"{n} ({human_bytes(size)})" for n, size in sorted(detail.files.items()))
+            click.echo(f"files {', '.join(listed)}")
         table(
             ["tensor", "dtype", "shape", "op", "changed", "bytes", "share", "coding"],
             [

@@ -151,14 +151,30 @@ class _Process:
     :func:`command_imports` may tune; not a process that calls :data:`cli` in-process."""
 
     own = False
+    warning_lines = False  # the library's warnings print as ``dcr: warning:`` lines
+
+
+def _warning_lines() -> None:
+    """Print the library's warnings (logger ``dcr_format``, WARNING and up) as one
+    ``dcr: warning: ...`` line each on stderr, like the command's own lines; once."""
+    import logging
+
+    if _Process.warning_lines:
+        return
+    handler = logging.StreamHandler()  # stderr
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("dcr: warning: %(message)s"))
+    logging.getLogger("dcr_format").addHandler(handler)
+    _Process.warning_lines = True
 
 
 @contextlib.contextmanager
 def command_imports() -> Iterator[None]:
     """The block where a command imports what it needs (torch, the models, the package).
 
-    In the ``dcr`` process, the cyclic garbage collector is off within the block and the
-    objects the block left are frozen after it (:func:`gc.freeze`): an import makes
+    In the ``dcr`` process the library's warnings print as ``dcr: warning: ...`` lines, and
+    the cyclic garbage collector is off within the block and the objects the block left
+    are frozen after it (:func:`gc.freeze`): an import makes
     hundreds of thousands of objects that live as long as the process, and the collector's
     full passes over them (during the imports, numba's set-up after them, and at exit),
     which find nothing, cost a publish or a pull 0.7-0.9 s of CPU. The work after the block
@@ -168,6 +184,7 @@ def command_imports() -> Iterator[None]:
     if not _Process.own:
         yield
         return
+    _warning_lines()
     with collector_off(freeze=True):
         yield
 

@@ -36,10 +36,18 @@ def feature_list(
     ctx: click.Context, param: click.Parameter, value: str | None
 ) -> tuple[str, ...] | None:
     """``--features``: None (not given: the writer's default), ``none`` (no feature) or a
-    comma-separated list of writer features (checked by the writer)."""
+    comma-separated list of writer features (a usage error unless each is one)."""
     if value is None:
         return None
-    return tuple(f.strip() for f in value.split(",") if f.strip() and f.strip() != "none")
+    from dcr_format.errors import ArgumentError
+    from dcr_format.format.features import writer_features
+
+    chosen = tuple(f.strip() for f in value.split(",") if f.strip() and f.strip() != "none")
+    try:
+        writer_features(chosen)
+    except ArgumentError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return chosen
 
 
 FEATURES_OPTION = click.option(
@@ -227,4 +235,4 @@ def default_cache() -> Path:
     base = os.environ.get("DCR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dcr"
     )
-    return Path(base)
+    return Path(base).expanduser()

@@ -65,11 +65,16 @@ def publish(
     --allow-empty is given.
     """
     with command_imports():
-        from dcr_format.errors import UnchangedVersionError
+        from dcr_format.errors import ArgumentError, CommitConflictError, UnchangedVersionError
         from dcr_format.publish._files import directory_files
+        from dcr_format.publish._part import check_step
         from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
         from dcr_format.publish.writer import DeltaWriter
 
+    try:
+        check_step(step)  # a usage error, before any work
+    except ArgumentError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--step'") from None
     _outside(store, ckpt_dir)
     # a file safetensors cannot read is a TargetError (checkpoint.py), here at its header
     total = count_tensors(ckpt_dir)
@@ -86,6 +91,11 @@ def publish(
             files=files,
             allow_empty=allow_empty,
         )
+    except CommitConflictError:
+        raise CommitConflictError(
+            "another writer committed this version while this publish ran, so nothing of "
+            f"{ckpt_dir} was committed; run the command again to publish it on top"
+        ) from None
     except UnchangedVersionError:
         from dcr_format.chain.chain import Chain
 

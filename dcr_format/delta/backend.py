@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from dcr_format.errors import DcrError
+from dcr_format.errors import ArgumentError, DcrError
 from dcr_format.format.dtypes import bits_view
 from dcr_format.kernels import reference
 from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
@@ -56,7 +56,9 @@ def kernels_mode() -> str:
         return "auto"
     mode = raw.strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"{ENV}={mode!r} is not one of {', '.join(MODES)}")
+        raise ArgumentError(
+            f"{ENV}={raw!r} is not one of {', '.join(MODES)}; set it to one of those, or unset it"
+        )
     return mode
 
 

@@ -199,6 +199,7 @@ FileName = Annotated[
 ]
 Count = Annotated[int, Field(ge=0, le=(1 << 62))]
 Version = Annotated[int, Field(ge=0, le=(1 << 62))]
+STEP_LIMIT: Final = 1 << 62  # a commit record's step lies in [-STEP_LIMIT, STEP_LIMIT]
 if TYPE_CHECKING:  # the names are tuples known at run time only: a checker sees a str
     DType = str
     Op = str
@@ -405,7 +406,7 @@ class CommitRecord(_Model):
     kind: Literal["base", "delta"]
     parent: Version | None
     parent_sha256: Sha256 | None
-    step: Annotated[int, Field(ge=-(1 << 62), le=1 << 62)] | None = None
+    step: Annotated[int, Field(ge=-STEP_LIMIT, le=STEP_LIMIT)] | None = None
     created: Timestamp
     attempt: Hex32
     world_size: Annotated[int, Field(ge=1, le=1 << 20)]

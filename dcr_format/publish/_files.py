@@ -105,7 +105,10 @@ def files_to_publish(files: Files) -> dict[str, bytes]:
                 f"({CHECKPOINT_FILE_NAME}), not a tensor file, index or dcr-state.json"
             )
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise ArgumentError(f"checkpoint file {name!r} is {type(data).__name__}, not bytes")
+            raise ArgumentError(
+                f"checkpoint file {name!r} is {type(data).__name__}, not bytes; pass the "
+                "file's bytes (text.encode(), path.read_bytes())"
+            )
         if len(data) > MAX_CHECKPOINT_FILE_BYTES:
             raise ArgumentError(
                 f"checkpoint file {name!r} is {len(data)} bytes, over the "

@@ -22,6 +22,7 @@ from dcr_format.delta.delta import EncodedTensor
 from dcr_format.errors import ArgumentError
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import (
+    STEP_LIMIT,
     Entry,
     Manifest,
     PositionsRef,
@@ -73,9 +74,28 @@ def check_input(name: object, tensor: object) -> None:
     info_for(tensor.dtype)  # refuses dtypes the format cannot carry
 
 
-def check_publish(tensors: Tensors) -> None:
-    """Check every pair of a mapping, list or tuple before a publish begins, so that bad
-    input leaves nothing in the store (pairs streamed once are checked as they come)."""
+def check_step(step: object) -> None:
+    """Refuse a trainer step a commit record cannot hold (not an integer, or past
+    ``STEP_LIMIT`` either way) with :class:`ArgumentError`."""
+    if step is None:
+        return
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ArgumentError(
+            f"step {step!r} is a {type(step).__name__}, not an int; "
+            "pass the trainer's step as an int (or None)"
+        )
+    if not -STEP_LIMIT <= step <= STEP_LIMIT:
+        raise ArgumentError(
+            f"step {step} is outside the range a commit record holds "
+            "(-2**62..2**62); pass the trainer's step"
+        )
+
+
+def check_publish(tensors: Tensors, step: object = None) -> None:
+    """Check the step, and every pair of a mapping, list or tuple, before a publish begins,
+    so that bad input leaves nothing in the store (pairs streamed once are checked as they
+    come)."""
+    check_step(step)
     if isinstance(tensors, (Mapping, list, tuple)):
         for _ in pairs(tensors):
             pass

@@ -42,6 +42,14 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
     else:
         files = sorted(root.glob("*.safetensors"))
     if not files:
+        from dcr_format.publish._files import WEIGHT_SUFFIXES
+
+        other = sorted(p.name for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+        if other:
+            raise TargetError(
+                f"{root} holds weights only in other formats ({', '.join(other[:3])}); save "
+                "the checkpoint as safetensors (save_pretrained(..., safe_serialization=True))"
+            )
         raise TargetError(f"{root} holds no .safetensors files; pass a checkpoint directory")
     for file in files:
         if not file.is_file():

@@ -169,7 +169,7 @@ class DeltaWriter:
         self.base_every = base_every
         self.coordinator = coordinator or SoloCoordinator()
         self.ops = dict(ops or {})
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.baseline_device = torch.device(baseline_device)
         self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
         self._last_streams: int | None = None  # stream bytes this rank wrote last publish
@@ -310,7 +310,7 @@ class DeltaWriter:
                 "allow_empty=False needs a single writer rank; publish with allow_empty=True"
             )
         try:
-            check_publish(tensors)  # bad input fails the version before it begins
+            check_publish(tensors, step)  # bad input fails the version before it begins
         except DcrError:
             if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
                 self._open()
@@ -319,6 +319,7 @@ class DeltaWriter:
             raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
+        self._note_step(step)
         settled = self._settle(tensors)
         assert settled is not None
         attempt = self._begin()
@@ -370,6 +371,22 @@ class DeltaWriter:
             "advance_s": clock() - committed,
         }
         return CommitInfo.from_record(loaded.record)
+
+    def _note_step(self, step: int | None) -> None:
+        """Log a warning where ``step`` does not come after the newest version's step: a
+        mistyped step, or a trainer resumed from an earlier checkpoint (then expected). The
+        step is informational (FORMAT.md §3.4), so the version is published as given."""
+        newest = None if self._record is None else self._record.record
+        if self.rank == 0 and step is not None and newest is not None and newest.step is not None:
+            if step <= newest.step:
+                _log.warning(
+                    "step %d is not after step %d of version %d, the newest; publishing it "
+                    "as given (check the step, unless the trainer resumed from an earlier "
+                    "checkpoint)",
+                    step,
+                    newest.step,
+                    newest.version,
+                )
 
     def _put_files(self, files: dict[str, bytes] | None) -> tuple[CheckpointFile, ...]:
         """Upload the files whose bytes the previous version does not hold (``files/<sha256>``)

@@ -37,6 +37,7 @@ from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
 from dcr_format.delta.staged import StagedChange, batch_staged
 from dcr_format.errors import (
     ApplyError,
+    ArgumentError,
     DcrError,
     FingerprintMismatchError,
     GroupAbortError,
@@ -156,7 +157,8 @@ class Applying(Auditing):
         self, exc: BaseException, txn: Transaction, sync: ApplyState | None, *, as_is: bool = False
     ) -> BaseException:
         """Roll ``txn`` back after ``exc``; returns what to raise (a failure that is not an
-        integrity, target or group error becomes an :class:`ApplyError`, unless ``as_is``)."""
+        integrity, target, group or argument error becomes an :class:`ApplyError`, unless
+        ``as_is``)."""
         self._rows.clear()  # counted again next time, whatever went wrong
         for step in () if sync is None else sync.steps:  # a prepared version may be retried
             for index, (entry, delta) in enumerate(step.changes):
@@ -175,7 +177,7 @@ class Applying(Auditing):
             if sync is not None:
                 sync.release()  # the target is as it was: the next sync may check it
         if as_is or isinstance(
-            exc, (IntegrityError, TargetError, GroupAbortError, StalePreparedError)
+            exc, (IntegrityError, TargetError, GroupAbortError, StalePreparedError, ArgumentError)
         ):
             return exc
         if isinstance(exc, Exception):

@@ -6,7 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from dcr_format.chain.bases import alternative_bases
 from dcr_format.chain.chain import Chain, LoadedRecord
@@ -111,6 +111,8 @@ class VersionDetail(Row):
     attempt: str
     required_features: tuple[str, ...]
     """What a reader must support to apply the version (FORMAT.md §12), sorted."""
+    files: dict[str, int] = Field(default_factory=dict)
+    """The checkpoint files the version carries (config, tokenizer, ...): size by name."""
     tensors: list[TensorRow]
 
 
@@ -181,6 +183,7 @@ def show(
                 {*loaded.record.required_features}.union(*(m.required_features for m in manifests))
             )
         ),
+        files={f.name: f.size for m in manifests for f in m.files},
         tensors=rows,
     )
 

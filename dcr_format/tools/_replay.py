@@ -78,7 +78,7 @@ def replay(
     if cache_dir is None:
         result = _sync(store, out, version, progress)
         return _result(version, out_dir, result, "out" if resident else "base", None)
-    cache = _Cache(Path(cache_dir) / chain_id / "replay")
+    cache = _Cache(Path(cache_dir).expanduser() / chain_id / "replay")
     with cache.locked():
         cached = cache.version(chain_id)
         if cached is not None and cached <= version and resident is None:
