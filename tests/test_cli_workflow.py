@@ -282,6 +282,15 @@ def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
         return real(*args, **{**kwargs, "on_row": on_row})
 
     monkeypatch.setattr(demo, "run_demo", watched)
+    prepared: list[int] = []
+    prepare = demo.DeltaReader.prepare
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        version = prepare(self, *args, **kwargs)
+        prepared.append(version.version)
+        return version
+
+    monkeypatch.setattr(demo.DeltaReader, "prepare", counted)
     result = _invoke("demo", "--size", "tiny", "--steps", "2", env={"DCR_PROGRESS_INTERVAL": "0"})
     assert result.exit_code == 0, result.output
     assert rows == [0, 1, 2]
@@ -289,6 +298,10 @@ def test_demo_streams_its_rows_reports_progress_and_removes_its_store(
     assert table[0] == "store: a temporary directory (removed at the end)"
     assert [line.split()[0] for line in table[2:]] == ["0", "1", "2"]
     assert all(line.endswith("yes") for line in table[2:])
+    # the pause is of a prepared version, as an engine's is, in milliseconds
+    assert table[1].split()[-2:] == ["apply", "verified"]
+    assert all(line.split()[-2].endswith("ms") for line in table[2:])
+    assert prepared == [0, 1, 2]
     assert "dcr demo: 3 of 3 versions" in result.stderr
     assert [n for n in os.listdir(tmp_path) if n.startswith("dcr-demo-")] == []  # store gone
 

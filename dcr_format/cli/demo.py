@@ -22,7 +22,9 @@ DEFAULT_LR = 1e-6  # an RL-like rate: about 1% of bf16 elements change per step
 
 class DemoRow(BaseModel):
     """One published and pulled version of the demo (the fields it shares with
-    :class:`~dcr_format.CommitInfo` are the publish's)."""
+    :class:`~dcr_format.CommitInfo` are the publish's). ``pull_s`` is the reader's
+    preparation (fetch, verify, decode: an engine generates meanwhile), ``apply_s`` the
+    pause that follows (the target checked and changed)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -58,7 +60,8 @@ def run_demo(
     seed: int = 0,
     on_row: Callable[[DemoRow], object] | None = None,
 ) -> list[DemoRow]:
-    """Publish the initial weights and ``steps`` AdamW steps; pull each into a reader copy.
+    """Publish the initial weights and ``steps`` AdamW steps; pull each into a reader copy,
+    prepared first and then applied, as an engine pulls it.
 
     Every version is checked bit for bit against the trainer's bf16 export; ``on_row`` is
     called with each version's row as soon as that version is checked.
@@ -75,7 +78,7 @@ def run_demo(
         started = time.perf_counter()
         info = writer.publish(weights, step=step)
         published = time.perf_counter()
-        result = reader.sync()
+        result = reader.apply(reader.prepare())
         row = row_from(
             DemoRow,
             info,

@@ -183,7 +183,7 @@ def demo(store: str | None, steps: int, size: str, lr: float | None, fmt: str) -
                 f"{r.ratio:.2%}",
                 f"{r.publish_s:.2f}s",
                 f"{r.pull_s:.2f}s",
-                f"{r.apply_s:.2f}s",
+                f"{r.apply_s * 1000:.1f}ms",
                 "yes" if r.verified else "NO",
             ]
         )
