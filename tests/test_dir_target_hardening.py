@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
 from dcr_format.chain.chain import Chain
 from dcr_format.errors import (
+    ApplyError,
     ReservedNameError,
     SchemaError,
     TargetBusyError,
@@ -150,6 +151,42 @@ def test_a_sync_that_may_not_wait_is_refused_with_the_holder(tmp_path, monkeypat
     _intact(path, kept, state)
     with pytest.raises(ValueError):
         SafetensorsDirTarget(path, timeout=-1)
+
+
+def test_a_first_sync_that_fails_leaves_no_lock_file(tmp_path, monkeypatch):
+    store, path = str(tmp_path / "store"), tmp_path / "ckpt"
+    _, state, _, _ = _chain(store, 1)
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(SafetensorsDirTarget, "_write", full)
+        with pytest.raises(ApplyError, match="No space"):
+            DeltaReader(store, SafetensorsDirTarget(path)).sync()
+    assert sorted(os.listdir(tmp_path)) == ["store"]  # no ckpt, no .ckpt.dcr.lock
+    DeltaReader(store, SafetensorsDirTarget(path)).sync()  # the next try starts afresh
+    assert_same_bits(load_file(str(path / SINGLE_FILE)), state)
+    assert (tmp_path / ".ckpt.dcr.lock").exists()  # a made directory keeps its lock file
+
+
+def test_a_sync_waiting_on_a_removed_lock_file_locks_the_new_one(tmp_path):
+    path = tmp_path / "ckpt"
+    first = SafetensorsDirTarget(path)._acquire(exclusive=True)
+    assert first is not None
+    taken: list[object] = []
+    waiter = SafetensorsDirTarget(path, timeout=30)
+    thread = threading.Thread(target=lambda: taken.append(waiter._acquire(exclusive=True)))
+    thread.start()
+    time.sleep(0.3)  # the waiter has opened the lock file and waits for its lock
+    SafetensorsDirTarget(path)._release(first)  # a first sync that failed: the file goes
+    thread.join(30)
+    second = taken[0]
+    assert isinstance(second, targets._Lock) and second.fd is not None
+    assert targets._is_file(second.fd, tmp_path / ".ckpt.dcr.lock")
+    with pytest.raises(TargetBusyError):  # one holder: a third sync waits for the waiter
+        SafetensorsDirTarget(path, timeout=0)._acquire(exclusive=True)
+    second.release()
 
 
 def test_a_sync_planned_before_another_committed_is_refused_by_name(tmp_path):

@@ -125,7 +125,18 @@ class SafetensorsDirTarget(Target):
 
     def _acquire(self, *, exclusive: bool) -> _Lock | None:
         """Take the directory's lock (None: a shared lock where the lock file cannot be
-        opened, e.g. a read-only filesystem, where nobody can sync either)."""
+        opened, e.g. a read-only filesystem, where nobody can sync either). A lock taken on
+        a file that is no longer the lock file (a first sync that failed removed it while
+        this one waited) is let go and taken again on the file there now."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            lock = self._lock_once(exclusive, deadline)
+            if lock is None or lock.fd is None or _is_file(lock.fd, self._lock_path):
+                return lock
+            lock.exclusive = False  # nobody else finds this file: no record to erase
+            lock.release()
+
+    def _lock_once(self, exclusive: bool, deadline: float | None) -> _Lock | None:
         lock_path = self._lock_path
         flags = os.O_CLOEXEC | os.O_NOFOLLOW
         try:
@@ -143,7 +154,6 @@ class SafetensorsDirTarget(Target):
                 ) from None
         lock = _Lock(fd)
         mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         delay = 0.01
         try:
             while True:
@@ -321,14 +331,20 @@ class SafetensorsDirTarget(Target):
                 self._load(live) if live is not None and current is not None else ({}, {})
             )
         except BaseException:
-            lock.release()
+            self._release(lock)
             raise
         self._held = lock
         return _DirTransaction(self, tensors, layout, live, lock, held)
 
     def _release(self, lock: _Lock) -> None:
+        """Let the lock go; where the directory was never made (a first sync that failed),
+        its lock file goes too, removed while held (a sync waiting for it takes the lock
+        again on a new file, see :meth:`_acquire`)."""
         if self._held is lock:
             self._held = None
+        if lock.exclusive and not os.path.lexists(self.path):
+            with contextlib.suppress(OSError):
+                self._lock_path.unlink()
         lock.release()
 
     def _load(self, live: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -551,6 +567,15 @@ class _DirTransaction(_DictTransaction):
         lock, self._lock = self._lock, None
         if lock is not None:
             self._target._release(lock)
+
+
+def _is_file(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file at ``path`` (not one removed since)."""
+    try:
+        held, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _describe(resident: object) -> str:
