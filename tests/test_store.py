@@ -393,6 +393,38 @@ class TestLocalBackend:
         store.put("a/b/c", b"1")
         assert (tmp_path / "new" / "a" / "b" / "c").read_bytes() == b"1"
 
+    def test_deletes_leave_no_empty_directories(self, local_store: Store, tmp_path: Path) -> None:
+        root = tmp_path / "store"
+        local_store.put("objects/1/a/shard-0", b"1")
+        local_store.put("objects/1/a/shard-1", b"1")
+        local_store.put("objects/2/b/shard-0", b"2")
+        local_store.delete("objects/1/a/shard-0")
+        assert (root / "objects" / "1" / "a").is_dir()  # not empty yet
+        local_store.delete_many(["objects/1/a/shard-1"])
+        assert sorted(p.name for p in (root / "objects").iterdir()) == ["2"]
+        local_store.delete("objects/2/b/shard-0")
+        assert list(root.iterdir()) == []  # the root stays, empty
+        local_store.put("objects/2/b/shard-0", b"3")  # and is written into again
+        assert local_store.get("objects/2/b/shard-0") == b"3"
+
+    def test_a_write_racing_a_prune_makes_its_directory_again(
+        self, local_store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from dcr_format.store import _local
+
+        pruned = tmp_path / "store" / "objects" / "1"
+        real_open, raced = os.open, []
+
+        def pruned_first(path: str, *args: Any) -> int:
+            if not raced and os.path.dirname(path) == str(pruned):
+                raced.append(path)  # a delete empties and removes the directory just made
+                os.rmdir(pruned)
+            return real_open(path, *args)
+
+        monkeypatch.setattr(_local.os, "open", pruned_first)
+        local_store.put("objects/1/shard-0", b"1")
+        assert raced and local_store.get("objects/1/shard-0") == b"1"
+
     def test_no_temp_files_left(self, local_store: Store, tmp_path: Path) -> None:
         local_store.put("a/x", b"1")
         local_store.put("a/x", b"2")

@@ -54,6 +54,9 @@ def local_root(url: str | os.PathLike[str]) -> str | None:
     return os.path.abspath(os.path.expanduser(url))
 
 
+_MAKE_TRIES = 8  # makings of a write's directory that an empty-directory prune may undo
+
+
 def _is_within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
@@ -177,11 +180,19 @@ class LocalBackend:
                 fsync(os.path.dirname(directory))
 
     def _write_temp(self, directory: str, data: bytes) -> str:
-        """Write ``data`` durably to a new temporary file in ``directory``; return its path."""
-        self._makedirs(directory)
+        """Write ``data`` durably to a new temporary file in ``directory``; return its path.
+        A directory a delete removed (empty) between its making and the file's creation is
+        made again."""
         path = os.path.join(directory, TEMP_PREFIX + uuid.uuid4().hex)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        for attempt in range(_MAKE_TRIES):
+            try:
+                self._makedirs(directory)
+                fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+                break
+            except FileNotFoundError:
+                if attempt == _MAKE_TRIES - 1:
+                    raise
         try:
             view = memoryview(data).cast("B")
             while view:
@@ -287,8 +298,10 @@ class LocalBackend:
 
     def delete(self, key: str) -> None:
         # Resolve only the parent: deleting a symlink removes the link, not its target.
+        path = self._lexical(key)
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            os.unlink(self._lexical(key))
+            os.unlink(path)
+        self._prune(os.path.dirname(path))
 
     def delete_temporary(self, keys: builtins.list[str]) -> None:
         for key in keys:
@@ -296,6 +309,19 @@ class LocalBackend:
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 if stat.S_ISREG(os.lstat(path).st_mode):  # never a link or a directory
                     os.unlink(path)
+            self._prune(os.path.dirname(path))
+
+    def _prune(self, directory: str) -> None:
+        """Remove ``directory`` and its parents below the root while they are empty, so that
+        deleting a version's objects (gc) or a probe's (doctor) leaves no empty directories
+        behind. A write racing it makes its directory again (:meth:`_write_temp`)."""
+        root = self._real_root()
+        while directory != root and _is_within(directory, root):
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty (or gone, or not ours to remove): stop here
+                return
+            directory = os.path.dirname(directory)
 
     def delete_many(self, keys: builtins.list[str]) -> None:
         for key in keys:
