@@ -112,19 +112,21 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("publish", "{ckpt}", "--store", "{ckpt}"), USAGE, "publish into a store outside it"),
     (("publish", "{ckpt}", "--store", "{ckpt}/refit"), USAGE, "is inside the checkpoint"),
     # pull
-    (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("pull", *S, "--into", "{unmanaged}"), LIBRARY, "choose a new or empty path"),
     (("pull", *S, "--into", "{afile}"), USAGE, "is a file"),
     (("pull", *S, "--into", "{new}", "--version", "99"), LIBRARY, "0..6; run `dcr log`"),
-    (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "-1 is not in the range"),
+    (("pull", *S, "--into", "{new}", "--version", "-1"), USAGE, "'-1' is not a version number"),
+    (("pull", *S, "--into", "{new}", "--version", "v3"), USAGE, "versions are 0, 1, 2"),
     (("pull", *S, "--into", "{new}", "--wait", "-1"), USAGE, "'--wait': -1"),
     # log
     (("log", *S, "--limit", "0"), USAGE, "'--limit': 0 is not in the range"),
     (("log", *S, "--limit", "-1"), USAGE, "'--limit': -1 is not in the range"),
-    (("log", *S, "--since", "-1"), USAGE, "'--since': -1 is not in the range"),
+    (("log", *S, "--since", "-1"), USAGE, "'--since': '-1' is not a version number"),
     # show
     (("show", "99", *S), LIBRARY, "run `dcr log`"),
     (("show", "-1", *S), USAGE, "No such option '-1'"),
-    (("show", *S, "--", "-1"), USAGE, "-1 is not in the range"),
+    (("show", *S, "--", "-1"), USAGE, "'-1' is not a version number"),
+    (("show", "abc", *S), USAGE, "'abc' is not a version number: versions are 0, 1, 2, ..."),
     (("show", "1", *S, "--top", "-1"), USAGE, "'--top': -1 is not in the range"),
     (("show", "1", *S, "--sort", "size"), USAGE, "'size' is not one of"),
     # diff
@@ -134,7 +136,7 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     # replay
     (("replay", "99", *S, "--out", "{new}"), LIBRARY, "holds versions 0..6; run `dcr log`"),
     (("replay", "3", *S, "--out", "{afile}"), USAGE, "is a file"),
-    (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "pull into a new or empty path"),
+    (("replay", "3", *S, "--out", "{unmanaged}"), LIBRARY, "choose a new or empty path"),
     (("replay", "1", *S, "--out", "{at6}"), LIBRARY, "replay older versions into a new directory"),
     (("pull", "--store", "{other}", "--into", "{at6}"), LIBRARY, "pull or replay into a new dir"),
     (("replay", "3", *S, "--out", "{new}", "--cache-dir", "{afile}"), USAGE, "is a file"),
@@ -142,10 +144,10 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("verify", *S, "--from", "5", "--to", "2"), USAGE, "pass the older version to --from"),
     (("verify", *S, "--from", "99"), LIBRARY, "holds versions 0..6; pick one"),
     (("verify", *S, "--to", "99"), LIBRARY, "holds versions 0..6; pick one"),
-    (("verify", *S, "--from", "-1"), USAGE, "'--from': -1 is not in the range"),
+    (("verify", *S, "--from", "-1"), USAGE, "'--from': '-1' is not a version number"),
     # compact
     (("compact", *S, "--at", "99"), LIBRARY, "run `dcr log`"),
-    (("compact", *S, "--at", "-1"), USAGE, "'--at': -1 is not in the range"),
+    (("compact", *S, "--at", "-1"), USAGE, "'--at': '-1' is not a version number"),
     (("compact", *S, "--at", "3", "--shard-mb", "0"), USAGE, "'--shard-mb': 0 is not in"),
     # gc
     (("gc", *S, "--keep-last", "0"), USAGE, "'--keep-last': 0 is not in the range"),
@@ -162,7 +164,11 @@ CASES: list[tuple[tuple[str, ...], int, str]] = [
     (("plot", *S, "--out", "{new}/x.png"), USAGE, "create it or write the file elsewhere"),
     (("plot", *S, "--out", "{new}.png", "--dpi", "5"), USAGE, "'--dpi': 5 is not in"),
     (("plot", *S, "--out", "{new}.png", "--limit", "0"), USAGE, "'--limit': 0 is not in"),
-    (("plot", *S, "--out", "{new}.png", "--since", "-1"), USAGE, "'--since': -1 is not in"),
+    (
+        ("plot", *S, "--out", "{new}.png", "--since", "-1"),
+        USAGE,
+        "'--since': '-1' is not a version",
+    ),
     (("plot", *S, "--out", "{new}.png", "--since", "99"), LIBRARY, "pick one of those"),
     (("plot", "--store", "{nocommit}", "--out", "{new}.png"), LIBRARY, "version to plot; publish"),
     # demo

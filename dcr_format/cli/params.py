@@ -131,7 +131,26 @@ def one_line(text: Any) -> str:
     return " ".join(str(text).split())
 
 
-VERSION = click.IntRange(min=0)
+class _Version(click.ParamType[int, Any]):
+    """A version of the chain: a whole number from 0."""
+
+    name = "version"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        text = str(value).strip()
+        if text.isascii() and text.isdigit():
+            return int(text)
+        self.fail(
+            f"{value!r} is not a version number: versions are 0, 1, 2, ... "
+            "(`dcr log --store URL` lists them)",
+            param,
+            ctx,
+        )
+
+
+VERSION = _Version()
 """The type of every argument and option that names a version of the chain."""
 
 

@@ -208,14 +208,14 @@ class SafetensorsDirTarget(Target):
                 return real if real.is_dir() else None
             raise TargetLayoutError(
                 f"{self.path} is a link to {link}, not to a directory "
-                f"dcr manages under {store}; pull into a new or empty path"
+                f"dcr manages under {store}; choose a new or empty path"
             )
         if not self.path.exists():
             return None
         if self.path.is_dir() and not any(self.path.iterdir()):
             return None
         raise TargetLayoutError(
-            f"{self.path} is an existing directory not managed by dcr; pull into a new or "
+            f"{self.path} is an existing directory not managed by dcr; choose a new or "
             "empty path (dcr keeps it as a link to versioned directories)"
         )
 
