@@ -58,7 +58,17 @@ def test_aws_endpoint_from_the_environment_applies_to_s3_stores_only(store: str)
     assert refused.exit_code == 2 and "applies to s3:// stores" in refused.stderr
 
 
-_HEAVY = ("torch", "numba", "pydantic", "fsspec", "s3fs", "botocore", "aiobotocore", "boto3")
+_HEAVY = (
+    "torch",
+    "numpy",
+    "numba",
+    "pydantic",
+    "fsspec",
+    "s3fs",
+    "botocore",
+    "aiobotocore",
+    "boto3",
+)
 _COMMAND_MODULES = tuple(
     f"dcr_format.cli.{module}" for module in ("transfer", "browse", "maintain", "explore")
 )
