@@ -104,7 +104,9 @@ def test_version_and_log_import_only_what_they_need(store: str) -> None:
     # a local store: no S3 or fsspec client; and only the module that defines ``log``
     out, heavy, (enabled, frozen, _) = _heavy_modules("log", "--store", store)
     assert out.splitlines()[-1].startswith("1 ")
-    assert heavy == ["dcr_format.cli.browse", "pydantic"]
+    assert heavy == ["dcr_format.cli.browse", "pydantic"]  # no numpy, torch or numba
+    out, heavy, _ = _heavy_modules("show", "1", "--store", store)
+    assert "version 1" in out and heavy == ["dcr_format.cli.browse", "pydantic"], out
     # what the command imported is frozen, out of the collector's way; the work collects
     assert enabled and frozen > 10_000
     # a caller that runs the command in its own process keeps its collector as it was
