@@ -75,7 +75,8 @@ def _median(argv: list[str], repeat: int) -> tuple[float, float]:
 # seconds, the seconds numba's first-use setup took, and the package modules the commands
 # imported.
 _PROBE = """
-import json, sys, threading, time
+import json, os, sys, threading, time
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `dcr` sets it, before OpenMP loads
 sys.path.insert(0, {here!r})
 ckpt, store, cache, into, seed, rate, steps = sys.argv[1:8]
 import cli_bench, torch

@@ -58,22 +58,34 @@ def test_aws_endpoint_from_the_environment_applies_to_s3_stores_only(store: str)
     assert refused.exit_code == 2 and "applies to s3:// stores" in refused.stderr
 
 
-_HEAVY = ("torch", "numba", "pydantic", "fsspec", "s3fs", "botocore", "aiobotocore", "boto3")
+_HEAVY = (
+    "torch",
+    "numpy",
+    "numba",
+    "pydantic",
+    "fsspec",
+    "s3fs",
+    "botocore",
+    "aiobotocore",
+    "boto3",
+)
 _COMMAND_MODULES = tuple(
     f"dcr_format.cli.{module}" for module in ("transfer", "browse", "maintain", "explore")
 )
 
 
-def _heavy_modules(*argv: str) -> tuple[str, list[str], tuple[bool, int, str | None]]:
-    """What ``dcr ARGV`` prints, which heavy packages (``_HEAVY``) and command modules of
-    the CLI it imported, and whether its garbage collector is on after it, how many objects
-    it froze and the OpenMP wait policy it left for its kernels."""
+def _heavy_modules(
+    *argv: str, modules: tuple[str, ...] = _COMMAND_MODULES
+) -> tuple[str, list[str], tuple[bool, int, str | None]]:
+    """What ``dcr ARGV`` prints, which heavy packages (``_HEAVY``) and ``modules`` (the
+    command modules of the CLI) it imported, and whether its garbage collector is on after
+    it, how many objects it froze and the OpenMP wait policy it left for its kernels."""
     code = (
         "import gc, os, sys\n"
         "from dcr_format.cli.main import main\n"
         f"try:\n    main({list(argv)!r})\nexcept SystemExit:\n    pass\n"
         f"heavy = {{m.split('.')[0] for m in sys.modules}} & set({_HEAVY!r})\n"
-        f"heavy |= set(sys.modules) & set({_COMMAND_MODULES!r})\n"
+        f"heavy |= set(sys.modules) & set({modules!r})\n"
         "print(sorted(heavy))\n"
         "print((gc.isenabled(), gc.get_freeze_count(), os.environ.get('OMP_WAIT_POLICY')))\n"
     )
@@ -92,12 +104,27 @@ def test_version_and_log_import_only_what_they_need(store: str) -> None:
     # a local store: no S3 or fsspec client; and only the module that defines ``log``
     out, heavy, (enabled, frozen, _) = _heavy_modules("log", "--store", store)
     assert out.splitlines()[-1].startswith("1 ")
-    assert heavy == ["dcr_format.cli.browse", "pydantic"]
+    assert heavy == ["dcr_format.cli.browse", "pydantic"]  # no numpy, torch or numba
+    out, heavy, _ = _heavy_modules("show", "1", "--store", store)
+    assert "version 1" in out and heavy == ["dcr_format.cli.browse", "pydantic"], out
     # what the command imported is frozen, out of the collector's way; the work collects
     assert enabled and frozen > 10_000
     # a caller that runs the command in its own process keeps its collector as it was
     assert _invoke("log", "--store", store).exit_code == 0
     assert collector.isenabled() and collector.get_freeze_count() == 0
+
+
+def test_a_publish_restarted_on_its_cache_imports_no_reader(tmp_path: Path) -> None:
+    store, cache = str(tmp_path / "store"), ("--cache-dir", str(tmp_path / "cache"))
+    state = make_state(0)
+    ckpt = _checkpoint(tmp_path / "ckpt", state)
+    assert _invoke("publish", ckpt, "--store", store, *cache).exit_code == 0
+    step_state(state, torch.Generator().manual_seed(1))
+    _checkpoint(tmp_path / "ckpt", state)
+    reader = ("dcr_format.sync.reader", "dcr_format.sync._plan")
+    out, heavy, _ = _heavy_modules("publish", ckpt, "--store", store, *cache, modules=reader)
+    assert out.startswith("committed version 1 (delta)"), out
+    assert not set(heavy) & set(reader)  # the cache at the chain's version: nothing to replay
 
 
 def test_each_command_is_looked_up_in_the_module_that_defines_it() -> None:

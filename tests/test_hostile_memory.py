@@ -28,6 +28,7 @@ from dcr_format import DeltaWriter
 from dcr_format.codings.positions import encode_ranges, encode_rice
 from dcr_format.codings.registry import positions_bound
 from dcr_format.errors import SchemaError, ShardError
+from dcr_format.format import jsonscan
 from dcr_format.format.budget import DecodeBudget, default_budget_bytes
 from dcr_format.format.jsonscan import scan
 from dcr_format.format.schema import CommitRecord, Manifest, parse
@@ -121,6 +122,21 @@ def test_kind_limits_and_max_bytes():
 )
 def test_scan(data, refused):
     assert (scan(data) is not None) == refused
+
+
+def test_both_ways_of_finding_what_is_outside_strings_agree():
+    rng = np.random.default_rng(0)
+    cases = [b"", b'"', b'""', b'"abc', b'[1,"a"', b'{"a":"b"}x"y', b'"' * 1001]
+    cases += [bytes(rng.choice(list(b'"[]{},:'), size=n).tolist()) for n in (1, 7, 100, 5000)]
+    for chars in cases:
+        assert jsonscan._outside_by_split(chars) == jsonscan._outside_by_parity(chars), chars
+    # on each side of the size where the scan changes from one to the other
+    record = json.dumps({"a": ["x]{", 1] * 3000}).encode()
+    for size in (jsonscan._SPLIT_UP_TO - 1, jsonscan._SPLIT_UP_TO + 1):
+        data = record[:size]
+        assert jsonscan._skeleton(data) == jsonscan._STRING.sub(b"", data).translate(
+            None, jsonscan._NOT_STRUCTURE
+        )
 
 
 def test_scan_is_linear_on_unterminated_strings():

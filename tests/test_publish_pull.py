@@ -510,14 +510,12 @@ def test_restarted_writer_falls_back_to_replay_when_the_cache_is_corrupt(
     assert gets.count == 0
 
 
-def test_a_restarted_writer_checks_its_cache_by_sha256_not_by_fingerprints(
-    store_url, tmp_path, monkeypatch
-):
-    """Reopening at the cached version checks the cache file's sha256 and takes the
-    fingerprint lanes recorded with it, rather than reading every tensor for its
-    fingerprint (at the reopen and at the next publish); a byte changed in place is a miss
-    (replayed from the store), and a cache that records no sha256 is fingerprinted and
-    refused when its bits differ."""
+def test_a_restarted_writer_reads_its_cache_for_its_check_once(store_url, tmp_path, monkeypatch):
+    """The cache is written without being read back or hashed; reopening at the cached
+    version computes each tensor's fingerprint lanes once, checks them against the chain and
+    keeps them, so the next publish reads no tensor for its lanes; a byte changed in place
+    is a miss (replayed from the store), and so is a cache of another version's bits."""
+    import hashlib
     import json
 
     from dcr_format.publish import _canonical
@@ -525,38 +523,42 @@ def test_a_restarted_writer_checks_its_cache_by_sha256_not_by_fingerprints(
     cache = tmp_path / "cache"
     gen = torch.Generator().manual_seed(14)
     state, states = make_state(14), []
+    lanes_of: list[str] = []
+    real_lanes, real_digest = _canonical.tensor_lanes, hashlib.file_digest
+    digests: list[str] = []
+
+    def spy_lanes(tensor):  # type: ignore[no-untyped-def]
+        lanes_of.append("lanes")
+        return real_lanes(tensor)
+
+    def spy_digest(file, digest):  # type: ignore[no-untyped-def]
+        digests.append(getattr(file, "name", "?"))
+        return real_digest(file, digest)
+
+    monkeypatch.setattr(_canonical, "tensor_lanes", spy_lanes)
+    monkeypatch.setattr(hashlib, "file_digest", spy_digest)
     first = DeltaWriter(store_url, cache_dir=cache)
     _publish_run(first, state, gen, 2, states)
     folder = cache / first.chain.header.chain_id / "rank-00000-of-00001"
     cached, meta_path = folder / "baseline.safetensors", folder / "baseline.json"
-    fingerprinted: list[str] = []
-    real, real_lanes = _canonical.tensor_fingerprint, _canonical.tensor_lanes
-
-    def spy(tensor):  # type: ignore[no-untyped-def]
-        fingerprinted.append("x")
-        return real(tensor)
-
-    def spy_lanes(tensor):  # type: ignore[no-untyped-def]
-        fingerprinted.append("lanes")
-        return real_lanes(tensor)
-
-    monkeypatch.setattr(_canonical, "tensor_fingerprint", spy)
-    monkeypatch.setattr(_canonical, "tensor_lanes", spy_lanes)
     gets = _ShardGets(monkeypatch)
 
     def reopen() -> DeltaWriter:
         gets.count = 0
-        fingerprinted.clear()
+        lanes_of.clear()
         again = DeltaWriter(store_url, cache_dir=cache)
         assert again.version == len(states) - 1
         assert_same_bits(again.baseline, states[-1])
         return again
 
     again = reopen()
-    assert (gets.count, len(fingerprinted)) == (0, 0)  # the sha256 matched: nothing replayed
+    # one pass over each cached tensor, checked against the chain: nothing replayed
+    assert (gets.count, len(lanes_of)) == (0, len(states[-1]))
+    lanes_of.clear()
     changed = step_state(state, gen)
-    info = again.publish(state)  # new fingerprints from the recorded lanes and the diff
-    assert (info.version, info.changed_elements, fingerprinted) == (2, changed, [])
+    info = again.publish(state)  # new fingerprints from the kept lanes and the diff
+    assert (info.version, info.changed_elements, lanes_of) == (2, changed, [])
+    assert digests == []  # no file of the cache was read back to be hashed
     states.append(snapshot(state))
     target = StateDictTarget({})
     DeltaReader(store_url, target).sync()
@@ -567,13 +569,16 @@ def test_a_restarted_writer_checks_its_cache_by_sha256_not_by_fingerprints(
     damaged[-1] ^= 0x01  # the last byte of the last tensor's data
     cached.write_bytes(bytes(damaged))
     reopen()
-    assert gets.count > 0 and not fingerprinted  # refused by its sha256
+    assert gets.count > 0  # its fingerprints differ: replayed
+    # a cache of an older writer (lanes and sha256 recorded) is checked the same way
     meta = json.loads(meta_path.read_text())
-    del meta["sha256"]
+    meta.update(lanes={}, sha256="0" * 64)
     meta_path.write_text(json.dumps(meta))
     cached.write_bytes(good)
     reopen()
-    assert gets.count == 0 and len(fingerprinted) == len(states[2])  # checked the old way
-    cached.write_bytes(bytes(damaged))
+    assert gets.count == 0 and len(lanes_of) == len(states[2])
+    # bits of another version under this version's name: refused by the chain's fingerprints
+    meta_path.write_text(json.dumps({"version": 1}))
+    cached.write_bytes(good)  # version 2's bits
     reopen()
-    assert gets.count > 0  # its fingerprints differ: replayed
+    assert gets.count > 0

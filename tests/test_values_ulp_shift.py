@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from dcr_format.codings import rans, ulp, ulp_shift, values
-from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.delta.delta import DecodedDelta, apply_change, decode_delta, encode_tensor, resolve
 from dcr_format.errors import (
     ValuesError,
 )
 from dcr_format.format import features
 from dcr_format.format.dtypes import info_for
+from dcr_format.format.names import EXPONENT_FIELDS
 
 FEATURES = ["values-rans", "values-ulp", "values-ulp-shift"]
 CODINGS = features.EncodeOptions.allowing(FEATURES).codings

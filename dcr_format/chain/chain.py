@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Protocol
 
-from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.errors import (
     ChainBrokenError,
     ChecksumMismatchError,
@@ -35,7 +34,7 @@ from dcr_format.format.features import (
     VALUES_ULP_FEATURE,
     VALUES_ULP_SHIFT_FEATURE,
 )
-from dcr_format.format.names import CLASSED, ULP, ULP_SHIFT
+from dcr_format.format.names import CLASSED, EXPONENT_FIELDS, ULP, ULP_SHIFT
 from dcr_format.format.schema import (
     MAX_HEADER_JSON_BYTES,
     MAX_MANIFEST_JSON_BYTES,

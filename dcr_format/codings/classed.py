@@ -25,16 +25,10 @@ import numpy as np
 
 from dcr_format.codings import positions as _positions
 from dcr_format.errors import PositionsError
+from dcr_format.format.names import EXPONENT_FIELDS
 from dcr_format.kernels.native import compiled
 
 MAX_CLASSES = 16
-# (mantissa bits, exponent mask) of the dtypes with classes, by format dtype name
-EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
-    "bfloat16": (7, 0xFF),
-    "float16": (10, 0x1F),
-    "float32": (23, 0xFF),
-    "float64": (52, 0x7FF),
-}
 _HEADER = struct.Struct("<BH")  # K, base
 _RICE_HEADER = struct.Struct("<BQQ")  # the §6.2 header a class's body is decoded under
 

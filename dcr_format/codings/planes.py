@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcr_format.format.names import UNSIGNED_NP
+from dcr_format.format.npviews import UNSIGNED_NP
 
 
 def to_planes(values: np.ndarray) -> bytes:

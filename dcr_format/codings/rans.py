@@ -33,7 +33,7 @@ import numpy as np
 
 from dcr_format.codings.planes import from_planes, to_planes
 from dcr_format.errors import ValuesError
-from dcr_format.format.names import UNSIGNED_NP
+from dcr_format.format.npviews import UNSIGNED_NP
 from dcr_format.kernels.native import compiled
 
 PRECISION = 24  # constriction's default model precision (probabilities of 24 bits)

@@ -26,9 +26,9 @@ from types import ModuleType
 
 import numpy as np
 
-from dcr_format.codings.classed import EXPONENT_FIELDS
 from dcr_format.codings.rans import length_bytes, read_length
 from dcr_format.errors import ValuesError
+from dcr_format.format.names import EXPONENT_FIELDS
 from dcr_format.kernels.native import compiled
 
 _HEADER = struct.Struct("<H")

@@ -29,9 +29,9 @@ from dcr_format.format.names import (
     RANS,
     ULP,
     ULP_SHIFT,
-    UNSIGNED_NP,
     VALUE_CODINGS,
 )
+from dcr_format.format.npviews import UNSIGNED_NP
 
 _ESTIMATE_LEVEL = 1  # zstd level of the planes estimate a rans stream is compared with
 

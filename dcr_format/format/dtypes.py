@@ -9,7 +9,7 @@ import torch
 
 from dcr_format.errors import SchemaError, UnsupportedDtypeError
 from dcr_format.format.names import DTYPE_NAMES as DTYPE_NAMES  # re-exported
-from dcr_format.format.names import UNSIGNED_NP as UNSIGNED_NP  # re-exported
+from dcr_format.format.npviews import UNSIGNED_NP as UNSIGNED_NP  # re-exported
 
 
 @dataclass(frozen=True)

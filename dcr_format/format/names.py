@@ -1,13 +1,9 @@
 """The format's names that stored objects carry (dtypes, change ops, stream codings) and the
-unsigned numpy views of each element width: what the schema validates and the host-side
-stream codecs use, importable without torch (the ``dcr`` commands that only read records
-start faster)."""
+exponent fields of the float dtypes: what the schema validates and the chain checks,
+importable without torch or numpy (the ``dcr`` commands that only read records start
+faster)."""
 
 from __future__ import annotations
-
-from typing import Any
-
-import numpy as np
 
 DTYPE_NAMES: tuple[str, ...] = (
     "bool",
@@ -46,10 +42,11 @@ ULP = "ulp"
 ULP_SHIFT = "ulp-shift"
 """The value codings decoded against the old bits (FORMAT.md §7)."""
 
-UNSIGNED_NP: dict[int, np.dtype[Any]] = {
-    1: np.dtype("<u1"),
-    2: np.dtype("<u2"),
-    4: np.dtype("<u4"),
-    8: np.dtype("<u8"),
+EXPONENT_FIELDS: dict[str, tuple[int, int]] = {
+    "bfloat16": (7, 0xFF),
+    "float16": (10, 0x1F),
+    "float32": (23, 0xFF),
+    "float64": (52, 0x7FF),
 }
-"""numpy unsigned views of each width, used by the host-side stream codecs."""
+"""(mantissa bits, exponent mask) of the dtypes whose elements have ``classed`` position
+classes (FORMAT.md §6.5), by format dtype name."""

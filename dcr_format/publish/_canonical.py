@@ -30,7 +30,6 @@ from dcr_format.delta.fingerprint import (
     apply_lane_deltas,
     fingerprint_from_lanes,
     lanes_after_change,
-    tensor_fingerprint,
     tensor_lanes,
 )
 from dcr_format.delta.pipeline import encode_stream
@@ -53,7 +52,6 @@ from dcr_format.kernels.reference import Diff
 from dcr_format.publish._cache import BaselineCache
 from dcr_format.publish._part import Attempt, Tensors, Written, encoded_entry, pairs
 from dcr_format.publish._sharded import is_dtensor
-from dcr_format.sync.reader import DeltaReader
 from dcr_format.targets.dict import StateDictTarget
 
 
@@ -166,6 +164,8 @@ class CanonicalPart:
         version = latest.record.version
         found = self._from_cache(chain, version, owned)
         if found is None:
+            from dcr_format.sync.reader import DeltaReader  # a replay: not the usual restart
+
             target = StateDictTarget({})
             DeltaReader(chain.store, target, select=self.owns).sync(to=version)
             found = target, {}
@@ -182,33 +182,32 @@ class CanonicalPart:
         where the cache's are those of ``version``, or None."""
         if self.cache is None:
             return None
-        cached = self.cache.load(chain.header.chain_id)
-        if cached is None:
+        target = self.cache.load(chain.header.chain_id)
+        if target is None:
             return None
-        target = cached.target
-        try:
-            synced = DeltaReader(chain.store, target, select=self.owns, verify="all").sync(
-                to=version
-            )
-        except (IntegrityError, TargetError):
-            return None  # a stale or damaged cache: replay from the store instead
+        resident = target.resident()
+        if resident is None or resident.version != version:  # older: brought to it, checked
+            from dcr_format.sync.reader import DeltaReader
+
+            try:
+                DeltaReader(chain.store, target, select=self.owns, verify="all").sync(to=version)
+            except (IntegrityError, TargetError):
+                return None  # a stale or damaged cache: replay from the store instead
+            if set(target.tensors) != set(owned):
+                return None
+            return target, {}  # the sync checked the bits it made
         if set(target.tensors) != set(owned):
             return None
-        if synced.applied_versions:  # the sync checked the bits it made
-            return target, {}
-        # a cache already at `version` was not checked by the sync (nothing to apply): the
-        # lanes recorded with it stand for its bits where its file matched its sha256
-        if cached.lanes is not None:
-            lanes = cached.lanes
-            if any(
-                n not in lanes or _fingerprint(t, lanes[n]) != owned[n].fingerprint
-                for n, t in target.tensors.items()
+        # a cache at ``version``: its bits are checked by their fingerprint lanes against
+        # the chain's fingerprints, and the lanes kept for the next publish
+        lanes = {n: _cached_lanes(t) for n, t in target.tensors.items()}
+        for name, tensor in target.tensors.items():
+            found = lanes[name]
+            if found is None or owned[name].fingerprint != fingerprint_from_lanes(
+                tensor.dtype, tensor.shape, found
             ):
                 return None
-            return target, lanes
-        if any(_cached_fingerprint(t) != owned[n].fingerprint for n, t in target.tensors.items()):
-            return None
-        return target, {}
+        return target, {n: found for n, found in lanes.items() if found is not None}
 
     # --- publish --------------------------------------------------------------------------
 
@@ -364,21 +363,13 @@ class CanonicalPart:
         self._lanes = {name: change.lanes for name, change in pending.items()}
         self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
         if self.cache is not None:
-            self.cache.save(attempt.chain_id, attempt.version, self._baseline, self._lanes)
+            self.cache.save(attempt.chain_id, attempt.version, self._baseline)
 
 
-def _cached_fingerprint(tensor: torch.Tensor) -> str | None:
-    """Fingerprint of a tensor loaded from the cache (None for a dtype the format lacks)."""
+def _cached_lanes(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """Fingerprint lanes of a tensor loaded from the cache (None for a dtype the format
+    lacks)."""
     try:
-        return tensor_fingerprint(tensor)
-    except UnsupportedDtypeError:
-        return None
-
-
-def _fingerprint(tensor: torch.Tensor, lanes: tuple[int, ...]) -> str | None:
-    """Fingerprint of a tensor loaded from the cache with the lanes recorded for it (None
-    for a dtype the format lacks)."""
-    try:
-        return fingerprint_from_lanes(tensor.dtype, tensor.shape, lanes)
+        return tensor_lanes(tensor)
     except UnsupportedDtypeError:
         return None

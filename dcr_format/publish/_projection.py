@@ -45,8 +45,6 @@ from dcr_format.format.schema import PIECES_FEATURE, Entry, Manifest, PositionsR
 from dcr_format.format.schema import Piece as PieceInfo
 from dcr_format.format.shard import decode_shard
 from dcr_format.publish._part import Attempt, ShardWriter, Tensors, Written, pairs
-from dcr_format.sync._plan import stream_limits
-from dcr_format.sync.reader import DeltaReader
 from dcr_format.targets.dict import StateDictTarget
 
 _Region = tuple[str, int]  # canonical name, part
@@ -205,6 +203,8 @@ class ProjectionPart:
 
     def _restore_canonical(self, chain: Chain, latest: LoadedRecord) -> None:
         """Cut the local baselines from the canonical tensors of version ``latest``."""
+        from dcr_format.sync.reader import DeltaReader  # a restart's replay only
+
         names = {canonical for canonical, _ in self._regions}
         target = StateDictTarget({}, device=self.device)
         DeltaReader(chain.store, target, select=names.__contains__).sync(to=latest.record.version)
@@ -423,6 +423,8 @@ def _region_streams(
 ) -> dict[int, dict[int, dict[str, memoryview]]]:
     """The inflated shards holding the given entries' streams (only those), verified: by
     rank, then by shard index."""
+    from dcr_format.sync._plan import stream_limits  # a projection's restart only
+
     shards: dict[tuple[int, int], Manifest] = {}
     for manifest, entry in found:
         for ref in entry.streams:
