@@ -72,6 +72,21 @@ def test_a_refused_update_leaves_the_session_to_the_engine(tmp_path):
     assert [name for name, _ in client.calls] == ["start", "update"]
 
 
+def test_an_engine_that_refuses_to_start_the_update_raises_the_named_error(tmp_path):
+    sync, client = _sync(tmp_path)
+    sync.writer.publish({"w": torch.zeros(8, dtype=torch.bfloat16)})
+
+    def refuse() -> None:  # an engine never initialised (sync.init() not called)
+        client.calls.append(("start", None))
+        raise RuntimeError("the dcr weight-transfer engine is not initialised")
+
+    client.start_weight_update = refuse  # type: ignore[method-assign]
+    with pytest.raises(EngineUpdateError, match=r"version 0 .*engine is not initialised"):
+        sync.update(0)
+    # nothing is sent after a session that never started
+    assert [name for name, _ in client.calls] == ["start"]
+
+
 def test_publish_updates_the_engines_and_records_both_times(tmp_path):
     sync, client = _sync(tmp_path)
     assert sync.publish({"w": torch.zeros(8, dtype=torch.bfloat16)}, step=0) == 0

@@ -624,8 +624,10 @@ class DcrWeightSync(_Publisher):
         writer's chain holds, named to the engines, so that vLLM's ``/weight_info`` reports
         it).
 
-        A failed update leaves every engine at its previous version and still serving (vLLM
-        ends the update session itself); the error is raised here.
+        A failed update (an engine that refuses to start it, such as one not initialised, or
+        one that refuses the version) leaves every engine at its previous version and still
+        serving (vLLM ends the update session itself):
+        :class:`~dcr_format.errors.EngineUpdateError` with the engine's message.
         """
         if self.client is None:
             raise RuntimeError("this rank has no weight-sync client; rank 0 updates")
@@ -634,8 +636,8 @@ class DcrWeightSync(_Publisher):
         payload: dict[str, Any] = {"audit": audit}
         if version is not None:
             payload["version"] = int(version)
-        self.client.start_weight_update()
         try:
+            self.client.start_weight_update()
             self.client.update_weights(payload)
         except Exception as exc:
             goal = "the newest version" if version is None else f"version {version}"
