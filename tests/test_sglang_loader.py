@@ -173,3 +173,18 @@ def test_trainer_publishes_and_brings_the_engine_to_it(
         made = Path(own.report_dir or "")
         assert own.publish(_state(2), step=2) == 2 and made.is_dir()
     assert not made.exists()
+
+
+def test_a_pipeline_parallel_engine_is_refused_also_with_one_tensor_parallel_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCR_KERNELS", "torch")
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish(_state(0), step=0)
+    model = Fused()
+    model.load_weights(_state(0).items())
+    sizes = {"tp_size": 1, "tp_rank": 0, "pp_size": 2}
+    monkeypatch.setattr(dcr_sglang, "_parallel", lambda name, default: sizes.get(name, default))
+    init = {"store": store, "version": 0, "prefetch": False}
+    out = _ask(model, {"op": "init", "init_info": init}, tmp_path / "report")
+    assert not out["ok"] and "--pp-size 1" in out["error"]

@@ -246,14 +246,16 @@ def _tp_size() -> int:
 
 def _tp_group() -> Any:
     """SGLang's gloo group of this scheduler's tensor-parallel ranks (None without tensor
-    parallelism): the group SGLang itself coordinates its schedulers over, on CPU and GPU."""
-    if _tp_size() <= 1:
-        return None
+    parallelism): the group SGLang itself coordinates its schedulers over, on CPU and GPU.
+    Pipeline parallelism is refused, with one tensor-parallel rank too (a stage holds only
+    its layers)."""
     if int(_parallel("pp_size", 1)) > 1:
         raise TargetError(
             "dcr's SGLang loader does not run with pipeline parallelism; start the engine "
             "with --pp-size 1"
         )
+    if _tp_size() <= 1:
+        return None
     from sglang.srt.distributed.parallel_state import get_tp_group
 
     group = get_tp_group().cpu_group
