@@ -76,8 +76,7 @@ def test_weight_sync_drives_an_llm_actor(tmp_path: Path, local_ray: Any) -> None
         # a trainer actor can hold the client: it pickles as its handles
         assert ray.cloudpickle.loads(ray.cloudpickle.dumps(sync.client)).handles == [actor]
         sync.init()
-        # the handle, then vLLM's own Ray client over the same actor (driven without its
-        # accelerator synchronisation, which fails on a trainer process without one)
+        # the handle, then vLLM's own Ray client over the same actor (dcr drives its handles)
         clients = [sync, DcrWeightSync(trainer.writer, RayVLLMWeightSyncClient(actor), info)]
         for step, driver in enumerate(clients, start=1):
             trainer.step()

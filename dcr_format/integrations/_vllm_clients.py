@@ -48,8 +48,7 @@ class _UpdateRequest:
 class RayClient:
     """Ray actors holding an ``LLM`` or ``AsyncLLM`` as one weight-sync client: each call
     goes to every actor and waits for all. The engines have applied a version when
-    ``update_weights`` returns (dcr's transfer is read from the store inside the call), so
-    nothing is synchronised on the trainer's side, which may have no accelerator.
+    ``update_weights`` returns (dcr's transfer is read from the store inside the call).
     Picklable: it holds only the actor handles."""
 
     def __init__(self, handles: list[Any]) -> None:
@@ -82,9 +81,8 @@ def _is_actor(obj: object) -> bool:
 def as_client(client: Any) -> Any:
     """``client`` as a ``VLLMWeightSyncClient``: an ``LLM`` is adapted; a Ray actor handle
     of an ``LLM``/``AsyncLLM`` (or a list of them), and vLLM's ``RayVLLMWeightSyncClient``
-    (its handles), are driven by dcr's Ray client, which makes the same calls without
-    synchronising an accelerator on the trainer's side; anything else with the four
-    methods (the HTTP client) is used as is."""
+    (its handles), are driven by dcr's Ray client, which makes the same calls; anything
+    else with the four methods (the HTTP client) is used as is."""
     if hasattr(client, "llm_engine"):
         return LLMClient(client)
     handles = client if isinstance(client, list) else [client]
