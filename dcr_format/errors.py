@@ -270,5 +270,6 @@ class TargetNotUpdatableError(TargetError):
 
 
 class EngineUpdateError(DcrError, RuntimeError):
-    """An inference engine did not reach the requested version (its message says why); an
-    engine driven through the dcr backend then keeps its previous weights and serves on."""
+    """An inference engine did not reach the requested version, or could not start dcr (its
+    message says why); an engine driven through the dcr backend then keeps its previous
+    weights and serves on."""

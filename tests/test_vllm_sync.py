@@ -87,6 +87,17 @@ def test_an_engine_that_refuses_to_start_the_update_raises_the_named_error(tmp_p
     assert [name for name, _ in client.calls] == ["start"]
 
 
+def test_an_engine_that_cannot_start_dcr_raises_the_named_error_with_its_reason(tmp_path):
+    sync, client = _sync(tmp_path)
+
+    def refuse(init_info: dict[str, Any]) -> None:  # as vLLM's HTTP client: status only
+        raise OSError("500 Server Error: Internal Server Error for url: /init")
+
+    client.init_weight_transfer_engine = refuse  # type: ignore[method-assign]
+    with pytest.raises(EngineUpdateError, match=r"did not start dcr .*500 Server Error"):
+        sync.init()
+
+
 def test_publish_updates_the_engines_and_records_both_times(tmp_path):
     sync, client = _sync(tmp_path)
     assert sync.publish({"w": torch.zeros(8, dtype=torch.bfloat16)}, step=0) == 0

@@ -599,9 +599,20 @@ class DcrWeightSync(_Publisher):
             self.client = as_client(self.client)
 
     def init(self) -> None:
-        """``init_weight_transfer_engine`` on every engine (opens the store, prewarms)."""
-        if self.client is not None:
+        """``init_weight_transfer_engine`` on every engine (opens the store, prewarms).
+
+        An engine that cannot start dcr (the store unreachable, weights it cannot update in
+        place, a checkpoint that is not a version of the chain) raises
+        :class:`~dcr_format.errors.EngineUpdateError` with the engine's message.
+        """
+        if self.client is None:
+            return
+        try:
             self.client.init_weight_transfer_engine(self.init_info.to_dict())
+        except Exception as exc:
+            raise EngineUpdateError(
+                f"the engines did not start dcr and kept their weights: {engine_message(exc)}"
+            ) from exc
 
     def _update_published(self, version: int) -> None:
         if self.client is not None:
