@@ -189,6 +189,13 @@ def test_a_sync_waiting_on_a_removed_lock_file_locks_the_new_one(tmp_path):
     second.release()
 
 
+def test_a_filesystem_whose_files_change_identity_still_gives_a_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(targets, "_is_file", lambda fd, path: False)
+    lock = SafetensorsDirTarget(tmp_path / "ckpt", timeout=1)._acquire(exclusive=True)
+    assert isinstance(lock, targets._Lock) and lock.fd is not None  # no endless relocking
+    lock.release()
+
+
 def test_a_sync_planned_before_another_committed_is_refused_by_name(tmp_path):
     store, path = str(tmp_path / "store"), tmp_path / "ckpt"
     writer, state, gen, _ = _chain(store, 1)

@@ -45,6 +45,7 @@ _FILE_NAME = re.compile(CHECKPOINT_FILE_NAME)
 
 
 _UNSET = object()
+_RELOCKS = 16  # locks taken again on a lock file removed and made anew meanwhile
 
 
 class _Lock:
@@ -129,12 +130,15 @@ class SafetensorsDirTarget(Target):
         a file that is no longer the lock file (a first sync that failed removed it while
         this one waited) is let go and taken again on the file there now."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
+        for _ in range(_RELOCKS):
             lock = self._lock_once(exclusive, deadline)
             if lock is None or lock.fd is None or _is_file(lock.fd, self._lock_path):
                 return lock
             lock.exclusive = False  # nobody else finds this file: no record to erase
             lock.release()
+        # a filesystem whose files do not keep their identity between two looks: the lock
+        # as it is taken
+        return self._lock_once(exclusive, deadline)
 
     def _lock_once(self, exclusive: bool, deadline: float | None) -> _Lock | None:
         lock_path = self._lock_path
