@@ -1,5 +1,5 @@
 """Reader records' keys (FORMAT.md §3.6): ``readers/<id>.json``, the parts of a record
-(``<id>.part<k>.json``), and reading one within its size limit.
+(``<id>.part<k>.json``), reading one within its size limit, and which ones writers honour.
 
 Readers write them (:mod:`dcr_format.sync._commit`), writers read them
 (:mod:`dcr_format.publish._commit`), ``dcr readers`` lists and removes them
@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from dcr_format.chain.chain import sha256_hex
+from dcr_format.errors import FormatError, StoreError
 from dcr_format.format.schema import MAX_READER_JSON_BYTES, ReaderRecord, parse
 from dcr_format.store.store import Store
 
@@ -52,3 +53,21 @@ def load_reader_record(store: Store, key: str) -> ReaderRecord:
     not a valid record); whether its ``reader_id`` names its key is the caller's check.
     """
     return parse(ReaderRecord, store.get(key, max_size=MAX_READER_JSON_BYTES), what=key)
+
+
+def honoured_record(store: Store, key: str) -> tuple[str, ReaderRecord | None, str | None]:
+    """The object at ``key`` under ``readers/`` as writers take it (FORMAT.md §3.6): (its
+    record id, the record, None) where they honour it, else (its id or name, None, why they
+    skip it: not a record's key, unreadable, over its size limit, not a valid record, or
+    naming another reader than its key)."""
+    match = READER_KEY.match(key)
+    if match is None:
+        return key.removeprefix(READERS_PREFIX), None, f"{key} is not a reader record's key"
+    record_id = match.group(1)
+    try:
+        record = load_reader_record(store, key)
+    except (StoreError, FormatError) as exc:
+        return record_id, None, f"{type(exc).__name__}: {exc}"
+    if record.reader_id != record_id:
+        return record_id, None, f"{key} names reader {record.reader_id!r}, not its key"
+    return record_id, record, None

@@ -30,12 +30,11 @@ from dcr_format.chain.chain import (
     manifest_key,
     sha256_hex,
 )
-from dcr_format.chain.readers import READER_KEY, READERS_PREFIX, load_reader_record
+from dcr_format.chain.readers import READERS_PREFIX, honoured_record
 from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
     CommitStateUnknownError,
-    FormatError,
     IncompleteVersionError,
     ObjectExistsError,
     ObjectNotFoundError,
@@ -290,20 +289,15 @@ def read_reader_records(store: Store) -> ReaderWishes:
     features = WRITER_FEATURES
     limiting: set[str] = set()
     for key in sorted(keys):
-        match = READER_KEY.match(key)
-        if match is None:
+        _, record, _ = honoured_record(store, key)  # past its size limit: skipped unread
+        if record is None:
             continue
-        try:
-            record = load_reader_record(store, key)  # past its size limit: skipped unread
-        except (StoreError, FormatError):
-            continue
-        if record.reader_id == match.group(1):
-            names.update(record.overwrite)
-            if not record.reads_baseline:
-                reads = frozenset(record.baseline_names or ())
-                baseline = reads if baseline is None else baseline & reads
-            lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
-            features -= lacks
-            if lacks or not record.reads_baseline:
-                limiting.add(record.reader_id)
+        names.update(record.overwrite)
+        if not record.reads_baseline:
+            reads = frozenset(record.baseline_names or ())
+            baseline = reads if baseline is None else baseline & reads
+        lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
+        features -= lacks
+        if lacks or not record.reads_baseline:
+            limiting.add(record.reader_id)
     return ReaderWishes(frozenset(names), baseline, features, tuple(sorted(limiting)))

@@ -24,13 +24,12 @@ from typing import Literal
 from dcr_format.chain.chain import utc_now
 from dcr_format.chain.readers import (
     PART_ID,
-    READER_KEY,
     READERS_PREFIX,
     RECORD_REFRESH_SECONDS,
-    load_reader_record,
+    honoured_record,
     part_id,
 )
-from dcr_format.errors import ArgumentError, CapabilityError, FormatError, StoreError
+from dcr_format.errors import ArgumentError, CapabilityError
 from dcr_format.format.features import WRITER_FEATURES
 from dcr_format.format.schema import ReaderRecord
 from dcr_format.store.store import ObjectInfo, Store, open_store
@@ -96,22 +95,6 @@ def _written(record: ReaderRecord | None, info: ObjectInfo) -> datetime | None:
     return datetime.fromisoformat(record.updated)
 
 
-def _read(store: Store, info: ObjectInfo) -> tuple[str, ReaderRecord | None, str | None]:
-    """(id, record, problem) of one object under ``readers/``."""
-    match = READER_KEY.match(info.key)
-    if match is None:
-        name = info.key.removeprefix(READERS_PREFIX)
-        return name, None, f"{info.key} is not a reader record's key"
-    record_id = match.group(1)
-    try:
-        record = load_reader_record(store, info.key)
-    except (StoreError, FormatError) as exc:
-        return record_id, None, f"{type(exc).__name__}: {exc}"
-    if record.reader_id != record_id:
-        return record_id, None, f"{info.key} names reader {record.reader_id!r}, not its key"
-    return record_id, record, None
-
-
 def _owner(record_id: str, ids: set[str]) -> str | None:
     """The record ``record_id`` is a part of, where that record is listed (``ids``)."""
     match = PART_ID.match(record_id)
@@ -167,7 +150,7 @@ def readers(store: Store | str, *, now: datetime | None = None) -> ReadersReport
     now = now or utc_now()
     found = {}
     for info in object_infos(store, READERS_PREFIX):
-        record_id, record, problem = _read(store, info)
+        record_id, record, problem = honoured_record(store, info.key)
         found[record_id] = (record_id, info, record, problem)
     ids = set(found)
     groups: dict[str, list[tuple[str, ObjectInfo, ReaderRecord | None, str | None]]] = {}
