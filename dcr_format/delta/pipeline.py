@@ -31,6 +31,10 @@ Where the pool's threads are as many as numba's, each codes with the serial twin
 the kernels (:func:`dcr_format.kernels._launch.serial_kernels`): the pool then fills the
 cores and a parallel region would only contend with it. On a 1 GB model on two vCPUs
 that took a publish from 0.46 to 0.40 s at 1% change and from 1.11 to 0.80 s at 5%.
+Small tensors (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`) are coded on the
+calling thread, in their turn, while the pool codes the large ones: their coding is
+mostly Python, which a second thread only slows (the two hand the interpreter's lock to
+each other).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +59,7 @@ from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.features import BASELINE_CODINGS, NO_CODINGS, EncodeOptions
 from dcr_format.kernels.native import compiled
 from dcr_format.kernels.reference import OVERWRITE, Diff
-from dcr_format.system.pools import kept_pool
+from dcr_format.system.pools import ONE_THREAD_ELEMENTS, kept_pool
 
 if TYPE_CHECKING:
     from dcr_format.delta.delta import EncodedTensor
@@ -284,6 +289,17 @@ def _code_one(
         return next(_pipelined([item], advanced, rows, options))
 
 
+def _now(code: Callable[[], tuple[Any, EncodedTensor]]) -> Future[tuple[Any, EncodedTensor]]:
+    """``code()`` run on this thread, as a finished future: its error, if any, comes out in
+    its tensor's turn, as a pool's would."""
+    done: Future[tuple[Any, EncodedTensor]] = Future()
+    try:
+        done.set_result(code())
+    except Exception as exc:  # handed over in its turn, as the pool's are
+        done.set_exception(exc)
+    return done
+
+
 def _pooled(
     first: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
     rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
@@ -292,7 +308,7 @@ def _pooled(
     options: Options,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
-    yielded in order.
+    yielded in order; small ones coded on this thread as they are queued.
     Whatever ends the stream (its end, an error, the caller closing it), every tensor in
     flight has finished before control returns: none advances its baseline later."""
     threads = CODING_THREADS
@@ -308,7 +324,10 @@ def _pooled(
                 if item is None:
                     break
                 picked = _options_of(options, item[0])
-                pending.append(pool.submit(_code_one, item, advanced, rows, serial, picked))
+                if item[1].numel() <= ONE_THREAD_ELEMENTS:
+                    pending.append(_now(partial(_code_one, item, advanced, rows, None, picked)))
+                else:
+                    pending.append(pool.submit(_code_one, item, advanced, rows, serial, picked))
             if not pending:
                 return
             yield pending.popleft().result()

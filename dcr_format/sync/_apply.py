@@ -56,7 +56,7 @@ from dcr_format.sync._fetch import Early, FetchedStep, SyncBudget, fetch_step
 from dcr_format.sync._plan import StepPlan, SyncPlan
 from dcr_format.sync._state import ApplyState, PreparedVersion
 from dcr_format.system.memory import give_back_freed
-from dcr_format.system.pools import kept_pool
+from dcr_format.system.pools import ONE_THREAD_ELEMENTS, kept_pool
 from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.claim import claim_target
 from dcr_format.targets.protocol import Transaction
@@ -83,36 +83,42 @@ class EarlyApply:
     gives_back: bool = False
     _apply: Callable[[Entry, Delta], None] | None = None
     _applying: ThreadPoolExecutor | None = None
+    _applying_small: ThreadPoolExecutor | None = None
     _given: list[Future[None]] = field(default_factory=list)
     _failed: list[BaseException] = field(default_factory=list)
 
     def start(self, sync: ApplyState, apply: Callable[[Entry, Delta], None]) -> None:
         """The transaction is open: apply the changes held so far, and each one given (on
-        a pool kept for the process: its threads keep their memory from sync to sync)."""
+        pools kept for the process: their threads keep their memory from sync to sync)."""
         self.sync, self._apply = sync, apply
         self._applying = kept_pool("dcr-apply", self.threads)
+        # small tensors on one thread of their own: their apply is mostly Python, which a
+        # second thread only slows (ONE_THREAD_ELEMENTS)
+        self._applying_small = kept_pool("dcr-apply", 1)
         ready, self.ready = self.ready, []
         for entry, delta in ready:
             self.give(entry, delta)
 
     def give(self, entry: Entry, delta: Delta) -> None:
-        """Apply one change on the pool once the transaction is open (else hold it); raises
+        """Apply one change on a pool once the transaction is open (else hold it); raises
         an earlier change's failure instead."""
         if self._failed:
             raise self._failed[0]
-        if self._applying is None:
+        if self._applying is None or self._applying_small is None:
             self.ready.append((entry, delta))
-        else:
-            self._given.append(self._applying.submit(self._run, entry, [delta]))
+            return
+        small = math.prod(entry.shape) <= ONE_THREAD_ELEMENTS
+        pool = self._applying_small if small else self._applying
+        self._given.append(pool.submit(self._run, entry, [delta], not small))
 
-    def _run(self, entry: Entry, box: list[Delta]) -> None:
+    def _run(self, entry: Entry, box: list[Delta], pooled: bool) -> None:
         delta = box.pop()  # held by nothing else once applied
         if self._failed:
             return  # the sync fails: the rest is not applied
         assert self._apply is not None
         try:
             # several of the pool's threads fill the cores already
-            with serial_kernels() if self.threads > 1 else contextlib.nullcontext():
+            with serial_kernels() if pooled and self.threads > 1 else contextlib.nullcontext():
                 self._apply(entry, delta)
         except BaseException as exc:
             self._failed.append(exc)
