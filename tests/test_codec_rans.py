@@ -602,6 +602,49 @@ def test_compiled_estimates_count_each_candidates_table_as_the_reference() -> No
         assert np.array_equal(got - base + sizes, rans._tables_bytes(distinct, sizes))
 
 
+def test_compiled_least_estimate_is_the_first_least_of_all_estimates() -> None:
+    """The compiled choice estimates only the table sizes its entropy bound does not rule
+    out: its pick and estimate are still the first least of every candidate's estimate,
+    across widths, value spreads and counts (ties and near ties included)."""
+    from dcr_format.codings import _rans_kernels
+
+    if rans._native() is None:
+        pytest.skip("numba is not usable here")
+    rng = np.random.default_rng(29)
+    for trial in range(400):
+        width = int(rng.choice([1, 2, 4, 8]))
+        n = int(rng.integers(1, 3000))
+        kind = trial % 4
+        if kind == 0:
+            data = rng.geometric(rng.uniform(0.02, 0.9), n)
+        elif kind == 1:
+            data = rng.integers(0, int(rng.integers(1, 600)), n)
+        elif kind == 2:
+            data = rng.zipf(rng.uniform(1.2, 3.0), n)
+        else:  # small values and a tail of large ones (XOR bits)
+            tail = rng.integers(0, 1 << min(62, 8 * width - 1), max(1, n // 7))
+            data = np.concatenate([rng.geometric(0.3, n), tail])
+        values = (data.astype(np.int64) % (1 << min(62, 8 * width))).astype(f"<u{width}")
+        distinct, counts = _rans_kernels._distinct(values, width)
+        order = np.lexsort((distinct, -counts))[: rans.MAX_TABLE]
+        ranks = np.argsort(np.argsort(distinct))[order].astype(np.int64)
+        distinct, counts = distinct[order], counts[order].astype(np.int64)
+        sizes = np.array(
+            sorted({int(s) for s in rans._TABLE_SIZES if s <= distinct.size} | {distinct.size})
+        )
+        bits = rans._sizes_bits(values.size, sizes).astype(np.int64)
+        every = _rans_kernels.estimates(distinct, counts, ranks, values.size, width, sizes, bits)
+        by_value = _rans_kernels._ascending(ranks, int(sizes[-1]))
+        best, least = _rans_kernels._least(
+            distinct, counts, by_value, values.size, width, sizes, bits
+        )
+        assert (best, least) == (int(np.argmin(every)), every.min())
+        table, _, q, estimate = _rans_kernels.choose(
+            values, width, rans._TABLE_SIZES_NP, rans.MAX_TABLE, rans.WRITER_MODEL_BITS
+        )
+        assert (table.size, q, estimate) == (sizes[best], bits[best], least)
+
+
 @pytest.mark.parametrize("bits", [17, 24])
 def test_precisions_above_the_writers_decode_by_search(bits: int) -> None:
     data = ulp_like(16, 4000)

@@ -118,6 +118,50 @@ def _ascending(order: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - c
     return ranks
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _estimate_of(
+    distinct: np.ndarray,
+    counts: np.ndarray,
+    by_value: np.ndarray,
+    total: int,
+    width: int,
+    size: int,
+    q: int,
+) -> np.int64:  # pragma: no cover - compiled
+    """The estimated stream size in bytes of the table of the first ``size`` values of
+    ``distinct`` (table order) at precision ``q`` (FORMAT.md §7.4); ``by_value`` holds the
+    indices into the table order of (at least) those values, in value order: the table
+    steps come from one walk of them that skips the values past ``size``."""
+    all_counts, freqs = _quantized(counts, size, total, q)
+    coded = 0.0
+    for j in range(size + 1):
+        if all_counts[j] > 0:
+            coded += all_counts[j] * (q - np.log2(np.float64(freqs[j])))
+    words = np.int64(np.ceil(coded / 32)) + 1
+    freq_bytes = 0
+    for j in range(size):
+        freq_bytes += _varint_len(np.uint64(freqs[j]))
+    table_bytes = 0
+    first = True
+    previous = np.uint64(0)
+    for j in range(by_value.size):
+        at = by_value[j]
+        if at >= size:  # not among this candidate's values
+            continue
+        value = distinct[at]
+        table_bytes += _varint_len(value if first else value - previous - np.uint64(1))
+        previous = value
+        first = False
+    return np.int64(
+        2
+        + table_bytes
+        + freq_bytes
+        + _varint_len(np.uint64(words))
+        + 4 * words
+        + width * all_counts[size]
+    )
+
+
 @njit(cache=True, nogil=True)
 def estimates(
     distinct: np.ndarray,
@@ -133,44 +177,91 @@ def estimates(
     is in table order (most frequent first), ``order`` holds the values' ranks by value
     (any increasing numbering), and a candidate's table is its first ``size`` values: the
     values of the largest candidate are sorted once, and each candidate's table steps come
-    from one walk of them that skips the values past its size."""
+    from one walk of them that skips the values past its size (:func:`_estimate_of`)."""
     out = np.empty(sizes.size, dtype=np.int64)
     most = 0
     for r in range(sizes.size):
         most = max(most, sizes[r])
     by_value = _ascending(order, most)  # indices into the table order, values increasing
     for r in range(sizes.size):
-        size = sizes[r]
-        q = bits[r]
-        all_counts, freqs = _quantized(counts, size, total, q)
-        coded = 0.0
-        for j in range(size + 1):
-            if all_counts[j] > 0:
-                coded += all_counts[j] * (q - np.log2(np.float64(freqs[j])))
-        words = np.int64(np.ceil(coded / 32)) + 1
-        freq_bytes = 0
-        for j in range(size):
-            freq_bytes += _varint_len(np.uint64(freqs[j]))
-        table_bytes = 0
-        first = True
-        previous = np.uint64(0)
-        for j in range(most):
-            at = by_value[j]
-            if at >= size:  # not among this candidate's values
-                continue
-            value = distinct[at]
-            table_bytes += _varint_len(value if first else value - previous - np.uint64(1))
-            previous = value
-            first = False
-        out[r] = (
-            2
-            + table_bytes
-            + freq_bytes
-            + _varint_len(np.uint64(words))
-            + 4 * words
-            + width * all_counts[size]
-        )
+        out[r] = _estimate_of(distinct, counts, by_value, total, width, sizes[r], bits[r])
     return out
+
+
+@njit(cache=True, nogil=True)
+def _by_value(order: np.ndarray, size: int, ranks: int) -> np.ndarray:  # pragma: no cover
+    """The indices ``j < size`` ordered by ``order[j]`` (distinct ranks below ``ranks``):
+    :func:`_ascending` of ``order[:size]`` without a sort, by placing each index at its
+    rank."""
+    at_rank = np.full(ranks, -1, dtype=np.int64)
+    for j in range(size):
+        at_rank[order[j]] = j
+    out = np.empty(size, dtype=np.int64)
+    k = 0
+    for r in range(ranks):
+        if at_rank[r] >= 0:
+            out[k] = at_rank[r]
+            k += 1
+    return out
+
+
+_BOUND_MARGIN = 1e-9  # relative slack of the entropy bound over the estimate's rounding
+
+
+@njit(cache=True, nogil=True)
+def _least(
+    distinct: np.ndarray,
+    counts: np.ndarray,
+    by_value: np.ndarray,
+    total: int,
+    width: int,
+    sizes: np.ndarray,
+    bits: np.ndarray,
+) -> tuple[int, np.int64]:  # pragma: no cover - compiled
+    """The index of the least of :func:`estimates` (the first on ties) and that estimate,
+    without computing the estimates that a lower bound already rules out (``sizes``
+    increasing; ``by_value`` as :func:`_estimate_of` takes it, for the largest size).
+
+    A candidate's symbols coded under any frequencies that sum to at most ``2**q`` take at
+    least their empirical entropy in bits (Gibbs' inequality), here that of its table's
+    counts and its escapes, less a margin far above the rounding of either sum; its table
+    and frequencies take at least a byte a value. A candidate whose bound exceeds the least
+    estimate found so far cannot be the least, nor tie with it; the others (the one of
+    least bound first) are estimated exactly, as :func:`estimates` does."""
+    n = sizes.size
+    bound = np.empty(n, dtype=np.int64)
+    whole = total * np.log2(np.float64(total))
+    slack = _BOUND_MARGIN * whole + 1e-6
+    tallied = np.int64(0)  # the counts of the values before the current one
+    weighed = 0.0  # the sum of c * log2(c) over them
+    r = 0
+    for j in range(sizes[n - 1] + 1):
+        while r < n and sizes[r] == j:
+            escapes = total - tallied
+            entropy = whole - weighed
+            if escapes > 1:
+                entropy -= escapes * np.log2(np.float64(escapes))
+            floor = entropy - slack
+            words = np.int64(1)
+            if floor > 0:
+                words = np.int64(np.ceil(floor / 32)) + 1
+            bound[r] = 2 + 2 * j + _varint_len(np.uint64(words)) + 4 * words + width * escapes
+            r += 1
+        if j < counts.size:
+            c = counts[j]
+            tallied += c
+            if c > 1:
+                weighed += c * np.log2(np.float64(c))
+    first = int(np.argmin(bound))
+    best = first
+    least = _estimate_of(distinct, counts, by_value, total, width, sizes[first], bits[first])
+    for r in range(n):
+        if r == first or bound[r] > least:
+            continue
+        estimate = _estimate_of(distinct, counts, by_value, total, width, sizes[r], bits[r])
+        if estimate < least or (estimate == least and r < best):
+            best, least = r, estimate
+    return best, least
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -679,14 +770,16 @@ def choose(
     """The whole of :func:`dcr_format.codings.rans.choose_model` (FORMAT.md §7.4) in one call:
     the histogram, most frequent first (smaller value on ties), cut at ``max_table``; the
     candidate table sizes (``table_sizes`` up to the number of distinct values, and that
-    number); their precisions and estimates (:func:`estimates`); the first of least estimate
-    quantized. Returns the table (increasing, uint64), its frequencies (escape last), the
-    precision and the estimate. ``values`` must not be empty."""
+    number); their precisions and the first of least estimate (:func:`estimates`, of which
+    :func:`_least` computes only those a bound does not rule out), quantized. Returns the
+    table (increasing, uint64), its frequencies (escape last), the precision and the
+    estimate. ``values`` must not be empty."""
     distinct, counts = _distinct(values, width)
     # most frequent first, ties by value (the distinct values increase with their index):
     # by what each count leaves of the total, below 2**28
     # (:data:`dcr_format.codings.rans.MAX_VALUES`)
-    order = _ascending(values.size - counts, distinct.size)[:max_table]
+    distinct_count = distinct.size
+    order = _ascending(values.size - counts, distinct_count)[:max_table]
     distinct, counts = distinct[order], counts[order]
     n = distinct.size
     total = values.size
@@ -704,11 +797,12 @@ def choose(
     bits = np.empty(used, dtype=np.int64)
     for r in range(used):
         bits[r] = min(max_bits, max(total_length, _bit_length(sizes[r] + 1) + 1))
-    estimate = estimates(distinct, counts, order, total, width, sizes, bits)
-    best = int(np.argmin(estimate))
+    ranks = distinct_count
+    by_value = _by_value(order, sizes[used - 1], ranks)  # indices of the largest, by value
+    best, least = _least(distinct, counts, by_value, total, width, sizes, bits)
     size, q = sizes[best], bits[best]
     _, freqs = _quantized(counts, size, total, q)
-    by_value = _ascending(order, size)  # the table by value: by index in the histogram
+    by_value = _by_value(order, size, ranks)  # the table by value: by index in the histogram
     table = np.empty(size, dtype=np.uint64)
     ordered = np.empty(size + 1, dtype=np.int64)
     for j in range(size):
@@ -716,7 +810,7 @@ def choose(
         table[j] = distinct[at]
         ordered[j] = freqs[at]
     ordered[size] = freqs[size]
-    return table, ordered, q, estimate[best]
+    return table, ordered, q, least
 
 
 @njit(cache=True, nogil=True)
