@@ -816,3 +816,33 @@ def test_diff_scratch_is_kept_per_thread_and_dropped_past_its_cap(monkeypatch):
     monkeypatch.setattr(native, "_POOL_BYTES", 1000)
     native.diff(small_old[:10], small_new[:10], 0, (True, True), table, 2)
     assert native._POOL.arrays == {}  # reached no further, but what stays is past the cap
+
+
+def test_diff_scratch_of_a_repeated_call_is_the_pools_own_arrays():
+    """A diff of the same length, dtype and outputs as the last one takes the same scratch
+    arrays at once; once a longer diff (or the cap) remade the pool's arrays, the next call
+    takes views of the new ones, never the arrays the pool let go."""
+    pool = native._Pool()
+    first, nbytes = pool.scratch(100, np.dtype(np.uint16), (True, False))
+    assert [a.shape[0] for a in first] == [100, 100, 0] and nbytes == 8 + 2
+    again, _ = pool.scratch(100, np.dtype(np.uint16), (True, False))
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    pool.scratch(1000, np.dtype(np.uint16), (True, True))  # remakes the arrays
+    later, nbytes = pool.scratch(100, np.dtype(np.uint16), (True, False))
+    assert nbytes == 10 and not np.shares_memory(later[0], first[0])
+    assert np.shares_memory(later[0], pool.arrays[0, np.dtype(np.int64)])
+    pool.reached = 1 << 40
+    pool._cap(8)  # past the cap: dropped, and so is the last call's scratch
+    assert pool.arrays == {} and pool.last is None
+
+
+def test_flat_keeps_a_one_dimensional_tensor_and_flattens_others():
+    """:func:`flat` is ``reshape(-1)``, without the reshape where there is nothing to do."""
+    from dcr_format.format.dtypes import flat, flat_bits
+
+    line = torch.arange(6, dtype=torch.int16)
+    assert flat(line) is line
+    grid = line.reshape(2, 3)
+    assert torch.equal(flat(grid), line) and flat(grid).data_ptr() == line.data_ptr()
+    halves = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert flat_bits(halves).dtype == torch.int16 and flat_bits(halves).shape == (6,)

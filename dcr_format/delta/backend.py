@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from dcr_format.errors import ArgumentError, DcrError
-from dcr_format.format.dtypes import bits_view
+from dcr_format.format.dtypes import bits_view, flat
 from dcr_format.kernels import reference
 from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
 from dcr_format.system.environ import getenv
@@ -239,7 +239,7 @@ class Backend:
         check_pair(old, new)
         if advance and not old.is_contiguous():
             raise ValueError("advance needs a contiguous old tensor (it is written in place)")
-        old, new = old.reshape(-1), new.reshape(-1)
+        old, new = flat(old), flat(new)
         fused = self._fused_diff(old, new, want_new, want_xor, base, lanes, advance)
         if fused is not None:
             return fused

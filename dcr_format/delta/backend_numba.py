@@ -20,6 +20,7 @@ import torch
 
 from dcr_format.delta.backend import NUMBA, ULP, Backend, check_op, check_segments, lane_count
 from dcr_format.delta.fingerprint import native_table
+from dcr_format.format.dtypes import flat
 from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
 
 # bit-view dtypes the compiled loops take (``bits_view`` gives these)
@@ -35,12 +36,13 @@ _MODES = {OVERWRITE: 0, XOR: 1, ULP: 2}  # the compiled kernels' modes (codings/
 
 def _unsigned(tensor: torch.Tensor) -> np.ndarray:
     """The numpy unsigned view of a contiguous CPU bit view (shares its memory)."""
-    return tensor.detach().numpy().view(_NATIVE_DTYPES[tensor.dtype])
+    held = tensor.detach() if tensor.requires_grad else tensor  # .numpy() refuses grad
+    return held.numpy().view(_NATIVE_DTYPES[tensor.dtype])
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
     """Whether the loops take these tensors: all on the CPU with a bit-view dtype."""
-    return all(t.device.type == "cpu" and t.dtype in _NATIVE_DTYPES for t in tensors)
+    return all(t.is_cpu and t.dtype in _NATIVE_DTYPES for t in tensors)
 
 
 def _applies(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> bool:
@@ -91,7 +93,7 @@ class NumbaBackend(Backend):
         (``advance``: ``old``, contiguous, takes the new bits in that pass)."""
         if not _takes(old, new):
             return None
-        old, new = old.reshape(-1).contiguous(), new.reshape(-1).contiguous()
+        old, new = flat(old).contiguous(), flat(new).contiguous()
         width = old.element_size()
         (positions, new_bits, xor_bits), deltas = self.native.diff(
             _unsigned(old),

@@ -52,6 +52,7 @@ from dcr_format.format.dtypes import (
     DtypeInfo,
     bits_to_numpy,
     bits_view,
+    flat_bits,
     info_for,
     numpy_to_bits,
 )
@@ -249,17 +250,18 @@ def encode_diff(
         assert picked is not None
         host = (to_host(positions), to_host(picked))
     at = host[0].numpy()
+    xor_bits = bits_to_numpy(host[1])  # the XOR bits (new bits for overwrite), on the host
     plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
     pos_coding, pos_bytes = None, None
     new_rows = None
     if op in (None, XOR) and _classed_wanted(new, baseline, options):  # host[1]: the XOR bits
         runs = None
-        if new.device.type == "cpu":
+        if new.is_cpu:
             coded, new_rows, runs = encode_classed_counted(
                 at,
-                bits_to_numpy(bits_view(new).reshape(-1)),
+                bits_to_numpy(flat_bits(new)),
                 info_for(new.dtype).name,
-                xor=bits_to_numpy(host[1]),
+                xor=xor_bits,
                 after=None if new_values is None else bits_to_numpy(new_values.cpu()),
                 rows=rows,
             )
@@ -277,7 +279,6 @@ def encode_diff(
         if plain is None:
             plain = PositionsChoice(at)
         pos_coding, pos_bytes = plain.coding, plain.encode()
-    xor_bits = bits_to_numpy(host[1])
     allowed = options.codings
     dtype = info_for(new.dtype).name
     if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
@@ -329,8 +330,10 @@ def _device_ulp_of_change(
     """The zigzag ulp differences of a change (and, ``want_old``, its old bits) computed on
     the tensors' device by the Triton kernels (:meth:`Backend.ulp_on_device`), then fetched
     to the host for the entropy coder; None where they do not run there."""
-    flat = bits_view(new).reshape(-1)
-    if found.xor_values is None or not backend.ulp_on_device(flat):
+    if found.xor_values is None:
+        return None
+    flat = flat_bits(new)
+    if not backend.ulp_on_device(flat):
         return None
     new_values = found.new_values
     z, old = backend.ulp_of_change(
@@ -390,7 +393,7 @@ def _classed_wanted(
     return (
         CLASSED in options.codings
         and info_for(new.dtype).name in EXPONENT_FIELDS
-        and (new.device.type == "cpu" or (baseline is not None and baseline.device == new.device))
+        and (new.is_cpu or (baseline is not None and baseline.device == new.device))
     )
 
 

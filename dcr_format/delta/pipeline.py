@@ -55,7 +55,7 @@ import torch
 from dcr_format.codings.ulp import FLOAT_DTYPES
 from dcr_format.delta.backend import Backend, PendingDiff
 from dcr_format.delta.backends import backend_for
-from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.dtypes import flat_bits, info_for
 from dcr_format.format.features import BASELINE_CODINGS, NO_CODINGS, EncodeOptions
 from dcr_format.kernels.native import compiled
 from dcr_format.kernels.reference import OVERWRITE, Diff
@@ -146,7 +146,7 @@ class DeviceDiffPipeline:
         state = _State(key, op)
         if op == FULL or old is None or old.dtype != new.dtype or old.shape != new.shape:
             return state
-        new_bits, old_bits = bits_view(new).reshape(-1), bits_view(old).reshape(-1)
+        new_bits, old_bits = flat_bits(new), flat_bits(old)
         want_xor = op != OVERWRITE
         state.backend = backend = backend_for(old_bits, new_bits)
         state.stream = self._stream_for(new_bits.device)

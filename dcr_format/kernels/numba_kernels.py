@@ -279,6 +279,7 @@ TASK = 1 << 18  # elements per parallel task of the fused diff (a 1M tensor span
 _GROUP = 64  # elements compared into one 64-bit mask
 _SPARSE_MIN_BYTES = 1 << 22  # numpy's own threshold for huge-page advice (4 MiB)
 _POOL_BYTES = 1 << 26  # scratch a thread keeps faulted in between diffs (64 MiB)
+_INT64 = np.dtype(np.int64)  # the positions' dtype
 _SERIAL_GATHER_BYTES = 1 << 20  # outputs below this are gathered without a parallel region
 SLAB = 1 << 26  # elements per pass of the fused diff
 
@@ -397,12 +398,36 @@ class _Pool(threading.local):
         self.arrays: dict[tuple[int, np.dtype[Any]], np.ndarray] = {}
         self.reach = np.zeros(0, dtype=np.int64)
         self.reached = 0  # the sum of ``reach``
+        # the last call's three scratch arrays and their bytes per output, by its (length,
+        # dtype, want): a stream of tensors of one shape asks for the same ones every time;
+        # dropped whenever an array is replaced or the pool is
+        self.last: tuple[Any, tuple[np.ndarray, np.ndarray, np.ndarray], int] | None = None
 
     def get(self, slot: int, n: int, dtype: np.dtype[Any]) -> np.ndarray:
         held = self.arrays.get((slot, dtype))
         if held is None or held.shape[0] < n:
+            self.last = None
             held = self.arrays[slot, dtype] = _sparse_empty(n, dtype)
         return held[:n]
+
+    def scratch(
+        self, n: int, dtype: np.dtype[Any], want: tuple[bool, bool]
+    ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], int]:
+        """The three output arrays of a diff of ``n`` elements of ``dtype`` (positions,
+        and the new and XOR bits where ``want`` asks for them, else empty) and the bytes
+        they take per output."""
+        key = (n, dtype, want)
+        last = self.last
+        if last is not None and last[0] == key:
+            return last[1], last[2]
+        arrays = (
+            self.get(0, n, _INT64),
+            self.get(1, n if want[0] else 0, dtype),
+            self.get(2, n if want[1] else 0, dtype),
+        )
+        nbytes = sum(a.itemsize for a in arrays if a.shape[0])
+        self.last = (key, arrays, nbytes)
+        return arrays, nbytes
 
     def keep(self, counts: np.ndarray, nbytes: int) -> None:
         """Note the outputs a call wrote (``nbytes`` per output); drop the pool past its cap."""
@@ -424,6 +449,7 @@ class _Pool(threading.local):
 
     def _cap(self, nbytes: int) -> None:
         if self.reached * nbytes > _POOL_BYTES:
+            self.last = None
             self.arrays.clear()
             self.reach = np.zeros(0, dtype=np.int64)
             self.reached = 0
@@ -488,20 +514,18 @@ def _diff_slab(
     counts = np.zeros(tasks, dtype=np.int64)
     lane_out = np.zeros((tasks, 3), dtype=np.uint64)
     # as long as the input, but only each task's written prefix is ever touched
-    scratch = (
-        _POOL.get(0, n, np.dtype(np.int64)),
-        _POOL.get(1, n if want[0] else 0, old.dtype),
-        _POOL.get(2, n if want[1] else 0, old.dtype),
-    )
+    pool = _POOL
+    scratch, nbytes = pool.scratch(n, old.dtype, want)
     args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
     _launch(_diff, tasks, *args)
     if tasks == 1:  # most tensors: one task's prefix is the whole output
         total = int(counts[0])
-        _POOL.keep_one(total, sum(a.itemsize for a in scratch if a.shape[0]))
-        one = tuple(a[:total].copy() for a in scratch)
-        return (one[0], one[1], one[2]), _finish_lanes(lane_out, lanes)
+        pool.keep_one(total, nbytes)
+        positions, new_bits, xor_bits = scratch
+        found = (positions[:total].copy(), new_bits[:total].copy(), xor_bits[:total].copy())
+        return found, _finish_lanes(lane_out, lanes)
     found = _gather_tasks(scratch, counts)
-    _POOL.keep(counts, sum(a.itemsize for a in scratch if a.shape[0]))
+    pool.keep(counts, nbytes)
     return found, (_finish_lanes(lane_out, lanes) if lanes else ())
 
 
