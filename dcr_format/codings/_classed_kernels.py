@@ -515,7 +515,10 @@ def class_ranks(
     tasks = starts.shape[0] - 1
     if old_at.size != positions.size or (new_at is not None and new_at.size != positions.size):
         raise ValueError("old_at and new_at must have one element per position")
-    bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
+    if tasks == 1 and (positions.size == 0 or positions[-1] < TASK):  # one task takes all
+        bounds = np.array([0, positions.size], dtype=np.int64)
+    else:
+        bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     low = _low_base(base, mask)
     classes = np.empty(positions.size, dtype=np.uint8)  # K <= 16: a byte (8x less to write)
     _classes_at(old_at, shift, mask, low, count, classes)
@@ -527,7 +530,7 @@ def class_ranks(
     adjacent = np.zeros(tasks, dtype=np.int64)
     args = (bits, positions, classes, moved, shift, mask, low, count, starts, bounds)
     _launch(_ranks, tasks, *args, ranks, adjacent)
-    return classes, ranks, int(adjacent.sum())
+    return classes, ranks, int(adjacent[0] if tasks == 1 else adjacent.sum())
 
 
 # --- pass 2, reader: the positions of the wanted ranks -----------------------------------

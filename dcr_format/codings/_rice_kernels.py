@@ -123,6 +123,8 @@ def rice_stats(pos: np.ndarray, klo: int, khi: int) -> tuple[np.ndarray, int, in
         best_t,
     )
     longest = _longest_run(runs_t, head_t, tail_t, best_t)
+    if tasks == 1:  # most calls (a small tensor's positions): the task's own row
+        return part[0, : khi - klo + 1], int(runs_t[0]), int(widest_t[0]), int(longest)
     sums = part.sum(axis=0)[: khi - klo + 1]
     return sums, int(runs_t.sum()), int(widest_t.max()), int(longest)
 

@@ -302,7 +302,8 @@ def encode_classed_counted(
     else:
         after_rows = rows
         changed = np.bincount(exponents(bits[positions], dtype), minlength=mask + 1)
-    base, count = choose_classes(rows.sum(axis=0), changed)
+    # the histogram over every element: one row (a tensor of one task) is its own sum
+    base, count = choose_classes(rows[0] if rows.shape[0] == 1 else rows.sum(axis=0), changed)
     if native is not None:
         starts = native.class_starts(rows, base, count)
         if xor is None:
@@ -332,10 +333,11 @@ def encode_classed_counted(
 def class_sizes(changed: np.ndarray, base: int, count: int) -> np.ndarray:
     """How many changes each of the ``count`` classes from ``base`` holds, from
     ``changed``, the histogram of the changes' old exponents (int64)."""
-    ends = np.cumsum(changed)  # ends[e]: the changes of exponent e or below
-    top = changed.size - 1
-    below = [int(ends[min(base + c, top)]) if base + c >= 0 else 0 for c in range(count - 1)]
-    return np.diff(np.array([0, *below, int(ends[-1])], dtype=np.int64))
+    ends = np.cumsum(changed).tolist()  # ends[e]: the changes of exponent e or below
+    top = len(ends) - 1
+    below = [ends[min(base + c, top)] if base + c >= 0 else 0 for c in range(count - 1)]
+    bounds = [0, *below, ends[-1]]  # at most 17 Python ints: no array until the result
+    return np.array([bounds[c + 1] - bounds[c] for c in range(count)], dtype=np.int64)
 
 
 def classed_stream(
