@@ -602,6 +602,27 @@ def test_compiled_estimates_count_each_candidates_table_as_the_reference() -> No
         assert np.array_equal(got - base + sizes, rans._tables_bytes(distinct, sizes))
 
 
+def test_compiled_frequency_order_is_the_sort_by_what_each_count_leaves() -> None:
+    """The compiled table order (a counting sort where the counts are small, else a sort of
+    keys) is the stable sort by decreasing count: ties keep the smaller value first."""
+    from dcr_format.codings import _rans_kernels
+
+    if rans._native() is None:
+        pytest.skip("numba is not usable here")
+    rng = np.random.default_rng(31)
+    for trial in range(300):
+        n = int(rng.integers(1, 600))
+        if trial % 3 == 0:  # a few large counts: the sort of keys
+            counts = rng.integers(1, 1 << 20, n)
+        else:  # mostly ones and twos, many ties
+            counts = rng.geometric(rng.uniform(0.2, 0.9), n)
+        counts = counts.astype(np.int64)
+        expected = np.lexsort((np.arange(n), -counts))
+        got = _rans_kernels._most_frequent_first(counts)
+        assert np.array_equal(got, expected)
+        assert np.array_equal(got, _rans_kernels._ascending(int(counts.sum()) - counts, n))
+
+
 def test_compiled_least_estimate_is_the_first_least_of_all_estimates() -> None:
     """The compiled choice estimates only the table sizes its entropy bound does not rule
     out: its pick and estimate are still the first least of every candidate's estimate,

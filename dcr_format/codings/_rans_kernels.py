@@ -189,6 +189,37 @@ def estimates(
 
 
 @njit(cache=True, nogil=True)
+def _most_frequent_first(counts: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """The indices of ``counts`` (positive) by decreasing count, ties by index: the order
+    of :func:`_ascending` of what each count leaves of their total. Where the counts are
+    small next to their number (a step's changes: mostly ones and twos), a counting sort
+    by count; else that sort of keys."""
+    n = counts.size
+    most = np.int64(0)
+    for j in range(n):
+        most = max(most, counts[j])
+    if most > 4 * n + 64:
+        total = np.int64(0)
+        for j in range(n):
+            total += counts[j]
+        return _ascending(total - counts, n)
+    starts = np.zeros(most + 1, dtype=np.int64)  # by most - count: the largest count first
+    for j in range(n):
+        starts[most - counts[j]] += 1
+    at = np.int64(0)
+    for k in range(most + 1):
+        held = starts[k]
+        starts[k] = at
+        at += held
+    out = np.empty(n, dtype=np.int64)
+    for j in range(n):  # in index order: ties keep it
+        k = most - counts[j]
+        out[starts[k]] = j
+        starts[k] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
 def _by_value(order: np.ndarray, size: int, ranks: int) -> np.ndarray:  # pragma: no cover
     """The indices ``j < size`` ordered by ``order[j]`` (distinct ranks below ``ranks``):
     :func:`_ascending` of ``order[:size]`` without a sort, by placing each index at its
@@ -779,7 +810,7 @@ def choose(
     # by what each count leaves of the total, below 2**28
     # (:data:`dcr_format.codings.rans.MAX_VALUES`)
     distinct_count = distinct.size
-    order = _ascending(values.size - counts, distinct_count)[:max_table]
+    order = _most_frequent_first(counts)[:max_table]
     distinct, counts = distinct[order], counts[order]
     n = distinct.size
     total = values.size
