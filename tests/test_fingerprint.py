@@ -348,3 +348,22 @@ def test_accelerator_evaluation_matches_reference_on_cpu(name, monkeypatch):
     for n in SIZES:
         tensor = random_tensor(name, (n,), seed=200 + n)
         assert tensor_fingerprint(tensor) == reference_fingerprint(tensor)
+
+
+def test_fingerprint_from_lanes_is_its_definition_on_every_call():
+    """The kept hash of a (dtype, shape) prefix gives the §9.1 string on the first call and
+    on later ones, for any lanes, and shapes given as lists or sizes alike."""
+
+    for dtype, shape, lanes in (
+        (torch.bfloat16, (64, 256), (5, 7)),
+        (torch.float32, (3,), (1, 2)),
+        (torch.float64, (), (1, 2, 3)),
+    ):
+        name = fp.info_for(dtype).name
+        dims = ",".join(str(d) for d in shape)
+        digest = hashlib.sha256(f"dcr-fp-1\0{name}\0{dims}\0".encode())
+        digest.update(struct.pack(f"<{len(lanes)}Q", *lanes))
+        expected = digest.hexdigest()[:32]
+        for form in (torch.Size(shape), list(shape), tuple(shape)):
+            assert fp.fingerprint_from_lanes(dtype, form, lanes) == expected
+        assert fp.fingerprint_from_lanes(dtype, shape, (lanes[0] + 1, *lanes[1:])) != expected

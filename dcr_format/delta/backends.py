@@ -40,10 +40,11 @@ def backend_for(*tensors: torch.Tensor) -> Backend:
     """The backend of an operation on ``tensors`` (see the module's rules; reads
     ``DCR_KERNELS`` once). Raises :class:`KernelsUnavailableError` for ``triton`` where
     Triton cannot run on these tensors."""
-    return _choose(
-        all(t.device.type == "cuda" for t in tensors),
-        all(t.device.type == "cpu" for t in tensors),
-    )
+    on_cuda = on_cpu = True  # is_cuda/is_cpu: no device object built per tensor
+    for t in tensors:
+        on_cuda = on_cuda and t.is_cuda
+        on_cpu = on_cpu and t.is_cpu
+    return _choose(on_cuda, on_cpu)
 
 
 def backend_on(device: torch.device | str) -> Backend:

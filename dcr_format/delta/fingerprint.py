@@ -40,6 +40,7 @@ import hashlib
 import struct
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -283,13 +284,24 @@ def apply_lane_deltas(lanes: Iterable[int], deltas: Iterable[int]) -> tuple[int,
 
 def fingerprint_from_lanes(dtype: torch.dtype, shape: Iterable[int], lanes: Iterable[int]) -> str:
     """The fingerprint string of a tensor of ``dtype`` and ``shape`` with these lanes."""
-    info = info_for(dtype)
-    dims = ",".join(str(d) for d in shape)
+    dims = tuple(shape)
+    prefix = _PREFIXES.get((dtype, dims))
+    if prefix is None:  # the hash of the dtype and shape, kept: a model has few shapes
+        info = info_for(dtype)
+        prefix = hashlib.sha256()
+        prefix.update(f"dcr-fp-1\0{info.name}\0{','.join(str(d) for d in dims)}\0".encode())
+        if len(_PREFIXES) >= _MAX_PREFIXES:
+            _PREFIXES.clear()
+        _PREFIXES[dtype, dims] = prefix
     values = list(lanes)
-    digest = hashlib.sha256()
-    digest.update(f"dcr-fp-1\0{info.name}\0{dims}\0".encode())
+    digest = prefix.copy()
     digest.update(struct.pack(f"<{len(values)}Q", *values))
     return digest.hexdigest()[:32]
+
+
+# fingerprint_from_lanes's hash of each (dtype, shape) prefix, copied for every tensor
+_PREFIXES: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}
+_MAX_PREFIXES = 4096
 
 
 def _lanes(tensor: torch.Tensor) -> list[int]:
