@@ -623,8 +623,9 @@ def _batched(staged: dict[str, Staged]) -> dict[str, Staged]:
     out = dict(staged)
     for names in groups.values():
         batch, views = batch_staged([staged[n].bits for n in names])
-        for name, view in zip(names, views, strict=True):
-            out[name] = replace(staged[name], bits=view, batch=batch, names=tuple(names))
+        members = tuple(names)  # one tuple the batch's changes share
+        for name, view in zip(members, views, strict=True):
+            out[name] = replace(staged[name], bits=view, batch=batch, names=members)
     return out
 
 
