@@ -521,11 +521,13 @@ def resolve(
     positions = delta.positions
     rows: np.ndarray | None = None  # the exponent rows the classed positions decoded against
     before: np.ndarray | None = None  # the old bits at the positions, where the select read them
+    last: int | None = None  # the last position, where the host has it at hand
     if delta.classed is not None and flat.device.type == "cpu":
         held = bits_to_numpy(flat)
         if delta.ulp and delta.shift is not None:
             before = np.empty(sum(delta.classed.counts), dtype=held.dtype)
         found, rows = decode_classed_at(delta.classed, delta.rows, held, info.name, before)
+        last = int(found[-1]) if found.size else -1
         positions = torch.from_numpy(found).to(delta.values.device)
     elif delta.classed is not None:  # the class passes on the tensor's device
         positions = device_positions(delta.classed, flat, info.name, backend)
@@ -533,7 +535,9 @@ def resolve(
     assert positions is not None
     values = delta.values
     if delta.ulp:
-        if positions.numel() and int(positions[-1]) >= flat.numel():
+        if last is None:  # (reading one element of a tensor costs more than of an array)
+            last = int(positions[-1]) if positions.numel() else -1
+        if last >= flat.numel():
             raise PositionsError("a position of the change is past the end of the tensor")
         if delta.shift is None:  # stepped while applying, or turned into XOR bits here
             stepped = DecodedDelta(delta.op, positions, values, ulp=True, rows=rows)

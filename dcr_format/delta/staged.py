@@ -62,18 +62,26 @@ class StagedBatch:
 def batch_staged(changes: Sequence[StagedChange]) -> tuple[StagedBatch, list[StagedChange]]:
     """``changes`` (on one device, of one bit width) end to end, and each change again as
     views of the batch (so their bits are held once)."""
-    starts = [0]
+    starts, sizes = [0], []
     for change in changes:
-        starts.append(starts[-1] + int(change.positions.numel()))
+        sizes.append(int(change.positions.numel()))
+        starts.append(starts[-1] + sizes[-1])
     batch = StagedBatch(
         torch.cat([c.positions.reshape(-1) for c in changes]),
         torch.cat([c.before.reshape(-1) for c in changes]),
         torch.cat([c.after.reshape(-1) for c in changes]),
         np.array(starts, dtype=np.int64),
     )
+    # each change's views of the batch, cut by one split of each of its three tensors
     views = [
-        StagedChange(batch.positions[lo:hi], batch.before[lo:hi], batch.after[lo:hi], c.lane_deltas)
-        for c, lo, hi in zip(changes, starts[:-1], starts[1:], strict=True)
+        StagedChange(positions, before, after, c.lane_deltas)
+        for c, positions, before, after in zip(
+            changes,
+            torch.split(batch.positions, sizes),
+            torch.split(batch.before, sizes),
+            torch.split(batch.after, sizes),
+            strict=True,
+        )
     ]
     return batch, views
 

@@ -68,9 +68,11 @@ class EarlyApply:
     """A sync's taking of its changes as they are decoded (:meth:`Applying._resolver`).
 
     ``alone``, a reader on its own, opens the transaction once everything is verified and
-    from then on applies each change on the process's apply pool (:meth:`start`,
-    :meth:`give`, :meth:`finish`; it waits for its own changes only, so readers may share
-    the pool); the first failure there stops the rest and is raised."""
+    from then on applies each change as it is given (:meth:`start`, :meth:`give`,
+    :meth:`finish`): a large tensor's on the process's apply pool (it waits for its own
+    changes only, so readers may share the pool), a small one's on the calling thread in
+    its turn (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`); the first failure
+    there stops the rest and is raised."""
 
     alone: bool
     audit: bool  # the sync was asked to audit
@@ -83,33 +85,36 @@ class EarlyApply:
     gives_back: bool = False
     _apply: Callable[[Entry, Delta], None] | None = None
     _applying: ThreadPoolExecutor | None = None
-    _applying_small: ThreadPoolExecutor | None = None
     _given: list[Future[None]] = field(default_factory=list)
     _failed: list[BaseException] = field(default_factory=list)
 
     def start(self, sync: ApplyState, apply: Callable[[Entry, Delta], None]) -> None:
-        """The transaction is open: apply the changes held so far, and each one given (on
-        pools kept for the process: their threads keep their memory from sync to sync)."""
+        """The transaction is open: apply the changes held so far, and each one given (a
+        large tensor's on a pool kept for the process: its threads keep their memory from
+        sync to sync)."""
         self.sync, self._apply = sync, apply
         self._applying = kept_pool("dcr-apply", self.threads)
-        # small tensors on one thread of their own: their apply is mostly Python, which a
-        # second thread only slows (ONE_THREAD_ELEMENTS)
-        self._applying_small = kept_pool("dcr-apply", 1)
         ready, self.ready = self.ready, []
         for entry, delta in ready:
             self.give(entry, delta)
 
     def give(self, entry: Entry, delta: Delta) -> None:
-        """Apply one change on a pool once the transaction is open (else hold it); raises
-        an earlier change's failure instead."""
+        """Apply one change once the transaction is open (else hold it): a small tensor's
+        here, a large one's on the pool; raises an earlier change's failure instead.
+
+        A small tensor's apply is mostly Python between short compiled calls: on another
+        thread it would only take the interpreter's lock in turns with this one, and
+        handing it over (a future, a queue, a wake-up) costs about as much again
+        (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`)."""
         if self._failed:
             raise self._failed[0]
-        if self._applying is None or self._applying_small is None:
+        if self._applying is None:
             self.ready.append((entry, delta))
             return
-        small = math.prod(entry.shape) <= ONE_THREAD_ELEMENTS
-        pool = self._applying_small if small else self._applying
-        self._given.append(pool.submit(self._run, entry, [delta], not small))
+        if math.prod(entry.shape) <= ONE_THREAD_ELEMENTS:
+            self._run(entry, [delta], False)
+            return
+        self._given.append(self._applying.submit(self._run, entry, [delta], True))
 
     def _run(self, entry: Entry, box: list[Delta], pooled: bool) -> None:
         delta = box.pop()  # held by nothing else once applied
@@ -618,8 +623,9 @@ def _batched(staged: dict[str, Staged]) -> dict[str, Staged]:
     out = dict(staged)
     for names in groups.values():
         batch, views = batch_staged([staged[n].bits for n in names])
-        for name, view in zip(names, views, strict=True):
-            out[name] = replace(staged[name], bits=view, batch=batch, names=tuple(names))
+        members = tuple(names)  # one tuple the batch's changes share
+        for name, view in zip(members, views, strict=True):
+            out[name] = replace(staged[name], bits=view, batch=batch, names=members)
     return out
 
 

@@ -45,6 +45,7 @@ from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch
 from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
 from dcr_format.sync.group import ReaderGroup
+from dcr_format.system.collector import collector_off
 from dcr_format.targets.protocol import Target
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
@@ -192,16 +193,21 @@ class DeltaReader(Applying, Committing):
         One sync at a time applies to a target (in this process; across processes too
         for a directory): a second waits for the first to end, then plans again from
         where it left the target.
+
+        The cyclic collector is held off while it runs (as :meth:`apply`): a sync makes
+        and drops a few objects per tensor, none of them in cycles, and the collections
+        they would set off walk the whole heap of the process again and again.
         """
-        for attempt in range(3 if self.group.alone else 1):
-            try:
-                with self._explaining():
-                    prepared = self._prepare_for(to, stage=False, audit=audit)
-                return self.apply(prepared, audit=audit)
-            except (StalePreparedError, TargetChangedError):
-                # another sync moved the target between planning and applying: plan again
-                if attempt == 2 or not self.group.alone:
-                    raise
+        with collector_off():
+            for attempt in range(3 if self.group.alone else 1):
+                try:
+                    with self._explaining():
+                        prepared = self._prepare_for(to, stage=False, audit=audit)
+                    return self.apply(prepared, audit=audit)
+                except (StalePreparedError, TargetChangedError):
+                    # another sync moved the target between planning and applying: plan again
+                    if attempt == 2 or not self.group.alone:
+                        raise
         raise AssertionError("unreachable")
 
     def prepare(self, to: int | None = None) -> PreparedVersion:
@@ -260,8 +266,14 @@ class DeltaReader(Applying, Committing):
         """Apply a version made by :meth:`prepare`: check the target, change it, verify.
 
         Raises :class:`StalePreparedError` (nothing changed) when the target no longer
-        holds the version it was prepared against. ``audit`` as in :meth:`sync`.
+        holds the version it was prepared against. ``audit`` as in :meth:`sync`. The
+        cyclic collector is held off meanwhile (the pause; see :meth:`sync`).
         """
+        with collector_off():
+            return self._apply_prepared(prepared, audit)
+
+    def _apply_prepared(self, prepared: PreparedVersion, audit: bool) -> SyncResult:
+        """:meth:`apply`, with the collector held off."""
         if prepared._reader != id(self):
             raise StalePreparedError(
                 "this version was prepared by another DeltaReader; prepare it with this one"

@@ -18,25 +18,29 @@ from dcr_format.targets.change import SHA256_HEX, Applied, Change, Resident
 from dcr_format.targets.protocol import Target, Transaction
 from dcr_format.targets.reader_side import Staged, resolved_against
 
-_ViewKey = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
+_ViewKey = tuple[torch.device, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
 
 
 def _view_key(tensor: torch.Tensor) -> _ViewKey | None:
     """Where a tensor's elements live (device, storage address, offset, dtype, shape,
-    strides); None for a tensor without addressable storage (empty, meta, subclasses)."""
-    if tensor.numel() == 0 or tensor.device.type == "meta":
+    strides); None for a tensor without addressable storage (empty, meta, subclasses).
+
+    Read at every sync for every tensor of the dict (twice: :meth:`StateDictTarget.staging`
+    and :meth:`StateDictTarget.begin`), so it takes torch's own hashable values as they
+    come (a ``torch.device``, a ``torch.Size``, the stride tuple), not strings or copies."""
+    if tensor.numel() == 0 or tensor.is_meta:
         return None
     try:
         address = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return (
-        str(tensor.device),
+        tensor.device,
         address,
         int(tensor.storage_offset()),
         tensor.dtype,
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
+        tensor.shape,
+        tensor.stride(),
     )
 
 
@@ -45,17 +49,21 @@ def _alias_groups(tensors: MutableMapping[str, torch.Tensor]) -> dict[str, froze
     its group. Refuses, with :class:`AliasedTensorError`, tensors whose bytes overlap
     without being the same view: an in-place change through one would corrupt the other."""
     by_view: dict[_ViewKey, list[str]] = {}
-    extents: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    extents: dict[tuple[torch.device, int], list[tuple[int, int, str]]] = {}
     for name, tensor in tensors.items():
         key = _view_key(tensor)
         if key is None:
             continue
-        if key not in by_view:
+        names = by_view.get(key)
+        if names is None:
+            device, address, offset, _, shape, strides = key
             size = tensor.element_size()
-            span = 1 + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride(), strict=True))
-            start = int(tensor.storage_offset()) * size
-            extents.setdefault(key[:2], []).append((start, start + span * size, name))
-        by_view.setdefault(key, []).append(name)
+            span = 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
+            start = offset * size
+            extents.setdefault((device, address), []).append((start, start + span * size, name))
+            by_view[key] = [name]
+        else:
+            names.append(name)
     for spans in extents.values():
         spans.sort()
         reach, holder = -1, ""

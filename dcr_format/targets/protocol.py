@@ -22,7 +22,6 @@ import torch
 from dcr_format.delta.delta import FULL, after_bits, apply_change, ready, undo_delta
 from dcr_format.delta.fingerprint import tensor_lanes
 from dcr_format.errors import TargetError
-from dcr_format.format.dtypes import bits_view
 from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.reader_side import ReaderTransaction, StagingSource, restore_whole
 
@@ -118,11 +117,11 @@ class Transaction(ReaderTransaction):
         if live is None:
             raise TargetError(f"the target lacks tensor {change.name!r}")
         tensor = live
-        flat = bits_view(tensor).reshape(-1)
         assert delta.positions is not None
-        delta = replace(
-            delta, positions=delta.positions.to(flat.device), values=delta.values.to(flat.device)
-        )
+        positions = delta.positions.to(tensor.device)
+        values = delta.values.to(tensor.device)
+        if positions is not delta.positions or values is not delta.values:  # else as it is
+            delta = replace(delta, positions=positions, values=values)
         assert delta.positions is not None
         # one pass: old bits read, new bits written, and the change's lane deltas summed
         done = apply_change(tensor, delta)

@@ -1,0 +1,96 @@
+"""A sync and an apply hold the cyclic collector off while they run.
+
+A sync makes and drops a few objects for every tensor; on a model of thousands of small
+tensors the collections they would set off walk the whole heap of the process again and
+again (most of the collector's time in a run of syncs). What must hold: the collector is
+off inside :meth:`DeltaReader.sync` and :meth:`DeltaReader.apply`, on again after them
+(also after a failure), left off where the caller had it off, and left alone by
+:meth:`DeltaReader.prepare`, which runs while an engine keeps generating.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import assert_same_bits, snapshot
+
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
+from dcr_format.errors import VersionNotFoundError
+from dcr_format.targets.protocol import Transaction
+
+
+class _Spying(StateDictTarget):
+    """A dict target that notes whether the collector is on when a transaction opens."""
+
+    seen: list[bool]
+
+    def begin(self) -> Transaction:
+        self.seen.append(gc.isenabled())
+        return super().begin()
+
+
+def _states() -> Iterator[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(512, generator=gen).to(torch.bfloat16) for i in range(4)}
+    while True:
+        yield state
+        state = {
+            n: (t.float() + torch.randn(t.shape, generator=gen).mul(1e-3)).to(torch.bfloat16)
+            for n, t in state.items()
+        }
+
+
+@pytest.fixture(autouse=True)
+def _collector_on() -> Iterator[None]:
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    if was:
+        gc.enable()
+    else:
+        gc.disable()
+
+
+def test_sync_and_apply_hold_the_collector_off(tmp_path):
+    states = _states()
+    writer = DeltaWriter(str(tmp_path))
+    state = next(states)
+    writer.publish(state)
+    held = snapshot(state)
+    target = _Spying(held)
+    target.seen = []
+    reader = DeltaReader(str(tmp_path), target)
+    reader.sync()
+    assert target.seen and not any(target.seen)  # off inside the sync
+    assert gc.isenabled()  # on again after it
+
+    state = next(states)
+    writer.publish(state)
+    target.seen = []
+    prepared = reader.prepare()
+    assert gc.isenabled()
+    reader.apply(prepared)
+    assert target.seen and not any(target.seen)
+    assert gc.isenabled()
+    assert_same_bits(held, state)
+
+
+def test_the_collector_is_on_again_after_a_failed_sync(tmp_path):
+    states = _states()
+    DeltaWriter(str(tmp_path)).publish(next(states))
+    reader = DeltaReader(str(tmp_path), StateDictTarget({}))
+    with pytest.raises(VersionNotFoundError):
+        reader.sync(to=5)
+    assert gc.isenabled()
+
+
+def test_a_collector_the_caller_turned_off_stays_off(tmp_path):
+    states = _states()
+    DeltaWriter(str(tmp_path)).publish(next(states))
+    reader = DeltaReader(str(tmp_path), StateDictTarget({}))
+    gc.disable()
+    reader.sync()
+    assert not gc.isenabled()
