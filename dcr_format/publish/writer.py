@@ -91,6 +91,7 @@ from dcr_format.publish._projection import ProjectionPart
 from dcr_format.publish._sharded import ShardedPart, peek_sharded
 from dcr_format.publish.coordinate import Coordinator, SoloCoordinator
 from dcr_format.store.store import Store, open_store
+from dcr_format.system.collector import collector_off
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
 # coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a
@@ -304,7 +305,18 @@ class DeltaWriter:
         With ``allow_empty=False`` (one writer rank only), a version whose tensors equal the
         newest version's bit for bit, with the same files, commits nothing and raises
         :class:`UnchangedVersionError`.
+
+        The cyclic collector is held off while it runs: a publish makes a few objects per
+        tensor that live until the commit, none of them in cycles, and the full collections
+        they would set off walk the trainer's whole heap again and again.
         """
+        with collector_off():
+            return self._publish(tensors, step, files, allow_empty)
+
+    def _publish(
+        self, tensors: Tensors, step: int | None, files: Files | None, allow_empty: bool
+    ) -> CommitInfo:
+        """:meth:`publish`, with the collector held off."""
         if not allow_empty and self.world_size != 1:
             raise ArgumentError(
                 "allow_empty=False needs a single writer rank; publish with allow_empty=True"

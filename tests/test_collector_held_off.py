@@ -1,11 +1,12 @@
-"""A sync and an apply hold the cyclic collector off while they run.
+"""A publish, a sync and an apply hold the cyclic collector off while they run.
 
-A sync makes and drops a few objects for every tensor; on a model of thousands of small
-tensors the collections they would set off walk the whole heap of the process again and
-again (most of the collector's time in a run of syncs). What must hold: the collector is
-off inside :meth:`DeltaReader.sync` and :meth:`DeltaReader.apply`, on again after them
-(also after a failure), left off where the caller had it off, and left alone by
-:meth:`DeltaReader.prepare`, which runs while an engine keeps generating.
+They make and drop a few objects for every tensor; on a model of thousands of small
+tensors the collections those would set off walk the whole heap of the process again and
+again (most of the collector's time in a run of syncs or publishes). What must hold: the
+collector is off inside :meth:`DeltaWriter.publish`, :meth:`DeltaReader.sync` and
+:meth:`DeltaReader.apply`, on again after them (also after a failure), left off where the
+caller had it off, and left alone by :meth:`DeltaReader.prepare`, which runs while an
+engine keeps generating.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from conftest import assert_same_bits, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
-from dcr_format.errors import VersionNotFoundError
+from dcr_format.errors import ArgumentError, VersionNotFoundError
 from dcr_format.targets.protocol import Transaction
 
 
@@ -94,3 +95,27 @@ def test_a_collector_the_caller_turned_off_stays_off(tmp_path):
     gc.disable()
     reader.sync()
     assert not gc.isenabled()
+
+
+def test_publish_holds_the_collector_off(tmp_path):
+    states = _states()
+    seen: list[bool] = []
+
+    class Spying(dict):  # type: ignore[type-arg]
+        """A state dict that notes whether the collector is on as the writer reads it."""
+
+        def items(self):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            return super().items()
+
+    writer = DeltaWriter(str(tmp_path))
+    writer.publish(Spying(next(states)))
+    writer.publish(Spying(next(states)))
+    assert seen and not any(seen)  # off inside each publish
+    assert gc.isenabled()  # on again after it
+    with pytest.raises(ArgumentError):
+        writer.publish({"w0": "not a tensor"})  # type: ignore[dict-item]
+    assert gc.isenabled()  # and after a refused one
+    gc.disable()
+    writer.publish(next(states))
+    assert not gc.isenabled()  # the caller's choice is left as it was
