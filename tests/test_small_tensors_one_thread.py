@@ -97,3 +97,29 @@ def test_a_reader_applies_small_tensors_on_the_calling_thread(monkeypatch, tmp_p
         large = set().union(*(where[n] for n in ("big0", "big1")))
         assert small == {threading.get_ident()}  # the sync's own thread, in their turn
         assert not small & large
+
+
+def test_a_reader_that_writes_with_one_thread_keeps_every_change_on_it(monkeypatch, tmp_path):
+    """Where a sync writes with one thread only (device tensors, whose loaders need not
+    take calls from two threads at once), small changes go to that thread too."""
+    monkeypatch.setattr(_apply, "kernel_threads", lambda: 1)
+    where: set[int] = set()
+    real = _apply.EarlyApply._run
+
+    def spy(self, entry, box, pooled):  # type: ignore[no-untyped-def]
+        where.add(threading.get_ident())
+        return real(self, entry, box, pooled)
+
+    monkeypatch.setattr(_apply.EarlyApply, "_run", spy)
+    state = _state(7)
+    writer = DeltaWriter(str(tmp_path))
+    writer.publish(state)
+    held = snapshot(state)
+    reader = DeltaReader(str(tmp_path), StateDictTarget(held))
+    reader.sync()
+    state = _stepped(state, 8)
+    writer.publish(state)
+    where.clear()
+    reader.sync()
+    assert_same_bits(held, state)
+    assert len(where) == 1 and threading.get_ident() not in where

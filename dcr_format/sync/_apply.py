@@ -71,8 +71,9 @@ class EarlyApply:
     from then on applies each change as it is given (:meth:`start`, :meth:`give`,
     :meth:`finish`): a large tensor's on the process's apply pool (it waits for its own
     changes only, so readers may share the pool), a small one's on the calling thread in
-    its turn (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`); the first failure
-    there stops the rest and is raised."""
+    its turn where the pool has several threads
+    (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`); the first failure there stops
+    the rest and is raised."""
 
     alone: bool
     audit: bool  # the sync was asked to audit
@@ -105,13 +106,15 @@ class EarlyApply:
         A small tensor's apply is mostly Python between short compiled calls: on another
         thread it would only take the interpreter's lock in turns with this one, and
         handing it over (a future, a queue, a wake-up) costs about as much again
-        (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`)."""
+        (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`). A sync that writes with
+        one thread only (``threads`` 1: device tensors, a base streamed in, versions in
+        turn) keeps every change on that pool thread."""
         if self._failed:
             raise self._failed[0]
         if self._applying is None:
             self.ready.append((entry, delta))
             return
-        if math.prod(entry.shape) <= ONE_THREAD_ELEMENTS:
+        if self.threads > 1 and math.prod(entry.shape) <= ONE_THREAD_ELEMENTS:
             self._run(entry, [delta], False)
             return
         self._given.append(self._applying.submit(self._run, entry, [delta], True))
