@@ -11,6 +11,7 @@ coding and applying one by one.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,8 +72,9 @@ def test_an_error_of_a_small_tensor_comes_in_its_turn(monkeypatch):
     assert got == ["big0", "big1", "s0"]  # everything before it, nothing after
 
 
-def test_a_reader_applies_small_tensors_on_the_calling_thread(monkeypatch, tmp_path):
-    monkeypatch.setattr(_apply, "kernel_threads", lambda: 2)  # a pool of two for large ones
+def _threads_of_changes(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
+    """By tensor name, the threads its changes are applied on from now on (filled as a
+    sync applies them)."""
     where: dict[str, set[int]] = {}
     real = _apply.EarlyApply._run
 
@@ -81,12 +83,28 @@ def test_a_reader_applies_small_tensors_on_the_calling_thread(monkeypatch, tmp_p
         return real(self, entry, box, pooled)
 
     monkeypatch.setattr(_apply.EarlyApply, "_run", spy)
-    state = _state(4)
+    return where
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _synced(tmp_path: Path, seed: int) -> tuple[DeltaWriter, DeltaReader, Tensors, Tensors]:
+    """A writer that published a base and a reader of a dict target synced to it: the
+    writer, the reader, the target's tensors and the state published."""
+    state = _state(seed)
     writer = DeltaWriter(str(tmp_path))
     writer.publish(state)
     held = snapshot(state)
     reader = DeltaReader(str(tmp_path), StateDictTarget(held))
     reader.sync()
+    return writer, reader, held, state
+
+
+def test_a_reader_applies_small_tensors_on_the_calling_thread(monkeypatch, tmp_path):
+    monkeypatch.setattr(_apply, "kernel_threads", lambda: 2)  # a pool of two for large ones
+    where = _threads_of_changes(monkeypatch)
+    writer, reader, held, state = _synced(tmp_path, 4)
     for seed in (5, 6):
         state = _stepped(state, seed)
         writer.publish(state)
@@ -103,23 +121,12 @@ def test_a_reader_that_writes_with_one_thread_keeps_every_change_on_it(monkeypat
     """Where a sync writes with one thread only (device tensors, whose loaders need not
     take calls from two threads at once), small changes go to that thread too."""
     monkeypatch.setattr(_apply, "kernel_threads", lambda: 1)
-    where: set[int] = set()
-    real = _apply.EarlyApply._run
-
-    def spy(self, entry, box, pooled):  # type: ignore[no-untyped-def]
-        where.add(threading.get_ident())
-        return real(self, entry, box, pooled)
-
-    monkeypatch.setattr(_apply.EarlyApply, "_run", spy)
-    state = _state(7)
-    writer = DeltaWriter(str(tmp_path))
-    writer.publish(state)
-    held = snapshot(state)
-    reader = DeltaReader(str(tmp_path), StateDictTarget(held))
-    reader.sync()
+    where = _threads_of_changes(monkeypatch)
+    writer, reader, held, state = _synced(tmp_path, 7)
     state = _stepped(state, 8)
     writer.publish(state)
     where.clear()
     reader.sync()
     assert_same_bits(held, state)
-    assert len(where) == 1 and threading.get_ident() not in where
+    threads = set().union(*where.values())
+    assert len(threads) == 1 and threading.get_ident() not in threads
