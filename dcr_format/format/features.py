@@ -115,20 +115,28 @@ def publish_features(
 class PublishCodings:
     """The codings each tensor of one publish may use: those of its ``features``, except that
     the codings decoded against the old bits (:data:`BASELINE_CODINGS`) only for the tensors
-    every recorded reader reads the old bits of (``baseline_names``; None: every tensor).
-    One lookup per tensor: both options are made once."""
+    every recorded reader reads the old bits of (``baseline_names``; None: every tensor),
+    never for those of ``baseline_except``. One lookup per tensor: both options are made
+    once."""
 
-    __slots__ = ("_all", "_names", "_plain")
+    __slots__ = ("_all", "_except", "_names", "_plain")
 
-    def __init__(self, features: Iterable[str], baseline_names: frozenset[str] | None) -> None:
+    def __init__(
+        self,
+        features: Iterable[str],
+        baseline_names: frozenset[str] | None,
+        baseline_except: frozenset[str] = frozenset(),
+    ) -> None:
         self._all = EncodeOptions.allowing(features)
         self._plain = EncodeOptions(self._all.codings - BASELINE_CODINGS)
         self._names = baseline_names
+        self._except = baseline_except
 
     def for_tensor(self, name: str) -> EncodeOptions:
         """The options of tensor ``name``."""
         names = self._names
-        return self._all if names is None or name in names else self._plain
+        readable = (names is None or name in names) and name not in self._except
+        return self._all if readable else self._plain
 
 
 def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:

@@ -434,22 +434,33 @@ class ReaderRecord(_Model):
     """With ``reads_baseline`` false: the tensors whose exact old bits the reader does read
     (or never takes), sorted, each once; writers may code those against the old bits. None
     (absent): none of them. Absent when ``reads_baseline`` is true."""
+    baseline_except: Annotated[
+        tuple[TensorName, ...] | None, FailFast(), Field(max_length=MAX_BASELINE_NAMES)
+    ] = None
+    """With ``reads_baseline`` false, instead of ``baseline_names``: the reader reads the
+    exact old bits of every tensor but these (sorted, each once; possibly none), for a
+    reader that reads them of more tensors than a list of names holds. None (absent): the
+    record says it with ``baseline_names``."""
 
     @model_validator(mode="after")
     def _check_baseline_names(self) -> ReaderRecord:
-        names = self.baseline_names
-        if names is None:
-            return self
-        if self.reads_baseline:
-            raise ValueError("baseline_names is given only with reads_baseline false")
-        if any(a >= b for a, b in itertools.pairwise(names)):
-            raise ValueError("baseline_names are not listed once each, in sorted order")
+        for field in ("baseline_names", "baseline_except"):
+            names = getattr(self, field)
+            if names is None:
+                continue
+            if self.reads_baseline:
+                raise ValueError(f"{field} is given only with reads_baseline false")
+            if any(a >= b for a, b in itertools.pairwise(names)):
+                raise ValueError(f"{field} are not listed once each, in sorted order")
+        if self.baseline_names is not None and self.baseline_except is not None:
+            raise ValueError("baseline_names and baseline_except are not given together")
         return self
 
     def to_json(self) -> bytes:
-        """As every model, but ``baseline_names`` is left out when absent."""
-        exclude = {"baseline_names"} if self.baseline_names is None else None
-        return self.model_dump_json(exclude=exclude).encode()
+        """As every model, but ``baseline_names`` and ``baseline_except`` are left out when
+        absent."""
+        exclude = {n for n in ("baseline_names", "baseline_except") if getattr(self, n) is None}
+        return self.model_dump_json(exclude=exclude or None).encode()
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -252,7 +252,11 @@ class ReaderWishes:
     overwrite: frozenset[str] = frozenset()  # the union of their ``overwrite`` lists
     baseline_names: frozenset[str] | None = None
     """The tensors every record's reader reads the old bits of (the intersection of the
-    ``baseline_names`` of the records with ``reads_baseline`` false); None: every tensor."""
+    ``baseline_names`` of the records with ``reads_baseline`` false), but for those of
+    ``baseline_except``; None: every tensor but those."""
+    baseline_except: frozenset[str] = frozenset()
+    """The tensors some record's reader reads every tensor's old bits but (the union of the
+    records' ``baseline_except``)."""
     features: frozenset[str] = WRITER_FEATURES  # the writer features every record's reader reads
     limiting: tuple[str, ...] = ()
     """The readers (sorted ids) whose records leave out a writer feature: they lack it, or
@@ -261,7 +265,7 @@ class ReaderWishes:
     @property
     def reads_baseline(self) -> bool:
         """Whether every record's reader reads the old bits of every tensor."""
-        return self.baseline_names is None
+        return self.baseline_names is None and not self.baseline_except
 
     def features_for(self, allowed: frozenset[str] | None) -> frozenset[str]:
         """The features a publish uses given the writer's explicit set (None: its default)."""
@@ -270,9 +274,9 @@ class ReaderWishes:
 
 def read_reader_records(store: Store) -> ReaderWishes:
     """The union of the ``overwrite`` lists of every reader record (FORMAT.md §3.6), the
-    tensors all of them read the old bits of (``reads_baseline``, else ``baseline_names``)
-    and the writer features all of them read (a record without ``features`` reads every
-    one).
+    tensors all of them read the old bits of (``reads_baseline``, else ``baseline_names``
+    or every tensor but ``baseline_except``) and the writer features all of them read (a
+    record without ``features`` reads every one).
 
     One listing plus one small get per record. A record that cannot be read, is larger
     than its size limit (1 MiB) or does not validate (or names another reader than its
@@ -286,6 +290,7 @@ def read_reader_records(store: Store) -> ReaderWishes:
         return ReaderWishes()
     names: set[str] = set()
     baseline: frozenset[str] | None = None
+    excluded: set[str] = set()
     features = WRITER_FEATURES
     limiting: set[str] = set()
     for key in sorted(keys):
@@ -293,11 +298,17 @@ def read_reader_records(store: Store) -> ReaderWishes:
         if record is None:
             continue
         names.update(record.overwrite)
-        if not record.reads_baseline:
+        if record.baseline_except is not None:  # every tensor's old bits but these
+            excluded.update(record.baseline_except)
+        elif not record.reads_baseline:
             reads = frozenset(record.baseline_names or ())
             baseline = reads if baseline is None else baseline & reads
         lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
         features -= lacks
         if lacks or not record.reads_baseline:
             limiting.add(record.reader_id)
-    return ReaderWishes(frozenset(names), baseline, features, tuple(sorted(limiting)))
+    if baseline is not None:
+        baseline = baseline - excluded
+    return ReaderWishes(
+        frozenset(names), baseline, frozenset(excluded), features, tuple(sorted(limiting))
+    )

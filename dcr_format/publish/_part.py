@@ -219,7 +219,11 @@ class Attempt:
     """The writer features this publish uses (FORMAT.md §12), the same on every rank."""
     baseline_names: frozenset[str] | None = None
     """The tensors that may use the codings decoded against the old bits (every recorded
-    reader reads their old bits, FORMAT.md §3.6); None: every tensor."""
+    reader reads their old bits, FORMAT.md §3.6); None: every tensor but those of
+    ``baseline_except``."""
+    baseline_except: frozenset[str] = frozenset()
+    """Tensors that may not use them: some recorded reader reads the old bits of every
+    tensor but these."""
 
     @property
     def base(self) -> bool:

@@ -159,7 +159,8 @@ class DeltaWriter:
         # the writer features (FORMAT.md §12) it was given; None: those its readers read
         self.features = None if features is None else writer_features(features)
         self.last_features: frozenset[str] | None = None  # what the last publish used
-        self._last_baseline: frozenset[str] | None = None  # ... and its tensors against old bits
+        # ... and its tensors against old bits (the names, or None: all but the second)
+        self._last_baseline: tuple[frozenset[str] | None, frozenset[str]] | None = None
         if layout is not None and cache_dir is not None:
             raise ArgumentError(
                 "a writer with a layout keeps no baseline cache; leave cache_dir unset"
@@ -478,13 +479,17 @@ class DeltaWriter:
             overwrite=frozenset() if base else wishes.overwrite,
             features=features,
             baseline_names=wishes.baseline_names,
+            baseline_except=wishes.baseline_except,
         )
 
     def _explain(self, version: int, features: frozenset[str], wishes: ReaderWishes) -> None:
         """Log (rank 0, info) the writer features a publish uses whenever they change, and
         why features are left out or used for some tensors only."""
         against = sorted(features & BASELINE_FEATURES)
-        some = None if not against else wishes.baseline_names  # None: for every tensor
+        # (None, frozenset()): for every tensor
+        some = (
+            (None, frozenset()) if not against else (wishes.baseline_names, wishes.baseline_except)
+        )
         if (features, some) == (self.last_features, self._last_baseline):
             return
         self.last_features, self._last_baseline = features, some
@@ -492,10 +497,16 @@ class DeltaWriter:
             return
         left = ", ".join(sorted(WRITER_FEATURES - features))
         only = ""
-        if some is not None:
+        names, excluded = some
+        if names is not None:
             only = (
-                f"; {', '.join(against)} only for the {len(some)} tensors every reader "
+                f"; {', '.join(against)} only for the {len(names)} tensors every reader "
                 "record reads the old bits of"
+            )
+        elif excluded:
+            only = (
+                f"; {', '.join(against)} for every tensor but {len(excluded)} whose old bits "
+                "a reader record does not read"
             )
         explicit = self.features is not None
         why = "as given by features=" if explicit else "the default: every feature its readers read"
