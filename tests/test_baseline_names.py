@@ -161,6 +161,7 @@ def _sync_module(store: str, plain: bool, monkeypatch: pytest.MonkeyPatch) -> tu
     target = ModuleTarget(module, load_weights=module.load_weights)
     if plain:
         monkeypatch.setattr(target, "baseline_names", lambda: frozenset())
+        monkeypatch.setattr(target, "baseline_except", lambda names: None)
     reader = DeltaReader(store, target)
     reader.sync()
     record = json.loads(open_store(store).get(open_store(store).list("readers/")[0]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from time import monotonic
 
 from dcr_format.chain.chain import sha256_hex, timestamp, utc_now
@@ -42,6 +42,7 @@ from dcr_format.format.schema import (
 )
 from dcr_format.sync._audit import Auditing
 from dcr_format.sync._state import ApplyState
+from dcr_format.targets.protocol import Target
 
 _log = logging.getLogger(__name__)
 
@@ -68,24 +69,28 @@ def _name_bytes(name: str) -> int:
     return len(name.encode()) + 3 + name.count('"') + name.count("\\")
 
 
-def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[str, ...]:
-    """A target's :meth:`Target.baseline_names` as a record lists them: sorted, at most
-    :data:`MAX_BASELINE_NAMES`, and no more than fit the record in
-    :data:`MAX_READER_JSON_BYTES`, which writers read (the first in order where a target
-    gives more): a record past it writers ignore, and would code every tensor against the
-    old bits. Every part of the record lists them (:func:`_parts`), beside ``overwrite``
-    names that keep at least half of it."""
-    listed = sorted(names or ())
+def _fit(names: list[str], overwrite: frozenset[str]) -> int:
+    """How many of ``names`` (at most :data:`MAX_BASELINE_NAMES`) fit every part of a record
+    within :data:`MAX_READER_JSON_BYTES`, which writers read, beside ``overwrite`` names that
+    keep at least half of it (:func:`_parts`)."""
     room = _ROOM
-    kept = listed[:MAX_BASELINE_NAMES]
-    every = [*overwrite, *kept]
+    kept = min(len(names), MAX_BASELINE_NAMES)
+    every = [*overwrite, *names[:kept]]
     if 4 * sum(map(len, every)) + 3 * len(every) > room:  # may not fit: count its bytes
         room -= min(sum(map(_name_bytes, overwrite)), room // 2)
-        for count, name in enumerate(kept):
+        for count, name in enumerate(names[:kept]):
             room -= _name_bytes(name)
             if room < 0:
-                kept = kept[:count]
-                break
+                return count
+    return kept
+
+
+def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[str, ...]:
+    """A target's :meth:`Target.baseline_names` as a record lists them: sorted, and no more
+    than :func:`_fit` (the first in order where a target gives more): a record past its
+    size limit writers ignore, and would code every tensor against the old bits."""
+    listed = sorted(names or ())
+    kept = listed[: _fit(listed, overwrite)]
     if len(kept) < len(listed):
         _log.warning(
             "the target reads the old bits of %d tensors; the reader record lists the first "
@@ -96,11 +101,31 @@ def _listed(names: frozenset[str] | None, overwrite: frozenset[str]) -> tuple[st
     return tuple(kept)
 
 
-def _parts(overwrite: frozenset[str], readable: tuple[str, ...] | None) -> list[tuple[str, ...]]:
+def _baseline(
+    target: Target, names: Collection[str] | None, overwrite: frozenset[str]
+) -> tuple[tuple[str, ...] | None, tuple[str, ...] | None]:
+    """What the record of a reader whose target does not read the old bits of every tensor
+    says of them: ``(baseline_names, None)``, or ``(None, baseline_except)`` where the
+    target tells (:meth:`Target.baseline_except`) which of the version's ``names`` it does
+    not read, that list fits a record whole, and it leaves writers more tensors to code
+    against the old bits than the list of names does (an engine holding tens of thousands
+    of experts whole)."""
+    given = target.baseline_names()
+    excluded = None if names is None else target.baseline_except(names)
+    if excluded is not None:
+        unread = sorted(excluded)
+        readable = len(names or ()) - len(unread)
+        if readable > len(given or ()) and _fit(unread, overwrite) == len(unread):
+            return None, tuple(unread)
+    return _listed(given, overwrite), None
+
+
+def _parts(overwrite: frozenset[str], listed: tuple[str, ...] | None) -> list[tuple[str, ...]]:
     """The ``overwrite`` names, sorted, in the parts of a record: as many in each as fit
-    beside ``readable`` (which every part lists) within :data:`MAX_READER_JSON_BYTES`;
-    one part (possibly empty) where they all fit."""
-    room = _ROOM - sum(map(_name_bytes, readable or ()))
+    beside ``listed`` (its ``baseline_names`` or ``baseline_except``, which every part
+    lists) within :data:`MAX_READER_JSON_BYTES`; one part (possibly empty) where they all
+    fit."""
+    room = _ROOM - sum(map(_name_bytes, listed or ()))
     parts: list[tuple[str, ...]] = []
     part: list[str] = []
     left = room
@@ -127,13 +152,10 @@ def _ranked(reader_id: str | None, rank: int) -> str | None:
 
 
 def _record(
-    record_id: str,
-    updated: str,
-    overwrite: tuple[str, ...],
-    reads_baseline: bool,
-    readable: tuple[str, ...] | None,
+    record_id: str, updated: str, overwrite: tuple[str, ...], baseline: _Asked
 ) -> ReaderRecord:
     """One record (or part) a reader writes: it lists every feature this reader implements."""
+    reads_baseline, readable, unread = baseline
     return ReaderRecord(
         reader_id=record_id,
         updated=updated,
@@ -141,13 +163,19 @@ def _record(
         reads_baseline=reads_baseline,
         features=tuple(sorted(KNOWN_FEATURES)),
         baseline_names=readable or None,
+        baseline_except=unread,
     )
+
+
+_Asked = tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None]
+"""What a record says of the old bits its reader reads: ``reads_baseline``, and without it
+``baseline_names`` or ``baseline_except``."""
 
 
 class Committing(Auditing):
     """The reader records, and what a commit leaves the reader."""
 
-    def _record_overwrites(self) -> None:
+    def _record_overwrites(self, names: Collection[str] | None = None) -> None:
         """Tell writers which tensors the target needs as ``overwrite`` (``readers/<id>.json``).
 
         Written when the set changes (an explicit ``reader_id`` also records an empty
@@ -156,39 +184,49 @@ class Committing(Auditing):
         without a ``reader_id`` the record is named after its content, so readers that need
         the same names share one record. A target that cannot read its old bits
         (:meth:`Target.reads_baseline`) always has a record (``reads_baseline`` false, with
-        the names whose old bits it does read, :meth:`Target.baseline_names`: writers code
-        the others without the old bits). Names past what one record holds go on in parts,
-        ``<id>.part<k>.json``, each a whole record (writers take the union of every record's
-        ``overwrite``); parts an earlier, longer set left are deleted.
+        the names whose old bits it does read, :meth:`Target.baseline_names`, or every name
+        but those of :meth:`Target.baseline_except` where that lets writers code more of
+        ``names``, the canonical names of the version staged (default: the last given)
+        against the old bits: writers code the others without them). Names past what one
+        record holds go on in parts, ``<id>.part<k>.json``, each a whole record (writers
+        take the union of every record's ``overwrite``); parts an earlier, longer set left
+        are deleted.
         """
-        names = self.target.overwrite_names()
+        if names is not None:
+            self._version_names = names
+        overwrite = self.target.overwrite_names()
         reads_baseline = self.target.reads_baseline()
-        if self.reader_id is None and not names and reads_baseline:
+        if self.reader_id is None and not overwrite and reads_baseline:
             return
-        readable = None if reads_baseline else _listed(self.target.baseline_names(), names)
-        content = "\n".join(sorted(names))
-        if readable is not None:
-            content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable)
+        asked: _Asked = (True, None, None)
+        content = "\n".join(sorted(overwrite))
+        if not reads_baseline:
+            readable, unread = _baseline(self.target, self._version_names, overwrite)
+            asked = (False, readable, unread)
+            if unread is None:
+                content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable or ())
+            else:
+                content += "\n(baseline but)" + "".join(f"\n-{n}" for n in unread)
         reader_id = _ranked(self.reader_id, self.group.rank) or (
             "auto-" + sha256_hex(content.encode())[:16]
         )
         now, last = monotonic(), self._recorded
-        same = last is not None and last[:3] == (reader_id, names, readable)
+        same = last is not None and last[:3] == (reader_id, overwrite, asked)
         if last is not None and same and now - last[3] < RECORD_REFRESH_SECONDS:
             return
-        parts = _parts(names, readable)
+        parts = _parts(overwrite, asked[1] if asked[2] is None else asked[2])
         updated = timestamp(utc_now())
         ids = [reader_id, *(part_id(reader_id, k) for k in range(1, len(parts)))]
         try:
             for record_id, part in zip(ids, parts, strict=True):
-                record = _record(record_id, updated, part, reads_baseline, readable)
+                record = _record(record_id, updated, part, asked)
                 self.store.put(reader_key(record_id), record.to_json())
         except StoreError as exc:  # a read-only reader: writers then cannot be told
             _log.warning("could not write reader record %s: %s", reader_key(record_id), exc)
             return
         if not same:  # a refresh writes the same parts: none to drop
-            self._drop_parts(reader_id, len(parts), reads_baseline, readable)
-        self._recorded = (reader_id, names, readable, now)
+            self._drop_parts(reader_id, len(parts), asked)
+        self._recorded = (reader_id, overwrite, asked, now)
 
     @contextlib.contextmanager
     def _explaining(self) -> Iterator[None]:
@@ -228,19 +266,24 @@ class Committing(Auditing):
         than the one this reader last wrote (None: the same, none written, or unreadable)."""
         if self._recorded is None:
             return None
-        reader_id, names, readable, _ = self._recorded
+        reader_id, overwrite, asked, _ = self._recorded
         key = reader_key(reader_id)
         try:
             record = load_reader_record(self.store, key)
         except (StoreError, FormatError):
             return None
-        mine = (_parts(names, readable)[0], readable is None, readable or None)
-        found = (record.overwrite, record.reads_baseline, record.baseline_names or None)
+        reads_baseline, readable, unread = asked
+        listed = readable if unread is None else unread
+        mine = (_parts(overwrite, listed)[0], reads_baseline, readable or None, unread)
+        found = (
+            record.overwrite,
+            record.reads_baseline,
+            record.baseline_names or None,
+            record.baseline_except,
+        )
         return None if found == mine else key
 
-    def _drop_parts(
-        self, reader_id: str, count: int, reads_baseline: bool, readable: tuple[str, ...] | None
-    ) -> None:
+    def _drop_parts(self, reader_id: str, count: int, asked: _Asked) -> None:
         """Delete the parts ``count`` and on of record ``reader_id`` (written for a longer
         set), so that they no longer ask for names; one that cannot be deleted is
         rewritten asking for none."""
@@ -258,7 +301,7 @@ class Committing(Auditing):
             try:
                 self.store.delete(key)
             except (StoreError, CapabilityError):
-                empty = _record(part.group(0), timestamp(utc_now()), (), reads_baseline, readable)
+                empty = _record(part.group(0), timestamp(utc_now()), (), asked)
                 try:
                     self.store.put(key, empty.to_json())
                 except StoreError as exc:

@@ -12,7 +12,7 @@ methods that act on it, and :class:`~dcr_format.sync.reader.DeltaReader` runs th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,9 +151,18 @@ class ReaderState:
     # name: (fingerprint, rows), so that the next one need not count them (one pass over
     # the tensor); keyed by the fingerprint of the bits they describe
     _rows: dict[str, tuple[str, np.ndarray]]
-    # the last reader record written: (reader id, overwrite names, the names whose old bits
-    # it reads where it cannot read them all, else None, time.monotonic() when written)
-    _recorded: tuple[str, frozenset[str], tuple[str, ...] | None, float] | None
+    # the last reader record written: (reader id, overwrite names, what it says of the old
+    # bits read: reads_baseline, baseline_names, baseline_except; time.monotonic() when
+    # written)
+    _recorded: (
+        tuple[
+            str, frozenset[str], tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None], float
+        ]
+        | None
+    )
+    # the canonical names of the version last staged (a record's ``baseline_except`` lists
+    # those of them whose old bits the target does not read); None: none staged yet
+    _version_names: Collection[str] | None
 
     def _wants(self, name: str, dtype: str, shape: tuple[int, ...]) -> bool:
         """Selected, and a tensor the target takes at all (not another rank's shard)."""

@@ -167,6 +167,7 @@ class DeltaReader(Applying, Committing):
         self._rows = {}
         self.reader_id = reader_id
         self._recorded = None
+        self._version_names = None
 
     def versions(self) -> list[int]:
         """Committed versions of the chain, ascending."""
@@ -250,7 +251,9 @@ class DeltaReader(Applying, Committing):
                     prepared = replace(
                         prepared, _staged=staged, fetch_seconds=time.perf_counter() - started
                     )
-                self._record_overwrites()  # what the target learnt (FORMAT.md §3.6)
+                # what the target learnt (FORMAT.md §3.6), of the goal's names
+                plan = prepared._sync_plan
+                self._record_overwrites(plan.steps[-1].table if plan and plan.steps else None)
         except BaseException as exc:
             # a transaction opened during the fetch (a sync on its own) is rolled back here
             if early is None or early.sync is None:
@@ -338,9 +341,10 @@ class DeltaReader(Applying, Committing):
         if not committed:
             raise VersionNotFoundError(f"{self.store.url} has no committed version yet")
         loaded = self.chain.record(committed[-1] if version is None else version)
-        for name, row in state_table(self.chain.manifests(loaded)).items():
+        table = state_table(self.chain.manifests(loaded))
+        for name, row in table.items():
             self._wants(name, row.dtype, row.shape)
-        self._record_overwrites()
+        self._record_overwrites(table)
         return self.target.overwrite_names()
 
     # --- the phases in order: plan, fetch and verify (_prepare); apply, commit (_apply) ----

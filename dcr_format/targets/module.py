@@ -58,7 +58,7 @@ names are reported in ``SyncResult.unverified``, as are names the loader transfo
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Collection, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -171,14 +171,23 @@ class ModuleTarget(Placements, Target):
         reads and writes directly), then those it places nowhere (another rank's); the
         largest first where they are more than a reader record lists. Not: tensor-parallel
         shards, names the loader transforms, transposes or places twice."""
+        return frozenset(self._readable()[:MAX_BASELINE_NAMES])
+
+    def baseline_except(self, names: Collection[str]) -> frozenset[str]:
+        """Of ``names``, those :meth:`baseline_names` would not list however many it listed:
+        shards, names the loader transforms, and names not learned yet."""
+        readable = set(self._readable())
+        return frozenset(name for name in names if name not in readable)
+
+    def _readable(self) -> list[str]:
+        """Every name :meth:`baseline_names` may list, in its order of preference."""
         absent, whole = [], []
         for plan in self._plans.values():
             if plan.kind == "absent":
                 absent.append(plan.name)
             elif plan.kind == "xor" and self._canonical_view(plan) is not None:
                 whole.append((-plan.numel, plan.name))
-        names = [name for _, name in sorted(whole)] + sorted(set(absent))
-        return frozenset(names[:MAX_BASELINE_NAMES])
+        return [name for _, name in sorted(whole)] + sorted(set(absent))
 
     def staging(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
         """The canonical views (:meth:`Transaction.tensor`) of the names among ``names`` the

@@ -14,7 +14,7 @@ canonical tensors (a module behind its own loader) overrides ``spec``, ``lanes``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -169,6 +169,15 @@ class Target(StagingSource, ABC):
         (FORMAT.md §3.6, at most :data:`~dcr_format.format.schema.MAX_BASELINE_NAMES`),
         and writers use such codings only for those names."""
         return None if self.reads_baseline() else frozenset()
+
+    def baseline_except(self, names: Collection[str]) -> frozenset[str] | None:
+        """Of ``names`` (every canonical name of the version the reader stages), those whose
+        streams coded against the old bits the reader cannot decode into this target; None
+        where the target cannot tell (the default unless :meth:`reads_baseline`). A target
+        that reads the old bits of more tensors than :meth:`baseline_names` can list is
+        recorded this way instead (FORMAT.md §3.6 ``baseline_except``), so writers code
+        every tensor but these against the old bits."""
+        return frozenset() if self.reads_baseline() else None
 
     def checkpoint_files(self) -> Mapping[str, str] | None:
         """The checkpoint files (FORMAT.md §3.5.6) the target holds from the chain, their
