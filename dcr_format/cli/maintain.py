@@ -318,7 +318,10 @@ def _readers_table(report: Any) -> None:
     ]
     for r in report.readers:
         written = "-" if r.written is None else r.written.strftime("%Y-%m-%d %H:%M:%S")
-        old = f"{r.baseline_names} listed" if r.reads_old_bits == "listed" else r.reads_old_bits
+        old = {
+            "listed": f"{r.baseline_names} listed",
+            "all-but": f"all but {r.baseline_names}",
+        }.get(r.reads_old_bits, r.reads_old_bits)
         features = "lacks " + ",".join(r.lacks) if r.lacks else "every"
         rows.append(
             (r.reader_id, str(len(r.keys)), written, _age(r.age_seconds), str(r.overwrite), old,

@@ -35,7 +35,7 @@ from dcr_format.format.schema import ReaderRecord
 from dcr_format.store.store import ObjectInfo, Store, open_store
 from dcr_format.tools._common import Row, object_infos
 
-ReadsOldBits = Literal["all", "listed", "none"]
+ReadsOldBits = Literal["all", "listed", "all-but", "none"]
 
 
 class ReaderInfo(Row):
@@ -56,9 +56,10 @@ class ReaderInfo(Row):
     """Tensors it asks writers to send as ``overwrite`` (every part's names)."""
     reads_old_bits: ReadsOldBits
     """Whose old bits its reader reads: ``all`` tensors', the ``listed`` ones'
-    (``baseline_names``), or ``none`` (writers send it no coding against the old bits)."""
+    (``baseline_names``), ``all-but`` the listed ones (``baseline_except``), or ``none``
+    (writers send it no coding against the old bits)."""
     baseline_names: int
-    """With ``listed``: how many tensors it lists."""
+    """With ``listed`` or ``all-but``: how many tensors it lists."""
     features: tuple[str, ...] | None
     """The features it lists (writers use no other); None: it does not say (every one)."""
     lacks: tuple[str, ...]
@@ -118,6 +119,8 @@ def _info(
     problem = next((p for _, _, _, p in members if p is not None), None)
     if first is None or first.reads_baseline:
         reads: ReadsOldBits = "all"
+    elif first.baseline_except is not None:
+        reads = "all-but"
     else:
         reads = "listed" if first.baseline_names else "none"
     age = None if written is None else (now - written).total_seconds()
@@ -130,7 +133,9 @@ def _info(
         live=first is not None and age is not None and age < RECORD_REFRESH_SECONDS,
         overwrite=sum(len(record.overwrite) for record in valid),
         reads_old_bits=reads,
-        baseline_names=len(first.baseline_names or ()) if first is not None else 0,
+        baseline_names=(
+            len(first.baseline_names or first.baseline_except or ()) if first is not None else 0
+        ),
         features=features,
         lacks=tuple(sorted(WRITER_FEATURES - set(features or WRITER_FEATURES))),
         problem=problem,
