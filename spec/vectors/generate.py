@@ -839,10 +839,9 @@ def default_codings() -> Vector:
     )
 
 
-def baseline_names() -> Vector:
-    """Codings against the old bits per tensor (FORMAT.md §3.6 ``baseline_names``, §12.1):
-    reader records that read the old bits of only some tensors; a writer's default codes
-    against the old bits exactly the tensors every record reads the old bits of."""
+def _per_tensor_states() -> tuple[list[tuple[int, State]], tuple[str, ...]]:
+    """The versions of the vectors of codings against the old bits per tensor, and the names
+    of their q_proj, k_proj, up_proj, input_layernorm and steps tensors."""
     q0 = weights(1201, "bfloat16", 64 * 64)
     k0 = weights(1202, "bfloat16", 32 * 32)
     u0 = weights(1203, "bfloat16", 32 * 32)
@@ -873,6 +872,19 @@ def baseline_names() -> Vector:
     n1, d1 = step_ulps(n0, run(20, 40), 1217, 4), flip(d0, scattered(1218, 512, 30), 1219, 0x3)
     q2, k2, u2 = stepped(q1, 1221), stepped(k1, 1223), stepped(u1, 1225)
     n2 = step_ulps(n1, run(120, 30), 1227, 4)
+    versions = [
+        (0, state(q0, k0, u0, n0, d0)),
+        (1, state(q1, k1, u1, n1, d1)),
+        (2, state(q2, k2, u2, n2, d1)),
+    ]
+    return versions, (q, k, u, n, d)
+
+
+def baseline_names() -> Vector:
+    """Codings against the old bits per tensor (FORMAT.md §3.6 ``baseline_names``, §12.1):
+    reader records that read the old bits of only some tensors; a writer's default codes
+    against the old bits exactly the tensors every record reads the old bits of."""
+    versions, (q, k, _, n, d) = _per_tensor_states()
     updated = _stamp(CLOCK_START - timedelta(days=1))
     return Vector(
         "baseline-names",
@@ -884,11 +896,7 @@ def baseline_names() -> Vector:
         "k_proj and up_proj, whose steps are alike, without them; v2 decodes against the bits "
         "v1 left",
         11,
-        [
-            (0, state(q0, k0, u0, n0, d0)),
-            (1, state(q1, k1, u1, n1, d1)),
-            (2, state(q2, k2, u2, n2, d1)),
-        ],
+        versions,
         features=None,
         records={
             1: [
@@ -911,6 +919,45 @@ def baseline_names() -> Vector:
     )
 
 
+def baseline_except() -> Vector:
+    """Codings against the old bits of every tensor but some (FORMAT.md §3.6
+    ``baseline_except``, §12.1): two reader records that each read the old bits of every
+    tensor but one; a writer's default codes against the old bits every tensor but those
+    two."""
+    versions, (_, k, u, _, _) = _per_tensor_states()
+    updated = _stamp(CLOCK_START - timedelta(days=1))
+    return Vector(
+        "baseline-except",
+        "codings against the old bits of every tensor but some (FORMAT.md §3.6 "
+        "baseline_except, §12.1): the versions of baseline-names; before v1 two reader records "
+        "that read the old bits of every tensor but those they list in baseline_except "
+        "(engine-0: k_proj; engine-1: up_proj) and one that reads them all; the writer's "
+        "default codes q_proj (classed, ulp-shift) and input_layernorm (ulp) against the old "
+        "bits, and k_proj and up_proj, whose steps are alike, without them",
+        12,
+        versions,
+        features=None,
+        records={
+            1: [
+                ReaderRecord(
+                    reader_id="engine-0",
+                    updated=updated,
+                    reads_baseline=False,
+                    features=tuple(sorted(KNOWN_FEATURES)),
+                    baseline_except=(k,),
+                ),
+                ReaderRecord(
+                    reader_id="engine-1",
+                    updated=updated,
+                    reads_baseline=False,
+                    baseline_except=(u,),
+                ),
+                ReaderRecord(reader_id="trainer-eval", updated=updated),
+            ]
+        },
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -923,6 +970,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     checkpoint_files,
     default_codings,
     baseline_names,
+    baseline_except,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -1090,9 +1138,14 @@ def write_vector(vector: Vector, out: Path) -> dict[str, object]:
 
 
 def _readable(vector: Vector) -> dict[str, object]:
-    """For a vector whose records list ``baseline_names``: the tensors of each version from
-    the records on whose old bits every record reads (FORMAT.md §3.6), by version."""
-    if not any(r.baseline_names for records in vector.records.values() for r in records):
+    """For a vector whose records list ``baseline_names`` or ``baseline_except``: the tensors
+    of each version from the records on whose old bits every record reads (FORMAT.md §3.6),
+    by version."""
+    if not any(
+        r.baseline_names or r.baseline_except is not None
+        for records in vector.records.values()
+        for r in records
+    ):
         return {}
     out: dict[str, list[str]] = {}
     held: dict[str, ReaderRecord] = {}
@@ -1102,7 +1155,9 @@ def _readable(vector: Vector) -> dict[str, object]:
             continue
         names = set(state)
         for record in held.values():
-            if not record.reads_baseline:
+            if record.baseline_except is not None:
+                names -= set(record.baseline_except)
+            elif not record.reads_baseline:
                 names &= set(record.baseline_names or ())
         out[str(number)] = sorted(names)
     return {"baseline_names": out}
