@@ -45,6 +45,7 @@ NAMES = (
     "checkpoint-files",
     "default-codings",
     "baseline-names",
+    "baseline-except",
 )
 
 
@@ -443,12 +444,14 @@ def test_default_codings_vector_uses_every_feature_until_a_reader_cannot_read_ol
     assert wishes.features_for(None) == set(used[3])
 
 
-def test_baseline_names_vector_codes_against_old_bits_only_what_every_record_reads() -> None:
-    """The records list the tensors whose old bits their readers read: the versions after
-    them code exactly the tensors every record reads against the old bits, and a writer
-    reading the vector's records chooses that set."""
-    chain = Chain(open_store(VECTORS_DIR / "baseline-names" / "store"))
-    expected = expected_of("baseline-names")
+@pytest.mark.parametrize("name", ["baseline-names", "baseline-except"])
+def test_per_tensor_vectors_code_against_old_bits_only_what_every_record_reads(name: str) -> None:
+    """The records list the tensors whose old bits their readers read (``baseline-names``)
+    or every tensor's but those they list (``baseline-except``): the versions after them
+    code exactly the tensors every record reads against the old bits, and a writer reading
+    the vector's records chooses that set."""
+    chain = Chain(open_store(VECTORS_DIR / name / "store"))
+    expected = expected_of(name)
     readable = {"model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight"}
     readable.add("model.layers.0.steps")
     for version in (1, 2):
@@ -462,5 +465,9 @@ def test_baseline_names_vector_codes_against_old_bits_only_what_every_record_rea
                     against.add(entry.name)
         assert against == readable - {"model.layers.0.steps"}  # no float, no ulp
     wishes = read_reader_records(chain.store)
-    assert wishes.baseline_names == readable
+    codings = features.PublishCodings(
+        features.WRITER_FEATURES, wishes.baseline_names, wishes.baseline_except
+    )
+    names = {e.name for m in chain.manifests(chain.record(1)) for e in m.entries}
+    assert {n for n in names if "classed" in codings.for_tensor(n).codings} == readable
     assert wishes.limiting == ("engine-0", "engine-1")
