@@ -368,6 +368,44 @@ def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
     assert bench.run(states, listed=False, tp=1)["readable"] == 0
 
 
+def test_the_module_bytes_benchmark_fuses_experts_and_compares_the_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its mixture-of-experts engine fuses every layer's experts like vLLM and matches a dense
+    load; with more names placed whole than a list holds (4 here), the record the reader
+    writes lists the exceptions (every name readable), the ``capped`` one the 4 largest,
+    and the exceptions take fewer bytes."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "module_bytes_bench.py"
+    spec = importlib.util.spec_from_file_location("module_bytes_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr("dcr_format.targets.module.MAX_BASELINE_NAMES", 4)
+    monkeypatch.setattr("dcr_format.sync._commit.MAX_BASELINE_NAMES", 4)
+    shapes = {"model.embed_tokens.weight": (64, 32), "model.layers.0.mlp.gate.weight": (8, 32)}
+    projections = (("gate_proj", (16, 32)), ("up_proj", (16, 32)), ("down_proj", (32, 16)))
+    for e in range(8):
+        for proj, shape in projections:
+            shapes[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = shape
+    gen = torch.Generator().manual_seed(4)
+    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    states = []
+    for _ in range(3):
+        states.append({n: m.bfloat16() for n, m in masters.items()})
+        for m in masters.values():
+            m += (torch.rand(m.shape, generator=gen) < 0.05) * 3e-4
+    engine = bench.Engine({n: tuple(s) for n, s in shapes.items()})
+    assert {n for n in engine.params if "w13" in n or "w2" in n} == {
+        "model_layers_0_mlp_w13",
+        "model_layers_0_mlp_w2",
+    }
+    runs = {mode: bench.run(states, listed=mode, tp=1) for mode in ("listed", "capped", "plain")}
+    assert [runs[m]["readable"] for m in ("listed", "capped", "plain")] == [len(shapes), 4, 0]
+    assert runs["listed"]["median"] < runs["capped"]["median"] < runs["plain"]["median"]
+
+
 class _Expert(nn.Module):
     """Rank ``rank`` of two expert-parallel ranks: it holds its own expert whole; rank 0 also
     holds rank 1's expert, transposed (no canonical bits to read), rank 1 none of rank 0's."""
