@@ -292,3 +292,13 @@ def test_the_command_imports_no_torch(store: Store) -> None:
     assert "7 readers" in out
     assert "torch" not in heavy and "numba" not in heavy
     assert [m for m in heavy if m.startswith("dcr_format.cli.")] == ["dcr_format.cli.maintain"]
+
+
+def test_the_command_says_whose_old_bits_a_record_of_exceptions_reads(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "store"))
+    _put(store, "moe", timedelta(minutes=5), reads_baseline=False, baseline_except=("a", "b"))
+    code, out, _ = _dcr("readers", "--store", store.url)
+    assert code == 0 and "all but 2" in next(line for line in out.splitlines() if "moe" in line)
+    code, out, _ = _dcr("readers", "--store", store.url, "--format", "json")
+    (row,) = json.loads(out)["readers"]
+    assert (row["reads_old_bits"], row["baseline_names"]) == ("all-but", 2)
