@@ -647,7 +647,7 @@ def test_a_failure_after_the_fetch_rolls_back_what_it_applied(tmp_path, monkeypa
     _, reader, tensors, state, entries = _classed_chain(tmp_path)
     _, names = _applied_spy(reader, monkeypatch)
 
-    def broken() -> None:
+    def broken(names: object = None) -> None:
         raise RuntimeError("the record broke")
 
     monkeypatch.setattr(reader, "_record_overwrites", broken)
