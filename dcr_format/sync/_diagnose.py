@@ -249,7 +249,7 @@ def _check_lanes(
 
 class FingerprintCache:
     """The fingerprints :func:`fingerprint_of` computed, those used most recently kept first:
-    at least ``floor`` of them, and as many as :meth:`reserve` asks for.
+    ``floor`` of them, and as many more as :meth:`reserve` asks for.
 
     A preparation computes the fingerprints of each staged tensor's lanes before and
     after its change, for the checks of the pause to find; a cache smaller than those
@@ -257,14 +257,15 @@ class FingerprintCache:
     reserves room for every tensor of the versions it plans (:meth:`reserve`)."""
 
     def __init__(self, floor: int) -> None:
-        self.capacity = floor
+        self.floor = self.capacity = floor
         self._held: OrderedDict[tuple[str, tuple[int, ...], tuple[int, ...]], str] = OrderedDict()
         self._lock = threading.Lock()
 
     def reserve(self, count: int) -> None:
-        """Keep at least ``count`` fingerprints from now on (the capacity never shrinks)."""
+        """Keep ``count`` fingerprints more than the floor from now on (the capacity never
+        shrinks)."""
         with self._lock:
-            self.capacity = max(self.capacity, count)
+            self.capacity = max(self.capacity, self.floor + count)
 
     def get(self, dtype: str, shape: tuple[int, ...], lanes: tuple[int, ...]) -> str:
         """The fingerprint of a tensor of dtype name ``dtype``, ``shape`` and ``lanes``."""
@@ -288,10 +289,10 @@ class FingerprintCache:
 FINGERPRINTS = FingerprintCache(1 << 14)
 """The process's cache of :func:`fingerprint_of` (every reader's)."""
 
-FINGERPRINTS_PER_TENSOR = 3
-"""Fingerprints a reader keeps room for per tensor it plans (:meth:`FingerprintCache.reserve`):
-the lanes before and after a staged change (those after are the next version's before),
-and one to spare for the tensors the checks read afresh."""
+FINGERPRINTS_PER_TENSOR = 2
+"""Fingerprints a reader keeps room for per tensor it plans, above the cache's floor
+(:meth:`FingerprintCache.reserve`): those of its lanes before and after a change (the
+lanes after are the next version's before). About 370 bytes each."""
 
 
 def fingerprint_of(dtype: str, shape: tuple[int, ...], lanes: tuple[int, ...]) -> str:
