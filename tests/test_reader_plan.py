@@ -8,6 +8,7 @@ plan made, so nothing in it can come from a store.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 
 import pytest
@@ -21,6 +22,7 @@ from dcr_format.errors import ChainBrokenError, ShardError, VersionNotFoundError
 from dcr_format.format.schema import CommitRecord, Manifest, parse
 from dcr_format.store.store import Store
 from dcr_format.sync._plan import (
+    _join,
     check_version,
     choose_versions,
     plan_checks,
@@ -320,3 +322,44 @@ def test_undo_keeps_the_transaction_open_for_a_commit():
     txn.change(Change("a", torch.int16, (4,), delta))
     txn.commit(Resident("c" * 32, 1))
     assert tensors["a"].tolist() == [1, 0, 0, 0] and target.resident().version == 1
+
+
+def _components(items: list[tuple[int, set[int]]]) -> set[tuple[tuple[int, ...], frozenset[int]]]:
+    """The groups _join must give, by a plain fixed point: shard sets merged until none share."""
+    groups = [([index], set(shards)) for index, shards in items]
+    merged = True
+    while merged:
+        merged = False
+        for i in range(len(groups)):
+            for j in range(i + 1, len(groups)):
+                if groups[i][1] & groups[j][1]:
+                    groups[i][0].extend(groups[j][0])
+                    groups[i][1].update(groups[j][1])
+                    del groups[j]
+                    merged = True
+                    break
+            if merged:
+                break
+    return {(tuple(sorted(indices)), frozenset(members)) for indices, members in groups}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shards_that_entries_link_join_into_the_same_groups_as_a_fixed_point(seed):
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for index in range(60):
+        count = 1 + int(torch.randint(0, 2, (1,), generator=gen))
+        items.append((index, {int(s) for s in torch.randint(0, 25, (count,), generator=gen)}))
+    joined = _join(items)
+    assert {(tuple(i), frozenset(m)) for i, m in joined} == _components(items)
+    assert all(indices == sorted(indices) for indices, _ in joined)
+
+
+def test_many_entries_of_one_shard_join_in_about_linear_time():
+    # thousands of small tensors' streams share a shard: each entry joins in a constant step
+    # (a copy of the group per entry took seconds here at this count)
+    items = [(index, {index // 50_000}) for index in range(100_000)]
+    started = time.process_time()
+    joined = _join(items)
+    assert time.process_time() - started < 2.0
+    assert [len(indices) for indices, _ in joined] == [50_000, 50_000]

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_same_bits, make_state, scale_elements, snapshot
 from test_module_prepared import fail_after_writing
 
+import dcr_format.sync._diagnose as diagnose_module
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Transaction
 from dcr_format.errors import ApplyError, BaselineMismatchError
 from dcr_format.format.dtypes import bits_view
@@ -118,3 +119,24 @@ def test_tied_tensors_are_not_staged(tmp_path: Path):
     assert BF16 not in prepared._staged and "lm_head.weight" not in prepared._staged
     reader.apply(prepared)
     assert_same_bits(tensors, state)
+
+
+def test_the_pause_computes_no_staged_fingerprint_past_the_cache_floor(synced, monkeypatch):
+    # a cache floor below the two fingerprints per staged tensor (a model of more tensors
+    # than a fixed cache holds): the reader's reservation keeps every one for the checks
+    reader, tensors, state, _ = synced
+    monkeypatch.setattr(diagnose_module, "FINGERPRINTS", diagnose_module.FingerprintCache(2))
+    prepared = reader.prepare()
+    assert len(prepared._staged) >= 4
+    full = [e.name for e, _ in prepared._steps[0].changes if e.op == "full"]
+    computed: list[tuple[int, ...]] = []
+    original = diagnose_module.fingerprint_from_lanes
+
+    def counted(dtype, shape, lanes):
+        computed.append(tuple(lanes))
+        return original(dtype, shape, lanes)
+
+    monkeypatch.setattr(diagnose_module, "fingerprint_from_lanes", counted)
+    reader.apply(prepared)
+    assert_same_bits(tensors, state)
+    assert len(computed) == len(full)  # only the tensors written whole, checked afresh

@@ -444,6 +444,7 @@ def decode_classed(
     numel: int,
     rows: np.ndarray | None = None,
     old_at: np.ndarray | None = None,
+    rows_fit_known: bool = False,
 ) -> np.ndarray:
     """Decode a ``classed`` stream (or its :func:`parse_classed` layout) against the old bits
     into ``count`` strictly increasing positions in ``[0, numel)``; every malformed stream
@@ -454,7 +455,8 @@ def decode_classed(
     the fingerprint check after applying catches). ``old_at`` (``count`` elements of the old
     bits' dtype), where given, takes the old bits at the positions (the select pass reads
     them anyway; a caller that needs them saves a read at positions spread over the
-    tensor)."""
+    tensor). ``rows_fit_known``: the caller checked ``rows`` with :func:`rows_fit` (or
+    counted them from these bits), so they are not checked again."""
     if old_bits.size != numel:
         raise PositionsError(f"classed positions need the {numel} old elements of the tensor")
     if count < 1 or count > numel:
@@ -474,7 +476,7 @@ def decode_classed(
     classes_count, base, counts = stream.classes, stream.base, stream.counts
     classes = None
     if native is not None:
-        if not rows_fit(rows, numel, dtype):
+        if rows is None or not (rows_fit_known or rows_fit(rows, numel, dtype)):
             rows = exponent_rows(old_bits, dtype)
         assert rows is not None
         starts = native.class_starts(rows, base, classes_count)

@@ -40,6 +40,20 @@ def _unsigned(tensor: torch.Tensor) -> np.ndarray:
     return held.numpy().view(_NATIVE_DTYPES[tensor.dtype])
 
 
+def _line(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a contiguous 1-d tensor: itself where it is one (no new view)."""
+    if tensor.dim() == 1 and tensor.is_contiguous():
+        return tensor
+    return tensor.reshape(-1).contiguous()
+
+
+def _empty_bits(count: int, dtype: torch.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A new bit-view tensor of ``count`` elements of ``dtype`` and its numpy unsigned view
+    (allocated by numpy: one view each way, not a tensor's allocation and then its view)."""
+    held = np.empty(count, dtype=_NATIVE_DTYPES[dtype])
+    return torch.from_numpy(held).view(dtype), held
+
+
 def _takes(*tensors: torch.Tensor) -> bool:
     """Whether the loops take these tensors: all on the CPU with a bit-view dtype."""
     return all(t.is_cpu and t.dtype in _NATIVE_DTYPES for t in tensors)
@@ -128,9 +142,9 @@ class NumbaBackend(Backend):
         ``flat`` at the positions by the caller, nothing written there since), new bits
         written (returned too for ``ulp``) and lane deltas, one pass."""
         native = self.native
-        positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
-        count = positions.numel()
+        positions, values = _line(positions), _line(values)
         target, where = _unsigned(flat), positions.numpy()
+        count = where.shape[0]
         _check_bounds(where, base, flat.numel())
         gathered = (
             before is not None
@@ -139,10 +153,11 @@ class NumbaBackend(Backend):
             and before.shape == (count,)
         )
         if before is None or not gathered:
-            before = torch.empty(count, dtype=flat.dtype)
+            before, before_bits = _empty_bits(count, flat.dtype)
         else:
             before = before.contiguous()
-        after = torch.empty(count if op == ULP else 0, dtype=flat.dtype)
+            before_bits = _unsigned(before)
+        after, after_bits = _empty_bits(count if op == ULP else 0, flat.dtype)
         width = flat.element_size()
         in_range, deltas = native.apply(
             target,
@@ -150,7 +165,7 @@ class NumbaBackend(Backend):
             _unsigned(values),
             base,
             _MODES[op],
-            (_unsigned(before), _unsigned(after)),
+            (before_bits, after_bits),
             native_table(width),
             lane_count(width) if lanes else 0,
             gathered=gathered,
@@ -296,18 +311,20 @@ class NumbaBackend(Backend):
         check_op(op)
         if not _applies(flat, positions, values):
             return super().stage_change(flat, positions, values, op=op, base=base, lanes=lanes)
-        positions, values = positions.reshape(-1).contiguous(), values.reshape(-1).contiguous()
-        _check_bounds(positions.numpy(), base, flat.numel())
-        before = torch.empty(positions.numel(), dtype=flat.dtype)
-        after = torch.empty(positions.numel(), dtype=flat.dtype)
+        positions, values = _line(positions), _line(values)
+        where = positions.numpy()
+        _check_bounds(where, base, flat.numel())
+        count = where.shape[0]
+        before, before_bits = _empty_bits(count, flat.dtype)
+        after, after_bits = _empty_bits(count, flat.dtype)
         width = flat.element_size()
         in_range, deltas = self.native.stage(
             _unsigned(flat),
-            positions.numpy(),
+            where,
             _unsigned(values),
             base,
             _MODES[op],
-            (_unsigned(before), _unsigned(after)),
+            (before_bits, after_bits),
             native_table(width),
             lane_count(width) if lanes else 0,
         )

@@ -69,17 +69,19 @@ def decode_classed_at(
     count, numel = sum(stream.counts), int(held.size)
     fits = given is not None and rows_fit(given, numel, dtype)
     rows = given if fits and given is not None else exponent_rows(held, dtype)
-    try:
+    try:  # the rows fit: checked here, or counted from the bits
         found = decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
-        )
+            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before,
+            rows_fit_known=True,
+        )  # fmt: skip
     except PositionsError:
         if not fits:
             raise
         rows = exponent_rows(held, dtype)
         found = decode_classed(
-            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before
-        )
+            stream, held, dtype, count=count, numel=numel, rows=rows, old_at=before,
+            rows_fit_known=True,
+        )  # fmt: skip
     return found, rows
 
 

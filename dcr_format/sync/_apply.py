@@ -416,7 +416,7 @@ class Applying(Auditing):
         written); a change that does not fit its tensor is left to :meth:`DeltaReader.apply`, which
         refuses it with the usual error."""
         wanted = {e.name: (e, d) for e, d in step.changes if e.op != FULL and e.changed}
-        staged: dict[str, Staged] = {}
+        staged: dict[str, _Read] = {}
         trusted = {} if self._verified is None else self._verified.lanes
         # read while no other sync changes the tensors (a rollback would restore other bits)
         release = claim_target(self.target, self.target.claim_timeout())
@@ -431,12 +431,12 @@ class Applying(Auditing):
                     bits = stage_change(tensor, done)
                 except (IndexError, DcrError):
                     continue
-                staged[name] = Staged(
+                staged[name] = (
                     tensor,
                     bits,
                     done.rows,
-                    lanes=_lanes_staged(entry, trusted.get(name), bits),
-                    rows_after=_rows_staged(entry, done.rows, bits),
+                    _lanes_staged(entry, trusted.get(name), bits),
+                    _rows_staged(entry, done.rows, bits),
                 )
         finally:
             release()
@@ -616,20 +616,36 @@ def _rows_staged(entry: Entry, rows: np.ndarray | None, bits: StagedChange) -> n
     )
 
 
-def _batched(staged: dict[str, Staged]) -> dict[str, Staged]:
-    """``staged`` with the changes of each device and bit width end to end in one batch
-    (:func:`batch_staged`), each change a view of its batch, so the apply writes each
-    batch in one pass (:meth:`Transaction.put_batch`)."""
-    groups: dict[tuple[str, torch.dtype], list[str]] = {}
-    for name, one in staged.items():
-        groups.setdefault((str(one.bits.after.device), one.bits.after.dtype), []).append(name)
-    out = dict(staged)
+_Read = tuple[
+    torch.Tensor,
+    StagedChange,
+    np.ndarray | None,
+    tuple[tuple[int, ...], tuple[int, ...]] | None,
+    np.ndarray | None,
+]
+"""A change read against its live tensor while staging: the tensor, its bits, the exponent
+rows it was resolved against, its lanes before and after, and the rows it leaves (the
+fields of :class:`Staged` but its batch)."""
+
+
+def _batched(read: dict[str, _Read]) -> dict[str, Staged]:
+    """The changes ``read`` while staging, those of each device and bit width end to end in
+    one batch (:func:`batch_staged`), each change a view of its batch, so the apply writes
+    each batch in one pass (:meth:`Transaction.put_batch`)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[str]] = {}
+    for name, one in read.items():
+        after = one[1].after
+        groups.setdefault((after.device, after.dtype), []).append(name)
+    out: dict[str, Staged] = {}
     for names in groups.values():
-        batch, views = batch_staged([staged[n].bits for n in names])
+        batch, views = batch_staged([read[n][1] for n in names])
         members = tuple(names)  # one tuple the batch's changes share
         for name, view in zip(members, views, strict=True):
-            out[name] = replace(staged[name], bits=view, batch=batch, names=members)
-    return out
+            tensor, _, rows, lanes, rows_after = read[name]
+            out[name] = Staged(
+                tensor, view, rows, batch=batch, names=members, lanes=lanes, rows_after=rows_after
+            )
+    return {name: out[name] for name in read}  # in the order they were read
 
 
 def _undo_bytes(plan: SyncPlan) -> int:

@@ -10,7 +10,8 @@ named as such (:class:`~dcr_format.errors.BaselineMismatchError`).
 
 from __future__ import annotations
 
-import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -246,12 +247,65 @@ def _check_lanes(
     return incomplete
 
 
-@functools.lru_cache(maxsize=1 << 14)
+class FingerprintCache:
+    """The fingerprints :func:`fingerprint_of` computed, those used most recently kept first:
+    ``floor`` of them, and as many more as :meth:`reserve` asks for.
+
+    A preparation computes the fingerprints of each staged tensor's lanes before and
+    after its change, for the checks of the pause to find; a cache smaller than those
+    (two a tensor) would drop each of them before its check asks for it, so a reader
+    reserves room for every tensor of the versions it plans (:meth:`reserve`)."""
+
+    def __init__(self, floor: int) -> None:
+        self.floor = self.capacity = floor
+        self._held: OrderedDict[tuple[str, tuple[int, ...], tuple[int, ...]], str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def reserve(self, count: int) -> None:
+        """Keep ``count`` fingerprints more than the floor from now on (the capacity never
+        shrinks)."""
+        with self._lock:
+            self.capacity = max(self.capacity, self.floor + count)
+
+    def get(self, dtype: str, shape: tuple[int, ...], lanes: tuple[int, ...]) -> str:
+        """The fingerprint of a tensor of dtype name ``dtype``, ``shape`` and ``lanes``."""
+        key = (dtype, shape, lanes)
+        with self._lock:
+            found = self._held.get(key)
+            if found is not None:
+                self._held.move_to_end(key)
+                return found
+        found = fingerprint_from_lanes(info_for(dtype).torch_dtype, shape, lanes)
+        with self._lock:
+            self._held[key] = found
+            while len(self._held) > self.capacity:
+                self._held.popitem(last=False)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+FINGERPRINTS = FingerprintCache(1 << 14)
+"""The process's cache of :func:`fingerprint_of` (every reader's)."""
+
+FINGERPRINTS_PER_TENSOR = 2
+"""Fingerprints a reader keeps room for per tensor it plans, above the cache's floor
+(:meth:`FingerprintCache.reserve`): those of its lanes before and after a change (the
+lanes after are the next version's before). About 370 bytes each."""
+
+
 def fingerprint_of(dtype: str, shape: tuple[int, ...], lanes: tuple[int, ...]) -> str:
     """:func:`fingerprint_from_lanes` of a tensor of dtype name ``dtype`` (a pure function:
     the fingerprints of the lanes a commit verified, and of the lanes a prepared version
-    leaves, are computed once, not again in the pause that checks them)."""
-    return fingerprint_from_lanes(info_for(dtype).torch_dtype, shape, lanes)
+    leaves, are computed once, not again in the pause that checks them; kept in
+    :data:`FINGERPRINTS`)."""
+    return FINGERPRINTS.get(dtype, shape, lanes)
+
+
+def reserve_fingerprints(tensors: int) -> None:
+    """Keep room in :data:`FINGERPRINTS` for the fingerprints of ``tensors`` tensors."""
+    FINGERPRINTS.reserve(FINGERPRINTS_PER_TENSOR * tensors)
 
 
 def _mismatches(

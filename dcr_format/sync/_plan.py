@@ -387,17 +387,33 @@ def _linked_shards(
 
 
 def _join(items: list[tuple[int, set[int]]]) -> list[tuple[list[int], set[int]]]:
-    """Union the shard sets that share a shard; each group keeps its entry indices."""
-    groups: list[tuple[list[int], set[int]]] = []
+    """Union the shard sets that share a shard; each group keeps its entry indices.
+
+    Each shard points at the group that holds it, and groups that an item links are merged
+    into the largest of them, so a shard shared by many entries (thousands of small
+    tensors' streams in one shard) costs each entry a constant step, not a copy of the
+    group."""
+    groups: dict[int, tuple[list[int], set[int]]] = {}  # by group id
+    owner: dict[int, int] = {}  # shard -> id of the group that holds it
     for index, shards in items:
-        joined = [g for g in groups if g[1] & shards]
-        merged: tuple[list[int], set[int]] = ([index], set(shards))
-        for group in joined:
-            groups.remove(group)
-            merged[0].extend(group[0])
-            merged[1].update(group[1])
-        groups.append(merged)
-    return [(sorted(indices), members) for indices, members in groups]
+        linked = {owner[s] for s in shards if s in owner}
+        if not linked:
+            gid = index
+            groups[gid] = ([index], set(shards))
+        else:
+            gid = max(linked, key=lambda g: len(groups[g][0]))
+            indices, members = groups[gid]
+            indices.append(index)
+            for other in linked - {gid}:
+                their_indices, their_members = groups.pop(other)
+                indices.extend(their_indices)
+                members |= their_members
+                for shard in their_members:
+                    owner[shard] = gid
+            members |= shards
+        for shard in shards:
+            owner[shard] = gid
+    return [(sorted(indices), members) for indices, members in groups.values()]
 
 
 def _check_continuity(

@@ -41,6 +41,7 @@ from dcr_format.store.store import Store, open_store
 from dcr_format.sync._apply import Applying, EarlyApply, step_changes
 from dcr_format.sync._audit import AUDIT_EVERY, AUDIT_SECONDS
 from dcr_format.sync._commit import Committing, check_reader_id
+from dcr_format.sync._diagnose import reserve_fingerprints
 from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch_step
 from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
@@ -369,6 +370,8 @@ class DeltaReader(Applying, Committing):
                 max_shard_bytes=self.max_shard_bytes,
                 table_of=self._table_of,
             )
+            # the fingerprints staged now stay until the checks of the pause ask for them
+            reserve_fingerprints(len(plan.steps[-1].table))
             # checked before any shard, so before a sync on its own may open the transaction
             files = fetch_files(
                 self.store, self.target.checkpoint_files(), plan.steps[-1].fetch.manifests, pool

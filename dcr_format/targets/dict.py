@@ -49,39 +49,56 @@ def _alias_groups(tensors: MutableMapping[str, torch.Tensor]) -> dict[str, froze
     its group. Refuses, with :class:`AliasedTensorError`, tensors whose bytes overlap
     without being the same view: an in-place change through one would corrupt the other."""
     by_view: dict[_ViewKey, list[str]] = {}
-    extents: dict[tuple[torch.device, int], list[tuple[int, int, str]]] = {}
+    # each storage's distinct views (their first name and tensor); most storages hold one,
+    # and only those that hold several have extents to compare
+    views_of: dict[tuple[torch.device, int], list[tuple[_ViewKey, str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         key = _view_key(tensor)
         if key is None:
             continue
         names = by_view.get(key)
         if names is None:
-            device, address, offset, _, shape, strides = key
-            size = tensor.element_size()
-            span = 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
-            start = offset * size
-            extents.setdefault((device, address), []).append((start, start + span * size, name))
             by_view[key] = [name]
+            storage = (key[0], key[1])
+            views = views_of.get(storage)
+            if views is None:
+                views_of[storage] = [(key, name, tensor)]
+            else:
+                views.append((key, name, tensor))
         else:
             names.append(name)
-    for spans in extents.values():
-        spans.sort()
-        reach, holder = -1, ""
-        for start, end, name in spans:
-            if start < reach:
-                raise AliasedTensorError(
-                    f"tensors {holder!r} and {name!r} share storage but are not the same view "
-                    "(their bytes overlap in part), so a change to one would corrupt the "
-                    "other; give each its own storage (clone one), or use ModuleTarget"
-                )
-            if end > reach:
-                reach, holder = end, name
+    for views in views_of.values():
+        if len(views) > 1:
+            _check_disjoint(views)
     groups: dict[str, frozenset[str]] = {}
     for names in by_view.values():
         if len(names) > 1:
             group = frozenset(names)
             groups.update(dict.fromkeys(names, group))
     return groups
+
+
+def _check_disjoint(views: list[tuple[_ViewKey, str, torch.Tensor]]) -> None:
+    """Refuse (:class:`AliasedTensorError`) distinct views of one storage whose bytes
+    overlap."""
+    spans = []
+    for key, name, tensor in views:
+        _, _, offset, _, shape, strides = key
+        size = tensor.element_size()
+        span = 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
+        start = offset * size
+        spans.append((start, start + span * size, name))
+    spans.sort()
+    reach, holder = -1, ""
+    for start, end, name in spans:
+        if start < reach:
+            raise AliasedTensorError(
+                f"tensors {holder!r} and {name!r} share storage but are not the same view "
+                "(their bytes overlap in part), so a change to one would corrupt the "
+                "other; give each its own storage (clone one), or use ModuleTarget"
+            )
+        if end > reach:
+            reach, holder = end, name
 
 
 @dataclass
