@@ -1,12 +1,11 @@
-"""A publish, a sync and an apply hold the cyclic collector off while they run.
+"""A publish, a sync, a prepare and an apply hold the cyclic collector off while they run.
 
 They make and drop a few objects for every tensor; on a model of thousands of small
 tensors the collections those would set off walk the whole heap of the process again and
 again (most of the collector's time in a run of syncs or publishes). What must hold: the
-collector is off inside :meth:`DeltaWriter.publish`, :meth:`DeltaReader.sync` and
-:meth:`DeltaReader.apply`, on again after them (also after a failure), left off where the
-caller had it off, and left alone by :meth:`DeltaReader.prepare`, which runs while an
-engine keeps generating.
+collector is off inside :meth:`DeltaWriter.publish`, :meth:`DeltaReader.sync`,
+:meth:`DeltaReader.prepare` and :meth:`DeltaReader.apply`, on again after them (also after
+a failure), and left off where the caller had it off.
 """
 
 from __future__ import annotations
@@ -24,13 +23,19 @@ from dcr_format.targets.protocol import Transaction
 
 
 class _Spying(StateDictTarget):
-    """A dict target that notes whether the collector is on when a transaction opens."""
+    """A dict target that notes whether the collector is on when a transaction opens, and
+    when a preparation asks which tensors it stages (``staged``)."""
 
     seen: list[bool]
+    staged: list[bool]
 
     def begin(self) -> Transaction:
         self.seen.append(gc.isenabled())
         return super().begin()
+
+    def staging(self, names):  # type: ignore[no-untyped-def]
+        self.staged.append(gc.isenabled())
+        return super().staging(names)
 
 
 def _states() -> Iterator[dict[str, torch.Tensor]]:
@@ -55,14 +60,14 @@ def _collector_on() -> Iterator[None]:
         gc.disable()
 
 
-def test_sync_and_apply_hold_the_collector_off(tmp_path):
+def test_sync_prepare_and_apply_hold_the_collector_off(tmp_path):
     states = _states()
     writer = DeltaWriter(str(tmp_path))
     state = next(states)
     writer.publish(state)
     held = snapshot(state)
     target = _Spying(held)
-    target.seen = []
+    target.seen, target.staged = [], []
     reader = DeltaReader(str(tmp_path), target)
     reader.sync()
     assert target.seen and not any(target.seen)  # off inside the sync
@@ -70,8 +75,9 @@ def test_sync_and_apply_hold_the_collector_off(tmp_path):
 
     state = next(states)
     writer.publish(state)
-    target.seen = []
+    target.seen, target.staged = [], []
     prepared = reader.prepare()
+    assert target.staged and not any(target.staged)  # off inside the preparation
     assert gc.isenabled()
     reader.apply(prepared)
     assert target.seen and not any(target.seen)

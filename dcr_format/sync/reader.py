@@ -231,8 +231,13 @@ class DeltaReader(Applying, Committing):
         loader places whole in one run of a parameter) are also read against the
         live tensors now (the bits before and after, and their fingerprint lane deltas), so
         that :meth:`apply` only writes them.
+
+        The cyclic collector is held off while it runs (as :meth:`sync`): a prepared
+        version keeps a few objects per tensor, and on thousands of tensors the full
+        collections they set off would walk the process's heap again and again, each
+        stopping every thread of the process (an engine's generation too) while it runs.
         """
-        with self._explaining():
+        with collector_off(), self._explaining():
             return self._prepare_for(to, stage=True)
 
     def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
