@@ -141,14 +141,16 @@ def _rans_model(bits: np.ndarray, allowed: frozenset[str]) -> tuple[rans.Model, 
 
 def _encoded(bits: np.ndarray, model: tuple[rans.Model, float] | None) -> tuple[str, bytes]:
     """§7.4 step 3: the rANS stream under ``model`` where it is kept, else ``planes``."""
-    planes = to_planes(bits)
     if model is not None:
         coded = rans.encode_rans(bits, model[0])
-        if 2 * len(coded) <= len(planes) or (
-            len(coded) < len(planes) and len(coded) < _zstd_estimate(planes)
-        ):
+        raw = bits.size * bits.dtype.itemsize  # the planes' length, before they are made
+        if 2 * len(coded) <= raw:
             return RANS, coded
-    return PLANES, planes
+        planes = to_planes(bits)
+        if len(coded) < raw and len(coded) < _zstd_estimate(planes):
+            return RANS, coded
+        return PLANES, planes
+    return PLANES, to_planes(bits)
 
 
 def _zstd_estimate(data: bytes) -> int:
