@@ -263,7 +263,11 @@ def encode_stream(
         yield from _pooled(first, iterator, advanced, rows, options)
     else:
         for item in itertools.chain((first,), iterator):
-            yield _code_one(item, advanced, rows, None, _options_of(options, item[0]))
+            picked = _options_of(options, item[0])
+            if item[1].device.type == "cpu":
+                yield item[0], _code_cpu(item, advanced, rows, picked)
+            else:
+                yield next(_pipelined([item], advanced, rows, picked))
 
 
 CODING_THREADS = 2
