@@ -34,7 +34,9 @@ that took a publish from 0.46 to 0.40 s at 1% change and from 1.11 to 0.80 s at 
 Small tensors (:data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS`) are coded on the
 calling thread, in their turn, while the pool codes the large ones: their coding is
 mostly Python, which a second thread only slows (the two hand the interpreter's lock to
-each other).
+each other). A CPU tensor, on the pool, on the calling thread or in a stream of one
+coding thread, is coded by :func:`_code_cpu`: the same fused pass and encoder as the
+pipeline's, without the pipeline (no device to overlap with).
 """
 
 from __future__ import annotations
@@ -307,7 +309,7 @@ def _code_cpu(
 ) -> EncodedTensor:
     """What :func:`_pipelined` yields for one CPU item, without its pipeline: there is no
     device to overlap with, and a small tensor's coding is mostly Python, so the
-    pipeline's own steps (its states, its lookahead) would be a tenth of it. The same diff
+    pipeline's own steps (its states, its look-ahead) cost about a tenth of it. The same diff
     (:meth:`DeviceDiffPipeline._start`'s CPU pass: the change, its lane deltas and the
     baseline advanced in one pass), told to ``advanced`` at once, then the same encoder."""
     from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
