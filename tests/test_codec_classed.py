@@ -379,6 +379,9 @@ def test_class_sizes_from_the_exponent_histogram_give_the_counted_stream() -> No
             base = int(rng.integers(low, top - count + 2))
             want = np.bincount(np.clip(exponents - base, 0, count - 1), minlength=count)
             assert np.array_equal(classed.class_sizes(changed, base, count), want)
+            # the compiled writer takes them as the class starts of the changes' one row
+            starts = classed._native().class_starts(changed.reshape(1, -1), base, count)
+            assert np.array_equal(starts[1], want)
     for n in (3000, 200_000):  # one compiled call; past 65,536 changes the parts apart
         classes = rng.integers(0, 12, n).astype(np.uint8)
         classes[classes == 9] = 8  # an empty class
@@ -920,3 +923,41 @@ def test_the_guesses_of_k_at_once_are_each_class_s_own() -> None:
             reference = rice_k_guesses(np.array([n]), np.array([e]))[0]
             near = abs(offset) < 8
             assert one[0] == (-1 if near else reference), (power, offset)
+
+
+def test_old_bits_given_at_the_positions_code_the_same_stream(kernels: str) -> None:
+    """A writer that holds the old bits at the positions already (``before``, the new bits
+    there XOR the change) gets the stream, rows and runs of the call that computes them."""
+    old = weights(31, 70_000)
+    positions = step_positions(old, 32)
+    new = old.copy()
+    new[positions] ^= np.uint16(1) + (positions % 3).astype(np.uint16)
+    xor = (old ^ new)[positions]
+    after = new[positions]
+    rows = classed.exponent_rows(old, "bfloat16")
+    want = classed.encode_classed_counted(
+        positions, new, "bfloat16", xor=xor, after=after, rows=rows
+    )
+    got = classed.encode_classed_counted(
+        positions, new, "bfloat16", xor=xor, after=after, rows=rows, before=after ^ xor
+    )
+    assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2] == want[2]
+
+
+def test_the_scalar_guess_of_k_is_numpy_s_next_to_powers_of_two() -> None:
+    """The writer's guess of a Rice k floors numpy's logarithm; taken from the double's
+    exponent away from the powers of two, it is the same at them, a step either side of
+    them and anywhere between."""
+    from dcr_format.codings.positions import _rice_k_guess
+
+    def numpy_guess(mean: float) -> int:
+        return max(0, int(np.floor(np.log2(max(mean * 0.6931, 1.0)))))
+
+    rng = np.random.default_rng(5)
+    means = [*rng.uniform(0.0, 4.0, 2000), *np.exp(rng.uniform(0.0, 44.0, 20_000))]
+    for k in range(62):
+        for x in (2.0**k, 2.0**k * (1 + 2.0**-30), 2.0**k * (1 - 2.0**-31)):
+            at = x / 0.6931
+            means += [at, float(np.nextafter(at, 0.0)), float(np.nextafter(at, np.inf))]
+    for mean in means:
+        assert _rice_k_guess(float(mean)) == numpy_guess(float(mean)), mean

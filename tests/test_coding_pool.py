@@ -82,6 +82,48 @@ def test_a_pool_codes_as_one_by_one_in_order(monkeypatch):
     assert "classed" in codings  # the caller's allowed codings reached the pool's threads
 
 
+def test_one_thread_codes_each_cpu_tensor_in_its_turn_as_the_pipeline_does(monkeypatch):
+    """On one thread a CPU stream is coded a tensor at a time without the device pipeline's
+    look-ahead (each tensor is read, diffed, told to ``advanced`` and yielded before the
+    next is read), and each result is the pipeline's."""
+    monkeypatch.setattr(pipeline, "CODING_THREADS", 1)
+    old, new = _model(4)
+    options = EncodeOptions.allowing(FEATURES)
+    events: list[str] = []
+
+    def items(baselines: dict[str, torch.Tensor]):
+        for name in new:
+            events.append(f"read {name}")
+            yield name, new[name], baselines[name], None
+
+    def told(key: str, found: Diff) -> None:
+        events.append(f"advanced {key}")
+
+    mine = {n: t.clone() for n, t in old.items()}
+    got = []
+    for key, encoded in pipeline.encode_stream(items(mine), told, options=options):
+        events.append(f"yielded {key}")
+        got.append((key, encoded))
+    assert events == [f"{what} {n}" for n in new for what in ("read", "advanced", "yielded")]
+    theirs = {n: t.clone() for n, t in old.items()}
+    piped = list(pipeline._pipelined(items(theirs), lambda key, found: None, None, options))
+    assert [key for key, _ in got] == [key for key, _ in piped] == list(new)
+    for (_, a), (_, b) in zip(got, piped, strict=True):
+        assert (a.op, a.changed, a.positions_coding, a.positions) == (
+            b.op,
+            b.changed,
+            b.positions_coding,
+            b.positions,
+        )
+        assert (a.values_coding, a.values, a.lane_deltas) == (
+            b.values_coding,
+            b.values,
+            b.lane_deltas,
+        )
+    for name in new:
+        assert torch.equal(mine[name].view(torch.uint8), theirs[name].view(torch.uint8))
+
+
 def test_an_error_comes_in_order_after_every_tensor_in_flight_finished(monkeypatch):
     """Tensor "d" is still coding (its baseline's advance held back) when "c" fails: the
     error reaches the caller only once "d" finished, so nothing advances after it."""

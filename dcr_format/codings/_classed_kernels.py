@@ -352,6 +352,30 @@ def least_estimate(
     return best_k, best_b
 
 
+@njit(cache=True, nogil=True)
+def class_odds(
+    everything: np.ndarray, changed: np.ndarray
+) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """:func:`class_intervals` and their :func:`interval_odds` in one call (the writer makes
+    this choice once a tensor; each compiled call costs a few us of its own)."""
+    low, width, totals, changes = class_intervals(everything, changed)
+    return low, width, totals, changes, interval_odds(totals, changes)
+
+
+@njit(cache=True, nogil=True)
+def least_classes(
+    totals: np.ndarray,
+    changes: np.ndarray,
+    odds: np.ndarray,
+    logs: np.ndarray,
+    header: float,
+    width: int,
+    most: int,
+) -> tuple[int, int]:  # pragma: no cover - compiled
+    """:func:`interval_costs` and their :func:`least_estimate` in one call."""
+    return least_estimate(interval_costs(totals, changes, odds, logs, header), width, most)
+
+
 # --- the k-th set bit of a word ---------------------------------------------------------
 
 _M1 = np.uint64(0x5555555555555555)

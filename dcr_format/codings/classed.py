@@ -182,13 +182,13 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     estimate is the sum of its classes' in class order."""
     native = _native()
     if native is not None:  # compiled but the logarithms (numpy's, as below: the same doubles)
-        low, width, totals, changes = native.class_intervals(
+        low, width, totals, changes, odds = native.class_odds(
             np.ascontiguousarray(everything, dtype=np.int64),
             np.ascontiguousarray(changed, dtype=np.int64),
         )
-        odds = native.interval_odds(totals, changes)
-        costs = native.interval_costs(totals, changes, odds, np.log2(odds), CLASS_HEADER_BITS)
-        count, index = native.least_estimate(costs, width, min(MAX_CLASSES, width))
+        count, index = native.least_classes(
+            totals, changes, odds, np.log2(odds), CLASS_HEADER_BITS, width, min(MAX_CLASSES, width)
+        )
         return low + int(index), int(count)
     present = np.flatnonzero(everything)
     low, top = int(present[0]), int(present[-1])
@@ -265,6 +265,7 @@ def encode_classed_counted(
     xor: np.ndarray | None = None,
     after: np.ndarray | None = None,
     rows: np.ndarray | None = None,
+    before: np.ndarray | None = None,
 ) -> tuple[bytes, np.ndarray, int]:
     """:func:`encode_classed` for a writer that keeps the exponent rows of its baseline:
     ``rows`` (where known, else None) are those of the **old** bits; the second result is
@@ -273,7 +274,9 @@ def encode_classed_counted(
     the old bits' own (rows that do not fit the tensor, :func:`rows_fit`, are counted
     again). The third result is how many runs of consecutive elements the positions make
     (counted in the rank pass: a writer bounds the plain codings' sizes from it,
-    :func:`dcr_format.codings.positions.plain_size_floor`)."""
+    :func:`dcr_format.codings.positions.plain_size_floor`). ``before``, optional with
+    ``xor`` and ``after``: the old bits at the positions (``after ^ xor``), where the caller
+    has them already."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
@@ -285,7 +288,11 @@ def encode_classed_counted(
     if xor is not None:  # the old and new bits at the positions, in order
         new_at = bits[positions] if after is None else np.ascontiguousarray(after).reshape(-1)
         new_at = new_at.astype(bits.dtype, copy=False)
-        old_at = new_at ^ np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
+        if before is not None and after is not None and before.dtype == bits.dtype:
+            old_at = np.ascontiguousarray(before).reshape(-1)
+        else:
+            xor_at = np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
+            old_at = new_at ^ xor_at
     if not rows_fit(rows, bits.size, dtype):
         rows = None
     if rows is None:  # counted here: the bits given are the new ones where xor is given
@@ -325,7 +332,10 @@ def encode_classed_counted(
             if chosen.any():
                 cums = np.cumsum(classes == c, dtype=np.int64) - 1
                 all_ranks[chosen] = cums[positions[chosen]]
-    sizes = class_sizes(changed, base, count)
+    if native is not None:  # the changes' class sizes: the class starts of their one row
+        sizes = native.class_starts(changed.reshape(1, -1), base, count)[1]
+    else:
+        sizes = class_sizes(changed, base, count)
     stream = classed_stream(base, count, changed_classes, all_ranks, sizes=sizes)
     return stream, after_rows, int(positions.size) - adjacent
 

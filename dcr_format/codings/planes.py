@@ -25,11 +25,10 @@ def to_planes(values: np.ndarray) -> bytes:
     if width != 2:
         as_bytes = bits.view(np.uint8).reshape(-1, width)
         return np.ascontiguousarray(as_bytes[:, ::-1].T).tobytes()
-    n = bits.shape[0]
-    out = np.empty(2 * n, dtype=np.uint8)
-    np.copyto(out[:n], bits >> np.uint16(8), casting="unsafe")
-    np.copyto(out[n:], bits, casting="unsafe")  # unsafe: keeps the low byte
-    return out.tobytes()
+    # each plane cast to bytes on its own (the cast keeps the low byte): fewer steps than
+    # filling one array, for a few values and for millions alike
+    high = (bits >> np.uint16(8)).astype(np.uint8)
+    return high.tobytes() + bits.astype(np.uint8).tobytes()
 
 
 def from_planes(data: bytes | memoryview, count: int, width: int) -> np.ndarray:

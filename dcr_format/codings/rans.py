@@ -71,6 +71,10 @@ class Model:
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:  # most word counts and lengths: one or two bytes, without the loop
+        return bytes((value,))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -352,8 +356,8 @@ def encode_rans(values: np.ndarray, model: Model) -> bytes:
         varints, words, escaped = native.encode(
             values,
             values.dtype.itemsize,
-            model.table.astype(np.uint64),
-            model.freqs.astype(np.int64),
+            model.table.astype(np.uint64, copy=False),
+            model.freqs.astype(np.int64, copy=False),
             model.bits,
         )
         head = bytes((len(model.table), model.bits)) + varints.tobytes()
@@ -367,7 +371,8 @@ def encode_rans(values: np.ndarray, model: Model) -> bytes:
         escaped = values[symbols == model.table.size]
         head = model.header(values.dtype.itemsize)
     words = np.ascontiguousarray(words, dtype="<u4")
-    return b"".join((head, _varint(int(words.size)), words.tobytes(), to_planes(escaped)))
+    tail = to_planes(escaped) if escaped.size else b""  # most streams escape nothing
+    return b"".join((head, _varint(int(words.size)), words.tobytes(), tail))
 
 
 def max_words(count: int) -> int:

@@ -73,10 +73,10 @@ def encode_xor_values(
     """
     xor, differences = _unsigned(xor), _unsigned(differences)
     allowed = frozenset(codings)
-    xor_model = _rans_model(xor, frozenset((PLANES,)) | (allowed & frozenset(VALUE_CODINGS)))
+    xor_model = _rans_model(xor, _PLANES_ONLY | (allowed & _VALUE_CODINGS))
     best: tuple[float, str, Callable[[], bytes]] | None = None
     if ULP in allowed:
-        ulp_model = _rans_model(differences, frozenset((RANS,)))
+        ulp_model = _rans_model(differences, _RANS_ONLY)
         if ulp_model is not None:
             model = ulp_model[0]
             best = (ulp_model[1], ULP, lambda: rans.encode_rans(differences, model))
@@ -103,7 +103,7 @@ def _shift_candidate(
     if origin is None:
         return None
     y, low = ulp_shift.split(old, differences, origin, dtype)
-    model = _rans_model(y, frozenset((RANS,)))
+    model = _rans_model(y, _RANS_ONLY)
     if model is None:
         return None
     estimate = 2 + len(rans.length_bytes(math.ceil(model[1]))) + model[1] + len(low)
@@ -127,7 +127,15 @@ def _unsigned(bits: np.ndarray) -> np.ndarray:
     width = bits.dtype.itemsize
     if width not in UNSIGNED_NP:
         raise ArgumentError(f"value width {width} is not one of 1, 2, 4, 8")
-    return np.ascontiguousarray(bits).reshape(-1).view(UNSIGNED_NP[width])
+    kind = UNSIGNED_NP[width]
+    if bits.dtype == kind and bits.ndim == 1 and bits.flags.c_contiguous:  # most callers'
+        return bits
+    return np.ascontiguousarray(bits).reshape(-1).view(kind)
+
+
+_PLANES_ONLY = frozenset((PLANES,))
+_RANS_ONLY = frozenset((RANS,))
+_VALUE_CODINGS = frozenset(VALUE_CODINGS)
 
 
 def _rans_model(bits: np.ndarray, allowed: frozenset[str]) -> tuple[rans.Model, float] | None:
@@ -141,14 +149,16 @@ def _rans_model(bits: np.ndarray, allowed: frozenset[str]) -> tuple[rans.Model, 
 
 def _encoded(bits: np.ndarray, model: tuple[rans.Model, float] | None) -> tuple[str, bytes]:
     """§7.4 step 3: the rANS stream under ``model`` where it is kept, else ``planes``."""
-    planes = to_planes(bits)
     if model is not None:
         coded = rans.encode_rans(bits, model[0])
-        if 2 * len(coded) <= len(planes) or (
-            len(coded) < len(planes) and len(coded) < _zstd_estimate(planes)
-        ):
+        raw = bits.size * bits.dtype.itemsize  # the planes' length, before they are made
+        if 2 * len(coded) <= raw:
             return RANS, coded
-    return PLANES, planes
+        planes = to_planes(bits)
+        if len(coded) < raw and len(coded) < _zstd_estimate(planes):
+            return RANS, coded
+        return PLANES, planes
+    return PLANES, to_planes(bits)
 
 
 def _zstd_estimate(data: bytes) -> int:

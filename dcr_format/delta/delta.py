@@ -251,19 +251,34 @@ def encode_diff(
         host = (to_host(positions), to_host(picked))
     at = host[0].numpy()
     xor_bits = bits_to_numpy(host[1])  # the XOR bits (new bits for overwrite), on the host
+    dtype = info_for(new.dtype).name
+    allowed = options.codings
+    xor_op = op is None or op == XOR
+    # a CPU change that kept its new bits: they and the old bits at the positions (``after ^
+    # xor``) serve the ``classed`` positions and the ``ulp`` values alike, taken once here
+    after: np.ndarray | None = None
+    before: np.ndarray | None = None
+    if xor_op and new_values is not None and new.is_cpu and dtype in FLOAT_DTYPES:
+        after = bits_to_numpy(new_values)
+        before = after ^ xor_bits
+    # a backend with the base class's ulp_on_device (never) runs no ulp pass on a device
+    ulp_kernels = type(backend).ulp_on_device is not Backend.ulp_on_device
     plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
     pos_coding, pos_bytes = None, None
     new_rows = None
-    if op in (None, XOR) and _classed_wanted(new, baseline, options):  # host[1]: the XOR bits
+    if xor_op and _classed_wanted(new, baseline, allowed, dtype):  # host[1]: the XOR bits
         runs = None
         if new.is_cpu:
+            if after is None and new_values is not None:
+                after = bits_to_numpy(new_values.cpu())
             coded, new_rows, runs = encode_classed_counted(
                 at,
                 bits_to_numpy(flat_bits(new)),
-                info_for(new.dtype).name,
+                dtype,
                 xor=xor_bits,
-                after=None if new_values is None else bits_to_numpy(new_values.cpu()),
+                after=after,
                 rows=rows,
+                before=before,
             )
         else:
             assert baseline is not None
@@ -279,22 +294,28 @@ def encode_diff(
         if plain is None:
             plain = PositionsChoice(at)
         pos_coding, pos_bytes = plain.coding, plain.encode()
-    allowed = options.codings
-    dtype = info_for(new.dtype).name
-    if op in (None, XOR) and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
-        on_device = _device_ulp_of_change(new, found, backend, want_old=True)
+    if xor_op and ULP_SHIFT in allowed and dtype in FLOAT_DTYPES:
+        on_device = (
+            _device_ulp_of_change(new, found, backend, want_old=True) if ulp_kernels else None
+        )
         if on_device is not None:
             differences, before = on_device
+        elif before is not None and after is not None:
+            differences = to_ulp(before, after)
         else:
             before = _old_of_change(new, positions, xor_bits, found.new_values)
             differences = to_ulp(before, before ^ xor_bits)
         val_coding, val_bytes = encode_xor_values(
             xor_bits, differences, old=before, dtype=dtype, codings=allowed
         )
-    elif op in (None, XOR) and ULP in allowed and dtype in FLOAT_DTYPES:
-        on_device = _device_ulp_of_change(new, found, backend, want_old=False)
+    elif xor_op and ULP in allowed and dtype in FLOAT_DTYPES:
+        on_device = (
+            _device_ulp_of_change(new, found, backend, want_old=False) if ulp_kernels else None
+        )
         if on_device is not None:
             differences = on_device[0]
+        elif before is not None and after is not None:
+            differences = to_ulp(before, after)
         else:
             differences = _ulp_differences(new, positions, xor_bits, found.new_values)
         val_coding, val_bytes = encode_xor_values(xor_bits, differences, codings=allowed)
@@ -385,14 +406,14 @@ def _bits_at(flat: torch.Tensor, positions: torch.Tensor) -> np.ndarray:
 
 
 def _classed_wanted(
-    new: torch.Tensor, baseline: torch.Tensor | None, options: EncodeOptions
+    new: torch.Tensor, baseline: torch.Tensor | None, allowed: frozenset[str], dtype: str
 ) -> bool:
-    """Whether ``classed`` positions are allowed here and can apply to ``new``: a float
-    tensor in host memory (its new bits and the XOR bits give the old ones), or on a device
-    next to its old bits (``baseline``)."""
+    """Whether ``classed`` positions are ``allowed`` here and can apply to ``new`` (of the
+    format dtype ``dtype``): a float tensor in host memory (its new bits and the XOR bits
+    give the old ones), or on a device next to its old bits (``baseline``)."""
     return (
-        CLASSED in options.codings
-        and info_for(new.dtype).name in EXPONENT_FIELDS
+        CLASSED in allowed
+        and dtype in EXPONENT_FIELDS
         and (new.is_cpu or (baseline is not None and baseline.device == new.device))
     )
 

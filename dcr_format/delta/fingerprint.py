@@ -279,6 +279,9 @@ def add_lanes(*parts: Iterable[int]) -> tuple[int, ...]:
 def apply_lane_deltas(lanes: Iterable[int], deltas: Iterable[int]) -> tuple[int, ...]:
     """Lanes after a change whose lane deltas (``sum (g(new) - g(old)) * r`` mod each prime,
     as returned by ``diff_with_lanes`` and ``apply_with_lanes``) are ``deltas``."""
+    if type(lanes) is tuple and type(deltas) is tuple and len(lanes) == len(deltas) == 2:
+        # the common case (two lanes, widths up to 4 bytes) without add_lanes' generality
+        return ((lanes[0] + deltas[0]) % _PRIMES[0], (lanes[1] + deltas[1]) % _PRIMES[1])
     return add_lanes(lanes, deltas)
 
 

@@ -79,12 +79,16 @@ def info_for(dtype: torch.dtype | str) -> DtypeInfo:
         ) from None
 
 
+_BITS_OF: dict[torch.dtype, torch.dtype] = {info.torch_dtype: info.bits_dtype for info in _INFOS}
+
+
 def bits_view(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's exact bits as an integer tensor of the same width (no copy)."""
-    info = info_for(tensor.dtype)
-    if tensor.dtype == info.bits_dtype:
-        return tensor
-    return tensor.view(info.bits_dtype)
+    dtype = tensor.dtype
+    bits = _BITS_OF.get(dtype)
+    if bits is None:
+        bits = info_for(dtype).bits_dtype  # refuses it with the error the format has
+    return tensor if dtype == bits else tensor.view(bits)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,6 +106,8 @@ def flat_bits(tensor: torch.Tensor) -> torch.Tensor:
 def bits_to_numpy(bits: torch.Tensor) -> np.ndarray:
     """Host numpy array of unsigned integers holding the same bits as an integer tensor."""
     width = bits.element_size()
+    if bits.is_cpu and not bits.requires_grad and bits.is_contiguous():  # no copy, no detach
+        return bits.numpy().view(UNSIGNED_NP[width])
     return bits.detach().cpu().contiguous().numpy().view(UNSIGNED_NP[width])
 
 

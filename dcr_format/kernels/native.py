@@ -39,18 +39,27 @@ def compiled(name: str) -> ModuleType | None:
     own name (e.g. ``_launch``) or any module by its dotted name (a coding's kernels, e.g.
     ``dcr_format.codings._rans_kernels``), imported on first use, or None where
     :func:`native_kernels` is (or it cannot load)."""
-    if native_kernels() is None:
+    raw = getenv("DCR_KERNELS")  # as native_kernels() reads it, without a second call
+    if raw is not None and raw.strip().lower() == "torch":
         return None
-    if name not in _COMPILED:  # imported once, not looked up by importlib at every call
-        module = name if "." in name else f"dcr_format.kernels.{name}"
-        try:
-            _COMPILED[name] = importlib.import_module(module)
-        except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
-            _COMPILED[name] = None
-    return _COMPILED[name]
+    module = _COMPILED.get(name, _UNLOADED)
+    if module is _UNLOADED:  # imported once, not looked up by importlib at every call
+        module = _COMPILED[name] = _import(name)
+    return module if isinstance(module, ModuleType) else None
 
 
-_COMPILED: dict[str, ModuleType | None] = {}
+def _import(name: str) -> ModuleType | None:
+    """The kernels module ``name`` (see :func:`compiled`), or None where numba cannot load."""
+    if _load_native() is None:
+        return None
+    try:
+        return importlib.import_module(name if "." in name else f"dcr_format.kernels.{name}")
+    except (ImportError, OSError, RuntimeError):  # pragma: no cover - numba unusable
+        return None
+
+
+_UNLOADED = object()  # a name not imported yet (None is kept for one that cannot load)
+_COMPILED: dict[str, object] = {}
 
 
 def serial_kernels() -> contextlib.AbstractContextManager[None]:

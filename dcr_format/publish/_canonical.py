@@ -41,7 +41,7 @@ from dcr_format.errors import (
     TargetError,
     UnsupportedDtypeError,
 )
-from dcr_format.format.dtypes import bits_view, info_for
+from dcr_format.format.dtypes import bits_view
 from dcr_format.format.features import (
     POSITIONS_CLASSED_FEATURE,
     PublishCodings,
@@ -147,7 +147,7 @@ class CanonicalPart:
 
     def owns(self, name: str) -> bool:
         """Whether this rank publishes ``name``."""
-        return owner(name, self.world_size) == self.rank
+        return self.world_size == 1 or owner(name, self.world_size) == self.rank
 
     def check_manifest(self, manifest: Manifest, rank: int, key: str) -> None:
         """Whole tensors come from their owner rank (FORMAT.md §4.6); pieces follow the
@@ -294,8 +294,8 @@ class CanonicalPart:
             if name in seen:
                 raise ArgumentError(f"tensor {name!r} was given twice in one publish")
             seen.add(name)
-            tensor = tensor.detach()
-            info_for(tensor.dtype)  # refuses dtypes the format cannot carry
+            if tensor.requires_grad:  # pairs() checked it (check_input), dtype included
+                tensor = tensor.detach()
             old = self._baseline.get(name)
             op = FULL if attempt.base else self._op_for(name, tensor, old, attempt.overwrite)
             if op != FULL and comparable(tensor, old) and name not in self._lanes:

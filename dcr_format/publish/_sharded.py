@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,8 +50,6 @@ from dcr_format.publish._projection import (
 def is_dtensor(tensor: object) -> bool:
     """Whether ``tensor`` is a ``torch.distributed`` ``DTensor`` (without importing the
     distributed package where it was never loaded)."""
-    import sys
-
     module = sys.modules.get("torch.distributed.tensor")
     dtensor = getattr(module, "DTensor", None) if module is not None else None
     return dtensor is not None and isinstance(tensor, dtensor)
