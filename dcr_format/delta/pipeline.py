@@ -153,26 +153,10 @@ class DeviceDiffPipeline:
         state.backend = backend = backend_for(old_bits, new_bits)
         state.stream = self._stream_for(new_bits.device)
         if state.stream is None:  # one fused pass on the CPU: the change and its lane deltas
-            advance = self.advanced is not None and old_bits.is_contiguous()
-            # advanced, the XOR bits suffice, unless a coding against the old bits may be
-            # used (``ulp``, ``classed``): it needs the new bits at the positions too, best
-            # taken here while each line is at hand (a later gather at 1% change misses the
-            # cache on every element)
-            against_old = (
-                want_xor
-                and not _options_of(self.options, key).codings.isdisjoint(BASELINE_CODINGS)
-                and info_for(new.dtype).name in FLOAT_DTYPES
+            options = _options_of(self.options, key)
+            state.diff, state.lane_deltas = _cpu_pass(
+                key, new.dtype, new_bits, old_bits, op, backend, self.advanced, options
             )
-            state.diff, state.lane_deltas = backend.diff_with_lanes(
-                old_bits,
-                new_bits,
-                want_new=not (advance and want_xor) or against_old,
-                want_xor=want_xor or advance,
-                advance=advance,
-            )
-            if advance:
-                assert self.advanced is not None
-                self.advanced(key, state.diff)  # at once: whatever fails later can undo it
             return state
         # the inputs come from the consumer's stream; the allocator must not recycle them
         # while the side stream still reads them
@@ -320,24 +304,10 @@ def _code_cpu(
     if op == FULL or old is None or old.dtype != new.dtype or old.shape != new.shape:
         return encode_tensor(new, old, op=op, options=options)
     new_bits, old_bits = flat_bits(new), flat_bits(old)
-    want_xor = op != OVERWRITE
     backend = backend_for(old_bits, new_bits)
-    advance = advanced is not None and old_bits.is_contiguous()
-    against_old = (
-        want_xor
-        and not options.codings.isdisjoint(BASELINE_CODINGS)
-        and info_for(new.dtype).name in FLOAT_DTYPES
+    found, lane_deltas = _cpu_pass(
+        key, new.dtype, new_bits, old_bits, op, backend, advanced, options
     )
-    found, lane_deltas = backend.diff_with_lanes(
-        old_bits,
-        new_bits,
-        want_new=not (advance and want_xor) or against_old,
-        want_xor=want_xor or advance,
-        advance=advance,
-    )
-    if advance:
-        assert advanced is not None
-        advanced(key, found)  # at once: whatever fails later can undo it
     picked = found.new_values if op == OVERWRITE else found.xor_values
     assert picked is not None
     return encode_diff(
@@ -350,6 +320,42 @@ def _code_cpu(
         backend=backend,
         options=options,
     )
+
+
+def _cpu_pass(
+    key: Any,
+    dtype: torch.dtype,
+    new_bits: torch.Tensor,
+    old_bits: torch.Tensor,
+    op: str | None,
+    backend: Backend,
+    advanced: Callable[[Any, Diff], None] | None,
+    options: EncodeOptions,
+) -> tuple[Diff, tuple[int, ...] | None]:
+    """One fused pass over the flat bits of a CPU item of ``dtype``: its change and lane
+    deltas, the baseline advanced where ``advanced`` is given (and told at once: whatever
+    fails later can undo it). Advanced, the XOR bits suffice, unless a coding against the
+    old bits may be used (``ulp``, ``classed``): it needs the new bits at the positions
+    too, best taken here while each line is at hand (a later gather at 1% change misses
+    the cache on every element)."""
+    want_xor = op != OVERWRITE
+    advance = advanced is not None and old_bits.is_contiguous()
+    against_old = (
+        want_xor
+        and not options.codings.isdisjoint(BASELINE_CODINGS)
+        and info_for(dtype).name in FLOAT_DTYPES
+    )
+    found, lane_deltas = backend.diff_with_lanes(
+        old_bits,
+        new_bits,
+        want_new=not (advance and want_xor) or against_old,
+        want_xor=want_xor or advance,
+        advance=advance,
+    )
+    if advance:
+        assert advanced is not None
+        advanced(key, found)
+    return found, lane_deltas
 
 
 def _now(code: Callable[[], tuple[Any, EncodedTensor]]) -> Future[tuple[Any, EncodedTensor]]:
