@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -333,10 +334,8 @@ def test_a_writer_that_does_not_know_the_list_reads_the_record_as_reading_no_old
     assert before.reads_baseline is False and before.reader_id == "engine"
 
 
-def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
-    """``benchmarks/module_bytes_bench.py`` on a one-layer Llama-like state: the engine reads
-    the old bits of every name at tp 1, of the whole ones only at tp 2, and every step
-    matches a dense load."""
+def _module_bytes_bench() -> Any:
+    """``benchmarks/module_bytes_bench.py``, loaded as a module."""
     import importlib.util
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "module_bytes_bench.py"
@@ -344,6 +343,28 @@ def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def _bench_states(
+    shapes: dict[str, tuple[int, ...]], *, seed: int
+) -> list[dict[str, torch.Tensor]]:
+    """A base and two steps of bf16 tensors of ``shapes``: about 5% of each moves a step."""
+    gen = torch.Generator().manual_seed(seed)
+    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    states = []
+    for _ in range(3):
+        states.append({n: m.bfloat16() for n, m in masters.items()})
+        for m in masters.values():
+            m += (torch.rand(m.shape, generator=gen) < 0.05) * 3e-4
+    return states
+
+
+def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
+    """``benchmarks/module_bytes_bench.py`` on a one-layer Llama-like state: the engine reads
+    the old bits of every name at tp 1, of the whole ones only at tp 2, and every step
+    matches a dense load."""
+    bench = _module_bytes_bench()
     shapes = {"model.embed_tokens.weight": (64, 32), "model.norm.weight": (32,)}
     for part, shape in (
         ("self_attn.q_proj", (32, 32)),
@@ -356,13 +377,7 @@ def test_the_module_bytes_benchmark_syncs_an_engine_module_exactly() -> None:
         ("input_layernorm", (32,)),
     ):
         shapes[f"model.layers.0.{part}.weight"] = shape
-    gen = torch.Generator().manual_seed(2)
-    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
-    states = []
-    for _ in range(3):
-        states.append({n: m.bfloat16() for n, m in masters.items()})
-        for m in masters.values():
-            m += (torch.rand(m.shape, generator=gen) < 0.05) * 3e-4
+    states = _bench_states(shapes, seed=2)
     assert bench.run(states, listed=True, tp=1)["readable"] == len(shapes)
     assert bench.run(states, listed=True, tp=2)["readable"] == 3  # embeddings and norms
     assert bench.run(states, listed=False, tp=1)["readable"] == 0
@@ -375,13 +390,7 @@ def test_the_module_bytes_benchmark_fuses_experts_and_compares_the_records(
     load; with more names placed whole than a list holds (4 here), the record the reader
     writes lists the exceptions (every name readable), the ``capped`` one the 4 largest,
     and the exceptions take fewer bytes."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "module_bytes_bench.py"
-    spec = importlib.util.spec_from_file_location("module_bytes_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _module_bytes_bench()
     monkeypatch.setattr("dcr_format.targets.module.MAX_BASELINE_NAMES", 4)
     monkeypatch.setattr("dcr_format.sync._commit.MAX_BASELINE_NAMES", 4)
     shapes = {"model.embed_tokens.weight": (64, 32), "model.layers.0.mlp.gate.weight": (8, 32)}
@@ -389,13 +398,7 @@ def test_the_module_bytes_benchmark_fuses_experts_and_compares_the_records(
     for e in range(8):
         for proj, shape in projections:
             shapes[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = shape
-    gen = torch.Generator().manual_seed(4)
-    masters = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
-    states = []
-    for _ in range(3):
-        states.append({n: m.bfloat16() for n, m in masters.items()})
-        for m in masters.values():
-            m += (torch.rand(m.shape, generator=gen) < 0.05) * 3e-4
+    states = _bench_states(shapes, seed=4)
     engine = bench.Engine({n: tuple(s) for n, s in shapes.items()})
     assert {n for n in engine.params if "w13" in n or "w2" in n} == {
         "model_layers_0_mlp_w13",
