@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -880,12 +881,30 @@ def _per_tensor_states() -> tuple[list[tuple[int, State]], tuple[str, ...]]:
     return versions, (q, k, u, n, d)
 
 
+def _engine_records(first: dict[str, Any], second: dict[str, Any]) -> list[ReaderRecord]:
+    """The reader records of the per-tensor vectors, written a day before the chain: two
+    engines that read the old bits of some tensors only (``first``, with its features
+    listed; ``second``, without: every feature), each saying which in the members given,
+    and a trainer's evaluation that reads every tensor's."""
+    updated = _stamp(CLOCK_START - timedelta(days=1))
+    return [
+        ReaderRecord(
+            reader_id="engine-0",
+            updated=updated,
+            reads_baseline=False,
+            features=tuple(sorted(KNOWN_FEATURES)),
+            **first,
+        ),
+        ReaderRecord(reader_id="engine-1", updated=updated, reads_baseline=False, **second),
+        ReaderRecord(reader_id="trainer-eval", updated=updated),
+    ]
+
+
 def baseline_names() -> Vector:
     """Codings against the old bits per tensor (FORMAT.md §3.6 ``baseline_names``, §12.1):
     reader records that read the old bits of only some tensors; a writer's default codes
     against the old bits exactly the tensors every record reads the old bits of."""
     versions, (q, k, _, n, d) = _per_tensor_states()
-    updated = _stamp(CLOCK_START - timedelta(days=1))
     return Vector(
         "baseline-names",
         "codings against the old bits per tensor (FORMAT.md §3.6 baseline_names, §12.1): "
@@ -899,22 +918,10 @@ def baseline_names() -> Vector:
         versions,
         features=None,
         records={
-            1: [
-                ReaderRecord(
-                    reader_id="engine-0",
-                    updated=updated,
-                    reads_baseline=False,
-                    features=tuple(sorted(KNOWN_FEATURES)),
-                    baseline_names=tuple(sorted((k, n, q, d))),
-                ),
-                ReaderRecord(
-                    reader_id="engine-1",
-                    updated=updated,
-                    reads_baseline=False,
-                    baseline_names=tuple(sorted((n, q, d))),
-                ),
-                ReaderRecord(reader_id="trainer-eval", updated=updated),
-            ]
+            1: _engine_records(
+                {"baseline_names": tuple(sorted((k, n, q, d)))},
+                {"baseline_names": tuple(sorted((n, q, d)))},
+            )
         },
     )
 
@@ -925,7 +932,6 @@ def baseline_except() -> Vector:
     tensor but one; a writer's default codes against the old bits every tensor but those
     two."""
     versions, (_, k, u, _, _) = _per_tensor_states()
-    updated = _stamp(CLOCK_START - timedelta(days=1))
     return Vector(
         "baseline-except",
         "codings against the old bits of every tensor but some (FORMAT.md §3.6 "
@@ -937,24 +943,7 @@ def baseline_except() -> Vector:
         12,
         versions,
         features=None,
-        records={
-            1: [
-                ReaderRecord(
-                    reader_id="engine-0",
-                    updated=updated,
-                    reads_baseline=False,
-                    features=tuple(sorted(KNOWN_FEATURES)),
-                    baseline_except=(k,),
-                ),
-                ReaderRecord(
-                    reader_id="engine-1",
-                    updated=updated,
-                    reads_baseline=False,
-                    baseline_except=(u,),
-                ),
-                ReaderRecord(reader_id="trainer-eval", updated=updated),
-            ]
-        },
+        records={1: _engine_records({"baseline_except": (k,)}, {"baseline_except": (u,)})},
     )
 
 
