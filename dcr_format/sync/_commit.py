@@ -109,9 +109,12 @@ def _baseline(
     target tells (:meth:`Target.baseline_except`) which of the version's ``names`` it does
     not read, that list fits a record whole, and it leaves writers more tensors to code
     against the old bits than the list of names does (an engine holding tens of thousands
-    of experts whole)."""
+    of experts whole). Only a list at :data:`MAX_BASELINE_NAMES` can leave out names the
+    target reads, so only then is the target asked (a pass over its names each prepare)."""
     given = target.baseline_names()
-    excluded = None if names is None else target.baseline_except(names)
+    excluded = None
+    if names is not None and len(given or ()) >= MAX_BASELINE_NAMES:
+        excluded = target.baseline_except(names)
     if excluded is not None:
         unread = sorted(excluded)
         readable = len(names or ()) - len(unread)
