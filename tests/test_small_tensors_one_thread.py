@@ -11,6 +11,7 @@ coding and applying one by one.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from conftest import assert_same_bits, snapshot
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget
 from dcr_format.delta import pipeline
 from dcr_format.kernels.reference import Diff
-from dcr_format.sync import _apply
+from dcr_format.sync import _apply, _fetch
 from dcr_format.system.pools import ONE_THREAD_ELEMENTS
 
 LARGE = ONE_THREAD_ELEMENTS + 1024
@@ -72,18 +73,50 @@ def test_an_error_of_a_small_tensor_comes_in_its_turn(monkeypatch):
     assert got == ["big0", "big1", "s0"]  # everything before it, nothing after
 
 
-def _threads_of_changes(monkeypatch: pytest.MonkeyPatch) -> dict[str, set[int]]:
-    """By tensor name, the threads its changes are applied on from now on (filled as a
-    sync applies them)."""
-    where: dict[str, set[int]] = {}
-    real = _apply.EarlyApply._run
+def _threads_of_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[dict[str, list[int]], list[str]]:
+    """By tensor name, the threads its changes are applied on from now on, and the names
+    in the order they are applied (filled as a sync applies them): on the apply pool as
+    they are decoded (``EarlyApply._run``), or after the fetch (``_change_entry``)."""
+    where: dict[str, list[int]] = {}
+    order: list[str] = []
+    real_run, real_entry = _apply.EarlyApply._run, _apply.Applying._change_entry
 
-    def spy(self, entry, box, pooled):  # type: ignore[no-untyped-def]
-        where.setdefault(entry.name, set()).add(threading.get_ident())
-        return real(self, entry, box, pooled)
+    def run(self, entry, box):  # type: ignore[no-untyped-def]
+        where.setdefault(entry.name, []).append(threading.get_ident())
+        return real_run(self, entry, box)
 
-    monkeypatch.setattr(_apply.EarlyApply, "_run", spy)
-    return where
+    def change_entry(self, sync, entry, delta, **options):  # type: ignore[no-untyped-def]
+        if entry.name not in where:  # not given to the pool (which calls this too)
+            where[entry.name] = [threading.get_ident()]
+        order.append(entry.name)
+        return real_entry(self, sync, entry, delta, **options)
+
+    monkeypatch.setattr(_apply.EarlyApply, "_run", run)
+    monkeypatch.setattr(_apply.Applying, "_change_entry", change_entry)
+    return where, order
+
+
+def _told(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the changes the fetch jobs hand to the sync's thread as they are
+    decoded, from now on."""
+    told: list[str] = []
+    real = _fetch._run_job
+
+    def run_job(store, plan, job, budget, tell=None):  # type: ignore[no-untyped-def]
+        if tell is not None:
+            handed = tell.decoded
+
+            def decoded(index, delta):  # type: ignore[no-untyped-def]
+                told.append(plan.wanted[index][1].name)
+                handed(index, delta)
+
+            tell = replace(tell, decoded=decoded)
+        return real(store, plan, job, budget, tell)
+
+    monkeypatch.setattr(_fetch, "_run_job", run_job)
+    return told
 
 
 Tensors = dict[str, torch.Tensor]
@@ -101,32 +134,31 @@ def _synced(tmp_path: Path, seed: int) -> tuple[DeltaWriter, DeltaReader, Tensor
     return writer, reader, held, state
 
 
-def test_a_reader_applies_small_tensors_on_the_calling_thread(monkeypatch, tmp_path):
-    monkeypatch.setattr(_apply, "kernel_threads", lambda: 2)  # a pool of two for large ones
-    where = _threads_of_changes(monkeypatch)
-    writer, reader, held, state = _synced(tmp_path, 4)
+@pytest.mark.parametrize("threads", [2, 1])
+def test_a_reader_applies_small_tensors_after_the_fetch_on_the_calling_thread(
+    monkeypatch, tmp_path, threads
+):
+    """Large changes are applied on the apply pool as they are decoded (its one thread
+    where the sync writes with one thread only: device tensors); small ones are kept by
+    the fetch jobs (never handed over while they decode, which would only pass the
+    interpreter's lock back and forth) and applied on the sync's own thread once every
+    change given to the pool is done."""
+    monkeypatch.setattr(_apply, "kernel_threads", lambda: threads)
+    where, order = _threads_of_changes(monkeypatch)
+    told = _told(monkeypatch)
+    writer, reader, held, state = _synced(tmp_path, 4 + threads)
     for seed in (5, 6):
-        state = _stepped(state, seed)
+        state = _stepped(state, seed + 10 * threads)
         writer.publish(state)
         where.clear()
+        order.clear()
+        told.clear()
         reader.sync()
         assert_same_bits(held, state)
-        small = set().union(*(where[n] for n in SMALL))
-        large = set().union(*(where[n] for n in ("big0", "big1")))
+        assert sorted(told) == ["big0", "big1"]  # only the large ones were handed over
+        small = {t for n in SMALL for t in where[n]}
+        large = {t for n in ("big0", "big1") for t in where[n]}
         assert small == {threading.get_ident()}  # the sync's own thread, in their turn
-        assert not small & large
-
-
-def test_a_reader_that_writes_with_one_thread_keeps_every_change_on_it(monkeypatch, tmp_path):
-    """Where a sync writes with one thread only (device tensors, whose loaders need not
-    take calls from two threads at once), small changes go to that thread too."""
-    monkeypatch.setattr(_apply, "kernel_threads", lambda: 1)
-    where = _threads_of_changes(monkeypatch)
-    writer, reader, held, state = _synced(tmp_path, 7)
-    state = _stepped(state, 8)
-    writer.publish(state)
-    where.clear()
-    reader.sync()
-    assert_same_bits(held, state)
-    threads = set().union(*where.values())
-    assert len(threads) == 1 and threading.get_ident() not in threads
+        assert threading.get_ident() not in large
+        assert len(large) <= threads
+        assert set(order[-len(SMALL) :]) == set(SMALL)  # after the pool's

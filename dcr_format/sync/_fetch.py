@@ -10,7 +10,8 @@ With ``early`` (:func:`fetch_changes`), the calling thread receives each entry a
 its job decoded it and may complete it against the live target (read only) while the
 workers decode the entries after it, instead of waiting for the whole version; it is also
 told once every job has fetched and verified its shards, so that it may start applying
-the entries decoded from then on while the workers decode the rest.
+the entries decoded from then on while the workers decode the rest. Entries it says it
+takes later (small tensors') stay with their job until the job ends.
 
 A target that keeps the goal's checkpoint files gets those it lacks, each checked against
 its size and sha256 (:func:`fetch_files`), before any shard; a sync that decodes a base or
@@ -69,12 +70,15 @@ class Early:
     shards and none failed so far (before the entries decoded after that are taken), and
     from then on every whole entry is taken, also those decoded after the last job ended
     (else those are left to the caller); ``decoders``, where given, is how many jobs
-    decode at once (the other cores are left for what is done with the entries)."""
+    decode at once (the other cores are left for what is done with the entries);
+    ``later``, where given, says which entries are never taken but left to the caller:
+    the jobs keep them, so the calling thread is not woken for them while it waits."""
 
     pool: Executor
     take: Take
     verified: Callable[[], None] | None = None
     decoders: int | None = None
+    later: Callable[[Entry], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ def _run_jobs_early(
     def run(job: DecodeJob) -> dict[int, Delta]:
         ok = False
         try:
-            tell = _Tell(lambda i, d: ready.put((i, d)), lambda: ready.put(None), gate)
+            tell = _Tell(lambda i, d: ready.put((i, d)), lambda: ready.put(None), gate, early.later)
             done = _run_job(store, plan, job, budget, tell)
             ok = True
             return done
@@ -246,7 +250,7 @@ def _run_jobs_early(
             future.cancel()
         raise
     for future in futures:
-        future.result()  # the first failed job's error, in job order
+        decoded.update(future.result())  # the first failed job's error, in job order
     return decoded
 
 
@@ -259,6 +263,12 @@ class _Tell:
     decoded: Callable[[int, Delta], None]
     verified: Callable[[], None]
     gate: threading.Semaphore | None = None
+    later: Callable[[Entry], bool] | None = None
+
+    def keeps(self, entry: Entry) -> bool:
+        """Whether the job keeps ``entry``'s change for the caller (returned with the job's
+        result) instead of telling it as it is decoded."""
+        return self.later is not None and self.later(entry)
 
 
 def _run_job(
@@ -290,7 +300,7 @@ def _run_job(
                 ahead = _symbols_ahead([wanted[i] for i in pair], streams)
                 for i, symbols in zip(pair, ahead, strict=True):
                     decoded[i] = _decode_entry(wanted[i][1], wanted[i][0], streams, symbols)
-                    if tell is not None and i != entries[-1]:
+                    if tell is not None and i != entries[-1] and not tell.keeps(wanted[i][1]):
                         # handed over as soon as decoded: not kept here (the caller keeps what
                         # it takes), so a base's next entry is decoded while this one is written
                         tell.decoded(i, decoded.pop(i))
@@ -299,7 +309,8 @@ def _run_job(
             give_back_freed()
         if tell is not None:  # the last entry once the shards are gone: they are not held
             for i in list(decoded):  # while it is written
-                tell.decoded(i, decoded.pop(i))
+                if not tell.keeps(wanted[i][1]):
+                    tell.decoded(i, decoded.pop(i))
     return decoded
 
 
