@@ -70,18 +70,28 @@ def model_shapes(total_mb: float, experts: int = 0) -> dict[str, tuple[int, ...]
 
 
 class SyntheticTrainer:
-    """fp32 masters with Adam-like steps (every element moves by about ``lr``)."""
+    """fp32 masters with Adam-like steps (every element moves by about ``lr``), on
+    ``device`` (made on the CPU, the same weights on every device; a device's steps draw
+    from its own generator)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int = 0) -> None:
+    def __init__(
+        self, shapes: dict[str, tuple[int, ...]], seed: int = 0, device: str = "cpu"
+    ) -> None:
         self.gen = torch.Generator().manual_seed(seed)
         self.masters = {
-            n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=self.gen) * 0.02)
+            n: (torch.ones(s) if len(s) == 1 else torch.randn(s, generator=self.gen) * 0.02).to(
+                device
+            )
             for n, s in shapes.items()
         }
+        on_cpu = torch.device(device).type == "cpu"
+        self._steps = self.gen if on_cpu else torch.Generator(device).manual_seed(seed + 1)
 
     def step(self, lr: float) -> None:
         for tensor in self.masters.values():
-            direction = torch.randn(tensor.shape, generator=self.gen).sign_()
+            direction = torch.randn(
+                tensor.shape, generator=self._steps, device=tensor.device
+            ).sign_()
             tensor.add_(direction, alpha=lr)
 
     def export(self) -> dict[str, torch.Tensor]:

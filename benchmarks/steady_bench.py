@@ -22,6 +22,9 @@ store) per feature set: on the local store side by side, each timed in turn with
 same step after its own ``copy_``, so that the sets compare at one moment of a noisy
 machine; the dense round trip runs once a step, after all of them.
 
+``--device cuda`` keeps the weights, the writer's baseline and the readers' tensors on a
+GPU (coding stays on the host; each stage is timed until the device's work is done).
+
 Stores: a local directory, the JuiceFS S3 gateway on 127.0.0.1, and that gateway
 behind a shaped link: the benchmark creates a network namespace (``ip netns``), puts a
 ``tbf`` qdisc on that namespace's own loopback, runs itself (servers and clients)
@@ -63,10 +66,19 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
+def _finished(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU's kernels run after their call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _copy_seconds(weights: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> float:
+    device = next(iter(weights.values())).device
+    _finished(device)
     started = time.perf_counter()
     for name, tensor in weights.items():
         buffers[name].copy_(tensor)
+    _finished(device)
     return time.perf_counter() - started
 
 
@@ -86,10 +98,12 @@ def steady_series(
     label: str,
     seed: int = 0,
     features: Sequence[str] | None = (),
+    device: str = "cpu",
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict[str, Any]]:
     """One row per step: every stage's seconds, bytes moved, and whether all ends are exact
-    (``features``: the writer's, FORMAT.md §12; None: its default)."""
+    (``features``: the writer's, FORMAT.md §12; None: its default; ``device``: where the
+    weights, the writer's baseline and the readers' tensors live)."""
     return compared_series(
         [(store, features)],
         shapes,
@@ -97,40 +111,52 @@ def steady_series(
         steps=steps,
         label=label,
         seed=seed,
+        device=device,
         progress=progress,
     )
 
 
 class _Ends:
-    """One configuration's long-lived writer and two readers (prepare/apply, sync)."""
+    """One configuration's long-lived writer and two readers (prepare/apply, sync), its
+    baseline and tensors on ``device``."""
 
-    def __init__(self, store: Store, features: Sequence[str] | None) -> None:
+    def __init__(self, store: Store, features: Sequence[str] | None, device: str) -> None:
         from dcr_format.publish.writer import DeltaWriter
         from dcr_format.sync.reader import DeltaReader
         from dcr_format.targets.dict import StateDictTarget
 
         self.store, self.features = store, feature_label(features)
-        self.writer = DeltaWriter(store, features=features)
+        self.device = torch.device(device)
+        self.writer = DeltaWriter(store, features=features, baseline_device=self.device)
         self.staged: dict[str, torch.Tensor] = {}
         self.synced: dict[str, torch.Tensor] = {}
         self.preparer = DeltaReader(store, StateDictTarget(self.staged))
         self.syncer = DeltaReader(store, StateDictTarget(self.synced))
 
     def start(self, weights: dict[str, torch.Tensor]) -> None:
+        """The base: published, and synced into each reader's tensors, made on the device
+        first (a dict target writes into the tensors it holds)."""
         self.writer.publish(weights, step=0)
+        for held in (self.staged, self.synced):
+            held.update({n: torch.empty_like(t) for n, t in weights.items()})
         self.preparer.sync()
         self.syncer.sync()
 
     def step(self, weights: dict[str, torch.Tensor], step: int) -> dict[str, Any]:
-        """Publish ``weights``, prepare and apply on one reader, sync the other: timed."""
+        """Publish ``weights``, prepare and apply on one reader, sync the other: timed, each
+        stage until its device work is done."""
         started = time.perf_counter()
         info = self.writer.publish(weights, step=step)
+        _finished(self.device)
         published = time.perf_counter()
         prepared = self.preparer.prepare()
+        _finished(self.device)
         ready = time.perf_counter()
         applied = self.preparer.apply(prepared)
+        _finished(self.device)
         done = time.perf_counter()
         result = self.syncer.sync()
+        _finished(self.device)
         finished = time.perf_counter()
         return {
             "features": self.features,
@@ -157,14 +183,16 @@ def compared_series(
     steps: int = STEPS,
     label: str,
     seed: int = 0,
+    device: str = "cpu",
     progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict[str, Any]]:
     """:func:`steady_series` for several writer configurations (a store and the writer's
     features each) fed the same weights: every step times each in turn, each after its own
     ``copy_``, so that their rows compare at the same moment of a shared machine; the dense
-    round trip, the same for all, runs once at the end of the step."""
-    trainer = SyntheticTrainer(shapes, seed=seed)
-    ends = [_Ends(store, features) for store, features in configs]
+    round trip, the same for all, runs once at the end of the step (from ``device``
+    through the host and the store, into a replica on ``device``)."""
+    trainer = SyntheticTrainer(shapes, seed=seed, device=device)
+    ends = [_Ends(store, features, device) for store, features in configs]
     weights = trainer.export()
     for end in ends:
         end.start(weights)
@@ -315,13 +343,15 @@ def run(
     links: Sequence[float],
     features: Sequence[Sequence[str] | None] = ((),),
     experts: int = 0,
+    device: str = "cpu",
     progress: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
     """Every store configuration in turn; the shaped ones in their own namespace.
     ``features``: the writer feature sets to run (None: the writer's default, with no reader
     records all six); on the local store they run side by
     side (:func:`compared_series`, one store each), elsewhere one after the other.
-    ``experts``: the model's MLPs as that many experts each (:func:`model_shapes`)."""
+    ``experts``: the model's MLPs as that many experts each (:func:`model_shapes`).
+    ``device``: where the weights, baselines and readers' tensors live."""
     torch.manual_seed(0)
     shapes = model_shapes(mb, experts)
     rows: list[dict[str, Any]] = []
@@ -334,7 +364,13 @@ def run(
                     for i, wanted in enumerate(features)
                 ]
                 rows += compared_series(
-                    configs, shapes, rates, steps=steps, label=kind, progress=progress
+                    configs,
+                    shapes,
+                    rates,
+                    steps=steps,
+                    label=kind,
+                    device=device,
+                    progress=progress,
                 )
             continue
         for wanted in features:
@@ -347,6 +383,7 @@ def run(
                         steps=steps,
                         label=kind,
                         features=wanted,
+                        device=device,
                         progress=progress,
                     )
     if links:
@@ -363,6 +400,7 @@ def run(
                         f"s3 {gbit:g} Gbps", "--mb", str(mb), "--steps", str(steps),
                         "--rates", ",".join(str(r) for r in rates),
                         "--features", feature_label(wanted), "--experts", str(experts),
+                        "--device", device,
                     ]  # fmt: skip
                     progress(f"steady: the gateway behind a {gbit:g} Gbit/s link")
                     subprocess.run(command, check=True)
@@ -374,6 +412,7 @@ def run(
         "model_mb": mb,
         "tensors": len(shapes),
         "features": [feature_label(wanted) for wanted in features],
+        "device": device,
     }
 
 
@@ -450,6 +489,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="split each layer's MLP into this many experts (a mixture-of-experts layout of "
         "the same bytes: many small tensors, where a tensor's fixed cost shows)",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the weights, the writer's baseline and the readers' tensors live (cpu, "
+        "cuda, cuda:1)",
+    )
     parser.add_argument("--quick", action="store_true", help="20 MB, 2 steps, local (CI smoke)")
     parser.add_argument("--json", type=Path, help="also write every row and the summary here")
     parser.add_argument(
@@ -465,6 +510,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--steps and --mb must be positive")
     if args.experts < 0:
         parser.error("--experts must be 0 or more")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device torch knows (cpu, cuda)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
     rates = [float(r) for r in args.rates.split(",") if r]
     feature_sets = [feature_set(given) for given in args.features or ["default"]]
     features = feature_sets[0]
@@ -478,6 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     steps=args.steps,
                     label=args.label,
                     features=features,
+                    device=args.device,
                 )
         args.inside.write_text(json.dumps(rows))
         return 0
@@ -492,11 +545,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         links=[float(g) for g in args.links.split(",") if g],
         features=feature_sets,
         experts=args.experts,
+        device=args.device,
         progress=lambda message: print(message, file=sys.stderr, flush=True),
     )
     print(
         f"steady-state refit, {result['model_mb']:.0f} MB bf16 model of {result['tensors']} "
-        "tensors, medians of each rate" + f", writer features {' | '.join(result['features'])}"
+        f"tensors on {args.device}, medians of each rate"
+        + f", writer features {' | '.join(result['features'])}"
     )
     print(format_table(result["summary"]))
     for line in result["skipped"]:
