@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcr_format import DeltaWriter, Store
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
 from dcr_format.errors import ArgumentError
 
 
@@ -72,16 +72,45 @@ def test_a_step_that_goes_backwards_is_published_with_a_warning(
 
 
 def test_a_dropped_tensor_says_how_to_drop_it(tmp_path: Path) -> None:
-    """A delta cannot drop a tensor; the error names the way that can: a base."""
+    """A delta cannot drop a tensor; the error names the way that can: this version as a
+    base, which the same writer then publishes, and the next version is a delta again. A
+    reader drops the tensor with the base."""
     from dcr_format.errors import MissingTensorError
 
     state = {"w": torch.arange(8, dtype=torch.float32), "v": torch.ones(3)}
-    DeltaWriter(tmp_path / "store").publish(state)
+    writer = DeltaWriter(tmp_path / "store")
+    writer.publish(state)
+    held: dict[str, torch.Tensor] = {}
+    reader = DeltaReader(tmp_path / "store", StateDictTarget(held))
+    reader.sync()
     del state["v"]
-    with pytest.raises(MissingTensorError, match=r"publish a base to drop tensors \(dcr publish"):
-        DeltaWriter(tmp_path / "store").publish(state)
-    info = DeltaWriter(tmp_path / "store", base_every=1).publish(state)  # what it says to do
+    with pytest.raises(MissingTensorError, match=r"as a base to drop them \(DeltaWriter\.publish"):
+        writer.publish(state)
+    info = writer.publish(state, base=True)  # what it says to do
     assert (info.version, info.kind, info.tensors) == (1, "base", 1)
+    state["w"][0] += 1
+    assert writer.publish(state).kind == "delta"
+    reader.sync()
+    assert set(held) == {"w"} and torch.equal(held["w"], state["w"])
+
+
+def test_dcr_publish_base_writes_a_base_that_drops_a_tensor(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from dcr_format.cli.main import cli
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({"w": torch.ones(4), "v": torch.ones(2)}, str(ckpt / "model.safetensors"))
+    argv = ["--store", str(tmp_path / "store"), "--cache-dir", str(tmp_path / "cache")]
+    assert CliRunner().invoke(cli, ["publish", str(ckpt), *argv]).exit_code == 0
+    save_file({"w": torch.ones(4)}, str(ckpt / "model.safetensors"))
+    refused = CliRunner().invoke(cli, ["publish", str(ckpt), *argv])
+    assert refused.exit_code == 1 and "dcr publish --base" in refused.stderr
+    based = CliRunner().invoke(cli, ["publish", str(ckpt), *argv, "--base", "--format", "json"])
+    assert based.exit_code == 0, based.stderr
+    assert '"kind": "base"' in based.stdout
 
 
 def test_dcr_publish_that_loses_a_race_says_to_run_it_again(

@@ -359,3 +359,41 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
     DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
     for name, tensor in full.items():
         assert torch.equal(tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def test_rank_zero_decides_whether_a_version_is_a_base(tmp_path: Path) -> None:
+    """``publish(base=True)`` on rank 0 makes the version a base on every rank (the others
+    need not say so): both ranks write their regions in full and the version commits as a
+    base, bit-exact at a reader; ``base=True`` on rank 1 alone changes nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format import DeltaWriter, ThreadCoordinator
+
+    specs = {"w": ((6, 4), [(0, 1)]), "b": ((5,), [None])}
+    layouts = _mesh_layouts(specs, (2,))
+    coordinator = ThreadCoordinator(2)
+    writers = [
+        DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=2, coordinator=coordinator)
+        for r in range(2)
+    ]
+    generator = torch.Generator().manual_seed(5)
+    full = {
+        "w": torch.randn(6, 4, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(5, generator=generator).to(torch.bfloat16),
+    }
+    reader = DeltaReader(tmp_path, StateDictTarget({}))
+    kinds = []
+    for asked in ((False, False), (False, False), (True, False), (False, True)):
+        full = {k: (v.float() + 1).to(v.dtype) for k, v in full.items()}
+        with ThreadPoolExecutor(2) as pool:
+            infos = list(
+                pool.map(
+                    lambda r, f=full, a=asked: writers[r].publish(layouts[r].scatter(f), base=a[r]),
+                    range(2),
+                )
+            )
+        kinds.append({info.kind for info in infos})
+        reader.sync()
+        for name, tensor in full.items():
+            assert torch.equal(reader.target.tensors[name], tensor)  # type: ignore[attr-defined]
+    assert kinds == [{"base"}, {"delta"}, {"base"}, {"delta"}]  # version 0 is a base anyway

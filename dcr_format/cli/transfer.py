@@ -35,6 +35,11 @@ if TYPE_CHECKING:
     default=None,
     help="Write a full base every K versions.",
 )
+@click.option(
+    "--base",
+    is_flag=True,
+    help="Write this version as a full base (it may drop tensors of the previous one).",
+)
 @directory_option(
     "--cache-dir",
     help="Local cache of the baseline bits (default: $DCR_CACHE_DIR or ~/.cache/dcr).",
@@ -51,6 +56,7 @@ def publish(
     store: Store,
     step: int | None,
     base_every: int | None,
+    base: bool,
     cache_dir: str | None,
     allow_empty: bool,
     features: tuple[str, ...] | None,
@@ -90,6 +96,7 @@ def publish(
             step=step,
             files=files,
             allow_empty=allow_empty,
+            base=base,
         )
     except CommitConflictError:
         raise CommitConflictError(

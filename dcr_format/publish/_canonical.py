@@ -257,8 +257,9 @@ class CanonicalPart:
             if missing and not attempt.base:
                 raise MissingTensorError(
                     f"{len(missing)} tensors of version {attempt.version - 1} were not given "
-                    f"(first: {missing[0]!r}); pass every tensor each step, or publish a base to "
-                    "drop tensors (dcr publish --base-every 1, DeltaWriter(base_every=1))"
+                    f"(first: {missing[0]!r}); pass every tensor each step, or publish this "
+                    "version as a base to drop them (DeltaWriter.publish(..., base=True), "
+                    "dcr publish --base)"
                 )
             shards.finish()
             manifest = attempt.manifest(

@@ -284,9 +284,14 @@ class DeltaWriter:
         step: int | None = None,
         files: Files | None = None,
         allow_empty: bool = True,
+        base: bool = False,
     ) -> CommitInfo:
         """Publish the next version from canonical ``tensors`` (with a layout: this rank's
         local tensors) and commit it with every rank.
+
+        ``base``: write this version as a full base (as ``base_every`` does on its
+        schedule), which may drop tensors of the previous version; with several ranks,
+        rank 0's ``base`` decides for all.
 
         ``files`` are the checkpoint's small files the version carries besides its tensors
         (config, generation config, tokenizer files, chat template: FORMAT.md §3.5.6), so
@@ -312,10 +317,15 @@ class DeltaWriter:
         they would set off walk the trainer's whole heap again and again.
         """
         with collector_off():
-            return self._publish(tensors, step, files, allow_empty)
+            return self._publish(tensors, step, files, allow_empty, base)
 
     def _publish(
-        self, tensors: Tensors, step: int | None, files: Files | None, allow_empty: bool
+        self,
+        tensors: Tensors,
+        step: int | None,
+        files: Files | None,
+        allow_empty: bool,
+        base: bool = False,
     ) -> CommitInfo:
         """:meth:`publish`, with the collector held off."""
         if not allow_empty and self.world_size != 1:
@@ -335,7 +345,7 @@ class DeltaWriter:
         self._note_step(step)
         settled = self._settle(tensors)
         assert settled is not None
-        attempt = self._begin()
+        attempt = self._begin(base)
         clock = time.perf_counter
         started = clock()
         try:
@@ -452,18 +462,21 @@ class DeltaWriter:
             min(self._last_streams // 4, self.shard_bytes), min(MIN_SHARD_BYTES, self.shard_bytes)
         )
 
-    def _begin(self) -> Attempt:
-        """The attempt of the next version; rank 0 picks its id and reads the reader records
-        once, and every rank uses its answer (FORMAT.md §8.4): the tensors to send as
-        ``overwrite`` (deltas only) and the features the readers read."""
+    def _begin(self, asked: bool = False) -> Attempt:
+        """The attempt of the next version; rank 0 picks its id, whether it is a base
+        (``asked``, the version's first, or ``base_every``'s turn) and reads the reader
+        records once, and every rank uses its answer (FORMAT.md §8.4): the tensors to send
+        as ``overwrite`` (deltas only) and the features the readers read."""
         version = 0 if self._version is None else self._version + 1
-        base = version == 0 or (self.base_every is not None and version % self.base_every == 0)
         mine = None
         if self.rank == 0:
+            due = self.base_every is not None and version % self.base_every == 0
+            base = asked or version == 0 or due
             # a base has no overwrite, but its features are the readers' too
             records = self.reader_records and (not base or self.features is None)
-            mine = (self.ids(), read_reader_records(self.store) if records else ReaderWishes())
-        attempt, wishes = self.coordinator.broadcast(mine, rank=self.rank)
+            wishes = read_reader_records(self.store) if records else ReaderWishes()
+            mine = (self.ids(), wishes, base)
+        attempt, wishes, base = self.coordinator.broadcast(mine, rank=self.rank)
         features = wishes.features_for(self.features)
         self._explain(version, features, wishes)
         return Attempt(
