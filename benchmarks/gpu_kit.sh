@@ -12,6 +12,9 @@
 #                                       2. the test cases that need CUDA: OUTDIR/cuda_tests.log
 #                                       3. the steady benchmark on CUDA tensors (a 2 GB model,
 #                                          1% and 5%): OUTDIR/steady_cuda.json
+#                                       4. the pause of a prepared update on CUDA tensors
+#                                          against a dense copy (the 28M model at 3%, a
+#                                          206M one at 1%): OUTDIR/run.log
 #
 # Each step's output also goes to OUTDIR/run.log; a step that fails does not stop the next.
 # Versions are those of this checkout's .venv where it has them (what CI tests), else pip's
@@ -65,6 +68,10 @@ run)
         > '$out/cuda_tests.log' 2>&1; rc=\$?; tail -5 '$out/cuda_tests.log'; exit \$rc"
     step "steady on cuda" python3 benchmarks/steady_bench.py --device cuda --mb 2000 \
         --rates 0.01,0.05 --steps 2 --stores local --links '' --json "$out/steady_cuda.json"
+    step "pause on cuda, 28M at 3%" python3 benchmarks/pause_bench.py --device cuda \
+        --steps 9 --fraction 0.03 --hidden 512 --ff 1408 --vocab 16000
+    step "pause on cuda, 206M at 1%" python3 benchmarks/pause_bench.py --device cuda \
+        --steps 5 --fraction 0.01 --layers 12 --hidden 1024 --ff 2816 --vocab 32000
     exit $status
     ;;
 *)

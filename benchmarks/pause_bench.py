@@ -20,6 +20,9 @@ Many small tensors (1,803 at 200 layers) show what the pause costs a tensor:
     PYTHONPATH=$PWD python benchmarks/pause_bench.py --steps 7 --layers 200 --hidden 64 \
         --ff 128 --vocab 256
 
+``--device cuda`` keeps the weights, the writer's baseline and the resident tensors on a
+GPU (each pause and copy timed until the device's work is done).
+
 ``--profile`` prints the top of a cProfile of the module target's applies. ``--lines MB``
 instead measures what bounds the write on this machine's memory: compiled loops reading
 an array of ``MB`` megabytes of bf16 bits in full, one element of every fourth cache line,
@@ -66,7 +69,7 @@ def shapes(layers: int, hidden: int, ff: int, vocab: int) -> dict[str, tuple[int
 class Llama(nn.Module):
     """The engine's layout: ``qkv_proj`` and ``gate_up_proj`` fused, a loader that places."""
 
-    def __init__(self, specs: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, specs: dict[str, tuple[int, ...]], device: str = "cpu") -> None:
         super().__init__()
         self.params: dict[str, tuple[nn.Parameter, int]] = {}  # name -> (parameter, row)
         fused: dict[str, list[str]] = {}
@@ -79,7 +82,9 @@ class Llama(nn.Module):
         for i, names in enumerate(fused.values()):
             rows = sum(specs[n][0] for n in names)
             shape = (rows, *specs[names[0]][1:])
-            param = nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+            param = nn.Parameter(
+                torch.zeros(shape, dtype=torch.bfloat16, device=device), requires_grad=False
+            )
             self.register_parameter(f"p{i}", param)
             at = 0
             for n in names:
@@ -114,23 +119,32 @@ def step_of(
         new = tensor.clone()
         flat = new.view(-1)
         count = max(1, int(flat.numel() * fraction)) if fraction else min(changed, flat.numel())
-        at = torch.randperm(flat.numel(), generator=gen)[:count]
+        at = torch.randperm(flat.numel(), generator=gen)[:count].to(flat.device)
         flat[at] += 0.0625 * (1 + (k % 3))
         total += int((new.view(torch.int16) != tensor.view(torch.int16)).sum())
         out[name] = new
     return out, total
 
 
+def _finished(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a GPU's kernels run after their call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(args: argparse.Namespace) -> None:
     specs = shapes(args.layers, args.hidden, args.ff, args.vocab)
     gen = torch.Generator().manual_seed(0)
-    state = {n: (torch.randn(*s, generator=gen) * 0.02).bfloat16() for n, s in specs.items()}
+    device = torch.device(args.device)
+    state = {
+        n: (torch.randn(*s, generator=gen) * 0.02).bfloat16().to(device) for n, s in specs.items()
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        writer = DeltaWriter(f"{tmp}/store")
+        writer = DeltaWriter(f"{tmp}/store", baseline_device=device)
         writer.publish(state)
         resident = {n: t.clone() for n, t in state.items()}
         dict_reader = DeltaReader(f"{tmp}/store", StateDictTarget(resident))
-        module = Llama(specs)
+        module = Llama(specs, args.device)
         target = ModuleTarget(module, load_weights=module.load_weights)
         module_reader = DeltaReader(f"{tmp}/store", target)
         dict_reader.sync()
@@ -148,22 +162,25 @@ def run(args: argparse.Namespace) -> None:
             writer.publish(state)
             for kind, reader in readers.items():
                 prepared = reader.prepare()
+                _finished(device)
                 started, processor = time.perf_counter(), time.thread_time()
                 if profile is not None and kind == "module" and k:
                     profile.enable()
                 reader.apply(prepared)
+                _finished(device)
                 if profile is not None:
                     profile.disable()
                 pause = time.perf_counter() - started
                 processor = time.thread_time() - processor
                 started = time.perf_counter()
                 dense[kind](state)
+                _finished(device)
                 copy = time.perf_counter() - started
                 if k:
                     rows[kind].append((pause, copy, total, processor))
         n = len(specs)
-        print(f"{n} tensors, {sum(t.numel() for t in state.values()):,} elements, medians of "
-              f"{args.steps} steps")  # fmt: skip
+        print(f"{n} tensors, {sum(t.numel() for t in state.values()):,} elements on {device}, "
+              f"medians of {args.steps} steps")  # fmt: skip
         for kind, got in rows.items():
             pause = statistics.median(r[0] for r in got)
             copy = statistics.median(r[1] for r in got)
@@ -242,7 +259,12 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print this many cProfile rows")
     parser.add_argument("--sort", default="cumulative", help="the cProfile order")
     parser.add_argument("--lines", type=float, default=0.0, help="MB: the memory reads only")
+    parser.add_argument(
+        "--device", default="cpu", help="where the weights and the resident tensors live"
+    )
     args = parser.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
     if args.lines:
         memory_reads(args.lines, args.fraction or 0.01)
         return
