@@ -11,7 +11,9 @@
 #                                          copy, bit-exactness): OUTDIR/gpu_check.json
 #                                       2. the test cases that need CUDA: OUTDIR/cuda_tests.log
 #                                       3. the steady benchmark on CUDA tensors (a 2 GB model,
-#                                          1% and 5%): OUTDIR/steady_cuda.json
+#                                          1% and 5%): OUTDIR/steady_cuda.json, and the costs
+#                                          `dcr project --costs` takes: OUTDIR/costs_cuda.json,
+#                                          with the 1T projection they give in OUTDIR/run.log
 #                                       4. the pause of a prepared update on CUDA tensors
 #                                          against a dense copy (the 28M model at 3%, a
 #                                          206M one at 1%): OUTDIR/run.log
@@ -67,7 +69,11 @@ run)
         tests/test_fingerprint.py tests/test_kernels.py tests/test_backend.py \
         > '$out/cuda_tests.log' 2>&1; rc=\$?; tail -5 '$out/cuda_tests.log'; exit \$rc"
     step "steady on cuda" python3 benchmarks/steady_bench.py --device cuda --mb 2000 \
-        --rates 0.01,0.05 --steps 2 --stores local --links '' --json "$out/steady_cuda.json"
+        --rates 0.01,0.05 --steps 2 --stores local --links '' --json "$out/steady_cuda.json" \
+        --save-costs "$out/costs_cuda.json"
+    step "projection with those costs" python3 -c \
+        "import sys; from dcr_format.cli.main import main; main(sys.argv[1:])" project \
+        --params 1T --change 3% --rollout-nodes 64 --link-gbps 5 --costs "$out/costs_cuda.json"
     step "pause on cuda, 28M at 3%" python3 benchmarks/pause_bench.py --device cuda \
         --steps 9 --fraction 0.03 --hidden 512 --ff 1408 --vocab 16000
     step "pause on cuda, 206M at 1%" python3 benchmarks/pause_bench.py --device cuda \
