@@ -176,6 +176,12 @@ def _estimate(values: bytes) -> int:
     return len(zstandard.ZstdCompressor(level=1).compress(values))
 
 
+def check_encode_op(op: str | None) -> None:
+    """Refuse an ``op`` the encoder does not know (None chooses by size)."""
+    if op is not None and op not in OPS:
+        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+
+
 def encode_tensor(
     new: torch.Tensor,
     old: torch.Tensor | None = None,
@@ -193,8 +199,7 @@ def encode_tensor(
     """
     info_for(new.dtype)  # refuses dtypes the format cannot carry
     is_comparable = comparable(new, old)
-    if op is not None and op not in OPS:
-        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    check_encode_op(op)
     if op in (XOR, OVERWRITE) and not is_comparable:
         raise ValueError(f"op {op!r} needs a baseline of the same dtype and shape")
     if not is_comparable or op == FULL:

@@ -296,11 +296,10 @@ def _code_cpu(
     pipeline's own steps (its states, its look-ahead) cost about a tenth of it. The same diff
     (:meth:`DeviceDiffPipeline._start`'s CPU pass: the change, its lane deltas and the
     baseline advanced in one pass), told to ``advanced`` at once, then the same encoder."""
-    from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
+    from dcr_format.delta.delta import check_encode_op, encode_diff, encode_tensor
 
     key, new, old, op = item
-    if op is not None and op not in OPS:
-        raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+    check_encode_op(op)
     if op == FULL or old is None or old.dtype != new.dtype or old.shape != new.shape:
         return encode_tensor(new, old, op=op, options=options)
     new_bits, old_bits = flat_bits(new), flat_bits(old)
@@ -413,15 +412,14 @@ def _pipelined(
     options: Options = NO_CODINGS,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
-    from dcr_format.delta.delta import OPS, encode_diff, encode_tensor
+    from dcr_format.delta.delta import check_encode_op, encode_diff, encode_tensor
 
     held: dict[int, tuple[Any, torch.Tensor, torch.Tensor | None, str | None]] = {}
     chosen: dict[int, EncodeOptions] = {}  # each held item's options
 
     def feed() -> Iterator[tuple[Any, ...]]:
         for index, (key, new, old, op) in enumerate(items):
-            if op is not None and op not in OPS:
-                raise ValueError(f"unknown op {op!r}; use one of {', '.join(OPS)}")
+            check_encode_op(op)
             held[index] = (key, new, old, op)
             chosen[index] = _options_of(options, key)
             yield index, new, old, op

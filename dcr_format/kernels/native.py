@@ -22,10 +22,13 @@ def native_kernels() -> ModuleType | None:
     ``DCR_KERNELS`` is read at every call (see :mod:`dcr_format.delta.dispatch`); numba is
     imported on the first call that wants it, never by ``import dcr_format``.
     """
+    return None if _torch_only() else _load_native()
+
+
+def _torch_only() -> bool:
+    """Whether ``DCR_KERNELS`` asks for the torch reference (read at every call)."""
     raw = getenv("DCR_KERNELS")
-    if raw is not None and raw.strip().lower() == "torch":
-        return None
-    return _load_native()
+    return raw is not None and raw.strip().lower() == "torch"
 
 
 def compiled_kernels() -> ModuleType | None:
@@ -39,8 +42,7 @@ def compiled(name: str) -> ModuleType | None:
     own name (e.g. ``_launch``) or any module by its dotted name (a coding's kernels, e.g.
     ``dcr_format.codings._rans_kernels``), imported on first use, or None where
     :func:`native_kernels` is (or it cannot load)."""
-    raw = getenv("DCR_KERNELS")  # as native_kernels() reads it, without a second call
-    if raw is not None and raw.strip().lower() == "torch":
+    if _torch_only():
         return None
     module = _COMPILED.get(name, _UNLOADED)
     if module is _UNLOADED:  # imported once, not looked up by importlib at every call
