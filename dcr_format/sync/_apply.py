@@ -6,8 +6,9 @@ the plan started from, run the baseline checks), applies each version's changes
 (:meth:`Applying._change_step`), and on any failure undoes every change
 (:meth:`Applying._rolled_back`). :meth:`DeltaReader.prepare` reads a one-version plan's
 changes against the live tensors first (:meth:`Applying._stage`), so the apply only writes.
-A reader on its own overlaps the apply with the fetch (:class:`EarlyApply`): it applies
-each change as it is decoded once every object is verified (:meth:`Applying._resolver`),
+A reader on its own overlaps the apply with the fetch (:class:`EarlyApply`): it completes
+each change against the live tensors as it is decoded and applies it once every object is
+verified (:meth:`Applying._resolver`),
 writes a base as it is decoded (:meth:`Applying._streamer`), and applies a plan of several
 versions one version after the other (:meth:`Applying._fetch_and_apply`).
 """
@@ -58,8 +59,8 @@ from dcr_format.sync._state import ApplyState, PreparedVersion
 from dcr_format.system.memory import give_back_freed
 from dcr_format.system.pools import ONE_THREAD_ELEMENTS, kept_pool
 from dcr_format.targets.change import Applied, Change, Resident
-from dcr_format.targets.claim import claim_target
-from dcr_format.targets.protocol import Transaction
+from dcr_format.targets.claim import claim_mark, claim_target, claims_since
+from dcr_format.targets.protocol import Target, Transaction
 from dcr_format.targets.reader_side import Staged
 
 
@@ -72,12 +73,23 @@ class EarlyApply:
     :meth:`finish`) on the process's apply pool (it waits for its own changes only, so
     readers may share the pool); the first failure there stops the rest and is raised.
     A small tensor's change is not given but applied after the fetch
-    (:func:`applies_later`)."""
+    (:func:`applies_later`).
+
+    A change given before the transaction opens (its objects still arriving) is held, and
+    ``ahead``, where set, completes it against the live tensor meanwhile (read only: the
+    ``classed`` select pass, the ``ulp-shift`` join), so that the transaction only writes
+    it. What was completed is used only where no sync claimed any target from before the
+    first completion until this one's own claim (:func:`claim_mark`): else the tensors may
+    have changed under it, and the change as decoded is applied instead."""
 
     alone: bool
     audit: bool  # the sync was asked to audit
-    # changes decoded before the transaction opened, to apply as it opens
-    ready: list[tuple[Entry, Delta]] = field(default_factory=list)
+    # changes decoded before the transaction opened, to apply as it opens: each as decoded,
+    # and as completed ahead (None: not completed)
+    ready: list[tuple[Entry, Delta, Delta | None]] = field(default_factory=list)
+    ahead: Callable[[Entry, Delta], Delta | None] | None = None
+    reads: Target | None = None  # the target ``ahead`` reads
+    _mark: int | None = None  # claim_mark before the first change completed ahead
     sync: ApplyState | None = None  # the transaction's apply, once open
     threads: int = 1  # the pool's
     # a sync writing whole tensors (a base, versions in turn): the memory of each change
@@ -95,8 +107,10 @@ class EarlyApply:
         self.sync, self._apply = sync, apply
         self._applying = kept_pool("dcr-apply", self.threads)
         ready, self.ready = self.ready, []
-        for entry, delta in ready:
-            self.give(entry, delta)
+        # this sync's claim is the only one since the first completion ahead
+        fresh = self._mark is not None and claims_since(self._mark) == 1
+        for entry, delta, done in ready:
+            self.give(entry, done if fresh and done is not None else delta)
 
     def give(self, entry: Entry, delta: Delta) -> None:
         """Apply one change on the pool once the transaction is open (else hold it);
@@ -106,9 +120,22 @@ class EarlyApply:
         if self._failed:
             raise self._failed[0]
         if self._applying is None:
-            self.ready.append((entry, delta))
+            self.ready.append((entry, delta, self._ahead(entry, delta)))
             return
         self._given.append(self._applying.submit(self._run, entry, [delta]))
+
+    def _ahead(self, entry: Entry, delta: Delta) -> Delta | None:
+        """``delta`` completed ahead of the transaction (None where it is not: no
+        ``ahead``, nothing to complete, a sync holding the target at the first, or a change
+        that does not complete, left for the transaction to refuse as usual)."""
+        if self.ahead is None or self.reads is None or not delta.needs_target:
+            return None
+        if self._mark is None:
+            self._mark = claim_mark(self.reads)
+            if self._mark is None:  # another sync is changing the target: none ahead
+                self.ahead = None
+                return None
+        return self.ahead(entry, delta)
 
     def _run(self, entry: Entry, box: list[Delta]) -> None:
         delta = box.pop()  # held by nothing else once applied
@@ -321,9 +348,10 @@ class Applying(Auditing):
         completed (:func:`resolve`: ``classed`` positions found, ``ulp-shift`` values
         joined) against the live tensor, so that the apply only writes it; a change that
         does not complete is left as it was, for the apply to refuse with the usual error.
-        A reader on its own (``early.alone``) completes nothing before: it opens the
-        transaction then (:meth:`_open`, as :meth:`DeltaReader.apply` would) and applies each change
-        as it comes, those decoded before first; any failure from there rolls it back.
+        A reader on its own (``early.alone``) opens the transaction then (:meth:`_open`, as
+        :meth:`DeltaReader.apply` would) and applies each change as it comes, those decoded
+        before first, completed while the objects arrived where no other sync claimed a
+        target meanwhile (:class:`EarlyApply`); any failure from there rolls it back.
         """
         if len(plan.steps) != 1:
             return None  # a later step's old bits are those the earlier steps leave
@@ -348,6 +376,10 @@ class Applying(Auditing):
             done = self._resolved_live(entry, delta, tensor) if delta.needs_target else None
             return delta if done is None else done  # with its rows (_follow_rows)
 
+        def ahead(entry: Entry, delta: Delta) -> Delta | None:
+            # applied next, under the claim, with nothing written in between
+            return self._resolved_live(entry, delta, tensors[entry.name], keep_before=True)
+
         def verified() -> None:
             preliminary = PreparedVersion(
                 plan.goal, plan.previous, plan.versions, 0, 0.0, id(self), resident, (), plan
@@ -365,6 +397,7 @@ class Applying(Auditing):
         cores = kernel_threads()
         on_host = all(t.device.type == "cpu" for t in tensors.values())
         early.threads = cores if on_host else 1
+        early.ahead, early.reads = ahead, self.target
         return Early(pool, take, verified, max(1, cores - 1), applies_later)
 
     def _streamer(
@@ -400,15 +433,18 @@ class Applying(Auditing):
         self._change_entry(sync, entry, delta, owned=True)  # given: the step keeps none
         sync.applied.add(entry.name)
 
-    def _resolved_live(self, entry: Entry, delta: Delta, tensor: torch.Tensor) -> Delta | None:
+    def _resolved_live(
+        self, entry: Entry, delta: Delta, tensor: torch.Tensor, *, keep_before: bool = False
+    ) -> Delta | None:
         """``delta`` completed against the live ``tensor`` it lands in (read only), with the
         rows this reader kept; None where it does not fit that tensor or does not complete
-        (left to :meth:`DeltaReader.apply`, which refuses it with the usual error)."""
+        (left to :meth:`DeltaReader.apply`, which refuses it with the usual error).
+        ``keep_before``: see :func:`resolve`."""
         spec = (info_for(entry.dtype).torch_dtype, tuple(entry.shape))
         if (tensor.dtype, tuple(tensor.shape)) != spec:
             return None
         try:
-            return resolve(self._give_rows(entry, delta, {}), tensor)
+            return resolve(self._give_rows(entry, delta, {}), tensor, keep_before=keep_before)
         except (IndexError, DcrError):
             return None
 

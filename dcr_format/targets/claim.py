@@ -1,4 +1,5 @@
-"""One sync at a time per target in a process (:func:`claim_target`)."""
+"""One sync at a time per target in a process (:func:`claim_target`), and a mark that
+tells whether any claim was made since (:func:`claim_mark`, :func:`claims_since`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,26 @@ class _Claim:
 
 _CLAIMS: dict[Hashable, _Claim] = {}  # by Target.claim_key; an entry lives while used
 _CLAIMS_LOCK = threading.Lock()
+_MADE = [0]  # claims taken in this process so far, of any target (under _CLAIMS_LOCK)
+
+
+def claim_mark(target: Target) -> int | None:
+    """A mark of the claims taken in this process so far, where no sync holds ``target``
+    now (None where one does). A read of the target's tensors made after the mark saw bits
+    no sync was changing, as long as :func:`claims_since` of it is 0 (or 1 once the reader
+    itself holds the claim): a sync changes the tensors only after it took its claim."""
+    with _CLAIMS_LOCK:
+        claim = _CLAIMS.get(target.claim_key())
+        if claim is not None and claim.owner is not None:
+            return None
+        return _MADE[0]
+
+
+def claims_since(mark: int) -> int:
+    """How many claims of any target this process took since :func:`claim_mark` gave
+    ``mark``."""
+    with _CLAIMS_LOCK:
+        return _MADE[0] - mark
 
 
 def claim_target(target: Target, timeout: float | None) -> Callable[[], None]:
@@ -52,7 +73,9 @@ def claim_target(target: Target, timeout: float | None) -> Callable[[], None]:
             f"another sync in this process has been applying to this target for over "
             f"{timeout:g} s; wait for it to finish, or sync one target from one thread"
         )
-    claim.owner = threading.get_ident()
+    with _CLAIMS_LOCK:
+        claim.owner = threading.get_ident()
+        _MADE[0] += 1
     released = False
 
     def release() -> None:
