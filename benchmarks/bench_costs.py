@@ -85,12 +85,17 @@ def relay_costs(*, nbytes: int = 64 << 20, chunk_bytes: int = 4 << 20) -> dict[s
     return relay_hop(nbytes=nbytes, chunk_bytes=chunk_bytes)
 
 
-def _rate_costs(rows: Sequence[dict[str, Any]]) -> list[RateCosts]:
+def _rate_costs(
+    rows: Sequence[dict[str, Any]], tails: dict[float, list[float]] | None = None
+) -> list[RateCosts]:
+    """One record per target rate of ``rows``; ``tails``: by target rate, the part of a sync
+    after its last object per dense byte, of each step measured (median kept)."""
     by_rate: dict[float, list[dict[str, Any]]] = {}
     for row in rows:
         by_rate.setdefault(row["target_rate"], []).append(row)
     out = []
-    for _, group in sorted(by_rate.items()):
+    for target, group in sorted(by_rate.items()):
+        tail = (tails or {}).get(target)
         out.append(
             RateCosts(
                 rate=statistics.mean(r["change_rate"] for r in group),
@@ -101,6 +106,7 @@ def _rate_costs(rows: Sequence[dict[str, Any]]) -> list[RateCosts]:
                     r["publish_s"] / r["dense_bytes"] for r in group
                 ),
                 sync_s_per_byte=statistics.mean(r["sync_s"] / r["dense_bytes"] for r in group),
+                sync_tail_s_per_byte=statistics.median(tail) if tail else None,
             )
         )
     return out
@@ -116,8 +122,10 @@ def derive_costs(
     sha256_bytes_per_s: float,
     shard_bytes: int,
     chunk_bytes: int,
+    tails: dict[float, list[float]] | None = None,
 ) -> Costs:
-    """Costs from refit rows over a local store and the micro-measurements.
+    """Costs from refit rows over a local store and the micro-measurements (``tails``: the
+    part of a sync after its last object, by target rate; see ``_rate_costs``).
 
     Only the largest model measured counts for the per-byte costs: fixed overheads
     (commit records, thread pools, process start) weigh least there.
@@ -131,7 +139,7 @@ def derive_costs(
         created=timestamp(utc_now()),
         machine=machine(),
         model_bytes=int(largest),
-        rates=tuple(_rate_costs(rows)),
+        rates=tuple(_rate_costs(rows, tails)),
         dense_serialise_s_per_byte=statistics.mean(
             r["dense_serialise_s"] / r["dense_bytes"] for r in rows
         ),

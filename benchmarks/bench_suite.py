@@ -42,7 +42,7 @@ from bench_costs import (
 )
 from bench_gateway import juicefs_gateway, s3_available, worker_env
 from refit_bench import RATES, SyntheticTrainer, lr_for, model_shapes, refit_series
-from steady_bench import steady_series, summarise
+from steady_bench import steady_series, summarise, sync_tails
 
 from dcr_format.cli.costs import Costs
 from dcr_format.cli.params import (
@@ -236,6 +236,12 @@ def run_suite(
             progress=lambda m: progress(f"{m} ({sizes[-1]:g} MB)"),
         )
         result.steady = summarise(steady_rows)
+        tails = sync_tails(  # the part of a sync that cannot overlap its download
+            model_shapes(sizes[-1]),
+            options.rates,
+            steps=options.steady_steps,
+            progress=lambda m: progress(f"{m} ({sizes[-1]:g} MB)"),
+        )
         result.codec = _codec_rows(
             sizes[0], options.rates, reps=options.reps, seed=options.seed, progress=progress
         )
@@ -278,6 +284,7 @@ def run_suite(
             sha256_bytes_per_s=sha256_rate(large * 2),
             shard_bytes=DEFAULT_SHARD_BYTES,
             chunk_bytes=DEFAULT_CHUNK_BYTES,
+            tails=tails,
         )
     result.machine_end = machine()
     result.seconds = time.perf_counter() - started

@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from refit_bench import RATES, SyntheticTrainer, dense_refit, lr_for, model_shapes
 
+from dcr_format.store._local import LocalBackend
 from dcr_format.store.store import Store
 
 if TYPE_CHECKING:
@@ -416,13 +418,117 @@ def run(
     }
 
 
+TAIL_SHARD_BYTES = 1 << 20
+"""Shard size of the writer :func:`sync_tails` measures with: a version of several shards,
+as a large model's is (the writer's default is 32 MiB)."""
+
+
+class _LateShard(LocalBackend):
+    """A local store whose first shard a sync asks for after :meth:`arm` arrives ``delay``
+    seconds late (the other objects at once): the version's last object, arriving after
+    the reader did everything it could without it."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self._lock = threading.Lock()
+        self._delay: float | None = None
+        self.arrived = 0.0  # when the late shard was handed to the reader
+
+    def arm(self, delay: float) -> None:
+        self._delay, self.arrived = delay, 0.0
+
+    def get(self, key: str, max_size: int | None) -> bytes:
+        with self._lock:
+            delay = self._delay if key.endswith(".dcrs") else None
+            if delay is not None:
+                self._delay = None
+        data = super().get(key, max_size)
+        if delay is not None:
+            time.sleep(delay)
+            self.arrived = time.perf_counter()
+        return data
+
+
+def sync_tails(
+    shapes: dict[str, tuple[int, ...]],
+    rates: Sequence[float],
+    *,
+    steps: int,
+    features: Sequence[str] | None = None,
+    device: str = "cpu",
+    progress: Callable[[str], None] = lambda message: None,
+) -> dict[float, list[float]]:
+    """By rate, per step, the seconds of a sync after its version's last object arrived, per
+    dense byte: what of a sync cannot overlap its download (decoding and completing that
+    object's changes, the apply, which waits until every object is verified, the small
+    tensors, the commit). A long-lived writer (shards of :data:`TAIL_SHARD_BYTES`) and
+    reader; each step's first shard is held back twice as long as the step before took to
+    sync (the first step of each rate, unheld, measures that), so that everything else is
+    done when it arrives. ``features``: the writer's (None: its default)."""
+    from dcr_format.publish.writer import DeltaWriter
+    from dcr_format.sync.reader import DeltaReader
+    from dcr_format.targets.dict import StateDictTarget
+
+    tails: dict[float, list[float]] = {}
+    trainer = SyntheticTrainer(shapes, seed=1, device=device)
+    with tempfile.TemporaryDirectory(prefix="dcr-tail-") as work:
+        backend = _LateShard(str(Path(work) / "store"))
+        writer = DeltaWriter(
+            Store(backend),
+            features=features,
+            shard_bytes=TAIL_SHARD_BYTES,
+            baseline_device=device,
+        )
+        weights = trainer.export()
+        writer.publish(weights)
+        held = {n: torch.empty_like(t) for n, t in weights.items()}
+        reader = DeltaReader(Store(backend), StateDictTarget(held))
+        reader.sync()
+        for rate in rates:
+            lr, took = lr_for(rate), 0.0
+            for index in range(steps + 1):
+                progress(f"sync after the last shard: {rate:.1%} step {index + 1}")
+                trainer.step(lr)
+                weights = trainer.export()
+                info = writer.publish(weights)
+                backend.arm(2 * took if index else 0.0)
+                started = time.perf_counter()
+                reader.sync()
+                _finished(torch.device(device))
+                ended = time.perf_counter()
+                if not _same_bits(held, weights):
+                    raise AssertionError("the reader is not bit-exact after a late shard")
+                if index:
+                    tails.setdefault(rate, []).append((ended - backend.arrived) / info.dense_bytes)
+                took = ended - started
+    return tails
+
+
+def format_tails(tails: dict[float, list[float]], rows: Sequence[dict[str, Any]]) -> str:
+    """The median part of a sync after its last object, by rate, in seconds for the rows'
+    model and as a share of the same rate's median sync in ``rows``."""
+    lines = ["sync after its version's last object arrived (medians):"]
+    for rate, per_byte in sorted(tails.items()):
+        same = [r for r in rows if r["target_rate"] == rate]
+        if not same:
+            continue
+        dense = same[0]["dense_bytes"]
+        tail = statistics.median(per_byte) * dense
+        sync = statistics.median(r["sync_s"] for r in same)
+        lines.append(f"  {rate:.1%}: {tail:.3f} s, {tail / sync:.0%} of a sync ({sync:.3f} s)")
+    return "\n".join(lines)
+
+
 def steady_costs(
-    rows: Sequence[dict[str, Any]], *, progress: Callable[[str], None] = lambda message: None
+    rows: Sequence[dict[str, Any]],
+    *,
+    tails: dict[float, list[float]] | None = None,
+    progress: Callable[[str], None] = lambda message: None,
 ) -> Costs:
     """``dcr project`` costs from a long-lived writer's and reader's steady rows (the per-byte
-    publish and sync costs of RL's steady state), the JuiceFS gateway's request latency and
-    throughput where the gateway runs here (else the local store's), one relay hop and
-    sha256."""
+    publish and sync costs of RL's steady state, ``tails`` the part of a sync after its last
+    object, :func:`sync_tails`), the JuiceFS gateway's request latency and throughput where
+    the gateway runs here (else the local store's), one relay hop and sha256."""
     from bench_costs import derive_costs, relay_costs, sha256_rate, store_costs
     from bench_gateway import juicefs_store, s3_available
 
@@ -449,6 +555,7 @@ def steady_costs(
         sha256_bytes_per_s=sha256_rate(large * 2),
         shard_bytes=DEFAULT_SHARD_BYTES,
         chunk_bytes=DEFAULT_CHUNK_BYTES,
+        tails=tails,
     )
 
 
@@ -567,7 +674,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if not local:
             parser.error("--save-costs needs the local store's rows (--stores local)")
-        costs = steady_costs(local, progress=lambda message: print(message, file=sys.stderr))
+        say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+        tails = sync_tails(
+            model_shapes(args.mb, args.experts),
+            rates,
+            steps=args.steps,
+            features=feature_sets[0],
+            device=args.device,
+            progress=say,
+        )
+        print(format_tails(tails, local))
+        costs = steady_costs(local, tails=tails, progress=say)
         args.save_costs.write_text(costs.model_dump_json(indent=2))
     return 0 if all(r["bit_exact"] for r in result["rows"]) else 1
 

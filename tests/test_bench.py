@@ -145,6 +145,9 @@ def test_project_from_saved_costs(quick):
     for ref in REFERENCES:
         assert ref.name in text
     assert "why it differs" in text
+    # the suite measures the part of a sync after its last object at every rate
+    assert all(r.sync_tail_s_per_byte is not None for r in Costs.load(quick["costs"]).rates)
+    assert "come after the last object" in text
     result = runner.invoke(project_cmd, [*args, "--costs", str(quick["costs"]), "--format", "json"])
     report = json.loads(result.stdout)
     totals = {e["method"]: e for e in report["estimates"]}
@@ -289,6 +292,83 @@ def test_projection_model():
     report = projection_report(Scenario(1e12, 0.2), costs)
     assert report["rate_outside_measured"] is True
     assert all(math.isfinite(e["total_s"]) for e in report["estimates"])
+
+
+def test_a_sync_overlaps_the_download_by_what_the_costs_measured():
+    """Costs that measure the part of a sync after its last object overlap the rest with
+    the delta's arrival (direct download, or the relay tree's stream); costs without that
+    measure add the whole sync after the download, as an old costs file has it."""
+    from dcr_format.cli.projection import apply_after
+
+    assert apply_after(10.0, None, 4.0) == 10.0  # not measured: nothing overlaps
+    assert apply_after(10.0, 3.0, 4.0) == pytest.approx(3.0 + (10.0 - 3.0 - 4.0))
+    assert apply_after(10.0, 3.0, 20.0) == 3.0  # the download is the longer: the tail only
+    assert apply_after(10.0, 12.0, 4.0) == 10.0  # a tail longer than the sync is the sync
+    serial = _costs()
+    tails = tuple(
+        r.model_copy(update={"sync_tail_s_per_byte": r.sync_s_per_byte / 4}) for r in serial.rates
+    )
+    overlapped = _costs(rates=tails)
+    scenario = Scenario(params=1e12, change=0.02)
+    before = {e.method: e for e in project(scenario, serial)}
+    after = {e.method: e for e in project(scenario, overlapped)}
+    for method in ("dcr over S3", "dcr relay tree"):
+        sync = before[method].terms["apply"]
+        arrival = sum(
+            after[method].terms[t] for t in ("download", "relay") if t in after[method].terms
+        )
+        want = sync / 4 + max(0.0, sync * 3 / 4 - arrival)
+        assert after[method].terms["apply"] == pytest.approx(want)
+        assert after[method].total < before[method].total
+        assert {t: v for t, v in after[method].terms.items() if t != "apply"} == {
+            t: v for t, v in before[method].terms.items() if t != "apply"
+        }
+    assert after["dense"].terms == before["dense"].terms
+    # a rate between two measured ones takes the tail between theirs; one side unmeasured:
+    # none
+    at, _ = _interp_of(overlapped, 0.02)
+    assert tails[0].sync_tail_s_per_byte < at.sync_tail_s_per_byte < tails[1].sync_tail_s_per_byte
+    half = _costs(rates=(tails[0], serial.rates[1]))
+    assert _interp_of(half, 0.02)[0].sync_tail_s_per_byte is None
+    lines = projection_report(scenario, overlapped)["why"]
+    assert any("come after the last object" in line for line in lines)
+    assert any(
+        "is added after the download" in line for line in projection_report(scenario, serial)["why"]
+    )
+
+
+def test_a_writer_uploads_while_it_codes():
+    """Each shard goes out while the next tensors are coded: the upload adds its last
+    shards, or what it takes beyond the coding where the link is the narrower pipe."""
+    from dcr_format.cli.projection import upload_after
+
+    assert upload_after(4.0, 20.0, 0.5) == 0.5
+    assert upload_after(30.0, 20.0, 0.5) == 10.0
+    assert upload_after(0.2, 20.0, 0.5) == 0.2  # a delta smaller than the last shards
+    costs = _costs()
+    at = {e.method: e for e in project(Scenario(params=1e12, change=0.02), costs)}
+    terms = at["dcr over S3"].terms
+    link = 5e9 / 8
+    delta = at["dcr over S3"].moved_bytes
+    last = min(delta / (8 * link), 8 * min(256 << 20, delta / 64) / link)
+    assert terms["upload"] == pytest.approx(max(last, delta / (8 * link) - terms["encode"]))
+    assert terms["upload"] < delta / (8 * link)
+    assert at["dense"].terms["upload"] == pytest.approx(2e12 / (8 * link))  # not overlapped
+
+
+def _interp_of(costs: Costs, rate: float):  # type: ignore[no-untyped-def]
+    from dcr_format.cli.projection import _interp
+
+    return _interp(costs, rate)
+
+
+def test_a_costs_file_without_sync_tails_still_loads(tmp_path):
+    data = json.loads(shipped_costs().to_json())
+    for rate in data["rates"]:
+        rate.pop("sync_tail_s_per_byte", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert all(r.sync_tail_s_per_byte is None for r in Costs.load(path).rates)
 
 
 def test_project_cluster_options_are_the_scenario_fields(tmp_path):

@@ -35,9 +35,10 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _stepped(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """About 2.5% of the elements change: a completed change fits the share held ahead."""
     gen = torch.Generator().manual_seed(seed)
     return {
-        n: (t.float() + torch.randn(t.shape, generator=gen).mul(2e-4)).to(torch.bfloat16)
+        n: (t.float() + torch.randn(t.shape, generator=gen).mul(2e-6)).to(torch.bfloat16)
         for n, t in state.items()
     }
 
@@ -190,3 +191,19 @@ def test_a_mark_counts_the_claims_since():
     assert claim_mark(other) is not None
     release()
     assert claims_since(mark) == 2
+
+
+def test_changes_completed_ahead_are_held_up_to_a_share_of_the_model(monkeypatch, tmp_path):
+    """Completed, a change holds its positions and old bits (several times what it holds
+    decoded): past a share of the model's bytes the later ones wait as decoded."""
+    monkeypatch.setattr(_apply, "AHEAD_SHARE", 1e-6)  # the first change fills it
+    gate = _Gate(monkeypatch)
+    ahead, given = _spied(monkeypatch, gate)
+    writer, reader, held, state = _synced(tmp_path, 7)
+    state = _stepped(state, 8)
+    writer.publish(state)
+    gate.arm()
+    reader.sync()
+    assert_same_bits(held, state)
+    assert [done for _, done in ahead] == [True] + [False] * (len(NAMES) - 2)
+    assert [given[name] for name, _ in ahead] == [True] + [False] * (len(NAMES) - 2)

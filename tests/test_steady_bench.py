@@ -3,6 +3,7 @@ the publish that follows it is timed."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -104,9 +105,11 @@ def test_costs_come_from_the_steady_rows(tmp_path, monkeypatch):
         costs, "relay_costs", lambda **kw: {"relay_hop_bytes_per_s": 1e9, "relay_round_s": 1e-3}
     )
     monkeypatch.setattr(costs, "sha256_rate", lambda nbytes: 1e9)
-    got = steady.steady_costs(measured)
+    got = steady.steady_costs(measured, tails={0.01: [3e-10, 1e-10, 2e-10]})
     assert got.request_store == "local" and got.source.startswith("benchmarks/steady_bench.py")
     (rate,) = got.rates
+    assert rate.sync_tail_s_per_byte == pytest.approx(2e-10)  # the median of the steps'
+    assert steady.steady_costs(measured).rates[0].sync_tail_s_per_byte is None
     want = sum(r["publish_s"] / r["dense_bytes"] for r in measured) / len(measured)
     assert rate.publish_s_per_byte == pytest.approx(want)
     want = sum(r["sync_s"] / r["dense_bytes"] for r in measured) / len(measured)
@@ -127,3 +130,38 @@ def test_features_flag_default_none_and_lists():
     assert steady.feature_label(()) == "none"
     assert steady.feature_set("values-rans,none") == ("values-rans",)
     assert steady.feature_label(("values-rans", "values-ulp")) == "values-rans,values-ulp"
+
+
+def test_the_late_shard_is_the_first_shard_asked_for_after_arming(tmp_path):
+    backend = steady._LateShard(str(tmp_path))
+    store = Store(backend)
+    store.put("objects/1/a/shard-00000-00000.dcrs", b"x")
+    store.put("objects/1/a/manifest-00000.json", b"{}")
+    backend.arm(0.05)
+    started = time.perf_counter()
+    assert store.get("objects/1/a/manifest-00000.json") == b"{}"
+    assert time.perf_counter() - started < 0.05 and backend.arrived == 0.0  # not a shard
+    assert store.get("objects/1/a/shard-00000-00000.dcrs") == b"x"
+    assert backend.arrived - started >= 0.05
+    arrived = backend.arrived
+    store.get("objects/1/a/shard-00000-00000.dcrs")  # once per arming
+    assert backend.arrived == arrived
+
+
+def test_sync_tails_measure_the_sync_after_its_late_shard(tmp_path, monkeypatch):
+    """Per rate and measured step, the seconds of the sync after its held-back shard
+    arrived, per dense byte, on a version of several shards; every sync bit for bit (the
+    function raises otherwise)."""
+    monkeypatch.setattr(steady, "TAIL_SHARD_BYTES", 4096)
+    held: list[float] = []
+    real_arm = steady._LateShard.arm
+    monkeypatch.setattr(
+        steady._LateShard, "arm", lambda self, d: (held.append(d), real_arm(self, d))
+    )
+    shapes = {"a": (256, 256), "b": (256, 256), "n": (256,)}
+    tails = steady.sync_tails(shapes, (0.01, 0.05), steps=2)
+    assert sorted(tails) == [0.01, 0.05] and all(len(v) == 2 for v in tails.values())
+    dense = sum(256 * 256 * 2 for _ in range(2)) + 256 * 2
+    assert all(0 < t * dense < 5 for v in tails.values() for t in v)
+    # each rate: one step unheld (it measures the delay), then held twice as long as the last
+    assert held[0] == 0 and held[3] == 0 and all(d > 0 for d in held[1:3] + held[4:])

@@ -37,6 +37,11 @@ class RateCosts(BaseModel):
     """Writer: diff, encode, fingerprints and local writes, per dense byte (local store)."""
     sync_s_per_byte: float
     """Reader: fetch from local disk, sha256, decode, verify and apply, per dense byte."""
+    sync_tail_s_per_byte: float | None = None
+    """Reader: of ``sync_s_per_byte``, what comes after the version's last object arrived
+    (its changes decoded and completed, the apply, which waits until every object is
+    verified, the commit), per dense byte; the rest overlaps the download. None where not
+    measured: a projection then overlaps nothing of a sync with its download."""
 
 
 class Costs(BaseModel):

@@ -17,9 +17,15 @@ element at each change rate, publish and sync CPU seconds per dense byte, dense
 serialise/load seconds per byte, request latency, relay seconds per byte and per
 round. The scenario supplies what belongs to the cluster: parameters, change rate,
 nodes, link speed into the cluster, the fabric's speed inside it, store bandwidth, workers
-per node. The stages of one refit are
-added up (no overlap between encode, upload, download and apply, which is how the
-current writer and reader run; chunks within the relay tree do overlap).
+per node. The stages of one refit are added up (the writers publish, the version
+commits, then the readers fetch), with the overlaps the software has: a writer uploads
+each shard while it codes the next tensors, so only its last shards and what the upload
+takes beyond the coding are added (``upload``: :func:`upload_after`); chunks stream down
+the relay tree; and a reader decodes and completes each object's changes as it arrives,
+so that only the part of a sync measured after the last object
+(``sync_tail_s_per_byte``) and what the rest takes beyond the delta's arrival are added
+to the download (``apply``: :func:`apply_after`). Costs without that measure overlap
+nothing of a sync.
 """
 
 from __future__ import annotations
@@ -138,6 +144,11 @@ def _interp(costs: Costs, rate: float) -> tuple[RateCosts, bool]:
                     bytes_per_changed=mix(low.bytes_per_changed, high.bytes_per_changed),
                     publish_s_per_byte=mix(low.publish_s_per_byte, high.publish_s_per_byte),
                     sync_s_per_byte=mix(low.sync_s_per_byte, high.sync_s_per_byte),
+                    sync_tail_s_per_byte=(
+                        None
+                        if low.sync_tail_s_per_byte is None or high.sync_tail_s_per_byte is None
+                        else mix(low.sync_tail_s_per_byte, high.sync_tail_s_per_byte)
+                    ),
                 ),
                 False,
             )
@@ -165,6 +176,23 @@ def relay_hop_bytes_per_s(scenario: Scenario, costs: Costs) -> float:
     if scenario.fabric_gbps > 0:
         return scenario.fabric_gbps * 1e9 / 8
     return min(scenario.link_gbps * 1e9 / 8, costs.relay_hop_bytes_per_s)
+
+
+def upload_after(upload_s: float, encode_s: float, last_s: float) -> float:
+    """The seconds of a writer's upload of ``upload_s`` that its coding of ``encode_s`` does
+    not hide: each shard is sent while the next tensors are coded, so the last shards
+    (``last_s``) and what the upload takes beyond the coding are left."""
+    return max(min(last_s, upload_s), upload_s - encode_s)
+
+
+def apply_after(sync_s: float, tail_s: float | None, arrival_s: float) -> float:
+    """The seconds of a reader's sync of ``sync_s`` that the download does not hide, where
+    the delta takes ``arrival_s`` to arrive: the part after the last object (``tail_s``)
+    and what the rest takes beyond the arrival; all of it where ``tail_s`` is None."""
+    if tail_s is None:
+        return sync_s
+    after = min(sync_s, tail_s)
+    return after + max(0.0, sync_s - after - arrival_s)
 
 
 def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
@@ -212,12 +240,17 @@ def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
         )
     ]
     objects = requests(delta) + writers + 1  # shards, one manifest per writer, the commit
+    encode = dense * at.publish_s_per_byte / (writers * s.workers)
+    upload = delta / upload_rate
+    # the shard each worker of a trainer node finishes last, sent after its coding ends
+    last = min(upload, s.workers * min(c.shard_bytes, delta / (writers * s.workers)) / link)
     common = {
-        "encode": dense * at.publish_s_per_byte / (writers * s.workers),
-        "upload": delta / upload_rate,
+        "encode": encode,
+        "upload": upload_after(upload, encode, last),
         "write requests": (objects / writers / s.concurrency + 1) * c.request_s,
     }
-    apply = dense * at.sync_s_per_byte / s.workers
+    sync = dense * at.sync_s_per_byte / s.workers
+    tail = None if at.sync_tail_s_per_byte is None else dense * at.sync_tail_s_per_byte / s.workers
     read_requests = (objects / s.concurrency + 3) * c.request_s  # + listing, header, record
     estimates.append(
         Estimate(
@@ -226,7 +259,7 @@ def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
                 **common,
                 "download": delta / per_node,
                 "read requests": read_requests,
-                "apply": apply,
+                "apply": apply_after(sync, tail, delta / per_node),
             },
             kinds,
             delta,
@@ -252,7 +285,7 @@ def project(scenario: Scenario, costs: Costs) -> list[Estimate]:
                 "relay": stream + fill,
                 "read requests": read_requests,
                 "relay rounds": objects * c.relay_round_s * (depth > 0),
-                "apply": apply,
+                "apply": apply_after(sync, tail, first + stream + fill),
             },
             kinds,
             delta,
@@ -396,6 +429,21 @@ def explain(scenario: Scenario, costs: Costs) -> list[str]:
         f"split over {scenario.workers} workers per node; GPU kernels (dcr_format/kernels) or more "
         "cores shrink these terms, the network terms stay"
     )
+    at, _ = _interp(costs, scenario.change)
+    sync = scenario.dense_bytes * at.sync_s_per_byte / scenario.workers
+    if at.sync_tail_s_per_byte is None:
+        lines.append(
+            f"apply: a reader's whole sync ({_seconds(sync)} per node) is added after the "
+            "download (these costs do not say how much of it overlaps the download)"
+        )
+    else:
+        tail = scenario.dense_bytes * at.sync_tail_s_per_byte / scenario.workers
+        lines.append(
+            f"apply: a reader decodes and completes each object's changes as it arrives; of "
+            f"its sync ({_seconds(sync)} per node) {_seconds(min(tail, sync))} come after the "
+            "last object (measured), the rest overlaps the delta's arrival, and only what "
+            "it takes beyond that arrival is added to it"
+        )
     return lines
 
 

@@ -100,6 +100,12 @@ class DecodedDelta:
         """False: nothing left to read from the target before this applies."""
         return False
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the change holds (its positions, values and kept old bits)."""
+        held = (self.positions, self.values, self.before)
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
 
 @dataclass(frozen=True)
 class PendingDelta:

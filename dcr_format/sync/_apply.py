@@ -80,7 +80,9 @@ class EarlyApply:
     ``classed`` select pass, the ``ulp-shift`` join), so that the transaction only writes
     it. What was completed is used only where no sync claimed any target from before the
     first completion until this one's own claim (:func:`claim_mark`): else the tensors may
-    have changed under it, and the change as decoded is applied instead."""
+    have changed under it, and the change as decoded is applied instead. Completed changes
+    hold their positions and old bits (about 12 bytes a changed element, against one or two
+    decoded): they are held up to ``ahead_bytes``, the later ones as decoded."""
 
     alone: bool
     audit: bool  # the sync was asked to audit
@@ -89,7 +91,9 @@ class EarlyApply:
     ready: list[tuple[Entry, Delta, Delta | None]] = field(default_factory=list)
     ahead: Callable[[Entry, Delta], Delta | None] | None = None
     reads: Target | None = None  # the target ``ahead`` reads
+    ahead_bytes: int = 0  # at most this many bytes of changes completed ahead held at once
     _mark: int | None = None  # claim_mark before the first change completed ahead
+    _held: int = 0  # bytes of the changes completed ahead so far
     sync: ApplyState | None = None  # the transaction's apply, once open
     threads: int = 1  # the pool's
     # a sync writing whole tensors (a base, versions in turn): the memory of each change
@@ -126,16 +130,22 @@ class EarlyApply:
 
     def _ahead(self, entry: Entry, delta: Delta) -> Delta | None:
         """``delta`` completed ahead of the transaction (None where it is not: no
-        ``ahead``, nothing to complete, a sync holding the target at the first, or a change
-        that does not complete, left for the transaction to refuse as usual)."""
+        ``ahead``, nothing to complete, ``ahead_bytes`` held already, a sync holding the
+        target at the first, or a change that does not complete, left for the transaction
+        to refuse as usual)."""
         if self.ahead is None or self.reads is None or not delta.needs_target:
+            return None
+        if self._held >= self.ahead_bytes:
             return None
         if self._mark is None:
             self._mark = claim_mark(self.reads)
             if self._mark is None:  # another sync is changing the target: none ahead
                 self.ahead = None
                 return None
-        return self.ahead(entry, delta)
+        done = self.ahead(entry, delta)
+        if isinstance(done, DecodedDelta):
+            self._held += done.nbytes
+        return done
 
     def _run(self, entry: Entry, box: list[Delta]) -> None:
         delta = box.pop()  # held by nothing else once applied
@@ -161,6 +171,11 @@ class EarlyApply:
         wait(self._given)
         if self._failed:
             raise self._failed[0]
+
+
+AHEAD_SHARE = 0.25
+"""A sync on its own holds changes completed before its transaction opens up to this share
+of the model's bytes (:class:`EarlyApply`): a change of about 4% of the elements."""
 
 
 def applies_later(entry: Entry) -> bool:
@@ -398,6 +413,7 @@ class Applying(Auditing):
         on_host = all(t.device.type == "cpu" for t in tensors.values())
         early.threads = cores if on_host else 1
         early.ahead, early.reads = ahead, self.target
+        early.ahead_bytes = int(self._model_bytes(plan) * AHEAD_SHARE)
         return Early(pool, take, verified, max(1, cores - 1), applies_later)
 
     def _streamer(
