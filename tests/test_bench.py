@@ -330,6 +330,12 @@ def test_a_sync_overlaps_the_download_by_what_the_costs_measured():
     assert tails[0].sync_tail_s_per_byte < at.sync_tail_s_per_byte < tails[1].sync_tail_s_per_byte
     half = _costs(rates=(tails[0], serial.rates[1]))
     assert _interp_of(half, 0.02)[0].sync_tail_s_per_byte is None
+    from dcr_format.cli.projection import format_projection
+
+    assert "of it after the last object" in format_projection(
+        projection_report(scenario, overlapped)
+    )
+    assert "after the last object" not in format_projection(projection_report(scenario, serial))
     lines = projection_report(scenario, overlapped)["why"]
     assert any("come after the last object" in line for line in lines)
     assert any(

@@ -497,6 +497,11 @@ def format_projection(report: dict[str, Any]) -> str:
         f"{at['publish_s_per_byte'] * 1e9:.2f} ns and sync {at['sync_s_per_byte'] * 1e9:.2f} ns "
         "per dense byte per worker"
         + (
+            ""
+            if at.get("sync_tail_s_per_byte") is None
+            else f" ({at['sync_tail_s_per_byte'] * 1e9:.2f} ns of it after the last object)"
+        )
+        + (
             " (outside the measured rates: nearest measured costs)"
             if report["rate_outside_measured"]
             else ""
