@@ -127,18 +127,27 @@ def test_changes_are_completed_while_a_shard_is_still_arriving(monkeypatch, tmp_
         assert all(given[name] for name, _ in ahead)
 
 
-def test_a_claim_in_between_sends_the_changes_as_decoded(monkeypatch, tmp_path):
-    """A claim of any target after the first completion (here another reader's target)
-    may have changed the tensors under it: the transaction completes them again."""
-    other = StateDictTarget({})
+def _held_back_sync(monkeypatch, tmp_path, seed, between=lambda: None):  # type: ignore[no-untyped-def]
+    """One delta synced with its first shard held back (:func:`_spied`), checked bit for
+    bit: what was tried ahead and what the transaction was given."""
     gate = _Gate(monkeypatch)
-    ahead, given = _spied(monkeypatch, gate, between=lambda: claim_target(other, None)())
-    writer, reader, held, state = _synced(tmp_path, 3)
-    state = _stepped(state, 4)
+    ahead, given = _spied(monkeypatch, gate, between)
+    writer, reader, held, state = _synced(tmp_path, seed)
+    state = _stepped(state, seed + 1)
     writer.publish(state)
     gate.arm()
     reader.sync()
     assert_same_bits(held, state)
+    return ahead, given
+
+
+def test_a_claim_in_between_sends_the_changes_as_decoded(monkeypatch, tmp_path):
+    """A claim of any target after the first completion (here another reader's target)
+    may have changed the tensors under it: the transaction completes them again."""
+    other = StateDictTarget({})
+    ahead, given = _held_back_sync(
+        monkeypatch, tmp_path, 3, between=lambda: claim_target(other, None)()
+    )
     # completed while the shard was held, and not used
     assert len(ahead) == len(NAMES) - 1 and all(done for _, done in ahead)
     assert set(given) == set(NAMES) and not any(given.values())
@@ -197,13 +206,6 @@ def test_changes_completed_ahead_are_held_up_to_a_share_of_the_model(monkeypatch
     """Completed, a change holds its positions and old bits (several times what it holds
     decoded): past a share of the model's bytes the later ones wait as decoded."""
     monkeypatch.setattr(_apply, "AHEAD_SHARE", 1e-6)  # the first change fills it
-    gate = _Gate(monkeypatch)
-    ahead, given = _spied(monkeypatch, gate)
-    writer, reader, held, state = _synced(tmp_path, 7)
-    state = _stepped(state, 8)
-    writer.publish(state)
-    gate.arm()
-    reader.sync()
-    assert_same_bits(held, state)
+    ahead, given = _held_back_sync(monkeypatch, tmp_path, 7)
     assert [done for _, done in ahead] == [True] + [False] * (len(NAMES) - 2)
     assert [given[name] for name, _ in ahead] == [True] + [False] * (len(NAMES) - 2)
