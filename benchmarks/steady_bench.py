@@ -674,7 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if not local:
             parser.error("--save-costs needs the local store's rows (--stores local)")
-        say = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
+
+        def say(message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+
         tails = sync_tails(
             model_shapes(args.mb, args.experts),
             rates,

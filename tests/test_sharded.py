@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcr_format import DeltaReader, StateDictTarget
+from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, ThreadCoordinator
 from dcr_format.chain.chain import Chain
 from dcr_format.chain.layout import Layout
 from dcr_format.chain.placement import placed, sharded
@@ -226,8 +226,6 @@ def test_layouts_from_placements_publish_exactly_with_an_empty_shard(tmp_path: P
     shard is empty) and a replicated one publish, as layouts, what a reader rebuilds exactly."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dcr_format import DeltaWriter, ThreadCoordinator
-
     mesh_shape = (2, 3)
     specs = {"w": ((7, 5), [(0, 3), (0, 1)]), "b": ((5,), [None, None])}
     grid = [(i, j) for i in range(2) for j in range(3)]
@@ -243,11 +241,7 @@ def test_layouts_from_placements_publish_exactly_with_an_empty_shard(tmp_path: P
         )
         for c in grid
     ]
-    coordinator = ThreadCoordinator(len(grid))
-    writers = [
-        DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=6, coordinator=coordinator)
-        for r in range(6)
-    ]
+    writers = _thread_writers(tmp_path, layouts)
     generator = torch.Generator().manual_seed(0)
     full = {
         "w": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
@@ -266,6 +260,15 @@ def test_layouts_from_placements_publish_exactly_with_an_empty_shard(tmp_path: P
         reader.sync()
         for name, tensor in full.items():
             assert torch.equal(target.tensors[name].view(torch.int16), tensor.view(torch.int16))
+
+
+def _thread_writers(path: Path, layouts: list[Layout]) -> list[DeltaWriter]:
+    """A writer per layout, its rank its index, all joined by one ThreadCoordinator."""
+    coordinator = ThreadCoordinator(len(layouts))
+    return [
+        DeltaWriter(path, layout=layout, rank=r, world_size=len(layouts), coordinator=coordinator)
+        for r, layout in enumerate(layouts)
+    ]
 
 
 def _mesh_layouts(specs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[Layout]:
@@ -292,7 +295,6 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
     writer of another layout falls back to the canonical tensors."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dcr_format import DeltaWriter, ThreadCoordinator
     from dcr_format.store.store import Store
 
     specs = {"w": ((9, 4), [(0, 1)]), "b": ((6,), [None])}
@@ -313,14 +315,7 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda r: writers[r].publish(layouts[r].scatter(state)), range(2)))
 
-    def open_writers() -> list[DeltaWriter]:
-        coordinator = ThreadCoordinator(2)
-        return [
-            DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=2, coordinator=coordinator)
-            for r in range(2)
-        ]
-
-    writers = open_writers()
+    writers = _thread_writers(tmp_path, layouts)
     for _ in range(3):
         publish_all(writers, full)
         full = step(full)
@@ -334,7 +329,7 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
         return original(self, key, **kwargs)
 
     monkeypatch.setattr(Store, "get", counted)
-    reopened = open_writers()
+    reopened = _thread_writers(tmp_path, layouts)
     for rank, writer in enumerate(reopened):
         read.clear()
         baseline = writer.baseline  # restores now
@@ -367,15 +362,9 @@ def test_rank_zero_decides_whether_a_version_is_a_base(tmp_path: Path) -> None:
     base, bit-exact at a reader; ``base=True`` on rank 1 alone changes nothing."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dcr_format import DeltaWriter, ThreadCoordinator
-
     specs = {"w": ((6, 4), [(0, 1)]), "b": ((5,), [None])}
     layouts = _mesh_layouts(specs, (2,))
-    coordinator = ThreadCoordinator(2)
-    writers = [
-        DeltaWriter(tmp_path, layout=layouts[r], rank=r, world_size=2, coordinator=coordinator)
-        for r in range(2)
-    ]
+    writers = _thread_writers(tmp_path, layouts)
     generator = torch.Generator().manual_seed(5)
     full = {
         "w": torch.randn(6, 4, generator=generator).to(torch.bfloat16),
