@@ -37,7 +37,6 @@ from dcr_format.errors import (
     ArgumentError,
     IncompleteVersionError,
     IntegrityError,
-    MissingTensorError,
     TargetError,
     UnsupportedDtypeError,
 )
@@ -253,14 +252,7 @@ class CanonicalPart:
                     tuple(tensor.shape),
                     encoded.rows,
                 )
-            missing = sorted(set(self._baseline) - set(pending))
-            if missing and not attempt.base:
-                raise MissingTensorError(
-                    f"{len(missing)} tensors of version {attempt.version - 1} were not given "
-                    f"(first: {missing[0]!r}); pass every tensor each step, or publish this "
-                    "version as a base to drop them (DeltaWriter.publish(..., base=True), "
-                    "dcr publish --base)"
-                )
+            attempt.check_none_dropped(sorted(set(self._baseline) - set(pending)))
             shards.finish()
             manifest = attempt.manifest(
                 shards, entries, features_for(r.coding for e in entries for r in e.streams)

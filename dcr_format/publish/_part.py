@@ -10,7 +10,7 @@ the projection part (``publish/_projection.py``: local tensors placed by a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -19,7 +19,7 @@ import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState, sha256_hex, shard_key
 from dcr_format.delta.delta import EncodedTensor
-from dcr_format.errors import ArgumentError
+from dcr_format.errors import ArgumentError, MissingTensorError
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.schema import (
     STEP_LIMIT,
@@ -229,6 +229,17 @@ class Attempt:
     def base(self) -> bool:
         """Whether this version is a base (every entry ``full``)."""
         return self.kind == "base"
+
+    def check_none_dropped(self, missing: Sequence[str]) -> None:
+        """Refuse a delta that leaves out ``missing``, tensors of the previous version this
+        rank holds (a delta cannot drop a tensor; a base can)."""
+        if missing and not self.base:
+            raise MissingTensorError(
+                f"{len(missing)} tensors of version {self.version - 1} were not given "
+                f"(first: {missing[0]!r}); pass every tensor each step, or publish this "
+                "version as a base to drop them (DeltaWriter.publish(..., base=True), "
+                "dcr publish --base)"
+            )
 
     def shards(self) -> ShardWriter:
         """A shard writer for this rank's shards of the attempt."""

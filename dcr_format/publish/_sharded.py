@@ -32,7 +32,7 @@ from dcr_format.chain.placement import placed as placed_pieces
 from dcr_format.delta.delta import FULL, OVERWRITE, XOR, PendingDelta, changed_positions
 from dcr_format.delta.dispatch import diff_with_lanes
 from dcr_format.delta.fingerprint import apply_lane_deltas, fingerprint_from_lanes, lanes_at
-from dcr_format.errors import ArgumentError, MissingTensorError
+from dcr_format.errors import ArgumentError
 from dcr_format.format.dtypes import bits_view, info_for
 from dcr_format.format.schema import PIECES_FEATURE, Entry, Manifest, check_tensor_name
 from dcr_format.publish._part import Attempt, ShardWriter, Tensors, Written, pairs
@@ -143,14 +143,7 @@ class ShardedPart:
                 changes.update(change[0])
                 placed[name] = owned
                 shards.maybe_flush()
-            missing = sorted({n for n in self._placed if n not in placed})
-            if missing and not attempt.base:
-                raise MissingTensorError(
-                    f"{len(missing)} tensors of version {attempt.version - 1} were not given "
-                    f"(first: {missing[0]!r}); pass every tensor each step, or publish this "
-                    "version as a base to drop them (DeltaWriter.publish(..., base=True), "
-                    "dcr publish --base)"
-                )
+            attempt.check_none_dropped(sorted({n for n in self._placed if n not in placed}))
             shards.finish()
         finally:
             shards.close()
