@@ -70,7 +70,8 @@ class StagingSource:
         """The live canonical tensors among ``names`` that :meth:`DeltaReader.prepare` may
         read (never write) while the target stays in use, so that the apply is only the
         write; the default stages nothing. A reader on its own syncing a one-version plan
-        applies the changes of these tensors (of more than
+        reads them too while the version's objects still arrive (completing the changes
+        decoded so far), and applies the changes of these tensors (of more than
         :data:`~dcr_format.system.pools.ONE_THREAD_ELEMENTS` elements) while the fetch still
         decodes others, each through :meth:`Transaction.change` on a thread of its pool,
         several tensors at once (offer only tensors whose transaction takes that: distinct,
