@@ -170,9 +170,9 @@ def bench_classes(n: int, repeats: int, rate: float) -> None:
     old_bits, new_bits = old.numpy().view("uint16"), new.numpy().view("uint16")
     xor = found.xor_values.numpy().view("uint16")
     rows = classed.exponent_rows(old_bits, "bfloat16")
-    stream, _, _ = classed.encode_classed_counted(
+    stream = classed.encode_classed_counted(
         positions, new_bits, "bfloat16", xor=xor, rows=rows
-    )
+    ).stream
     decoded = classed.decode_classed(
         stream, old_bits, "bfloat16", count=positions.size, numel=n, rows=rows
     )

@@ -844,7 +844,7 @@ def test_the_rank_pass_counts_the_runs_of_the_positions() -> None:
         assert adjacent == int(np.count_nonzero(np.diff(positions) == 1))
         with pytest.raises(ValueError, match="one element per position"):
             native.class_ranks(old, positions, at[1:], 7, 0xFF, 120, 6, starts)
-        _, _, runs = classed.encode_classed_counted(positions, old, "bfloat16")
+        runs = classed.encode_classed_counted(positions, old, "bfloat16").runs
         assert runs == positions.size - adjacent
 
 

@@ -161,7 +161,7 @@ def test_kept_rows_give_the_same_stream_and_positions(kernels: str, dtype: str) 
     assert encode_classed(positions, new, dtype, xor=xor) == want
     for rows in (None, exponent_rows(old, dtype)):  # counted here, or kept by the writer
         for after in (None, new[positions]):
-            stream, after_rows, _ = encode_classed_counted(
+            stream, after_rows, _, _ = encode_classed_counted(
                 positions, new, dtype, xor=xor, after=after, rows=rows
             )
             assert stream == want
@@ -325,7 +325,7 @@ def test_a_long_lived_writer_and_reader_keep_the_rows_of_their_bits(
         part = writer._part
         kept = part._rows  # type: ignore[union-attr]
         for name in names:  # each end holds the rows of the bits it now holds
-            assert np.array_equal(kept[name], rows_of(part.baseline[name]))
+            assert np.array_equal(kept[name].rows, rows_of(part.baseline[name]))
             fingerprint, rows = reader._rows[name]  # keyed by the bits' fingerprint
             assert fingerprint == part._fingerprints[name]  # type: ignore[union-attr]
             assert np.array_equal(rows, rows_of(target.tensors[name]))

@@ -453,6 +453,14 @@ def _classes_at(values, shift, mask, base, count, out):  # type: ignore[no-untyp
         out[j] = _class_of(values[j], shift, mask, base, count)
 
 
+def classes_at(values: np.ndarray, shift: int, mask: int, base: int, count: int) -> np.ndarray:
+    """The class of each of ``values`` (uint8: ``K <= 16``, a byte, 8x less to write than
+    an int64)."""
+    out = np.empty(values.size, dtype=np.uint8)
+    _classes_at(values, shift, mask, _low_base(base, mask), count, out)
+    return out
+
+
 # --- pass 2, writer: each changed element's class and rank -------------------------------
 
 
@@ -544,12 +552,8 @@ def class_ranks(
     else:
         bounds = np.searchsorted(positions, np.arange(tasks + 1, dtype=np.int64) * TASK)
     low = _low_base(base, mask)
-    classes = np.empty(positions.size, dtype=np.uint8)  # K <= 16: a byte (8x less to write)
-    _classes_at(old_at, shift, mask, low, count, classes)
-    moved = classes
-    if new_at is not None:
-        moved = np.empty(positions.size, dtype=np.uint8)
-        _classes_at(new_at, shift, mask, low, count, moved)
+    classes = classes_at(old_at, shift, mask, base, count)
+    moved = classes if new_at is None else classes_at(new_at, shift, mask, base, count)
     ranks = np.empty(positions.size, dtype=np.int64)
     adjacent = np.zeros(tasks, dtype=np.int64)
     args = (bits, positions, classes, moved, shift, mask, low, count, starts, bounds)

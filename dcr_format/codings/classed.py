@@ -20,6 +20,7 @@ import itertools
 import struct
 from dataclasses import dataclass, field, replace
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 
@@ -218,6 +219,21 @@ def choose_classes(everything: np.ndarray, changed: np.ndarray) -> tuple[int, in
     return low + int(b), int(k) + 1
 
 
+def class_starts(rows: np.ndarray, base: int, count: int) -> np.ndarray:
+    """Per task of ``rows`` (:func:`exponent_rows`) and class of ``base`` and ``count``, how
+    many elements of the class come before the task (``(tasks + 1, count)`` int64; the
+    last row holds the class sizes)."""
+    native = _native()
+    if native is not None:
+        return np.asarray(native.class_starts(rows, base, count))
+    per_task = np.zeros((rows.shape[0], count), dtype=np.int64)
+    for e in range(rows.shape[1]):
+        per_task[:, min(max(e - base, 0), count - 1)] += rows[:, e]
+    starts = np.zeros((rows.shape[0] + 1, count), dtype=np.int64)
+    np.cumsum(per_task, axis=0, out=starts[1:])
+    return starts
+
+
 def _native() -> ModuleType | None:
     """The compiled class passes (:mod:`dcr_format.codings._classed_kernels`), or None where
     the reference runs."""
@@ -254,7 +270,21 @@ def encode_classed(
     positions (a writer whose diff already advanced its baseline holds only those).
     ``after``, optional: ``bits`` at ``positions`` (the compiled passes then read them in
     order instead of at the positions)."""
-    return encode_classed_counted(positions, bits, dtype, xor=xor, after=after)[0]
+    return encode_classed_counted(positions, bits, dtype, xor=xor, after=after).stream
+
+
+class ClassedCode(NamedTuple):
+    """What :func:`encode_classed_counted` gives a writer."""
+
+    stream: bytes
+    rows: np.ndarray
+    """The exponent rows of the bits given (with ``xor``: the new bits, the rows a writer
+    keeps for its next step)."""
+    runs: int
+    """How many runs of consecutive elements the positions make (a writer bounds the plain
+    codings' sizes from it, :func:`dcr_format.codings.positions.plain_size_floor`)."""
+    classes: tuple[int, int]
+    """The stream's classes (``base``, ``K``): what a writer's next diff may rank against."""
 
 
 def encode_classed_counted(
@@ -266,17 +296,20 @@ def encode_classed_counted(
     after: np.ndarray | None = None,
     rows: np.ndarray | None = None,
     before: np.ndarray | None = None,
-) -> tuple[bytes, np.ndarray, int]:
+    ranked: tuple[int, int, np.ndarray, int] | None = None,
+) -> ClassedCode:
     """:func:`encode_classed` for a writer that keeps the exponent rows of its baseline:
-    ``rows`` (where known, else None) are those of the **old** bits; the second result is
-    the rows of ``bits`` (with ``xor``: the new bits, the rows a writer keeps for its next
+    ``rows`` (where known, else None) are those of the **old** bits; the result carries the
+    rows of ``bits`` (with ``xor``: the new bits, the rows a writer keeps for its next
     step). Given rows skip the pass that counts them (:func:`exponent_rows`); they must be
     the old bits' own (rows that do not fit the tensor, :func:`rows_fit`, are counted
-    again). The third result is how many runs of consecutive elements the positions make
-    (counted in the rank pass: a writer bounds the plain codings' sizes from it,
-    :func:`dcr_format.codings.positions.plain_size_floor`). ``before``, optional with
-    ``xor`` and ``after``: the old bits at the positions (``after ^ xor``), where the caller
-    has them already."""
+    again). ``before``, optional with ``xor`` and ``after``: the old bits at the positions
+    (``after ^ xor``), where the caller has them already. ``ranked``, optional with
+    ``rows``: ``(base, K, ranks, adjacent)``, each position's rank among the old elements
+    of its class under classes ``base`` and ``K`` and how many positions directly follow
+    the one before them, as a writer's diff counted them while it read the old bits: where
+    the classes chosen here are those, the pass over the tensor that counts the ranks is
+    not made."""
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     bits = np.ascontiguousarray(bits).reshape(-1)
     if dtype not in EXPONENT_FIELDS:
@@ -294,7 +327,7 @@ def encode_classed_counted(
             xor_at = np.ascontiguousarray(xor).reshape(-1).astype(bits.dtype, copy=False)
             old_at = new_at ^ xor_at
     if not rows_fit(rows, bits.size, dtype):
-        rows = None
+        rows = ranked = None  # (ranks counted from other rows would not be these bits')
     if rows is None:  # counted here: the bits given are the new ones where xor is given
         rows = exponent_rows(bits, dtype)
         after_rows = rows
@@ -311,7 +344,13 @@ def encode_classed_counted(
         changed = np.bincount(exponents(bits[positions], dtype), minlength=mask + 1)
     # the histogram over every element: one row (a tensor of one task) is its own sum
     base, count = choose_classes(rows[0] if rows.shape[0] == 1 else rows.sum(axis=0), changed)
-    if native is not None:
+    if native is not None and ranked is not None and ranked[:2] == (base, count):
+        old_bits_at = bits[positions] if xor is None else old_at
+        changed_classes = native.classes_at(old_bits_at, shift, mask, base, count)
+        all_ranks, adjacent = ranked[2], ranked[3]
+        if all_ranks.size != positions.size:
+            raise ValueError("ranked must hold one rank per position")
+    elif native is not None:
         starts = native.class_starts(rows, base, count)
         if xor is None:
             changed_classes, all_ranks, adjacent = native.class_ranks(
@@ -337,7 +376,7 @@ def encode_classed_counted(
     else:
         sizes = class_sizes(changed, base, count)
     stream = classed_stream(base, count, changed_classes, all_ranks, sizes=sizes)
-    return stream, after_rows, int(positions.size) - adjacent
+    return ClassedCode(stream, after_rows, int(positions.size) - adjacent, (base, count))
 
 
 def class_sizes(changed: np.ndarray, base: int, count: int) -> np.ndarray:
@@ -595,10 +634,12 @@ __all__ = [
     "EXPONENT_FIELDS",
     "MAX_CLASSES",
     "ROW_ELEMENTS",
+    "ClassedCode",
     "ClassedStream",
     "choose_classes",
     "class_ranks_of",
     "class_sizes",
+    "class_starts",
     "classed_bound",
     "classed_stream",
     "classes_of",

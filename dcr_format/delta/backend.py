@@ -29,7 +29,7 @@ import torch
 from dcr_format.errors import ArgumentError, DcrError
 from dcr_format.format.dtypes import bits_view, flat
 from dcr_format.kernels import reference
-from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
+from dcr_format.kernels.reference import OVERWRITE, XOR, ClassPlan, Diff
 from dcr_format.system.environ import getenv
 
 ENV = "DCR_KERNELS"
@@ -222,6 +222,7 @@ class Backend:
         base: int = 0,
         lanes: bool = True,
         advance: bool = False,
+        ranking: ClassPlan | None = None,
     ) -> tuple[Diff, tuple[int, ...]]:
         """:meth:`diff`, and the fingerprint lane deltas of changing ``old`` into ``new``.
 
@@ -235,12 +236,16 @@ class Backend:
         ``advance``: ``old`` (contiguous) is brought to ``new`` at the changed positions (on
         the CPU in the same pass), so a writer's baseline needs no second pass; undoing that
         is the caller's (``old ^= xor`` at the positions, or the old bits put back).
+
+        ``ranking``: the classes a writer's ``classed`` positions will likely use; where the
+        fused pass runs, it also ranks each change in its class of ``ranking`` while it
+        reads the old bits (:attr:`Diff.ranked`), elsewhere the diff carries no ranks.
         """
         check_pair(old, new)
         if advance and not old.is_contiguous():
             raise ValueError("advance needs a contiguous old tensor (it is written in place)")
         old, new = flat(old), flat(new)
-        fused = self._fused_diff(old, new, want_new, want_xor, base, lanes, advance)
+        fused = self._fused_diff(old, new, want_new, want_xor, base, lanes, advance, ranking)
         if fused is not None:
             return fused
         found = self._diff_once(
@@ -273,9 +278,10 @@ class Backend:
         base: int,
         lanes: bool = False,
         advance: bool = False,
+        ranking: ClassPlan | None = None,
     ) -> tuple[Diff, tuple[int, ...]] | None:
-        """The diff, lanes and advance in one pass where the backend's kernels take these
-        tensors; None elsewhere."""
+        """The diff, lanes and advance (and the ranks of ``ranking``, where given) in one
+        pass where the backend's kernels take these tensors; None elsewhere."""
         return None
 
     def scatter(

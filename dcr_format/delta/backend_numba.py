@@ -21,7 +21,7 @@ import torch
 from dcr_format.delta.backend import NUMBA, ULP, Backend, check_op, check_segments, lane_count
 from dcr_format.delta.fingerprint import native_table
 from dcr_format.format.dtypes import flat
-from dcr_format.kernels.reference import OVERWRITE, XOR, Diff
+from dcr_format.kernels.reference import OVERWRITE, XOR, ClassPlan, ClassRanks, Diff
 
 # bit-view dtypes the compiled loops take (``bits_view`` gives these)
 _NATIVE_DTYPES = {
@@ -102,28 +102,40 @@ class NumbaBackend(Backend):
         base: int,
         lanes: bool = False,
         advance: bool = False,
+        ranking: ClassPlan | None = None,
     ) -> tuple[Diff, tuple[int, ...]] | None:
         """The fused CPU diff: positions, new and xor bits, and lane deltas from one pass
-        (``advance``: ``old``, contiguous, takes the new bits in that pass)."""
+        (``advance``: ``old``, contiguous, takes the new bits in that pass; ``ranking``: the
+        changes' class ranks too, counted from the old bits in that pass)."""
         if not (old.is_cpu and new.is_cpu and old.dtype in _NATIVE_DTYPES):  # _takes(old, new)
             return None  # (the caller checked that the dtypes are the same)
         old, new = flat(old).contiguous(), flat(new).contiguous()
         width = old.element_size()
-        (positions, new_bits, xor_bits), deltas = self.native.diff(
+        args = (
             _unsigned(old),
             _unsigned(new),
             base,
             (want_new, want_xor),
             native_table(width),
             lane_count(width) if lanes else 0,
-            advance,
         )
+        ranked = None
+        if ranking is None:
+            (positions, new_bits, xor_bits), deltas = self.native.diff(*args, advance)
+        else:
+            shift, mask, first, count, starts = ranking
+            low = min(first, mask + 1)  # the same classes, a base that fits an element
+            plan = self.native.Ranking(shift, mask, low, count, starts)
+            found_bits, deltas, counted = self.native.ranked_diff(*args, plan, advance)
+            positions, new_bits, xor_bits = found_bits
+            ranked = ClassRanks(first, count, counted.ranks, counted.adjacent)
         new_values = torch.from_numpy(new_bits).view(old.dtype)
         xor_values = torch.from_numpy(xor_bits).view(old.dtype)
         found = Diff(
             torch.from_numpy(positions),
             new_values if want_new else None,
             xor_values if want_xor else None,
+            ranked,
         )
         return found, deltas
 

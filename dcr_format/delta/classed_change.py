@@ -6,6 +6,8 @@ class passes of the tensor's :class:`~dcr_format.delta.backend.Backend` on its d
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -14,6 +16,7 @@ from dcr_format.codings.classed import (
     ClassedStream,
     choose_classes,
     class_ranks_of,
+    class_starts,
     classed_stream,
     decode_classed,
     exponent_rows,
@@ -23,6 +26,8 @@ from dcr_format.codings.classed import (
 from dcr_format.delta.backend import Backend
 from dcr_format.errors import PositionsError
 from dcr_format.format.dtypes import bits_to_numpy, info_for
+from dcr_format.kernels.native import compiled
+from dcr_format.kernels.reference import ClassPlan
 
 
 def device_positions(
@@ -106,4 +111,37 @@ def rows_after(
     return moved
 
 
-__all__ = ["decode_classed_at", "device_classed", "device_positions", "rows_after"]
+class KeptClasses(NamedTuple):
+    """What a long-lived writer keeps of one tensor between steps for its ``classed``
+    positions: the exponent rows of its baseline, and the classes (``base``, ``K``) of its
+    last change's stream, where it made one."""
+
+    rows: np.ndarray
+    classes: tuple[int, int] | None
+
+
+def class_plan(kept: KeptClasses | None, dtype: str, numel: int) -> ClassPlan | None:
+    """The classes a writer's next diff of a tensor of ``numel`` elements of the format dtype
+    ``dtype`` ranks its changes in (:meth:`Backend.diff_with_lanes`): those of its last
+    change, counted from its kept rows. A tensor's classes seldom move from one step to
+    the next; where they do, the encoder counts the ranks again. None where nothing is kept
+    to guess from, the rows do not fit the tensor, or the compiled diff does not run here."""
+    if kept is None or kept.classes is None or dtype not in EXPONENT_FIELDS:
+        return None
+    if compiled("dcr_format.kernels.numba_kernels") is None or not rows_fit(
+        kept.rows, numel, dtype
+    ):
+        return None
+    shift, mask = EXPONENT_FIELDS[dtype]
+    base, count = kept.classes
+    return ClassPlan(shift, mask, base, count, class_starts(kept.rows, base, count))
+
+
+__all__ = [
+    "KeptClasses",
+    "class_plan",
+    "decode_classed_at",
+    "device_classed",
+    "device_positions",
+    "rows_after",
+]

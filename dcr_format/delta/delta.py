@@ -165,6 +165,9 @@ class EncodedTensor:
     # ``classed`` positions (:func:`dcr_format.codings.classed.exponent_rows`): its next
     # step's old rows
     rows: np.ndarray | None = None
+    # the classes (base, K) the ``classed`` positions were counted in, where they were: what
+    # the next step's diff ranks its changes in (:class:`~dcr_format.kernels.reference.ClassPlan`)
+    classes: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -277,12 +280,13 @@ def encode_diff(
     plain: PositionsChoice | None = None  # §6.4's coding; encoded only if it is kept
     pos_coding, pos_bytes = None, None
     new_rows = None
+    classes = None
     if xor_op and _classed_wanted(new, baseline, allowed, dtype):  # host[1]: the XOR bits
         runs = None
         if new.is_cpu:
             if after is None and new_values is not None:
                 after = bits_to_numpy(new_values.cpu())
-            coded, new_rows, runs = encode_classed_counted(
+            counted = encode_classed_counted(
                 at,
                 bits_to_numpy(flat_bits(new)),
                 dtype,
@@ -290,7 +294,9 @@ def encode_diff(
                 after=after,
                 rows=rows,
                 before=before,
+                ranked=found.ranked,
             )
+            coded, new_rows, runs, classes = counted
         else:
             assert baseline is not None
             coded = device_classed(bits_view(baseline).reshape(-1), positions, new.dtype, backend)
@@ -347,12 +353,13 @@ def encode_diff(
         advance,
         lane_deltas,
         new_rows,
+        classes,
     )
     if op is None and changed > FULL_CANDIDATE_RATE * new.numel():
         full = _encode_full(new, options)
         assert full.values is not None and val_bytes is not None
         if _estimate(full.values) < len(pos_bytes) + _estimate(val_bytes):
-            return replace(full, rows=new_rows)  # the same new bits
+            return replace(full, rows=new_rows, classes=classes)  # the same new bits
     return delta
 
 

@@ -57,10 +57,12 @@ import torch
 from dcr_format.codings.ulp import FLOAT_DTYPES
 from dcr_format.delta.backend import Backend, PendingDiff
 from dcr_format.delta.backends import backend_for
+from dcr_format.delta.classed_change import KeptClasses, class_plan
 from dcr_format.format.dtypes import flat_bits, info_for
 from dcr_format.format.features import BASELINE_CODINGS, NO_CODINGS, EncodeOptions
+from dcr_format.format.names import CLASSED
 from dcr_format.kernels.native import compiled
-from dcr_format.kernels.reference import OVERWRITE, Diff
+from dcr_format.kernels.reference import OVERWRITE, ClassPlan, Diff
 from dcr_format.system.pools import ONE_THREAD_ELEMENTS, kept_pool
 
 if TYPE_CHECKING:
@@ -223,7 +225,7 @@ class DeviceDiffPipeline:
 def encode_stream(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
-    rows: Callable[[Any], np.ndarray | None] | None = None,
+    rows: Callable[[Any], KeptClasses | None] | None = None,
     *,
     options: Options = NO_CODINGS,
 ) -> Generator[tuple[Any, EncodedTensor], None, None]:
@@ -234,10 +236,11 @@ def encode_stream(
     ``advanced``: CPU baselines ``old`` are brought to ``new`` in the diff's own pass, and
     ``advanced(key, diff)`` is told of each at once (see :class:`DeviceDiffPipeline`; from
     the pool's threads, but never after the stream ended or was closed: it waits for the
-    tensors in flight first). ``rows(key)``: the exponent rows the caller keeps of ``old``,
-    or None (see :func:`dcr_format.delta.delta.encode_diff`). ``options``: the codings the
-    encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`), or each item's by
-    its key.
+    tensors in flight first). ``rows(key)``: what the caller keeps of ``old`` for its
+    ``classed`` positions (its exponent rows, see :func:`dcr_format.delta.delta.encode_diff`,
+    and its last classes, which a CPU diff ranks the changes in), or None. ``options``: the
+    codings the encoder may use (see :func:`dcr_format.delta.delta.encode_tensor`), or each
+    item's by its key.
     """
     iterator = iter(items)
     first = next(iterator, None)
@@ -272,7 +275,7 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 def _code_one(
     item: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
     advanced: Callable[[Any, Diff], None] | None,
-    rows: Callable[[Any], np.ndarray | None] | None,
+    rows: Callable[[Any], KeptClasses | None] | None,
     serial: ModuleType | None,
     options: EncodeOptions,
 ) -> tuple[Any, EncodedTensor]:
@@ -288,7 +291,7 @@ def _code_one(
 def _code_cpu(
     item: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
     advanced: Callable[[Any, Diff], None] | None,
-    rows: Callable[[Any], np.ndarray | None] | None,
+    rows: Callable[[Any], KeptClasses | None] | None,
     options: EncodeOptions,
 ) -> EncodedTensor:
     """What :func:`_pipelined` yields for one CPU item, without its pipeline: there is no
@@ -304,8 +307,12 @@ def _code_cpu(
         return encode_tensor(new, old, op=op, options=options)
     new_bits, old_bits = flat_bits(new), flat_bits(old)
     backend = backend_for(old_bits, new_bits)
+    kept = None if rows is None else rows(key)
+    ranking = None
+    if op != OVERWRITE and CLASSED in options.codings:
+        ranking = class_plan(kept, info_for(new.dtype).name, new.numel())
     found, lane_deltas = _cpu_pass(
-        key, new.dtype, new_bits, old_bits, op, backend, advanced, options
+        key, new.dtype, new_bits, old_bits, op, backend, advanced, options, ranking
     )
     picked = found.new_values if op == OVERWRITE else found.xor_values
     assert picked is not None
@@ -315,7 +322,7 @@ def _code_cpu(
         op=op,
         host=(found.positions, picked),
         lane_deltas=lane_deltas,
-        rows=None if rows is None else rows(key),
+        rows=None if kept is None else kept.rows,
         backend=backend,
         options=options,
     )
@@ -330,13 +337,15 @@ def _cpu_pass(
     backend: Backend,
     advanced: Callable[[Any, Diff], None] | None,
     options: EncodeOptions,
+    ranking: ClassPlan | None = None,
 ) -> tuple[Diff, tuple[int, ...] | None]:
     """One fused pass over the flat bits of a CPU item of ``dtype``: its change and lane
     deltas, the baseline advanced where ``advanced`` is given (and told at once: whatever
-    fails later can undo it). Advanced, the XOR bits suffice, unless a coding against the
-    old bits may be used (``ulp``, ``classed``): it needs the new bits at the positions
-    too, best taken here while each line is at hand (a later gather at 1% change misses
-    the cache on every element)."""
+    fails later can undo it), and the changes' ranks in the classes of ``ranking`` where
+    given. Advanced, the XOR bits suffice, unless a coding against the old bits may be
+    used (``ulp``, ``classed``): it needs the new bits at the positions too, best taken
+    here while each line is at hand (a later gather at 1% change misses the cache on
+    every element)."""
     want_xor = op != OVERWRITE
     advance = advanced is not None and old_bits.is_contiguous()
     against_old = (
@@ -350,6 +359,7 @@ def _cpu_pass(
         want_new=not (advance and want_xor) or against_old,
         want_xor=want_xor or advance,
         advance=advance,
+        ranking=ranking,
     )
     if advance:
         assert advanced is not None
@@ -372,7 +382,7 @@ def _pooled(
     first: tuple[Any, torch.Tensor, torch.Tensor | None, str | None],
     rest: Iterator[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None,
-    rows: Callable[[Any], np.ndarray | None] | None,
+    rows: Callable[[Any], KeptClasses | None] | None,
     options: Options,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` for CPU tensors: up to ``_AHEAD`` per thread in flight, each
@@ -408,7 +418,7 @@ def _pooled(
 def _pipelined(
     items: Iterable[tuple[Any, torch.Tensor, torch.Tensor | None, str | None]],
     advanced: Callable[[Any, Diff], None] | None = None,
-    rows: Callable[[Any], np.ndarray | None] | None = None,
+    rows: Callable[[Any], KeptClasses | None] | None = None,
     options: Options = NO_CODINGS,
 ) -> Iterator[tuple[Any, EncodedTensor]]:
     """:func:`encode_stream` through :class:`DeviceDiffPipeline`, one item after another."""
@@ -445,11 +455,17 @@ def _pipelined(
                     lane_deltas=result.lane_deltas,
                     # a device baseline still holds the old bits (the CPU pass advanced its own)
                     baseline=None if new.device.type == "cpu" else old,
-                    rows=None if rows is None else rows(key),
+                    rows=_kept_rows(rows, key),
                     backend=result.backend,
                     options=picked,
                 ),
             )
+
+
+def _kept_rows(rows: Callable[[Any], KeptClasses | None] | None, key: Any) -> np.ndarray | None:
+    """The exponent rows kept of ``key``'s tensor, if any."""
+    kept = None if rows is None else rows(key)
+    return None if kept is None else kept.rows
 
 
 __all__ = ["Compacted", "DeviceDiffPipeline", "encode_stream"]

@@ -33,8 +33,14 @@ from numba import njit, prange
 from numba.np.numpy_support import carray  # numba.carray, which its stubs do not export
 
 from dcr_format.kernels._launch import _launch, parallel_kernel, renamed
+from dcr_format.kernels._native_bits import (
+    CLASSES,
+    class_masks,
+    pointer_to,
+    popcount,
+    prefetch_write,
+)
 from dcr_format.kernels._native_bits import TRAILING_ZEROS as _TRAILING_ZEROS
-from dcr_format.kernels._native_bits import pointer_to, prefetch_write
 
 # --- fingerprint constants (dcr_format.delta.fingerprint: _PRIMES, _C) ------------------------
 _P0 = np.uint64(2147483647)
@@ -310,7 +316,14 @@ _take_called = njit(cache=True)(renamed(_take.py_func, "_called"))
 
 
 @njit(cache=True, inline="always")
-def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
+def _class_at(value, shift, mask, low, top):  # type: ignore[no-untyped-def]
+    """The class of one element: ``clamp(((value >> shift) & mask) - low, 0, top)``."""
+    c = ((np.int64(value) >> shift) & mask) - low
+    return 0 if c < 0 else (top if c > top else c)
+
+
+@njit(cache=True, inline="always")
+def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out, ranking, adjacent):  # type: ignore[no-untyped-def]
     """Task ``c`` of the fused diff: elements ``c * TASK``.. up to the next task, written
     (see :func:`_take`) from output index ``c * TASK`` of ``outs`` (as long as the input:
     only the pages written are touched); ``counts[c]`` gets how many, ``lane_out[c]`` the
@@ -321,6 +334,14 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
     visited, lowest first (near memory speed when changes are sparse, and no mispredicted
     branch per element when they are not). The last partial group goes element by
     element.
+
+    ``ranking`` (None: no ranks), where given, is ``(shift, mask, low, top, starts,
+    ranks)``: each change's rank among the old elements of its class (FORMAT.md §6.5,
+    classes ``clamp(((old >> shift) & mask) - low, 0, top)``, counted from ``starts[c]``,
+    the members of each class before the task) goes to ``ranks`` beside its position,
+    from the group's class members (one load of the old bits the diff reads anyway), and
+    ``adjacent[c]`` gets how many of the task's positions directly follow one of the
+    task's before them.
     """
     n = old.shape[0]
     pos_out, new_out, xor_out = outs  # unpacked here: inside _take numba lost the writes
@@ -330,35 +351,67 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
     acc = (_ZERO, _ZERO, _ZERO)
     groups = (hi - lo) // _GROUP
     old_s, new_s = old[lo : lo + _GROUP * groups], new[lo : lo + _GROUP * groups]
+    seen = np.zeros(CLASSES, dtype=np.int64)  # each class's old members before the group
+    members = np.zeros(CLASSES, dtype=np.uint64)
+    previous = np.int64(-2)
+    touching = np.int64(0)
+    if ranking is not None:  # unpacked once, here: numba loses writes through a tuple
+        shift, cmask, low, top, starts, ranks = ranking
+        for j in range(top + 1):
+            seen[j] = starts[c, j]
     for g in range(groups):
         mask = _ZERO
         for q in range(_GROUP):
             e = np.uint64(_GROUP * g + q)  # unsigned: no wrap-around check
             mask |= np.uint64(old_s[e] != new_s[e]) << np.uint64(q)
+        if ranking is not None:  # before any change of the group is written
+            class_masks(old, lo + _GROUP * g, shift, cmask, low, top, members)
         while mask != _ZERO:
-            t = np.uint64(lo + _GROUP * g) + np.uint64(_TRAILING_ZEROS(mask))
+            bit = np.uint64(_TRAILING_ZEROS(mask))
+            t = np.uint64(lo + _GROUP * g) + bit
             mask &= mask - _ONE
             p = base + np.int64(t)
+            if ranking is not None:
+                own = _class_at(old[t], shift, cmask, low, top)
+                ranks[k] = seen[own] + popcount(members[own] & ((_ONE << bit) - _ONE))
+                touching += np.int64(p == previous + 1)
+                previous = p
             acc = _take(old, new, t, p, k, pos_out, new_out, xor_out, lanes, table, advance, acc)
             k += 1
+        if ranking is not None:
+            for j in range(CLASSES):
+                seen[j] += popcount(members[j])
     for i in range(lo + _GROUP * groups, hi):
         t = np.uint64(i)
+        own = 0
+        if ranking is not None:
+            own = _class_at(old[t], shift, cmask, low, top)
         if old[t] != new[t]:
+            if ranking is not None:
+                ranks[k] = seen[own]
+                touching += np.int64(base + i == previous + 1)
+                previous = base + i
             acc = _take_called(
                 old, new, t, base + i, k, pos_out, new_out, xor_out, lanes, table, advance, acc
             )
             k += 1
+        if ranking is not None:
+            seen[own] += 1
     counts[c] = k - lo
     lane_out[c, 0] = acc[0] % _P0
     lane_out[c, 1] = acc[1] % _P1
     lane_out[c, 2] = acc[2] % _P2
+    if ranking is not None:
+        adjacent[c] = touching
 
 
 @parallel_kernel
-def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out):  # type: ignore[no-untyped-def]
+def _diff(old, new, base, outs, lanes, table, advance, counts, lane_out, ranking, adjacent):  # type: ignore[no-untyped-def]
     """The fused diff, its tasks in parallel."""
     for c in prange(counts.shape[0]):
-        _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out)
+        _diff_task(
+            c, old, new, base, outs, lanes, table, advance, counts, lane_out, ranking, adjacent
+        )
 
 
 def _sparse_empty(n: int, dtype: np.dtype[Any]) -> np.ndarray:
@@ -477,18 +530,91 @@ def diff(
     Tensors longer than ``SLAB`` elements go a slab at a time (the scratch each pass
     uses is as long as its slab, touched only where changes land).
     """
-    asked = _Asked(want, table, lanes, advance)
+    found, sums, _ = _diffs(old, new, base, _Asked(want, table, lanes, advance), None)
+    return found, sums
+
+
+class Ranking(NamedTuple):
+    """The classes :func:`ranked_diff` ranks each change in (FORMAT.md §6.5): ``clamp(((old
+    >> shift) & mask) - low, 0, classes - 1)`` of its old bits (``low`` at most ``mask +
+    1``), and ``starts``, the members of each class before each task of :data:`TASK`
+    elements (``(tasks + 1, classes)`` int64, the class starts of the old bits' exponent
+    rows)."""
+
+    shift: int
+    mask: int
+    low: int
+    classes: int
+    starts: np.ndarray
+
+
+class Ranked(NamedTuple):
+    """What :func:`ranked_diff` adds to a diff: each change's rank among the old elements
+    of its class, beside its position, and how many positions directly follow the one
+    before them."""
+
+    ranks: np.ndarray
+    adjacent: int
+
+
+def ranked_diff(
+    old: np.ndarray,
+    new: np.ndarray,
+    base: int,
+    want: tuple[bool, bool],
+    table: np.ndarray,
+    lanes: int,
+    ranking: Ranking,
+    advance: bool = False,
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...], Ranked]:
+    """:func:`diff`, and in the same pass the rank of each change among the old elements of
+    its class (``ranking``), as a writer's ``classed`` positions need them: the group's
+    class members come from the old bits the diff reads anyway, before the baseline takes
+    the new ones, so no second pass over the tensor counts them."""
+    found, sums, ranked = _diffs(old, new, base, _Asked(want, table, lanes, advance), ranking)
+    assert ranked is not None
+    return found, sums, ranked
+
+
+def _diffs(
+    old: np.ndarray, new: np.ndarray, base: int, asked: _Asked, ranking: Ranking | None
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...], Ranked | None]:
+    """:func:`diff` or :func:`ranked_diff`, a slab at a time."""
     n = old.shape[0]
-    if n <= SLAB:
-        return _diff_slab(old, new, base, asked)
+    slab = SLAB if ranking is None else max(TASK, SLAB - SLAB % TASK)  # ranks: whole tasks
+    if n <= slab:
+        return _diff_slab(old, new, base, asked, ranking)
     parts = [
-        _diff_slab(old[lo : lo + SLAB], new[lo : lo + SLAB], base + lo, asked)
-        for lo in range(0, n, SLAB)
+        _diff_slab(
+            old[lo : lo + slab],
+            new[lo : lo + slab],
+            base + lo,
+            asked,
+            None if ranking is None else ranking._replace(starts=ranking.starts[lo // TASK :]),
+        )
+        for lo in range(0, n, slab)
     ]
     found = tuple(np.concatenate([part[0][i] for part in parts]) for i in range(3))
     primes = (int(_P0), int(_P1), int(_P2))
+    lanes = asked.lanes
     sums = tuple(sum(part[1][lane] for part in parts) % primes[lane] for lane in range(lanes))
-    return (found[0], found[1], found[2]), sums
+    ranked = None
+    if ranking is not None:
+        sizes = np.array([part[0][0].shape[0] for part in parts], dtype=np.int64)
+        adjacent = sum(part[2].adjacent for part in parts if part[2] is not None)
+        ranked = Ranked(
+            np.concatenate([part[2].ranks for part in parts if part[2] is not None]),
+            adjacent + _junctions(found[0], sizes),
+        )
+    return (found[0], found[1], found[2]), sums, ranked
+
+
+def _junctions(positions: np.ndarray, sizes: np.ndarray) -> int:
+    """How many of the outputs that start a part (parts of ``sizes`` outputs, one after
+    another) directly follow the last output of the part before."""
+    firsts = np.cumsum(sizes)[:-1][sizes[1:] > 0]
+    firsts = firsts[firsts > 0]
+    return int(np.count_nonzero(positions[firsts] == positions[firsts - 1] + 1))
 
 
 class _Asked(NamedTuple):
@@ -506,8 +632,8 @@ def tasks_of(n: int) -> int:
 
 
 def _diff_slab(
-    old: np.ndarray, new: np.ndarray, base: int, asked: _Asked
-) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...]]:
+    old: np.ndarray, new: np.ndarray, base: int, asked: _Asked, ranking: Ranking | None
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[int, ...], Ranked | None]:
     want, table, lanes, advance = asked
     n = old.shape[0]
     tasks = tasks_of(n)
@@ -516,17 +642,34 @@ def _diff_slab(
     # as long as the input, but only each task's written prefix is ever touched
     pool = _POOL
     scratch, nbytes = pool.scratch(n, old.dtype, want)
-    args = (old, new, base, scratch, lanes, table, advance, counts, lane_out)
+    ranks = None
+    task_ranks = None
+    adjacent = np.zeros(0 if ranking is None else tasks, dtype=np.int64)  # (a tuple's array
+    if ranking is not None:  # written after the task's loops lost its writes in parallel)
+        ranks = pool.get(3, n, _INT64)
+        nbytes += _INT64.itemsize
+        top = ranking.classes - 1
+        task_ranks = (ranking.shift, ranking.mask, ranking.low, top, ranking.starts, ranks)
+    args = (old, new, base, scratch, lanes, table, advance, counts, lane_out, task_ranks, adjacent)
     _launch(_diff, tasks, *args)
     if tasks == 1:  # most tensors: one task's prefix is the whole output
         total = int(counts[0])
         pool.keep_one(total, nbytes)
         positions, new_bits, xor_bits = scratch
         found = (positions[:total].copy(), new_bits[:total].copy(), xor_bits[:total].copy())
-        return found, _finish_lanes(lane_out, lanes)
+        ranked = None
+        if ranks is not None:
+            ranked = Ranked(ranks[:total].copy(), int(adjacent[0]))
+        return found, _finish_lanes(lane_out, lanes), ranked
     found = _gather_tasks(scratch, counts)
+    ranked = None
+    if ranks is not None:
+        ranked = Ranked(
+            _gather_tasks((ranks, ranks[:0], ranks[:0]), counts)[0],
+            int(adjacent.sum()) + _junctions(found[0], counts),
+        )
     pool.keep(counts, nbytes)
-    return found, (_finish_lanes(lane_out, lanes) if lanes else ())
+    return found, (_finish_lanes(lane_out, lanes) if lanes else ()), ranked
 
 
 @njit(cache=True, inline="always")

@@ -11,13 +11,39 @@ written and read as ``base + local index`` in int64, so a slice of a huge tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # Elements per program of the compare/compact kernels (and of the reference's block counts).
 BLOCK = 2048
 XOR = "xor"
 OVERWRITE = "overwrite"
+
+
+class ClassPlan(NamedTuple):
+    """Classes a diff may rank each change in while it reads the old bits (FORMAT.md §6.5):
+    ``clamp(((old >> shift) & mask) - base, 0, classes - 1)``, counted from ``starts``, the
+    members of each class before each task of the compiled diff (``(tasks + 1, classes)``
+    int64: the class starts of the old bits' exponent rows)."""
+
+    shift: int
+    mask: int
+    base: int
+    classes: int
+    starts: np.ndarray
+
+
+class ClassRanks(NamedTuple):
+    """What a diff that ranked its changes adds: the classes (``base``, ``classes``), each
+    change's rank among the old elements of its class (int64, beside its position), and
+    how many positions directly follow the one before them."""
+
+    base: int
+    classes: int
+    ranks: np.ndarray
+    adjacent: int
 
 
 @dataclass(frozen=True)
@@ -27,6 +53,7 @@ class Diff:
     positions: torch.Tensor  # int64, strictly increasing, ``base`` added
     new_values: torch.Tensor | None  # the new bits at ``positions`` (None if not asked for)
     xor_values: torch.Tensor | None  # old ^ new at ``positions`` (None if not asked for)
+    ranked: ClassRanks | None = None  # the changes' class ranks, where the diff counted them
 
     @property
     def changed(self) -> int:
@@ -218,6 +245,8 @@ __all__ = [
     "BLOCK",
     "OVERWRITE",
     "XOR",
+    "ClassPlan",
+    "ClassRanks",
     "Diff",
     "apply_ulp",
     "block_counts",

@@ -17,6 +17,7 @@ import torch
 
 from dcr_format.chain.chain import Chain, LoadedRecord, TensorState
 from dcr_format.delta import dispatch
+from dcr_format.delta.classed_change import KeptClasses
 from dcr_format.delta.delta import (
     FULL,
     OVERWRITE,
@@ -116,6 +117,7 @@ class _Pending:
     dtype: torch.dtype
     shape: tuple[int, ...]
     rows: np.ndarray | None = None  # exponent rows of the new bits, where they were counted
+    classes: tuple[int, int] | None = None  # the classes its ``classed`` positions used
 
 
 class CanonicalPart:
@@ -136,8 +138,9 @@ class CanonicalPart:
         self._fingerprints: dict[str, str] = {}
         self._lanes: dict[str, tuple[int, ...]] = {}  # fingerprint lanes of the baseline
         # exponent rows of the baseline (host tensors the writer considered classed
-        # positions for), so that the next step need not count them again
-        self._rows: dict[str, np.ndarray] = {}
+        # positions for), so that the next step need not count them again, and the classes
+        # of their last classed positions, which the next step's diff ranks its changes in
+        self._rows: dict[str, KeptClasses] = {}
 
     @property
     def baseline(self) -> Mapping[str, torch.Tensor]:
@@ -251,6 +254,7 @@ class CanonicalPart:
                     tensor.dtype,
                     tuple(tensor.shape),
                     encoded.rows,
+                    encoded.classes,
                 )
             attempt.check_none_dropped(sorted(set(self._baseline) - set(pending)))
             shards.finish()
@@ -354,7 +358,11 @@ class CanonicalPart:
         moved.clear()  # committed: nothing to revert any more
         self._fingerprints = {name: change.fingerprint for name, change in pending.items()}
         self._lanes = {name: change.lanes for name, change in pending.items()}
-        self._rows = {n: change.rows for n, change in pending.items() if change.rows is not None}
+        self._rows = {
+            n: KeptClasses(change.rows, change.classes)
+            for n, change in pending.items()
+            if change.rows is not None
+        }
         if self.cache is not None:
             self.cache.save(attempt.chain_id, attempt.version, self._baseline)
 
