@@ -355,7 +355,7 @@ def _diff_task(c, old, new, base, outs, lanes, table, advance, counts, lane_out,
     members = np.zeros(CLASSES, dtype=np.uint64)
     previous = np.int64(-2)
     touching = np.int64(0)
-    if ranking is not None:  # unpacked once, here: numba loses writes through a tuple
+    if ranking is not None:  # unpacked once, here (as ``outs``)
         shift, cmask, low, top, starts, ranks = ranking
         for j in range(top + 1):
             seen[j] = starts[c, j]
@@ -644,8 +644,10 @@ def _diff_slab(
     scratch, nbytes = pool.scratch(n, old.dtype, want)
     ranks = None
     task_ranks = None
-    adjacent = np.zeros(0 if ranking is None else tasks, dtype=np.int64)  # (a tuple's array
-    if ranking is not None:  # written after the task's loops lost its writes in parallel)
+    # its own argument: written at a task's end from inside ``ranking``, the parallel form
+    # lost the writes
+    adjacent = np.zeros(0 if ranking is None else tasks, dtype=np.int64)
+    if ranking is not None:
         ranks = pool.get(3, n, _INT64)
         nbytes += _INT64.itemsize
         top = ranking.classes - 1
