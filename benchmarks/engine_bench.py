@@ -26,8 +26,10 @@ vLLM test tier (tests_vllm/plugins).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -128,6 +130,7 @@ def run(size: str, rate: float, steps: int) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(0)
     tmp = Path(tempfile.mkdtemp(prefix="dcr-engine-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)  # the store and checkpoint, however it ends
     store = str(tmp / "store")
     state = _state(size, gen)
     writer = DeltaWriter(store)
