@@ -102,10 +102,12 @@ def _rate_costs(
                 bytes_per_changed=statistics.mean(
                     r["delta_bytes"] / max(r["changed"], 1) for r in group
                 ),
-                publish_s_per_byte=statistics.mean(
+                # medians of the steps, as the benchmark's tables: a step that also did a
+                # one-off (memory touched for the first time) says nothing of the others
+                publish_s_per_byte=statistics.median(
                     r["publish_s"] / r["dense_bytes"] for r in group
                 ),
-                sync_s_per_byte=statistics.mean(r["sync_s"] / r["dense_bytes"] for r in group),
+                sync_s_per_byte=statistics.median(r["sync_s"] / r["dense_bytes"] for r in group),
                 sync_tail_s_per_byte=statistics.median(tail) if tail else None,
             )
         )

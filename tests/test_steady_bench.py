@@ -3,6 +3,7 @@ the publish that follows it is timed."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -110,10 +111,17 @@ def test_costs_come_from_the_steady_rows(tmp_path, monkeypatch):
     (rate,) = got.rates
     assert rate.sync_tail_s_per_byte == pytest.approx(2e-10)  # the median of the steps'
     assert steady.steady_costs(measured).rates[0].sync_tail_s_per_byte is None
-    want = sum(r["publish_s"] / r["dense_bytes"] for r in measured) / len(measured)
+    want = statistics.median(r["publish_s"] / r["dense_bytes"] for r in measured)
     assert rate.publish_s_per_byte == pytest.approx(want)
-    want = sum(r["sync_s"] / r["dense_bytes"] for r in measured) / len(measured)
+    want = statistics.median(r["sync_s"] / r["dense_bytes"] for r in measured)
     assert rate.sync_s_per_byte == pytest.approx(want)
+    rows = steady.steady_series(
+        Store(str(tmp_path / "three")), {"w": (64, 64)}, (0.01,), steps=3, label="local"
+    )
+    measured = [r for r in rows if not r["warmup"]]
+    slow = {**measured[0], "publish_s": 100 * measured[0]["publish_s"]}  # one slow step
+    got = steady.steady_costs([slow, *measured[1:]]).rates[0].publish_s_per_byte
+    assert got < slow["publish_s"] / slow["dense_bytes"] / 10
 
 
 def test_save_costs_needs_the_local_store(tmp_path, capsys):
