@@ -22,7 +22,7 @@ native = pytest.importorskip("dcr_format.kernels.numba_kernels")  # numba is a d
 kernels = pytest.importorskip("dcr_format.codings._classed_kernels")
 
 SHIFT, MASK = classed.EXPONENT_FIELDS["bfloat16"]
-WIDE = {"bfloat16": np.uint16, "float32": np.uint32}
+UNSIGNED = {"float16": np.uint16, "float32": np.uint32, "float64": np.uint64}
 
 
 @pytest.fixture(autouse=True)
@@ -33,9 +33,16 @@ def _compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 def weights(n: int, dtype: str, rng: np.random.Generator) -> np.ndarray:
     """Old bits of ``n`` weights of about 0.02 (a dozen exponents in use)."""
     values = (rng.standard_normal(n) * 0.02).astype(np.float32)
-    if dtype == "float32":
-        return values.view(np.uint32).copy()
-    return (values.view(np.uint32) >> 16).astype(np.uint16)
+    if dtype == "bfloat16":
+        return (values.view(np.uint32) >> 16).astype(np.uint16)
+    wide = {"float16": np.float16, "float32": np.float32, "float64": np.float64}[dtype]
+    return values.astype(wide).view(UNSIGNED[dtype]).copy()
+
+
+def middle_base(old: np.ndarray, dtype: str) -> int:
+    """A base three exponents below the middle one: classes clamped at both ends."""
+    shift, mask = classed.EXPONENT_FIELDS[dtype]
+    return int(np.median((old >> shift) & mask)) - 3
 
 
 def changed(old: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -55,7 +62,7 @@ def ranked_and_counted(
     rows = classed.exponent_rows(old, dtype)
     starts = classed.class_starts(rows, base, count)
     width = old.itemsize
-    table, lanes = fp.native_table(width), 2
+    table, lanes = fp.native_table(width), (3 if width == 8 else 2)
     plain_old, ranked_old = old.copy(), old.copy()
     plain = native.diff(plain_old, new, 3, (True, True), table, lanes, advance=advance)
     plan = native.Ranking(shift, mask, kernels._low_base(base, mask), count, starts)
@@ -68,7 +75,7 @@ def ranked_and_counted(
     return plain, ranked, (ranks, adjacent), where
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
 @pytest.mark.parametrize("rate", [0.0, 0.01, 0.3, 1.0])
 @pytest.mark.parametrize("advance", [False, True])
 def test_a_ranked_diff_is_the_diff_with_the_rank_pass_s_ranks(dtype, rate, advance):
@@ -82,7 +89,8 @@ def test_a_ranked_diff_is_the_diff_with_the_rank_pass_s_ranks(dtype, rate, advan
         new = changed(old, rate, rng)
         if n > 2 * task:
             new[task : 2 * task] = old[task : 2 * task]
-        plain, ranked, (ranks, adjacent), _ = ranked_and_counted(old, new, dtype, 118, 7, advance)
+        base = middle_base(old, dtype)
+        plain, ranked, (ranks, adjacent), _ = ranked_and_counted(old, new, dtype, base, 7, advance)
         assert all(np.array_equal(a, b) for a, b in zip(plain[0], ranked[0], strict=True))
         assert plain[1] == ranked[1]
         assert np.array_equal(ranked[2].ranks, ranks)
