@@ -10,8 +10,8 @@ sequence as Rice gaps with the class's own parameter. Decoding needs the old bit
 reader's resident tensor, which an ``xor`` entry requires to be exact anyway).
 
 Only float dtypes have classes (bfloat16, float16, float32, float64). The numpy code here
-is the reference; it makes a few passes over the tensor's elements (one per class), so it
-is an opt-in for tensors whose positions are worth more than that pass.
+is the reference the compiled passes (:mod:`dcr_format.codings._classed_kernels`) are
+tested against; it makes a pass over the tensor's elements per class.
 """
 
 from __future__ import annotations
