@@ -52,7 +52,7 @@ from dcr_format.kernels._native_bits import (
     has_deposit,
     popcount,
 )
-from dcr_format.kernels.numba_kernels import TASK, tasks_of
+from dcr_format.kernels.numba_kernels import TASK, _class_at, tasks_of
 
 _GROUP = 64
 _ZERO, _ONE = np.uint64(0), np.uint64(1)
@@ -65,8 +65,7 @@ def _exponent(value, shift, mask):  # type: ignore[no-untyped-def]
 
 @njit(cache=True, inline="always")
 def _class_of(value, shift, mask, base, count):  # type: ignore[no-untyped-def]
-    c = _exponent(value, shift, mask) - base
-    return 0 if c < 0 else (count - 1 if c > count - 1 else c)
+    return _class_at(value, shift, mask, base, count - 1)  # the fused diff's, for K classes
 
 
 # --- pass 1: exponent histograms per task -----------------------------------------------
