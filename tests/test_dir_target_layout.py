@@ -88,3 +88,23 @@ def test_a_fresh_directory_has_the_same_files_whatever_order_the_changes_came_in
     assert layouts[0] == layouts[1]
     assert layouts[0]["model.layers.0.weight"] == layouts[0]["model.layers.1.weight"]
     assert layouts[0]["model.layers.10.weight"] == layouts[0]["model.layers.11.weight"]
+
+
+def test_every_file_of_a_version_has_the_permissions_the_umask_gives(tmp_path):
+    """The safetensors files are as readable as the config beside them (what the umask
+    allows), not owner-only: an engine that loads the directory may run as another user."""
+    import os
+
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    for umask, expected in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        previous = os.umask(umask)
+        try:
+            path = tmp_path / f"ckpt-{umask:o}"
+            writer.publish(_tensors(["a", "b"], float(umask)), files={"config.json": b"{}"})
+            DeltaReader(store, SafetensorsDirTarget(path, max_file_bytes=256)).sync()
+        finally:
+            os.umask(previous)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+        assert sum(name.endswith(".safetensors") for name in modes) == 2
+        assert set(modes.values()) == {expected}, modes

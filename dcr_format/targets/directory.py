@@ -467,11 +467,14 @@ class SafetensorsDirTarget(Target):
         from safetensors.torch import save_file
 
         files = self._plan_files(tensors, layout)
+        mode = _new_file_mode(fresh)
         for file, names in files.items():
             path = fresh / file
             save_file(
                 {n: tensors[n].contiguous() for n in names}, str(path), metadata={"format": "pt"}
             )
+            # safetensors writes owner-only files; the engine reading them may be another user
+            os.chmod(path, mode)
             fsync(path, strict=True)
         if len(files) > 1:
             index = {
@@ -633,6 +636,18 @@ def _carry_forward(live: Path, fresh: Path, *, skip: frozenset[str] = frozenset(
 def _fsync_dir(path: Path) -> None:
     """Flush a directory's entries, best effort (around the link swap: tests hook it)."""
     fsync(path)
+
+
+def _new_file_mode(directory: Path) -> int:
+    """The permission bits a file created in ``directory`` gets by default (0o666 less the
+    process's umask), read from a probe file so that nothing process-wide is changed."""
+    probe = directory / f".mode-{uuid.uuid4().hex[:8]}"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def _write_synced(path: Path, data: bytes) -> None:
