@@ -457,6 +457,22 @@ class TestLocalBackend:
         assert local_store.get("k") == b"old"
         assert _files_under(tmp_path / "store") == ["k"]
 
+    def test_a_refused_read_or_write_says_which_the_credentials_must_allow(
+        self, local_store: Store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        local_store.put("k", b"1")
+
+        def refused(*args: object) -> None:
+            raise PermissionError(13, "Access Denied")
+
+        backend = type(local_store._backend)
+        monkeypatch.setattr(backend, "get", refused)
+        monkeypatch.setattr(backend, "put", refused)
+        with pytest.raises(StoreError, match="credentials allow reading"):
+            local_store.get("k")
+        with pytest.raises(StoreError, match="credentials allow writing"):
+            local_store.put("k", b"2")
+
     def test_written_files_are_not_private(self, local_store: Store, tmp_path: Path) -> None:
         old = os.umask(0o022)
         try:

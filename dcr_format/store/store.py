@@ -277,9 +277,10 @@ class Store:
                 f"no object {where}; check the key and the store URL"
             ) from exc
         except OSError as exc:
+            allowed = "reading" if reading else "writing"
             raise StoreError(
-                f"could not {action} {where}: {describe(exc)}; "
-                "check that the store is reachable and writable, then retry"
+                f"could not {action} {where}: {describe(exc)}; check that the store is "
+                f"reachable and that its credentials allow {allowed}, then retry"
             ) from exc
 
     def _retried(self, call: Callable[[], T]) -> T:
