@@ -19,7 +19,13 @@ from conftest import assert_same_bits, flip_bits, make_state, snapshot, step_sta
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store
 from dcr_format.chain.bases import base_record_key
 from dcr_format.chain.chain import Chain, attempt_prefix, commit_key
-from dcr_format.errors import ChainBrokenError, ChecksumMismatchError, VersionNotFoundError
+from dcr_format.errors import (
+    ArgumentError,
+    ChainBrokenError,
+    ChecksumMismatchError,
+    GraceTooShortError,
+    VersionNotFoundError,
+)
 from dcr_format.format.dtypes import bits_view
 from dcr_format.tools import (
     compact,
@@ -553,6 +559,22 @@ def test_gc_grace_keeps_young_orphans_until_they_age(local: Store) -> None:
     report = gc(local, keep_last=5, grace=timedelta(0), commit_timeout=timedelta(0))
     assert report.deleted[0].reason == "lost the commit race or was retried"
     assert not local.exists(loser)
+
+
+def test_gc_takes_its_durations_as_seconds_too(local: Store) -> None:
+    """gc's grace and commit timeout may be numbers of seconds, like the writer's
+    ``commit_timeout``; anything else is one clear error."""
+    states = _chain(local, 3)
+    crashed = _crash_publish(local, states[-1])
+    with pytest.raises(GraceTooShortError, match="grace of 60 s"):
+        gc(local, keep_last=5, grace=60)
+    kept = gc(local, keep_last=5, grace=7200, commit_timeout=60.0, now=time_after(hours=1))
+    assert kept.deleted == [] and [i.reason for i in kept.kept] == ["younger than the grace period"]
+    later = gc(local, keep_last=5, grace=3600, commit_timeout=60, now=time_after(hours=2))
+    assert [i.attempt for i in later.deleted] == [crashed.split("/")[2]]
+    for bad in ("1h", True, float("inf")):
+        with pytest.raises(ArgumentError, match="grace"):
+            gc(local, keep_last=5, grace=bad)  # type: ignore[arg-type]
 
 
 def time_after(**kwargs: float):  # type: ignore[no-untyped-def]

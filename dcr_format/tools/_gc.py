@@ -128,6 +128,20 @@ class GcReport(Row):
 # --- plain data: the planner's input and output -----------------------------------------
 
 
+def duration(value: timedelta | float, name: str) -> timedelta:
+    """``value`` as a ``timedelta``: itself, or a number of seconds."""
+    if isinstance(value, timedelta):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return timedelta(seconds=value)
+        except (OverflowError, ValueError):
+            raise ArgumentError(f"{name} of {value} seconds is not a duration gc can use") from None
+    raise ArgumentError(
+        f"{name} must be a datetime.timedelta or a number of seconds, not {type(value).__name__}"
+    )
+
+
 @dataclass(frozen=True)
 class GcOptions:
     """What gc keeps: the newest ``keep_last`` versions, ``keep_bases`` older bases, and any
@@ -231,10 +245,10 @@ def gc(
     *,
     keep_last: int,
     keep_bases: int = 0,
-    grace: timedelta = DEFAULT_GRACE,
+    grace: timedelta | float = DEFAULT_GRACE,
     dry_run: bool = False,
     now: datetime | None = None,
-    commit_timeout: timedelta = WRITER_COMMIT_TIMEOUT,
+    commit_timeout: timedelta | float = WRITER_COMMIT_TIMEOUT,
 ) -> GcReport:
     """Delete uncommitted attempts older than ``grace`` and versions older than the kept range.
 
@@ -246,8 +260,11 @@ def gc(
     a probe object; this machine's clock is never used). ``commit_timeout`` is the
     longest ``commit_timeout`` of the chain's writers: a ``grace`` below it is refused
     with :class:`~dcr_format.errors.GraceTooShortError` (pass ``timedelta(0)`` when no
-    writer can be running, e.g. to clean up after crashed writers).
+    writer can be running, e.g. to clean up after crashed writers). Both durations are a
+    ``timedelta`` or a number of seconds (as ``DeltaWriter``'s ``commit_timeout``).
     """
+    grace = duration(grace, "grace")
+    commit_timeout = duration(commit_timeout, "commit_timeout")
     options = GcOptions(keep_last, keep_bases, grace)
     if grace < commit_timeout:
         raise GraceTooShortError(
