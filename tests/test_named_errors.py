@@ -7,7 +7,17 @@ import re
 import pytest
 import torch
 
-from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, TargetError
+from dcr_format import (
+    DeltaReader,
+    DeltaWriter,
+    StateDictTarget,
+    TargetError,
+    compact,
+    diff,
+    replay,
+    show,
+    verify,
+)
 from dcr_format.errors import ArgumentError, DcrError
 from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
 
@@ -19,6 +29,10 @@ from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
         {"rank": 2, "world_size": 2},
         {"world_size": 2},  # no coordinator
         {"ops": {"w": "bogus"}},
+        {"shard_bytes": 0},
+        {"shard_bytes": "32MB"},
+        {"zstd_level": 23},
+        {"zstd_level": True},
     ],
 )
 def test_bad_writer_arguments(tmp_path, kwargs):
@@ -35,12 +49,61 @@ def test_a_tensor_given_twice(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"verify": "some"}, {"reader_id": "a/b"}, {"audit_every": 0}, {"audit_seconds": -1.0}],
+    [
+        {"verify": "some"},
+        {"reader_id": "a/b"},
+        {"audit_every": 0},
+        {"audit_seconds": -1.0},
+        {"max_workers": 0},
+        {"max_workers": 2.0},
+        {"max_shard_bytes": -1},
+    ],
 )
 def test_bad_reader_arguments(tmp_path, kwargs):
     DeltaWriter(str(tmp_path / "store")).publish({"w": torch.ones(2)})
     with pytest.raises(ArgumentError):
         DeltaReader(str(tmp_path / "store"), StateDictTarget({}), **kwargs)
+
+
+def test_the_writer_and_reader_take_numbers_of_any_integer_type(tmp_path):
+    import numpy as np
+
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store, shard_bytes=np.int64(1 << 20), zstd_level=np.int32(1))
+    writer.publish({"w": torch.ones(2)})
+    assert writer.shard_bytes == 1 << 20 and type(writer.shard_bytes) is int
+    reader = DeltaReader(store, StateDictTarget({}), max_workers=np.int64(2))
+    assert reader.max_workers == 2 and reader.sync().version == 0
+
+
+@pytest.mark.parametrize(
+    ("tensors", "match"),
+    [([torch.ones(2)], "not a list"), ({"w": torch.ones(2), "n": 3}, "'n' is not a torch.Tensor")],
+)
+def test_a_state_dict_target_of_something_else_is_refused(tensors, match):
+    with pytest.raises(ArgumentError, match=match):
+        StateDictTarget(tensors)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda store, out: replay(store, "0", out), "version must be an int, not str"),
+        (lambda store, out: replay(store, -1, out), "version must be at least 0, not -1"),
+        (lambda store, out: show(store, 0.0), "version must be an int, not float"),
+        (lambda store, out: diff(store, 0, "1"), "b must be an int"),
+        (lambda store, out: verify(store, start=-2), "start must be at least 0"),
+        (lambda store, out: compact(store, None), "at must be an int, not NoneType"),
+        (lambda store, out: compact(store, 0, zstd_level=30), "zstd_level must be from"),
+    ],
+)
+def test_a_tool_given_a_version_of_the_wrong_kind_says_so(tmp_path, call, match):
+    """Not "version 0 is not committed" for a version given as the string "0"."""
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish({"w": torch.ones(2)})
+    with pytest.raises(ArgumentError, match=match):
+        call(store, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unreadable_checkpoint_file_is_a_target_error(tmp_path):

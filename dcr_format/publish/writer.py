@@ -66,7 +66,7 @@ from dcr_format.format.schema import (
     implicit_parents,
     stored_manifest,
 )
-from dcr_format.format.shard import ZSTD_LEVEL
+from dcr_format.format.shard import ZSTD_LEVEL, ZSTD_MAX_LEVEL, ZSTD_MIN_LEVEL
 from dcr_format.publish._cache import BaselineCache
 from dcr_format.publish._canonical import CanonicalPart, SameAsBaseline, held_while_unchanged
 from dcr_format.publish._commit import (
@@ -92,6 +92,7 @@ from dcr_format.publish._sharded import ShardedPart, peek_sharded
 from dcr_format.publish.coordinate import Coordinator, SoloCoordinator
 from dcr_format.store.store import Store, open_store
 from dcr_format.system.collector import collector_off
+from dcr_format.system.options import whole
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
 # coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a
@@ -173,7 +174,8 @@ class DeltaWriter:
         self.ops = dict(ops or {})
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
         self.baseline_device = torch.device(baseline_device)
-        self.shard_bytes, self.zstd_level = shard_bytes, zstd_level
+        self.shard_bytes = whole(shard_bytes, "shard_bytes", low=1)
+        self.zstd_level = whole(zstd_level, "zstd_level", low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
         self._last_streams: int | None = None  # stream bytes this rank wrote last publish
         self.commit_timeout = commit_timeout
         self.clock, self.ids = clock, ids

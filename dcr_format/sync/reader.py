@@ -47,6 +47,7 @@ from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, r
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.system.collector import collector_off
+from dcr_format.system.options import whole
 from dcr_format.targets.protocol import Target
 
 MAX_SHARD_DECODED_BYTES = 16 << 30  # refuse to inflate a single shard past this
@@ -145,8 +146,8 @@ class DeltaReader(Applying, Committing):
         self.target = target
         self.select = select or (lambda name: True)
         self.verify = verify
-        self.max_workers = max_workers
-        self.max_shard_bytes = max_shard_bytes
+        self.max_workers = whole(max_workers, "max_workers", low=1)
+        self.max_shard_bytes = whole(max_shard_bytes, "max_shard_bytes", low=1)
         self.audit_every = audit_every
         self.audit_seconds = audit_seconds
         # bytes of inflated shards held at once (share one DecodeBudget to cap many readers)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dcr_format.delta.delta import FULL, DecodedDelta, after_bits, ready
-from dcr_format.errors import AliasedTensorError, NotInPlaceError, TargetError
+from dcr_format.errors import AliasedTensorError, ArgumentError, NotInPlaceError, TargetError
 from dcr_format.format.dtypes import bits_view
 from dcr_format.targets.change import SHA256_HEX, Applied, Change, Resident
 from dcr_format.targets.protocol import Target, Transaction
@@ -330,6 +330,17 @@ class StateDictTarget(Target):
         device: str | torch.device | None = None,
         record_sha256: str | None = None,
     ) -> None:
+        if not isinstance(tensors, MutableMapping):
+            raise ArgumentError(
+                f"StateDictTarget takes a dict of names to tensors (a state_dict), not a "
+                f"{type(tensors).__name__}"
+            )
+        bad = next((n for n, t in tensors.items() if not isinstance(t, torch.Tensor)), None)
+        if bad is not None:
+            raise ArgumentError(
+                f"{bad!r} is not a torch.Tensor ({type(tensors[bad]).__name__}); "
+                "give the target tensors only"
+            )
         if (version is None) != (chain_id is None):
             raise ValueError("give both version and chain_id for a target that holds a version")
         if record_sha256 is not None and (chain_id is None or not SHA256_HEX.match(record_sha256)):

@@ -42,11 +42,12 @@ from dcr_format.errors import ChainBrokenError
 from dcr_format.format.dtypes import info_for
 from dcr_format.format.features import CHECKPOINT_FILES_FEATURE
 from dcr_format.format.schema import CheckpointFile, Entry, Manifest, ManifestRef, Stats, ValuesRef
-from dcr_format.format.shard import ZSTD_LEVEL
+from dcr_format.format.shard import ZSTD_LEVEL, ZSTD_MAX_LEVEL, ZSTD_MIN_LEVEL
 from dcr_format.publish._commit import create_if_absent, require_atomic_create
 from dcr_format.publish._part import ShardWriter
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync.reader import DeltaReader
+from dcr_format.system.options import whole
 from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress, counting_store
@@ -102,6 +103,9 @@ def compact(
     first; the loser deletes its own objects. ``progress`` shows how far the replay
     and the write of the base are on stderr (a bar on a terminal, lines off one).
     """
+    at = whole(at, "at", low=0)
+    whole(shard_bytes, "shard_bytes", low=1)
+    whole(zstd_level, "zstd_level", low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
     store = open_store(store)
     chain = Chain(store)
     chain.header  # noqa: B018  # refuse a store without a chain

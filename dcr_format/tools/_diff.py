@@ -40,6 +40,7 @@ from dcr_format.format.shard import decode_shard
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._fetch import _decode_entry
 from dcr_format.sync.reader import DeltaReader
+from dcr_format.system.options import whole
 from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Row, numel
 from dcr_format.tools._progress import Progress
@@ -160,6 +161,7 @@ def diff(
     ``include_unchanged``. ``progress`` shows how far the reading and decoding are on
     stderr (a bar on a terminal, lines off one).
     """
+    a, b = whole(a, "a", low=0), whole(b, "b", low=0)
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
     lo, hi = min(a, b), max(a, b)

@@ -58,6 +58,7 @@ from dcr_format.errors import (
     GraceTooShortError,
 )
 from dcr_format.store.store import ObjectInfo, Store, open_store
+from dcr_format.system.options import duration
 from dcr_format.tools._common import Row, object_infos
 
 DEFAULT_GRACE = timedelta(hours=1)
@@ -126,20 +127,6 @@ class GcReport(Row):
 
 
 # --- plain data: the planner's input and output -----------------------------------------
-
-
-def duration(value: timedelta | float, name: str) -> timedelta:
-    """``value`` as a ``timedelta``: itself, or a number of seconds."""
-    if isinstance(value, timedelta):
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            return timedelta(seconds=value)
-        except (OverflowError, ValueError):
-            raise ArgumentError(f"{name} of {value} seconds is not a duration gc can use") from None
-    raise ArgumentError(
-        f"{name} must be a datetime.timedelta or a number of seconds, not {type(value).__name__}"
-    )
 
 
 @dataclass(frozen=True)

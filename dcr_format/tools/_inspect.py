@@ -12,6 +12,7 @@ from dcr_format.chain.bases import alternative_bases
 from dcr_format.chain.chain import Chain, LoadedRecord
 from dcr_format.publish._info import CommitInfo
 from dcr_format.store.store import Store, open_store
+from dcr_format.system.options import whole
 from dcr_format.tools._common import Row
 
 M = TypeVar("M", bound=BaseModel)
@@ -138,6 +139,7 @@ def show(
     """
     if sort not in _SORT_KEYS:
         raise ValueError(f"sort must be one of {', '.join(_SORT_KEYS)}, not {sort!r}")
+    version = whole(version, "version", low=0)
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # refuse a store without a chain
     loaded = chain.record(version)

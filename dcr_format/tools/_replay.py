@@ -29,6 +29,7 @@ from dcr_format.store.store import Store, open_store
 from dcr_format.sync._plan import plan_versions
 from dcr_format.sync.reader import DeltaReader, SyncResult
 from dcr_format.system.fsync import fsync
+from dcr_format.system.options import whole
 from dcr_format.targets.directory import DIR_STATE_FILE, SafetensorsDirTarget
 from dcr_format.targets.protocol import Target
 from dcr_format.tools._common import Row
@@ -70,6 +71,7 @@ def replay(
     moves to ``version`` when that is newer than what it held. ``progress``
     shows the bytes fetched so far on stderr (a bar on a terminal, lines off one).
     """
+    version = whole(version, "version", low=0)
     store = open_store(store)
     chain = Chain(store)
     chain_id = chain.header.chain_id

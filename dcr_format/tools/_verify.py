@@ -23,6 +23,7 @@ from dcr_format.format.schema import Manifest
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._plan import _check_continuity
 from dcr_format.sync.reader import DeltaReader
+from dcr_format.system.options import whole
 from dcr_format.targets.dict import StateDictTarget
 from dcr_format.tools._common import Problem, Row
 from dcr_format.tools._progress import Progress
@@ -79,6 +80,9 @@ def verify(
     fails to replay, replay resumes at the next base. ``progress`` shows how far
     the run is on stderr (a bar on a terminal, lines off one).
     """
+    for name, bound in (("start", start), ("end", end)):
+        if bound is not None:
+            whole(bound, name, low=0)
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # a store without a chain is an error, not an empty report
     committed = chain.versions()
