@@ -95,6 +95,8 @@ def test_a_state_dict_target_of_something_else_is_refused(tensors, match):
         (lambda store, out: verify(store, start=-2), "start must be at least 0"),
         (lambda store, out: compact(store, None), "at must be an int, not NoneType"),
         (lambda store, out: compact(store, 0, zstd_level=30), "zstd_level must be from"),
+        (lambda store, out: DeltaReader(store, StateDictTarget({})).sync(to="0"), "to must be"),
+        (lambda store, out: DeltaReader(store, StateDictTarget({})).prepare(to=-1), "at least 0"),
     ],
 )
 def test_a_tool_given_a_version_of_the_wrong_kind_says_so(tmp_path, call, match):

@@ -29,7 +29,7 @@ from dcr_format.format.jsonscan import scan
 
 SHARD_FORMAT = "dcr-shard-1"
 ZSTD_LEVEL = 3
-ZSTD_MIN_LEVEL = -(1 << 17)  # zstd's fastest (ZSTD_minCLevel); 0 is its default, 3
+ZSTD_MIN_LEVEL = -(1 << 17)  # zstd's fastest (ZSTD_minCLevel); level 0 stands for its default
 ZSTD_MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL  # its smallest (22)
 MAX_HEADER_BYTES = 64 << 20  # a header beyond this is hostile, whatever the shard size
 MAX_UNREFERENCED_BYTES = 1 << 20

@@ -243,6 +243,7 @@ class DeltaReader(Applying, Committing):
 
     def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
         """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it)."""
+        to = None if to is None else whole(to, "to", low=0)
         committed = self.chain.versions()
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)

@@ -104,8 +104,8 @@ def compact(
     and the write of the base are on stderr (a bar on a terminal, lines off one).
     """
     at = whole(at, "at", low=0)
-    whole(shard_bytes, "shard_bytes", low=1)
-    whole(zstd_level, "zstd_level", low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
+    shard_bytes = whole(shard_bytes, "shard_bytes", low=1)
+    zstd_level = whole(zstd_level, "zstd_level", low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
     store = open_store(store)
     chain = Chain(store)
     chain.header  # noqa: B018  # refuse a store without a chain

@@ -80,9 +80,8 @@ def verify(
     fails to replay, replay resumes at the next base. ``progress`` shows how far
     the run is on stderr (a bar on a terminal, lines off one).
     """
-    for name, bound in (("start", start), ("end", end)):
-        if bound is not None:
-            whole(bound, name, low=0)
+    start = None if start is None else whole(start, "start", low=0)
+    end = None if end is None else whole(end, "end", low=0)
     chain = Chain(open_store(store))
     chain.header  # noqa: B018  # a store without a chain is an error, not an empty report
     committed = chain.versions()
