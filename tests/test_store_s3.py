@@ -14,12 +14,14 @@ from typing import Any
 import botocore.exceptions
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import assert_same_bits, make_state, snapshot, step_state
 from fsspec.asyn import sync
 from test_store import StoreConformance
 
 from dcr_format import DeltaReader, DeltaWriter, StateDictTarget, Store, StoreError
 from dcr_format.chain.chain import Chain, commit_key
+from dcr_format.cli.main import cli
 from dcr_format.errors import (
     CapabilityError,
     CommitConflictError,
@@ -30,6 +32,7 @@ from dcr_format.errors import (
 from dcr_format.store.store import Capabilities
 from dcr_format.testing.processes import free_port
 from dcr_format.testing.servers import ACCESS_KEY, REGION, SECRET_KEY, S3Server
+from dcr_format.tools import doctor
 
 pytestmark = pytest.mark.s3
 
@@ -186,6 +189,58 @@ def test_kind_and_capabilities_of_s3_stores(moto_store: Store, juicefs_store: St
     assert juicefs_store.capabilities == Capabilities(
         atomic_create=False, listing=True, delete=True, conditional_writes=False, batch_delete=True
     )
+
+
+def test_read_only_credentials_read_the_chain_and_are_refused_writes(
+    moto_server: S3Server, moto_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout node whose credentials may only read: the probe's conditional PUT is
+    denied, and the store still lists, reads and syncs; a write is refused up front saying
+    why; another store of the process, with credentials that may write, is not affected."""
+    options = moto_server.storage_options()
+    state = make_state(0)
+    DeltaWriter(Store(moto_root, storage_options=options)).publish(state, step=0)
+    monkeypatch.setattr(s3, "_probe_cache", {})  # the next store probes again
+    sent: list[str] = []
+
+    async def denied(self: Any, key: str, *args: Any) -> Any:
+        sent.append(key.rpartition("/")[2][:14])
+        raise _client_error(403, "AccessDenied")
+
+    for method in ("_create", "_put", "_delete"):
+        monkeypatch.setattr(S3Backend, method, denied)
+    reader_store = Store(moto_root, storage_options=options)
+    tensors = {name: torch.zeros_like(t) for name, t in state.items()}
+    assert DeltaReader(reader_store, StateDictTarget(tensors)).sync().version == 0
+    assert_same_bits(tensors, state)
+    assert reader_store.list("commits/") == [commit_key(0)]
+    assert sent == [".dcr-tmp-probe"]  # probed once, nothing else sent
+    capabilities = reader_store.capabilities
+    assert (capabilities.writable, capabilities.atomic_create) == (False, False)
+    with pytest.raises(StoreError, match=r"its credentials may not write there .*AccessDenied"):
+        reader_store.put("k", b"1")
+    with pytest.raises(StoreError, match="may not write"):
+        DeltaWriter(reader_store).publish(state, step=1)
+    assert sent == [".dcr-tmp-probe"]
+    report = doctor(reader_store)  # what reads show; nothing it cannot know claimed
+    checks = {c.name: c.ok for c in report.checks}
+    assert report.ok and checks == {"chain": True, "atomic-create": None, "list": True, "put": None}
+    assert {v.safe for v in report.verdicts} == {None}
+    assert sent == [".dcr-tmp-probe"] * 2  # doctor asks the server again, once
+    for name, value in (
+        ("AWS_ENDPOINT_URL", moto_server.endpoint),
+        ("AWS_ACCESS_KEY_ID", ACCESS_KEY),
+        ("AWS_SECRET_ACCESS_KEY", SECRET_KEY),
+        ("AWS_DEFAULT_REGION", REGION),
+    ):
+        monkeypatch.setenv(name, value)
+    shown = CliRunner().invoke(cli, ["doctor", "--store", moto_root])
+    assert shown.exit_code == 0, shown.output
+    assert "--  put: not tested: its credentials may not write there" in shown.output
+    assert "readers: not known (the checks write" in shown.output
+    assert sent == [".dcr-tmp-probe"] * 3  # the command's own store probed once
+    monkeypatch.undo()
+    assert Store(moto_root, storage_options=options).capabilities.atomic_create is True
 
 
 def test_probe_and_put_if_absent_share_one_conditional_put(

@@ -284,8 +284,9 @@ def doctor(store: Store, large_mb: int | None, fmt: str) -> None:
         marks = {True: "ok", False: "NO", None: "--"}
         for check in report.checks:
             click.echo(f"  {marks[check.ok]:>2}  {check.name}: {check.detail}")
+        said = {True: "safe", False: "unsafe", None: "not known"}
         for verdict in report.verdicts:
-            click.echo(f"{verdict.use}: {'safe' if verdict.safe else 'unsafe'} ({verdict.reason})")
+            click.echo(f"{verdict.use}: {said[verdict.safe]} ({verdict.reason})")
 
     emit(fmt, report, human)
     if not report.ok:

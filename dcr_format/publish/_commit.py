@@ -62,6 +62,8 @@ def require_atomic_create(store: Store, refusal: str) -> Capabilities:
     ``store`` creates records atomically (or was opened ``single_writer``): two writers
     must never both win one record."""
     capabilities = store.capabilities
+    if not capabilities.writable:
+        raise StoreError(f"cannot write to {store.url}: {capabilities.read_only}")
     if not capabilities.atomic_create and not store.single_writer:
         raise CapabilityError(refusal)
     return capabilities

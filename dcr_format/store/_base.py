@@ -120,7 +120,10 @@ class Capabilities:
     None where the backend sends no conditional request (local and ``memory://`` stores
     create atomically by other means; other fsspec backends cannot)."""
     writable: bool = True
-    """``put``, ``put_if_absent`` and deletes are accepted (False: a read-only relay)."""
+    """``put``, ``put_if_absent`` and deletes are accepted (False: a read-only relay, or
+    credentials the server refuses writes to)."""
+    read_only: str = "it is a read-only view of a store; writers write to the store itself"
+    """Why the store is not writable, where it is not (ends a sentence)."""
     batch_delete: bool = False
     """``delete_many`` sends one request per batch of keys (S3 ``DeleteObjects``)."""
 

@@ -252,6 +252,7 @@ class S3Backend:
         options["config_kwargs"] = config
         self.fs = s3fs.S3FileSystem(**options)
         self._honoured: bool | None = None
+        self._denied: str | None = None  # why these credentials may not write (the probe's PUT)
 
     # --- plumbing ---
 
@@ -293,6 +294,15 @@ class S3Backend:
     @property
     def capabilities(self) -> Capabilities:
         honoured = self.conditional_writes()
+        if self._denied is not None:  # read-only credentials: reads need no probe's answer
+            return Capabilities(
+                atomic_create=False,
+                listing=True,
+                delete=False,
+                writable=False,
+                read_only=f"its credentials may not write there ({self._denied})",
+                batch_delete=True,
+            )
         return Capabilities(
             atomic_create=honoured,
             listing=True,
@@ -308,38 +318,56 @@ class S3Backend:
         return self._run(endpoint)
 
     def conditional_writes(self) -> bool:
-        """Whether the server honours ``If-None-Match: *`` (probed once per process)."""
-        if self._honoured is None:
+        """Whether the server honours ``If-None-Match: *`` (probed once per process; False
+        where these credentials may not write, :attr:`_denied` saying why)."""
+        if self._honoured is None and self._denied is None:
             cache_key = (self._endpoint(), self.bucket)
             with _probe_lock:
                 if cache_key not in _probe_cache:
-                    _probe_cache[cache_key] = self.probe()
+                    answer = self.probe()
+                    if answer is None:  # this store's credentials only: not for the process
+                        return False
+                    _probe_cache[cache_key] = answer
                 self._honoured = _probe_cache[cache_key]
-        return self._honoured
+        return bool(self._honoured)
 
     def probe_conditional_writes(self) -> bool:
         """Probe now and remember the answer for this process."""
         answer = self.probe()
+        if answer is None:
+            return False
         cache_key = (self._endpoint(), self.bucket)
         with _probe_lock:
             _probe_cache[cache_key] = self._honoured = answer
         return answer
 
-    def probe(self) -> bool:
-        """Write a reserved temporary key twice with If-None-Match; refused the second time?"""
+    def probe(self) -> bool | None:
+        """Write a reserved temporary key twice with If-None-Match; refused the second time?
+        None where the server refuses these credentials the first write (they may read
+        only): :attr:`_denied` says how, and the store reads without the answer."""
         key = self._key(_PROBE_PREFIX + uuid.uuid4().hex)
         try:
             first = self._run(self._create, key, b"1")
+        except PermissionError as exc:  # nothing was written: nothing to delete
+            self._denied = str(exc)
+            return None
+        except BaseException:
+            self._delete_probe(key)  # the write may have landed before the failure
+            raise
+        try:
             if first == "unsupported":
                 return False
             if first == "exists":  # a fresh random key cannot exist
                 raise OSError(errno.EIO, f"the new probe key {key!r} was refused as existing")
             return self._run(self._create, key, b"2") == "exists"
         finally:
-            try:
-                self._run(self._delete, key)
-            except OSError:
-                pass  # a left-over probe key is never listed nor read
+            self._delete_probe(key)
+
+    def _delete_probe(self, key: str) -> None:
+        try:
+            self._run(self._delete, key)
+        except OSError:
+            pass  # a left-over probe key is never listed nor read
 
     # --- requests ---
 

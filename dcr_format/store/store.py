@@ -294,11 +294,9 @@ class Store:
             )
 
     def _writable(self, action: str) -> None:
-        if not self.capabilities.writable:
-            raise StoreError(
-                f"cannot {action} through {self!r}: it is read-only; "
-                "writers write to the store itself"
-            )
+        capabilities = self.capabilities
+        if not capabilities.writable:
+            raise StoreError(f"cannot {action} through {self!r}: {capabilities.read_only}")
 
     def get(self, key: str, *, max_size: int | None = None) -> bytes:
         """Return the bytes of ``key``.

@@ -31,7 +31,8 @@ class Verdict(Row):
     """Whether one way of using the store is safe, and why."""
 
     use: str
-    safe: bool
+    safe: bool | None
+    """None: not known (the checks it needs could not run)."""
     reason: str
 
 
@@ -101,6 +102,8 @@ def doctor(
     except DcrError as exc:
         capabilities = None
         record("atomic-create", False, f"{type(exc).__name__}: {exc}")
+    if capabilities is not None and not capabilities.writable:
+        return _read_only(store, chain_id, checks, capabilities.read_only)
     base = f"{PROBE_PREFIX}{uuid.uuid4().hex}/"
     probe = base + "probe"
     written: list[str] = []
@@ -134,6 +137,30 @@ def doctor(
         ok=ok,
         checks=list(checks.values()),
         verdicts=verdicts,
+    )
+
+
+def _read_only(
+    store: Store, chain_id: str | None, checks: dict[str, Check], why: str
+) -> DoctorReport:
+    """The report on a store these credentials may only read: what reads show, and no
+    verdict on what needs a write to probe."""
+    untested = f"not tested: {why}"
+    checks["atomic-create"] = Check(name="atomic-create", ok=None, detail=untested)
+    try:
+        store.list("commits/")
+        checks["list"] = Check(name="list", ok=True, detail="listing works")
+    except DcrError as exc:
+        checks["list"] = Check(name="list", ok=False, detail=f"{type(exc).__name__}: {exc}")
+    checks["put"] = Check(name="put", ok=None, detail=untested)
+    unknown = "the checks write, and these credentials may not; run dcr doctor with a writer's"
+    verdicts = [
+        Verdict(use=use, safe=None, reason=unknown)
+        for use in ("readers", "single writer", "multiple writers", "gc")
+    ]
+    ok = all(c.ok is not False for c in checks.values())
+    return DoctorReport(
+        store=store.url, chain_id=chain_id, ok=ok, checks=list(checks.values()), verdicts=verdicts
     )
 
 
