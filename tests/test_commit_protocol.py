@@ -25,6 +25,7 @@ from dcr_format.errors import (
 from dcr_format.format.schema import Manifest, ReaderRecord, parse_manifest
 from dcr_format.publish import _commit
 from dcr_format.publish._part import Attempt
+from dcr_format.store.store import Capabilities
 
 
 @pytest.fixture
@@ -93,15 +94,26 @@ def test_create_commit_points_head_at_it_and_refuses_a_version_taken(store):
 
 
 def test_require_atomic_create_refuses_a_store_that_could_let_two_writers_win():
-    def fake(atomic: bool, single_writer: bool) -> Any:
+    def fake(atomic: bool, single_writer: bool, writable: bool = True) -> Any:
+        capabilities = Capabilities(
+            atomic_create=atomic,
+            listing=True,
+            delete=True,
+            writable=writable,
+            read_only="its credentials may not write there",
+        )
         return SimpleNamespace(
-            capabilities=SimpleNamespace(atomic_create=atomic), single_writer=single_writer
+            url="s3://bucket/run", capabilities=capabilities, single_writer=single_writer
         )
 
     with pytest.raises(CapabilityError, match="say why"):
         _commit.require_atomic_create(fake(False, False), "say why")
     assert _commit.require_atomic_create(fake(False, True), "-").atomic_create is False
     assert _commit.require_atomic_create(fake(True, False), "-").atomic_create is True
+    # a store these credentials may only read: said so, whatever single_writer promises
+    for single_writer in (False, True):
+        with pytest.raises(StoreError, match="s3://bucket/run: its credentials may not write"):
+            _commit.require_atomic_create(fake(False, single_writer, writable=False), "-")
 
 
 # --- the committer gathers the manifests ------------------------------------------------------
