@@ -349,7 +349,7 @@ class S3Backend:
         try:
             first = self._run(self._create, key, b"1")
         except PermissionError as exc:  # nothing was written: nothing to delete
-            self._denied = str(exc)
+            self._denied = exc.strerror or str(exc)  # e.g. "AccessDenied (HTTP 403): ..."
             return None
         except BaseException:
             self._delete_probe(key)  # the write may have landed before the failure
