@@ -37,6 +37,7 @@ from dcr_format import (
 from dcr_format.chain.chain import Chain, attempt_prefix, commit_key, manifest_key
 from dcr_format.errors import (
     ApplyError,
+    ArgumentError,
     BaselineMismatchError,
     ChainBrokenError,
     ChecksumMismatchError,
@@ -551,6 +552,46 @@ def test_failing_rank_leaves_version_uncommitted_and_all_ranks_recover(
     keys = store.list(attempt_prefix(2, "x")[: -len("x/")])
     assert len({k.split("/")[2] for k in keys}) == 2
     assert sum(k.endswith("/ABORTED") for k in keys) == 1
+
+
+def test_ranks_that_publish_different_steps_commit_nothing(store_url):
+    world = 3
+    gen = torch.Generator().manual_seed(24)
+    state = make_state(24)
+    coordinator = ThreadCoordinator(world, timeout=30)
+    writers = [
+        DeltaWriter(store_url, rank=r, world_size=world, coordinator=coordinator, commit_timeout=30)
+        for r in range(world)
+    ]
+    results, errors = run_ranks(world, lambda r: writers[r].publish(state, step=0))
+    assert errors == [None] * world
+    step_state(state, gen)
+    baselines = [snapshot(w.baseline) for w in writers]
+
+    started = time.monotonic()  # rank 2 is a step ahead: it abandons, and no one waits
+    results, errors = run_ranks(world, lambda r: writers[r].publish(state, step=2 if r == 2 else 1))
+    assert time.monotonic() - started < 15
+    assert isinstance(errors[2], ArgumentError)
+    assert str(errors[2]) == (
+        "writer rank 2 publishes step 2 while rank 0 publishes step 1; "
+        "call publish on every rank with the same step"
+    )
+    assert all(isinstance(e, IncompleteVersionError) for e in errors[:2]), errors
+    assert Chain(Store(store_url)).versions() == [0]
+    for writer, baseline in zip(writers, baselines, strict=True):
+        assert writer.version == 0
+        assert_same_bits(writer.baseline, baseline)
+
+    # no step at all on every rank agrees too; then the ranks go on in step
+    results, errors = run_ranks(world, lambda r: writers[r].publish(state))
+    assert errors == [None] * world
+    assert [info.version for info in results] == [1, 1, 1]
+    assert Chain(Store(store_url)).record(1).record.step is None
+    results, errors = run_ranks(world, lambda r: writers[r].publish(state, step=3))
+    assert errors == [None] * world
+    target = StateDictTarget({})
+    DeltaReader(store_url, target).sync()
+    assert_same_bits(target.tensors, state)
 
 
 def test_rank_that_never_arrives_times_out_and_the_coordinator_recovers(store_url):

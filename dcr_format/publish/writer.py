@@ -339,7 +339,7 @@ class DeltaWriter:
         except DcrError:
             if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
                 self._open()
-                attempt = self._begin()
+                attempt = self._begin(abandon=True)
                 self._abort(attempt.version, attempt.id)
             raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
@@ -347,7 +347,7 @@ class DeltaWriter:
         self._note_step(step)
         settled = self._settle(tensors)
         assert settled is not None
-        attempt = self._begin(base)
+        attempt = self._begin(base, step)
         clock = time.perf_counter
         started = clock()
         try:
@@ -464,11 +464,18 @@ class DeltaWriter:
             min(self._last_streams // 4, self.shard_bytes), min(MIN_SHARD_BYTES, self.shard_bytes)
         )
 
-    def _begin(self, asked: bool = False) -> Attempt:
+    def _begin(
+        self, asked: bool = False, step: int | None = None, *, abandon: bool = False
+    ) -> Attempt:
         """The attempt of the next version; rank 0 picks its id, whether it is a base
         (``asked``, the version's first, or ``base_every``'s turn) and reads the reader
         records once, and every rank uses its answer (FORMAT.md §8.4): the tensors to send
-        as ``overwrite`` (deltas only) and the features the readers read."""
+        as ``overwrite`` (deltas only) and the features the readers read.
+
+        Rank 0 also sends its ``step``: a rank publishing another step is out of step with
+        rank 0 (a loop that skipped or repeated a publish), so it abandons the attempt and
+        raises :class:`ArgumentError`, and no rank commits. ``abandon``: this rank is about
+        to abandon the attempt for its own error, so nothing is compared."""
         version = 0 if self._version is None else self._version + 1
         mine = None
         if self.rank == 0:
@@ -477,8 +484,14 @@ class DeltaWriter:
             # a base has no overwrite, but its features are the readers' too
             records = self.reader_records and (not base or self.features is None)
             wishes = read_reader_records(self.store) if records else ReaderWishes()
-            mine = (self.ids(), wishes, base)
-        attempt, wishes, base = self.coordinator.broadcast(mine, rank=self.rank)
+            mine = (self.ids(), wishes, base, None if abandon else (step,))
+        attempt, wishes, base, first = self.coordinator.broadcast(mine, rank=self.rank)
+        if not abandon and first is not None and first != (step,):
+            self._abort(version, attempt)
+            raise ArgumentError(
+                f"writer rank {self.rank} publishes step {step} while rank 0 publishes step "
+                f"{first[0]}; call publish on every rank with the same step"
+            )
         features = wishes.features_for(self.features)
         self._explain(version, features, wishes)
         return Attempt(
