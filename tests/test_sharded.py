@@ -386,3 +386,125 @@ def test_rank_zero_decides_whether_a_version_is_a_base(tmp_path: Path) -> None:
         for name, tensor in full.items():
             assert torch.equal(reader.target.tensors[name], tensor)  # type: ignore[attr-defined]
     assert kinds == [{"base"}, {"delta"}, {"base"}, {"delta"}]  # version 0 is a base anyway
+
+
+def test_a_region_sent_whole_again_replays_past_a_history_it_could_not(tmp_path: Path) -> None:
+    """A rank's region that its own history cannot replay (here: versions a single writer
+    published whole, between versions of pieces) replays again from the version that
+    sent it in full, so a restart after that publishes changes, as the other ranks do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format.publish._sharded import _replay_own
+
+    specs = {"w": ((33, 8), [(0, 1)]), "b": ((6,), [None])}
+    layouts = _mesh_layouts(specs, (2,))
+    generator = torch.Generator().manual_seed(7)
+    full = {
+        "w": torch.randn(33, 8, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
+    }
+
+    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.1)).to(v.dtype)
+            for k, v in state.items()
+        }
+
+    def publish_all(state: dict[str, torch.Tensor], ops: dict[str, str] | None = None) -> None:
+        coordinator = ThreadCoordinator(2)
+        writers = [
+            DeltaWriter(
+                tmp_path, layout=layout, rank=r, world_size=2, coordinator=coordinator, ops=ops
+            )
+            for r, layout in enumerate(layouts)
+        ]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda r: writers[r].publish(layouts[r].scatter(state)), range(2)))
+
+    publish_all(full)  # version 0: pieces
+    single = DeltaWriter(tmp_path)
+    for _ in range(2):  # versions 1 and 2: whole tensors, from one writer
+        full = step(full)
+        single.publish(full)
+    full = step(full)
+    publish_all(full, ops={"w": "full"})  # version 3, a delta: w's pieces in full
+    full = step(full)
+    publish_all(full)  # version 4: changes
+
+    chain = Chain(open_store(tmp_path))
+    w = [  # (op, piece) of w's entries in each version
+        {
+            (e.op, e.piece is not None)
+            for m in chain.manifests(chain.record(v))
+            for e in m.entries
+            if e.name == "w"
+        }
+        for v in range(5)
+    ]
+    assert w[1] == w[2] == {("xor", False)}  # whole, changes across both regions
+    assert w[3] == {("full", True)} and w[4] == {("xor", True)}
+    assert chain.record(3).record.kind == "delta"
+    latest = chain.record(4)
+    for rank in range(2):
+        regions = _replay_own(chain, latest, rank)
+        owned = {
+            (m.rank, e.name, e.piece.index if e.piece else 0)
+            for m in chain.manifests(latest)
+            for e in m.entries
+        }
+        assert {(rank, *key) for key in regions} == {k for k in owned if k[0] == rank}
+        for (name, _), region in regions.items():
+            flat = full[name].view(torch.int16).reshape(-1)
+            assert torch.equal(region.bits, flat[region.positions])
+
+
+def test_ranks_that_send_one_tensor_partly_in_full_are_told_to_publish_a_base(
+    tmp_path: Path,
+) -> None:
+    """A delta whose ranks sent parts of one tensor some in full and some as changes is not
+    committed; the error says to publish a base, and a base from rank 0 commits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dcr_format.errors import CommitError, IncompleteVersionError
+
+    specs = {"w": ((6, 4), [(0, 1)]), "b": ((5,), [None])}
+    layouts = _mesh_layouts(specs, (2,))
+    coordinator = ThreadCoordinator(2)
+    writers = [  # rank 1 sends its part of w in full every time
+        DeltaWriter(
+            tmp_path,
+            layout=layout,
+            rank=r,
+            world_size=2,
+            coordinator=coordinator,
+            ops={"w": "full"} if r == 1 else None,
+        )
+        for r, layout in enumerate(layouts)
+    ]
+    full = {"w": torch.ones(6, 4, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.bfloat16)}
+
+    def publish_all(base: bool) -> list[Any]:
+        def one(rank: int) -> Any:
+            try:
+                return writers[rank].publish(layouts[rank].scatter(full), base=base)
+            except Exception as error:  # each rank's outcome is checked
+                return error
+
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(one, range(2)))
+
+    assert [info.version for info in publish_all(False)] == [0, 0]
+    full = {k: (v.float() + 1).to(v.dtype) for k, v in full.items()}
+    committer, other = publish_all(False)
+    assert isinstance(committer, CommitError) and isinstance(other, IncompleteVersionError)
+    assert str(committer) == (
+        "writer ranks [1] sent their part of 'w' (and 0 more tensors) in full, the other "
+        "ranks as changes: those ranks could not rebuild their part of version 0; publish "
+        "this step as a base (publish(..., base=True) on rank 0)"
+    )
+    assert Chain(open_store(tmp_path)).versions() == [0]
+    assert [info.kind for info in publish_all(True)] == ["base", "base"]
+    tensors: dict[str, torch.Tensor] = {}
+    DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
+    for name, tensor in full.items():
+        assert torch.equal(tensors[name], tensor)

@@ -301,8 +301,9 @@ def _owns(piece: Piece) -> bool:
 def _replay_own(chain: Chain, latest: LoadedRecord, rank: int) -> dict[_Region, _RegionBits]:
     """The regions rank ``rank`` published in ``latest``, replayed from the last version
     that sent each whole, through the rank's own entries and shards only; a region whose
-    history does not replay so (another rank sent part of it, or its bits do not end at
-    the fingerprint its last entry gives) is left out (then published whole)."""
+    history does not replay so (another rank sent part of it since it was last sent
+    whole, or its bits do not end at the fingerprint its last entry gives) is left out
+    (then published whole)."""
     records = [latest]
     while records[-1].record.kind != "base":
         records.append(chain.record(records[-1].record.version - 1))
@@ -320,7 +321,9 @@ def _replay_own(chain: Chain, latest: LoadedRecord, rank: int) -> dict[_Region, 
         streams = _region_streams(chain, found)
         for manifest, entry in found:
             key = _key(entry)
-            if key in broken:
+            if entry.op == FULL:
+                broken.discard(key)  # the region starts again from its bits here
+            elif key in broken:
                 continue
             try:
                 _replay_entry(regions, key, entry, streams.get(manifest.rank, {}))

@@ -37,12 +37,11 @@ from dcr_format.chain.chain import (
     utc_now,
 )
 from dcr_format.chain.layout import Layout
-from dcr_format.delta.delta import (
-    OPS,
-)
+from dcr_format.delta.delta import FULL, OPS
 from dcr_format.errors import (
     ArgumentError,
     ChainBrokenError,
+    CommitError,
     DcrError,
     MissingTensorError,
     ObjectTooLargeError,
@@ -607,6 +606,8 @@ class DeltaWriter:
     def _check_version(self, manifests: list[Manifest], attempt: Attempt) -> dict[str, TensorState]:
         """The version's state table; a delta's pieces must add up to the parent's tensors
         and a delta must not drop a tensor."""
+        if attempt.kind == "delta":
+            _check_pieces_agree(manifests, attempt.version)
         changes = tensor_changes(manifests)  # pieces combined (FORMAT.md §4.8)
         table = state_table(manifests)
         if attempt.kind == "delta":
@@ -679,6 +680,31 @@ class DeltaWriter:
         self._version = loaded.record.version
         if self.rank == 0:
             self._table = table
+
+
+def _check_pieces_agree(manifests: list[Manifest], version: int) -> None:
+    """Refuse a delta whose ranks sent parts of one tensor some in full and some as changes
+    (FORMAT.md §4.8 rule 3): a rank that could not rebuild its part of the previous version
+    sends it in full, and only a base brings every rank back in step."""
+    full: dict[str, set[int]] = {}
+    changed: set[str] = set()
+    for manifest in manifests:
+        for entry in manifest.entries:
+            if entry.piece is None:
+                continue
+            if entry.op == FULL:
+                full.setdefault(entry.name, set()).add(manifest.rank)
+            else:
+                changed.add(entry.name)
+    mixed = sorted(changed & set(full))
+    if mixed:
+        ranks = sorted(full[mixed[0]])
+        raise CommitError(
+            f"writer ranks {ranks} sent their part of {mixed[0]!r} (and {len(mixed) - 1} more "
+            f"tensors) in full, the other ranks as changes: those ranks could not rebuild "
+            f"their part of version {version - 1}; publish this step as a base "
+            "(publish(..., base=True) on rank 0)"
+        )
 
 
 def _check_options(
