@@ -245,6 +245,13 @@ def role_fsdp(rank: int, world: int, work: Path) -> dict[str, Any]:
             out["solo"] = "published"
         except ArgumentError as exc:
             out["solo"] = str(exc)
+    # shards keep no baseline cache: a rank given one refuses, and the version is abandoned
+    try:
+        cached = {"cache_dir": str(work / "cache")} if rank == 1 else {}
+        Run(str(work / "cached"), rank, world, **cached).writer.publish(published(model))
+        out["cached"] = "published"
+    except (ArgumentError, IncompleteVersionError) as exc:
+        out["cached"] = f"{type(exc).__name__}: {exc}"
     (work / f"fsdp-{rank}.json").write_text(json.dumps(out))  # what a dying rank leaves
     # rank 1 dies inside its publish of the next step: no commit may appear
     train_step(model, optimizer, STEPS, rank)

@@ -102,6 +102,11 @@ def test_fsdp2_with_an_uneven_vocabulary_publishes_exactly(runs: dict[str, Any])
     assert "partial sum" in rank0["partial"] and "partial sum" in rank1["partial"]
     assert "began with plain tensors" in rank0["mixed"] and "began with" in rank1["mixed"]
     assert "sharded over 2 ranks but the writer has world_size 1" in rank0["solo"]
+    assert rank1["cached"] == (
+        "ArgumentError: a writer publishing DTensor shards keeps no baseline cache (a "
+        "restarted rank rebuilds its shards from the store); leave cache_dir unset"
+    )
+    assert rank0["cached"].startswith("IncompleteVersionError: a writer rank abandoned")
     # the deltas of Shard(0) shards went through the fused diff, rank 1's at canonical
     # offsets past its tensors' first rows
     assert rank0["fused"] > 0 and rank1["fused"] > 0 and rank1["fused_offset"] > 0

@@ -116,7 +116,8 @@ class DeltaWriter:
     (tensor-parallel shards, fused matrices, ...) placed by the
     :class:`~dcr_format.chain.layout.Layout`; each rank passes its own layout, the baseline
     is the local tensors, and ``cache_dir`` is not supported (reopening a chain
-    restores the baseline from the store).
+    restores the baseline from the store). The same holds for ``DTensor`` shards, which
+    a publish refuses with ``cache_dir`` set.
 
     With ``reader_records`` (default), rank 0 reads the reader records
     (``readers/*.json``) at every delta publish (and every base, with the default features)
@@ -262,6 +263,11 @@ class DeltaWriter:
         part) and cut its baseline of a reopened chain; returns the tensors to publish."""
         if self.layout is None and tensors is not None and not isinstance(self._part, ShardedPart):
             sharded, tensors = peek_sharded(tensors)
+            if sharded and self.cache_dir is not None:
+                raise ArgumentError(
+                    "a writer publishing DTensor shards keeps no baseline cache (a restarted "
+                    "rank rebuilds its shards from the store); leave cache_dir unset"
+                )
             if sharded:
                 self._part = ShardedPart(
                     rank=self.rank,
@@ -336,15 +342,16 @@ class DeltaWriter:
         try:
             check_publish(tensors, step)  # bad input fails the version before it begins
         except DcrError:
-            if self.world_size > 1:  # the other ranks wait for this one: abort the attempt
-                self._open()
-                attempt = self._begin(abandon=True)
-                self._abort(attempt.version, attempt.id)
+            self._abandon()
             raise
         chosen = None if files is None or self.rank != 0 else files_to_publish(files)
         self._open()
         self._note_step(step)
-        settled = self._settle(tensors)
+        try:
+            settled = self._settle(tensors)
+        except DcrError:
+            self._abandon()
+            raise
         assert settled is not None
         attempt = self._begin(base, step)
         clock = time.perf_counter
@@ -670,6 +677,14 @@ class DeltaWriter:
 
     def _abort(self, version: int, attempt: str) -> None:
         abort(self.store, version, attempt)
+
+    def _abandon(self) -> None:
+        """Abandon the next version before this rank begins it, so that the other ranks,
+        which wait for its manifest, stop at once."""
+        if self.world_size > 1:
+            self._open()
+            attempt = self._begin(abandon=True)
+            self._abort(attempt.version, attempt.id)
 
     def _advance(
         self, written: Written, loaded: LoadedRecord, table: dict[str, TensorState]
