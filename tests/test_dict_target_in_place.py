@@ -94,3 +94,34 @@ def test_tensors_a_sync_made_may_be_replaced_by_later_versions(tmp_path):
     reader.sync()
     assert sorted(target.tensors) == sorted(n for n in state if n != "1.bias")
     assert all(t.dtype == torch.bfloat16 for t in target.tensors.values())
+
+
+def test_a_tensor_that_is_not_contiguous_is_refused_by_name_and_changes_nothing(tmp_path):
+    """A given tensor of the right dtype and shape that is not contiguous cannot be changed
+    in place: refused with the remedy, whether a base or a delta would land in it."""
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = _trainer_state(1)
+    writer.publish(state)
+    message = (
+        "tensor '0.weight' of the target is not contiguous, and a sync changes tensors in "
+        "place through their elements in order; make it contiguous where the model holds it "
+        "(e.g. param.data = param.data.contiguous()) before syncing"
+    )
+    strided = torch.zeros(8, 4).t()  # [4, 8], not contiguous
+    tensors = {n: torch.zeros_like(t) for n, t in state.items()} | {"0.weight": strided}
+    with pytest.raises(NotInPlaceError) as refused:
+        DeltaReader(store, StateDictTarget(tensors)).sync()
+    assert str(refused.value) == message
+    assert tensors["0.weight"] is strided and not strided.any()
+
+    tensors = {n: t.clone() for n, t in state.items()}
+    target = StateDictTarget(tensors)
+    DeltaReader(store, target).sync()
+    writer.publish({n: t + 1 for n, t in state.items()})
+    kept = tensors["0.weight"].clone()
+    tensors["0.weight"] = kept.t().contiguous().t()  # the same values, not contiguous
+    with pytest.raises(TargetError) as refused:
+        DeltaReader(store, target).sync()
+    assert str(refused.value) == message
+    assert torch.equal(tensors["0.weight"], kept) and target.resident().version == 0

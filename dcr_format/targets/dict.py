@@ -15,7 +15,7 @@ from dcr_format.delta.delta import FULL, DecodedDelta, after_bits, ready
 from dcr_format.errors import AliasedTensorError, ArgumentError, NotInPlaceError, TargetError
 from dcr_format.format.dtypes import bits_view
 from dcr_format.targets.change import SHA256_HEX, Applied, Change, Resident
-from dcr_format.targets.protocol import Target, Transaction
+from dcr_format.targets.protocol import Target, Transaction, not_contiguous
 from dcr_format.targets.reader_side import Staged, resolved_against
 
 _ViewKey = tuple[torch.device, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
@@ -153,7 +153,7 @@ class _DictTransaction(Transaction):
         held = f"{str(live.dtype).removeprefix('torch.')} {list(live.shape)}"
         wanted = f"{str(dtype).removeprefix('torch.')} {list(shape)}"
         if (live.dtype, tuple(live.shape)) == (dtype, shape):
-            held += " (not contiguous)"
+            raise NotInPlaceError(not_contiguous(name))
         raise NotInPlaceError(
             f"tensor {name!r} is {held} in the dict, and this version holds it as {wanted}: a "
             "dict target changes the tensors it was given in place, so the model holding them "

@@ -28,6 +28,15 @@ from dcr_format.targets.reader_side import ReaderTransaction, StagingSource, res
 LOCK_TIMEOUT = 300.0  # seconds a sync waits for another sync of the same target
 
 
+def not_contiguous(name: str) -> str:
+    """The refusal of a target tensor that a sync cannot change in place."""
+    return (
+        f"tensor {name!r} of the target is not contiguous, and a sync changes tensors in place "
+        "through their elements in order; make it contiguous where the model holds it (e.g. "
+        "param.data = param.data.contiguous()) before syncing"
+    )
+
+
 class Transaction(ReaderTransaction):
     """Mutable access to a target's tensors for one sync.
 
@@ -86,9 +95,7 @@ class Transaction(ReaderTransaction):
                 continue
             tensor = self.tensor(change.name)
             if tensor is not None and not tensor.is_contiguous():
-                raise TargetError(
-                    f"target tensor {change.name!r} is not contiguous; pass contiguous tensors"
-                )
+                raise TargetError(not_contiguous(change.name))
 
     def lanes(self, name: str) -> tuple[int, ...] | None:
         """Fingerprint lanes of the bits the target holds for ``name`` (one full pass), or
