@@ -10,6 +10,9 @@ import torch
 from dcr_format import (
     DeltaReader,
     DeltaWriter,
+    Layout,
+    ModuleTarget,
+    SafetensorsDirTarget,
     StateDictTarget,
     TargetError,
     compact,
@@ -18,6 +21,7 @@ from dcr_format import (
     show,
     verify,
 )
+from dcr_format.chain.layout import View, shard, whole
 from dcr_format.errors import ArgumentError, DcrError
 from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
 
@@ -83,6 +87,25 @@ def test_the_writer_and_reader_take_numbers_of_any_integer_type(tmp_path):
 def test_a_state_dict_target_of_something_else_is_refused(tensors, match):
     with pytest.raises(ArgumentError, match=match):
         StateDictTarget(tensors)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: StateDictTarget({}, version=1), "give both version and chain_id"),
+        (lambda: StateDictTarget({}, version=1, chain_id="c", record_sha256="x"), "64 lowercase"),
+        (lambda: ModuleTarget(torch.nn.Linear(2, 2), chain_id="c"), "give both version"),
+        (lambda: SafetensorsDirTarget("d", timeout=-1), "timeout is seconds >= 0"),
+        (lambda: SafetensorsDirTarget("d", timeout="5"), "timeout is seconds >= 0"),
+        (lambda: View(0, (2, 3), (1,)), "differ in rank"),
+        (lambda: Layout(shard("w", (5, 2), dim=0, rank=0, size=2)), "does not split into 2"),
+        (lambda: Layout([*whole("w", (2,)), *whole("w", (3,))]), "given two shapes"),
+    ],
+)
+def test_bad_target_and_layout_arguments(make, match):
+    with pytest.raises(ArgumentError, match=match) as caught:
+        make()
+    assert isinstance(caught.value, ValueError)  # what these raised before, still caught
 
 
 @pytest.mark.parametrize(

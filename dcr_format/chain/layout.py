@@ -44,7 +44,7 @@ from functools import cached_property
 
 import torch
 
-from dcr_format.errors import MissingTensorError
+from dcr_format.errors import ArgumentError, MissingTensorError
 from dcr_format.format.dtypes import bits_view
 
 __all__ = [
@@ -97,9 +97,11 @@ class View:
         object.__setattr__(self, "sizes", tuple(int(s) for s in self.sizes))
         object.__setattr__(self, "strides", tuple(int(s) for s in self.strides))
         if len(self.sizes) != len(self.strides):
-            raise ValueError(f"view sizes {self.sizes} and strides {self.strides} differ in rank")
+            raise ArgumentError(
+                f"view sizes {self.sizes} and strides {self.strides} differ in rank"
+            )
         if self.offset < 0 or any(s < 0 for s in self.sizes) or any(s < 0 for s in self.strides):
-            raise ValueError(f"view {self} has a negative offset, size or stride")
+            raise ArgumentError(f"view {self} has a negative offset, size or stride")
 
     @property
     def numel(self) -> int:
@@ -166,7 +168,7 @@ class View:
         ``inside``). O(len(flat) * ndim); the view must be :attr:`nested`."""
         order = self._order
         if order is None:
-            raise ValueError(f"view {self} is not nested; it cannot be inverted")
+            raise ArgumentError(f"view {self} is not nested; it cannot be inverted")
         rel = flat.to(torch.int64) - self.offset
         inside = rel >= 0
         if self.numel == 0:
@@ -212,15 +214,15 @@ class Piece:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         what = f"piece of {self.canonical!r} in {self.local!r}"
         if self.local_view.sizes != self.canonical_view.sizes:
-            raise ValueError(f"{what}: local and canonical views differ in shape")
+            raise ArgumentError(f"{what}: local and canonical views differ in shape")
         if not (self.local_view.nested and self.canonical_view.nested):
-            raise ValueError(f"{what}: a view reaches an element twice (not a placement)")
+            raise ArgumentError(f"{what}: a view reaches an element twice (not a placement)")
         if self.local_view.end > numel(self.local_shape):
-            raise ValueError(f"{what}: the local view runs past the local tensor")
+            raise ArgumentError(f"{what}: the local view runs past the local tensor")
         if self.canonical_view.end > numel(self.shape):
-            raise ValueError(f"{what}: the canonical view runs past the canonical tensor")
+            raise ArgumentError(f"{what}: the canonical view runs past the canonical tensor")
         if not (0 <= self.part < self.parts and 0 <= self.replica < self.replicas):
-            raise ValueError(f"{what}: part or replica out of range")
+            raise ArgumentError(f"{what}: part or replica out of range")
 
     def project(self, local_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(local, canonical)`` flat indices of the given local elements that this piece
@@ -274,7 +276,7 @@ def block(
     ndim = len(shape)
     perm = tuple(range(ndim)) if perm is None else tuple(perm)
     if sorted(perm) != list(range(ndim)) or len(local_shape) != ndim:
-        raise ValueError(f"perm {perm} does not map {tuple(local_shape)} onto {tuple(shape)}")
+        raise ArgumentError(f"perm {perm} does not map {tuple(local_shape)} onto {tuple(shape)}")
     canonical_start = tuple(canonical_start or (0,) * ndim)
     local_start = tuple(local_start or (0,) * ndim)
     canonical_view = _contiguous_view(shape, canonical_start, sizes)
@@ -321,7 +323,7 @@ def whole(
 
 def _split(extent: int, size: int, what: str) -> int:
     if size < 1 or extent % size:
-        raise ValueError(f"{what}: {extent} does not split into {size} equal shards")
+        raise ArgumentError(f"{what}: {extent} does not split into {size} equal shards")
     return extent // size
 
 
@@ -369,7 +371,7 @@ def fused(
         len(s) != ndim or s[:dim] + s[dim + 1 :] != shapes[0][:dim] + shapes[0][dim + 1 :]
         for s in shapes
     ):
-        raise ValueError(f"{local}: fused tensors differ outside dimension {dim}")
+        raise ArgumentError(f"{local}: fused tensors differ outside dimension {dim}")
     chunks = [_split(s[dim], size, name) for (name, _), s in zip(parts, shapes, strict=True)]
     local_shape = (*shapes[0][:dim], sum(chunks), *shapes[0][dim + 1 :])
     pieces, at = [], 0
@@ -418,7 +420,7 @@ def interleaved_qkv(
     tensor-parallel rank ``rank`` of ``size`` holds a contiguous run of groups.
     ``inner`` is the trailing shape (``(hidden,)`` for a weight, ``()`` for a bias)."""
     if num_heads % num_kv_heads:
-        raise ValueError(f"{local}: {num_heads} heads do not form {num_kv_heads} groups")
+        raise ArgumentError(f"{local}: {num_heads} heads do not form {num_kv_heads} groups")
     groups = _split(num_kv_heads, size, local)  # groups on this rank
     per_group = num_heads // num_kv_heads
     inner = tuple(inner)
@@ -468,7 +470,7 @@ def transposed(
     tensor-parallel shard ``rank`` of ``size`` along canonical dimension ``dim``."""
     shape = tuple(shape)
     if len(shape) != 2:
-        raise ValueError(f"{name}: only 2-D tensors can be held transposed")
+        raise ArgumentError(f"{name}: only 2-D tensors can be held transposed")
     sizes = list(shape)
     start = [0, 0]
     if dim is not None and size > 1:
@@ -560,7 +562,7 @@ class Layout:
         self, items: Iterable[Piece | Conversion], *, replica: int = 0, replicas: int = 1
     ) -> None:
         if not 0 <= replica < replicas:
-            raise ValueError(f"replica {replica} is not in [0, {replicas})")
+            raise ArgumentError(f"replica {replica} is not in [0, {replicas})")
         self.replica, self.replicas = replica, replicas
         items = list(items)
         self.pieces: tuple[Piece, ...] = tuple(i for i in items if isinstance(i, Piece))
@@ -568,20 +570,20 @@ class Layout:
         for item in items:
             if isinstance(item, Conversion):
                 if item.name in self.conversions:
-                    raise ValueError(f"conversion {item.name!r} is given twice")
+                    raise ArgumentError(f"conversion {item.name!r} is given twice")
                 self.conversions[item.name] = item
         shapes: dict[str, tuple[int, ...]] = {}
         canon: dict[str, tuple[int, ...]] = {}
         regions: dict[tuple[str, int], tuple[int, int, int]] = {}
         for piece in self.pieces:
             if shapes.setdefault(piece.local, piece.local_shape) != piece.local_shape:
-                raise ValueError(f"local tensor {piece.local!r} is given two shapes")
+                raise ArgumentError(f"local tensor {piece.local!r} is given two shapes")
             if canon.setdefault(piece.canonical, piece.shape) != piece.shape:
-                raise ValueError(f"canonical tensor {piece.canonical!r} is given two shapes")
+                raise ArgumentError(f"canonical tensor {piece.canonical!r} is given two shapes")
             key = (piece.canonical, piece.part)
             group = (piece.parts, piece.replica, piece.replicas)
             if regions.setdefault(key, group) != group:
-                raise ValueError(
+                raise ArgumentError(
                     f"pieces of part {piece.part} of {piece.canonical!r} disagree on parts "
                     "or replicas"
                 )
@@ -589,11 +591,11 @@ class Layout:
         self.shapes = canon
         for conversion in self.conversions.values():
             if conversion.name not in shapes:
-                raise ValueError(f"conversion {conversion.name!r} places no piece")
+                raise ArgumentError(f"conversion {conversion.name!r} places no piece")
 
     def __add__(self, other: Layout) -> Layout:
         if (self.replica, self.replicas) != (other.replica, other.replicas):
-            raise ValueError("layouts of different replicas cannot be combined")
+            raise ArgumentError("layouts of different replicas cannot be combined")
         return Layout(
             [*self.pieces, *self.conversions.values(), *other.pieces, *other.conversions.values()],
             replica=self.replica,
@@ -625,7 +627,7 @@ class Layout:
         """The placed local tensors (conversions applied), detached and checked."""
         unknown = sorted(set(given) - self.inputs())
         if unknown:
-            raise ValueError(
+            raise ArgumentError(
                 f"{len(unknown)} tensors are not in the layout (first: {unknown[0]!r}); "
                 "add them to the layout so that they are published"
             )
@@ -645,7 +647,7 @@ class Layout:
                 tensor = given[name]
             tensor = tensor.detach()
             if tuple(tensor.shape) != shape:
-                raise ValueError(
+                raise ArgumentError(
                     f"local tensor {name!r} has shape {tuple(tensor.shape)}, the layout says "
                     f"{shape}"
                 )

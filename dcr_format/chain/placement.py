@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from dcr_format.chain.layout import Piece, block, numel
-from dcr_format.errors import UnsupportedPlacementError
+from dcr_format.errors import ArgumentError, UnsupportedPlacementError
 
 __all__ = ["Placement", "placed", "sharded"]
 
@@ -82,7 +82,7 @@ def sharded(
     """
     shape = tuple(int(s) for s in shape)
     if not len(mesh_shape) == len(coordinate) == len(placements):
-        raise ValueError(f"{name}: mesh shape, coordinate and placements differ in length")
+        raise ArgumentError(f"{name}: mesh shape, coordinate and placements differ in length")
     indices = [list(range(n)) for n in shape]
     shard_at: list[int] = []
     replicate_at: list[int] = []

@@ -342,9 +342,9 @@ class StateDictTarget(Target):
                 "give the target tensors only"
             )
         if (version is None) != (chain_id is None):
-            raise ValueError("give both version and chain_id for a target that holds a version")
+            raise ArgumentError("give both version and chain_id for a target that holds a version")
         if record_sha256 is not None and (chain_id is None or not SHA256_HEX.match(record_sha256)):
-            raise ValueError("record_sha256 is 64 lowercase hex digits, given with a version")
+            raise ArgumentError("record_sha256 is 64 lowercase hex digits, given with a version")
         _alias_groups(tensors)  # refuse partly overlapping tensors up front
         self.tensors = tensors
         self.device = torch.device(device) if device is not None else None

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dcr_format.errors import (
+    ArgumentError,
     TargetBusyError,
     TargetChangedError,
     TargetError,
@@ -98,8 +99,10 @@ class SafetensorsDirTarget(Target):
         max_file_bytes: int = MAX_FILE_BYTES,
         timeout: float | None = LOCK_TIMEOUT,
     ) -> None:
-        if timeout is not None and not timeout >= 0:
-            raise ValueError("timeout is seconds >= 0, or None to wait for ever")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise ArgumentError("timeout is seconds >= 0, or None to wait for ever")
         self.path = Path(path)
         self.max_file_bytes = max_file_bytes
         self.timeout = timeout

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from dcr_format.errors import ArgumentError
 from dcr_format.format.schema import MAX_BASELINE_NAMES
 from dcr_format.targets.change import Resident
 from dcr_format.targets.module_apply import _ModuleTransaction
@@ -131,7 +132,7 @@ class ModuleTarget(Placements, Target):
         direct: bool = True,
     ) -> None:
         if (version is None) != (chain_id is None):
-            raise ValueError("give both version and chain_id for a module that holds a version")
+            raise ArgumentError("give both version and chain_id for a module that holds a version")
         super().__init__(
             module,
             load_weights=load_weights,
