@@ -155,14 +155,31 @@ def _outside(store: Store, ckpt_dir: str) -> None:
     default=300.0,
     help="Seconds to wait while another sync holds the directory (0: refuse at once).",
 )
+@click.option(
+    "--start-from",
+    "start",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="A local checkpoint directory holding a version of the chain (the model the run "
+    "started from): a new --into starts from it, checked by fingerprint, and fetches only "
+    "the changes since. Ignored once --into holds a version.",
+)
 @FORMAT_OPTION
-def pull(store: Store, into: str, version: int | None, wait: float, fmt: str) -> None:
+def pull(
+    store: Store, into: str, version: int | None, wait: float, start: str | None, fmt: str
+) -> None:
     """Bring a Hugging Face checkpoint directory to a version of the chain."""
     with command_imports():
         from dcr_format.targets.directory import SafetensorsDirTarget
         from dcr_format.tools._replay import sync_with_progress
 
     target = SafetensorsDirTarget(into, timeout=wait)
+    if start is not None and target.resident() is None:
+        from dcr_format.tools._start import start_from
+
+        started = start_from(store, start, into, timeout=wait)
+        click.echo(f"{into} starts from {start}: version {started}, every tensor checked", err=True)
+        target = SafetensorsDirTarget(into, timeout=wait)
     result = sync_with_progress(store, target, version, what="pull")
 
     def human() -> None:

@@ -8,6 +8,7 @@ serialisation.
 - :func:`diff`: which tensors and elements differ between two versions;
 - :func:`verify`: are all objects intact (``deep=True``: does every version replay);
 - :func:`replay`: materialise a version as a checkpoint directory (with a cache);
+- :func:`start_from`: start a pulled directory from a local checkpoint that holds a version;
 - :func:`compact`: write an alternative base of a version (FORMAT.md §14);
 - :func:`gc`: delete uncommitted attempts and versions older than the kept range;
 - :func:`doctor`: probe a store's capabilities;
@@ -37,6 +38,7 @@ if _typing.TYPE_CHECKING:
         remove_readers,
     )
     from dcr_format.tools._replay import ReplayResult, replay
+    from dcr_format.tools._start import start_from
     from dcr_format.tools._verify import VerifyReport, verify
 
 # Each name and its module, imported on first use: a command that needs one tool does not
@@ -57,6 +59,7 @@ _WHERE: dict[str, str] = {
         "dcr_format.tools._readers",
     ),
     **dict.fromkeys(("ReplayResult", "replay"), "dcr_format.tools._replay"),
+    "start_from": "dcr_format.tools._start",
     **dict.fromkeys(("VerifyReport", "verify"), "dcr_format.tools._verify"),
 }
 
@@ -99,5 +102,6 @@ __all__ = [
     "remove_readers",
     "replay",
     "show",
+    "start_from",
     "verify",
 ]
