@@ -85,12 +85,13 @@ def test_a_directory_started_from_the_first_version_fetches_only_what_follows(
         start_from(store, hub, into)
 
 
-def test_a_checkpoint_of_a_later_version_starts_there(
+def test_a_checkpoint_of_any_version_starts_there(
     tmp_path: Path, chain: tuple[str, list[dict[str, torch.Tensor]]]
 ) -> None:
     store, states = chain
-    hub = _checkpoint(tmp_path / "hub", states[1])
-    assert start_from(store, hub, tmp_path / "policy") == 1
+    for version in (2, 1):
+        hub = _checkpoint(tmp_path / f"hub{version}", states[version])
+        assert start_from(store, hub, tmp_path / f"policy{version}") == version
 
 
 @pytest.mark.parametrize(

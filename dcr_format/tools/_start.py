@@ -35,7 +35,8 @@ def start_from(
     then fetches only the versions after it.
 
     Every tensor of ``checkpoint`` is fingerprinted (FORMAT.md §9) and the state compared
-    with each committed version's, newest first; the version's checkpoint files
+    with each committed version's, the oldest first (the model a run started from), then
+    from the newest down; the version's checkpoint files
     (``config.json``, ...) come from the store, checked as a pull checks them.
     ``checkpoint`` is only read. Raises :class:`ArgumentError` where ``into`` already holds
     a version, and :class:`VersionNotFoundError` where no committed version has exactly
@@ -59,10 +60,9 @@ def start_from(
         tensors[name] = tensor
     found = state_fingerprint((t.name, t.dtype, t.shape, t.fingerprint) for t in rows.values())
     committed = chain.versions()
-    version = next(
-        (v for v in reversed(committed) if chain.record(v).record.state_fingerprint == found),
-        None,
-    )
+    # the oldest first (the model a run started from), then the newest down
+    order = committed[:1] + committed[:0:-1]
+    version = next((v for v in order if chain.record(v).record.state_fingerprint == found), None)
     if version is None:
         raise VersionNotFoundError(_no_version(chain, committed, checkpoint, rows))
     loaded = chain.record(version)
