@@ -39,7 +39,7 @@ from dcr_format.delta.delta import (
     decode_delta,
 )
 from dcr_format.delta.fingerprint import fingerprint_from_lanes, lanes_after_change, lanes_at
-from dcr_format.errors import ArgumentError, ShardError
+from dcr_format.errors import ArgumentError, ShardError, VersionNotFoundError
 from dcr_format.format.dtypes import bits_to_numpy, bits_view, info_for
 from dcr_format.format.schema import PIECES_FEATURE, Entry, Manifest, PositionsRef, ValuesRef
 from dcr_format.format.schema import Piece as PieceInfo
@@ -106,11 +106,11 @@ class ProjectionPart:
         """Rebuild the owned regions from their own entries alone (from the last base to
         ``latest``), reading only the shards that hold them: no other region, and no
         canonical tensor, is read or built. False (nothing kept) where some version does not
-        list every owned region as this layout's part, or a region does not end at the
-        fingerprint its last entry gives."""
-        records = [latest]
-        while records[-1].record.kind != "base":
-            records.append(chain.record(records[-1].record.version - 1))
+        list every owned region as this layout's part, a region does not end at the
+        fingerprint its last entry gives, or the versions since the base were removed."""
+        records = since_base(chain, latest)
+        if records is None:
+            return False
         local: dict[str, torch.Tensor] = {}
         last: dict[_Region, Entry] = {}
         for loaded in reversed(records):
@@ -416,6 +416,19 @@ def decode_region_entry(entry: Entry, streams: dict[int, dict[str, memoryview]])
         positions=stream(entry.positions),
         values=stream(entry.values),
     )
+
+
+def since_base(chain: Chain, latest: LoadedRecord) -> list[LoadedRecord] | None:
+    """The records from ``latest`` back to the last base, newest first; None where a
+    version before it was removed (``gc`` keeps a chain that starts at an alternative
+    base, whose parents are gone): a rank's own entries cannot rebuild its regions then."""
+    records = [latest]
+    while records[-1].record.kind != "base":
+        try:
+            records.append(chain.record(records[-1].record.version - 1))
+        except VersionNotFoundError:
+            return None
+    return records
 
 
 def _region_streams(

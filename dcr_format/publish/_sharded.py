@@ -44,6 +44,7 @@ from dcr_format.publish._projection import (
     _Region,
     _region_streams,
     decode_region_entry,
+    since_base,
 )
 
 
@@ -302,11 +303,11 @@ def _replay_own(chain: Chain, latest: LoadedRecord, rank: int) -> dict[_Region, 
     """The regions rank ``rank`` published in ``latest``, replayed from the last version
     that sent each whole, through the rank's own entries and shards only; a region whose
     history does not replay so (another rank sent part of it since it was last sent
-    whole, or its bits do not end at the fingerprint its last entry gives) is left out
-    (then published whole)."""
-    records = [latest]
-    while records[-1].record.kind != "base":
-        records.append(chain.record(records[-1].record.version - 1))
+    whole, its bits do not end at the fingerprint its last entry gives, or ``gc`` removed
+    the versions before an alternative base) is left out (then published whole)."""
+    records = since_base(chain, latest)
+    if records is None:
+        return {}  # the history before an alternative base was removed: each region sent whole
     manifests = {
         loaded.record.version: [m for m in chain.manifests(loaded) if m.rank == rank]
         for loaded in records
