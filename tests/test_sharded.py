@@ -400,6 +400,7 @@ def test_a_region_sent_whole_again_replays_past_a_history_it_could_not(tmp_path:
     from concurrent.futures import ThreadPoolExecutor
 
     from dcr_format.publish._sharded import _replay_own
+    from dcr_format.store.store import Store
 
     specs = {"w": ((33, 8), [(0, 1)]), "b": ((6,), [None])}
     layouts = _mesh_layouts(specs, (2,))
@@ -450,8 +451,20 @@ def test_a_region_sent_whole_again_replays_past_a_history_it_could_not(tmp_path:
     assert w[3] == {("full", True)} and w[4] == {("xor", True)}
     assert chain.record(3).record.kind == "delta"
     latest = chain.record(4)
+    read: list[str] = []
+    original = Store.get
+
+    def counted(self: Store, key: str, **kwargs: Any) -> bytes:
+        read.append(key)
+        return original(self, key, **kwargs)
+
     for rank in range(2):
-        regions = _replay_own(chain, latest, rank)
+        read.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Store, "get", counted)
+            regions = _replay_own(chain, latest, rank)
+        manifests = {k.rsplit("/", 1)[1] for k in read if "/manifest-" in k}
+        assert manifests == {f"manifest-{rank:05d}.json"}  # its own, of each version
         owned = {
             (m.rank, e.name, e.piece.index if e.piece else 0)
             for m in chain.manifests(latest)

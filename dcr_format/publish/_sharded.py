@@ -308,8 +308,10 @@ def _replay_own(chain: Chain, latest: LoadedRecord, rank: int) -> dict[_Region, 
     records = since_base(chain, latest)
     if records is None:
         return {}  # the history before an alternative base was removed: each region sent whole
-    manifests = {
-        loaded.record.version: [m for m in chain.manifests(loaded) if m.rank == rank]
+    manifests = {  # this rank's manifest of each version only
+        loaded.record.version: [
+            chain.manifest(loaded, ref) for ref in loaded.record.manifests if ref.rank == rank
+        ]
         for loaded in records
     }
     last = {_key(e): e for m in manifests[latest.record.version] for e in m.entries}
