@@ -340,6 +340,9 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
         baseline = writer.baseline  # restores now
         other = f"shard-{1 - rank:05d}-"
         assert [k for k in read if other in k] == []
+        # another rank's manifest only of the newest version (the writer's table of it)
+        newest = f"objects/{2:020d}/"
+        assert [k for k in read if f"manifest-{1 - rank:05d}" in k and newest not in k] == []
         assert any(f"shard-{rank:05d}-" in k for k in read)
         assert set(baseline) == set(expected[rank])
         for name, tensor in expected[rank].items():

@@ -70,8 +70,11 @@ class _Diff:
 class ProjectionPart:
     """A writer rank's part given by ``layout``: local tensors in, canonical entries out."""
 
-    def __init__(self, layout: Layout, *, device: torch.device, ops: Mapping[str, str]) -> None:
+    def __init__(
+        self, layout: Layout, *, rank: int = 0, device: torch.device, ops: Mapping[str, str]
+    ) -> None:
         self.layout = layout
+        self.rank = rank  # the writer rank: whose manifests a restart rebuilds from
         self.device = device
         self.ops = ops
         self._regions = layout.regions()
@@ -104,17 +107,19 @@ class ProjectionPart:
 
     def _replay_regions(self, chain: Chain, latest: LoadedRecord) -> bool:
         """Rebuild the owned regions from their own entries alone (from the last base to
-        ``latest``), reading only the shards that hold them: no other region, and no
-        canonical tensor, is read or built. False (nothing kept) where some version does not
-        list every owned region as this layout's part, a region does not end at the
-        fingerprint its last entry gives, or the versions since the base were removed."""
+        ``latest``), reading only this rank's manifests and the shards that hold them: no
+        other region, and no canonical tensor, is read or built. False (nothing kept) where
+        some version does not list every owned region in this rank's manifest as this
+        layout's part, a region does not end at the fingerprint its last entry gives, or the
+        versions since the base were removed."""
         records = since_base(chain, latest)
         if records is None:
             return False
         local: dict[str, torch.Tensor] = {}
         last: dict[_Region, Entry] = {}
         for loaded in reversed(records):
-            found = self._region_entries(chain.manifests(loaded))
+            refs = [r for r in loaded.record.manifests if r.rank == self.rank]
+            found = self._region_entries([chain.manifest(loaded, r) for r in refs])
             if found is None:
                 return False
             streams = _region_streams(chain, found.values())

@@ -194,7 +194,9 @@ class DeltaWriter:
                 cache=cache,
             )
         else:
-            self._part = ProjectionPart(layout, device=self.baseline_device, ops=self.ops)
+            self._part = ProjectionPart(
+                layout, rank=rank, device=self.baseline_device, ops=self.ops
+            )
         # the baseline of a reopened chain, cut once the part is known (see _settle)
         self._unrestored: tuple[Chain, LoadedRecord, dict[str, TensorState]] | None = None
         self._opened = False
