@@ -479,11 +479,11 @@ def test_a_region_sent_whole_again_replays_past_a_history_it_could_not(tmp_path:
             assert torch.equal(region.bits, flat[region.positions])
 
 
-def test_ranks_that_send_one_tensor_partly_in_full_are_told_to_publish_a_base(
+def test_ranks_that_send_one_tensor_partly_in_full_write_a_base_next(
     tmp_path: Path,
 ) -> None:
     """A delta whose ranks sent parts of one tensor some in full and some as changes is not
-    committed; the error says to publish a base, and a base from rank 0 commits."""
+    committed; the error says so, and the next publish is a base, which commits."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dcr_format.errors import CommitError, IncompleteVersionError
@@ -504,27 +504,30 @@ def test_ranks_that_send_one_tensor_partly_in_full_are_told_to_publish_a_base(
     ]
     full = {"w": torch.ones(6, 4, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.bfloat16)}
 
-    def publish_all(base: bool) -> list[Any]:
+    def publish_all() -> list[Any]:
         def one(rank: int) -> Any:
             try:
-                return writers[rank].publish(layouts[rank].scatter(full), base=base)
+                return writers[rank].publish(layouts[rank].scatter(full))
             except Exception as error:  # each rank's outcome is checked
                 return error
 
         with ThreadPoolExecutor(2) as pool:
             return list(pool.map(one, range(2)))
 
-    assert [info.version for info in publish_all(False)] == [0, 0]
+    assert [info.version for info in publish_all()] == [0, 0]
     full = {k: (v.float() + 1).to(v.dtype) for k, v in full.items()}
-    committer, other = publish_all(False)
+    committer, other = publish_all()
     assert isinstance(committer, CommitError) and isinstance(other, IncompleteVersionError)
     assert str(committer) == (
         "writer ranks [1] sent their part of 'w' (and 0 more tensors) in full, the other "
-        "ranks as changes: those ranks could not rebuild their part of version 0; publish "
-        "this step as a base (publish(..., base=True) on rank 0)"
+        "ranks as changes: those ranks could not rebuild their part of version 0; the next "
+        "publish writes a base, which brings every rank back in step"
     )
     assert Chain(open_store(tmp_path)).versions() == [0]
-    assert [info.kind for info in publish_all(True)] == ["base", "base"]
+    assert [info.kind for info in publish_all()] == ["base", "base"]  # rank 0 chose it
+    writers[1].ops.clear()  # rank 1 sends changes again: the versions after are deltas
+    full = {k: (v.float() + 1).to(v.dtype) for k, v in full.items()}
+    assert [info.kind for info in publish_all()] == ["delta", "delta"]
     tensors: dict[str, torch.Tensor] = {}
     DeltaReader(tmp_path, StateDictTarget(tensors)).sync()
     for name, tensor in full.items():
@@ -565,7 +568,7 @@ def test_restarted_ranks_publish_after_gc_removed_the_versions_before_their_base
     gc(str(tmp_path), keep_last=2, grace=timedelta(0), commit_timeout=timedelta(0))
     chain = Chain(open_store(tmp_path))
     assert chain.versions() == [2, 3]
-    assert _replay_own(chain, chain.record(3), 0) == {}  # was: version 1 is not committed
+    assert _replay_own(chain, chain.record(3), 0) == {}  # versions 0 and 1 are gone
 
     reopened = _thread_writers(tmp_path, layouts)
     for _ in range(2):

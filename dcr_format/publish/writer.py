@@ -162,6 +162,8 @@ class DeltaWriter:
         self.last_features: frozenset[str] | None = None  # what the last publish used
         # ... and its tensors against old bits (the names, or None: all but the second)
         self._last_baseline: tuple[frozenset[str] | None, frozenset[str]] | None = None
+        # rank 0: the ranks' pieces of a delta disagreed, so the next version is a base
+        self._rebase = False
         if layout is not None and cache_dir is not None:
             raise ArgumentError(
                 "a writer with a layout keeps no baseline cache; leave cache_dir unset"
@@ -488,7 +490,7 @@ class DeltaWriter:
         mine = None
         if self.rank == 0:
             due = self.base_every is not None and version % self.base_every == 0
-            base = asked or version == 0 or due
+            base = asked or version == 0 or due or self._rebase
             # a base has no overwrite, but its features are the readers' too
             records = self.reader_records and (not base or self.features is None)
             wishes = read_reader_records(self.store) if records else ReaderWishes()
@@ -616,7 +618,11 @@ class DeltaWriter:
         """The version's state table; a delta's pieces must add up to the parent's tensors
         and a delta must not drop a tensor."""
         if attempt.kind == "delta":
-            _check_pieces_agree(manifests, attempt.version)
+            try:
+                _check_pieces_agree(manifests, attempt.version)
+            except CommitError:
+                self._rebase = True  # the one way every rank gets back in step
+                raise
         changes = tensor_changes(manifests)  # pieces combined (FORMAT.md §4.8)
         table = state_table(manifests)
         if attempt.kind == "delta":
@@ -697,12 +703,14 @@ class DeltaWriter:
         self._version = loaded.record.version
         if self.rank == 0:
             self._table = table
+            self._rebase = self._rebase and loaded.record.kind != "base"
 
 
 def _check_pieces_agree(manifests: list[Manifest], version: int) -> None:
     """Refuse a delta whose ranks sent parts of one tensor some in full and some as changes
     (FORMAT.md §4.8 rule 3): a rank that could not rebuild its part of the previous version
-    sends it in full, and only a base brings every rank back in step."""
+    sends it in full, and only a base brings every rank back in step (rank 0 makes the next
+    version one)."""
     full: dict[str, set[int]] = {}
     changed: set[str] = set()
     for manifest in manifests:
@@ -719,8 +727,8 @@ def _check_pieces_agree(manifests: list[Manifest], version: int) -> None:
         raise CommitError(
             f"writer ranks {ranks} sent their part of {mixed[0]!r} (and {len(mixed) - 1} more "
             f"tensors) in full, the other ranks as changes: those ranks could not rebuild "
-            f"their part of version {version - 1}; publish this step as a base "
-            "(publish(..., base=True) on rank 0)"
+            f"their part of version {version - 1}; the next publish writes a base, which "
+            "brings every rank back in step"
         )
 
 
