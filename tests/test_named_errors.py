@@ -61,12 +61,24 @@ def test_a_tensor_given_twice(tmp_path):
         {"max_workers": 0},
         {"max_workers": 2.0},
         {"max_shard_bytes": -1},
+        {"select": "w"},
+        {"select": [1, 2]},
+        {"select": 3},
     ],
 )
 def test_bad_reader_arguments(tmp_path, kwargs):
     DeltaWriter(str(tmp_path / "store")).publish({"w": torch.ones(2)})
     with pytest.raises(ArgumentError):
         DeltaReader(str(tmp_path / "store"), StateDictTarget({}), **kwargs)
+
+
+@pytest.mark.parametrize("select", [["w"], ("w",), {"w"}, frozenset({"w"}), lambda n: n == "w"])
+def test_a_reader_selects_by_a_function_or_a_collection_of_names(tmp_path, select):
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish({"w": torch.ones(2), "v": torch.zeros(3)})
+    target = StateDictTarget({})
+    DeltaReader(store, target, select=select).sync()
+    assert sorted(target.tensors) == ["w"]
 
 
 def test_the_writer_and_reader_take_numbers_of_any_integer_type(tmp_path):

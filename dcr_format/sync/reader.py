@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
@@ -87,8 +87,9 @@ class SyncResult(BaseModel):
 class DeltaReader(Applying, Committing):
     """Keeps a target at a version of the chain in ``store``, bit-exact.
 
-    ``select`` limits the reader to the canonical names it returns True for (a
-    partial target, such as one writer rank's baseline). ``verify`` is
+    ``select`` limits the reader to the canonical names it returns True for, or to those
+    it holds where it is a collection of names (a partial target, such as one rank's
+    tensors of the model). ``verify`` is
     ``"touched"`` (check fingerprints of tensors a sync changes, before and after)
     or ``"all"`` (read every selected tensor in full at every sync). With
     ``"touched"`` a long-lived reader checks the bits before a change against the
@@ -123,7 +124,7 @@ class DeltaReader(Applying, Committing):
         store: Store | str | os.PathLike[str],
         target: Target,
         *,
-        select: Callable[[str], bool] | None = None,
+        select: Callable[[str], bool] | Collection[str] | None = None,
         verify: Literal["touched", "all"] = "touched",
         max_workers: int = 8,
         max_shard_bytes: int = MAX_SHARD_DECODED_BYTES,
@@ -144,7 +145,7 @@ class DeltaReader(Applying, Committing):
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.target = target
-        self.select = select or (lambda name: True)
+        self.select = _selector(select)
         self.verify = verify
         self.max_workers = whole(max_workers, "max_workers", low=1)
         self.max_shard_bytes = whole(max_shard_bytes, "max_shard_bytes", low=1)
@@ -478,3 +479,20 @@ class DeltaReader(Applying, Committing):
         return changes, plan.stored_bytes
 
     # --- check, change, verify, commit (the target's transaction owns the undo) -------------
+
+
+def _selector(select: Callable[[str], bool] | Collection[str] | None) -> Callable[[str], bool]:
+    """``select`` as a predicate on canonical names: itself, or membership in a collection
+    of names; None keeps every name."""
+    if select is None:
+        return lambda name: True
+    if callable(select):
+        return select
+    if isinstance(select, Collection) and not isinstance(select, (str, bytes)):
+        names = frozenset(select)
+        if all(isinstance(name, str) for name in names):
+            return names.__contains__
+    raise ArgumentError(
+        f"select takes a function of a tensor's name or a collection of names, not "
+        f"{type(select).__name__} (e.g. select={{'lm_head.weight'}})"
+    )
