@@ -107,6 +107,7 @@ def test_a_state_dict_target_of_something_else_is_refused(tensors, match):
         (lambda: StateDictTarget({}, version=1), "give both version and chain_id"),
         (lambda: StateDictTarget({}, version=1, chain_id="c", record_sha256="x"), "64 lowercase"),
         (lambda: ModuleTarget(torch.nn.Linear(2, 2), chain_id="c"), "give both version"),
+        (lambda: ModuleTarget({"w": torch.ones(2)}), "takes a torch.nn.Module, not a dict"),
         (lambda: SafetensorsDirTarget("d", timeout=-1), "timeout is seconds >= 0"),
         (lambda: SafetensorsDirTarget("d", timeout="5"), "timeout is seconds >= 0"),
         (lambda: View(0, (2, 3), (1,)), "differ in rank"),
@@ -200,6 +201,9 @@ BAD_INPUT = [
     ("bare tensors", lambda good: list(good.values()), "(name, tensor) pairs"),
     ("listed, bad late", lambda good: [*good.items(), ("", torch.ones(1))], "empty"),
     ("streamed, bad late", lambda good: iter([*good.items(), ("", torch.ones(1))]), "empty"),
+    ("a module", lambda good: torch.nn.Linear(2, 2), "not a Linear; pass model.state_dict()"),
+    ("nothing", lambda good: None, "not a NoneType; pass {name: tensor}"),
+    ("one tensor", lambda good: good["a"], "not a Tensor"),
 ]
 
 

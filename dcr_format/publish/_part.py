@@ -96,6 +96,14 @@ def check_publish(tensors: Tensors, step: object = None) -> None:
     so that bad input leaves nothing in the store (pairs streamed once are checked as they
     come)."""
     check_step(step)
+    if isinstance(tensors, (torch.nn.Module, torch.Tensor, str, bytes)) or not isinstance(
+        tensors, Iterable
+    ):
+        hint = "model.state_dict()" if isinstance(tensors, torch.nn.Module) else "{name: tensor}"
+        raise ArgumentError(
+            "publish takes a mapping of names to tensors or (name, tensor) pairs, not a "
+            f"{type(tensors).__name__}; pass {hint}"
+        )
     if isinstance(tensors, (Mapping, list, tuple)):
         for _ in pairs(tensors):
             pass

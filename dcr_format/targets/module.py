@@ -131,6 +131,11 @@ class ModuleTarget(Placements, Target):
         rollback_full: bool = True,
         direct: bool = True,
     ) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise ArgumentError(
+                f"ModuleTarget takes a torch.nn.Module, not a {type(module).__name__} (for a "
+                "dict of tensors use StateDictTarget)"
+            )
         if (version is None) != (chain_id is None):
             raise ArgumentError("give both version and chain_id for a module that holds a version")
         super().__init__(
