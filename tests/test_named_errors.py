@@ -15,6 +15,8 @@ from dcr_format import (
     SafetensorsDirTarget,
     StateDictTarget,
     TargetError,
+    ThreadCoordinator,
+    TorchDistributedCoordinator,
     compact,
     diff,
     replay,
@@ -37,6 +39,10 @@ from dcr_format.publish.checkpoint import count_tensors, iter_checkpoint
         {"shard_bytes": "32MB"},
         {"zstd_level": 23},
         {"zstd_level": True},
+        {"commit_timeout": "10"},
+        {"commit_timeout": -1},
+        {"baseline_device": "tpu"},
+        {"features": "positions-classed"},
     ],
 )
 def test_bad_writer_arguments(tmp_path, kwargs):
@@ -70,6 +76,19 @@ def test_bad_reader_arguments(tmp_path, kwargs):
     DeltaWriter(str(tmp_path / "store")).publish({"w": torch.ones(2)})
     with pytest.raises(ArgumentError):
         DeltaReader(str(tmp_path / "store"), StateDictTarget({}), **kwargs)
+
+
+def test_the_wrong_target_or_coordinator_is_refused_by_name(tmp_path):
+    store = str(tmp_path / "store")
+    DeltaWriter(store).publish({"w": torch.ones(2)})
+    for given in ({"w": torch.ones(2)}, torch.nn.Linear(2, 2)):
+        with pytest.raises(ArgumentError, match="DeltaReader takes a target, not a"):
+            DeltaReader(store, given)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="world_size must be at least 1"):
+        ThreadCoordinator(0)
+    writer = DeltaWriter(store, world_size=2, coordinator=TorchDistributedCoordinator())
+    with pytest.raises(ArgumentError, match=r"call torch\.distributed\.init_process_group"):
+        writer.publish({"w": torch.zeros(2)})
 
 
 @pytest.mark.parametrize("select", [["w"], ("w",), {"w"}, frozenset({"w"}), lambda n: n == "w"])

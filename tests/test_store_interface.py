@@ -18,6 +18,7 @@ from test_store import _GenericMemoryFileSystem  # noqa: F401 (registers dcrtest
 
 import dcr_format
 from dcr_format.errors import (
+    ArgumentError,
     CapabilityError,
     InvalidKeyError,
     ObjectExistsError,
@@ -336,9 +337,9 @@ def test_backends_without_transient_failures_never_retry(tmp_path: Path) -> None
 
 
 def test_options_for_urls_are_refused_with_a_backend() -> None:
-    with pytest.raises(TypeError, match="a backend carries its own"):
+    with pytest.raises(ArgumentError, match="a backend carries its own"):
         Store(_DictBackend(), single_writer=True)
-    with pytest.raises(TypeError, match="must be a str or path"):
+    with pytest.raises(ArgumentError, match="must be a str or path"):
         Store(42)  # type: ignore[arg-type]
 
 

@@ -88,6 +88,10 @@ NO_CODINGS = EncodeOptions()
 def writer_features(features: Iterable[str]) -> frozenset[str]:
     """Check the features a writer is allowed: each must be one of
     :data:`WRITER_FEATURES`; raises :class:`ArgumentError` otherwise."""
+    if isinstance(features, (str, bytes)):
+        raise ArgumentError(
+            f"features takes a collection of feature names, not a string: features={{{features!r}}}"
+        )
     chosen = frozenset(features)
     unknown = sorted(chosen - WRITER_FEATURES)
     if unknown:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from dcr_format.errors import IncompleteVersionError
+from dcr_format.errors import ArgumentError, IncompleteVersionError
+from dcr_format.system.options import whole
 
 
 class Coordinator(Protocol):
@@ -33,6 +34,7 @@ class ThreadCoordinator:
     """Writer ranks as threads of one process (tests, single-host exports)."""
 
     def __init__(self, world_size: int, *, timeout: float = 600.0) -> None:
+        world_size = whole(world_size, "world_size", low=1)
         self._barrier = threading.Barrier(world_size)
         self._timeout = timeout
         self._slot: Any = None
@@ -63,6 +65,11 @@ class TorchDistributedCoordinator:
         """``broadcast_object_list`` from the group's first rank."""
         import torch.distributed as dist
 
+        if not dist.is_initialized():
+            raise ArgumentError(
+                "torch.distributed is not initialised in this process; call "
+                "torch.distributed.init_process_group on every rank before publishing"
+            )
         box = [value]
         dist.broadcast_object_list(
             box, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import torch
@@ -91,7 +91,7 @@ from dcr_format.publish._sharded import ShardedPart, peek_sharded
 from dcr_format.publish.coordinate import Coordinator, SoloCoordinator
 from dcr_format.store.store import Store, open_store
 from dcr_format.system.collector import collector_off
-from dcr_format.system.options import whole
+from dcr_format.system.options import duration, whole
 
 # A shard is compressed and uploaded on a background thread while the next tensors are
 # coded, so the last shard is the only upload a publish waits for. A writer cuts shards at a
@@ -149,7 +149,7 @@ class DeltaWriter:
         baseline_device: str | torch.device = "cpu",
         shard_bytes: int = DEFAULT_SHARD_BYTES,
         zstd_level: int = ZSTD_LEVEL,
-        commit_timeout: float = 600.0,
+        commit_timeout: float | timedelta = 600.0,
         clock: Callable[[], datetime] = utc_now,
         ids: Callable[[], str] = new_id,
         reader_records: bool = True,
@@ -175,11 +175,18 @@ class DeltaWriter:
         self.coordinator = coordinator or SoloCoordinator()
         self.ops = dict(ops or {})
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else None
-        self.baseline_device = torch.device(baseline_device)
+        try:
+            self.baseline_device = torch.device(baseline_device)
+        except (RuntimeError, TypeError):
+            raise ArgumentError(
+                f"baseline_device {baseline_device!r} is not a torch device; use 'cpu' or 'cuda'"
+            ) from None
         self.shard_bytes = whole(shard_bytes, "shard_bytes", low=1)
         self.zstd_level = whole(zstd_level, "zstd_level", low=ZSTD_MIN_LEVEL, high=ZSTD_MAX_LEVEL)
         self._last_streams: int | None = None  # stream bytes this rank wrote last publish
-        self.commit_timeout = commit_timeout
+        self.commit_timeout = duration(commit_timeout, "commit_timeout").total_seconds()
+        if self.commit_timeout < 0:
+            raise ArgumentError(f"commit_timeout must be zero or more, not {commit_timeout}")
         self.clock, self.ids = clock, ids
         self.reader_records = reader_records
         self.layout = layout

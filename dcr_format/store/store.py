@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from dcr_format.errors import (
+    ArgumentError,
     CapabilityError,
     DcrError,
     InvalidKeyError,
@@ -154,13 +155,13 @@ class Store:
             backend = open_backend(url, storage_options, single_writer=single_writer)
         elif all(callable(getattr(type(url), name, None)) for name in _BACKEND_METHODS):
             if storage_options is not None or single_writer:
-                raise TypeError(
+                raise ArgumentError(
                     "storage_options and single_writer apply to store URLs; "
                     "a backend carries its own"
                 )
             backend = url
         else:
-            raise TypeError(f"store URL must be a str or path, not {type(url).__name__}")
+            raise ArgumentError(f"store URL must be a str or path, not {type(url).__name__}")
         self._backend = backend
         self.url = backend.url
 

@@ -142,6 +142,11 @@ class DeltaReader(Applying, Committing):
             raise ArgumentError("audit_every must be a positive number of syncs (or None)")
         if audit_seconds is not None and audit_seconds < 0:
             raise ArgumentError("audit_seconds must be zero or more (or None)")
+        if not isinstance(target, Target):
+            raise ArgumentError(
+                f"DeltaReader takes a target, not a {type(target).__name__}: wrap it "
+                "(StateDictTarget(tensors), ModuleTarget(module), SafetensorsDirTarget(path))"
+            )
         self.store = open_store(store)
         self.chain = Chain(self.store)
         self.target = target
