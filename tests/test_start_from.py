@@ -143,6 +143,7 @@ def test_the_pull_command_starts_a_new_directory_from_a_checkpoint_once(
     first = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert first.exit_code == 0, first.output
     assert f"{into} starts from {hub}: version 0, every tensor checked" in first.output
+    assert "dcr start: done, " in first.output  # progress of the check, off a terminal
     assert "applied 2 versions" in first.output
     assert _same(load_file(str(into / "model.safetensors")), _bits(states[2]))
     again = CliRunner().invoke(cli, args, catch_exceptions=False)  # holds a version: ignored

@@ -177,7 +177,7 @@ def pull(
     if start is not None and target.resident() is None:
         from dcr_format.tools._start import start_from
 
-        started = start_from(store, start, into, timeout=wait)
+        started = start_from(store, start, into, timeout=wait, progress=True)
         click.echo(f"{into} starts from {start}: version {started}, every tensor checked", err=True)
         target = SafetensorsDirTarget(into, timeout=wait)
     result = sync_with_progress(store, target, version, what="pull")

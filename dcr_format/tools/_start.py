@@ -14,12 +14,13 @@ from dcr_format.chain.chain import Chain, TensorState, state_table
 from dcr_format.delta.fingerprint import state_fingerprint, tensor_fingerprint
 from dcr_format.errors import ArgumentError, VersionNotFoundError
 from dcr_format.format.dtypes import info_for
-from dcr_format.publish.checkpoint import iter_checkpoint
+from dcr_format.publish.checkpoint import checkpoint_files, iter_checkpoint
 from dcr_format.store.store import Store, open_store
 from dcr_format.sync._fetch import fetch_files
 from dcr_format.targets.change import Resident
 from dcr_format.targets.directory import SafetensorsDirTarget
 from dcr_format.targets.protocol import LOCK_TIMEOUT
+from dcr_format.tools._progress import Progress
 
 
 def start_from(
@@ -28,6 +29,7 @@ def start_from(
     into: str | os.PathLike[str],
     *,
     timeout: float | None = LOCK_TIMEOUT,
+    progress: bool = False,
 ) -> int:
     """Make ``into``, a new or empty path, a pulled directory at the version of the chain
     whose tensors the checkpoint directory ``checkpoint`` holds bit for bit; returns that
@@ -38,7 +40,8 @@ def start_from(
     with each committed version's, the oldest first (the model a run started from), then
     from the newest down; the version's checkpoint files
     (``config.json``, ...) come from the store, checked as a pull checks them.
-    ``checkpoint`` is only read. Raises :class:`ArgumentError` where ``into`` already holds
+    ``checkpoint`` is only read. ``progress`` shows the bytes checked so far on stderr (a
+    bar on a terminal, lines off one). Raises :class:`ArgumentError` where ``into`` already holds
     a version, and :class:`VersionNotFoundError` where no committed version has exactly
     these tensors (another dtype, a tensor more or less, other bits).
     """
@@ -53,11 +56,15 @@ def start_from(
         )
     tensors: dict[str, torch.Tensor] = {}
     rows: dict[str, TensorState] = {}
-    for name, tensor in iter_checkpoint(checkpoint):
-        tensor = tensor.contiguous()
-        dtype = info_for(tensor.dtype).name
-        rows[name] = TensorState(name, dtype, tuple(tensor.shape), tensor_fingerprint(tensor), 0)
-        tensors[name] = tensor
+    total = sum(f.stat().st_size for f in checkpoint_files(checkpoint))
+    with Progress("start", total=total, unit="B", enabled=progress) as bar:
+        for name, tensor in iter_checkpoint(checkpoint):
+            tensor = tensor.contiguous()
+            dtype = info_for(tensor.dtype).name
+            fingerprint = tensor_fingerprint(tensor)
+            rows[name] = TensorState(name, dtype, tuple(tensor.shape), fingerprint, 0)
+            tensors[name] = tensor
+            bar.add(tensor.numel() * tensor.element_size())
     found = state_fingerprint((t.name, t.dtype, t.shape, t.fingerprint) for t in rows.values())
     committed = chain.versions()
     # the oldest first (the model a run started from), then the newest down
