@@ -140,7 +140,8 @@ def test_the_pull_command_starts_a_new_directory_from_a_checkpoint_once(
     hub = _checkpoint(tmp_path / "hub", states[0])
     into = tmp_path / "policy"
     args = ["pull", "--store", store, "--into", str(into), "--start-from", str(hub)]
-    first = CliRunner().invoke(cli, args, catch_exceptions=False)
+    lines = {"DCR_PROGRESS_INTERVAL": "0"}  # a progress line for every step
+    first = CliRunner().invoke(cli, args, catch_exceptions=False, env=lines)
     assert first.exit_code == 0, first.output
     assert f"{into} starts from {hub}: version 0, every tensor checked" in first.output
     assert "dcr start: done, " in first.output  # progress of the check, off a terminal
