@@ -554,6 +554,62 @@ def test_failing_rank_leaves_version_uncommitted_and_all_ranks_recover(
     assert sum(k.endswith("/ABORTED") for k in keys) == 1
 
 
+def test_a_reopened_rank_reads_only_its_own_manifest_of_the_newest_version(
+    store_url, tmp_path, monkeypatch
+):
+    """A job of thousands of ranks restarting from their baseline caches must not read the
+    square of that many manifests: rank 0 (the committer) reads the newest version's table
+    in full, every other rank only its own manifest, and the job publishes on exactly."""
+    world = 3
+    gen = torch.Generator().manual_seed(25)
+    state = make_state(25)
+
+    def writers() -> list[DeltaWriter]:
+        coordinator = ThreadCoordinator(world, timeout=30)
+        return [
+            DeltaWriter(
+                store_url,
+                rank=r,
+                world_size=world,
+                coordinator=coordinator,
+                cache_dir=tmp_path / "cache",
+            )
+            for r in range(world)
+        ]
+
+    first = writers()
+    for _ in range(2):
+        frozen = snapshot(state)
+        _, errors = run_ranks(world, lambda r, s=frozen: first[r].publish(s))
+        assert errors == [None] * world
+        step_state(state, gen)
+    read: list[str] = []
+    original = Store.get
+
+    def counted(self, key, **kwargs):
+        read.append(key)
+        return original(self, key, **kwargs)
+
+    monkeypatch.setattr(Store, "get", counted)
+    reopened = writers()
+    for rank, writer in enumerate(reopened):
+        read.clear()
+        assert writer.version == 1  # opens the chain and restores the baseline
+        manifests = sorted({k.rsplit("/", 1)[1] for k in read if "/manifest-" in k})
+        assert manifests == (
+            [f"manifest-{r:05d}.json" for r in range(world)]
+            if rank == 0
+            else [f"manifest-{rank:05d}.json"]
+        ), rank
+        assert_same_bits(writer.baseline, first[rank].baseline)
+    monkeypatch.undo()
+    _, errors = run_ranks(world, lambda r: reopened[r].publish(state))
+    assert errors == [None] * world
+    target = StateDictTarget({})
+    DeltaReader(store_url, target).sync()
+    assert_same_bits(target.tensors, state)
+
+
 def test_ranks_that_publish_different_steps_commit_nothing(store_url):
     world = 3
     gen = torch.Generator().manual_seed(24)

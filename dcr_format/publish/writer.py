@@ -211,7 +211,8 @@ class DeltaWriter:
         self._opened = False
         self._version: int | None = None
         self._record: LoadedRecord | None = None
-        self._table: dict[str, TensorState] = {}  # committer: full table of the baseline version
+        # the baseline version's table: in full on rank 0 (the committer), else this rank's
+        self._table: dict[str, TensorState] = {}
         self._files: tuple[CheckpointFile, ...] = ()  # rank 0: the baseline version's files
         # seconds of the last publish by stage: diff, coding and shard uploads; manifest and
         # commit (waiting for every rank); baseline advance and cache
@@ -261,10 +262,23 @@ class DeltaWriter:
         self._opened = True
 
     def _restore(self, latest: int) -> None:
-        """Continue an existing chain from committed version ``latest``."""
+        """Continue an existing chain from committed version ``latest``. Rank 0 (the
+        committer) reads every rank's manifest of it; another rank of a job of the same
+        size reads only its own, which lists every tensor it published (a job of thousands
+        of ranks would otherwise read the square of that many manifests at a restart)."""
         record = self.chain.record(latest)
-        manifests = self.chain.manifests(record)
-        table = state_table(manifests)
+        if self.rank == 0 or record.record.world_size != self.world_size:
+            manifests = self.chain.manifests(record)
+            table = state_table(manifests)
+        else:  # the whole tensors it published (its pieces are rebuilt from its own entries)
+            refs = [ref for ref in record.record.manifests if ref.rank == self.rank]
+            manifests = [self.chain.manifest(record, ref) for ref in refs]
+            table = {
+                e.name: TensorState(e.name, e.dtype, tuple(e.shape), e.fingerprint, m.rank)
+                for m in manifests
+                for e in m.entries
+                if e.piece is None
+            }
         self._unrestored = (self.chain, record, table)
         self._record, self._table, self._version = record, table, latest
         self._files = next((m.files for m in manifests if m.rank == 0), ())
