@@ -38,12 +38,14 @@ def start_from(
 
     Every tensor of ``checkpoint`` is fingerprinted (FORMAT.md §9) and the state compared
     with each committed version's, the oldest first (the model a run started from), then
-    from the newest down; the version's checkpoint files
-    (``config.json``, ...) come from the store, checked as a pull checks them.
-    ``checkpoint`` is only read. ``progress`` shows the bytes checked so far on stderr (a
-    bar on a terminal, lines off one). Raises :class:`ArgumentError` where ``into`` already holds
-    a version, and :class:`VersionNotFoundError` where no committed version has exactly
-    these tensors (another dtype, a tensor more or less, other bits).
+    from the newest down; the version's checkpoint files (``config.json``, ...) come from
+    the store, checked as a pull checks them. ``checkpoint`` is only read, and held in
+    memory while the directory is written. ``progress`` shows the bytes checked so far on
+    stderr (a bar on a terminal, lines off one).
+
+    Raises :class:`ArgumentError` where ``into`` already holds a version, and
+    :class:`VersionNotFoundError` where no committed version has exactly these tensors
+    (another dtype, a tensor more or less, other bits).
     """
     store = open_store(store)
     chain = Chain(store)
