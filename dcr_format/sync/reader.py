@@ -84,6 +84,25 @@ class SyncResult(BaseModel):
     unverified: tuple[str, ...] = ()
 
 
+def _selector(select: Callable[[str], bool] | Collection[str] | None) -> Callable[[str], bool]:
+    """``select`` as a predicate on canonical names: itself, or membership in a collection
+    of names; None keeps every name."""
+    if select is None:
+        return lambda name: True
+    if callable(select):
+        return select
+    if isinstance(select, Collection) and not isinstance(select, (str, bytes)):
+        names = frozenset(select)
+        odd = next((name for name in names if not isinstance(name, str)), None)
+        if odd is None:
+            return names.__contains__
+        raise ArgumentError(f"select's names must be strings, not {type(odd).__name__}")
+    raise ArgumentError(
+        f"select takes a function of a tensor's name or a collection of names, not "
+        f"{type(select).__name__} (e.g. select={{'lm_head.weight'}})"
+    )
+
+
 class DeltaReader(Applying, Committing):
     """Keeps a target at a version of the chain in ``store``, bit-exact.
 
@@ -484,20 +503,3 @@ class DeltaReader(Applying, Committing):
         return changes, plan.stored_bytes
 
     # --- check, change, verify, commit (the target's transaction owns the undo) -------------
-
-
-def _selector(select: Callable[[str], bool] | Collection[str] | None) -> Callable[[str], bool]:
-    """``select`` as a predicate on canonical names: itself, or membership in a collection
-    of names; None keeps every name."""
-    if select is None:
-        return lambda name: True
-    if callable(select):
-        return select
-    if isinstance(select, Collection) and not isinstance(select, (str, bytes)):
-        names = frozenset(select)
-        if all(isinstance(name, str) for name in names):
-            return names.__contains__
-    raise ArgumentError(
-        f"select takes a function of a tensor's name or a collection of names, not "
-        f"{type(select).__name__} (e.g. select={{'lm_head.weight'}})"
-    )
