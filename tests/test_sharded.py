@@ -13,6 +13,7 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,6 +293,31 @@ def _mesh_layouts(specs: dict[str, Any], mesh_shape: tuple[int, ...]) -> list[La
     ]
 
 
+Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _two_ranks(
+    rows: int, seed: int, rate: float
+) -> tuple[dict[str, Any], list[Layout], dict[str, torch.Tensor], Step]:
+    """A bf16 ``w`` of ``rows`` x 4 split by rows over two ranks and a replicated ``b``:
+    their specs, the ranks' layouts, first values, and a step that changes about ``rate``
+    of the elements."""
+    specs = {"w": ((rows, 4), [(0, 1)]), "b": ((6,), [None])}
+    generator = torch.Generator().manual_seed(seed)
+    full = {
+        "w": torch.randn(rows, 4, generator=generator).to(torch.bfloat16),
+        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
+    }
+
+    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: (v.float() + (torch.rand(v.shape, generator=generator) < rate)).to(v.dtype)
+            for k, v in state.items()
+        }
+
+    return specs, _mesh_layouts(specs, (2,)), full, step
+
+
 def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -302,19 +328,7 @@ def test_a_restarted_rank_restores_its_regions_from_its_own_shards(
 
     from dcr_format.store.store import Store
 
-    specs = {"w": ((9, 4), [(0, 1)]), "b": ((6,), [None])}
-    layouts = _mesh_layouts(specs, (2,))
-    generator = torch.Generator().manual_seed(3)
-    full = {
-        "w": torch.randn(9, 4, generator=generator).to(torch.bfloat16),
-        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
-    }
-
-    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
-            k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.3)).to(v.dtype)
-            for k, v in state.items()
-        }
+    specs, layouts, full, step = _two_ranks(9, seed=3, rate=0.3)
 
     def publish_all(writers: list[DeltaWriter], state: dict[str, torch.Tensor]) -> None:
         with ThreadPoolExecutor(2) as pool:
@@ -407,19 +421,7 @@ def test_a_region_sent_whole_again_replays_past_a_history_it_could_not(tmp_path:
     from dcr_format.publish._sharded import _replay_own
     from dcr_format.store.store import Store
 
-    specs = {"w": ((33, 8), [(0, 1)]), "b": ((6,), [None])}
-    layouts = _mesh_layouts(specs, (2,))
-    generator = torch.Generator().manual_seed(7)
-    full = {
-        "w": torch.randn(33, 8, generator=generator).to(torch.bfloat16),
-        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
-    }
-
-    def step(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {
-            k: (v.float() + (torch.rand(v.shape, generator=generator) < 0.1)).to(v.dtype)
-            for k, v in state.items()
-        }
+    _, layouts, full, step = _two_ranks(66, seed=7, rate=0.1)
 
     def publish_all(state: dict[str, torch.Tensor], ops: dict[str, str] | None = None) -> None:
         coordinator = ThreadCoordinator(2)
@@ -549,17 +551,11 @@ def test_restarted_ranks_publish_after_gc_removed_the_versions_before_their_base
     from dcr_format.publish._sharded import _replay_own
     from dcr_format.tools import compact, gc
 
-    specs = {"w": ((12, 4), [(0, 1)]), "b": ((6,), [None])}
-    layouts = _mesh_layouts(specs, (2,))
-    generator = torch.Generator().manual_seed(9)
-    full = {
-        "w": torch.randn(12, 4, generator=generator).to(torch.bfloat16),
-        "b": torch.randn(6, generator=generator).to(torch.bfloat16),
-    }
+    _, layouts, full, step = _two_ranks(12, seed=9, rate=0.2)
 
     def publish_all(writers: list[DeltaWriter]) -> None:
         nonlocal full
-        full = {k: (v.float() + (torch.rand(v.shape) < 0.2)).to(v.dtype) for k, v in full.items()}
+        full = step(full)
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(lambda r: writers[r].publish(layouts[r].scatter(full)), range(2)))
 
