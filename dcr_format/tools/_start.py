@@ -71,10 +71,11 @@ def start_from(
     committed = chain.versions()
     # the oldest first (the model a run started from), then the newest down
     order = committed[:1] + committed[:0:-1]
-    version = next((v for v in order if chain.record(v).record.state_fingerprint == found), None)
-    if version is None:
+    records = (chain.record(v) for v in order)
+    loaded = next((r for r in records if r.record.state_fingerprint == found), None)
+    if loaded is None:
         raise VersionNotFoundError(_no_version(chain, committed, checkpoint, rows))
-    loaded = chain.record(version)
+    version = loaded.record.version
     manifests = tuple(chain.manifests(loaded))
     with ThreadPoolExecutor(4) as pool:
         files = fetch_files(store, {}, manifests, pool)
