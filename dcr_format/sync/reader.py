@@ -30,6 +30,8 @@ from dcr_format.chain.chain import Chain, state_table
 from dcr_format.delta.delta import Delta
 from dcr_format.errors import (
     ArgumentError,
+    DcrError,
+    ObjectNotFoundError,
     StalePreparedError,
     TargetChangedError,
     VersionNotFoundError,
@@ -101,6 +103,16 @@ def _selector(select: Callable[[str], bool] | Collection[str] | None) -> Callabl
         f"select takes a function of a tensor's name or a collection of names, not "
         f"{type(select).__name__} (e.g. select={{'lm_head.weight'}})"
     )
+
+
+def _not_found(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a missing object or version."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (ObjectNotFoundError, VersionNotFoundError)):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 class DeltaReader(Applying, Committing):
@@ -195,6 +207,7 @@ class DeltaReader(Applying, Committing):
         self.reader_id = reader_id
         self._recorded = None
         self._version_names = None
+        self._planned_from: int | None = None  # the oldest committed version at planning
 
     def versions(self) -> list[int]:
         """Committed versions of the chain, ascending."""
@@ -228,14 +241,22 @@ class DeltaReader(Applying, Committing):
         """
         with collector_off():
             for attempt in range(3 if self.group.alone else 1):
+                last = attempt == 2 or not self.group.alone
                 try:
                     with self._explaining():
                         prepared = self._prepare_for(to, stage=False, audit=audit)
                     return self.apply(prepared, audit=audit)
                 except (StalePreparedError, TargetChangedError):
                     # another sync moved the target between planning and applying: plan again
-                    if attempt == 2 or not self.group.alone:
+                    if last:
                         raise
+                except DcrError as exc:
+                    # gc removed versions this sync was reading: plan again, from a base
+                    removed = self._removed(exc, self._planned_from)
+                    if removed is None:
+                        raise
+                    if last:
+                        raise removed from exc
         raise AssertionError("unreachable")
 
     def prepare(self, to: int | None = None) -> PreparedVersion:
@@ -264,12 +285,23 @@ class DeltaReader(Applying, Committing):
         stopping every thread of the process (an engine's generation too) while it runs.
         """
         with collector_off(), self._explaining():
-            return self._prepare_for(to, stage=True)
+            for attempt in range(3 if self.group.alone else 1):
+                try:
+                    return self._prepare_for(to, stage=True)
+                except DcrError as exc:
+                    # gc removed versions this preparation was reading: plan again
+                    removed = self._removed(exc, self._planned_from)
+                    if removed is None:
+                        raise
+                    if attempt == 2 or not self.group.alone:
+                        raise removed from exc
+        raise AssertionError("unreachable")
 
     def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
         """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it)."""
         to = None if to is None else whole(to, "to", low=0)
         committed = self.chain.versions()
+        self._planned_from = committed[0] if committed else None
         latest = committed[-1] if committed else -1
         goal = self.group.min(latest if to is None else to)
         started = time.perf_counter()
@@ -306,7 +338,32 @@ class DeltaReader(Applying, Committing):
         cyclic collector is held off meanwhile (the pause; see :meth:`sync`).
         """
         with collector_off():
-            return self._apply_prepared(prepared, audit)
+            try:
+                return self._apply_prepared(prepared, audit)
+            except DcrError as exc:  # versions it fetches only now may have been removed
+                removed = self._removed(exc, prepared.plan[0] if prepared.plan else None)
+                if removed is None:
+                    raise
+                raise removed from exc
+
+    def _removed(self, exc: DcrError, since: int | None) -> VersionNotFoundError | None:
+        """Where ``exc`` is a missing object or version and the chain no longer holds
+        version ``since`` (the oldest a sync planned from): gc removed what the sync was
+        reading, and the error to raise says so (None otherwise, or where the chain
+        cannot be listed now)."""
+        if since is None or not _not_found(exc):
+            return None
+        try:
+            now = self.chain.versions()
+        except DcrError:
+            return None
+        if now and now[0] <= since:
+            return None
+        gone = f"versions {since}..{now[0] - 1}" if now else "every version"
+        return VersionNotFoundError(
+            f"{gone} of {self.store.url} were removed (dcr gc) while this sync read them; "
+            "sync again: a reader whose version is gone starts from the newest base"
+        )
 
     def _apply_prepared(self, prepared: PreparedVersion, audit: bool) -> SyncResult:
         """:meth:`apply`, with the collector held off."""
