@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -528,6 +529,45 @@ def test_an_unreadable_directory_is_a_target_error_that_says_what_to_do(tmp_path
     DeltaReader(store, SafetensorsDirTarget(path)).sync()
     assert_same_bits(load_file(str(path / SINGLE_FILE)), state)
     assert _versions(path) == [path.resolve().name]
+
+
+@pytest.mark.parametrize("when", ["seen before writing", "while writing"])
+def test_a_version_that_does_not_fit_the_disk_is_refused_and_the_directory_kept(
+    tmp_path, monkeypatch, when
+):
+    """A full disk (or quota) is told as such, with what the version needs, whether the
+    free space is short before anything is written or the disk fills while writing (a
+    filesystem that reports no size; safetensors names the OS error in its text only);
+    the directory keeps its version, nothing of the new one is left, and once there is
+    room the same sync completes."""
+    store, path = str(tmp_path / "store"), tmp_path / "ckpt"
+    writer, state, gen, _ = _chain(store, 1)
+    DeltaReader(store, SafetensorsDirTarget(path)).sync()
+    before = dir_snapshot(path)
+    step_state(state, gen)
+    writer.publish(state)
+    if when == "seen before writing":
+        usage = shutil.disk_usage(tmp_path)
+        full = usage._replace(free=1000)
+        monkeypatch.setattr(targets.shutil, "disk_usage", lambda where: full)
+    else:
+        import safetensors.torch
+
+        def no_room(*args, **kwargs):
+            raise safetensors.SafetensorError(
+                "Error while serializing: I/O error: No space left on device (os error 28)"
+            )
+
+        nothing = shutil.disk_usage(tmp_path)._replace(total=0, used=0, free=0)
+        monkeypatch.setattr(targets.shutil, "disk_usage", lambda where: nothing)
+        monkeypatch.setattr(safetensors.torch, "save_file", no_room)
+    with pytest.raises(TargetUnreadableError, match=r"the disk of .*ckpt is full: version 1 needs"):
+        DeltaReader(store, SafetensorsDirTarget(path)).sync()
+    assert dir_snapshot(path) == before
+    assert _versions(path) == [path.resolve().name]
+    monkeypatch.undo()
+    assert DeltaReader(store, SafetensorsDirTarget(path)).sync().version == 1
+    assert_same_bits(load_file(str(path / SINGLE_FILE)), state)
 
 
 def test_a_lock_file_that_is_a_link_is_refused(tmp_path):

@@ -5,7 +5,9 @@ interface (never the URL), and the store modules import only downward."""
 from __future__ import annotations
 
 import ast
+import errno
 import inspect
+import os
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -259,6 +261,28 @@ def test_a_store_over_any_backend_checks_keys_limits_and_translates_errors() -> 
     assert store.list("a") == ["a/b"]
     store.delete_many(["a/b"])
     assert backend.objects == {}
+
+
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (errno.ENOSPC, r"disk or quota is full: free space \(`dcr gc --keep-last K`"),
+        (errno.EDQUOT, "disk or quota is full"),
+        (errno.EROFS, "mounted read-only: use a writable store"),
+        (errno.EACCES, "credentials allow writing"),
+    ],
+)
+def test_a_write_the_filesystem_refuses_says_why_in_the_users_terms(
+    code: int, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = _DictBackend()
+
+    def refused(key: str, data: bytes) -> None:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(backend, "put", refused)
+    with pytest.raises(StoreError, match=says):
+        Store(backend).put("a", b"x")
 
 
 def test_temporary_files_go_through_the_store_with_their_own_key_rules() -> None:

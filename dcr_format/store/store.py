@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import functools
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -278,6 +279,17 @@ class Store:
                 f"no object {where}; check the key and the store URL"
             ) from exc
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreError(
+                    f"could not {action} {where}: {describe(exc)}; the store's disk or quota "
+                    "is full: free space (`dcr gc --keep-last K` deletes old versions), "
+                    "then retry"
+                ) from exc
+            if exc.errno == errno.EROFS:
+                raise StoreError(
+                    f"could not {action} {where}: {describe(exc)}; the store's filesystem "
+                    "is mounted read-only: use a writable store"
+                ) from exc
             allowed = "reading" if reading else "writing"
             raise StoreError(
                 f"could not {action} {where}: {describe(exc)}; check that the store is "

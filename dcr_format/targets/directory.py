@@ -7,6 +7,7 @@ link to it with one rename, under a lock file that one sync at a time holds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -435,12 +436,22 @@ class SafetensorsDirTarget(Target):
             )
         store = self._store_dir
         store.mkdir(exist_ok=True)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        size += sum(len(data) for data in chain_files.fetched.values())
+        free = _free_bytes(store)
+        if free is not None and free < size:
+            raise TargetUnreadableError(self._full(resident, size, free, live))
         fresh = store / f"v{resident.version:020d}-{uuid.uuid4().hex[:8]}"
         fresh.mkdir()
         link = store / f"link-{uuid.uuid4().hex[:8]}"
         swapped = False
         try:
-            self._fill(fresh, tensors, layout, resident, live, chain_files)
+            try:
+                self._fill(fresh, tensors, layout, resident, live, chain_files)
+            except Exception as exc:
+                if not _out_of_space(exc):
+                    raise
+                raise TargetUnreadableError(self._full(resident, size, None, live)) from exc
             _fsync_dir(fresh)  # complete: what follows is the swap
             if self.path.is_dir() and not self.path.is_symlink():
                 self.path.rmdir()  # empty (checked); the previous version was nothing
@@ -454,6 +465,22 @@ class SafetensorsDirTarget(Target):
         _fsync_dir(self.path.parent)
         if live is not None and live.name != fresh.name:
             shutil.rmtree(live, ignore_errors=True)
+
+    def _full(self, resident: Resident, size: int, free: int | None, live: Path | None) -> str:
+        """The message of a version that does not fit the directory's disk (``live``: the
+        directory of the version it holds, if any)."""
+        needs, has = f"{size / 1e6:.1f} MB", "" if free is None else f"{free / 1e6:.1f} MB"
+        if needs == has:  # too close for megabytes
+            needs, has = f"{size:,} bytes", f"{free:,} bytes"
+        beside, kept = (
+            (" written beside the version the directory holds", " (it still holds its version)")
+            if live is not None
+            else ("", "")
+        )
+        return (
+            f"the disk of {self.path} is full: version {resident.version} needs {needs}"
+            f"{beside}{has and f', {has} free'}; free space there and sync again{kept}"
+        )
 
     def _fill(
         self,
@@ -507,6 +534,32 @@ class SafetensorsDirTarget(Target):
         if chain_files.listed:
             state["files"] = dict(sorted(chain_files.listed.items()))
         _write_synced(fresh / DIR_STATE_FILE, json.dumps(state).encode())
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes free for this user on the filesystem of ``path`` (None: it does not say, as
+    some network and FUSE filesystems report no size at all)."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    return usage.free if usage.total > 0 else None
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """Whether a write failed for want of space (a full disk or quota): an OSError with
+    that errno, or safetensors' own error, which gives the OS error in its text only."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(exc)
+    return any(
+        mark in text
+        for mark in (
+            os.strerror(errno.ENOSPC),
+            os.strerror(errno.EDQUOT),
+            f"os error {errno.ENOSPC})",
+        )
+    )
 
 
 @dataclass(frozen=True)
