@@ -14,9 +14,9 @@ loader prepare it in the background, then times, as the trainer sees them, both 
     .venv-sglang/bin/python benchmarks/sglang_bench.py [--hidden 512] [--layers 4]
         [--vocab 8192] [--steps 5] [--change 0.03] [--tp 1]
 
-With ``--tp 2`` the engine's two tensor-parallel ranks form a reader group: they agree on
-the version and fetch it inside the update (no background preparation), and the dense
-update is split per rank by SGLang.
+With ``--tp 2`` the engine's two tensor-parallel ranks form a reader group: each prepares
+its shards of the version in the background, the ranks agree in the update that every one
+holds it and apply together, and the dense update is split per rank by SGLang.
 
 On a CPU without sgl-kernel the test shims of tests_sglang/shims are put on the path.
 """
@@ -130,7 +130,7 @@ def main() -> int:
     )
     print("| what stops generation | seconds |")
     print("|---|---|")
-    where = "in the background" if args.tp == 1 else "inside the update, the ranks together"
+    where = "in the background" if all(r[3] for r in rows) else "in the update where not ahead"
     prepare = statistics.median(r[4] for r in rows)
     print(f"| dcr update (begin, load, end; prepared {where}) | {dcr_pause:.4f} |")
     print(f"| of which preparing (fetch, verify) inside the pause | {prepare:.4f} |")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,13 +57,20 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
     )
     try:
         server.wait()
-        sync = DcrSGLangSync(trainer.writer, server.url, DcrInitInfo(store=store))
+        info = DcrInitInfo(store=store, poll_seconds=0.2)
+        sync = DcrSGLangSync(trainer.writer, server.url, info)
         assert sync.init() == 0
         assert [(o.ok, o.rank, o.ranks) for o in sync.outcomes] == [(True, 0, TP), (True, 1, TP)]
         for step in (1, 2):
             trainer.step()
             exports.append(trainer.export())
-            assert sync.publish(exports[step], step=step) == step
+            if step == 1:  # updated at once: the ranks prepare together, in the update
+                assert sync.publish(exports[step], step=step) == step
+            else:  # every rank prepares it in the background while the engine serves
+                trainer.writer.publish(exports[step], step=step)
+                time.sleep(2.5)
+                assert sync.update(step).version == step
+                assert [o.report["prefetched"] for o in sync.outcomes] == [True] * TP
             held = server.shards(tmp / "held")
             # what SGLang's own loader places on each rank from that version's checkpoint
             server.load_from_disk(
@@ -98,7 +106,8 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
         # the edit undone by SGLang's own loader; the engine holds version 2 again
         server.load_from_disk(tmp / "s2")
         assert server.greedy() == text
-        sync.init_info = DcrInitInfo(store=store, version=2)
+        # without prefetch: the ranks would otherwise read version 3 before the failure below
+        sync.init_info = DcrInitInfo(store=store, version=2, prefetch=False)
         assert sync.init() == 2
         before = server.shards(tmp / "before")
 

@@ -1,6 +1,7 @@
 """Tensor parallel 2 on the CPU build: the two ranks of the engine form a reader group,
-each applies its own shards through its loader, the partial fingerprints are summed over
-the group (nothing is left unverified), and generation equals a fresh TP=2 engine's."""
+each prepares a new version in the background and applies its own shards through its
+loader, the partial fingerprints are summed over the group (nothing is left unverified),
+and generation equals a fresh TP=2 engine's."""
 
 from __future__ import annotations
 
@@ -25,17 +26,25 @@ def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) 
     )
     start_seconds = time.perf_counter() - started
     try:
-        sync = DcrWeightSync(trainer.writer, llm, DcrInitInfo(store=store, reader_id="tp2"))
+        info = DcrInitInfo(store=store, reader_id="tp2", poll_seconds=0.2)
+        sync = DcrWeightSync(trainer.writer, llm, info)
         sync.init()
         rows, got, dirs = [], [], []
         for step in range(1, 4):
             trainer.step()
-            version = sync.publish(trainer.export(), step=step)
+            if step == 1:  # updated at once: the ranks prepare together, in the update
+                version = sync.publish(trainer.export(), step=step)
+            else:
+                version = trainer.publish(step)
+                time.sleep(2.5)  # every rank prepares it in the background meanwhile
+                harness.greedy(llm)  # and the engine keeps serving
+                sync.update(version)
             reports = llm.collective_rpc("dcr_report")
             assert len(reports) == 2
             for report in reports:
                 assert report["version"] == version and not report["unverified"], report
-                assert not report["prefetched"]  # ranks prepare together, in the update
+                if step > 1:
+                    assert report["prefetched"], report
             state = trainer.export()
             assert llm.collective_rpc(harness.fused_bits) == [
                 harness.want_fused(state, rank=r, ranks=2) for r in range(2)

@@ -103,7 +103,8 @@ class DcrInitInfo:
     ``dcr replay`` wrote into the model directory). ``prefetch``: prepare (fetch, verify,
     decode) each newly committed version in the background while the engine generates, so
     that an update only applies it; polled every ``poll_seconds``. With tensor parallelism
-    the ranks prepare together inside ``update_weights`` instead.
+    every rank prepares its own shards in the background, and the ranks prepare together
+    inside ``update_weights`` only where one of them has not prepared the version asked.
     """
 
     store: str
@@ -241,7 +242,10 @@ class _Syncer:
     ``group``: a gloo process group of this model replica's tensor-parallel ranks (None
     alone). ``previous``: the syncer this one replaces (an engine initialised again), whose
     resident version the model holds. Preparation runs in a background thread when
-    ``prefetch`` (one rank only); a lock keeps it and the apply apart.
+    ``prefetch``, each rank on its own (:meth:`DeltaReader.prepare` ``alone``: no call on
+    the group from that thread); an update applies the prepared version where every rank
+    holds it, else the ranks prepare together. A lock keeps the preparation and the apply
+    apart.
     """
 
     target: ModuleTarget
@@ -301,7 +305,7 @@ class _Syncer:
             # the weights are the claimed version's (read in full once, off any update's
             # pause); else the engine reports and builds on a version it does not hold
             self.reader.audit()
-        self.prefetch = info.prefetch and group is None
+        self.prefetch = info.prefetch
         self.poll_seconds = float(info.poll_seconds)
         self._lock = threading.Lock()
         self._prepared: Any = None
@@ -333,14 +337,13 @@ class _Syncer:
             held = self._prepared
             if held is not None and held.version >= committed[-1]:
                 return
-            self._prepared = self.reader.prepare(committed[-1])
+            self._prepared = self.reader.prepare(committed[-1], alone=True)
 
     # --- the update ------------------------------------------------------------------
 
     def update(self, update: DcrUpdateInfo) -> UpdateReport:
         """Reach ``update.version`` (default: the newest): prepare unless prefetched, apply."""
-        from dcr_format.errors import StalePreparedError
-
+        group = self.reader.group
         with self._lock:
             goal = update.version
             if goal is None:
@@ -349,7 +352,12 @@ class _Syncer:
                     raise VersionNotFoundError(f"{self.reader.store.url} has no version yet")
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
-            prefetched = prepared is not None and prepared.version == goal
+            if self.prefetch and not group.alone:  # the ranks' goal, and whether all hold it
+                goal = group.min(goal)
+                held = prepared is not None and prepared.version == goal
+                prefetched = not group.failed_ranks(held)
+            else:
+                prefetched = prepared is not None and prepared.version == goal
             # the engine is paused: no collection walks its whole heap meanwhile (a full
             # pass over a large process takes tens to hundreds of milliseconds)
             with _for_engine(), collector_off():
@@ -357,8 +365,10 @@ class _Syncer:
                     prepared = self.reader.prepare(goal)
                 try:
                     result = self.reader.apply(prepared, audit=update.audit)
-                except StalePreparedError:  # the target moved since the prefetch: again
-                    prefetched = False
+                except Exception as exc:
+                    if not (prefetched and self._moved_since(exc)):
+                        raise
+                    prefetched = False  # the target moved since the prefetch: again
                     prepared = self.reader.prepare(goal)
                     result = self.reader.apply(prepared, audit=update.audit)
             report = UpdateReport(
@@ -374,6 +384,18 @@ class _Syncer:
             _log.info("dcr: %s", report)
             self.last = report
             return report
+
+    def _moved_since(self, exc: Exception) -> bool:
+        """Whether an apply of a prefetched version failed only because the target moved
+        since it was prepared (:class:`StalePreparedError`), so that preparing again is
+        the remedy: in a group, every rank decides it together (a rank another rank's
+        failure stopped agrees, one that failed otherwise does not)."""
+        from dcr_format.errors import GroupAbortError, StalePreparedError
+
+        group = self.reader.group
+        if group.alone:
+            return isinstance(exc, StalePreparedError)
+        return not group.failed_ranks(isinstance(exc, (StalePreparedError, GroupAbortError)))
 
     def version(self) -> int | None:
         """The version the model holds."""

@@ -51,7 +51,7 @@ class ReaderGroup:
         """This reader's rank in the group (0 on its own)."""
         if self._solo:
             return 0
-        return int(self._dist().get_rank(self._group))
+        return int(self._group.rank())
 
     def _dist(self) -> Any:
         import torch.distributed as dist
@@ -69,6 +69,18 @@ class ReaderGroup:
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
         return int(box.item())
 
+    def agree(self, *values: int) -> bool:
+        """Whether every rank passed the same ``values`` (one all-reduce)."""
+        if self._before_agreeing is not None:
+            self._before_agreeing()
+        if self._solo:
+            return True
+        dist = self._dist()
+        box = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
+        low, high = box[: len(values)], -box[len(values) :]
+        return bool(torch.equal(low, high))
+
     def failed_ranks(self, ok: bool) -> list[int]:
         """Group ranks that reported failure (every rank calls this once per stage)."""
         if self._before_agreeing is not None:
@@ -76,8 +88,8 @@ class ReaderGroup:
         if self._solo:
             return [] if ok else [0]
         dist = self._dist()
-        size = dist.get_world_size(self._group)
-        me = dist.get_rank(self._group)
+        # the group's own numbers: a group need not be registered with torch.distributed
+        size, me = self._group.size(), self._group.rank()
         flags = torch.zeros(size, dtype=torch.int32)
         flags[me] = 0 if ok else 1
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)

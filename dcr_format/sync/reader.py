@@ -259,12 +259,18 @@ class DeltaReader(Applying, Committing):
                         raise removed from exc
         raise AssertionError("unreachable")
 
-    def prepare(self, to: int | None = None) -> PreparedVersion:
+    def prepare(self, to: int | None = None, *, alone: bool = False) -> PreparedVersion:
         """Fetch, verify and decode everything for version ``to`` (default: the newest)
         without touching the target; :meth:`apply` then makes the change (the pause).
 
         A rollout engine keeps generating while this runs. A prepared version that is not
-        applied is simply dropped. In a reader group every rank prepares together.
+        applied is simply dropped. In a reader group every rank prepares together, unless
+        ``alone``: the rank then prepares its part without the others (no collective call,
+        so each rank may prepare in a background thread at its own time, a failure is its
+        own), and :meth:`apply`, which the ranks call together, first checks that every rank
+        prepared the same version from the same version (else every rank raises
+        :class:`StalePreparedError`, nothing changed). A reader over a relay store prepares
+        with its group only.
 
         A plan of several versions is fetched and decoded here while its versions decode
         to at most a quarter of the model together; :meth:`apply` fetches and applies the
@@ -284,32 +290,49 @@ class DeltaReader(Applying, Committing):
         collections they set off would walk the process's heap again and again, each
         stopping every thread of the process (an engine's generation too) while it runs.
         """
+        group = self.group
+        if alone and not group.alone:
+            if isinstance(self.store, RelayStore):
+                raise ArgumentError(
+                    "a reader over a relay store prepares with its group: call prepare() "
+                    "on every rank together"
+                )
+            group = ReaderGroup.solo()
         with collector_off(), self._explaining():
-            for attempt in range(3 if self.group.alone else 1):
+            for attempt in range(3 if group.alone else 1):
                 try:
-                    return self._prepare_for(to, stage=True)
+                    return self._prepare_for(to, stage=True, group=group)
                 except DcrError as exc:
                     # gc removed versions this preparation was reading: plan again
                     removed = self._removed(exc, self._planned_from)
                     if removed is None:
                         raise
-                    if attempt == 2 or not self.group.alone:
+                    if attempt == 2 or not group.alone:
                         raise removed from exc
         raise AssertionError("unreachable")
 
-    def _prepare_for(self, to: int | None, *, stage: bool, audit: bool = False) -> PreparedVersion:
-        """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it)."""
+    def _prepare_for(
+        self,
+        to: int | None,
+        *,
+        stage: bool,
+        audit: bool = False,
+        group: ReaderGroup | None = None,
+    ) -> PreparedVersion:
+        """:meth:`prepare` (``stage``) or a sync's preparation (``audit``: as asked of it);
+        ``group``: the ranks it agrees with (default the reader's group)."""
+        group = self.group if group is None else group
         to = None if to is None else whole(to, "to", low=0)
         committed = self.chain.versions()
         self._planned_from = committed[0] if committed else None
         latest = committed[-1] if committed else -1
-        goal = self.group.min(latest if to is None else to)
+        goal = group.min(latest if to is None else to)
         started = time.perf_counter()
         # a sync applies right after: its changes are completed as they are decoded (and
         # applied from when everything is verified, on its own)
         early = None if stage else EarlyApply(self.group.alone, audit)
         try:
-            with self.group.stage("fetching and verifying"):
+            with group.stage("fetching and verifying"):
                 prepared = self._prepare(goal, committed, started, early=early)
                 if stage and len(prepared.plan) == 1 and not prepared._steps[0].base:
                     staged = self._stage(prepared._steps[0])
@@ -370,6 +393,12 @@ class DeltaReader(Applying, Committing):
         if prepared._reader != id(self):
             raise StalePreparedError(
                 "this version was prepared by another DeltaReader; prepare it with this one"
+            )
+        previous = -1 if prepared.previous is None else prepared.previous
+        if not self.group.agree(prepared.version, previous):  # ranks that prepared alone
+            raise StalePreparedError(
+                "the ranks of this reader group prepared different versions (each on its "
+                "own); prepare again, every rank the same version"
             )
         started = time.perf_counter()
         if prepared.plan:

@@ -1,0 +1,147 @@
+"""Ranks of a reader group that prepare each on its own (``prepare(alone=True)``, what a
+tensor-parallel engine's background threads do) and apply together: no collective call
+while preparing, every rank must have prepared the same version from the same version,
+else every rank refuses it with nothing changed."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_same_bits, snapshot
+
+from dcr_format import DeltaReader, DeltaWriter, RelayStore, StateDictTarget, Store
+from dcr_format.errors import ArgumentError, StalePreparedError
+from dcr_format.testing.processes import in_threads
+
+WORLD = 2
+
+
+def _chain(root: str, versions: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    state = {f"layer.{i}.weight": torch.randn(64, 48, generator=gen).bfloat16() for i in range(6)}
+    writer = DeltaWriter(root)
+    states = []
+    for version in range(versions):
+        if version:
+            for tensor in state.values():
+                hit = torch.rand(tensor.shape, generator=gen) < 0.03
+                tensor[hit] = (tensor[hit].float() * 1.02 + 1e-3).bfloat16()
+        writer.publish(state, step=version)
+        states.append(snapshot(state))
+    return states
+
+
+def _mine(rank: int, names: list[str]) -> set[str]:
+    return {n for i, n in enumerate(sorted(names)) if i % WORLD == rank}
+
+
+def test_ranks_prepare_alone_at_their_own_time_then_apply_together(tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    states = _chain(root, 4)
+    links = dist.HashStore()
+    both_prepared = threading.Barrier(WORLD)
+    rank1_may_prepare = threading.Event()
+
+    def rank(r: int) -> list[object]:
+        group = dist.ProcessGroupGloo(links, r, WORLD, timedelta(seconds=30))
+        mine = _mine(r, list(states[0]))
+        held = {n: torch.zeros_like(t) for n, t in states[0].items() if n in mine}
+        reader = DeltaReader(root, StateDictTarget(held), select=mine, group=group)
+        assert reader.sync(1).version == 1  # together
+        # rank 1 prepares only once rank 0 has finished: a collective call would hang
+        if r == 0:
+            prepared = reader.prepare(2, alone=True)
+            rank1_may_prepare.set()
+        else:
+            assert rank1_may_prepare.wait(30)
+            prepared = reader.prepare(2, alone=True)
+        both_prepared.wait(30)
+        applied = reader.apply(prepared)
+        assert_same_bits(held, {n: states[2][n] for n in mine})
+        # the ranks prepared different versions: every rank refuses, nothing changes
+        other = reader.prepare(3 if r == 0 else 2, alone=True)
+        with pytest.raises(StalePreparedError, match="prepared different versions"):
+            reader.apply(other)
+        assert_same_bits(held, {n: states[2][n] for n in mine})
+        again = reader.apply(reader.prepare(3))  # together
+        assert_same_bits(held, {n: states[3][n] for n in mine})
+        return [applied.version, applied.previous, again.version]
+
+    assert in_threads(rank, WORLD, timeout=120) == [[2, 1, 3]] * WORLD
+
+
+def test_a_reader_over_a_relay_store_prepares_with_its_group(tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    _chain(root, 1)
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    reader = DeltaReader(RelayStore(Store(root), group), StateDictTarget({}), group=group)
+    with pytest.raises(ArgumentError, match="relay store prepares with its group"):
+        reader.prepare(alone=True)
+
+
+# --- a tensor-parallel engine's workers: each prepares in the background ------------------
+
+from test_module_shards import TP, Shards, bits_of, checkpoint, dense, step  # noqa: E402
+
+from dcr_format.integrations.vllm import DcrInitInfo, DcrUpdateInfo, _Syncer  # noqa: E402
+
+
+def _prepared(syncer: _Syncer, version: int) -> bool:
+    """Whether the worker's background thread holds ``version`` prepared (waits 30 s)."""
+    for _ in range(600):
+        with syncer._lock:
+            held = syncer._prepared
+        if held is not None and held.version == version:
+            return True
+        threading.Event().wait(0.05)
+    return False
+
+
+@pytest.mark.filterwarnings("ignore:You are using a Backend")  # a group in threads
+def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
+    tmp_path: Path,
+) -> None:
+    """Every rank prepares the newest version on its own; an update where every rank holds
+    it only applies (``prefetched`` on both), and one where a rank does not makes both
+    prepare together in the update; each rank's shards equal its loader's placement."""
+    root = str(tmp_path / "store")
+    writer = DeltaWriter(root)
+    states = [checkpoint()]
+    for version in (1, 2):
+        states.append(step(states[-1], version))
+    writer.publish(states[0])
+    links = dist.HashStore()
+    published = {v: threading.Barrier(TP) for v in (1, 2)}
+
+    def rank(r: int) -> list[tuple[int, bool]]:
+        group = dist.ProcessGroupGloo(links, r, TP, timedelta(seconds=30))
+        module = Shards(r)
+        module.load_weights(states[0].items())  # the engine's checkpoint: version 0
+        info = DcrInitInfo(store=root, version=0, poll_seconds=0.02, reader_id=f"tp-{r}")
+        syncer = _Syncer(module, info, model_dir=None, group=group)
+        seen = []
+        try:
+            for version in (1, 2):
+                if r == 0:
+                    writer.publish(states[version])
+                if version == 2 and r == 1:
+                    syncer.close()  # rank 1 stops preparing: the update prepares together
+                published[version].wait(30)
+                if not (version == 2 and r == 1):
+                    assert _prepared(syncer, version)
+                report = syncer.update(DcrUpdateInfo())
+                assert bits_of(module).keys() == dense(states[version], r).keys()
+                assert all(
+                    torch.equal(bits_of(module)[n], t) for n, t in dense(states[version], r).items()
+                )
+                seen.append((report.version, report.prefetched))
+        finally:
+            syncer.close()
+        return seen
+
+    assert in_threads(rank, TP, timeout=120) == [[(1, True), (2, False)]] * TP
