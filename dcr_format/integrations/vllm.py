@@ -353,9 +353,9 @@ class _Syncer:
                 goal = committed[-1]
             prepared, self._prepared = self._prepared, None
             if self.prefetch and not group.alone:  # the ranks' goal, and whether all hold it
-                goal = group.min(goal)
-                held = prepared is not None and prepared.version == goal
-                prefetched = not group.failed_ranks(held)
+                rows = group.rows(goal, -1 if prepared is None else prepared.version)
+                goal = min(wanted for wanted, _ in rows)
+                prefetched = all(held == goal for _, held in rows)
             else:
                 prefetched = prepared is not None and prepared.version == goal
             # the engine is paused: no collection walks its whole heap meanwhile (a full

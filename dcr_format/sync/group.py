@@ -17,6 +17,12 @@ import torch
 from dcr_format.errors import GroupAbortError
 
 
+class Agreement:
+    """Whether the ranks of a stage passed the same values (set when the stage ends)."""
+
+    same: bool = True
+
+
 class ReaderGroup:
     """The ranks of a ``torch.distributed`` process group (``None``: a reader on its own).
 
@@ -69,44 +75,42 @@ class ReaderGroup:
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
         return int(box.item())
 
-    def agree(self, *values: int) -> bool:
-        """Whether every rank passed the same ``values`` (one all-reduce)."""
+    def rows(self, *values: int) -> list[tuple[int, ...]]:
+        """Every rank's ``values``, by rank (every rank calls this with as many values;
+        one all-reduce)."""
         if self._before_agreeing is not None:
             self._before_agreeing()
         if self._solo:
-            return True
-        dist = self._dist()
-        box = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
-        low, high = box[: len(values)], -box[len(values) :]
-        return bool(torch.equal(low, high))
-
-    def failed_ranks(self, ok: bool) -> list[int]:
-        """Group ranks that reported failure (every rank calls this once per stage)."""
-        if self._before_agreeing is not None:
-            self._before_agreeing()
-        if self._solo:
-            return [] if ok else [0]
+            return [tuple(values)]
         dist = self._dist()
         # the group's own numbers: a group need not be registered with torch.distributed
         size, me = self._group.size(), self._group.rank()
-        flags = torch.zeros(size, dtype=torch.int32)
-        flags[me] = 0 if ok else 1
-        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self._group)
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        box = torch.zeros((size, len(values)), dtype=torch.int64)
+        box[me] = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.SUM, group=self._group)
+        return [tuple(row) for row in box.tolist()]
+
+    def failed_ranks(self, ok: bool) -> list[int]:
+        """Group ranks that reported failure (every rank calls this once per stage)."""
+        return [rank for rank, (flag,) in enumerate(self.rows(0 if ok else 1)) if flag]
 
     @contextmanager
-    def stage(self, what: str) -> Iterator[None]:
+    def stage(self, what: str, *, agree: tuple[int, ...] = ()) -> Iterator[Agreement]:
         """Run a stage; raise :class:`GroupAbortError` if another rank's stage failed.
 
-        A local failure is reported to the group and re-raised unchanged.
+        A local failure is reported to the group and re-raised unchanged. ``agree``: values
+        the ranks compare in the same exchange; the :class:`Agreement` yielded says, once
+        the stage has ended on every rank, whether all passed the same.
         """
+        agreement = Agreement()
         try:
-            yield
+            yield agreement
         except Exception:
-            self.failed_ranks(False)
+            self.rows(1, *agree)
             raise
-        failed = self.failed_ranks(True)
+        rows = self.rows(0, *agree)
+        agreement.same = all(row[1:] == rows[0][1:] for row in rows)
+        failed = [rank for rank, row in enumerate(rows) if row[0]]
         if failed:
             raise GroupAbortError(
                 f"reader rank(s) {failed} failed while {what}; no rank applies this version: "

@@ -47,7 +47,7 @@ from dcr_format.sync._diagnose import reserve_fingerprints
 from dcr_format.sync._fetch import SyncBudget, fetch_changes, fetch_files, fetch_step
 from dcr_format.sync._plan import SyncPlan, check_goal, plan_fetch, read_plan, resident_record
 from dcr_format.sync._state import PreparedVersion, VerifiedLanes
-from dcr_format.sync.group import ReaderGroup
+from dcr_format.sync.group import Agreement, ReaderGroup
 from dcr_format.system.collector import collector_off
 from dcr_format.system.options import whole
 from dcr_format.targets.protocol import Target
@@ -103,6 +103,20 @@ def _selector(select: Callable[[str], bool] | Collection[str] | None) -> Callabl
         f"select takes a function of a tensor's name or a collection of names, not "
         f"{type(select).__name__} (e.g. select={{'lm_head.weight'}})"
     )
+
+
+def _agreed(prepared: PreparedVersion) -> tuple[int, int]:
+    """What the ranks of a group must have prepared alike to apply it together: the version
+    and the version it was prepared from (ranks that prepared alone may differ)."""
+    return prepared.version, -1 if prepared.previous is None else prepared.previous
+
+
+def _check_agreed(checked: Agreement) -> None:
+    if not checked.same:
+        raise StalePreparedError(
+            "the ranks of this reader group prepared different versions (each on its own); "
+            "prepare again, every rank the same version"
+        )
 
 
 def _not_found(exc: BaseException) -> bool:
@@ -394,19 +408,14 @@ class DeltaReader(Applying, Committing):
             raise StalePreparedError(
                 "this version was prepared by another DeltaReader; prepare it with this one"
             )
-        previous = -1 if prepared.previous is None else prepared.previous
-        if not self.group.agree(prepared.version, previous):  # ranks that prepared alone
-            raise StalePreparedError(
-                "the ranks of this reader group prepared different versions (each on its "
-                "own); prepare again, every rank the same version"
-            )
         started = time.perf_counter()
         if prepared.plan:
             with self._explaining():
                 unverified, audited = self._apply(prepared, audit)
         else:  # already there (no versions, no bytes); still take part in the group's stages
-            with self.group.stage("checking its target"):
+            with self.group.stage("checking its target", agree=_agreed(prepared)) as checked:
                 self._check_fresh(prepared)
+            _check_agreed(checked)
             with self.group.stage("applying"):
                 pass
             unverified, audited = set(), False
@@ -530,7 +539,7 @@ class DeltaReader(Applying, Committing):
         txn = None if sync is None else sync.txn
         try:
             # inside the stage: a target this rank cannot open fails every rank's sync
-            with self.group.stage("checking its target"):
+            with self.group.stage("checking its target", agree=_agreed(prepared)) as checked:
                 if sync is None:
                     sync = self._open(prepared, asked)
                     txn = sync.txn
@@ -546,6 +555,7 @@ class DeltaReader(Applying, Committing):
                             if c.name not in sync.applied
                         ]
                     )
+            _check_agreed(checked)  # in a group nothing is written yet: nothing to roll back
             with self.group.stage("applying"):
                 for step in sync.steps[sync.done :]:
                     self._change_step(sync, step)
