@@ -14,8 +14,9 @@ server, or the ``sglang.Engine`` it is given).
   version in the background while the engine generates; each update request only applies
   the prepared version, in place, all of it or nothing. With tensor parallelism the
   schedulers' readers form a reader group over SGLang's own gloo group of the
-  tensor-parallel ranks: they agree on the version, fetch and verify it inside the update
-  (not in the background), and every rank applies it or none does. The loader never
+  tensor-parallel ranks: each prepares its own shards in the background, the update
+  checks that every rank holds the version (else they fetch and verify it together
+  inside the update), and every rank applies it or none does. The loader never
   raises into SGLang (an exception there stops the server): a refused update leaves the
   weights as they were, is logged, and is reported back in a report file the request
   names (SGLang answers "Success" to any custom loader, whatever it did, and carries
