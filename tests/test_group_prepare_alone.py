@@ -106,17 +106,18 @@ def _prepared(syncer: _Syncer, version: int) -> bool:
 def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
     tmp_path: Path,
 ) -> None:
-    """Every rank prepares the newest version on its own; an update where every rank holds
-    it only applies (``prefetched`` on both), and one where a rank does not makes both
-    prepare together in the update; each rank's shards equal its loader's placement."""
+    """Every rank prepares the newest version on its own: an update where every rank holds
+    it only applies (``prefetched`` on both); one whose target moved since (here, a sync
+    outside the update) prepares again on every rank; one where a rank holds nothing
+    prepares together. Each rank's shards equal its loader's placement every time."""
     root = str(tmp_path / "store")
     writer = DeltaWriter(root)
     states = [checkpoint()]
-    for version in (1, 2):
+    for version in (1, 2, 3):
         states.append(step(states[-1], version))
     writer.publish(states[0])
     links = dist.HashStore()
-    published = {v: threading.Barrier(TP) for v in (1, 2)}
+    published = {v: threading.Barrier(TP) for v in (1, 2, 3)}
 
     def rank(r: int) -> list[tuple[int, bool]]:
         group = dist.ProcessGroupGloo(links, r, TP, timedelta(seconds=30))
@@ -126,22 +127,25 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
         syncer = _Syncer(module, info, model_dir=None, group=group)
         seen = []
         try:
-            for version in (1, 2):
+            for version in (1, 2, 3):
                 if r == 0:
                     writer.publish(states[version])
-                if version == 2 and r == 1:
+                if version == 3 and r == 1:
                     syncer.close()  # rank 1 stops preparing: the update prepares together
                 published[version].wait(30)
-                if not (version == 2 and r == 1):
+                if not (version == 3 and r == 1):
                     assert _prepared(syncer, version)
+                if version == 2:  # the target moves after the preparation
+                    with syncer._lock:
+                        syncer.reader.sync(2)
                 report = syncer.update(DcrUpdateInfo())
-                assert bits_of(module).keys() == dense(states[version], r).keys()
-                assert all(
-                    torch.equal(bits_of(module)[n], t) for n, t in dense(states[version], r).items()
-                )
+                want = dense(states[version], r)
+                got = bits_of(module)
+                assert got.keys() == want.keys()
+                assert all(torch.equal(got[n], t) for n, t in want.items())
                 seen.append((report.version, report.prefetched))
         finally:
             syncer.close()
         return seen
 
-    assert in_threads(rank, TP, timeout=120) == [[(1, True), (2, False)]] * TP
+    assert in_threads(rank, TP, timeout=120) == [[(1, True), (2, False), (3, False)]] * TP
