@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget
+from dcr_format import DeltaReader, DeltaWriter, SafetensorsDirTarget, compact, gc
 from dcr_format.chain.chain import Chain
 from dcr_format.cli.main import cli
 from dcr_format.errors import ArgumentError, VersionNotFoundError
@@ -131,6 +131,22 @@ def test_a_checkpoint_that_is_no_version_is_refused_with_why(
         f"{hub} holds none of the chain's versions 0..2 ({why}); pull without starting from it"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hub", "store"]  # nothing written
+
+
+def test_a_checkpoint_of_a_version_gc_removed_is_refused_saying_so(
+    tmp_path: Path, chain: tuple[str, list[dict[str, torch.Tensor]]]
+) -> None:
+    store, states = chain
+    compact(store, at=1)
+    gc(store, keep_last=2, grace=0, commit_timeout=0)
+    hub = _checkpoint(tmp_path / "hub", states[0])
+    with pytest.raises(VersionNotFoundError) as refused:
+        start_from(store, hub, tmp_path / "policy")
+    assert str(refused.value) == (
+        f"{hub} holds none of the chain's versions 1..2 (its tensors' names, dtypes and "
+        "shapes are the chain's, but their bits are no committed version's; the versions "
+        "before 1 were removed (dcr gc)); pull without starting from it"
+    )
 
 
 def test_the_pull_command_starts_a_new_directory_from_a_checkpoint_once(

@@ -125,6 +125,8 @@ def _no_version(
             else "its tensors' names, dtypes and shapes are the chain's, but their bits are "
             "no committed version's"
         )
+    if committed[0] > 0:  # the version it holds may be one gc removed
+        why += f"; the versions before {committed[0]} were removed (dcr gc)"
     return (
         f"{checkpoint} holds none of the chain's versions {committed[0]}..{newest} ({why}); "
         "pull without starting from it"
