@@ -305,3 +305,18 @@ def test_reader_records_that_cannot_be_listed_are_none(store, monkeypatch):
 
     monkeypatch.setattr(store, "list", broken)
     assert _commit.read_reader_records(store) == _commit.ReaderWishes()
+
+
+def test_the_head_hint_is_the_committers_number_or_none(tmp_path) -> None:
+    store = Store(tmp_path / "store")
+    writer = DeltaWriter(store)
+    chain = Chain(store)
+    writer.publish({"w": torch.zeros(4)})
+    writer.publish({"w": torch.ones(4)})
+    assert chain.head_hint() == 1
+    for junk in (b"", b"x1", b"-1", b" 1", "\u0661".encode(), b"1" * 21):
+        store.put(HEAD_KEY, junk)
+        assert chain.head_hint() is None, junk
+    store.delete(HEAD_KEY)
+    assert chain.head_hint() is None
+    assert chain.versions() == [0, 1]  # a hint only: the listing is the truth

@@ -192,3 +192,57 @@ def test_an_update_holds_the_collector_off_while_it_runs(tmp_path):
         assert seen == [False, False] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_workers_background_polls_read_the_head_hint_and_list_seldom(tmp_path, monkeypatch):
+    """Each poll of the background preparation reads the small HEAD object; the commit
+    records are listed where HEAD names a newer version, and every LIST_SECONDS whatever it
+    says (a committer's HEAD write may have failed)."""
+    import time
+
+    import dcr_format.integrations.vllm as vllm_integration
+    from dcr_format.chain.chain import COMMITS_PREFIX
+    from dcr_format.store.store import Store
+
+    lists: list[str] = []
+    real_list = Store.list
+
+    def counted(self, prefix=""):  # type: ignore[no-untyped-def]
+        lists.append(prefix)
+        return real_list(self, prefix)
+
+    monkeypatch.setattr(Store, "list", counted)
+    monkeypatch.setattr(vllm_integration, "LIST_SECONDS", 0.5)
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    module = Runtime()
+    module.load_weights(state.items())
+    info = DcrInitInfo(store=store, version=0, poll_seconds=0.01, reader_id="engine")
+    syncer = _Syncer(module, info, model_dir=None)
+
+    def prepared(version: int) -> bool:
+        for _ in range(500):
+            if syncer._prepared is not None and syncer._prepared.version == version:
+                return True
+            time.sleep(0.01)
+        return False
+
+    try:
+        time.sleep(0.2)  # the first poll lists; then nothing is newer than version 0
+        assert COMMITS_PREFIX in lists
+        lists.clear()
+        time.sleep(0.3)
+        assert len(lists) <= 1  # about 20 polls, at most one listing
+        state = step(state, 0)
+        writer.publish(state)  # HEAD names version 1: listed at the next poll
+        assert prepared(1)
+        state = step(state, 1)
+        writer.publish(state)
+        writer.store.put("HEAD", b"1")  # as if the committer's HEAD write had failed
+        assert prepared(2)  # found by the listing every LIST_SECONDS
+        assert syncer.update(DcrUpdateInfo()).prefetched
+        assert syncer.version() == 2
+    finally:
+        syncer.close()

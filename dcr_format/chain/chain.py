@@ -53,6 +53,7 @@ from dcr_format.store.store import Store
 
 HEADER_KEY = "dcr.json"
 HEAD_KEY = "HEAD"
+MAX_HEAD_BYTES = 20  # the decimal of a version number (at most 2**64 - 1)
 COMMITS_PREFIX = "commits/"
 OBJECTS_PREFIX = "objects/"
 _COMMIT_KEY = re.compile(r"^commits/([0-9]{20})\.json$")
@@ -253,6 +254,18 @@ class Chain:
         return self.header
 
     # --- commits -----------------------------------------------------------------
+
+    def head_hint(self) -> int | None:
+        """The newest committed version as the committer's ``HEAD`` names it: a hint only
+        (FORMAT.md §3), which may lag behind or be missing, so never a reason to take a
+        version as committed; one small read, where :meth:`versions` lists every commit
+        record. None where ``HEAD`` is missing, unreadable or not a version number."""
+        try:
+            data = self.store.get(HEAD_KEY, max_size=MAX_HEAD_BYTES)
+        except DcrError:
+            return None
+        text = data.decode("ascii", errors="replace")
+        return int(text) if text.isascii() and text.isdigit() else None
 
     def versions(self) -> list[int]:
         """Committed versions, ascending (from listing ``commits/``)."""

@@ -69,6 +69,9 @@ __all__ = [
 
 BACKEND = "dcr"
 _log = logging.getLogger(__name__)
+# a worker's background preparation lists the commit records at least this often, and
+# otherwise only where the committer's HEAD hint names a newer version
+LIST_SECONDS = 10.0
 # a CPU ``cpu_linear`` computing from a prepacked copy of the weight (vLLM's CPU build)
 _PREPACKED_KERNELS = ("onednn_mm", "weight_packed_linear_cpu", "zentorch_linear_unary")
 
@@ -102,7 +105,9 @@ class DcrInitInfo:
     version the engine's checkpoint holds (default: read from the ``dcr-state.json`` that
     ``dcr replay`` wrote into the model directory). ``prefetch``: prepare (fetch, verify,
     decode) each newly committed version in the background while the engine generates, so
-    that an update only applies it; polled every ``poll_seconds``. With tensor parallelism
+    that an update only applies it; polled every ``poll_seconds`` (a poll reads the small
+    ``HEAD`` object the committer writes, and lists the commit records only where it names
+    a newer version, or every ten seconds, since it is a hint). With tensor parallelism
     every rank prepares its own shards in the background, and the ranks prepare together
     inside ``update_weights`` only where one of them has not prepared the version asked.
     """
@@ -310,6 +315,7 @@ class _Syncer:
         self._lock = threading.Lock()
         self._prepared: Any = None
         self._prepared_seconds = 0.0
+        self._listed = -LIST_SECONDS  # when the background thread last listed the commits
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last: UpdateReport | None = None
@@ -329,9 +335,21 @@ class _Syncer:
                 self._stop.wait(self.poll_seconds * 4)
 
     def _prefetch_once(self) -> None:
-        committed = self.reader.versions()
         resident = self.target.resident()
-        if not committed or resident is None or committed[-1] <= resident.version:
+        if resident is None:
+            return
+        held = self._prepared
+        known = max(resident.version, -1 if held is None else held.version)
+        now = time.monotonic()
+        if now - self._listed < LIST_SECONDS:
+            # one small read a poll; the commit records are listed only where the committer's
+            # hint names a newer version, and at least every LIST_SECONDS (a hint may lag)
+            hint = self.reader.chain.head_hint()
+            if hint is not None and hint <= known:
+                return
+        self._listed = now
+        committed = self.reader.versions()
+        if not committed or committed[-1] <= resident.version:
             return
         with self._lock:
             held = self._prepared
