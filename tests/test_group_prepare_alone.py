@@ -89,6 +89,7 @@ def test_a_reader_over_a_relay_store_prepares_with_its_group(tmp_path: Path) -> 
 from test_module_shards import TP, Shards, bits_of, checkpoint, dense, step  # noqa: E402
 
 from dcr_format.integrations.vllm import DcrInitInfo, DcrUpdateInfo, _Syncer  # noqa: E402
+from dcr_format.store.host_cache import HostCache  # noqa: E402
 
 
 def _prepared(syncer: _Syncer, version: int) -> bool:
@@ -123,8 +124,15 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
         group = dist.ProcessGroupGloo(links, r, TP, timedelta(seconds=30))
         module = Shards(r)
         module.load_weights(states[0].items())  # the engine's checkpoint: version 0
-        info = DcrInitInfo(store=root, version=0, poll_seconds=0.02, reader_id=f"tp-{r}")
+        info = DcrInitInfo(
+            store=root,
+            version=0,
+            poll_seconds=0.02,
+            reader_id=f"tp-{r}",
+            host_cache_dir=str(tmp_path / "host"),
+        )
         syncer = _Syncer(module, info, model_dir=None, group=group)
+        caches.append(syncer.reader.store.host_cache)
         seen = []
         try:
             for version in (1, 2, 3):
@@ -148,4 +156,9 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
             syncer.close()
         return seen
 
+    caches: list[HostCache | None] = []
     assert in_threads(rank, TP, timeout=120) == [[(1, True), (2, False), (3, False)]] * TP
+    # the two ranks share the host's cache: each object read from the store once
+    read = sum(c.reads for c in caches if c is not None)
+    assert len(caches) == TP and read > 0
+    assert sum(c.hits for c in caches if c is not None) >= read

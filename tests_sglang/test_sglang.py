@@ -70,8 +70,9 @@ def _updates(sync: DcrSGLangSync, run: _Run, read: Any, greedy: Any) -> list[dic
 
 
 def _refuse_corrupted_shard(sync: DcrSGLangSync, run: _Run, read: Any, greedy: Any) -> None:
-    # without prefetch: it would otherwise fetch and verify the version before it is corrupted
-    sync.init_info = DcrInitInfo(store=run.store, prefetch=False)
+    # without prefetch: it would otherwise fetch and verify the version before it is
+    # corrupted; without the host's cache, which may hold the intact shard from an earlier run
+    sync.init_info = DcrInitInfo(store=run.store, prefetch=False, host_cache=False)
     held = sync.init()
     version = run.next_version()
     harness.corrupt_shard(run.store, version)

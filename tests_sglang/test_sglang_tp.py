@@ -106,8 +106,9 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
         # the edit undone by SGLang's own loader; the engine holds version 2 again
         server.load_from_disk(tmp / "s2")
         assert server.greedy() == text
-        # without prefetch: the ranks would otherwise read version 3 before the failure below
-        sync.init_info = DcrInitInfo(store=store, version=2, prefetch=False)
+        # without prefetch: the ranks would otherwise read version 3 before the failure below;
+        # without the host's cache, through which rank 1 may take what rank 0 read
+        sync.init_info = DcrInitInfo(store=store, version=2, prefetch=False, host_cache=False)
         assert sync.init() == 2
         before = server.shards(tmp / "before")
 

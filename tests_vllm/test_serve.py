@@ -123,8 +123,9 @@ def test_vllm_serve_driven_by_http_client(served, tmp_path: Path) -> None:  # ty
     assert server.rpc("test_fused_bits") == [harness.want_fused(trainer.export())]
 
     # scenario 4b: a corrupted shard of the next version (initialised again without
-    # prefetch, which would otherwise fetch and verify it before the test corrupts it)
-    sync.init_info = DcrInitInfo(store=store, reader_id="serve", prefetch=False)
+    # prefetch, which would otherwise fetch and verify it before the test corrupts it, and
+    # without the host's cache, which may hold the intact shard from an earlier run)
+    sync.init_info = DcrInitInfo(store=store, reader_id="serve", prefetch=False, host_cache=False)
     sync.init()
     (report,) = server.rpc("dcr_report")
     assert report is None  # a new reader, still at the version the engine holds

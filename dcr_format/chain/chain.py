@@ -120,7 +120,16 @@ def new_id() -> str:
 
 
 def get_verified(store: Store, key: str, *, size: int, sha256: str) -> bytes:
-    """Fetch an object and check it against the size and sha256 recorded for it."""
+    """Fetch an object and check it against the size and sha256 recorded for it (through
+    the store's host cache where it has one: checked there too)."""
+    if store.host_cache is not None:
+        return store.host_cache.fetch(
+            sha256, size, lambda: _get_checked(store, key, size=size, sha256=sha256)
+        )
+    return _get_checked(store, key, size=size, sha256=sha256)
+
+
+def _get_checked(store: Store, key: str, *, size: int, sha256: str) -> bytes:
     data = store.get(key, max_size=size)
     if len(data) != size:
         raise ChecksumMismatchError(

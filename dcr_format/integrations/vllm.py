@@ -110,6 +110,9 @@ class DcrInitInfo:
     a newer version, or every ten seconds, since it is a hint). With tensor parallelism
     every rank prepares its own shards in the background, and the ranks prepare together
     inside ``update_weights`` only where one of them has not prepared the version asked.
+    ``host_cache``: the workers of one host (tensor-parallel ranks, engines of one run) read
+    each object from the store once between them, through ``host_cache_dir`` (default: a
+    directory of this user in ``/dev/shm``; :class:`~dcr_format.store.host_cache.HostCache`).
     """
 
     store: str
@@ -119,6 +122,8 @@ class DcrInitInfo:
     version: int | None = None
     prefetch: bool = True
     poll_seconds: float = 0.5
+    host_cache: bool = True
+    host_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.store, str) or not self.store:
@@ -133,6 +138,12 @@ class DcrInitInfo:
             raise ValueError("dcr init_info 'storage_options' must be a dict")
         if not isinstance(self.poll_seconds, (int, float)) or self.poll_seconds <= 0:
             raise ValueError("dcr init_info 'poll_seconds' must be a positive number")
+        if not isinstance(self.host_cache, bool):
+            raise ValueError("dcr init_info 'host_cache' must be true or false")
+        if self.host_cache_dir is not None and (
+            not isinstance(self.host_cache_dir, str) or not self.host_cache_dir
+        ):
+            raise ValueError("dcr init_info 'host_cache_dir' must be a directory path")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-safe dict that ``init_weight_transfer_engine`` takes."""
@@ -266,6 +277,7 @@ class _Syncer:
     ) -> None:
         from dcr_format import DeltaReader, ModuleTarget, Store
         from dcr_format.chain.chain import Chain
+        from dcr_format.store.host_cache import HostCache
         from dcr_format.targets.module import all_reduce_lanes
 
         check_updatable(model)
@@ -275,7 +287,11 @@ class _Syncer:
                 f"the engine's model {type(model).__name__} has no load_weights; dcr applies "
                 "changes through the model's own loader"
             )
-        store = Store(info.store, storage_options=info.storage_options)
+        store = Store(
+            info.store,
+            storage_options=info.storage_options,
+            host_cache=HostCache(info.host_cache_dir) if info.host_cache else None,
+        )
         chain = Chain(store)
         if not chain.exists():
             raise VersionNotFoundError(

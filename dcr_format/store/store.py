@@ -75,6 +75,7 @@ from dcr_format.store._base import (
     retrying,
     temporary_key_problem,
 )
+from dcr_format.store.host_cache import HostCache
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -134,6 +135,10 @@ class Store:
     ``url`` may also be a backend object (the :class:`Backend` protocol), which
     carries its own options.
 
+    ``host_cache`` (a :class:`~dcr_format.store.host_cache.HostCache`, or its directory):
+    the readers of one host that pass the same directory read each verified object from
+    the store once between them (tensor-parallel ranks, engines of one run).
+
     A Store is safe to use from several threads at once.
     """
 
@@ -146,6 +151,7 @@ class Store:
         *,
         storage_options: dict[str, Any] | None = None,
         single_writer: bool = False,
+        host_cache: HostCache | str | os.PathLike[str] | None = None,
     ) -> None:
         backend: Backend
         if isinstance(url, (str, os.PathLike)):
@@ -165,6 +171,11 @@ class Store:
             raise ArgumentError(f"store URL must be a str or path, not {type(url).__name__}")
         self._backend = backend
         self.url = backend.url
+        self.host_cache: HostCache | None = (
+            host_cache
+            if host_cache is None or isinstance(host_cache, HostCache)
+            else HostCache(host_cache)
+        )
 
     @property
     def single_writer(self) -> bool:
