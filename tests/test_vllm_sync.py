@@ -118,14 +118,21 @@ from dcr_format.errors import BaselineMismatchError, VersionNotFoundError  # noq
 from dcr_format.integrations.vllm import DcrUpdateInfo, _Syncer  # noqa: E402
 
 
-def _engine(tmp_path, claimed: int):  # type: ignore[no-untyped-def]
+def _at_version_0(tmp_path):  # type: ignore[no-untyped-def]
+    """A store holding version 0 of the runtime's checkpoint, and a runtime holding it:
+    (store, writer, version 0's state, module)."""
     store = str(tmp_path / "store")
     writer = DeltaWriter(store)
     state = checkpoint()
     writer.publish(state)
-    writer.publish(step(state, 0))
     module = Runtime()
     module.load_weights(state.items())  # the engine's checkpoint: version 0
+    return store, writer, state, module
+
+
+def _engine(tmp_path, claimed: int):  # type: ignore[no-untyped-def]
+    store, writer, state, module = _at_version_0(tmp_path)
+    writer.publish(step(state, 0))
     info = DcrInitInfo(store=store, version=claimed, prefetch=False, reader_id="engine")
     return writer, module, lambda: _Syncer(module, info, model_dir=None)
 
@@ -141,12 +148,7 @@ def test_an_engine_reports_the_version_it_verified_not_the_one_claimed(tmp_path)
 def _recorded_engine(tmp_path):  # type: ignore[no-untyped-def]
     """An engine at version 0, and version 1 published after the engine recorded the names
     it transforms: (writer, version 0's state, module, syncer)."""
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    module = Runtime()
-    module.load_weights(state.items())
+    store, writer, state, module = _at_version_0(tmp_path)
     info = DcrInitInfo(store=store, version=0, prefetch=False, reader_id="engine")
     syncer = _Syncer(module, info, model_dir=None)
     writer.publish(step(state, 0))  # after the engine recorded the names it transforms
@@ -213,12 +215,7 @@ def test_a_workers_background_polls_read_the_head_hint_and_list_seldom(tmp_path,
 
     monkeypatch.setattr(Store, "list", counted)
     monkeypatch.setattr(vllm_integration, "LIST_SECONDS", 0.5)
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    module = Runtime()
-    module.load_weights(state.items())
+    store, writer, state, module = _at_version_0(tmp_path)
     info = DcrInitInfo(store=store, version=0, poll_seconds=0.01, reader_id="engine")
     syncer = _Syncer(module, info, model_dir=None)
 
