@@ -94,8 +94,9 @@ class HostCache:
                     return found
             data = read()
             self.reads += 1
-            if claimed:
-                self._keep(sha256, data)
+            if claimed and not self._keep(sha256, data):
+                with contextlib.suppress(OSError):  # nothing kept: no lock file left either
+                    (self.directory / (sha256 + _LOCK)).unlink()
             return data
 
     def _load(self, sha256: str, size: int) -> bytes | None:
@@ -128,9 +129,10 @@ class HostCache:
         finally:
             handle.close()  # releases the lock
 
-    def _keep(self, sha256: str, data: bytes) -> None:
+    def _keep(self, sha256: str, data: bytes) -> bool:
         """Leave ``data`` as the entry of ``sha256`` (complete or not at all), then keep the
-        directory within ``max_bytes``; any failure leaves the cache as it was."""
+        directory within ``max_bytes``; whether it was kept (a failure leaves the cache as
+        it was)."""
         temporary = self.directory / f"{_TEMPORARY}{uuid.uuid4().hex}"
         try:
             with open(temporary, "wb") as handle:
@@ -139,8 +141,9 @@ class HostCache:
         except OSError:
             with contextlib.suppress(OSError):
                 temporary.unlink()
-            return
+            return False
         self._evict(keep=sha256)
+        return True
 
     def _evict(self, keep: str) -> None:
         """Remove the entries used longest ago until the directory holds ``max_bytes``."""
