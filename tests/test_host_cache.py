@@ -103,6 +103,7 @@ def test_the_directory_keeps_within_its_bound_the_entries_used_last(tmp_path: Pa
     big, sha = _object("g" * 3)  # larger than the bound: read, never kept
     assert cache.fetch(sha, len(big), lambda: big) == big
     assert not (tmp_path / sha).exists()
+    assert (cache.reads, cache.hits) == (5, 0)
 
 
 def test_a_directory_that_cannot_be_used_or_written_leaves_reads_to_the_store(

@@ -83,7 +83,9 @@ class HostCache:
         them checked), left in the directory for the other readers. One reader of the host
         reads a missing object at a time; the others wait for it."""
         if not self._usable or self.max_bytes < size or not _SHA256.fullmatch(sha256):
-            return read()
+            data = read()
+            self.reads += 1
+            return data
         found = self._load(sha256, size)
         if found is not None:
             return found
