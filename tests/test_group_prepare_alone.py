@@ -132,7 +132,9 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
             host_cache_dir=str(tmp_path / "host"),
         )
         syncer = _Syncer(module, info, model_dir=None, group=group)
-        caches.append(syncer.reader.store.host_cache)
+        cache = syncer.reader.store.host_cache
+        assert cache is not None
+        caches.append(cache)
         seen = []
         try:
             for version in (1, 2, 3):
@@ -152,13 +154,14 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
                 assert got.keys() == want.keys()
                 assert all(torch.equal(got[n], t) for n, t in want.items())
                 seen.append((report.version, report.prefetched))
+                assert (report.store_reads, report.host_cache_hits) == (cache.reads, cache.hits)
         finally:
             syncer.close()
         return seen
 
-    caches: list[HostCache | None] = []
+    caches: list[HostCache] = []
     assert in_threads(rank, TP, timeout=120) == [[(1, True), (2, False), (3, False)]] * TP
     # the two ranks share the host's cache: each object read from the store once
-    read = sum(c.reads for c in caches if c is not None)
+    read = sum(c.reads for c in caches)
     assert len(caches) == TP and read > 0
-    assert sum(c.hits for c in caches if c is not None) >= read
+    assert sum(c.hits for c in caches) >= read

@@ -71,6 +71,8 @@ def test_tensor_parallel_group_applies_on_every_rank_or_none(tmp: Path) -> None:
                 time.sleep(2.5)
                 assert sync.update(step).version == step
                 assert [o.report["prefetched"] for o in sync.outcomes] == [True] * TP
+                # through the host's cache, one rank takes what the other read
+                assert sum(o.report["host_cache_hits"] for o in sync.outcomes) > 0
             held = server.shards(tmp / "held")
             # what SGLang's own loader places on each rank from that version's checkpoint
             server.load_from_disk(

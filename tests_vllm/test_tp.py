@@ -60,6 +60,9 @@ def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) 
                     slowest["apply_seconds"],
                 )
             )
+        # the two ranks read each object through the host's cache: one takes what the
+        # other read (or an earlier run left there)
+        assert sum(r["host_cache_hits"] for r in llm.collective_rpc("dcr_report")) > 0
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert harness.fresh_greedy(dirs, tensor_parallel=2) == got

@@ -170,7 +170,10 @@ class DcrUpdateInfo:
 @dataclass(frozen=True)
 class UpdateReport:
     """What one update did on one worker: the version reached, the preparation (fetch,
-    verify, decode; in the background when prefetched) and the pause (the apply)."""
+    verify, decode; in the background when prefetched) and the pause (the apply).
+    ``store_reads`` and ``host_cache_hits``: the verified objects the worker has read from
+    the store and taken from the host's cache since it was initialised (both 0 without a
+    host cache)."""
 
     version: int
     previous: int | None
@@ -180,6 +183,8 @@ class UpdateReport:
     apply_seconds: float
     prefetched: bool
     unverified: tuple[str, ...] = ()
+    store_reads: int = 0
+    host_cache_hits: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (collective_rpc results)."""
@@ -377,7 +382,7 @@ class _Syncer:
 
     def update(self, update: DcrUpdateInfo) -> UpdateReport:
         """Reach ``update.version`` (default: the newest): prepare unless prefetched, apply."""
-        group = self.reader.group
+        group, cache = self.reader.group, self.reader.store.host_cache
         with self._lock:
             goal = update.version
             if goal is None:
@@ -414,6 +419,8 @@ class _Syncer:
                 apply_seconds=result.apply_seconds,
                 prefetched=prefetched,
                 unverified=tuple(result.unverified),
+                store_reads=0 if cache is None else cache.reads,
+                host_cache_hits=0 if cache is None else cache.hits,
             )
             _log.info("dcr: %s", report)
             self.last = report
