@@ -15,7 +15,8 @@ import torch.distributed as dist
 from conftest import assert_same_bits, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, RelayStore, StateDictTarget, Store
-from dcr_format.errors import ArgumentError, StalePreparedError
+from dcr_format.errors import ArgumentError, GroupAbortError, StalePreparedError
+from dcr_format.sync.group import ReaderGroup
 from dcr_format.testing.processes import in_threads
 
 WORLD = 2
@@ -73,6 +74,35 @@ def test_ranks_prepare_alone_at_their_own_time_then_apply_together(tmp_path: Pat
         return [applied.version, applied.previous, again.version]
 
     assert in_threads(rank, WORLD, timeout=120) == [[2, 1, 3]] * WORLD
+
+
+@pytest.mark.parametrize(
+    ("rank1_raises", "want"),
+    [
+        (None, (StalePreparedError, StalePreparedError)),
+        (ValueError("rank 1's own"), (GroupAbortError, ValueError)),
+    ],
+)
+def test_ranks_prepare_again_only_where_every_failure_was_a_moved_target(
+    rank1_raises: Exception | None, want: tuple[type, type]
+) -> None:
+    """Rank 0 finds its target moved since it prepared: every rank raises
+    StalePreparedError (and prepares again) only where no rank failed otherwise."""
+    links = dist.HashStore()
+
+    def rank(r: int) -> type:
+        group = ReaderGroup(dist.ProcessGroupGloo(links, r, WORLD, timedelta(seconds=30)))
+        try:
+            with group.stage("checking its target"):
+                if r == 0:
+                    raise StalePreparedError("moved")
+                if rank1_raises is not None:
+                    raise rank1_raises
+        except Exception as exc:
+            return type(exc)
+        return type(None)
+
+    assert tuple(in_threads(rank, WORLD, timeout=60)) == want
 
 
 def test_a_reader_over_a_relay_store_prepares_with_its_group(tmp_path: Path) -> None:

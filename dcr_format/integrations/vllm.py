@@ -382,6 +382,8 @@ class _Syncer:
 
     def update(self, update: DcrUpdateInfo) -> UpdateReport:
         """Reach ``update.version`` (default: the newest): prepare unless prefetched, apply."""
+        from dcr_format.errors import StalePreparedError
+
         group, cache = self.reader.group, self.reader.store.host_cache
         with self._lock:
             goal = update.version
@@ -404,10 +406,12 @@ class _Syncer:
                     prepared = self.reader.prepare(goal)
                 try:
                     result = self.reader.apply(prepared, audit=update.audit)
-                except Exception as exc:
-                    if not (prefetched and self._moved_since(exc)):
+                except StalePreparedError:
+                    # the target moved since the prefetch (in a group, on every rank that
+                    # failed, and every rank raises it): prepare again, every rank
+                    if not prefetched:
                         raise
-                    prefetched = False  # the target moved since the prefetch: again
+                    prefetched = False
                     prepared = self.reader.prepare(goal)
                     result = self.reader.apply(prepared, audit=update.audit)
             report = UpdateReport(
@@ -425,18 +429,6 @@ class _Syncer:
             _log.info("dcr: %s", report)
             self.last = report
             return report
-
-    def _moved_since(self, exc: Exception) -> bool:
-        """Whether an apply of a prefetched version failed only because the target moved
-        since it was prepared (:class:`StalePreparedError`), so that preparing again is
-        the remedy: in a group, every rank decides it together (a rank another rank's
-        failure stopped agrees, one that failed otherwise does not)."""
-        from dcr_format.errors import GroupAbortError, StalePreparedError
-
-        group = self.reader.group
-        if group.alone:
-            return isinstance(exc, StalePreparedError)
-        return not group.failed_ranks(isinstance(exc, (StalePreparedError, GroupAbortError)))
 
     def version(self) -> int | None:
         """The version the model holds."""

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-from dcr_format.errors import GroupAbortError
+from dcr_format.errors import GroupAbortError, StalePreparedError
+
+_DONE, _FAILED, _STALE = 0, 1, 2  # how a rank ended a stage
 
 
 class Agreement:
@@ -98,21 +100,38 @@ class ReaderGroup:
     def stage(self, what: str, *, agree: tuple[int, ...] = ()) -> Iterator[Agreement]:
         """Run a stage; raise :class:`GroupAbortError` if another rank's stage failed.
 
-        A local failure is reported to the group and re-raised unchanged. ``agree``: values
-        the ranks compare in the same exchange; the :class:`Agreement` yielded says, once
-        the stage has ended on every rank, whether all passed the same.
+        A local failure is reported to the group and re-raised unchanged. Where every rank
+        that failed found its target moved since the version was prepared
+        (:class:`StalePreparedError`), every rank raises that error, so that all prepare
+        again; where one of them failed otherwise, none does (a rank that found its target
+        moved raises :class:`GroupAbortError` too). ``agree``: values the ranks compare in
+        the same exchange; the :class:`Agreement` yielded says, once the stage has ended on
+        every rank, whether all passed the same.
         """
         agreement = Agreement()
         try:
             yield agreement
-        except Exception:
-            self.rows(1, *agree)
+        except Exception as exc:
+            stale = isinstance(exc, StalePreparedError)
+            rows = self.rows(_STALE if stale else _FAILED, *agree)
+            others = [rank for rank, row in enumerate(rows) if row[0] == _FAILED]
+            if stale and others:
+                raise self._aborted(others, what) from exc
             raise
-        rows = self.rows(0, *agree)
+        rows = self.rows(_DONE, *agree)
         agreement.same = all(row[1:] == rows[0][1:] for row in rows)
-        failed = [rank for rank, row in enumerate(rows) if row[0]]
-        if failed:
-            raise GroupAbortError(
-                f"reader rank(s) {failed} failed while {what}; no rank applies this version: "
-                "see their errors, then sync again"
+        failed = [rank for rank, row in enumerate(rows) if row[0] != _DONE]
+        if failed and all(rows[rank][0] == _STALE for rank in failed):
+            raise StalePreparedError(
+                f"reader rank(s) {failed} no longer hold the version this one was prepared "
+                "against; prepare again, every rank"
             )
+        if failed:
+            raise self._aborted(failed, what)
+
+    @staticmethod
+    def _aborted(failed: list[int], what: str) -> GroupAbortError:
+        return GroupAbortError(
+            f"reader rank(s) {failed} failed while {what}; no rank applies this version: "
+            "see their errors, then sync again"
+        )
