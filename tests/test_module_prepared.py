@@ -1,9 +1,11 @@
 """A prepared version into a module: its placed names read ahead, the pause only writes them.
 
 :meth:`DeltaReader.prepare` reads the changes to the names the loader places whole into one
-contiguous run of a parameter (:meth:`ModuleTarget.staging`) against the live bits; the
-apply then writes each one (checking that the bits it replaces are still those it read),
-calls the loader for the rest, and verifies and rolls back exactly as an unprepared apply.
+contiguous run of a parameter (:meth:`ModuleTarget.staging`) against the live bits, and
+those placed otherwise in one parameter (:meth:`ModuleTarget.stage_placed`) against its
+storage; the apply then writes each one (checking that the bits it replaces are still those
+it read), calls the loader for the rest, and verifies and rolls back exactly as an
+unprepared apply.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def test_a_prepared_version_writes_the_placed_names_read_ahead(tmp_path):
         state = step(state, k)
         writer.publish(state)
         prepared = reader.prepare()
-        assert set(prepared._staged) == RUNS
+        staged = prepared._staged
+        assert {name for name, one in staged.items() if not one.placed} == RUNS
+        # the experts, placed transposed, are read against their parameters' storage
+        assert {name for name, one in staged.items() if one.placed} == XOR_NAMES - RUNS
         calls.clear()
         result = reader.apply(prepared)
         assert_module(module, state)

@@ -26,6 +26,7 @@ from dcr_format.delta.delta import OVERWRITE, XOR
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
 from dcr_format.errors import BaselineMismatchError
 from dcr_format.format.dtypes import bits_view
+from dcr_format.targets import module_apply
 from dcr_format.targets.module_apply import _apply_placed
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "module_tp_bench.py"
@@ -238,6 +239,97 @@ def test_a_failed_verification_rolls_every_rank_back(tmp_path):
     in_threads(lambda r: readers[r].sync(), TP)
     for r, m in enumerate(modules):
         assert same(bits_of(m), dense(step(state, 2), r))
+
+
+PLACED_ONCE = set(SPECS) - {"twice.weight"}  # placed twice: applied copy by copy
+
+
+def _ranks(store: str) -> tuple[list[Shards], list[DeltaReader]]:
+    modules = [Shards(r) for r in range(TP)]
+    lanes = LaneSum(TP)
+    readers = [
+        DeltaReader(
+            store,
+            ModuleTarget(m, load_weights=m.load_weights, reduce_lanes=lanes.rank(r)),
+            reader_id=f"rank-{r}",
+        )
+        for r, m in enumerate(modules)
+    ]
+    in_threads(lambda r: readers[r].sync(), TP)
+    return modules, readers
+
+
+def test_a_prepared_version_writes_every_shard_as_staged(tmp_path, monkeypatch):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules, readers = _ranks(store)
+    for k in range(2):
+        state = step(state, k)
+        writer.publish(state)
+        prepared = in_threads(lambda r: readers[r].prepare(), TP)
+        for one in prepared:  # every shard placed once is read ahead against its storage
+            assert {n for n, s in one._staged.items() if s.placed} == PLACED_ONCE
+        with monkeypatch.context() as patched:  # so the pause only writes what was staged
+            patched.setattr(module_apply, "_apply_placed", _never)
+            patched.setattr(module_apply, "_stage_placed", _never)
+            results = in_threads(lambda r, p=prepared: readers[r].apply(p[r]), TP)
+        assert all(not result.unverified for result in results)
+        for r, module in enumerate(modules):
+            assert same(bits_of(module), dense(state, r))
+
+
+def _never(*args, **kwargs):  # type: ignore[no-untyped-def]
+    raise AssertionError("the pause read a shard again")
+
+
+def test_a_shard_whose_storage_moved_after_staging_is_applied_again(tmp_path, monkeypatch):
+    applied: list[str] = []
+
+    def spy(target, plan, *args):  # type: ignore[no-untyped-def]
+        applied.append(plan.name)
+        return _apply_placed(target, plan, *args)
+
+    monkeypatch.setattr(module_apply, "_apply_placed", spy)
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules, readers = _ranks(store)
+    state = step(state, 0)
+    writer.publish(state)
+    prepared = in_threads(lambda r: readers[r].prepare(), TP)
+    with torch.no_grad():  # the runtime re-creates one rank's weight after the staging read
+        modules[0].o.data = modules[0].o.data.clone()
+        modules[1].qk.data = modules[1].qk.data.clone()
+    applied.clear()
+    results = in_threads(lambda r: readers[r].apply(prepared[r]), TP)
+    # a batch is written whole or not at all: on each rank (a storage of each moved) every
+    # shard staged with it is applied again, against the storage it holds now
+    assert sorted(applied) == sorted([*PLACED_ONCE, *PLACED_ONCE])
+    assert all(not result.unverified for result in results)
+    for r, module in enumerate(modules):
+        assert same(bits_of(module), dense(state, r))
+
+
+def test_a_staged_shard_that_does_not_verify_rolls_every_rank_back(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules, readers = _ranks(store)
+    writer.publish(step(state, 0))
+    with torch.no_grad():  # changed outside dcr at a position the delta changes (0 % 4)
+        bits_view(modules[1].o).view(-1)[0] ^= 1
+    before = [bits_of(m) for m in modules]
+    prepared = in_threads(lambda r: readers[r].prepare(), TP)
+    assert all("o.weight" in one._staged and one._staged["o.weight"].placed for one in prepared)
+    with pytest.raises(BaselineMismatchError, match=re.escape(repr("o.weight"))):
+        in_threads(lambda r: readers[r].apply(prepared[r]), TP)
+    for r, module in enumerate(modules):
+        assert same(bits_of(module), before[r])  # every staged write undone, on both ranks
+        assert readers[r].target.resident().version == 0  # type: ignore[union-attr]
 
 
 def test_module_tp_bench_quick_runs():

@@ -490,7 +490,20 @@ class Applying(Auditing):
                     done.rows,
                     _lanes_staged(entry, trusted.get(name), bits),
                     _rows_staged(entry, done.rows, bits),
+                    False,
                 )
+            # shards and other names the target holds in its own storage (their positions
+            # there are not canonical: no exponent rows follow them)
+            rest = {
+                name: Change(name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
+                for name, (e, d) in wanted.items()
+                if name not in staged and not d.needs_target
+            }
+            placed = self.target.stage_placed(rest) if rest else {}
+            for name, (tensor, bits) in placed.items():
+                entry = wanted[name][0]
+                lanes = _lanes_staged(entry, trusted.get(name), bits)
+                staged[name] = (tensor, bits, None, lanes, None, True)
         finally:
             release()
         return _batched(staged)
@@ -675,10 +688,11 @@ _Read = tuple[
     np.ndarray | None,
     tuple[tuple[int, ...], tuple[int, ...]] | None,
     np.ndarray | None,
+    bool,
 ]
 """A change read against its live tensor while staging: the tensor, its bits, the exponent
-rows it was resolved against, its lanes before and after, and the rows it leaves (the
-fields of :class:`Staged` but its batch)."""
+rows it was resolved against, its lanes before and after, the rows it leaves, and whether
+it was read against placed storage (the fields of :class:`Staged` but its batch)."""
 
 
 def _batched(read: dict[str, _Read]) -> dict[str, Staged]:
@@ -694,9 +708,16 @@ def _batched(read: dict[str, _Read]) -> dict[str, Staged]:
         batch, views = batch_staged([read[n][1] for n in names])
         members = tuple(names)  # one tuple the batch's changes share
         for name, view in zip(members, views, strict=True):
-            tensor, _, rows, lanes, rows_after = read[name]
+            tensor, _, rows, lanes, rows_after, placed = read[name]
             out[name] = Staged(
-                tensor, view, rows, batch=batch, names=members, lanes=lanes, rows_after=rows_after
+                tensor,
+                view,
+                rows,
+                batch=batch,
+                names=members,
+                lanes=lanes,
+                rows_after=rows_after,
+                placed=placed,
             )
     return {name: out[name] for name in read}  # in the order they were read
 

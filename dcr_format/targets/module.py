@@ -39,8 +39,10 @@ positions (the sorted changed positions sliced, one kernel pass that also sums t
 deltas); a block of columns locates its positions by arithmetic on them; any other
 placement inverts the copy's views (O(changed)) or looks them up in a sorted index table
 where they do not invert. The names placed whole into one contiguous run are also offered
-for staging (:meth:`ModuleTarget.staging`), so that :meth:`DeltaReader.prepare` reads their
-changes against the live bits while the module still serves, and the pause of
+for staging (:meth:`ModuleTarget.staging`), and the changes to names placed otherwise in one
+parameter (a shard, a transposed weight) are staged against its storage
+(:meth:`ModuleTarget.stage_placed`), so that :meth:`DeltaReader.prepare` reads their changes
+against the live bits while the module still serves, and the pause of
 :meth:`DeltaReader.apply` is the write of the changed elements alone. The loader still
 runs for the names it transforms and for ``full`` writes. Each sync first checks that every
 parameter and buffer still has the storage it had when the placements were learned, and
@@ -63,12 +65,14 @@ from typing import Any
 
 import torch
 
+from dcr_format.delta.delta import OVERWRITE, XOR
 from dcr_format.errors import ArgumentError
 from dcr_format.format.schema import MAX_BASELINE_NAMES
-from dcr_format.targets.change import Resident
-from dcr_format.targets.module_apply import _ModuleTransaction
+from dcr_format.targets.change import Change, Resident
+from dcr_format.targets.module_apply import _ModuleTransaction, _stage_placed
 from dcr_format.targets.placements import LoaderPlan, LoadWeights, Placements, ReduceLanes
 from dcr_format.targets.protocol import Target, Transaction
+from dcr_format.targets.reader_side import PlacedStage
 
 __all__ = ["LoaderPlan", "ModuleTarget", "all_reduce_lanes"]
 
@@ -211,6 +215,34 @@ class ModuleTarget(Placements, Target):
             if view is not None:
                 views[name] = view
         return views
+
+    def stage_placed(self, changes: Mapping[str, Change]) -> Mapping[str, PlacedStage]:
+        """The changes to names held as shards (:meth:`staging` aside: a block of rows or
+        columns of one parameter, each element placed once), read against that parameter's
+        storage ahead of the pause, which is then the write alone; their lanes are this
+        rank's part. Nothing where a parameter's storage moved since the placements were
+        learned."""
+        if not self.direct or self._layout is None or self._current_layout() != self._layout:
+            return {}
+        out: dict[str, PlacedStage] = {}
+        for name, change in changes.items():
+            delta = change.delta
+            if delta.needs_target or delta.op not in (XOR, OVERWRITE) or delta.ulp:
+                continue
+            if name not in self._held and not self._declared:
+                continue  # not held: the sync writes it through apply (a new name)
+            plan = self._plan_of(name)
+            if plan is None or (plan.dtype, plan.shape) != (change.dtype, change.shape):
+                continue
+            if self._canonical_view(plan) is not None:
+                continue  # whole: offered by staging()
+            bits = self._placed_bits(plan)
+            if bits is None or delta.positions is None:
+                continue
+            positions = delta.positions.to(torch.int64).cpu()
+            values = delta.values.cpu()
+            out[name] = (bits, _stage_placed(self, plan, bits, delta.op, positions, values))
+        return out
 
     def overwrite_names(self) -> frozenset[str]:
         """Names whose load path is not bit-preserving (they need ``overwrite``)."""

@@ -17,9 +17,11 @@ import numpy as np
 import torch
 
 from dcr_format.chain.layout import View
+from dcr_format.delta.backend import lane_count
 from dcr_format.delta.delta import FULL, OVERWRITE, XOR, as_xor
 from dcr_format.delta.dispatch import apply_with_lanes, scatter
-from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, tensor_lanes
+from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, lanes_after_change, tensor_lanes
+from dcr_format.delta.staged import StagedChange
 from dcr_format.errors import OverwriteRequiredError, TargetError
 from dcr_format.targets.change import Applied, Change, Resident
 from dcr_format.targets.module_trace import _bits, _Copy, _flat, _Interceptor, _view_of
@@ -65,6 +67,15 @@ class _ModuleTransaction(Transaction):
         if self.target.direct:
             return done
         return replace(done, delta=as_xor(done.delta, old))  # the loader writes XOR bits
+
+    def staged_into(self, name: str) -> torch.Tensor | None:
+        """The canonical view of ``name`` (:meth:`tensor`), else the storage its shard's
+        changes are staged against (:meth:`ModuleTarget.stage_placed`)."""
+        view = self.tensor(name)
+        if view is not None or not self.target.direct:
+            return view
+        plan = self.target._plan_of(name)
+        return None if plan is None else self.target._placed_bits(plan)
 
     def full_tensor(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         raise TargetError("a module target writes through its loader, not canonical tensors")
@@ -309,6 +320,55 @@ def _apply_placed(
     old = torch.cat([m[1] for m in moved])[order]
     new = torch.cat([m[2] for m in moved])[order]
     return Applied(undo, held[order], old, new, lane_deltas=summed)
+
+
+def _stage_placed(
+    target: Placements,
+    plan: LoaderPlan,
+    bits: torch.Tensor,
+    op: str,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> StagedChange:
+    """What :func:`_apply_placed` would do to ``bits`` (the flat storage every placement of
+    ``plan`` writes into, :meth:`Placements._placed_bits`), read and not written: the
+    storage positions of the changed canonical elements the module holds, increasing,
+    their bits now and after the change, and the change's lane deltas summed at their
+    canonical positions (this rank's part of the tensor's)."""
+    host = positions.numpy()
+    elements: list[np.ndarray] = []
+    index: list[np.ndarray] = []
+    for copy in plan.copies:
+        if copy.kind != "placement":
+            continue  # constants the loader wrote (padding) stay as they are
+        assert copy.src is not None
+        prov, src = copy.src
+        if prov.kind == "scratch" and src.contiguous and copy.dst.contiguous:
+            lo, hi = np.searchsorted(host, (src.offset, src.offset + src.numel))
+            index.append(np.arange(lo, hi, dtype=np.int64))
+            elements.append(host[lo:hi] - (src.offset - copy.dst.offset))
+            continue
+        found = _column_block(src, host) if prov.kind == "scratch" else None
+        if found is not None:
+            i, k = found[0], torch.from_numpy(found[1])
+        else:
+            k, at = target._select(copy, positions)
+            i = at.numpy()
+        elements.append(copy.dst.elements(k).numpy())
+        index.append(i)
+    where = np.concatenate(elements) if elements else np.empty(0, dtype=np.int64)
+    held = np.concatenate(index) if index else np.empty(0, dtype=np.int64)
+    if where.size > 1 and not bool((where[1:] > where[:-1]).all()):
+        order = np.argsort(where, kind="stable")  # the write takes increasing positions
+        where, held = where[order], held[order]
+    at = torch.from_numpy(np.ascontiguousarray(where, dtype=np.int64))
+    take = torch.from_numpy(np.ascontiguousarray(held, dtype=np.int64))
+    before = bits[at.to(bits.device)].cpu()
+    incoming = values[take]
+    after = before ^ incoming if op == XOR else incoming.clone()
+    zero = (0,) * lane_count(bits.element_size())
+    deltas = lanes_after_change(zero, positions[take], before, after)
+    return StagedChange(at.to(bits.device), before.to(bits.device), after.to(bits.device), deltas)
 
 
 def _column_block(view: View, host: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

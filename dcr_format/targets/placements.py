@@ -112,6 +112,8 @@ class Placements:
         self._layout: dict[str, tuple[str, int]] | None = None
         self._by_key: dict[tuple[str, int], torch.Tensor] | None = None
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], torch.Tensor | None] = {}
+        # the flat bits of each storage changes are staged against (:meth:`_placed_bits`)
+        self._stored: dict[tuple[tuple[str, int], torch.dtype], torch.Tensor] = {}
 
     @property
     def _held(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -156,6 +158,7 @@ class Placements:
             del self._plans[key]
         self._layout = layout
         self._views.clear()
+        self._stored.clear()
         self._named.clear()
         self._extents.clear()
         for plan in self._plans.values():  # the shared-storage index, without the stale names
@@ -501,6 +504,24 @@ class Placements:
                 view = flat[copy.dst.offset : copy.dst.offset + plan.numel].view(plan.shape)
         self._views[key] = view
         return view
+
+    def _placed_bits(self, plan: LoaderPlan) -> torch.Tensor | None:
+        """The flat bits of the one storage every placement of ``plan`` writes into, where
+        there is one (a tensor-parallel shard: a block of rows or columns of a parameter)
+        and each canonical element is placed once; None otherwise. The same tensor object
+        until the storage moves (:meth:`_check_layout`), so a change staged against it is
+        known to land where it was read."""
+        placements = [c for c in plan.copies if c.kind == "placement"]
+        if plan.kind != "xor" or plan.duplicated or not placements:
+            return None
+        key = (placements[0].storage, placements[0].dst_dtype)
+        if any((c.storage, c.dst_dtype) != key for c in placements):
+            return None
+        found = self._stored.get(key)
+        if found is None:
+            storage = self._storage_tensor(placements[0], self._storages())
+            found = self._stored[key] = _bits(storage, plan.name)
+        return found
 
     def _storage_tensor(
         self, copy: _Copy, storages: dict[tuple[str, int], torch.Tensor]

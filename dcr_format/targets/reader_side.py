@@ -60,6 +60,16 @@ class Staged:
     lanes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # the exponent rows of the bits the change leaves (from ``rows`` and its bits), or None
     rows_after: np.ndarray | None = None
+    # read against storage the target places the name in (:meth:`StagingSource.stage_placed`),
+    # not a canonical tensor: ``bits.positions`` index that storage, so the change is written
+    # only with its batch (:meth:`ReaderTransaction.put_batch`)
+    placed: bool = False
+
+
+PlacedStage = tuple[torch.Tensor, StagedChange]
+"""A change :meth:`StagingSource.stage_placed` read: the flat storage it writes (the tensor
+:meth:`ReaderTransaction.staged_into` gives for the name while the storage stays where it
+was) and the change in that storage's positions."""
 
 
 class StagingSource:
@@ -76,6 +86,16 @@ class StagingSource:
         decodes others, each through :meth:`Transaction.change` on a thread of its pool,
         several tensors at once (offer only tensors whose transaction takes that: distinct,
         untied, contiguous)."""
+        return {}
+
+    def stage_placed(self, changes: Mapping[str, Change]) -> Mapping[str, PlacedStage]:
+        """Changes to names the target holds in parts of its own storage rather than as
+        canonical tensors (a tensor-parallel shard), read (never written) against that
+        storage while the target stays in use, so that applying them is the write alone:
+        for each name it stages, the flat storage the change writes and the change in that
+        storage's positions (its lane deltas summed at the canonical positions, over the
+        elements the target holds). Only changes that need nothing more from the target
+        are given. The default stages nothing."""
         return {}
 
     def held_storage(self) -> Sequence[torch.Tensor] | None:
@@ -219,11 +239,21 @@ class ReaderTransaction(ABC):
 
     def _puts(self, change: Change, staged: Staged) -> torch.Tensor | None:
         """The live tensor :meth:`put` writes ``staged`` into (the one it was read from),
-        or None where the change must be applied instead."""
+        or None where the change must be applied instead (also a change staged against
+        placed storage, whose positions are not canonical: only its batch writes it)."""
+        if staged.placed or change.delta.op == FULL:
+            return None
         tensor = self.tensor(change.name)
-        if tensor is None or tensor is not staged.tensor or change.delta.op == FULL:
+        if tensor is None or tensor is not staged.tensor:
             return None
         return tensor
+
+    def staged_into(self, name: str) -> torch.Tensor | None:
+        """The tensor a change of ``name`` staged while preparing is written into now: the
+        live canonical tensor (:meth:`tensor`), or for a target that stages changes against
+        its own storage (:meth:`StagingSource.stage_placed`) that storage, the same object
+        as when it was staged while it has not moved; None where there is none."""
+        return self.tensor(name)
 
     def put_batch(self, names: Sequence[str], staged: Sequence[Staged]) -> bool:
         """:meth:`change` of every change of one batch staged together (``names``, each
@@ -238,7 +268,7 @@ class ReaderTransaction(ABC):
         if batch is None or staged[0].names != tuple(names):
             return False
         tensors = []
-        tensor_of = self.tensor
+        tensor_of = self.staged_into
         for name, one in zip(names, staged, strict=True):
             tensor = tensor_of(name)
             if tensor is None or tensor is not one.tensor or one.batch is not batch:
