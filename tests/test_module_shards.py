@@ -280,6 +280,26 @@ def test_a_prepared_version_writes_every_shard_as_staged(tmp_path, monkeypatch):
             assert same(bits_of(module), dense(state, r))
 
 
+def test_a_shard_with_no_change_on_one_rank_is_staged_empty_there(tmp_path):
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules, readers = _ranks(store)
+    state = dict(state)
+    embed = state["embed.weight"].clone()
+    embed[:2] += 1.0  # rows of rank 0's share only
+    state["embed.weight"] = embed
+    writer.publish(state)
+    prepared = in_threads(lambda r: readers[r].prepare(), TP)
+    sizes = [int(one._staged["embed.weight"].bits.positions.numel()) for one in prepared]
+    assert sizes[0] > 0 and sizes[1] == 0
+    results = in_threads(lambda r: readers[r].apply(prepared[r]), TP)
+    assert all(not result.unverified for result in results)
+    for r, module in enumerate(modules):
+        assert same(bits_of(module), dense(state, r))
+
+
 def _never(*args, **kwargs):  # type: ignore[no-untyped-def]
     raise AssertionError("the pause read a shard again")
 
