@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import assert_same_bits, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, RelayStore, StateDictTarget, Store
-from dcr_format.errors import ArgumentError, GroupAbortError, StalePreparedError
+from dcr_format.errors import ArgumentError, GroupAbortError, StalePreparedError, StoreError
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.testing.processes import in_threads
 
@@ -195,3 +195,65 @@ def test_tensor_parallel_workers_prepare_in_the_background_and_apply_together(
     read = sum(c.reads for c in caches)
     assert len(caches) == TP and read > 0
     assert sum(c.hits for c in caches) >= read
+
+
+@pytest.mark.filterwarnings("ignore:You are using a Backend")  # a group in threads
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_rank_that_cannot_list_the_versions_fails_every_rank_at_once(
+    tmp_path: Path, prefetch: bool
+) -> None:
+    """An update that names no version lists the committed versions on every rank; where
+    one rank cannot (its store failed), it raises that error and every other rank
+    :class:`GroupAbortError`, none left waiting in an exchange, nothing applied; the next
+    update reaches the newest on every rank."""
+    root = str(tmp_path / "store")
+    writer = DeltaWriter(root)
+    states = [checkpoint(), step(checkpoint(), 1)]
+    writer.publish(states[0])
+    links = dist.HashStore()
+    ready, published = threading.Barrier(TP), threading.Barrier(TP)
+
+    def rank(r: int) -> tuple[str, int]:
+        group = dist.ProcessGroupGloo(links, r, TP, timedelta(seconds=10))
+        module = Shards(r)
+        module.load_weights(states[0].items())
+        info = DcrInitInfo(
+            store=root, version=0, prefetch=prefetch, poll_seconds=0.02, reader_id=f"tp-{r}"
+        )
+        syncer = _Syncer(module, info, model_dir=None, group=group)
+        try:
+            ready.wait(30)  # both readers' records are in: the writer codes for them
+            if r == 0:
+                writer.publish(states[1])
+            published.wait(30)
+            if prefetch:
+                assert _prepared(syncer, 1)
+            listing = syncer.reader.versions
+            if r == 1:
+                syncer.reader.versions = _unreachable  # type: ignore[method-assign]
+            with pytest.raises((StoreError, GroupAbortError)) as failed:
+                syncer.update(DcrUpdateInfo())
+            assert _same(module, dense(states[0], r))  # nothing applied
+            syncer.reader.versions = listing  # type: ignore[method-assign]
+            report = syncer.update(DcrUpdateInfo())
+            assert _same(module, dense(states[1], r))
+            return type(failed.value).__name__ + ": " + str(failed.value), report.version
+        finally:
+            syncer.close()
+
+    (zero, one) = in_threads(rank, TP, timeout=60)
+    assert zero == (
+        "GroupAbortError: reader rank(s) [1] failed while listing the versions; no rank "
+        "applies this version: see their errors, then sync again",
+        1,
+    )
+    assert one == ("StoreError: the store is unreachable", 1)
+
+
+def _unreachable() -> list[int]:
+    raise StoreError("the store is unreachable")
+
+
+def _same(module: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:
+    got = bits_of(module)
+    return got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())

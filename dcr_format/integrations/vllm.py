@@ -386,18 +386,20 @@ class _Syncer:
 
         group, cache = self.reader.group, self.reader.store.host_cache
         with self._lock:
-            goal = update.version
-            if goal is None:
-                committed = self.reader.versions()
-                if not committed:
-                    raise VersionNotFoundError(f"{self.reader.store.url} has no version yet")
-                goal = committed[-1]
+            goal, failure = self._goal(update.version)
             prepared, self._prepared = self._prepared, None
-            if self.prefetch and not group.alone:  # the ranks' goal, and whether all hold it
-                rows = group.rows(goal, -1 if prepared is None else prepared.version)
+            if not group.alone:  # the ranks' goal, and whether all hold it prepared
+                rows = group.rows(_NO_GOAL if failure else goal, _held(prepared))
+                failed = [rank for rank, (wanted, _) in enumerate(rows) if wanted == _NO_GOAL]
+                if failed:  # every rank raises (none waits in a later exchange)
+                    self._prepared = prepared
+                    raise failure or group.aborted(failed, "listing the versions")
                 goal = min(wanted for wanted, _ in rows)
                 prefetched = all(held == goal for _, held in rows)
             else:
+                if failure is not None:
+                    self._prepared = prepared
+                    raise failure
                 prefetched = prepared is not None and prepared.version == goal
             # the engine is paused: no collection walks its whole heap meanwhile (a full
             # pass over a large process takes tens to hundreds of milliseconds)
@@ -430,6 +432,19 @@ class _Syncer:
             self.last = report
             return report
 
+    def _goal(self, asked: int | None) -> tuple[int, Exception | None]:
+        """The version an update asked for ``asked`` reaches (the newest committed where it
+        names none), or the failure to list the versions (raised once the group knows)."""
+        if asked is not None:
+            return asked, None
+        try:
+            committed = self.reader.versions()
+            if not committed:
+                raise VersionNotFoundError(f"{self.reader.store.url} has no version yet")
+        except Exception as exc:  # every rank must still reach the group's exchange
+            return _NO_GOAL, exc
+        return committed[-1], None
+
     def version(self) -> int | None:
         """The version the model holds."""
         resident = self.target.resident()
@@ -455,6 +470,14 @@ _ENGINE_REMEDY = (
     "restart the engine on a `dcr replay` of the version it should hold (or initialise "
     "it with init_info 'version' set to the version its checkpoint holds)"
 )
+
+
+_NO_GOAL = -2  # a rank's goal where it could not list the versions
+
+
+def _held(prepared: Any) -> int:
+    """The version ``prepared`` holds, -1 for none."""
+    return -1 if prepared is None else int(prepared.version)
 
 
 @contextlib.contextmanager

@@ -116,7 +116,7 @@ class ReaderGroup:
             rows = self.rows(_STALE if stale else _FAILED, *agree)
             others = [rank for rank, row in enumerate(rows) if row[0] == _FAILED]
             if stale and others:
-                raise self._aborted(others, what) from exc
+                raise self.aborted(others, what) from exc
             raise
         rows = self.rows(_DONE, *agree)
         agreement.same = all(row[1:] == rows[0][1:] for row in rows)
@@ -127,10 +127,11 @@ class ReaderGroup:
                 "against; prepare again, every rank"
             )
         if failed:
-            raise self._aborted(failed, what)
+            raise self.aborted(failed, what)
 
     @staticmethod
-    def _aborted(failed: list[int], what: str) -> GroupAbortError:
+    def aborted(failed: list[int], what: str) -> GroupAbortError:
+        """The error of a rank whose group's ranks ``failed`` while ``what``."""
         return GroupAbortError(
             f"reader rank(s) {failed} failed while {what}; no rank applies this version: "
             "see their errors, then sync again"
