@@ -785,6 +785,55 @@ def test_publish_and_sync_with_the_ulp_codings_through_triton(triton_mode, monke
         assert launched.get(kernel, 0) > 0, launched
 
 
+def test_tensor_parallel_shards_prepared_and_written_through_triton(
+    triton_mode, monkeypatch, tmp_path
+):
+    """The ranks of a tensor-parallel module read each shard's change against its
+    parameter's storage while preparing and write them with the device kernels in the
+    apply, bit-equal to their loader's placement."""
+    from test_module_shards import PLACED_ONCE, TP, Shards, bits_of, checkpoint, dense, step
+    from test_module_target import LaneSum
+
+    from dcr_format import ModuleTarget
+    from dcr_format.testing.processes import in_threads
+
+    launched: dict[str, int] = {}
+    real_launch = triton_mode._launch
+
+    def counting_launch(kernel, *args, **meta):
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
+        launched[name] = launched.get(name, 0) + 1
+        return real_launch(kernel, *args, **meta)
+
+    monkeypatch.setattr(triton_mode, "_launch", counting_launch)
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    modules = [Shards(r) for r in range(TP)]
+    lanes = LaneSum(TP)
+    readers = [
+        DeltaReader(
+            store,
+            ModuleTarget(m, load_weights=m.load_weights, reduce_lanes=lanes.rank(r)),
+            reader_id=f"rank-{r}",
+        )
+        for r, m in enumerate(modules)
+    ]
+    in_threads(lambda r: readers[r].sync(), TP)
+    state = step(state, 0)
+    writer.publish(state)
+    prepared = in_threads(lambda r: readers[r].prepare(), TP)
+    assert all({n for n, s in p._staged.items() if s.placed} == PLACED_ONCE for p in prepared)
+    launched.clear()
+    results = in_threads(lambda r: readers[r].apply(prepared[r]), TP)
+    assert all(not result.unverified for result in results)
+    for r, module in enumerate(modules):
+        got, want = bits_of(module), dense(state, r)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert launched.get("_scatter_kernel", 0) > 0, launched
+
+
 # --- CUDA only ---------------------------------------------------------------------------------
 
 cuda_only = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
