@@ -15,6 +15,7 @@ import torch.distributed as dist
 from conftest import assert_same_bits, snapshot
 
 from dcr_format import DeltaReader, DeltaWriter, RelayStore, StateDictTarget, Store
+from dcr_format.delta.fingerprint import LANE_PRIMES
 from dcr_format.errors import ArgumentError, GroupAbortError, StalePreparedError, StoreError
 from dcr_format.sync.group import ReaderGroup
 from dcr_format.testing.processes import in_threads
@@ -257,3 +258,52 @@ def _unreachable() -> list[int]:
 def _same(module: torch.nn.Module, want: dict[str, torch.Tensor]) -> bool:
     got = bits_of(module)
     return got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+
+
+@pytest.mark.filterwarnings("ignore:You are using a Backend")  # a group in threads
+def test_lanes_are_summed_over_the_ranks_whether_or_not_they_hold_the_same_names() -> None:
+    """:func:`all_reduce_lanes` sums each name's lanes over the ranks: in one all-reduce of
+    integers where every rank passes the same names (a tensor-parallel group), else by
+    gathering them; either way every rank gets the same sums."""
+    from dcr_format.targets.module import all_reduce_lanes
+
+    links = dist.HashStore()
+    cases = [
+        # the same names on both ranks (lanes of 2 and 3), then names only one rank holds,
+        # then the same names with another count of lanes on one rank, then none at all
+        [{"a": (1, 2), "b": (3, 4, 5)}, {"a": (10, 20), "b": (30, 40, 50)}],
+        [{"a": (1, 2)}, {"a": (10, 20), "c": (7, 8)}],
+        [{"a": (1, 2)}, {"a": (10, 20, 30)}],
+        [{}, {}],
+    ]
+    big = LANE_PRIMES[0] - 1  # the largest residue: sums past 2**31 stay exact
+    cases.append([{"x": (big, big)}, {"x": (big, big)}])
+    gathered: list[int] = []
+    real = dist.all_gather_object
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gathered.append(1)
+        return real(*args, **kwargs)
+
+    def rank(r: int) -> list[dict[str, tuple[int, ...]]]:
+        group = dist.ProcessGroupGloo(links, r, TP, timedelta(seconds=10))
+        reduce = all_reduce_lanes(group)
+        return [reduce(case[r]) for case in cases]
+
+    dist.all_gather_object = counted  # type: ignore[assignment]
+    try:
+        zero, one = in_threads(rank, TP, timeout=60)
+    finally:
+        dist.all_gather_object = real  # type: ignore[assignment]
+    assert (
+        zero
+        == one
+        == [
+            {"a": (11, 22), "b": (33, 44, 55)},
+            {"a": (11, 22), "c": (7, 8)},
+            {"a": (11, 22, 30)},
+            {},
+            {"x": (2 * big, 2 * big)},
+        ]
+    )
+    assert len(gathered) == 2 * TP  # only the two cases whose names differ gather
