@@ -639,16 +639,22 @@ def test_ulp_dispatch_runs_on_the_device(triton_mode, monkeypatch):
 # --- the whole publish/sync path with the Triton kernels ------------------------------------------
 
 
-def test_publish_and_sync_with_triton_kernels_is_bit_exact(triton_mode, monkeypatch, store_url):
+def _count_launches(tk, monkeypatch) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """How many times each Triton kernel is launched from now on, by name."""
     launched: dict[str, int] = {}
-    real_launch = triton_mode._launch
+    real_launch = tk._launch
 
-    def counting_launch(kernel, *args, **meta):
+    def counting_launch(kernel, *args, **meta):  # type: ignore[no-untyped-def]
         name = getattr(kernel, "__name__", None) or kernel.fn.__name__
         launched[name] = launched.get(name, 0) + 1
         return real_launch(kernel, *args, **meta)
 
-    monkeypatch.setattr(triton_mode, "_launch", counting_launch)
+    monkeypatch.setattr(tk, "_launch", counting_launch)
+    return launched
+
+
+def test_publish_and_sync_with_triton_kernels_is_bit_exact(triton_mode, monkeypatch, store_url):
+    launched = _count_launches(triton_mode, monkeypatch)
     gen = torch.Generator().manual_seed(21)
     state = make_state(21)
     state["model.layers.0.mlp.down_proj.weight"] = torch.randn(16, 200, generator=gen).bfloat16()
@@ -727,15 +733,7 @@ ULP_FEATURES = ("values-rans", "values-ulp", "values-ulp-shift")
 
 
 def test_publish_and_sync_with_the_ulp_codings_through_triton(triton_mode, monkeypatch, tmp_path):
-    launched: dict[str, int] = {}
-    real_launch = triton_mode._launch
-
-    def counting_launch(kernel, *args, **meta):
-        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
-        launched[name] = launched.get(name, 0) + 1
-        return real_launch(kernel, *args, **meta)
-
-    monkeypatch.setattr(triton_mode, "_launch", counting_launch)
+    launched = _count_launches(triton_mode, monkeypatch)
 
     def on_the_host(*args):
         raise AssertionError("a ulp step ran on the host")
@@ -791,36 +789,12 @@ def test_tensor_parallel_shards_prepared_and_written_through_triton(
     """The ranks of a tensor-parallel module read each shard's change against its
     parameter's storage while preparing and write them with the device kernels in the
     apply, bit-equal to their loader's placement."""
-    from test_module_shards import PLACED_ONCE, TP, Shards, bits_of, checkpoint, dense, step
-    from test_module_target import LaneSum
+    from test_module_shards import PLACED_ONCE, TP, _published, bits_of, dense, step
 
-    from dcr_format import ModuleTarget
     from dcr_format.testing.processes import in_threads
 
-    launched: dict[str, int] = {}
-    real_launch = triton_mode._launch
-
-    def counting_launch(kernel, *args, **meta):
-        name = getattr(kernel, "__name__", None) or kernel.fn.__name__
-        launched[name] = launched.get(name, 0) + 1
-        return real_launch(kernel, *args, **meta)
-
-    monkeypatch.setattr(triton_mode, "_launch", counting_launch)
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    modules = [Shards(r) for r in range(TP)]
-    lanes = LaneSum(TP)
-    readers = [
-        DeltaReader(
-            store,
-            ModuleTarget(m, load_weights=m.load_weights, reduce_lanes=lanes.rank(r)),
-            reader_id=f"rank-{r}",
-        )
-        for r, m in enumerate(modules)
-    ]
-    in_threads(lambda r: readers[r].sync(), TP)
+    launched = _count_launches(triton_mode, monkeypatch)
+    writer, state, modules, readers = _published(tmp_path)
     state = step(state, 0)
     writer.publish(state)
     prepared = in_threads(lambda r: readers[r].prepare(), TP)

@@ -244,6 +244,15 @@ def test_a_failed_verification_rolls_every_rank_back(tmp_path):
 PLACED_ONCE = set(SPECS) - {"twice.weight"}  # placed twice: applied copy by copy
 
 
+def _published(tmp_path: Path) -> tuple[DeltaWriter, dict, list[Shards], list[DeltaReader]]:
+    """A writer at a base of :func:`checkpoint` and the ranks synced to it."""
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    state = checkpoint()
+    writer.publish(state)
+    return (writer, state, *_ranks(store))
+
+
 def _ranks(store: str) -> tuple[list[Shards], list[DeltaReader]]:
     modules = [Shards(r) for r in range(TP)]
     lanes = LaneSum(TP)
@@ -260,11 +269,7 @@ def _ranks(store: str) -> tuple[list[Shards], list[DeltaReader]]:
 
 
 def test_a_prepared_version_writes_every_shard_as_staged(tmp_path, monkeypatch):
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    modules, readers = _ranks(store)
+    writer, state, modules, readers = _published(tmp_path)
     for k in range(2):
         state = step(state, k)
         writer.publish(state)
@@ -281,11 +286,7 @@ def test_a_prepared_version_writes_every_shard_as_staged(tmp_path, monkeypatch):
 
 
 def test_a_shard_with_no_change_on_one_rank_is_staged_empty_there(tmp_path):
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    modules, readers = _ranks(store)
+    writer, state, modules, readers = _published(tmp_path)
     state = dict(state)
     embed = state["embed.weight"].clone()
     embed[:2] += 1.0  # rows of rank 0's share only
@@ -312,11 +313,7 @@ def test_a_shard_whose_storage_moved_after_staging_is_applied_again(tmp_path, mo
         return _apply_placed(target, plan, *args)
 
     monkeypatch.setattr(module_apply, "_apply_placed", spy)
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    modules, readers = _ranks(store)
+    writer, state, modules, readers = _published(tmp_path)
     state = step(state, 0)
     writer.publish(state)
     prepared = in_threads(lambda r: readers[r].prepare(), TP)
@@ -334,11 +331,7 @@ def test_a_shard_whose_storage_moved_after_staging_is_applied_again(tmp_path, mo
 
 
 def test_a_staged_shard_that_does_not_verify_rolls_every_rank_back(tmp_path):
-    store = str(tmp_path / "store")
-    writer = DeltaWriter(store)
-    state = checkpoint()
-    writer.publish(state)
-    modules, readers = _ranks(store)
+    writer, state, modules, readers = _published(tmp_path)
     writer.publish(step(state, 0))
     with torch.no_grad():  # changed outside dcr at a position the delta changes (0 % 4)
         bits_view(modules[1].o).view(-1)[0] ^= 1

@@ -10,8 +10,8 @@ scratch holding the change, each intercepted write performed or refused by a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -224,6 +224,44 @@ class _ModuleTransaction(Transaction):
         return Applied(run.undo, *readback)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """The changed positions one placement copy of a name holds: where the copy places a
+    run of consecutive canonical elements (``run``: its first canonical position and
+    length) into consecutive storage, the slice ``span`` of the sorted positions inside
+    it; else the copy's logical elements ``k`` holding ``positions[index]``."""
+
+    copy: _Copy
+    span: tuple[int, int] | None = None
+    run: tuple[int, int] = (0, 0)
+    k: torch.Tensor | None = None
+    index: torch.Tensor | None = None
+
+
+def _held_by_copy(
+    target: Placements, plan: LoaderPlan, positions: torch.Tensor, host: np.ndarray
+) -> Iterator[_Held]:
+    """For each placement copy of ``plan`` (the constants a loader writes, such as padding,
+    aside), the sorted changed ``positions`` (``host``: the same as an array) it holds: a
+    block of rows by a slice of them, a block of columns by arithmetic on them
+    (:func:`_column_block`), any other copy through its learned views (O(changed))."""
+    for copy in plan.copies:
+        if copy.kind != "placement":
+            continue
+        assert copy.src is not None
+        prov, src = copy.src
+        if prov.kind == "scratch" and src.contiguous and copy.dst.contiguous:
+            lo, hi = np.searchsorted(host, (src.offset, src.offset + src.numel))
+            yield _Held(copy, span=(int(lo), int(hi)), run=(src.offset, src.numel))
+            continue
+        found = _column_block(src, host) if prov.kind == "scratch" else None
+        if found is not None:
+            index, k = (torch.from_numpy(a) for a in found)
+        else:
+            k, index = target._select(copy, positions)
+        yield _Held(copy, k=k, index=index)
+
+
 def _apply_placed(
     target: Placements, plan: LoaderPlan, op: str, positions: torch.Tensor, values: torch.Tensor
 ) -> Applied:
@@ -273,29 +311,21 @@ def _apply_placed(
             deltas.append(lane_deltas)
 
     try:
-        for copy in plan.copies:
-            if copy.kind != "placement":
-                continue  # constants the loader wrote (padding) stay as they are
-            assert copy.src is not None
-            prov, src = copy.src
-            if prov.kind == "scratch" and src.contiguous and copy.dst.contiguous:
-                lo, hi = (
-                    int(i) for i in np.searchsorted(host, (src.offset, src.offset + src.numel))
-                )
+        for found in _held_by_copy(target, plan, positions, host):
+            copy = found.copy
+            if found.span is not None:
+                lo, hi = found.span
                 if hi > lo:
+                    offset, numel = found.run
                     bits = _bits(target._storage_tensor(copy, storages), plan.name)
-                    run = bits[copy.dst.offset : copy.dst.offset + src.numel]
+                    run = bits[copy.dst.offset : copy.dst.offset + numel]
                     held = positions[lo:hi]
-                    write(run, held, held, src.offset, values[lo:hi], True)
+                    write(run, held, held, offset, values[lo:hi], True)
                 continue
-            found = _column_block(src, host) if prov.kind == "scratch" else None
-            if found is not None:
-                index, k = (torch.from_numpy(a) for a in found)
-            else:
-                k, index = target._select(copy, positions)
-            if k.numel():
+            assert found.k is not None and found.index is not None
+            if found.k.numel():
                 located.setdefault((copy.storage, copy.dst_dtype), []).append(
-                    (copy, copy.dst.elements(k), index)
+                    (copy, copy.dst.elements(found.k), found.index)
                 )
         for parts in located.values():
             bits = _bits(target._storage_tensor(parts[0][0], storages), plan.name)
@@ -338,24 +368,15 @@ def _stage_placed(
     host = positions.numpy()
     elements: list[np.ndarray] = []
     index: list[np.ndarray] = []
-    for copy in plan.copies:
-        if copy.kind != "placement":
-            continue  # constants the loader wrote (padding) stay as they are
-        assert copy.src is not None
-        prov, src = copy.src
-        if prov.kind == "scratch" and src.contiguous and copy.dst.contiguous:
-            lo, hi = np.searchsorted(host, (src.offset, src.offset + src.numel))
+    for found in _held_by_copy(target, plan, positions, host):
+        if found.span is not None:
+            lo, hi = found.span
             index.append(np.arange(lo, hi, dtype=np.int64))
-            elements.append(host[lo:hi] - (src.offset - copy.dst.offset))
-            continue
-        found = _column_block(src, host) if prov.kind == "scratch" else None
-        if found is not None:
-            i, k = found[0], torch.from_numpy(found[1])
+            elements.append(host[lo:hi] - (found.run[0] - found.copy.dst.offset))
         else:
-            k, at = target._select(copy, positions)
-            i = at.numpy()
-        elements.append(copy.dst.elements(k).numpy())
-        index.append(i)
+            assert found.k is not None and found.index is not None
+            elements.append(found.copy.dst.elements(found.k).numpy())
+            index.append(found.index.numpy())
     where = np.concatenate(elements) if elements else np.empty(0, dtype=np.int64)
     held = np.concatenate(index) if index else np.empty(0, dtype=np.int64)
     if where.size > 1 and not bool((where[1:] > where[:-1]).all()):
