@@ -17,7 +17,9 @@ from torch import nn
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
 from dcr_format.errors import SchemaError
 from dcr_format.format.features import (
+    BASELINE_FEATURES,
     POSITIONS_CLASSED_FEATURE,
+    VALUES_ULP_FEATURE,
     WRITER_FEATURES,
     PublishCodings,
 )
@@ -104,20 +106,48 @@ def test_writers_code_against_the_old_bits_only_what_every_record_reads(tmp_path
     _put(store, "moe-engine", reads_baseline=False, baseline_except=("x",))
     wishes = _commit.read_reader_records(open_store(store))
     assert not wishes.reads_baseline and wishes.limiting == ("moe-engine",)
-    codings = PublishCodings(WRITER_FEATURES, wishes.baseline_names, wishes.baseline_except)
+    codings = PublishCodings(WRITER_FEATURES, wishes.baseline)
     assert "classed" in codings.for_tensor("z").codings
     assert "classed" not in codings.for_tensor("x").codings
     # with a record that lists names: their intersection, less the exceptions
     _put(store, "tp-engine", reads_baseline=False, baseline_names=("w", "x", "y"))
     wishes = _commit.read_reader_records(open_store(store))
     assert (wishes.baseline_names, wishes.baseline_except) == ({"w", "y"}, {"x"})
-    codings = PublishCodings(WRITER_FEATURES, wishes.baseline_names, wishes.baseline_except)
+    codings = PublishCodings(WRITER_FEATURES, wishes.baseline)
     assert {n for n in "wxyz" if "classed" in codings.for_tensor(n).codings} == {"w", "y"}
     # and two exception lists: their union
     _put(store, "tp-engine", reads_baseline=False, baseline_except=("y",))
     wishes = _commit.read_reader_records(open_store(store))
     assert (wishes.baseline_names, wishes.baseline_except) == (None, {"x", "y"})
     assert POSITIONS_CLASSED_FEATURE in wishes.features_for(None)
+
+
+def test_ulp_values_go_to_tensors_every_record_reads_the_changed_elements_of(
+    tmp_path: Path,
+) -> None:
+    """A record saying ``reads_changed`` reads the old bits of each changed element of every
+    tensor (a tensor-parallel engine's shards): a tensor every other record reads the old
+    bits of may use ``ulp`` values, not ``classed`` positions or ``ulp-shift`` values."""
+    store = str(tmp_path / "store")
+    _put(store, "whole", reads_baseline=False, baseline_names=("w", "x"))
+    _put(store, "tp", reads_baseline=False, baseline_names=("w",), reads_changed=True)
+    assert json.loads(open_store(store).get("readers/tp.json"))["reads_changed"] is True
+    assert "reads_changed" not in json.loads(open_store(store).get("readers/whole.json"))
+    wishes = _commit.read_reader_records(open_store(store))
+    assert wishes.baseline == ({"w"}, set()) and wishes.changed == ({"w", "x"}, set())
+    codings = PublishCodings(WRITER_FEATURES, wishes.baseline, wishes.changed)
+    allowed = {n: codings.for_tensor(n).codings for n in "wxy"}
+    assert {"classed", "ulp", "ulp-shift"} <= allowed["w"]
+    assert "ulp" in allowed["x"] and not allowed["x"] & {"classed", "ulp-shift"}
+    assert not allowed["y"] & {"classed", "ulp", "ulp-shift"}
+    # no tensor whose old bits every record reads: ulp only, for the changed ones
+    _put(store, "tp", reads_baseline=False, baseline_names=("y",), reads_changed=True)
+    wishes = _commit.read_reader_records(open_store(store))
+    assert wishes.features_for(None) & BASELINE_FEATURES == {VALUES_ULP_FEATURE}
+    # a record without reads_changed that reads nothing: none of them
+    _put(store, "cpu", reads_baseline=False)
+    wishes = _commit.read_reader_records(open_store(store))
+    assert not wishes.features_for(None) & BASELINE_FEATURES
 
 
 # --- an engine that holds more experts whole than a list of names holds ----------------------

@@ -22,10 +22,12 @@ from test_module_target import LaneSum, in_threads
 from torch import nn
 
 from dcr_format import DeltaReader, DeltaWriter, ModuleTarget
+from dcr_format.chain.chain import Chain
 from dcr_format.delta.delta import OVERWRITE, XOR
 from dcr_format.delta.fingerprint import apply_lane_deltas, lanes_after_change
 from dcr_format.errors import BaselineMismatchError
 from dcr_format.format.dtypes import bits_view
+from dcr_format.store.store import open_store
 from dcr_format.targets import module_apply
 from dcr_format.targets.module_apply import _apply_placed
 
@@ -343,6 +345,63 @@ def test_a_staged_shard_that_does_not_verify_rolls_every_rank_back(tmp_path):
     for r, module in enumerate(modules):
         assert same(bits_of(module), before[r])  # every staged write undone, on both ranks
         assert readers[r].target.resident().version == 0  # type: ignore[union-attr]
+
+
+def test_shards_take_ulp_values_their_ranks_complete_at_the_elements_they_hold(tmp_path):
+    """A rank holds part of each sharded tensor, so its record asks writers for no coding
+    that needs the whole tensor's old bits (``classed``, ``ulp-shift``) but says it reads
+    the old bits of each changed element it holds (``reads_changed``): the shards' values
+    come as ulp differences, which each rank completes at its own elements, prepared
+    (staged against its storage) and in a plain sync alike."""
+    gen = torch.Generator().manual_seed(5)
+    # (a tensor placed twice is read back copy by copy: a module holding one reads the old
+    # bits of whole tensors only, so this one holds none)
+    masters = {n: torch.randn(*SPECS[n], generator=gen) * 0.02 for n in sorted(PLACED_ONCE)}
+
+    def stepped() -> dict[str, torch.Tensor]:
+        for master in masters.values():  # one or two ulps of most elements
+            master += 1e-4 * torch.sign(torch.randn(master.shape, generator=gen))
+        return {n: m.bfloat16() for n, m in masters.items()}
+
+    store = str(tmp_path / "store")
+    writer = DeltaWriter(store)
+    writer.publish({n: m.bfloat16() for n, m in masters.items()})
+    modules, readers = _ranks(store)
+    for key in ("readers/rank-0.json", "readers/rank-1.json"):
+        record = json.loads(open_store(store).get(key))
+        assert (record["reads_baseline"], record["reads_changed"]) == (False, True)
+    twice = Shards(0)  # a name placed twice is read back copy by copy: not said
+    target = ModuleTarget(twice, load_weights=twice.load_weights)
+    target.prewarm({n: (torch.bfloat16, s) for n, s in SPECS.items()})
+    assert not target.reads_changed()
+    for version in (1, 2):
+        state = stepped()
+        writer.publish(state)
+        codings = _codings(store, version)
+        assert all(not c & {"classed", "ulp-shift"} for c in codings.values()), codings
+        assert {n for n, c in codings.items() if "ulp" in c} >= {"q.weight", "o.weight"}
+        if version == 1:
+            prepared = in_threads(lambda r: readers[r].prepare(), TP)
+            for one in prepared:  # (an unchanged shard has nothing to stage)
+                assert {n for n, s in one._staged.items() if s.placed} == set(codings)
+            results = in_threads(lambda r, p=prepared: readers[r].apply(p[r]), TP)
+        else:
+            results = in_threads(lambda r: readers[r].sync(), TP)
+        assert all(not result.unverified for result in results)
+        for r, module in enumerate(modules):
+            assert same(bits_of(module), dense(state, r)), version
+
+
+def _codings(store: str, version: int) -> dict[str, set[str | None]]:
+    """The position and value codings of each changed ``xor``/``overwrite`` entry of
+    ``version``."""
+    chain = Chain(open_store(store))
+    return {
+        e.name: {e.positions and e.positions.coding, e.values and e.values.coding}
+        for m in chain.manifests(chain.record(version))
+        for e in m.entries
+        if e.changed and e.op != "full"  # (a tensor this small may go whole)
+    }
 
 
 def test_module_tp_bench_quick_runs():

@@ -302,3 +302,16 @@ def test_the_command_says_whose_old_bits_a_record_of_exceptions_reads(tmp_path: 
     code, out, _ = _dcr("readers", "--store", store.url, "--format", "json")
     (row,) = json.loads(out)["readers"]
     assert (row["reads_old_bits"], row["baseline_names"]) == ("all-but", 2)
+
+
+def test_the_command_says_a_record_reads_the_changed_elements_of_the_rest(tmp_path: Path) -> None:
+    store = open_store(str(tmp_path / "store"))
+    _put(store, "tp", timedelta(minutes=5), reads_baseline=False, reads_changed=True)
+    _put(store, "cpu", timedelta(minutes=5), reads_baseline=False)
+    code, out, _ = _dcr("readers", "--store", store.url)
+    lines = {line.split()[0]: line for line in out.splitlines()[1:] if line.strip()}
+    assert code == 0 and "none, changed of the rest" in lines["tp"]
+    assert "changed" not in lines["cpu"]
+    code, out, _ = _dcr("readers", "--store", store.url, "--format", "json")
+    rows = {row["reader_id"]: row for row in json.loads(out)["readers"]}
+    assert (rows["tp"]["reads_changed"], rows["cpu"]["reads_changed"]) == (True, False)

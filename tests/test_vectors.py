@@ -46,6 +46,7 @@ NAMES = (
     "default-codings",
     "baseline-names",
     "baseline-except",
+    "reads-changed",
 )
 
 
@@ -465,9 +466,27 @@ def test_per_tensor_vectors_code_against_old_bits_only_what_every_record_reads(n
                     against.add(entry.name)
         assert against == readable - {"model.layers.0.steps"}  # no float, no ulp
     wishes = read_reader_records(chain.store)
-    codings = features.PublishCodings(
-        features.WRITER_FEATURES, wishes.baseline_names, wishes.baseline_except
-    )
+    codings = features.PublishCodings(features.WRITER_FEATURES, wishes.baseline)
     names = {e.name for m in chain.manifests(chain.record(1)) for e in m.entries}
     assert {n for n in names if "classed" in codings.for_tensor(n).codings} == readable
     assert wishes.limiting == ("engine-0", "engine-1")
+
+
+def test_the_reads_changed_vector_sends_ulp_values_where_every_record_reads_changed_elements():
+    """``reads-changed``: engine-1 reads the old bits of each changed element it holds, so
+    ``k_proj``, which engine-0 reads whole, takes ``ulp`` values, but neither ``classed``
+    positions nor ``ulp-shift`` values; a writer reading the records allows exactly that."""
+    chain = Chain(open_store(VECTORS_DIR / "reads-changed" / "store"))
+    expected = expected_of("reads-changed")
+    k = "model.layers.0.self_attn.k_proj.weight"
+    for version in (1, 2):
+        assert k in expected["changed_names"][str(version)]
+        assert k not in expected["baseline_names"][str(version)]
+        entry = next(
+            e for m in chain.manifests(chain.record(version)) for e in m.entries if e.name == k
+        )
+        assert entry.positions is not None and entry.values is not None
+        assert (entry.positions.coding, entry.values.coding) == ("rice", "ulp")
+    wishes = read_reader_records(chain.store)
+    codings = features.PublishCodings(features.WRITER_FEATURES, wishes.baseline, wishes.changed)
+    assert codings.for_tensor(k).codings & {"classed", "ulp", "ulp-shift"} == {"ulp"}

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import harness
 
+from dcr_format.chain.chain import Chain
 from dcr_format.integrations.vllm import DcrInitInfo, DcrWeightSync
+from dcr_format.store.store import open_store
 
 
 def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -66,4 +68,17 @@ def test_tensor_parallel_ranks_form_a_reader_group(tmp_path: Path, monkeypatch) 
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert harness.fresh_greedy(dirs, tensor_parallel=2) == got
+    # each rank holds part of the sharded tensors: their records ask for no coding that needs
+    # a whole tensor's old bits, and say they read those of each changed element, so the
+    # shards' values come as ulp differences wherever those are smaller
+    chain = Chain(open_store(store))
+    sharded = [
+        e
+        for m in chain.manifests(chain.record(version))
+        for e in m.entries
+        if e.op == "xor" and e.changed and "norm" not in e.name
+    ]
+    assert not [e.name for e in sharded if e.positions and e.positions.coding == "classed"]
+    assert not [e.name for e in sharded if e.values and e.values.coding == "ulp-shift"]
+    assert any(e.values and e.values.coding == "ulp" for e in sharded)
     harness.record("tensor parallel 2 (multiprocessing)", start_seconds, rows)

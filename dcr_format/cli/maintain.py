@@ -323,6 +323,8 @@ def _readers_table(report: Any) -> None:
             "listed": f"{r.baseline_names} listed",
             "all-but": f"all but {r.baseline_names}",
         }.get(r.reads_old_bits, r.reads_old_bits)
+        if r.reads_changed:  # the others' at their changed elements
+            old += ", changed of the rest"
         features = "lacks " + ",".join(r.lacks) if r.lacks else "every"
         rows.append(
             (r.reader_id, str(len(r.keys)), written, _age(r.age_seconds), str(r.overwrite), old,

@@ -59,6 +59,12 @@ BASELINE_FEATURES: frozenset[str] = frozenset(
 BASELINE_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in BASELINE_FEATURES)
 """Their codings (``classed``, ``ulp``, ``ulp-shift``): a writer codes them from the new bits
 of a change."""
+CHANGED_FEATURES: frozenset[str] = frozenset({VALUES_ULP_FEATURE})
+"""Of those, the features a reader decodes from the old bits of each changed element alone
+(not of the whole tensor): what a reader holding part of a tensor decodes (FORMAT.md §3.6
+``reads_changed``)."""
+CHANGED_CODINGS: frozenset[str] = frozenset(FEATURE_CODINGS[f] for f in CHANGED_FEATURES)
+"""Their codings (``ulp``)."""
 
 
 @dataclass(frozen=True)
@@ -102,45 +108,67 @@ def writer_features(features: Iterable[str]) -> frozenset[str]:
     return chosen
 
 
+Readable = tuple[frozenset[str] | None, frozenset[str]]
+"""Tensors a set of reader records reads something of: ``(names, except)``, the tensors of
+``names`` (None: every tensor) but those of ``except``."""
+EVERY: Readable = (None, frozenset())
+"""Every tensor."""
+
+
+def _reads(readable: Readable, name: str) -> bool:
+    names, excluded = readable
+    return (names is None or name in names) and name not in excluded
+
+
 def publish_features(
     allowed: frozenset[str] | None,
     readers: frozenset[str],
     baseline_names: frozenset[str] | None,
+    *,
+    changed_names: frozenset[str] | None = None,
 ) -> frozenset[str]:
     """The features one publish uses (FORMAT.md §12): ``allowed``, the writer's explicit set,
     or by default (None) every writer feature the chain's recorded readers all read
     (``readers``); the codings decoded against the old bits (:data:`BASELINE_FEATURES`)
     unless no tensor's old bits are read by every recorded reader (``baseline_names``
-    empty; None: every tensor's are). Which tensors may use them: :class:`PublishCodings`."""
+    empty; None: every tensor's are), and ``values-ulp`` unless no tensor's changed
+    elements are (``changed_names`` empty). Which tensors may use them:
+    :class:`PublishCodings`."""
     chosen = WRITER_FEATURES & readers if allowed is None else allowed
-    return chosen if baseline_names is None or baseline_names else chosen - BASELINE_FEATURES
+    if baseline_names is not None and not baseline_names:
+        chosen = chosen - (BASELINE_FEATURES - CHANGED_FEATURES)
+    if changed_names is not None and not changed_names:
+        chosen = chosen - BASELINE_FEATURES
+    return chosen
 
 
 class PublishCodings:
     """The codings each tensor of one publish may use: those of its ``features``, except that
-    the codings decoded against the old bits (:data:`BASELINE_CODINGS`) only for the tensors
-    every recorded reader reads the old bits of (``baseline_names``; None: every tensor),
-    never for those of ``baseline_except``. One lookup per tensor: both options are made
-    once."""
+    the codings decoded against the old bits of the whole tensor (``classed``, ``ulp-shift``)
+    only for the tensors every recorded reader reads the old bits of (``baseline``), and
+    ``ulp``, decoded against the old bits of each changed element, only for those every
+    recorded reader reads the changed elements of (``changed``; by default ``baseline``).
+    One lookup per tensor: the options are made once."""
 
-    __slots__ = ("_all", "_except", "_names", "_plain")
+    __slots__ = ("_all", "_baseline", "_changed", "_plain", "_ulp")
 
     def __init__(
         self,
         features: Iterable[str],
-        baseline_names: frozenset[str] | None,
-        baseline_except: frozenset[str] = frozenset(),
+        baseline: Readable = EVERY,
+        changed: Readable | None = None,
     ) -> None:
         self._all = EncodeOptions.allowing(features)
         self._plain = EncodeOptions(self._all.codings - BASELINE_CODINGS)
-        self._names = baseline_names
-        self._except = baseline_except
+        self._ulp = EncodeOptions(self._all.codings - (BASELINE_CODINGS - CHANGED_CODINGS))
+        self._baseline = baseline
+        self._changed = baseline if changed is None else changed
 
     def for_tensor(self, name: str) -> EncodeOptions:
         """The options of tensor ``name``."""
-        names = self._names
-        readable = (names is None or name in names) and name not in self._except
-        return self._all if readable else self._plain
+        if _reads(self._baseline, name):
+            return self._all
+        return self._ulp if _reads(self._changed, name) else self._plain
 
 
 def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
@@ -151,8 +179,11 @@ def features_for(codings: Iterable[str | None]) -> tuple[str, ...]:
 __all__ = [
     "BASELINE_CODINGS",
     "BASELINE_FEATURES",
+    "CHANGED_CODINGS",
+    "CHANGED_FEATURES",
     "CHECKPOINT_FILES_FEATURE",
     "CODING_FEATURES",
+    "EVERY",
     "FEATURE_CODINGS",
     "IMPLICIT_PARENTS_FEATURE",
     "MANIFEST_ZSTD_FEATURE",
@@ -164,6 +195,7 @@ __all__ = [
     "WRITER_FEATURES",
     "EncodeOptions",
     "PublishCodings",
+    "Readable",
     "features_for",
     "publish_features",
     "writer_features",

@@ -441,6 +441,11 @@ class ReaderRecord(_Model):
     exact old bits of every tensor but these (sorted, each once; possibly none), for a
     reader that reads them of more tensors than a list of names holds. None (absent): the
     record says it with ``baseline_names``."""
+    reads_changed: bool = False
+    """With ``reads_baseline`` false: whether the reader reads, of every tensor it holds,
+    the exact old bits of each changed element it holds (a tensor-parallel shard), so it
+    decodes ``ulp`` values (FORMAT.md §7.5) of every tensor, and ``classed`` positions and
+    ``ulp-shift`` values only of those ``baseline_names`` or ``baseline_except`` allow."""
 
     @model_validator(mode="after")
     def _check_baseline_names(self) -> ReaderRecord:
@@ -458,8 +463,10 @@ class ReaderRecord(_Model):
 
     def to_json(self) -> bytes:
         """As every model, but ``baseline_names`` and ``baseline_except`` are left out when
-        absent."""
+        absent, and ``reads_changed`` when false."""
         exclude = {n for n in ("baseline_names", "baseline_except") if getattr(self, n) is None}
+        if not self.reads_changed:
+            exclude.add("reads_changed")
         return self.model_dump_json(exclude=exclude or None).encode()
 
 

@@ -229,7 +229,11 @@ class CanonicalPart:
             # a full shard uploads on a background thread while the next tensors are coded
             items = self._owned(tensors, attempt)
             features = attempt.features
-            codings = PublishCodings(features, attempt.baseline_names, attempt.baseline_except)
+            codings = PublishCodings(
+                features,
+                (attempt.baseline_names, attempt.baseline_except),
+                (attempt.changed_names, attempt.changed_except),
+            )
             rows = self._rows.get if POSITIONS_CLASSED_FEATURE in features else None
             coded = encode_stream(
                 items,

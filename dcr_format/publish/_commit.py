@@ -40,10 +40,11 @@ from dcr_format.errors import (
     ObjectNotFoundError,
     StoreError,
 )
-from dcr_format.format.features import WRITER_FEATURES, publish_features
+from dcr_format.format.features import WRITER_FEATURES, Readable, publish_features
 from dcr_format.format.schema import (
     Manifest,
     ManifestRef,
+    ReaderRecord,
     manifest_json_size,
     parse_manifest,
 )
@@ -263,6 +264,21 @@ class ReaderWishes:
     limiting: tuple[str, ...] = ()
     """The readers (sorted ids) whose records leave out a writer feature: they lack it, or
     cannot read the old bits of every tensor."""
+    changed_names: frozenset[str] | None = None
+    changed_except: frozenset[str] = frozenset()
+    """As ``baseline_names`` and ``baseline_except``, of the tensors every record's reader
+    reads the old bits of each changed element of (those of the tensors it reads the old
+    bits of, and of every tensor where it says ``reads_changed``)."""
+
+    @property
+    def baseline(self) -> Readable:
+        """The tensors every record reads the old bits of."""
+        return self.baseline_names, self.baseline_except
+
+    @property
+    def changed(self) -> Readable:
+        """The tensors every record reads the old bits of each changed element of."""
+        return self.changed_names, self.changed_except
 
     @property
     def reads_baseline(self) -> bool:
@@ -271,7 +287,9 @@ class ReaderWishes:
 
     def features_for(self, allowed: frozenset[str] | None) -> frozenset[str]:
         """The features a publish uses given the writer's explicit set (None: its default)."""
-        return publish_features(allowed, self.features, self.baseline_names)
+        return publish_features(
+            allowed, self.features, self.baseline_names, changed_names=self.changed_names
+        )
 
 
 def read_reader_records(store: Store) -> ReaderWishes:
@@ -291,8 +309,7 @@ def read_reader_records(store: Store) -> ReaderWishes:
     except StoreError:
         return ReaderWishes()
     names: set[str] = set()
-    baseline: frozenset[str] | None = None
-    excluded: set[str] = set()
+    whole, changed = _Reads(), _Reads()
     features = WRITER_FEATURES
     limiting: set[str] = set()
     for key in sorted(keys):
@@ -300,17 +317,38 @@ def read_reader_records(store: Store) -> ReaderWishes:
         if record is None:
             continue
         names.update(record.overwrite)
-        if record.baseline_except is not None:  # every tensor's old bits but these
-            excluded.update(record.baseline_except)
-        elif not record.reads_baseline:
-            reads = frozenset(record.baseline_names or ())
-            baseline = reads if baseline is None else baseline & reads
+        whole.add(record)
+        if not record.reads_changed:  # else it reads every tensor's changed elements
+            changed.add(record)
         lacks = set() if record.features is None else WRITER_FEATURES - set(record.features)
         features -= lacks
         if lacks or not record.reads_baseline:
             limiting.add(record.reader_id)
-    if baseline is not None:
-        baseline = baseline - excluded
+    baseline, excluded = whole.readable()
     return ReaderWishes(
-        frozenset(names), baseline, frozenset(excluded), features, tuple(sorted(limiting))
+        frozenset(names),
+        baseline,
+        excluded,
+        features,
+        tuple(sorted(limiting)),
+        *changed.readable(),
     )
+
+
+class _Reads:
+    """The tensors every record added reads the old bits of (FORMAT.md §3.6)."""
+
+    def __init__(self) -> None:
+        self.names: frozenset[str] | None = None  # the intersection of the lists of names
+        self.excluded: set[str] = set()  # the union of the lists of exceptions
+
+    def add(self, record: ReaderRecord) -> None:
+        if record.baseline_except is not None:  # every tensor's old bits but these
+            self.excluded.update(record.baseline_except)
+        elif not record.reads_baseline:
+            reads = frozenset(record.baseline_names or ())
+            self.names = reads if self.names is None else self.names & reads
+
+    def readable(self) -> Readable:
+        names = None if self.names is None else self.names - self.excluded
+        return names, frozenset(self.excluded)

@@ -232,6 +232,10 @@ class Attempt:
     baseline_except: frozenset[str] = frozenset()
     """Tensors that may not use them: some recorded reader reads the old bits of every
     tensor but these."""
+    changed_names: frozenset[str] | None = None
+    changed_except: frozenset[str] = frozenset()
+    """As ``baseline_names`` and ``baseline_except``, the tensors that may use ``ulp`` (every
+    recorded reader reads the old bits of each changed element it holds, FORMAT.md §3.6)."""
 
     @property
     def base(self) -> bool:

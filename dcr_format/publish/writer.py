@@ -53,6 +53,7 @@ from dcr_format.format.features import (
     CHECKPOINT_FILES_FEATURE,
     IMPLICIT_PARENTS_FEATURE,
     MANIFEST_ZSTD_FEATURE,
+    VALUES_ULP_FEATURE,
     WRITER_FEATURES,
     writer_features,
 )
@@ -539,6 +540,8 @@ class DeltaWriter:
             features=features,
             baseline_names=wishes.baseline_names,
             baseline_except=wishes.baseline_except,
+            changed_names=wishes.changed_names,
+            changed_except=wishes.changed_except,
         )
 
     def _explain(self, version: int, features: frozenset[str], wishes: ReaderWishes) -> None:
@@ -566,6 +569,11 @@ class DeltaWriter:
             only = (
                 f"; {', '.join(against)} for every tensor but {len(excluded)} whose old bits "
                 "a reader record does not read"
+            )
+        if only and VALUES_ULP_FEATURE in features and wishes.changed != wishes.baseline:
+            only += (
+                f", {VALUES_ULP_FEATURE} also for those whose changed elements every reader "
+                "record reads"
             )
         explicit = self.features is not None
         why = "as given by features=" if explicit else "the default: every feature its readers read"

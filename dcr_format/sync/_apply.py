@@ -497,7 +497,7 @@ class Applying(Auditing):
             rest = {
                 name: Change(name, info_for(e.dtype).torch_dtype, tuple(e.shape), d)
                 for name, (e, d) in wanted.items()
-                if name not in staged and not d.needs_target
+                if name not in staged
             }
             placed = self.target.stage_placed(rest) if rest else {}
             for name, (tensor, bits) in placed.items():

@@ -158,7 +158,7 @@ def _record(
     record_id: str, updated: str, overwrite: tuple[str, ...], baseline: _Asked
 ) -> ReaderRecord:
     """One record (or part) a reader writes: it lists every feature this reader implements."""
-    reads_baseline, readable, unread = baseline
+    reads_baseline, readable, unread, changed = baseline
     return ReaderRecord(
         reader_id=record_id,
         updated=updated,
@@ -167,12 +167,13 @@ def _record(
         features=tuple(sorted(KNOWN_FEATURES)),
         baseline_names=readable or None,
         baseline_except=unread,
+        reads_changed=changed,
     )
 
 
-_Asked = tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None]
+_Asked = tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None, bool]
 """What a record says of the old bits its reader reads: ``reads_baseline``, and without it
-``baseline_names`` or ``baseline_except``."""
+``baseline_names`` or ``baseline_except``, and ``reads_changed``."""
 
 
 class Committing(Auditing):
@@ -201,11 +202,14 @@ class Committing(Auditing):
         reads_baseline = self.target.reads_baseline()
         if self.reader_id is None and not overwrite and reads_baseline:
             return
-        asked: _Asked = (True, None, None)
+        asked: _Asked = (True, None, None, False)
         content = "\n".join(sorted(overwrite))
         if not reads_baseline:
             readable, unread = _baseline(self.target, self._version_names, overwrite)
-            asked = (False, readable, unread)
+            changed = self.target.reads_changed()
+            asked = (False, readable, unread, changed)
+            if changed:
+                content += "\n(changed)"
             if unread is None:
                 content += "\n(no baseline)" + "".join(f"\n+{n}" for n in readable or ())
             else:
@@ -275,14 +279,15 @@ class Committing(Auditing):
             record = load_reader_record(self.store, key)
         except (StoreError, FormatError):
             return None
-        reads_baseline, readable, unread = asked
+        reads_baseline, readable, unread, changed = asked
         listed = readable if unread is None else unread
-        mine = (_parts(overwrite, listed)[0], reads_baseline, readable or None, unread)
+        mine = (_parts(overwrite, listed)[0], reads_baseline, readable or None, unread, changed)
         found = (
             record.overwrite,
             record.reads_baseline,
             record.baseline_names or None,
             record.baseline_except,
+            record.reads_changed,
         )
         return None if found == mine else key
 

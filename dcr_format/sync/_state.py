@@ -152,11 +152,14 @@ class ReaderState:
     # the tensor); keyed by the fingerprint of the bits they describe
     _rows: dict[str, tuple[str, np.ndarray]]
     # the last reader record written: (reader id, overwrite names, what it says of the old
-    # bits read: reads_baseline, baseline_names, baseline_except; time.monotonic() when
-    # written)
+    # bits read: reads_baseline, baseline_names, baseline_except, reads_changed;
+    # time.monotonic() when written)
     _recorded: (
         tuple[
-            str, frozenset[str], tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None], float
+            str,
+            frozenset[str],
+            tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None, bool],
+            float,
         ]
         | None
     )

@@ -67,11 +67,16 @@ from typing import Any
 
 import torch
 
-from dcr_format.delta.delta import OVERWRITE, XOR
+from dcr_format.delta.delta import OVERWRITE, XOR, PendingDelta
 from dcr_format.errors import ArgumentError
 from dcr_format.format.schema import MAX_BASELINE_NAMES
 from dcr_format.targets.change import Change, Resident
-from dcr_format.targets.module_apply import _ModuleTransaction, _stage_placed
+from dcr_format.targets.module_apply import (
+    _ModuleTransaction,
+    _resolved_held,
+    _stage_placed,
+    held_elementwise,
+)
 from dcr_format.targets.placements import LoaderPlan, LoadWeights, Placements, ReduceLanes
 from dcr_format.targets.protocol import Target, Transaction
 from dcr_format.targets.reader_side import PlacedStage
@@ -257,7 +262,7 @@ class ModuleTarget(Placements, Target):
         out: dict[str, PlacedStage] = {}
         for name, change in changes.items():
             delta = change.delta
-            if delta.needs_target or delta.op not in (XOR, OVERWRITE) or delta.ulp:
+            if delta.op not in (XOR, OVERWRITE) or (delta.ulp and not held_elementwise(delta)):
                 continue
             if name not in self._held and not self._declared:
                 continue  # not held: the sync writes it through apply (a new name)
@@ -269,10 +274,24 @@ class ModuleTarget(Placements, Target):
             bits = self._placed_bits(plan)
             if bits is None or delta.positions is None:
                 continue
+            if isinstance(delta, PendingDelta):  # ulp values: completed at its elements
+                delta = _resolved_held(self, plan, bits, delta)
+            assert delta.positions is not None
             positions = delta.positions.to(torch.int64).cpu()
             values = delta.values.cpu()
             out[name] = (bits, _stage_placed(self, plan, bits, delta.op, positions, values))
         return out
+
+    def reads_changed(self) -> bool:
+        """Whether every name learned so far whose old bits this module does not hold whole
+        (:meth:`baseline_names` aside: a shard) sits in one parameter's storage, so that it
+        reads the old bits of each changed element it holds there (``ulp`` values,
+        FORMAT.md §3.6 ``reads_changed``)."""
+        return all(
+            self._canonical_view(plan) is not None or self._placed_bits(plan) is not None
+            for plan in self._plans.values()
+            if plan.kind == "xor"
+        )
 
     def overwrite_names(self) -> frozenset[str]:
         """Names whose load path is not bit-preserving (they need ``overwrite``)."""

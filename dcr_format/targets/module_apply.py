@@ -18,7 +18,16 @@ import torch
 
 from dcr_format.chain.layout import View
 from dcr_format.delta.backend import lane_count
-from dcr_format.delta.delta import FULL, OVERWRITE, XOR, as_xor
+from dcr_format.delta.delta import (
+    FULL,
+    OVERWRITE,
+    XOR,
+    DecodedDelta,
+    Delta,
+    PendingDelta,
+    after_bits,
+    as_xor,
+)
 from dcr_format.delta.dispatch import apply_with_lanes, scatter
 from dcr_format.delta.fingerprint import LANE_PRIMES, add_lanes, lanes_after_change, tensor_lanes
 from dcr_format.delta.staged import StagedChange
@@ -57,16 +66,34 @@ class _ModuleTransaction(Transaction):
 
     def resolved(self, change: Change) -> Change:
         """As :meth:`Transaction.resolved`, against the canonical view of the name (read
-        only, so also where every change goes through the loader)."""
+        only, so also where every change goes through the loader); a shard's change whose
+        values alone are coded against the old bits, at the elements the module holds
+        (:func:`held_elementwise`)."""
         if not change.delta.needs_target:
             return change
         old = self._old_bits(change.name)
         if old is None:
-            raise baseline_coding_error(change.name)
+            held = self._held_bits(change)
+            if held is None:
+                raise baseline_coding_error(change.name)
+            plan, bits = held
+            assert isinstance(change.delta, PendingDelta)
+            return replace(change, delta=_resolved_held(self.target, plan, bits, change.delta))
         done = resolved_against(change, old, keep_before=True)
         if self.target.direct:
             return done
         return replace(done, delta=as_xor(done.delta, old))  # the loader writes XOR bits
+
+    def _held_bits(self, change: Change) -> tuple[LoaderPlan, torch.Tensor] | None:
+        """For a change that completes at each element alone (:func:`held_elementwise`) to
+        a name placed in one storage, its plan and that storage's bits; else None."""
+        if not held_elementwise(change.delta):
+            return None
+        plan = self.target._plan_of(change.name)
+        if plan is None or (plan.dtype, plan.shape) != (change.dtype, change.shape):
+            return None
+        bits = self.target._placed_bits(plan)
+        return None if bits is None else (plan, bits)
 
     def staged_into(self, name: str) -> torch.Tensor | None:
         """The canonical view of ``name`` (:meth:`tensor`), else the storage its shard's
@@ -112,7 +139,8 @@ class _ModuleTransaction(Transaction):
             if delta.positions is not None and delta.positions.numel() == 0:
                 continue
             if delta.needs_target and target._view_of_name(change.name) is None:
-                raise baseline_coding_error(change.name)  # no canonical old bits to read
+                if self._held_bits(change) is None:  # no old bits it completes against
+                    raise baseline_coding_error(change.name)
             plan = target.plan(change.name, change.dtype, change.shape)
             if plan.kind == "opaque":
                 raise TargetError(
@@ -352,19 +380,12 @@ def _apply_placed(
     return Applied(undo, held[order], old, new, lane_deltas=summed)
 
 
-def _stage_placed(
-    target: Placements,
-    plan: LoaderPlan,
-    bits: torch.Tensor,
-    op: str,
-    positions: torch.Tensor,
-    values: torch.Tensor,
-) -> StagedChange:
-    """What :func:`_apply_placed` would do to ``bits`` (the flat storage every placement of
-    ``plan`` writes into, :meth:`Placements._placed_bits`), read and not written: the
-    storage positions of the changed canonical elements the module holds, increasing,
-    their bits now and after the change, and the change's lane deltas summed at their
-    canonical positions (this rank's part of the tensor's)."""
+def _held_elements(
+    target: Placements, plan: LoaderPlan, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the changed canonical ``positions`` (sorted, on the host) the module holds sit
+    in the one storage every placement of ``plan`` writes into: their storage positions,
+    increasing, and which of ``positions`` each is."""
     host = positions.numpy()
     elements: list[np.ndarray] = []
     index: list[np.ndarray] = []
@@ -382,14 +403,63 @@ def _stage_placed(
     if where.size > 1 and not bool((where[1:] > where[:-1]).all()):
         order = np.argsort(where, kind="stable")  # the write takes increasing positions
         where, held = where[order], held[order]
-    at = torch.from_numpy(np.ascontiguousarray(where, dtype=np.int64))
-    take = torch.from_numpy(np.ascontiguousarray(held, dtype=np.int64))
+    return (
+        torch.from_numpy(np.ascontiguousarray(where, dtype=np.int64)),
+        torch.from_numpy(np.ascontiguousarray(held, dtype=np.int64)),
+    )
+
+
+def _stage_placed(
+    target: Placements,
+    plan: LoaderPlan,
+    bits: torch.Tensor,
+    op: str,
+    positions: torch.Tensor,
+    values: torch.Tensor,
+) -> StagedChange:
+    """What :func:`_apply_placed` would do to ``bits`` (the flat storage every placement of
+    ``plan`` writes into, :meth:`Placements._placed_bits`), read and not written: the
+    storage positions of the changed canonical elements the module holds, increasing,
+    their bits now and after the change, and the change's lane deltas summed at their
+    canonical positions (this rank's part of the tensor's)."""
+    at, take = _held_elements(target, plan, positions)
     before = bits[at.to(bits.device)].cpu()
     incoming = values[take]
     after = before ^ incoming if op == XOR else incoming.clone()
     zero = (0,) * lane_count(bits.element_size())
     deltas = lanes_after_change(zero, positions[take], before, after)
     return StagedChange(at.to(bits.device), before.to(bits.device), after.to(bits.device), deltas)
+
+
+def held_elementwise(delta: Delta) -> bool:
+    """Whether ``delta`` completes against the old bits of each changed element alone (its
+    positions plain, its values ``ulp`` differences), so a module holding part of the
+    tensor (a shard) completes it at the elements it holds."""
+    return (
+        isinstance(delta, PendingDelta)
+        and delta.op == XOR
+        and delta.positions is not None
+        and delta.classed is None
+        and delta.ulp
+        and delta.shift is None
+    )
+
+
+def _resolved_held(
+    target: Placements, plan: LoaderPlan, bits: torch.Tensor, delta: PendingDelta
+) -> DecodedDelta:
+    """``delta`` (:func:`held_elementwise`) completed against the elements of ``bits`` (the
+    storage of ``plan``'s placements) the module holds: XOR bits there, and zero at the
+    positions it does not hold (another rank's, which nothing here writes)."""
+    assert delta.positions is not None
+    positions = delta.positions.to(torch.int64).cpu()
+    values = delta.values.cpu()
+    at, take = _held_elements(target, plan, positions)
+    before = bits[at.to(bits.device)].cpu()
+    stepped = DecodedDelta(XOR, positions[take], values[take], ulp=True)
+    xor = torch.zeros_like(values)
+    xor[take] = before ^ after_bits(stepped, before)
+    return DecodedDelta(XOR, positions, xor)
 
 
 def _column_block(view: View, host: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

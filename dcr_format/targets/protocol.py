@@ -168,6 +168,14 @@ class Target(StagingSource, ABC):
         read the old bits of (:meth:`baseline_names`)."""
         return True
 
+    def reads_changed(self) -> bool:
+        """For a target that does not read the old bits of every tensor whole
+        (:meth:`reads_baseline` False): whether it reads, of every tensor it holds, the old
+        bits of each changed element it holds (a tensor-parallel shard), so it decodes
+        ``ulp`` values (FORMAT.md §7.5) though not ``classed`` positions or ``ulp-shift``
+        values, which need the whole tensor's. The default: False."""
+        return False
+
     def baseline_names(self) -> frozenset[str] | None:
         """The canonical names whose streams coded against the old bits the reader can
         decode into this target: those whose exact canonical bits :meth:`Transaction.tensor`

@@ -94,8 +94,9 @@ class StagingSource:
         storage while the target stays in use, so that applying them is the write alone:
         for each name it stages, the flat storage the change writes and the change in that
         storage's positions (its lane deltas summed at the canonical positions, over the
-        elements the target holds). Only changes that need nothing more from the target
-        are given. The default stages nothing."""
+        elements the target holds). A change coded against the old bits is staged only
+        where the target completes it at the elements it holds. The default stages
+        nothing."""
         return {}
 
     def held_storage(self) -> Sequence[torch.Tensor] | None:

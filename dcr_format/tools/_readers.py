@@ -60,6 +60,9 @@ class ReaderInfo(Row):
     (writers send it no coding against the old bits)."""
     baseline_names: int
     """With ``listed`` or ``all-but``: how many tensors it lists."""
+    reads_changed: bool = False
+    """Whether, of the other tensors, its reader reads the old bits of each changed element
+    it holds (a tensor-parallel engine): writers may send them ``ulp`` values."""
     features: tuple[str, ...] | None
     """The features it lists (writers use no other); None: it does not say (every one)."""
     lacks: tuple[str, ...]
@@ -136,6 +139,7 @@ def _info(
         baseline_names=(
             len(first.baseline_names or first.baseline_except or ()) if first is not None else 0
         ),
+        reads_changed=first is not None and not first.reads_baseline and first.reads_changed,
         features=features,
         lacks=tuple(sorted(WRITER_FEATURES - set(features or WRITER_FEATURES))),
         problem=problem,

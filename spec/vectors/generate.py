@@ -947,6 +947,33 @@ def baseline_except() -> Vector:
     )
 
 
+def reads_changed() -> Vector:
+    """``ulp`` values for the tensors every record reads the changed elements of (FORMAT.md
+    §3.6 ``reads_changed``, §12.1): the records of baseline-names, but the engine whose list
+    leaves out ``k_proj`` reads the old bits of each changed element it holds of every
+    tensor (a tensor-parallel engine)."""
+    versions, (q, k, _, n, d) = _per_tensor_states()
+    return Vector(
+        "reads-changed",
+        "ulp values for the tensors whose changed elements every record reads (FORMAT.md "
+        "§3.6 reads_changed, §12.1): the versions and records of baseline-names, but "
+        "engine-1 also says reads_changed (it reads the old bits of each changed element it "
+        "holds); the writer's default codes q_proj (classed, ulp-shift) and input_layernorm "
+        "(ulp) against the old bits as there, and k_proj, which engine-0 reads whole and "
+        "engine-1 at its changed elements, with ulp values but neither classed positions nor "
+        "ulp-shift; up_proj without them",
+        13,
+        versions,
+        features=None,
+        records={
+            1: _engine_records(
+                {"baseline_names": tuple(sorted((k, n, q, d)))},
+                {"baseline_names": tuple(sorted((n, q, d))), "reads_changed": True},
+            )
+        },
+    )
+
+
 VECTORS: tuple[Callable[[], Vector], ...] = (
     base_only,
     xor_deltas,
@@ -960,6 +987,7 @@ VECTORS: tuple[Callable[[], Vector], ...] = (
     default_codings,
     baseline_names,
     baseline_except,
+    reads_changed,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -1137,19 +1165,27 @@ def _readable(vector: Vector) -> dict[str, object]:
     ):
         return {}
     out: dict[str, list[str]] = {}
+    out_changed: dict[str, list[str]] = {}
     held: dict[str, ReaderRecord] = {}
     for number, (_, state) in enumerate(vector.versions):
         held.update({r.reader_id: r for r in vector.records.get(number, ())})
         if not held:
             continue
         names = set(state)
+        changed = set(state)
         for record in held.values():
             if record.baseline_except is not None:
                 names -= set(record.baseline_except)
+                if not record.reads_changed:
+                    changed -= set(record.baseline_except)
             elif not record.reads_baseline:
                 names &= set(record.baseline_names or ())
+                if not record.reads_changed:
+                    changed &= set(record.baseline_names or ())
         out[str(number)] = sorted(names)
-    return {"baseline_names": out}
+        if any(r.reads_changed for r in held.values()):
+            out_changed[str(number)] = sorted(changed)
+    return {"baseline_names": out, **({"changed_names": out_changed} if out_changed else {})}
 
 
 def check_coverage(expected: list[dict[str, object]]) -> None:
@@ -1165,23 +1201,28 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
         if writer.get("features") == "default" and vector.get("readers"):
             facts.add("default features with reader records")
         readable = vector.get("baseline_names", {})
-        assert isinstance(readable, dict)
+        read_changed = vector.get("changed_names", readable)
+        assert isinstance(readable, dict) and isinstance(read_changed, dict)
         for version in vector["versions"]:  # type: ignore[union-attr]
             if str(version["version"]) not in readable:
                 continue
-            against = {
-                name
-                for name, e in version["entries"].items()
-                if e["positions"] == "classed" or e["values"] in ("ulp", "ulp-shift")
+            entries = version["entries"].items()
+            whole = {
+                n for n, e in entries if e["positions"] == "classed" or e["values"] == "ulp-shift"
             }
+            ulp = {n for n, e in entries if e["values"] == "ulp"}
             listed = set(readable[str(version["version"])])
-            assert against <= listed, f"coded against the old bits, not read: {against - listed}"
+            changed = set(read_changed[str(version["version"])])
+            assert whole <= listed, f"coded against the old bits, not read: {whole - listed}"
+            assert ulp <= changed, f"ulp values, changed elements not read: {ulp - changed}"
+            if ulp - listed:
+                facts.add("ulp values for tensors read at their changed elements only")
             plain = {
                 name
                 for name, e in version["entries"].items()
                 if e["op"] == "xor" and e["changed"] and name not in listed
             }
-            if against and plain:
+            if (whole | ulp) and plain:
                 facts.add("codings against the old bits for some tensors of a version")
         versions = vector["versions"]
         assert isinstance(versions, list)
@@ -1258,6 +1299,7 @@ def check_coverage(expected: list[dict[str, object]]) -> None:
             "a file dropped",
             "default features with reader records",
             "codings against the old bits for some tensors of a version",
+            "ulp values for tensors read at their changed elements only",
         }
         - facts
     )
