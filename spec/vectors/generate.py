@@ -917,13 +917,20 @@ def baseline_names() -> Vector:
         11,
         versions,
         features=None,
-        records={
-            1: _engine_records(
-                {"baseline_names": tuple(sorted((k, n, q, d)))},
-                {"baseline_names": tuple(sorted((n, q, d)))},
-            )
-        },
+        records=_listing_records(q, k, n, d),
     )
+
+
+def _listing_records(
+    q: str, k: str, n: str, d: str, *, reads_changed: bool = False
+) -> dict[int, list[ReaderRecord]]:
+    """The records of baseline-names, put before v1: engine-0 lists k_proj, input_layernorm,
+    q_proj and steps, engine-1 all but k_proj (and, with ``reads_changed``, says it reads
+    the old bits of each changed element of the rest)."""
+    second: dict[str, Any] = {"baseline_names": tuple(sorted((n, q, d)))}
+    if reads_changed:
+        second["reads_changed"] = True
+    return {1: _engine_records({"baseline_names": tuple(sorted((k, n, q, d)))}, second)}
 
 
 def baseline_except() -> Vector:
@@ -965,12 +972,7 @@ def reads_changed() -> Vector:
         13,
         versions,
         features=None,
-        records={
-            1: _engine_records(
-                {"baseline_names": tuple(sorted((k, n, q, d)))},
-                {"baseline_names": tuple(sorted((n, q, d))), "reads_changed": True},
-            )
-        },
+        records=_listing_records(q, k, n, d, reads_changed=True),
     )
 
 
