@@ -387,20 +387,19 @@ class _Syncer:
         group, cache = self.reader.group, self.reader.store.host_cache
         with self._lock:
             goal, failure = self._goal(update.version)
-            prepared, self._prepared = self._prepared, None
+            prepared = self._prepared  # kept where the update fails before it starts
             if not group.alone:  # the ranks' goal, and whether all hold it prepared
                 rows = group.rows(_NO_GOAL if failure else goal, _held(prepared))
                 failed = [rank for rank, (wanted, _) in enumerate(rows) if wanted == _NO_GOAL]
                 if failed:  # every rank raises (none waits in a later exchange)
-                    self._prepared = prepared
                     raise failure or group.aborted(failed, "listing the versions")
                 goal = min(wanted for wanted, _ in rows)
                 prefetched = all(held == goal for _, held in rows)
+            elif failure is not None:
+                raise failure
             else:
-                if failure is not None:
-                    self._prepared = prepared
-                    raise failure
                 prefetched = prepared is not None and prepared.version == goal
+            self._prepared = None
             # the engine is paused: no collection walks its whole heap meanwhile (a full
             # pass over a large process takes tens to hundreds of milliseconds)
             with _for_engine(), collector_off():
