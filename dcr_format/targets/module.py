@@ -67,16 +67,11 @@ from typing import Any
 
 import torch
 
-from dcr_format.delta.delta import OVERWRITE, XOR, PendingDelta
+from dcr_format.delta.delta import OVERWRITE, XOR
 from dcr_format.errors import ArgumentError
 from dcr_format.format.schema import MAX_BASELINE_NAMES
 from dcr_format.targets.change import Change, Resident
-from dcr_format.targets.module_apply import (
-    _ModuleTransaction,
-    _resolved_held,
-    _stage_placed,
-    held_elementwise,
-)
+from dcr_format.targets.module_apply import _ModuleTransaction, _stage_placed, held_elementwise
 from dcr_format.targets.placements import LoaderPlan, LoadWeights, Placements, ReduceLanes
 from dcr_format.targets.protocol import Target, Transaction
 from dcr_format.targets.reader_side import PlacedStage
@@ -274,12 +269,11 @@ class ModuleTarget(Placements, Target):
             bits = self._placed_bits(plan)
             if bits is None or delta.positions is None:
                 continue
-            if isinstance(delta, PendingDelta):  # ulp values: completed at its elements
-                delta = _resolved_held(self, plan, bits, delta)
-            assert delta.positions is not None
             positions = delta.positions.to(torch.int64).cpu()
             values = delta.values.cpu()
-            out[name] = (bits, _stage_placed(self, plan, bits, delta.op, positions, values))
+            # ulp values (held_elementwise) are stepped from the bits read at each element
+            staged = _stage_placed(self, plan, bits, delta.op, positions, values, ulp=delta.ulp)
+            out[name] = (bits, staged)
         return out
 
     def reads_changed(self) -> bool:

@@ -416,16 +416,23 @@ def _stage_placed(
     op: str,
     positions: torch.Tensor,
     values: torch.Tensor,
+    *,
+    ulp: bool = False,
 ) -> StagedChange:
     """What :func:`_apply_placed` would do to ``bits`` (the flat storage every placement of
     ``plan`` writes into, :meth:`Placements._placed_bits`), read and not written: the
     storage positions of the changed canonical elements the module holds, increasing,
     their bits now and after the change, and the change's lane deltas summed at their
-    canonical positions (this rank's part of the tensor's)."""
+    canonical positions (this rank's part of the tensor's). ``ulp``: ``values`` are ulp
+    differences from the old bits (an ``xor`` change, :func:`held_elementwise`), stepped
+    here from the bits read."""
     at, take = _held_elements(target, plan, positions)
     before = bits[at.to(bits.device)].cpu()
     incoming = values[take]
-    after = before ^ incoming if op == XOR else incoming.clone()
+    if ulp:
+        after = after_bits(DecodedDelta(XOR, positions[take], incoming, ulp=True), before)
+    else:
+        after = before ^ incoming if op == XOR else incoming.clone()
     zero = (0,) * lane_count(bits.element_size())
     deltas = lanes_after_change(zero, positions[take], before, after)
     return StagedChange(at.to(bits.device), before.to(bits.device), after.to(bits.device), deltas)
